@@ -1,0 +1,83 @@
+#pragma once
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <fsdp/comm/process_group.h>
+
+namespace fsdp {
+
+/// Which engine carries the collectives of a group made by init_process_group.
+enum class Backend : uint8_t {
+  /// The Gloo library called directly: all-gather into the caller's buffer,
+  /// a ring reduce-scatter, a dedicated communication thread. The default.
+  kGloo,
+  /// c10d's ProcessGroupGloo behind the same interface (reference path; the
+  /// same adapter carries NCCL on CUDA builds of LibTorch).
+  kC10dGloo,
+};
+
+/// How to join a group. A field left at its default is read from the
+/// environment torchrun and fsdprun set (RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); with neither, a single-rank
+/// group is made.
+struct ProcessGroupOptions {
+  /// This process's rank; -1: from RANK (default 0).
+  TORCH_ARG(int64_t, rank) = -1;
+  /// Number of ranks; -1: from WORLD_SIZE (default 1).
+  TORCH_ARG(int64_t, world_size) = -1;
+  /// Rank within this node; -1: from LOCAL_RANK (default: rank).
+  TORCH_ARG(int64_t, local_rank) = -1;
+  /// Ranks per node; -1: from LOCAL_WORLD_SIZE (default: world_size).
+  TORCH_ARG(int64_t, local_world_size) = -1;
+  /// Address of rank 0's rendezvous store; "": from MASTER_ADDR (default 127.0.0.1).
+  TORCH_ARG(std::string, master_addr) = "";
+  /// Port of rank 0's rendezvous store; -1: from MASTER_PORT (default 29500).
+  TORCH_ARG(int64_t, master_port) = -1;
+  /// Address this rank listens on, for the store (rank 0) and for Gloo's
+  /// connections. "": loopback when master_addr is a loopback address, else
+  /// the local address of the interface that routes to master_addr. Nothing
+  /// ever listens on the wildcard address unless "0.0.0.0" is given here.
+  TORCH_ARG(std::string, listen_addr) = "";
+  /// Limit for rendezvous and for every collective.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+  /// Collective engine.
+  TORCH_ARG(Backend, backend) = Backend::kGloo;
+  /// Make the result the default group (see default_process_group()).
+  TORCH_ARG(bool, set_default) = true;
+};
+
+/// Where this process sits in the whole job, as resolved by init_process_group.
+struct RankInfo {
+  /// Global rank.
+  int rank = 0;
+  /// Global number of ranks.
+  int world_size = 1;
+  /// Rank within the node.
+  int local_rank = 0;
+  /// Ranks on this node.
+  int local_world_size = 1;
+};
+
+/// Joins (or, on rank 0, opens) the rendezvous and returns the group of all
+/// ranks. World size 1 needs no store and opens no socket.
+std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
+
+/// The group made by the last init_process_group with set_default(true).
+/// Throws when there is none.
+std::shared_ptr<ProcessGroup> default_process_group();
+
+/// True after init_process_group and before destroy_process_group.
+bool is_initialized();
+
+/// Rank, world size and node layout of the default group's job.
+const RankInfo& rank_info();
+
+/// Forgets the default group (its resources go when the last user drops it).
+void destroy_process_group();
+
+}  // namespace fsdp

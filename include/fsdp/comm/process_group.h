@@ -1,0 +1,88 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm/types.h>
+#include <fsdp/comm/work.h>
+
+namespace fsdp {
+
+/// A group of ranks and the collectives FSDP needs, all asynchronous.
+///
+/// Vocabulary (see Note [Flat buffers and shards] in src/comm/process_group.cpp):
+/// a *flat buffer* holds `size()` equal *shards* back to back; rank r owns the
+/// shard at element offset r * shard_numel. Every collective is issued by all
+/// ranks of the group in the same order. Tensors must be contiguous CPU tensors
+/// (or, for a c10d-backed group, whatever its backend accepts) of dtype
+/// float32, float64, bfloat16 or float16.
+class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  /// This process's rank in the group, in [0, size()).
+  int rank() const { return rank_; }
+  /// Number of ranks in the group.
+  int size() const { return size_; }
+  /// Limit for every collective; a peer that does not answer within it is an error.
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Backend name for messages ("gloo", "c10d:gloo", "local", ...).
+  virtual std::string backend_name() const = 0;
+
+  /// Gathers every rank's `shard` into `flat` (numel size() * shard.numel()),
+  /// writing straight into `flat` with no full-size temporary. `shard` may be
+  /// the view of `flat` at this rank's offset (in-place all-gather).
+  virtual Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) = 0;
+
+  /// Reduces `flat` across ranks and leaves this rank's shard of the result
+  /// in `shard` (numel flat.numel() / size()). A real reduce-scatter: each rank
+  /// sends and receives (size()-1)/size() of the buffer. `flat` is not modified.
+  virtual Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
+                                     ReduceOp op = ReduceOp::kSum) = 0;
+
+  /// Reduces `tensor` in place across all ranks.
+  virtual Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) = 0;
+
+  /// Copies `tensor` from rank `root` to all ranks, in place.
+  virtual Work broadcast(const at::Tensor& tensor, int root = 0) = 0;
+
+  /// Completes once every rank has issued it.
+  virtual Work barrier() = 0;
+
+  /// Makes a group of the given ranks of this group (sorted, unique). Every
+  /// rank of this group must call it with the same list, in the same order as
+  /// its other new_subgroup calls. Returns nullptr on ranks not in the list.
+  virtual std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) = 0;
+
+ protected:
+  /// Sets the constant identity of the group.
+  ProcessGroup(int rank, int size, std::chrono::milliseconds timeout);
+
+  /// Checks the arguments of each collective; throws a c10::Error naming the
+  /// collective, the expected and the actual sizes, and the fix.
+  void check_all_gather(const at::Tensor& flat, const at::Tensor& shard) const;
+  /// See check_all_gather().
+  void check_reduce_scatter(const at::Tensor& shard, const at::Tensor& flat, ReduceOp op) const;
+  /// See check_all_gather().
+  void check_single(const char* op_name, const at::Tensor& tensor) const;
+  /// See check_all_gather(); also checks that root is a rank of the group.
+  void check_root(int root) const;
+  /// See check_all_gather(); validates the rank list of new_subgroup.
+  void check_subgroup_ranks(const std::vector<int>& ranks) const;
+
+ private:
+  const int rank_;
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+};
+
+/// Makes the groups of ranks that share a node, assuming ranks are numbered
+/// node by node in blocks of `local_world_size` (as fsdprun and torchrun do),
+/// and returns the calling rank's node group. Every rank of `group` must call it.
+std::shared_ptr<ProcessGroup> new_node_subgroup(ProcessGroup& group, int local_world_size);
+
+}  // namespace fsdp

@@ -1,0 +1,11 @@
+#pragma once
+
+/// libfsdp: Fully Sharded Data Parallel training for LibTorch.
+/// This umbrella header includes the whole public API.
+
+#include <fsdp/comm/c10d_process_group.h>
+#include <fsdp/comm/init.h>
+#include <fsdp/comm/process_group.h>
+#include <fsdp/comm/tcp_store.h>
+#include <fsdp/comm/types.h>
+#include <fsdp/comm/work.h>

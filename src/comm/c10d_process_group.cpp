@@ -1,0 +1,162 @@
+#include <fsdp/comm/c10d_process_group.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <sstream>
+
+#include "comm/comm_thread.h"
+#include "comm/ring.h"
+#include "detail/torch_compat.h"
+
+namespace fsdp {
+
+namespace {
+
+class C10dTransfer : public detail::PendingTransfer {
+ public:
+  C10dTransfer(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout)
+      : work_(std::move(work)), timeout_(timeout) {}
+  void wait() override { compat::wait_work(work_, timeout_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::chrono::milliseconds timeout_;
+};
+
+// c10d tags are ints: the low 15 bits of the sequence number, then 16 bits of
+// segment index (Note [Ring collectives] keeps a collective well below 2^16).
+class C10dPointToPoint : public detail::PointToPoint {
+ public:
+  C10dPointToPoint(c10d::ProcessGroup& group, std::chrono::milliseconds timeout)
+      : group_(group), timeout_(timeout) {}
+  std::unique_ptr<detail::PendingTransfer> isend(const at::Tensor& src, int peer,
+                                                 uint64_t slot) override {
+    std::vector<at::Tensor> tensors{src};
+    return std::make_unique<C10dTransfer>(group_.send(tensors, peer, tag(slot)), timeout_);
+  }
+  std::unique_ptr<detail::PendingTransfer> irecv(const at::Tensor& dst, int peer,
+                                                 uint64_t slot) override {
+    std::vector<at::Tensor> tensors{dst};
+    return std::make_unique<C10dTransfer>(group_.recv(tensors, peer, tag(slot)), timeout_);
+  }
+  static uint64_t slot_base(uint64_t seq) { return (seq & 0x7fffu) << 16; }
+
+ private:
+  static int tag(uint64_t slot) { return static_cast<int>(slot & 0x7fffffffu); }
+  c10d::ProcessGroup& group_;
+  std::chrono::milliseconds timeout_;
+};
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    default:
+      return c10d::ReduceOp::SUM;  // avg: sum, then divide (Gloo has no AVG)
+  }
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() << " x " << t.scalar_type();
+  return os.str();
+}
+
+}  // namespace
+
+C10dProcessGroup::C10dProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                   std::chrono::milliseconds timeout,
+                                   c10::intrusive_ptr<c10d::Store> store, C10dGroupFactory factory)
+    : ProcessGroup(group->getRank(), group->getSize(), timeout),
+      group_(std::move(group)),
+      store_(std::move(store)),
+      factory_(std::move(factory)),
+      thread_(std::make_unique<detail::CommThread>(rank(), timeout)) {}
+
+C10dProcessGroup::~C10dProcessGroup() { thread_.reset(); }
+
+std::string C10dProcessGroup::backend_name() const { return "c10d:" + group_->getBackendName(); }
+
+Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
+  check_all_gather(flat, shard);
+  return thread_->enqueue(CollectiveKind::kAllGather, describe(flat), {flat, shard},
+                          [this, flat, shard](uint64_t seq) {
+                            C10dPointToPoint p2p(*group_, timeout());
+                            detail::ring_all_gather(p2p, rank(), size(), flat.view({-1}),
+                                                    shard.view({-1}),
+                                                    C10dPointToPoint::slot_base(seq));
+                          });
+}
+
+Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
+                                             ReduceOp op) {
+  check_reduce_scatter(shard, flat, op);
+  return thread_->enqueue(
+      CollectiveKind::kReduceScatter, describe(flat) + ", " + to_string(op), {flat, shard},
+      [this, flat, shard, op](uint64_t seq) {
+        const at::Tensor s = shard.view({-1});
+        at::Tensor scratch;
+        if (size() >= 3) {
+          if (!scratch_.defined() || scratch_.numel() < s.numel() ||
+              scratch_.scalar_type() != s.scalar_type()) {
+            scratch_ = at::empty({s.numel()}, s.options());
+          }
+          scratch = scratch_.narrow(0, 0, s.numel());
+        }
+        C10dPointToPoint p2p(*group_, timeout());
+        detail::ring_reduce_scatter(p2p, rank(), size(), flat.view({-1}), s, scratch, op,
+                                    C10dPointToPoint::slot_base(seq));
+      });
+}
+
+Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  check_single("all_reduce", tensor);
+  return thread_->enqueue(CollectiveKind::kAllReduce, describe(tensor) + ", " + to_string(op),
+                          {tensor}, [this, tensor, op](uint64_t) {
+                            std::vector<at::Tensor> tensors{tensor};
+                            c10d::AllreduceOptions opts;
+                            opts.reduceOp = to_c10d(op);
+                            compat::wait_work(group_->allreduce(tensors, opts), timeout());
+                            if (op == ReduceOp::kAvg) tensor.div_(size());
+                          });
+}
+
+Work C10dProcessGroup::broadcast(const at::Tensor& tensor, int root) {
+  check_single("broadcast", tensor);
+  check_root(root);
+  return thread_->enqueue(CollectiveKind::kBroadcast,
+                          describe(tensor) + ", root " + std::to_string(root), {tensor},
+                          [this, tensor, root](uint64_t) {
+                            std::vector<at::Tensor> tensors{tensor};
+                            c10d::BroadcastOptions opts;
+                            opts.rootRank = root;
+                            compat::wait_work(group_->broadcast(tensors, opts), timeout());
+                          });
+}
+
+Work C10dProcessGroup::barrier() {
+  return thread_->enqueue(CollectiveKind::kBarrier, "", {}, [this](uint64_t) {
+    compat::wait_work(group_->barrier(), timeout());
+  });
+}
+
+std::shared_ptr<ProcessGroup> C10dProcessGroup::new_subgroup(const std::vector<int>& ranks) {
+  check_subgroup_ranks(ranks);
+  TORCH_CHECK(store_ && factory_, "[rank ", rank(),
+              "] fsdp new_subgroup: this C10dProcessGroup was built without a store and a "
+              "group factory; pass both to its constructor to make sub-groups");
+  const std::string prefix = "c10d_sub" + std::to_string(subgroups_made_++);
+  auto it = std::find(ranks.begin(), ranks.end(), rank());
+  if (it == ranks.end()) return nullptr;
+  auto sub_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+  const int sub_rank = static_cast<int>(it - ranks.begin());
+  auto sub = factory_(sub_store, sub_rank, static_cast<int>(ranks.size()));
+  return std::make_shared<C10dProcessGroup>(sub, timeout(), sub_store, factory_);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,55 @@
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+
+#include <fsdp/comm/process_group.h>
+
+namespace gloo {
+class Context;
+}  // namespace gloo
+
+namespace fsdp::detail {
+
+class CommThread;
+
+/// The CPU engine: Gloo called directly, ring collectives on Gloo's unbound
+/// buffers (Note [Ring collectives]), on one communication thread per group.
+class GlooProcessGroup final : public ProcessGroup {
+ public:
+  /// Connects a full mesh of `size` ranks through `store` (keys under
+  /// `prefix`), listening on `listen_addr`. Size 1 opens nothing and runs
+  /// every collective inline.
+  GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix, int rank,
+                   int size, std::chrono::milliseconds timeout, std::string listen_addr);
+  ~GlooProcessGroup() override;
+
+  std::string backend_name() const override { return size() == 1 ? "local" : "gloo"; }
+  Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override;
+  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
+                             ReduceOp op) override;
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op) override;
+  Work broadcast(const at::Tensor& tensor, int root) override;
+  Work barrier() override;
+  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override;
+
+ private:
+  Work submit(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
+              std::function<void(uint64_t seq)> body);
+  at::Tensor scratch_like(const at::Tensor& shard);
+
+  // Constant after construction.
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string prefix_;
+  std::string listen_addr_;
+  std::shared_ptr<gloo::Context> context_;  // null when size() == 1
+
+  int subgroups_made_ = 0;   // caller thread only
+  at::Tensor scratch_;       // communication thread only
+
+  std::unique_ptr<CommThread> thread_;  // last: joined before the rest is destroyed
+};
+
+}  // namespace fsdp::detail

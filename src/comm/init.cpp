@@ -1,0 +1,152 @@
+#include <fsdp/comm/init.h>
+
+#include <c10/util/Exception.h>
+
+#include <signal.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <mutex>
+
+#include <fsdp/comm/c10d_process_group.h>
+#include <fsdp/comm/tcp_store.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "comm/gloo_process_group.h"
+#include "comm/socket.h"
+#include "detail/torch_compat.h"
+
+namespace fsdp {
+
+namespace {
+
+std::mutex g_mutex;
+std::shared_ptr<ProcessGroup> g_default;
+RankInfo g_info;
+
+// An option, else the environment variable, else the fallback. A variable
+// that is set but not an integer is an error naming it.
+int64_t int_setting(int64_t option, const char* env, int64_t fallback) {
+  if (option >= 0) return option;
+  const char* text = std::getenv(env);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text, &end, 10);
+  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0, "fsdp::init_process_group: ",
+              env, "='", text, "' is not a non-negative integer. Unset it or fix the launcher.");
+  return v;
+}
+
+// Gloo writes to its sockets without MSG_NOSIGNAL in places, so a peer that
+// dies would kill this rank silently with SIGPIPE (seen in the kill test)
+// instead of failing the collective with an error. Like most networking
+// libraries we ignore SIGPIPE, unless the program installed its own handler.
+void ignore_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
+
+std::string string_setting(const std::string& option, const char* env, const char* fallback) {
+  if (!option.empty()) return option;
+  const char* text = std::getenv(env);
+  return (text != nullptr && *text != '\0') ? text : fallback;
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
+  RankInfo info;
+  info.world_size = static_cast<int>(int_setting(options.world_size(), "WORLD_SIZE", 1));
+  info.rank = static_cast<int>(int_setting(options.rank(), "RANK", 0));
+  info.local_rank = static_cast<int>(int_setting(options.local_rank(), "LOCAL_RANK", info.rank));
+  info.local_world_size =
+      static_cast<int>(int_setting(options.local_world_size(), "LOCAL_WORLD_SIZE", info.world_size));
+  TORCH_CHECK(info.world_size >= 1, "fsdp::init_process_group: world size must be >= 1, got ",
+              info.world_size);
+  TORCH_CHECK(info.rank < info.world_size, "fsdp::init_process_group: rank ", info.rank,
+              " is not below the world size ", info.world_size,
+              ". RANK and WORLD_SIZE disagree; start the job with fsdprun.");
+  TORCH_CHECK(info.local_rank < info.local_world_size, "fsdp::init_process_group: local rank ",
+              info.local_rank, " is not below the local world size ", info.local_world_size);
+  TORCH_CHECK(options.timeout().count() > 0, "fsdp::init_process_group: timeout must be positive");
+
+  const std::string master_addr = string_setting(options.master_addr(), "MASTER_ADDR", "127.0.0.1");
+  const int64_t master_port = int_setting(options.master_port(), "MASTER_PORT", 29500);
+  TORCH_CHECK(master_port > 0 && master_port <= 65535, "fsdp::init_process_group: master port ",
+              master_port, " is not in [1, 65535]");
+  std::string listen_addr = options.listen_addr();
+  if (listen_addr.empty()) {
+    listen_addr = detail::is_loopback_host(master_addr) ? "127.0.0.1"
+                                                        : detail::local_address_toward(master_addr);
+  }
+
+  c10::intrusive_ptr<c10d::Store> store;
+  if (info.world_size > 1) {
+    ignore_sigpipe();
+    // Rank 0 serves the store on the master address when it is one of its
+    // own (single node, or the master node), else on its listen address.
+    const std::string server_addr =
+        options.listen_addr().empty() && detail::is_loopback_host(master_addr) ? "127.0.0.1"
+        : options.listen_addr().empty()                                         ? master_addr
+                                                                                : listen_addr;
+    store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
+                                          info.rank == 0, options.timeout(), server_addr);
+  }
+
+  std::shared_ptr<ProcessGroup> group;
+  switch (options.backend()) {
+    case Backend::kGloo:
+      group = std::make_shared<detail::GlooProcessGroup>(store, "fsdp/world", info.rank,
+                                                         info.world_size, options.timeout(),
+                                                         listen_addr);
+      break;
+    case Backend::kC10dGloo: {
+      const auto timeout = options.timeout();
+      C10dGroupFactory factory = [timeout, listen_addr](const c10::intrusive_ptr<c10d::Store>& s,
+                                                        int rank, int size) {
+        return compat::make_c10d_gloo_group(s, rank, size, timeout, listen_addr);
+      };
+      // c10d's Gloo needs a store even for one rank.
+      if (!store) store = c10::make_intrusive<TcpStore>("127.0.0.1", 0, true, timeout);
+      auto world = c10::make_intrusive<c10d::PrefixStore>("fsdp/c10d", store);
+      group = std::make_shared<C10dProcessGroup>(factory(world, info.rank, info.world_size),
+                                                 timeout, world, factory);
+      break;
+    }
+  }
+
+  if (options.set_default()) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_default = group;
+    g_info = info;
+  }
+  return group;
+}
+
+std::shared_ptr<ProcessGroup> default_process_group() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(g_default, "fsdp: no default process group. Call fsdp::init_process_group() first.");
+  return g_default;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_default != nullptr;
+}
+
+const RankInfo& rank_info() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(g_default, "fsdp: no default process group. Call fsdp::init_process_group() first.");
+  return g_info;
+}
+
+void destroy_process_group() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_default.reset();
+  g_info = RankInfo{};
+}
+
+}  // namespace fsdp

@@ -1,0 +1,145 @@
+#include "comm/ring.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdlib>
+#include <vector>
+
+// Note [Ring collectives]
+// Both collectives walk a ring (rank r sends to r + 1 and receives from r - 1)
+// in size - 1 steps, so each rank sends and receives exactly (size - 1)/size
+// of the flat buffer: the bandwidth optimum. Every chunk is cut into segments
+// of ~1 MiB, and segment k of step s is forwarded (all-gather) or reduced and
+// forwarded (reduce-scatter) as soon as it arrived, while later segments are
+// still on the wire. Nothing full-sized is allocated:
+// - all-gather receives every chunk straight into its place in `flat`; all
+//   receives are posted up front since their destinations never overlap.
+// - reduce-scatter at step s sends the partial sum of chunk (r - s - 1) and
+//   receives the partial sum of chunk (r - s - 2), to which it adds its own
+//   contribution; the last step's chunk is r itself. Partial sums alternate
+//   between `shard` and `scratch`, arranged so the last lands in `shard`.
+//   Step 0 sends straight from `flat`, which is never written.
+
+namespace fsdp::detail {
+
+namespace {
+
+// FSDP_RING_SEGMENT_BYTES overrides the segment size, for tuning on other
+// machines; 1 MiB was the fastest of 256 KiB-8 MiB on the 2-core reference box.
+int64_t segment_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("FSDP_RING_SEGMENT_BYTES");
+    const long long v = env ? std::atoll(env) : 0;
+    return v >= 4096 ? static_cast<int64_t>(v) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+struct Segments {
+  int64_t numel;  // of a whole chunk
+  int64_t seg;    // elements per segment
+  int64_t count;
+  at::Tensor of(const at::Tensor& t, int64_t k) const {
+    return t.narrow(0, k * seg, std::min(seg, numel - k * seg));
+  }
+};
+
+Segments segments_of(const at::Tensor& shard) {
+  const int64_t seg = ring_segment_numel(static_cast<int64_t>(shard.element_size()));
+  return Segments{shard.numel(), seg, std::max<int64_t>(1, (shard.numel() + seg - 1) / seg)};
+}
+
+void wait_all(std::vector<std::unique_ptr<PendingTransfer>>& transfers) {
+  for (auto& t : transfers) t->wait();
+  transfers.clear();
+}
+
+}  // namespace
+
+int64_t ring_segment_numel(int64_t element_size) { return segment_bytes() / element_size; }
+
+void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
+                     const at::Tensor& shard, uint64_t slot_base) {
+  const int64_t n = shard.numel();
+  auto chunk = [&](int c) { return flat.narrow(0, c * n, n); };
+  at::Tensor own = chunk(rank);
+  const bool in_place = own.data_ptr() == shard.data_ptr();
+  if (size == 1 || n == 0) {
+    if (!in_place) own.copy_(shard);
+    return;
+  }
+  const Segments segs = segments_of(shard);
+  const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
+  auto slot = [&](int s, int64_t k) { return slot_base + s * segs.count + k; };
+
+  // Step s sends chunk (r - s) and receives chunk (r - s - 1).
+  std::vector<std::vector<std::unique_ptr<PendingTransfer>>> recvs(size - 1);
+  for (int s = 0; s < size - 1; ++s) {
+    for (int64_t k = 0; k < segs.count; ++k) {
+      recvs[s].push_back(p2p.irecv(segs.of(chunk(mod(rank - s - 1, size)), k), prev, slot(s, k)));
+    }
+  }
+  // Step 0 sends from `shard` itself, so the local copy into `flat` overlaps
+  // the transfers instead of delaying them.
+  std::vector<std::unique_ptr<PendingTransfer>> sends;
+  for (int64_t k = 0; k < segs.count; ++k) {
+    sends.push_back(p2p.isend(segs.of(shard, k), next, slot(0, k)));
+  }
+  if (!in_place) own.copy_(shard);
+  for (int s = 1; s < size - 1; ++s) {
+    for (int64_t k = 0; k < segs.count; ++k) {
+      recvs[s - 1][k]->wait();
+      sends.push_back(p2p.isend(segs.of(chunk(mod(rank - s, size)), k), next, slot(s, k)));
+    }
+  }
+  for (auto& t : recvs.back()) t->wait();
+  wait_all(sends);
+}
+
+void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
+                         const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
+                         uint64_t slot_base) {
+  const int64_t n = shard.numel();
+  auto chunk = [&](int c) { return flat.narrow(0, c * n, n); };
+  if (size == 1 || n == 0) {
+    if (n > 0) shard.copy_(chunk(0));
+    return;
+  }
+  const Segments segs = segments_of(shard);
+  const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
+  auto slot = [&](int s, int64_t k) { return slot_base + s * segs.count + k; };
+  auto recv_buf = [&](int s) -> const at::Tensor& {
+    return (size - 2 - s) % 2 == 0 ? shard : scratch;
+  };
+
+  std::vector<std::unique_ptr<PendingTransfer>> sends, recvs;
+  for (int s = 0; s < size - 1; ++s) {
+    wait_all(sends);  // recv_buf(s) is what step s - 1 sent from
+    std::vector<std::unique_ptr<PendingTransfer>> step_recvs;
+    for (int64_t k = 0; k < segs.count; ++k) {
+      step_recvs.push_back(p2p.irecv(segs.of(recv_buf(s), k), prev, slot(s, k)));
+    }
+    for (int64_t k = 0; k < segs.count; ++k) {
+      at::Tensor src;
+      if (s == 0) {
+        src = segs.of(chunk(mod(rank - 1, size)), k);
+      } else {
+        recvs[k]->wait();
+        src = segs.of(recv_buf(s - 1), k);
+        src.add_(segs.of(chunk(mod(rank - s - 1, size)), k));
+      }
+      sends.push_back(p2p.isend(src, next, slot(s, k)));
+    }
+    recvs = std::move(step_recvs);
+  }
+  for (int64_t k = 0; k < segs.count; ++k) {
+    recvs[k]->wait();
+    segs.of(shard, k).add_(segs.of(chunk(rank), k));
+  }
+  wait_all(sends);
+  if (op == ReduceOp::kAvg) shard.div_(size);
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,49 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+#include <fsdp/comm/types.h>
+
+namespace fsdp::detail {
+
+/// A posted send or receive; wait() blocks until it completed or throws.
+class PendingTransfer {
+ public:
+  virtual ~PendingTransfer() = default;
+  /// Blocks until the transfer completed; throws on error or timeout.
+  virtual void wait() = 0;
+};
+
+/// Point-to-point messaging inside one group, the only thing the ring
+/// algorithms need from an engine (Gloo's unbound buffers, c10d send/recv).
+/// A message is matched by (peer, slot); slots are unique within a collective.
+class PointToPoint {
+ public:
+  virtual ~PointToPoint() = default;
+  /// Starts sending the bytes of contiguous `src` to `peer`.
+  virtual std::unique_ptr<PendingTransfer> isend(const at::Tensor& src, int peer,
+                                                 uint64_t slot) = 0;
+  /// Starts receiving into contiguous `dst` from `peer`.
+  virtual std::unique_ptr<PendingTransfer> irecv(const at::Tensor& dst, int peer,
+                                                 uint64_t slot) = 0;
+};
+
+/// Elements per pipelined segment for `element_size`-byte elements: the ring
+/// adds or forwards one segment while the next one is on the wire.
+int64_t ring_segment_numel(int64_t element_size);
+
+/// Ring all-gather straight into `flat` (see Note [Ring collectives] in ring.cpp).
+/// Uses slots [slot_base, slot_base + (size - 1) * segments).
+void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
+                     const at::Tensor& shard, uint64_t slot_base);
+
+/// Ring reduce-scatter of `flat` into `shard`; `flat` is left untouched.
+/// `scratch` (shard-sized) is needed only when size >= 3.
+void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
+                         const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
+                         uint64_t slot_base);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,171 @@
+#include "comm/socket.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+namespace fsdp::detail {
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    reset();
+    fd_ = other.release();
+  }
+  return *this;
+}
+
+int UniqueFd::release() {
+  int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+void UniqueFd::reset() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+namespace {
+
+struct AddrInfoList {
+  addrinfo* head = nullptr;
+  ~AddrInfoList() {
+    if (head != nullptr) freeaddrinfo(head);
+  }
+};
+
+// Resolves host:port. An empty host is never used: we always bind a named address.
+AddrInfoList resolve(const std::string& host, int port, int flags) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = flags | AI_NUMERICSERV;
+  AddrInfoList list;
+  const std::string service = std::to_string(port);
+  int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &list.head);
+  TORCH_CHECK(rc == 0, "fsdp: cannot resolve address '", host, "': ", gai_strerror(rc),
+              ". Give a numeric address or a resolvable host name.");
+  return list;
+}
+
+void set_nodelay(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+}  // namespace
+
+UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port) {
+  AddrInfoList list = resolve(addr, port, AI_PASSIVE);
+  std::string last_error = "no address";
+  for (addrinfo* ai = list.head; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+    if (fd.get() < 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd.get(), 1024) != 0) {
+      last_error = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+    *bound_port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                                 : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+    return fd;
+  }
+  TORCH_CHECK(false, "fsdp: cannot listen on ", addr, ":", port, ": ", last_error,
+              ". If the port is taken, pick another MASTER_PORT (fsdprun picks a free one "
+              "when --master-port is not given).");
+}
+
+UniqueFd connect_tcp(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto backoff = std::chrono::milliseconds(5);
+  std::string last_error;
+  while (true) {
+    AddrInfoList list = resolve(host, port, 0);
+    for (addrinfo* ai = list.head; ai != nullptr; ai = ai->ai_next) {
+      UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
+      if (fd.get() < 0) continue;
+      if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0) {
+        set_nodelay(fd.get());
+        return fd;
+      }
+      last_error = std::strerror(errno);
+    }
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "fsdp: cannot reach the rendezvous ",
+                "store at ", host, ":", port, " within ", timeout.count(), " ms (", last_error,
+                "). Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are the same "
+                "on every rank.");
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+  }
+}
+
+bool write_all(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t r = ::recv(fd, p, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool is_loopback_host(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr a4{};
+  if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+  return false;
+}
+
+std::string local_address_toward(const std::string& host) {
+  // A connected UDP socket makes the kernel choose the route and source
+  // address without sending anything.
+  AddrInfoList list = resolve(host, 9, 0);
+  for (addrinfo* ai = list.head; ai != nullptr; ai = ai->ai_next) {
+    UniqueFd fd(::socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (fd.get() < 0 || ::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) != 0) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
+    char buf[INET6_ADDRSTRLEN] = {0};
+    const void* src = ss.ss_family == AF_INET6
+                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+    if (inet_ntop(ss.ss_family, src, buf, sizeof(buf)) != nullptr) return buf;
+  }
+  TORCH_CHECK(false, "fsdp: no local interface routes to ", host,
+              ". Set ProcessGroupOptions::listen_addr to this node's address.");
+}
+
+}  // namespace fsdp::detail

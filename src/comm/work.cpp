@@ -1,0 +1,58 @@
+#include <fsdp/comm/work.h>
+
+#include <c10/util/Exception.h>
+
+#include "comm/work_state.h"
+
+namespace fsdp {
+
+namespace detail {
+
+void WorkState::finish(std::exception_ptr err) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    TORCH_INTERNAL_ASSERT(status == Status::kPending, "Work finished twice: ", description);
+    status = err ? Status::kFailed : Status::kSucceeded;
+    error = std::move(err);
+    tensors.clear();
+  }
+  done.notify_all();
+}
+
+}  // namespace detail
+
+Work::Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
+
+void Work::wait() const {
+  TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
+  wait(state_->wait_limit);
+}
+
+void Work::wait(std::chrono::milliseconds timeout) const {
+  TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  const bool finished = state_->done.wait_for(lock, timeout, [&] {
+    return state_->status != detail::WorkState::Status::kPending;
+  });
+  TORCH_CHECK(finished, "[rank ", state_->rank, "] fsdp: ", state_->description,
+              " did not complete within ", timeout.count(),
+              " ms. A peer rank has probably died, hangs, or issued a different collective; "
+              "look at the other ranks' output (set FSDP_DEBUG=detail to compare collectives).");
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::is_completed() const {
+  TORCH_CHECK(state_ != nullptr, "fsdp::Work::is_completed() on an empty handle");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->status != detail::WorkState::Status::kPending;
+}
+
+bool Work::is_success() const {
+  TORCH_CHECK(state_ != nullptr, "fsdp::Work::is_success() on an empty handle");
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->status == detail::WorkState::Status::kSucceeded;
+}
+
+std::string Work::describe() const { return state_ ? state_->description : "(empty Work)"; }
+
+}  // namespace fsdp

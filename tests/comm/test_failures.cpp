@@ -1,0 +1,104 @@
+// A rank that dies or stops issuing collectives makes every other rank fail
+// within the timeout plus a few seconds, never hang.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include "comm_test_util.h"
+#include "multi_rank.h"
+
+namespace fsdp::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kTimeout = std::chrono::seconds(3);
+constexpr auto kAllowed = kTimeout + std::chrono::seconds(5);
+
+// Runs big all-gathers until one fails; returns how long after `since` it failed.
+std::chrono::milliseconds collectives_until_error(ProcessGroup& pg, Clock::time_point* since) {
+  const int64_t s = 4 << 20;
+  at::Tensor flat = at::zeros({pg.size() * s});
+  at::Tensor shard = at::ones({s});
+  for (int i = 0; i < 1000; ++i) {
+    *since = Clock::now();
+    try {
+      pg.all_gather_into_tensor(flat, shard).wait();
+      pg.reduce_scatter_tensor(shard, flat).wait();
+    } catch (const c10::Error& e) {
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *since);
+      std::cout << "[rank " << pg.rank() << "] got the expected error after " << waited.count()
+                << " ms: " << e.what() << std::endl;
+      return waited;
+    }
+  }
+  ADD_FAILURE() << "1000 collectives succeeded although a peer died";
+  return std::chrono::milliseconds(0);
+}
+
+class Failures : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(Failures, RankKilledMidCollectiveMakesOthersFailInTime) {
+  auto outcomes = run_ranks(3, [](int rank, int) {
+    auto pg = join(GetParam(), kTimeout);
+    pg->barrier().wait();
+    if (rank == 1) {
+      // Issue a large all-gather and die while it is on the wire.
+      const int64_t s = 4 << 20;
+      at::Tensor flat = at::zeros({pg->size() * s});
+      auto work = pg->all_gather_into_tensor(flat, at::ones({s}));
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      raise(SIGKILL);
+    }
+    Clock::time_point since;
+    const auto waited = collectives_until_error(*pg, &since);
+    EXPECT_LE(waited, kAllowed);
+    // Later collectives fail at once with the first cause (the group is broken).
+    at::Tensor t = at::ones({1});
+    const auto t0 = Clock::now();
+    EXPECT_THROW(pg->all_reduce(t).wait(), c10::Error);
+    EXPECT_LE(Clock::now() - t0, std::chrono::seconds(1));
+  }, MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
+  ASSERT_EQ(outcomes.size(), 3u);
+  EXPECT_EQ(outcomes[1].term_signal, SIGKILL) << describe(outcomes[1]);
+  EXPECT_FALSE(outcomes[1].killed_at_deadline);
+  for (int r : {0, 2}) {
+    EXPECT_EQ(outcomes[r].exit_code, 0) << describe(outcomes[r]);
+    EXPECT_NE(outcomes[r].output.find("got the expected error"), std::string::npos)
+        << describe(outcomes[r]);
+  }
+}
+
+TEST_P(Failures, StuckRankMakesOthersTimeOut) {
+  auto outcomes = run_ranks(2, [](int rank, int) {
+    auto pg = join(GetParam(), kTimeout);
+    pg->barrier().wait();
+    if (rank == 1) {  // alive but never issues the collective
+      std::this_thread::sleep_for(std::chrono::seconds(12));
+      return;
+    }
+    at::Tensor t = at::ones({1000});
+    const auto t0 = Clock::now();
+    try {
+      pg->all_reduce(t).wait();
+      ADD_FAILURE() << "all_reduce completed without its peer";
+    } catch (const c10::Error& e) {
+      std::cout << "got the expected error: " << e.what() << std::endl;
+    }
+    EXPECT_LE(Clock::now() - t0, kAllowed);
+  }, MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
+  ASSERT_EQ(outcomes.size(), 2u);
+  EXPECT_EQ(outcomes[0].exit_code, 0) << describe(outcomes[0]);
+  EXPECT_NE(outcomes[0].output.find("got the expected error"), std::string::npos)
+      << describe(outcomes[0]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, Failures, ::testing::Values(Backend::kGloo, Backend::kC10dGloo),
+                         backend_label);
+
+}  // namespace
+}  // namespace fsdp::testing

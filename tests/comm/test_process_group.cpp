@@ -1,0 +1,182 @@
+// init_process_group: environment and options, single-rank groups, sub-groups,
+// and what listens where.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <thread>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm/tcp_store.h>
+
+#include "comm_test_util.h"
+#include "multi_rank.h"
+
+namespace fsdp::testing {
+namespace {
+
+struct ListeningSocket {
+  std::string local_address;  // as in /proc/net/tcp*, hex
+  bool loopback;
+};
+
+// The listening TCP sockets that belong to this process.
+std::vector<ListeningSocket> own_listening_sockets() {
+  std::set<std::string> inodes;
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (dirent* e = readdir(d)) {
+      char target[256] = {0};
+      const std::string path = std::string("/proc/self/fd/") + e->d_name;
+      if (readlink(path.c_str(), target, sizeof(target) - 1) > 0) {
+        std::string t(target);
+        if (t.rfind("socket:[", 0) == 0) inodes.insert(t.substr(8, t.size() - 9));
+      }
+    }
+    closedir(d);
+  }
+  std::vector<ListeningSocket> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream ls(line);
+      std::string sl, local, remote, state, queues, tr, retr, uid, timeout, inode;
+      ls >> sl >> local >> remote >> state >> queues >> tr >> retr >> uid >> timeout >> inode;
+      if (state != "0A" || inodes.count(inode) == 0) continue;  // 0A: LISTEN
+      const std::string addr = local.substr(0, local.find(':'));
+      const bool v4_loopback = addr.size() == 8 && addr.substr(6, 2) == "7F";
+      const bool v6_loopback = addr == "00000000000000000000000001000000";
+      out.push_back({local, v4_loopback || v6_loopback});
+    }
+  }
+  return out;
+}
+
+TEST(ProcessGroup, NothingListensBeyondLoopbackByDefault) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    pg->barrier().wait();
+    const auto sockets = own_listening_sockets();
+    // Rank 0 serves the store (Gloo's pairs stop listening once connected).
+    if (rank == 0) EXPECT_GE(sockets.size(), 1u);
+    for (const auto& s : sockets) EXPECT_TRUE(s.loopback) << "listening on " << s.local_address;
+    if (rank == 0) {
+      // Control: the check does see a store that was told to listen everywhere.
+      TcpStore everywhere("127.0.0.1", 0, true, std::chrono::seconds(5), "0.0.0.0");
+      bool saw_wildcard = false;
+      for (const auto& s : own_listening_sockets()) saw_wildcard = saw_wildcard || !s.loopback;
+      EXPECT_TRUE(saw_wildcard);
+    }
+    pg->barrier().wait();
+  });
+}
+
+TEST(ProcessGroup, SingleRankNeedsNoStoreAndOpensNoSocket) {
+  for (const char* var : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(var);
+  auto pg = init_process_group();
+  EXPECT_EQ(pg->size(), 1);
+  EXPECT_EQ(pg->rank(), 0);
+  EXPECT_EQ(pg->backend_name(), "local");
+  EXPECT_TRUE(own_listening_sockets().empty());
+  at::Tensor flat = at::zeros({4});
+  pg->all_gather_into_tensor(flat, at::arange(4, at::kFloat)).wait();
+  EXPECT_TRUE(at::equal(flat, at::arange(4, at::kFloat)));
+  at::Tensor shard = at::zeros({4});
+  pg->reduce_scatter_tensor(shard, at::full({4}, 3.0f), ReduceOp::kAvg).wait();
+  EXPECT_TRUE(at::all(shard == 3).item<bool>());
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(default_process_group(), pg);
+  destroy_process_group();
+  EXPECT_FALSE(is_initialized());
+  EXPECT_THROW(default_process_group(), c10::Error);
+}
+
+TEST(ProcessGroup, BadEnvironmentIsAnErrorNamingTheVariable) {
+  setenv("RANK", "abc", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  try {
+    init_process_group();
+    ADD_FAILURE() << "RANK=abc was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("RANK='abc'"), std::string::npos) << e.what();
+  }
+  setenv("RANK", "2", 1);
+  try {
+    init_process_group();
+    ADD_FAILURE() << "RANK=2 with WORLD_SIZE=2 was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("world size 2"), std::string::npos) << e.what();
+  }
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+}
+
+TEST(ProcessGroup, ExplicitOptionsOverrideTheEnvironment) {
+  // Two ranks as threads of one process, configured only through options.
+  const int port = free_port();
+  std::vector<std::shared_ptr<ProcessGroup>> groups(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      groups[r] = init_process_group(ProcessGroupOptions()
+                                         .rank(r)
+                                         .world_size(2)
+                                         .master_addr("127.0.0.1")
+                                         .master_port(port)
+                                         .timeout(std::chrono::seconds(20))
+                                         .set_default(false));
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<at::Tensor> ts{at::full({3}, 1.0f), at::full({3}, 2.0f)};
+  std::vector<Work> works{groups[0]->all_reduce(ts[0]), groups[1]->all_reduce(ts[1])};
+  for (auto& w : works) w.wait();
+  EXPECT_TRUE(at::all(ts[0] == 3).item<bool>());
+  EXPECT_TRUE(at::all(ts[1] == 3).item<bool>());
+  EXPECT_FALSE(is_initialized());
+}
+
+class Subgroups : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(Subgroups, SubgroupsAndNodeGroups) {
+  run_ranks_ok(4, [](int rank, int) {
+    auto pg = join(GetParam());
+    auto odd = pg->new_subgroup({1, 3});
+    if (rank % 2 == 1) {
+      ASSERT_TRUE(odd);
+      EXPECT_EQ(odd->size(), 2);
+      EXPECT_EQ(odd->rank(), rank / 2);
+      at::Tensor t = at::full({5}, static_cast<float>(rank));
+      odd->all_reduce(t).wait();
+      EXPECT_TRUE(at::all(t == 4).item<bool>());
+    } else {
+      EXPECT_FALSE(odd);
+    }
+    auto node = new_node_subgroup(*pg, 2);
+    ASSERT_TRUE(node);
+    EXPECT_EQ(node->size(), 2);
+    EXPECT_EQ(node->rank(), rank % 2);
+    at::Tensor flat = at::zeros({4});
+    node->all_gather_into_tensor(flat, at::full({2}, static_cast<float>(rank))).wait();
+    const float first = static_cast<float>(rank - rank % 2);
+    EXPECT_TRUE(at::equal(flat, at::tensor({first, first, first + 1, first + 1})));
+    EXPECT_THROW(pg->new_subgroup({3, 1}), c10::Error);
+    EXPECT_THROW(pg->new_subgroup({0, 4}), c10::Error);
+    pg->barrier().wait();  // the parent still works beside its sub-groups
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, Subgroups, ::testing::Values(Backend::kGloo, Backend::kC10dGloo),
+                         backend_label);
+
+}  // namespace
+}  // namespace fsdp::testing

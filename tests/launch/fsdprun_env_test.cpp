@@ -1,0 +1,111 @@
+// End-to-end: the environment fsdprun gives each rank.
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <optional>
+#include <regex>
+#include <string>
+
+#include "launch_test_util.h"
+
+namespace fsdp::launch::testing {
+namespace {
+
+using EnvByRank = std::map<int, std::map<std::string, std::string>>;
+
+/// Collects "[rankN]: KEY=VALUE" lines printed by --print-env.
+EnvByRank parse_env(const std::string& out) {
+  static const std::regex kLine(R"(^\[rank(\d+)\]: ([A-Z_]+)=(.*)$)");
+  EnvByRank env;
+  for (const std::string& line : split_lines(out)) {
+    std::smatch m;
+    if (std::regex_match(line, m, kLine)) {
+      env[std::stoi(m[1])][m[2]] = m[3];
+    }
+  }
+  return env;
+}
+
+TEST(FsdprunEnv, SingleNodeRanksAndFreePort) {
+  const RunResult r = run_launcher({"--nproc-per-node", "3", test_rank_path(), "--print-env"},
+                                   {{"OMP_NUM_THREADS", std::nullopt}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EnvByRank env = parse_env(r.out);
+  ASSERT_EQ(env.size(), 3u) << r.out;
+
+  // No --master-port on one node: a free port, the same for every rank.
+  const std::string port = env[0]["MASTER_PORT"];
+  ASSERT_TRUE(std::regex_match(port, std::regex("[0-9]+"))) << port;
+  EXPECT_GE(std::stoi(port), 1);
+  EXPECT_LE(std::stoi(port), 65535);
+
+  for (int rank = 0; rank < 3; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    auto& e = env[rank];
+    EXPECT_EQ(e["RANK"], std::to_string(rank));
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(e["WORLD_SIZE"], "3");
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_EQ(e["ROLE_RANK"], std::to_string(rank));
+    EXPECT_EQ(e["ROLE_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(e["MASTER_PORT"], port);
+    EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(e["TORCHELASTIC_MAX_RESTARTS"], "0");
+    EXPECT_EQ(e["OMP_NUM_THREADS"], "1");
+  }
+  EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
+}
+
+TEST(FsdprunEnv, MultiNodeRanks) {
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                    "10.9.8.7", "--master-port", "29999", test_rank_path(), "--print-env"});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EnvByRank env = parse_env(r.out);
+  ASSERT_EQ(env.size(), 3u) << r.out;
+  for (int local = 0; local < 3; ++local) {
+    const int rank = 3 + local;
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    ASSERT_EQ(env.count(rank), 1u);
+    auto& e = env[rank];
+    EXPECT_EQ(e["RANK"], std::to_string(rank));
+    EXPECT_EQ(e["LOCAL_RANK"], std::to_string(local));
+    EXPECT_EQ(e["WORLD_SIZE"], "6");
+    EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(e["GROUP_RANK"], "1");
+    EXPECT_EQ(e["ROLE_RANK"], std::to_string(rank));
+    EXPECT_EQ(e["ROLE_WORLD_SIZE"], "6");
+    EXPECT_EQ(e["MASTER_ADDR"], "10.9.8.7");
+    EXPECT_EQ(e["MASTER_PORT"], "29999");
+  }
+}
+
+TEST(FsdprunEnv, MultiNodeDefaultPortIs29500) {
+  const RunResult r = run_launcher({"--nnodes", "2", test_rank_path(), "--print-env"});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EnvByRank env = parse_env(r.out);
+  ASSERT_EQ(env.size(), 1u) << r.out;
+  EXPECT_EQ(env[0]["MASTER_PORT"], "29500");
+  EXPECT_EQ(env[0]["WORLD_SIZE"], "2");
+}
+
+TEST(FsdprunEnv, KeepsUserOmpNumThreads) {
+  const RunResult r = run_launcher({"--nproc-per-node", "2", test_rank_path(), "--print-env"},
+                                   {{"OMP_NUM_THREADS", "7"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EnvByRank env = parse_env(r.out);
+  ASSERT_EQ(env.size(), 2u) << r.out;
+  EXPECT_EQ(env[0]["OMP_NUM_THREADS"], "7");
+  EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "7");
+  EXPECT_EQ(r.err.find("OMP_NUM_THREADS"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace fsdp::launch::testing

@@ -1,0 +1,173 @@
+// End-to-end: rank failures, forwarded signals and the no-orphans guarantee.
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "launch_test_util.h"
+
+namespace fsdp::launch::testing {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+/// Upper bound for any single launcher run in these tests.
+constexpr seconds kRunTimeout{20};
+/// Upper bound for ranks to start and write their pid files.
+constexpr seconds kStartTimeout{10};
+
+/// Expects every pid recorded in `dir` to be gone right now: fsdprun must
+/// have reaped them before it exited.
+void expect_all_gone(const PidDir& dir, size_t expected_count) {
+  const std::vector<pid_t> pids = dir.all_pids();
+  EXPECT_EQ(pids.size(), expected_count);
+  for (pid_t pid : pids) EXPECT_TRUE(process_gone(pid)) << "pid " << pid;
+}
+
+TEST(FsdprunFailure, RankExitStatusStopsTheOthers) {
+  PidDir dir;
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "3", test_rank_path(), "--write-pid-dir", dir.path(),
+                    "--barrier", "--exit-code-on-rank", "1:3", "--sleep", "inf"},
+                   {}, kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  const auto pid1 = dir.read("1.pid");
+  ASSERT_TRUE(pid1.has_value());
+  EXPECT_NE(
+      r.err.find("rank 1 (local rank 1, pid " + std::to_string(*pid1) + ") exited with status 3"),
+      std::string::npos)
+      << r.err;
+  expect_all_gone(dir, 3);
+  // The sleeping ranks honour SIGTERM: no need to wait for the kill timeout.
+  EXPECT_LT(r.elapsed, seconds(8));
+}
+
+TEST(FsdprunFailure, RankKilledBySignal) {
+  PidDir dir;
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "2", test_rank_path(), "--write-pid-dir", dir.path(),
+                    "--barrier", "--kill-self-on-rank", "0:9", "--sleep", "inf"},
+                   {}, kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.err;
+  EXPECT_NE(r.err.find("rank 0 (local rank 0, pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.err;
+  expect_all_gone(dir, 2);
+}
+
+TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
+  PidDir dir;
+  const RunResult r = run_launcher(
+      {"--nproc-per-node", "2", "--kill-timeout", "1", test_rank_path(), "--ignore-sigterm",
+       "--write-pid-dir", dir.path(), "--barrier", "--exit-code-on-rank", "0:3", "--sleep", "inf"},
+      {}, kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("rank 0 (local rank 0"), std::string::npos) << r.err;
+  EXPECT_GE(r.elapsed, milliseconds(900));
+  EXPECT_LT(r.elapsed, seconds(8));
+  expect_all_gone(dir, 2);
+}
+
+/// Forwarding of each termination signal fsdprun handles.
+class FsdprunSignalForwarding : public ::testing::TestWithParam<int> {};
+
+TEST_P(FsdprunSignalForwarding, EndsEveryRank) {
+  const int signo = GetParam();
+  PidDir dir;
+  LauncherProcess launcher(
+      {"--nproc-per-node", "3", test_rank_path(), "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  ASSERT_TRUE(
+      launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 3)); }, kStartTimeout));
+  launcher.send_signal(signo);
+  const RunResult r = launcher.wait(kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 128 + signo) << r.err;
+  expect_all_gone(dir, 3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Signals, FsdprunSignalForwarding,
+                         ::testing::Values(SIGTERM, SIGINT, SIGHUP),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           switch (info.param) {
+                             case SIGTERM:
+                               return std::string("SIGTERM");
+                             case SIGINT:
+                               return std::string("SIGINT");
+                             default:
+                               return std::string("SIGHUP");
+                           }
+                         });
+
+TEST(FsdprunSignals, RankIgnoringSigtermIsKilled) {
+  PidDir dir;
+  LauncherProcess launcher({"--nproc-per-node", "2", "--kill-timeout", "1", test_rank_path(),
+                            "--ignore-sigterm", "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  ASSERT_TRUE(
+      launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 2)); }, kStartTimeout));
+  const auto signalled = std::chrono::steady_clock::now();
+  launcher.send_signal(SIGTERM);
+  const RunResult r = launcher.wait(kRunTimeout);
+  const auto took = std::chrono::steady_clock::now() - signalled;
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  EXPECT_GE(took, milliseconds(900));  // Waited for the kill timeout...
+  EXPECT_LT(took, seconds(8));         // ...and then used SIGKILL.
+  expect_all_gone(dir, 2);
+}
+
+TEST(FsdprunSignals, SigkillOfLauncherStillKillsRanks) {
+  // Ranks orphaned by the SIGKILL are reparented to this test process, so it
+  // can reap them instead of leaving zombies to an init that may not.
+  ASSERT_EQ(::prctl(PR_SET_CHILD_SUBREAPER, 1), 0);
+  PidDir dir;
+  LauncherProcess launcher(
+      {"--nproc-per-node", "3", test_rank_path(), "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  ASSERT_TRUE(
+      launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 3)); }, kStartTimeout));
+  launcher.send_signal(SIGKILL);
+  const RunResult r = launcher.wait(kRunTimeout);
+  ASSERT_FALSE(r.timed_out);
+  EXPECT_TRUE(WIFSIGNALED(r.wait_status));
+  for (pid_t pid : dir.all_pids()) {
+    EXPECT_TRUE(wait_gone(pid, seconds(5))) << "pid " << pid;
+  }
+  ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+}
+
+TEST(FsdprunSignals, GrandchildInRankGroupGoesOnSigterm) {
+  PidDir dir;
+  LauncherProcess launcher({"--nproc-per-node", "2", test_rank_path(), "--spawn-grandchild",
+                            "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  // Rank pid files are written after the grandchild's.
+  ASSERT_TRUE(
+      launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 2)); }, kStartTimeout));
+  launcher.send_signal(SIGTERM);
+  const RunResult r = launcher.wait(kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  ASSERT_TRUE(dir.read("0.grandchild.pid").has_value());
+  ASSERT_TRUE(dir.read("1.grandchild.pid").has_value());
+  expect_all_gone(dir, 4);
+}
+
+TEST(FsdprunOrphans, GrandchildOfSuccessfulRankIsStopped) {
+  PidDir dir;
+  const RunResult r = run_launcher({"--nproc-per-node", "1", test_rank_path(), "--spawn-grandchild",
+                                    "--write-pid-dir", dir.path()},
+                                   {}, kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_TRUE(dir.read("0.grandchild.pid").has_value());
+  expect_all_gone(dir, 2);
+}
+
+}  // namespace
+}  // namespace fsdp::launch::testing

@@ -1,0 +1,86 @@
+// End-to-end: how ranks' output is relayed.
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <regex>
+#include <string>
+
+#include "launch_test_util.h"
+
+namespace fsdp::launch::testing {
+namespace {
+
+/// Lines printed per rank by the interleaving test: enough that the ranks'
+/// output overlaps in time and pipe reads split lines.
+constexpr int kLinesPerRank = 2000;
+/// Stop reporting bad lines after this many; one is enough to diagnose.
+constexpr int kMaxReportedBadLines = 5;
+
+/// Checks stdout of `ranks` ranks run with --lines N --partial-line: every
+/// line is whole, carries its own rank's "[rankN]: " prefix when `prefixed`,
+/// and each rank's lines arrive in order, followed by its flushed partial
+/// line.
+void check_stdout(const std::string& out, bool prefixed, int ranks, int lines_per_rank) {
+  const std::string prefix = prefixed ? R"(\[rank(\d+)\]: )" : "()";
+  const std::regex line_re("^" + prefix + R"(line (\d+) of rank (\d+) x{100}$)");
+  const std::regex tail_re("^" + prefix + R"(tail of rank (\d+)$)");
+  std::map<int, int> next_line;
+  std::map<int, int> tails;
+  int bad = 0;
+  for (const std::string& line : split_lines(out)) {
+    std::smatch m;
+    if (std::regex_match(line, m, line_re)) {
+      const int rank = std::stoi(m[3]);
+      if (prefixed) EXPECT_EQ(m[1], m[3]) << line;
+      EXPECT_EQ(std::stoi(m[2]), next_line[rank]) << line;
+      EXPECT_EQ(tails[rank], 0) << "line after the partial line: " << line;
+      next_line[rank] = std::stoi(m[2]) + 1;
+    } else if (std::regex_match(line, m, tail_re)) {
+      const int rank = std::stoi(m[2]);
+      if (prefixed) EXPECT_EQ(m[1], m[2]) << line;
+      ++tails[rank];
+    } else if (++bad <= kMaxReportedBadLines) {
+      ADD_FAILURE() << "malformed or interleaved line: '" << line << "'";
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  for (int rank = 0; rank < ranks; ++rank) {
+    EXPECT_EQ(next_line[rank], lines_per_rank) << "rank " << rank;
+    EXPECT_EQ(tails[rank], 1) << "rank " << rank;
+  }
+}
+
+TEST(FsdprunOutput, LinesArePrefixedWholeAndOnTheRightStream) {
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "3", test_rank_path(), "--lines",
+                    std::to_string(kLinesPerRank), "--stderr-lines", "50", "--partial-line"},
+                   {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  check_stdout(r.out, /*prefixed=*/true, 3, kLinesPerRank);
+  EXPECT_EQ(r.out.find("err "), std::string::npos);
+
+  const std::regex err_re(R"(^\[rank(\d)\]: err (\d+) of rank (\d)$)");
+  std::map<int, int> err_lines;
+  for (const std::string& line : split_lines(r.err)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, err_re)) << line;
+    EXPECT_EQ(m[1], m[3]);
+    ++err_lines[std::stoi(m[1])];
+  }
+  for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(err_lines[rank], 50);
+}
+
+TEST(FsdprunOutput, NoPrefix) {
+  const RunResult r = run_launcher({"--nproc-per-node", "2", "--no-prefix", test_rank_path(),
+                                    "--lines", "200", "--partial-line"},
+                                   {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("[rank"), std::string::npos);
+  check_stdout(r.out, /*prefixed=*/false, 2, 200);
+}
+
+}  // namespace
+}  // namespace fsdp::launch::testing

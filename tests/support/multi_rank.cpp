@@ -1,0 +1,203 @@
+#include "multi_rank.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+namespace fsdp::testing {
+
+namespace {
+
+constexpr const char* kInvocationVar = "FSDP_TEST_INVOCATION";
+
+// run_ranks calls seen so far in the current test; a rank process runs one test.
+int next_invocation() {
+  static std::string test;
+  static int counter = 0;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name = std::string(info->test_suite_name()) + "." + info->name();
+  if (name != test) {
+    test = name;
+    counter = 0;
+  }
+  return counter++;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string current_test_filter() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string("--gtest_filter=") + info->test_suite_name() + "." + info->name();
+}
+
+[[noreturn]] void run_in_child(const std::function<void(int, int)>& body) {
+  const int rank = std::atoi(std::getenv("RANK"));
+  const int world = std::atoi(std::getenv("WORLD_SIZE"));
+  int status = 0;
+  try {
+    body(rank, world);
+    status = ::testing::Test::HasFailure() ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::cerr << "[rank " << rank << "] uncaught exception: " << e.what() << std::endl;
+    status = 2;
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  std::_Exit(status);
+}
+
+}  // namespace
+
+bool is_rank_process() { return std::getenv(kInvocationVar) != nullptr; }
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describe(const RankOutcome& o) {
+  std::ostringstream os;
+  os << "rank " << o.rank;
+  if (o.killed_at_deadline) os << " was killed at the deadline (hung)";
+  else if (o.term_signal != 0) os << " was killed by signal " << o.term_signal << " (" << strsignal(o.term_signal) << ")";
+  else os << " exited with status " << o.exit_code;
+  os << "; its output:\n" << o.output;
+  return os.str();
+}
+
+std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int, int)>& body,
+                                   const MultiRankOptions& options) {
+  const int invocation = next_invocation();
+  if (const char* want = std::getenv(kInvocationVar)) {
+    if (std::atoi(want) == invocation) run_in_child(body);
+    return {};  // a rank process skips the other run_ranks calls of its test
+  }
+
+  // Everything a child needs is prepared before fork(): only exec follows.
+  const int port = free_port();
+  const std::string exe = "/proc/self/exe";
+  char dir_template[] = "/tmp/fsdp_test_XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  std::vector<std::string> logs;
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < world_size; ++rank) {
+    std::map<std::string, std::string> env = options.env;
+    env["RANK"] = std::to_string(rank);
+    env["LOCAL_RANK"] = std::to_string(rank);
+    env["WORLD_SIZE"] = std::to_string(world_size);
+    env["LOCAL_WORLD_SIZE"] = std::to_string(world_size);
+    env["MASTER_ADDR"] = "127.0.0.1";
+    env["MASTER_PORT"] = std::to_string(port);
+    env[kInvocationVar] = std::to_string(invocation);
+    env["OMP_NUM_THREADS"] = "1";
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string kv(*e);
+      if (env.count(kv.substr(0, kv.find('='))) == 0) env_strings.push_back(kv);
+    }
+    for (auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+    std::vector<char*> envp;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string filter = current_test_filter();
+    std::string exe_copy = exe;
+    std::vector<char*> argv{exe_copy.data(), filter.data(), nullptr};
+    logs.push_back(dir + "/rank" + std::to_string(rank) + ".log");
+    const int log_fd = ::open(logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    const pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test process
+      if (getppid() != parent) _exit(125);
+      dup2(log_fd, 1);
+      dup2(log_fd, 2);
+      execve(argv[0], argv.data(), envp.data());
+      _exit(127);
+    }
+    ::close(log_fd);
+    pids.push_back(pid);
+  }
+
+  std::vector<RankOutcome> outcomes(world_size);
+  std::vector<bool> done(world_size, false);
+  int remaining = world_size;
+  const auto start = std::chrono::steady_clock::now();
+  auto deadline = start + options.deadline;
+  bool saw_failure = false;
+  while (remaining > 0) {
+    for (int r = 0; r < world_size; ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
+      done[r] = true;
+      --remaining;
+      outcomes[r].rank = r;
+      if (WIFEXITED(status)) outcomes[r].exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) outcomes[r].term_signal = WTERMSIG(status);
+      const bool failed = outcomes[r].exit_code != 0;
+      if (failed && !saw_failure) {
+        saw_failure = true;
+        deadline = std::min(deadline, std::chrono::steady_clock::now() + options.failure_grace);
+      }
+    }
+    if (remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
+      for (int r = 0; r < world_size; ++r) {
+        if (done[r]) continue;
+        kill(pids[r], SIGKILL);
+        int status = 0;
+        waitpid(pids[r], &status, 0);
+        outcomes[r].rank = r;
+        outcomes[r].killed_at_deadline = true;
+        outcomes[r].term_signal = SIGKILL;
+        done[r] = true;
+        --remaining;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (int r = 0; r < world_size; ++r) {
+    outcomes[r].output = read_file(logs[r]);
+    ::unlink(logs[r].c_str());
+  }
+  ::rmdir(dir.c_str());
+  return outcomes;
+}
+
+void expect_all_succeeded(const std::vector<RankOutcome>& outcomes) {
+  for (const auto& o : outcomes) {
+    EXPECT_TRUE(o.exit_code == 0 && o.term_signal == 0) << describe(o);
+  }
+}
+
+void run_ranks_ok(int world_size, const std::function<void(int, int)>& body,
+                  const MultiRankOptions& options) {
+  expect_all_succeeded(run_ranks(world_size, body, options));
+}
+
+}  // namespace fsdp::testing

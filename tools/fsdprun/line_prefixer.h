@@ -1,0 +1,44 @@
+#pragma once
+
+// Splits one rank's output stream into lines and prefixes each one.
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace fsdp::launch {
+
+/// Buffers bytes from one pipe and releases only whole lines, each with a
+/// prefix such as "[rank3]: ". Because the caller writes what it gets in a
+/// single call from a single thread, lines of different ranks can never mix
+/// mid-line.
+class LinePrefixer {
+ public:
+  /// A line longer than this is released in pieces of this size (each piece
+  /// ending in '\n') so a rank that never prints a newline, such as a
+  /// '\r'-based progress bar, cannot make fsdprun buffer without bound.
+  static constexpr size_t kMaxLineBytes = 1 << 20;
+
+  /// `prefix` is put in front of every line; empty disables prefixing.
+  explicit LinePrefixer(std::string prefix);
+
+  /// Consumes `data` and appends every line it completes, prefixed and with
+  /// its '\n', to `out`.
+  void feed(std::string_view data, std::string* out);
+
+  /// End of stream: appends a trailing partial line, prefixed and completed
+  /// with '\n' so the next line of another rank starts on its own line.
+  void finish(std::string* out);
+
+  /// Bytes of an incomplete line held back so far.
+  size_t pending_bytes() const { return partial_.size(); }
+
+ private:
+  /// Appends prefix + `line` + '\n' to `out`.
+  void emit(std::string_view line, std::string* out) const;
+
+  std::string prefix_;
+  std::string partial_;
+};
+
+}  // namespace fsdp::launch

@@ -1,0 +1,122 @@
+// fsdprun: a torchrun-compatible launcher for libfsdp programs.
+
+#include <fcntl.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "exit_status.h"
+#include "free_port.h"
+#include "options.h"
+#include "output_writer.h"
+#include "rank_env.h"
+#include "signal_pipe.h"
+#include "supervisor.h"
+
+extern char** environ;
+
+namespace fsdp::launch {
+namespace {
+
+/// Exit code for command-line mistakes (argparse's, and torchrun's).
+constexpr int kUsageExitCode = 2;
+
+/// Opens /dev/null on any of fds 0-2 that is closed, so that no pipe created
+/// later lands on them (children dup2 their pipes onto 1 and 2).
+void ensure_standard_fds_open() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1) continue;
+    const int null_fd = ::open("/dev/null", O_RDWR);
+    if (null_fd >= 0 && null_fd != fd) {
+      ::dup2(null_fd, fd);
+      ::close(null_fd);
+    }
+  }
+}
+
+/// Everything after argument parsing; returns fsdprun's exit code.
+int launch(const LaunchOptions& options) {
+  ensure_standard_fds_open();
+  OutputWriter out(STDOUT_FILENO);
+  OutputWriter err(STDERR_FILENO);
+
+  int port = options.master_port.value_or(0);
+  if (!options.master_port) {
+    std::string error;
+    port = pick_free_port(&error);
+    if (port < 0) {
+      err.write("fsdprun: cannot pick a free port (" + error + "); pass --master-port\n");
+      return 1;
+    }
+  }
+
+  std::vector<std::string> base_env = environment_from(environ);
+  if (defaults_omp_num_threads(options, base_env)) {
+    err.write(
+        "fsdprun: setting OMP_NUM_THREADS=1 for each rank to avoid "
+        "overloading the node; set it yourself to tune performance\n");
+  }
+
+  // Orphans of the ranks (their children, once a rank dies) are reparented
+  // to fsdprun rather than init, so fsdprun can reap them and never leaves
+  // zombies behind in containers whose init does not reap.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+
+  std::unique_ptr<SignalPipe> signals;
+  try {
+    signals = std::make_unique<SignalPipe>();
+  } catch (const std::exception& e) {
+    err.write(std::string("fsdprun: cannot install signal handlers: ") + e.what() + "\n");
+    return 1;
+  }
+
+  Supervisor supervisor(options, port, std::move(base_env), *signals, out, err);
+  for (int restart = 0;; ++restart) {
+    if (restart > 0) {
+      err.write("fsdprun: restarting all ranks (restart " + std::to_string(restart) + "/" +
+                std::to_string(options.max_restarts) + ")\n");
+    }
+    const AttemptResult result = supervisor.run_attempt(restart);
+    switch (result.outcome) {
+      case AttemptResult::Outcome::kSucceeded:
+        return 0;
+      case AttemptResult::Outcome::kInterrupted:
+        err.write("fsdprun: stopped by " + signal_name(result.signal) + "\n");
+        return 128 + result.signal;
+      case AttemptResult::Outcome::kRankFailed:
+        err.write("fsdprun: " + result.failure + "\n");
+        if (restart < options.max_restarts) continue;
+        if (options.max_restarts > 0) {
+          err.write("fsdprun: giving up after " + std::to_string(options.max_restarts) +
+                    " restarts\n");
+        }
+        return result.exit_code;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::launch
+
+/// Parses the command line and runs the job; see usage_text() for behaviour.
+int main(int argc, char** argv) {
+  using fsdp::launch::ParseResult;
+  const ParseResult parsed =
+      fsdp::launch::parse_options(std::vector<std::string>(argv + 1, argv + argc));
+  switch (parsed.kind) {
+    case ParseResult::Kind::kHelp:
+      std::cout << fsdp::launch::usage_text();
+      return 0;
+    case ParseResult::Kind::kError:
+      std::cerr << "fsdprun: error: " << parsed.error << "\nRun 'fsdprun --help' for usage.\n";
+      return fsdp::launch::kUsageExitCode;
+    case ParseResult::Kind::kRun:
+      break;
+  }
+  return fsdp::launch::launch(parsed.options);
+}

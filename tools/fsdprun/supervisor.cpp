@@ -1,0 +1,283 @@
+#include "supervisor.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <system_error>
+#include <utility>
+
+#include "child_process.h"
+#include "exit_status.h"
+#include "rank_env.h"
+
+namespace fsdp::launch {
+namespace {
+
+/// Bytes read from a rank's pipe per poll() wake-up; one chunk per stream per
+/// round keeps a chatty rank from starving the others.
+constexpr size_t kReadChunk = 64 * 1024;
+
+/// After SIGKILL, how long to keep waiting for group members that are not
+/// our children (they may be reparented elsewhere if setsid'd children fork
+/// again); our own children are always waited for.
+constexpr std::chrono::seconds kGroupGrace{2};
+
+/// Poll period while waiting for processes whose exit sends us no SIGCHLD.
+constexpr int kGroupPollMs = 20;
+
+/// Milliseconds from now until `deadline`, rounded up, at least 0.
+int ms_until(std::chrono::steady_clock::time_point deadline) {
+  const auto left = deadline - std::chrono::steady_clock::now();
+  if (left <= std::chrono::steady_clock::duration::zero()) return 0;
+  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+  return static_cast<int>(std::min<long long>(ms, 1 << 30));
+}
+
+}  // namespace
+
+Supervisor::Supervisor(const LaunchOptions& options, int master_port,
+                       std::vector<std::string> base_env, const SignalPipe& signals,
+                       OutputWriter& out, OutputWriter& err)
+    : options_(options),
+      master_port_(master_port),
+      base_env_(std::move(base_env)),
+      signals_(signals),
+      out_(out),
+      err_(err) {}
+
+AttemptResult Supervisor::run_attempt(int restart_count) {
+  ranks_.clear();
+  failure_.reset();
+  stopping_ = false;
+  killed_at_.reset();
+
+  AttemptResult interrupted;
+  interrupted.outcome = AttemptResult::Outcome::kInterrupted;
+  if (signals_.termination_count() > 0) {
+    interrupted.signal = signals_.first_termination_signal();
+    return interrupted;
+  }
+
+  start_ranks(restart_count);
+  bool cleanup_started = false;
+  while (true) {
+    forward_new_signals();
+    reap_children();
+    const bool ranks_done = all_ranks_exited();
+    if (ranks_done) {
+      if (!any_group_alive()) break;
+      if (!cleanup_started) {
+        // Every rank is gone but something it started is still in its
+        // process group; left alone it would outlive the job as an orphan.
+        cleanup_started = true;
+        stop_all(SIGTERM);
+      }
+      if (killed_at_ && Clock::now() >= *killed_at_ + kGroupGrace) break;
+    }
+    if (stopping_ && !killed_at_ && Clock::now() >= kill_deadline_) {
+      signal_groups(SIGKILL);
+      killed_at_ = Clock::now();
+    }
+
+    int timeout_ms = -1;
+    if (stopping_ && !killed_at_) timeout_ms = ms_until(kill_deadline_);
+    if (ranks_done) {
+      timeout_ms = timeout_ms < 0 ? kGroupPollMs : std::min(timeout_ms, kGroupPollMs);
+    }
+    wait_and_relay(timeout_ms);
+  }
+  drain_outputs();
+
+  if (signals_.termination_count() > 0) {
+    interrupted.signal = signals_.first_termination_signal();
+    return interrupted;
+  }
+  if (failure_) return *failure_;
+  return AttemptResult{};
+}
+
+void Supervisor::start_ranks(int restart_count) {
+  for (int local = 0; local < options_.nproc_per_node; ++local) {
+    // A signal during start-up: do not start more ranks just to stop them.
+    if (signals_.termination_count() != forwarded_signal_count_) return;
+    Rank rank;
+    rank.local_rank = local;
+    rank.rank = options_.node_rank * options_.nproc_per_node + local;
+    const std::string prefix =
+        options_.prefix_output ? "[rank" + std::to_string(rank.rank) + "]: " : std::string();
+    rank.prefixers.assign(2, LinePrefixer(prefix));
+    try {
+      const SpawnedProcess child = spawn_process(
+          options_.command,
+          build_rank_environment(options_, master_port_, local, restart_count, base_env_),
+          signals_);
+      rank.pid = child.pid;
+      rank.fds[0] = child.stdout_fd;
+      rank.fds[1] = child.stderr_fd;
+    } catch (const std::system_error& e) {
+      record_failure("could not start rank " + std::to_string(rank.rank) + " (local rank " +
+                         std::to_string(local) + "): " + e.what(),
+                     1);
+      stop_all(SIGTERM);
+      return;
+    }
+    ranks_.push_back(std::move(rank));
+  }
+}
+
+void Supervisor::forward_new_signals() {
+  const int count = signals_.termination_count();
+  if (count == forwarded_signal_count_) return;
+  forwarded_signal_count_ = count;
+  const int signo = signals_.last_termination_signal();
+  if (!stopping_) {
+    err_.write("fsdprun: received " + signal_name(signo) + "; forwarding it to all ranks\n");
+  }
+  stop_all(signo);
+}
+
+void Supervisor::reap_children() {
+  while (true) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid < 0 && errno == EINTR) continue;
+    if (pid <= 0) return;  // Nothing more has exited (or no children).
+    // Not a rank: an orphan adopted because fsdprun is a child subreaper.
+    auto it = std::find_if(ranks_.begin(), ranks_.end(),
+                           [&](const Rank& r) { return r.pid == pid && !r.exited; });
+    if (it == ranks_.end()) continue;
+    it->exited = true;
+    it->wait_status = status;
+    // Once stopping, ranks dying from our own SIGTERM are not news.
+    if (!is_success(status) && !stopping_) {
+      record_failure("rank " + std::to_string(it->rank) + " (local rank " +
+                         std::to_string(it->local_rank) + ", pid " + std::to_string(pid) + ") " +
+                         describe_wait_status(status),
+                     exit_code_for(status));
+      stop_all(SIGTERM);
+    }
+  }
+}
+
+void Supervisor::stop_all(int signo) {
+  if (!stopping_) {
+    stopping_ = true;
+    kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(options_.kill_timeout_s));
+  }
+  signal_groups(signo);
+}
+
+void Supervisor::signal_groups(int signo) {
+  for (Rank& rank : ranks_) {
+    if (rank.group_gone) continue;
+    if (::kill(-rank.pid, signo) == 0 || errno != ESRCH) continue;
+    if (rank.exited) {
+      rank.group_gone = true;
+    } else {
+      // Started but not yet through setsid(): no group exists yet, and the
+      // child is the only process that could be in it.
+      ::kill(rank.pid, signo);
+    }
+  }
+}
+
+bool Supervisor::any_group_alive() {
+  bool alive = false;
+  for (Rank& rank : ranks_) {
+    if (rank.group_gone) continue;
+    if (!rank.exited) {
+      alive = true;
+      continue;
+    }
+    // Signal 0 only checks existence. While the group has a member its id
+    // cannot be reused, so once it is empty we stop touching it.
+    if (::kill(-rank.pid, 0) != 0 && errno == ESRCH) {
+      rank.group_gone = true;
+    } else {
+      alive = true;
+    }
+  }
+  return alive;
+}
+
+bool Supervisor::all_ranks_exited() const {
+  return std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.exited; });
+}
+
+void Supervisor::wait_and_relay(int timeout_ms) {
+  std::vector<pollfd> pfds;
+  std::vector<std::pair<size_t, int>> owners;  // (rank index, stream)
+  pfds.push_back(pollfd{signals_.read_fd(), POLLIN, 0});
+  for (size_t i = 0; i < ranks_.size(); ++i) {
+    for (int stream = 0; stream < 2; ++stream) {
+      if (ranks_[i].fds[stream] < 0) continue;
+      pfds.push_back(pollfd{ranks_[i].fds[stream], POLLIN, 0});
+      owners.emplace_back(i, stream);
+    }
+  }
+  // EINTR (a signal) simply returns to the loop, which looks at the signal.
+  if (::poll(pfds.data(), pfds.size(), timeout_ms) <= 0) return;
+  if (pfds[0].revents != 0) signals_.drain();
+  for (size_t k = 1; k < pfds.size(); ++k) {
+    if ((pfds[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+    relay(ranks_[owners[k - 1].first], owners[k - 1].second);
+  }
+}
+
+void Supervisor::relay(Rank& rank, int stream) {
+  char buffer[kReadChunk];
+  const ssize_t n = ::read(rank.fds[stream], buffer, sizeof(buffer));
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+    return;
+  }
+  OutputWriter& writer = stream == 0 ? out_ : err_;
+  std::string lines;
+  if (n > 0) {
+    rank.prefixers[stream].feed(std::string_view(buffer, n), &lines);
+  } else {
+    // End of stream (or a broken pipe): the last partial line goes out now.
+    rank.prefixers[stream].finish(&lines);
+    ::close(rank.fds[stream]);
+    rank.fds[stream] = -1;
+  }
+  if (!lines.empty()) writer.write(lines);
+}
+
+void Supervisor::drain_outputs() {
+  for (Rank& rank : ranks_) {
+    for (int stream = 0; stream < 2; ++stream) {
+      // relay() closes the descriptor at end of stream; EAGAIN means a
+      // surviving process still holds the write end and nothing is queued.
+      while (rank.fds[stream] >= 0) {
+        pollfd pfd{rank.fds[stream], POLLIN, 0};
+        if (::poll(&pfd, 1, 0) <= 0) break;
+        relay(rank, stream);
+      }
+      // Whatever still holds the write end (a process that escaped its
+      // group) is not worth waiting for once the ranks are gone.
+      if (rank.fds[stream] >= 0) {
+        std::string lines;
+        rank.prefixers[stream].finish(&lines);
+        if (!lines.empty()) (stream == 0 ? out_ : err_).write(lines);
+        ::close(rank.fds[stream]);
+        rank.fds[stream] = -1;
+      }
+    }
+  }
+}
+
+void Supervisor::record_failure(std::string message, int exit_code) {
+  if (failure_) return;
+  AttemptResult result;
+  result.outcome = AttemptResult::Outcome::kRankFailed;
+  result.failure = std::move(message);
+  result.exit_code = exit_code != 0 ? exit_code : 1;
+  failure_ = std::move(result);
+}
+
+}  // namespace fsdp::launch
