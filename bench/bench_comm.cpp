@@ -54,8 +54,10 @@ int main(int argc, char** argv) {
   int64_t mib = 64;
   int iters = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--mib") == 0) mib = std::atoll(argv[i + 1]);
-    else if (std::strcmp(argv[i], "--iters") == 0) iters = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--mib") == 0)
+      mib = std::atoll(argv[i + 1]);
+    else if (std::strcmp(argv[i], "--iters") == 0)
+      iters = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: bench_comm [--mib N] [--iters N]\n");
       return 2;
@@ -66,8 +68,11 @@ int main(int argc, char** argv) {
   // A second group on the next port: c10d's ProcessGroupGloo, the baseline.
   const char* port_env = std::getenv("MASTER_PORT");
   const int64_t c10d_port = (port_env ? std::atoll(port_env) : 29500) + 1;
-  auto c10d_wrapper = std::dynamic_pointer_cast<fsdp::C10dProcessGroup>(fsdp::init_process_group(
-      fsdp::ProcessGroupOptions().backend(fsdp::Backend::kC10dGloo).master_port(c10d_port).set_default(false)));
+  auto c10d_wrapper = std::dynamic_pointer_cast<fsdp::C10dProcessGroup>(
+      fsdp::init_process_group(fsdp::ProcessGroupOptions()
+                                   .backend(fsdp::Backend::kC10dGloo)
+                                   .master_port(c10d_port)
+                                   .set_default(false)));
   auto c10d = c10d_wrapper->c10d_group();
 
   const int rank = pg->rank(), world = pg->size();
@@ -80,35 +85,44 @@ int main(int argc, char** argv) {
   at::Tensor shard = at::full({s}, static_cast<float>(rank));
   const double moved = static_cast<double>(world - 1) / world;
 
-  const double memcpy_ms = median_ms(iters, [&] { flat2.copy_(flat); }, *pg);
+  const double memcpy_ms = median_ms(
+      iters, [&] { flat2.copy_(flat); }, *pg);
   emit(rank, "memcpy", "local", world, bytes, memcpy_ms, 1.0);
 
-  const double ag_ms = median_ms(iters, [&] { pg->all_gather_into_tensor(flat, shard).wait(); }, *pg);
+  const double ag_ms = median_ms(
+      iters, [&] { pg->all_gather_into_tensor(flat, shard).wait(); }, *pg);
   emit(rank, "all_gather", "fsdp", world, bytes, ag_ms, moved);
 
   std::vector<at::Tensor> outputs;
   for (int k = 0; k < world; ++k) outputs.push_back(flat.narrow(0, k * s, s));
-  const double c10d_ag_ms = median_ms(iters, [&] {
-    std::vector<std::vector<at::Tensor>> out{outputs};
-    std::vector<at::Tensor> in{shard};
-    c10d->allgather(out, in)->wait();
-  }, *pg);
+  const double c10d_ag_ms = median_ms(
+      iters,
+      [&] {
+        std::vector<std::vector<at::Tensor>> out{outputs};
+        std::vector<at::Tensor> in{shard};
+        c10d->allgather(out, in)->wait();
+      },
+      *pg);
   emit(rank, "all_gather", "c10d_gloo_list", world, bytes, c10d_ag_ms, moved);
 
   at::Tensor grads = at::ones({numel});
-  const double rs_ms =
-      median_ms(iters, [&] { pg->reduce_scatter_tensor(shard, grads, fsdp::ReduceOp::kSum).wait(); }, *pg);
+  const double rs_ms = median_ms(
+      iters, [&] { pg->reduce_scatter_tensor(shard, grads, fsdp::ReduceOp::kSum).wait(); }, *pg);
   emit(rank, "reduce_scatter", "fsdp", world, bytes, rs_ms, moved);
 
-  const double c10d_rs_ms = median_ms(iters, [&] {
-    std::vector<at::Tensor> t{flat2};
-    c10d->allreduce(t)->wait();
-    shard.copy_(flat2.narrow(0, rank * s, s));
-  }, *pg);
+  const double c10d_rs_ms = median_ms(
+      iters,
+      [&] {
+        std::vector<at::Tensor> t{flat2};
+        c10d->allreduce(t)->wait();
+        shard.copy_(flat2.narrow(0, rank * s, s));
+      },
+      *pg);
   emit(rank, "reduce_scatter", "c10d_allreduce_slice", world, bytes, c10d_rs_ms, moved);
 
   at::Tensor tiny = at::ones({1});
-  const double ar_ms = median_ms(200, [&] { pg->all_reduce(tiny).wait(); }, *pg);
+  const double ar_ms = median_ms(
+      200, [&] { pg->all_reduce(tiny).wait(); }, *pg);
   emit(rank, "all_reduce", "fsdp", world, 4, ar_ms, 2.0 * moved);
 
   if (rank == 0) {

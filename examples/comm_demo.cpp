@@ -37,8 +37,8 @@ int main() {
   at::Tensor grads = at::arange(world * shard_numel, at::kFloat) * (rank + 1);
   at::Tensor reduced = at::empty({shard_numel});
   pg->reduce_scatter_tensor(reduced, grads, fsdp::ReduceOp::kSum).wait();
-  at::Tensor expected =
-      at::arange(rank * shard_numel, (rank + 1) * shard_numel, at::kFloat) * (world * (world + 1) / 2);
+  at::Tensor expected = at::arange(rank * shard_numel, (rank + 1) * shard_numel, at::kFloat) *
+                        (world * (world + 1) / 2);
   std::cout << "rank " << rank << " reduce_scatter(sum) -> " << list(reduced)
             << (at::equal(reduced, expected) ? " (correct)" : " (WRONG)") << std::endl;
 

@@ -70,11 +70,11 @@ Work CommThread::run_inline(CollectiveKind kind, const std::string& what,
 
 void CommThread::execute(Item& item) {
   if (health_ == Health::kBroken) {
-    item.state->finish(std::make_exception_ptr(c10::Error(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "[rank " + std::to_string(rank_) + "] fsdp: " + item.state->description +
-            " not run: the process group broke earlier (" + broken_cause_ +
-            "). Restart the job; fsdprun --max-restarts does it automatically.")));
+    item.state->finish(std::make_exception_ptr(
+        c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                   "[rank " + std::to_string(rank_) + "] fsdp: " + item.state->description +
+                       " not run: the process group broke earlier (" + broken_cause_ +
+                       "). Restart the job; fsdprun --max-restarts does it automatically.")));
     return;
   }
   try {
@@ -85,8 +85,8 @@ void CommThread::execute(Item& item) {
     broken_cause_ = item.state->description + ": " + e.what();
     item.state->finish(std::make_exception_ptr(c10::Error(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "[rank " + std::to_string(rank_) + "] fsdp: " + item.state->description + " failed: " +
-            e.what() +
+        "[rank " + std::to_string(rank_) + "] fsdp: " + item.state->description +
+            " failed: " + e.what() +
             ". A peer rank has probably died or timed out; look at the other ranks' output.")));
   }
 }

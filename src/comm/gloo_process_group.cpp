@@ -1,9 +1,9 @@
 #include "comm/gloo_process_group.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
-#include <c10/util/BFloat16.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <gloo/allreduce.h>
@@ -64,7 +64,9 @@ std::shared_ptr<gloo::transport::Device> device_for(const std::string& addr) {
 // Our ring slots live under their own prefix byte, far from the slots Gloo's
 // own algorithms build, and carry the collective's sequence number.
 constexpr uint64_t kRingSlotPrefix = 0x40;
-uint64_t ring_slot_base(uint64_t seq) { return (kRingSlotPrefix << 56) | ((seq & 0xffffffu) << 24); }
+uint64_t ring_slot_base(uint64_t seq) {
+  return (kRingSlotPrefix << 56) | ((seq & 0xffffffu) << 24);
+}
 
 class GlooTransfer : public PendingTransfer {
  public:
@@ -149,8 +151,8 @@ void gloo_all_reduce_typed(const std::shared_ptr<gloo::Context>& ctx, const at::
 }
 
 template <typename T>
-void gloo_broadcast_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t,
-                          int root, uint32_t tag, std::chrono::milliseconds timeout) {
+void gloo_broadcast_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t, int root,
+                          uint32_t tag, std::chrono::milliseconds timeout) {
   gloo::BroadcastOptions opts(ctx);
   opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
   opts.setRoot(root);
@@ -200,9 +202,8 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
     try {
       ctx->connectFullMesh(gstore, dev);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "[rank ", rank, "] fsdp: connecting the ", size,
-                  " ranks of group '", prefix_, "' over Gloo (listening on ", listen_addr_,
-                  ") failed: ", e.what(),
+      TORCH_CHECK(false, "[rank ", rank, "] fsdp: connecting the ", size, " ranks of group '",
+                  prefix_, "' over Gloo (listening on ", listen_addr_, ") failed: ", e.what(),
                   ". Check that every rank started and can reach the others' addresses.");
     }
     context_ = ctx;
@@ -299,9 +300,8 @@ std::shared_ptr<ProcessGroup> GlooProcessGroup::new_subgroup(const std::vector<i
   auto it = std::find(ranks.begin(), ranks.end(), rank());
   if (it == ranks.end()) return nullptr;
   const int sub_rank = static_cast<int>(it - ranks.begin());
-  return std::make_shared<GlooProcessGroup>(store_, prefix, sub_rank,
-                                            static_cast<int>(ranks.size()), timeout(),
-                                            listen_addr_);
+  return std::make_shared<GlooProcessGroup>(
+      store_, prefix, sub_rank, static_cast<int>(ranks.size()), timeout(), listen_addr_);
 }
 
 }  // namespace fsdp::detail

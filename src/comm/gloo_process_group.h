@@ -28,8 +28,7 @@ class GlooProcessGroup final : public ProcessGroup {
 
   std::string backend_name() const override { return size() == 1 ? "local" : "gloo"; }
   Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override;
-  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
-                             ReduceOp op) override;
+  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat, ReduceOp op) override;
   Work all_reduce(const at::Tensor& tensor, ReduceOp op) override;
   Work broadcast(const at::Tensor& tensor, int root) override;
   Work barrier() override;
@@ -46,8 +45,8 @@ class GlooProcessGroup final : public ProcessGroup {
   std::string listen_addr_;
   std::shared_ptr<gloo::Context> context_;  // null when size() == 1
 
-  int subgroups_made_ = 0;   // caller thread only
-  at::Tensor scratch_;       // communication thread only
+  int subgroups_made_ = 0;  // caller thread only
+  at::Tensor scratch_;      // communication thread only
 
   std::unique_ptr<CommThread> thread_;  // last: joined before the rest is destroyed
 };

@@ -33,8 +33,9 @@ int64_t int_setting(int64_t option, const char* env, int64_t fallback) {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0, "fsdp::init_process_group: ",
-              env, "='", text, "' is not a non-negative integer. Unset it or fix the launcher.");
+  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0,
+              "fsdp::init_process_group: ", env, "='", text,
+              "' is not a non-negative integer. Unset it or fix the launcher.");
   return v;
 }
 
@@ -62,8 +63,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   info.world_size = static_cast<int>(int_setting(options.world_size(), "WORLD_SIZE", 1));
   info.rank = static_cast<int>(int_setting(options.rank(), "RANK", 0));
   info.local_rank = static_cast<int>(int_setting(options.local_rank(), "LOCAL_RANK", info.rank));
-  info.local_world_size =
-      static_cast<int>(int_setting(options.local_world_size(), "LOCAL_WORLD_SIZE", info.world_size));
+  info.local_world_size = static_cast<int>(
+      int_setting(options.local_world_size(), "LOCAL_WORLD_SIZE", info.world_size));
   TORCH_CHECK(info.world_size >= 1, "fsdp::init_process_group: world size must be >= 1, got ",
               info.world_size);
   TORCH_CHECK(info.rank < info.world_size, "fsdp::init_process_group: rank ", info.rank,
@@ -90,8 +91,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // own (single node, or the master node), else on its listen address.
     const std::string server_addr =
         options.listen_addr().empty() && detail::is_loopback_host(master_addr) ? "127.0.0.1"
-        : options.listen_addr().empty()                                         ? master_addr
-                                                                                : listen_addr;
+        : options.listen_addr().empty()                                        ? master_addr
+                                                                               : listen_addr;
     store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
                                           info.rank == 0, options.timeout(), server_addr);
   }
@@ -99,9 +100,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   std::shared_ptr<ProcessGroup> group;
   switch (options.backend()) {
     case Backend::kGloo:
-      group = std::make_shared<detail::GlooProcessGroup>(store, "fsdp/world", info.rank,
-                                                         info.world_size, options.timeout(),
-                                                         listen_addr);
+      group = std::make_shared<detail::GlooProcessGroup>(
+          store, "fsdp/world", info.rank, info.world_size, options.timeout(), listen_addr);
       break;
     case Backend::kC10dGloo: {
       const auto timeout = options.timeout();

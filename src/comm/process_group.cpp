@@ -85,8 +85,8 @@ void ProcessGroup::check_reduce_scatter(const at::Tensor& shard, const at::Tenso
               " but the shard is ", shard.scalar_type(), "; they must have the same dtype");
   TORCH_CHECK(flat.numel() % size_ == 0, "[rank ", rank_, "] fsdp reduce_scatter: the flat ",
               "buffer has ", flat.numel(), " elements, which is not divisible by the world size ",
-              size_, ". Pad it to a multiple of the world size (", (flat.numel() / size_ + 1) * size_,
-              " elements).");
+              size_, ". Pad it to a multiple of the world size (",
+              (flat.numel() / size_ + 1) * size_, " elements).");
   TORCH_CHECK(shard.numel() * size_ == flat.numel(), "[rank ", rank_,
               "] fsdp reduce_scatter: expected a shard of flat numel ", flat.numel(),
               " / world size ", size_, " = ", flat.numel() / size_, " elements, got ",
@@ -110,8 +110,8 @@ void ProcessGroup::check_subgroup_ranks(const std::vector<int>& ranks) const {
 }
 
 std::shared_ptr<ProcessGroup> new_node_subgroup(ProcessGroup& group, int local_world_size) {
-  TORCH_CHECK(local_world_size >= 1 && group.size() % local_world_size == 0, "[rank ",
-              group.rank(), "] fsdp new_node_subgroup: world size ", group.size(),
+  TORCH_CHECK(local_world_size >= 1 && group.size() % local_world_size == 0, "[rank ", group.rank(),
+              "] fsdp new_node_subgroup: world size ", group.size(),
               " is not a multiple of the ranks per node ", local_world_size);
   std::shared_ptr<ProcessGroup> mine;
   // Every rank creates every node's group in the same order (see new_subgroup).

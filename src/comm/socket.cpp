@@ -159,9 +159,10 @@ std::string local_address_toward(const std::string& host) {
     socklen_t len = sizeof(ss);
     if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
     char buf[INET6_ADDRSTRLEN] = {0};
-    const void* src = ss.ss_family == AF_INET6
-                          ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
-                          : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
+    const void* src =
+        ss.ss_family == AF_INET6
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&ss)->sin6_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
     if (inet_ntop(ss.ss_family, src, buf, sizeof(buf)) != nullptr) return buf;
   }
   TORCH_CHECK(false, "fsdp: no local interface routes to ", host,

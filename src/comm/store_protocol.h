@@ -15,7 +15,16 @@
 namespace fsdp::detail {
 
 /// Requests understood by the store server.
-enum class StoreCommand : uint8_t { kSet, kCompareSet, kGet, kAdd, kDelete, kCheck, kNumKeys, kWait };
+enum class StoreCommand : uint8_t {
+  kSet,
+  kCompareSet,
+  kGet,
+  kAdd,
+  kDelete,
+  kCheck,
+  kNumKeys,
+  kWait
+};
 
 /// First byte of every reply.
 enum class StoreStatus : uint8_t { kOk, kTimeout, kBadRequest };

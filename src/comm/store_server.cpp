@@ -104,7 +104,8 @@ std::vector<uint8_t> StoreServer::handle(const std::vector<uint8_t>& request) {
       auto expected = in.vec();
       auto desired = in.vec();
       auto it = data_.find(key);
-      if ((it == data_.end() && expected.empty()) || (it != data_.end() && it->second == expected)) {
+      if ((it == data_.end() && expected.empty()) ||
+          (it != data_.end() && it->second == expected)) {
         data_[key] = desired;
         changed_.notify_all();
       }

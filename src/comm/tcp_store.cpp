@@ -38,8 +38,7 @@ std::string join_keys(const std::vector<std::string>& keys) {
 TcpStore::TcpStore(const std::string& host, int port, bool is_server,
                    std::chrono::milliseconds timeout, const std::string& listen_addr)
     : c10d::Store(timeout), host_(host), port_(port) {
-  TORCH_CHECK(port >= 0 && port <= 65535, "fsdp::TcpStore: port must be in [0, 65535], got ",
-              port);
+  TORCH_CHECK(port >= 0 && port <= 65535, "fsdp::TcpStore: port must be in [0, 65535], got ", port);
   if (is_server) {
     server_ = std::make_unique<detail::StoreServer>(listen_addr, port);
     port_ = server_->port();
@@ -141,9 +140,10 @@ void TcpStore::wait(const std::vector<std::string>& keys,
       .i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
   auto reply = request(w.get());
-  TORCH_CHECK(reply[0] == static_cast<uint8_t>(StoreStatus::kOk), "fsdp::TcpStore: timed out after ",
-              timeout.count(), " ms waiting for keys [", join_keys(keys), "] at ", host_, ":",
-              port_, ". Some rank has not reached this point.");
+  TORCH_CHECK(reply[0] == static_cast<uint8_t>(StoreStatus::kOk),
+              "fsdp::TcpStore: timed out after ", timeout.count(), " ms waiting for keys [",
+              join_keys(keys), "] at ", host_, ":", port_,
+              ". Some rank has not reached this point.");
 }
 
 }  // namespace fsdp

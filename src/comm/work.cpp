@@ -31,9 +31,8 @@ void Work::wait() const {
 void Work::wait(std::chrono::milliseconds timeout) const {
   TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
   std::unique_lock<std::mutex> lock(state_->mutex);
-  const bool finished = state_->done.wait_for(lock, timeout, [&] {
-    return state_->status != detail::WorkState::Status::kPending;
-  });
+  const bool finished = state_->done.wait_for(
+      lock, timeout, [&] { return state_->status != detail::WorkState::Status::kPending; });
   TORCH_CHECK(finished, "[rank ", state_->rank, "] fsdp: ", state_->description,
               " did not complete within ", timeout.count(),
               " ms. A peer rank has probably died, hangs, or issued a different collective; "

@@ -4,10 +4,10 @@
 // 1.13: c10d::ProcessGroupGloo derives from c10d::ProcessGroup.
 // 2.x:  it derives from c10d::Backend and is wrapped in a c10d::ProcessGroup.
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/version.h>
 
 #include <gloo/transport/tcp/device.h>
 

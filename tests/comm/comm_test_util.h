@@ -12,8 +12,8 @@
 namespace fsdp::testing {
 
 /// Joins the group that run_ranks' environment describes.
-inline std::shared_ptr<ProcessGroup> join(Backend backend,
-                                          std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+inline std::shared_ptr<ProcessGroup> join(
+    Backend backend, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   return init_process_group(ProcessGroupOptions().backend(backend).timeout(timeout));
 }
 
@@ -23,11 +23,12 @@ inline std::string backend_label(const ::testing::TestParamInfo<Backend>& info) 
 }
 
 /// Bitwise equality with a message naming where the first difference is.
-inline ::testing::AssertionResult tensors_equal(const at::Tensor& actual, const at::Tensor& expected) {
+inline ::testing::AssertionResult tensors_equal(const at::Tensor& actual,
+                                                const at::Tensor& expected) {
   if (actual.sizes() != expected.sizes() || actual.scalar_type() != expected.scalar_type()) {
-    return ::testing::AssertionFailure() << "shape/dtype " << actual.sizes() << " "
-                                         << actual.scalar_type() << " vs " << expected.sizes()
-                                         << " " << expected.scalar_type();
+    return ::testing::AssertionFailure()
+           << "shape/dtype " << actual.sizes() << " " << actual.scalar_type() << " vs "
+           << expected.sizes() << " " << expected.scalar_type();
   }
   if (at::equal(actual, expected)) return ::testing::AssertionSuccess();
   auto diff = (actual.to(at::kDouble) != expected.to(at::kDouble)).nonzero();

@@ -44,16 +44,18 @@ void check_all_gather(ProcessGroup& pg, at::ScalarType dtype, int64_t shard_nume
       << "all_gather " << dtype << " shard " << shard_numel << (in_place ? " in place" : "");
 }
 
-void check_reduce_scatter(ProcessGroup& pg, at::ScalarType dtype, int64_t shard_numel, ReduceOp op) {
+void check_reduce_scatter(ProcessGroup& pg, at::ScalarType dtype, int64_t shard_numel,
+                          ReduceOp op) {
   const int r = pg.rank(), n = pg.size();
   const at::Tensor flat = pattern(n * shard_numel, r + 1, 11, dtype);
   const at::Tensor before = flat.clone();
   at::Tensor shard = at::full({shard_numel}, -1, dtype);
   pg.reduce_scatter_tensor(shard, flat, op).wait();
   // sum over ranks k of (k + 1 + j % 11) = n(n+1)/2 + n * (j % 11), exact in every dtype.
-  at::Tensor sum = (at::arange(r * shard_numel, (r + 1) * shard_numel, at::kLong).remainder(11) * n +
-                    n * (n + 1) / 2)
-                       .to(dtype);
+  at::Tensor sum =
+      (at::arange(r * shard_numel, (r + 1) * shard_numel, at::kLong).remainder(11) * n +
+       n * (n + 1) / 2)
+          .to(dtype);
   at::Tensor expected = op == ReduceOp::kAvg ? sum.div(n) : sum;
   EXPECT_TRUE(tensors_equal(shard, expected))
       << "reduce_scatter " << to_string(op) << " " << dtype << " shard " << shard_numel;

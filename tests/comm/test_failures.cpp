@@ -30,7 +30,8 @@ std::chrono::milliseconds collectives_until_error(ProcessGroup& pg, Clock::time_
       pg.all_gather_into_tensor(flat, shard).wait();
       pg.reduce_scatter_tensor(shard, flat).wait();
     } catch (const c10::Error& e) {
-      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *since);
+      const auto waited =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *since);
       std::cout << "[rank " << pg.rank() << "] got the expected error after " << waited.count()
                 << " ms: " << e.what() << std::endl;
       return waited;
@@ -43,26 +44,29 @@ std::chrono::milliseconds collectives_until_error(ProcessGroup& pg, Clock::time_
 class Failures : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(Failures, RankKilledMidCollectiveMakesOthersFailInTime) {
-  auto outcomes = run_ranks(3, [](int rank, int) {
-    auto pg = join(GetParam(), kTimeout);
-    pg->barrier().wait();
-    if (rank == 1) {
-      // Issue a large all-gather and die while it is on the wire.
-      const int64_t s = 4 << 20;
-      at::Tensor flat = at::zeros({pg->size() * s});
-      auto work = pg->all_gather_into_tensor(flat, at::ones({s}));
-      std::this_thread::sleep_for(std::chrono::milliseconds(3));
-      raise(SIGKILL);
-    }
-    Clock::time_point since;
-    const auto waited = collectives_until_error(*pg, &since);
-    EXPECT_LE(waited, kAllowed);
-    // Later collectives fail at once with the first cause (the group is broken).
-    at::Tensor t = at::ones({1});
-    const auto t0 = Clock::now();
-    EXPECT_THROW(pg->all_reduce(t).wait(), c10::Error);
-    EXPECT_LE(Clock::now() - t0, std::chrono::seconds(1));
-  }, MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
+  auto outcomes = run_ranks(
+      3,
+      [](int rank, int) {
+        auto pg = join(GetParam(), kTimeout);
+        pg->barrier().wait();
+        if (rank == 1) {
+          // Issue a large all-gather and die while it is on the wire.
+          const int64_t s = 4 << 20;
+          at::Tensor flat = at::zeros({pg->size() * s});
+          auto work = pg->all_gather_into_tensor(flat, at::ones({s}));
+          std::this_thread::sleep_for(std::chrono::milliseconds(3));
+          raise(SIGKILL);
+        }
+        Clock::time_point since;
+        const auto waited = collectives_until_error(*pg, &since);
+        EXPECT_LE(waited, kAllowed);
+        // Later collectives fail at once with the first cause (the group is broken).
+        at::Tensor t = at::ones({1});
+        const auto t0 = Clock::now();
+        EXPECT_THROW(pg->all_reduce(t).wait(), c10::Error);
+        EXPECT_LE(Clock::now() - t0, std::chrono::seconds(1));
+      },
+      MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
   ASSERT_EQ(outcomes.size(), 3u);
   EXPECT_EQ(outcomes[1].term_signal, SIGKILL) << describe(outcomes[1]);
   EXPECT_FALSE(outcomes[1].killed_at_deadline);
@@ -74,23 +78,26 @@ TEST_P(Failures, RankKilledMidCollectiveMakesOthersFailInTime) {
 }
 
 TEST_P(Failures, StuckRankMakesOthersTimeOut) {
-  auto outcomes = run_ranks(2, [](int rank, int) {
-    auto pg = join(GetParam(), kTimeout);
-    pg->barrier().wait();
-    if (rank == 1) {  // alive but never issues the collective
-      std::this_thread::sleep_for(std::chrono::seconds(12));
-      return;
-    }
-    at::Tensor t = at::ones({1000});
-    const auto t0 = Clock::now();
-    try {
-      pg->all_reduce(t).wait();
-      ADD_FAILURE() << "all_reduce completed without its peer";
-    } catch (const c10::Error& e) {
-      std::cout << "got the expected error: " << e.what() << std::endl;
-    }
-    EXPECT_LE(Clock::now() - t0, kAllowed);
-  }, MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
+  auto outcomes = run_ranks(
+      2,
+      [](int rank, int) {
+        auto pg = join(GetParam(), kTimeout);
+        pg->barrier().wait();
+        if (rank == 1) {  // alive but never issues the collective
+          std::this_thread::sleep_for(std::chrono::seconds(12));
+          return;
+        }
+        at::Tensor t = at::ones({1000});
+        const auto t0 = Clock::now();
+        try {
+          pg->all_reduce(t).wait();
+          ADD_FAILURE() << "all_reduce completed without its peer";
+        } catch (const c10::Error& e) {
+          std::cout << "got the expected error: " << e.what() << std::endl;
+        }
+        EXPECT_LE(Clock::now() - t0, kAllowed);
+      },
+      MultiRankOptions{std::chrono::seconds(60), std::chrono::seconds(20), {}});
   ASSERT_EQ(outcomes.size(), 2u);
   EXPECT_EQ(outcomes[0].exit_code, 0) << describe(outcomes[0]);
   EXPECT_NE(outcomes[0].output.find("got the expected error"), std::string::npos)

@@ -9,10 +9,10 @@
 #include <unistd.h>
 
 #include <fstream>
-#include <thread>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fsdp/comm/tcp_store.h>

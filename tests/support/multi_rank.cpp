@@ -22,6 +22,9 @@ namespace fsdp::testing {
 namespace {
 
 constexpr const char* kInvocationVar = "FSDP_TEST_INVOCATION";
+// Printed by a rank after its body returned, so that a rank process that
+// exited 0 without running the body (a harness bug) cannot pass a test.
+constexpr const char* kBodyFinished = "[fsdp-test] rank body finished";
 
 // run_ranks calls seen so far in the current test; a rank process runs one test.
 int next_invocation() {
@@ -55,6 +58,7 @@ std::string current_test_filter() {
   try {
     body(rank, world);
     status = ::testing::Test::HasFailure() ? 1 : 0;
+    std::cout << kBodyFinished << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "[rank " << rank << "] uncaught exception: " << e.what() << std::endl;
     status = 2;
@@ -84,9 +88,12 @@ int free_port() {
 std::string describe(const RankOutcome& o) {
   std::ostringstream os;
   os << "rank " << o.rank;
-  if (o.killed_at_deadline) os << " was killed at the deadline (hung)";
-  else if (o.term_signal != 0) os << " was killed by signal " << o.term_signal << " (" << strsignal(o.term_signal) << ")";
-  else os << " exited with status " << o.exit_code;
+  if (o.killed_at_deadline)
+    os << " was killed at the deadline (hung)";
+  else if (o.term_signal != 0)
+    os << " was killed by signal " << o.term_signal << " (" << strsignal(o.term_signal) << ")";
+  else
+    os << " exited with status " << o.exit_code;
   os << "; its output:\n" << o.output;
   return os.str();
 }
@@ -192,6 +199,9 @@ std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int,
 void expect_all_succeeded(const std::vector<RankOutcome>& outcomes) {
   for (const auto& o : outcomes) {
     EXPECT_TRUE(o.exit_code == 0 && o.term_signal == 0) << describe(o);
+    EXPECT_NE(o.output.find(kBodyFinished), std::string::npos)
+        << "rank " << o.rank << " never ran the test body:\n"
+        << o.output;
   }
 }
 

@@ -18,10 +18,10 @@ namespace fsdp::testing {
 /// How one rank process ended.
 struct RankOutcome {
   int rank = 0;
-  int exit_code = -1;    // when it exited
-  int term_signal = 0;   // when a signal ended it
+  int exit_code = -1;   // when it exited
+  int term_signal = 0;  // when a signal ended it
   bool killed_at_deadline = false;
-  std::string output;    // its stdout and stderr
+  std::string output;  // its stdout and stderr
 };
 
 /// Settings of one multi-rank run.

@@ -32,8 +32,7 @@ class C10dProcessGroup final : public ProcessGroup {
 
   std::string backend_name() const override;
   Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override;
-  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
-                             ReduceOp op) override;
+  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat, ReduceOp op) override;
   Work all_reduce(const at::Tensor& tensor, ReduceOp op) override;
   Work broadcast(const at::Tensor& tensor, int root) override;
   Work barrier() override;
