@@ -1,0 +1,99 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/core/flat_parameter.h>
+#include <fsdp/wrap/options.h>
+
+namespace fsdp {
+
+/// The runtime of one FSDP unit: its FlatParameter and the hooks around its
+/// module's forward and backward. The typed wrapper
+/// (fsdp::FullyShardedDataParallel<Impl>) derives from it.
+///
+/// Note [FSDP and autograd]
+/// C++ modules have no forward hooks, so the wrapper's forward calls
+/// pre_forward() and post_forward() itself. Backward is driven by autograd:
+/// - a hook on the unit's output (registered in post_forward) fires before the
+///   unit's backward runs: it gathers the parameters again (kFullShard) and
+///   queues, once per backward, the root's end-of-backward callback;
+/// - a post hook on each trainable parameter's AccumulateGrad node moves the
+///   gradient into the unit's flat gradient buffer; when the last one arrived
+///   the buffer is reduce-scattered (asynchronously) and the unit reshards;
+/// - the end-of-backward callback finishes what hooks could not: units whose
+///   gradients arrived only in part (unused parameters), waiting for the
+///   reduce-scatters, setting the shards' .grad, resharding what is left.
+/// The AccumulateGrad nodes are held here: autograd keeps only weak pointers.
+class Unit {
+ public:
+  virtual ~Unit();
+
+  /// Lifecycle of a unit within one iteration (checked transitions).
+  enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
+
+  /// The flat shards of this unit and of every unit nested in it: what an
+  /// optimizer steps. Shards of fully frozen units are included (their
+  /// requires_grad is false).
+  std::vector<at::Tensor> flat_parameters() const;
+
+  /// This unit's FlatParameter, or nullptr when it manages no parameter.
+  FlatParameter* flat_param() const { return flat_.get(); }
+  /// True for the outermost unit (decided at the first forward).
+  bool is_root() const { return root_ == this; }
+  /// This unit's state.
+  TrainingState training_state() const { return state_; }
+  /// The unit's options.
+  const FSDPOptions& fsdp_options() const { return options_; }
+
+ protected:
+  explicit Unit(FSDPOptions options);
+
+  /// Flattens the parameters of `self` (the wrapper module, whose parameters
+  /// and children are the wrapped module's) that no nested unit owns.
+  void init_unit(torch::nn::Module& self);
+  /// Called by the wrapper before the wrapped forward.
+  void pre_forward();
+  /// Called by the wrapper after the wrapped forward with its output.
+  void post_forward(const at::Tensor& output);
+
+ private:
+  void lazy_init_root();
+  void pre_backward();
+  void on_grad_ready(size_t slot);
+  void launch_grad_reduction();
+  void finish_backward();
+  void end_of_backward();
+  void transition(TrainingState from, TrainingState to);
+  void register_grad_hooks();
+
+  // Constant after init_unit().
+  FSDPOptions options_;
+  std::unique_ptr<FlatParameter> flat_;
+  torch::nn::Module* self_ = nullptr;
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<bool> slot_trainable_;
+  size_t trainable_slots_ = 0;
+
+  // Set at the root's first forward.
+  Unit* root_ = nullptr;
+  std::vector<Unit*> units_;  // root only: every unit of the tree, pre-order
+
+  // Per-iteration state.
+  TrainingState state_ = TrainingState::kIdle;
+  bool backward_seen_ = false;    // pre-backward hook fired this iteration
+  bool callback_queued_ = false;  // root only
+  size_t grads_ready_ = 0;
+  at::Tensor flat_grad_;   // unsharded gradient buffer while accumulating
+  at::Tensor grad_shard_;  // reduce-scatter output
+  Work grad_work_;         // pending reduce-scatter / all-reduce
+};
+
+/// The name of a training state, for messages.
+const char* to_string(Unit::TrainingState state);
+
+}  // namespace fsdp

@@ -1,0 +1,92 @@
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/options.h>
+
+namespace fsdp {
+
+namespace detail {
+/// The forward signature the wrapper exposes; deduced from Impl::forward.
+template <typename Impl>
+struct ForwardSignature {
+  using type = decltype(&Impl::forward);
+};
+/// Sequential's forward is a template: its wrapper takes and returns a Tensor.
+template <>
+struct ForwardSignature<torch::nn::SequentialImpl> {
+  using type = at::Tensor (torch::nn::SequentialImpl::*)(at::Tensor);
+};
+}  // namespace detail
+
+/// An FSDP unit around a module of type Impl: use it where the parent calls
+/// the module (a member, or an entry of a Sequential). It re-registers the
+/// wrapped module's parameters, buffers and children under their own names,
+/// so named_parameters() and state dicts keep the original names, and its
+/// forward has the wrapped forward's signature. See Note [FSDP and autograd].
+template <typename Impl, typename Sig = typename detail::ForwardSignature<Impl>::type>
+class FullyShardedDataParallelImpl;
+
+template <typename Impl, typename R, typename... Args>
+class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::nn::Module,
+                                                                 public Unit {
+ public:
+  /// Wraps the module held by `module` (flattening and sharding its parameters now).
+  explicit FullyShardedDataParallelImpl(const torch::nn::ModuleHolder<Impl>& module,
+                                        FSDPOptions options = {})
+      : FullyShardedDataParallelImpl(module.ptr(), std::move(options)) {}
+
+  /// Wraps `module` (flattening and sharding its parameters now).
+  explicit FullyShardedDataParallelImpl(std::shared_ptr<Impl> module, FSDPOptions options = {})
+      : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
+    TORCH_CHECK(module_, "fsdp: cannot wrap a null module");
+    for (const auto& p : module_->named_parameters(/*recurse=*/false)) {
+      register_parameter(p.key(), p.value(), p.value().requires_grad());
+    }
+    for (const auto& b : module_->named_buffers(/*recurse=*/false))
+      register_buffer(b.key(), b.value());
+    for (const auto& c : module_->named_children()) register_module(c.key(), c.value());
+    init_unit(*this);
+  }
+
+  /// Gathers the parameters, runs the wrapped forward, and arranges backward.
+  R forward(Args... args) {
+    pre_forward();
+    R out = module_->forward(std::forward<Args>(args)...);
+    if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
+      post_forward(out);
+    } else {
+      post_forward(at::Tensor());
+    }
+    return out;
+  }
+
+  /// What the optimizer steps: the flat shards of this unit and the units in it.
+  /// (Hides Module::parameters; named_parameters() keeps the original names.)
+  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
+
+  /// The wrapped module.
+  Impl& module() const { return *module_; }
+
+ private:
+  std::shared_ptr<Impl> module_;
+};
+
+/// Holder for FullyShardedDataParallelImpl, like torch::nn::Linear for LinearImpl:
+/// `fsdp::FullyShardedDataParallel<torch::nn::LinearImpl> fc(torch::nn::Linear(4, 4));`
+template <typename Impl>
+class FullyShardedDataParallel
+    : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Impl>> {
+ public:
+  using torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Impl>>::ModuleHolder;
+};
+
+}  // namespace fsdp

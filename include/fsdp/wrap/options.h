@@ -1,0 +1,35 @@
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+
+#include <fsdp/comm/process_group.h>
+
+namespace fsdp {
+
+/// How a unit's parameters are sharded between uses (PyTorch's names).
+enum class ShardingStrategy : uint8_t {
+  /// Parameters, gradients and optimizer state sharded; parameters are
+  /// gathered before forward, freed after it, gathered again for backward.
+  kFullShard,
+  /// Like kFullShard, but parameters stay gathered from forward through backward.
+  kShardGradOp,
+  /// Nothing sharded; gradients are all-reduced (data parallelism, DDP).
+  kNoShard,
+};
+
+/// The name of a strategy, for messages.
+const char* to_string(ShardingStrategy strategy);
+
+/// Options of an FSDP unit, in LibTorch's style:
+/// `fsdp::FSDPOptions().sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)`.
+struct FSDPOptions {
+  /// The group to shard over; nullptr: fsdp::default_process_group().
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
+  /// See ShardingStrategy.
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,94 @@
+#include <fsdp/core/flat_parameter.h>
+
+#include <ATen/ATen.h>
+#include <ATen/native/Resize.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace fsdp {
+
+const char* to_string(FlatParameter::State state) {
+  return state == FlatParameter::State::kSharded ? "sharded" : "unsharded";
+}
+
+FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
+                             std::shared_ptr<ProcessGroup> group, bool keep_unsharded)
+    : group_(std::move(group)), keep_unsharded_(keep_unsharded) {
+  TORCH_CHECK(!params.empty(), "fsdp: a FlatParameter needs at least one parameter");
+  TORCH_CHECK(group_, "fsdp: a FlatParameter needs a process group");
+  const auto options = params.front().second.options();
+  for (auto& [name, p] : params) {
+    TORCH_CHECK(p.device().is_cpu(), "fsdp(", name, "): expected a CPU parameter, got one on ",
+                p.device(), ". libfsdp's CPU engine shards CPU parameters.");
+    TORCH_CHECK(p.scalar_type() == options.dtype().toScalarType(), "fsdp(", name,
+                "): all parameters of a unit must share one dtype; expected ", options.dtype(),
+                ", got ", p.scalar_type(),
+                ". Convert the module with ->to(dtype) before wrapping.");
+    FlatParamSlot slot;
+    slot.name = name;
+    slot.param = p;
+    slot.shape = p.sizes().vec();
+    slot.offset = numel_;
+    slot.numel = p.numel();
+    numel_ += slot.numel;
+    slots_.push_back(std::move(slot));
+  }
+  const int64_t world = group_->size();
+  shard_numel_ = keep_unsharded_ ? numel_ : (numel_ + world - 1) / world;
+  padded_numel_ = keep_unsharded_ ? numel_ : shard_numel_ * world;
+
+  at::NoGradGuard no_grad;
+  unsharded_ = at::zeros({padded_numel_}, options.requires_grad(false));
+  bool any_trainable = false;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto& slot = slots_[i];
+    at::Tensor view = slot_view(unsharded_, i);
+    view.copy_(slot.param.reshape({-1}));
+    // Same TensorImpl, grad accumulator and requires_grad; new storage.
+    slot.param.set_data(view.view(slot.shape));
+    any_trainable = any_trainable || slot.param.requires_grad();
+  }
+  if (keep_unsharded_) {
+    shard_ = unsharded_.detach();
+  } else {
+    shard_ = unsharded_.narrow(0, group_->rank() * shard_numel_, shard_numel_).clone();
+  }
+  shard_.set_requires_grad(any_trainable);
+  state_ = State::kUnsharded;
+  reshard();
+}
+
+at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
+  return flat.narrow(0, slots_[i].offset, slots_[i].numel);
+}
+
+at::Tensor FlatParameter::new_flat_grad() const {
+  return at::zeros({padded_numel_}, shard_.options().requires_grad(false));
+}
+
+void FlatParameter::resize_unsharded_storage(bool allocate) {
+  // Resizing the StorageImpl in place (not replacing the tensor) is what lets
+  // autograd's saved views of the parameters see the refilled buffer.
+  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(),
+                               allocate ? padded_numel_ * unsharded_.element_size() : 0);
+}
+
+Work FlatParameter::unshard_async() {
+  if (state_ == State::kUnsharded) return Work();
+  resize_unsharded_storage(true);
+  state_ = State::kUnsharded;
+  return group_->all_gather_into_tensor(unsharded_, shard_.detach());
+}
+
+void FlatParameter::unshard() {
+  Work work = unshard_async();
+  if (work) work.wait();
+}
+
+void FlatParameter::reshard() {
+  if (keep_unsharded_ || state_ == State::kSharded) return;
+  resize_unsharded_storage(false);
+  state_ = State::kSharded;
+}
+
+}  // namespace fsdp

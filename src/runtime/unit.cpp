@@ -1,0 +1,222 @@
+#include <fsdp/runtime/unit.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <unordered_set>
+
+#include <fsdp/comm/init.h>
+
+namespace fsdp {
+
+const char* to_string(ShardingStrategy strategy) {
+  switch (strategy) {
+    case ShardingStrategy::kFullShard:
+      return "FULL_SHARD";
+    case ShardingStrategy::kShardGradOp:
+      return "SHARD_GRAD_OP";
+    case ShardingStrategy::kNoShard:
+      return "NO_SHARD";
+  }
+  return "?";
+}
+
+const char* to_string(Unit::TrainingState state) {
+  switch (state) {
+    case Unit::TrainingState::kIdle:
+      return "idle";
+    case Unit::TrainingState::kForward:
+      return "forward";
+    case Unit::TrainingState::kPreBackward:
+      return "pre-backward";
+    case Unit::TrainingState::kPostBackward:
+      return "post-backward";
+  }
+  return "?";
+}
+
+Unit::Unit(FSDPOptions options) : options_(std::move(options)) {}
+
+Unit::~Unit() = default;
+
+namespace {
+
+// Parameters of `m` and its children, skipping the subtrees of other units
+// (they manage their own) and parameters shared with one seen before.
+void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const std::string& prefix,
+                     std::unordered_set<const void*>& seen,
+                     std::vector<std::pair<std::string, at::Tensor>>& out) {
+  if (&m != &self && dynamic_cast<Unit*>(&m) != nullptr) return;
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second)
+      out.emplace_back(prefix + p.key(), p.value());
+  }
+  for (const auto& c : m.named_children()) {
+    collect_managed(*c.value(), self, prefix + c.key() + ".", seen, out);
+  }
+}
+
+}  // namespace
+
+void Unit::init_unit(torch::nn::Module& self) {
+  TORCH_CHECK(self_ == nullptr, "fsdp: a unit was initialised twice");
+  self_ = &self;
+  if (!options_.process_group()) options_.process_group(default_process_group());
+  std::unordered_set<const void*> seen;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  collect_managed(self, self, "", seen, params);
+  if (params.empty()) return;
+  flat_ =
+      std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
+                                      options_.sharding_strategy() == ShardingStrategy::kNoShard);
+  register_grad_hooks();
+}
+
+void Unit::register_grad_hooks() {
+  const auto& slots = flat_->slots();
+  slot_trainable_.assign(slots.size(), false);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!slots[i].param.requires_grad()) continue;
+    slot_trainable_[i] = true;
+    auto acc = torch::autograd::impl::grad_accumulator(slots[i].param);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          on_grad_ready(i);
+          return outputs;
+        }));
+    grad_accumulators_.push_back(std::move(acc));  // autograd holds only a weak_ptr
+  }
+}
+
+std::vector<at::Tensor> Unit::flat_parameters() const {
+  std::vector<at::Tensor> out;
+  if (self_ == nullptr) return out;
+  for (const auto& m : self_->modules(/*include_self=*/true)) {
+    const auto* unit = dynamic_cast<const Unit*>(m.get());
+    if (unit != nullptr && unit->flat_) out.push_back(unit->flat_->shard());
+  }
+  return out;
+}
+
+void Unit::transition(TrainingState from, TrainingState to) {
+  TORCH_INTERNAL_ASSERT(state_ == from, "fsdp: unit expected to be in state ", to_string(from),
+                        " before ", to_string(to), ", but it is ", to_string(state_));
+  state_ = to;
+}
+
+void Unit::lazy_init_root() {
+  root_ = this;
+  for (const auto& m : self_->modules(/*include_self=*/true)) {
+    auto* unit = dynamic_cast<Unit*>(m.get());
+    if (unit == nullptr) continue;
+    unit->root_ = this;
+    units_.push_back(unit);
+  }
+}
+
+void Unit::pre_forward() {
+  if (root_ == nullptr) lazy_init_root();
+  if (state_ != TrainingState::kIdle) {
+    // A forward after a forward whose backward never ran completes nothing:
+    // only the state is reset (the gradients of that backward never existed).
+    state_ = TrainingState::kIdle;
+  }
+  transition(TrainingState::kIdle, TrainingState::kForward);
+  if (!flat_) return;
+  // requires_grad(false) set on the shard after wrapping freezes the unit's
+  // original parameters too, so autograd computes no gradient for them.
+  const bool trainable = flat_->shard().requires_grad();
+  trainable_slots_ = 0;
+  const auto& slots = flat_->slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const bool want = slot_trainable_[i] && trainable;
+    if (slots[i].param.requires_grad() != want) {
+      const_cast<at::Tensor&>(slots[i].param).set_requires_grad(want);
+    }
+    trainable_slots_ += want ? 1 : 0;
+  }
+  flat_->unshard();
+}
+
+void Unit::post_forward(const at::Tensor& output) {
+  transition(TrainingState::kForward, TrainingState::kIdle);
+  const bool grad_enabled = at::GradMode::is_enabled();
+  if (flat_ && (!grad_enabled ||
+                (!is_root() && options_.sharding_strategy() == ShardingStrategy::kFullShard))) {
+    flat_->reshard();
+  }
+  if (grad_enabled && output.defined() && output.requires_grad()) {
+    // See Note [FSDP and autograd].
+    const_cast<at::Tensor&>(output).register_hook([this](const at::Tensor&) { pre_backward(); });
+  }
+}
+
+void Unit::pre_backward() {
+  Unit* root = root_ != nullptr ? root_ : this;
+  if (!root->callback_queued_) {
+    root->callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [root] { root->end_of_backward(); });
+  }
+  if (backward_seen_) return;
+  backward_seen_ = true;
+  transition(TrainingState::kIdle, TrainingState::kPreBackward);
+  if (flat_) flat_->unshard();
+}
+
+void Unit::on_grad_ready(size_t slot) {
+  const auto& param = flat_->slots()[slot].param;
+  if (!param.grad().defined()) return;
+  if (!flat_grad_.defined()) flat_grad_ = flat_->new_flat_grad();
+  flat_->slot_view(flat_grad_, slot).copy_(param.grad().reshape({-1}));
+  const_cast<at::Tensor&>(param).mutable_grad().reset();
+  if (++grads_ready_ == trainable_slots_) launch_grad_reduction();
+}
+
+void Unit::launch_grad_reduction() {
+  TORCH_INTERNAL_ASSERT(!grad_work_, "fsdp: gradient reduction launched twice");
+  ProcessGroup& group = flat_->group();
+  if (flat_->keeps_unsharded()) {
+    grad_shard_ = flat_grad_;
+    grad_work_ = group.all_reduce(grad_shard_, ReduceOp::kAvg);
+  } else {
+    grad_shard_ =
+        at::empty({flat_->shard().numel()}, flat_->shard().options().requires_grad(false));
+    grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
+  }
+  flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
+  if (state_ == TrainingState::kPreBackward) state_ = TrainingState::kPostBackward;
+  flat_->reshard();
+}
+
+void Unit::finish_backward() {
+  if (flat_ && grads_ready_ > 0 && !grad_work_) launch_grad_reduction();  // unused parameters
+  if (grad_work_) {
+    grad_work_.wait();
+    at::Tensor shard = flat_->shard();
+    if (shard.grad().defined()) {
+      shard.mutable_grad().add_(grad_shard_);
+    } else {
+      shard.mutable_grad() = grad_shard_;
+    }
+  }
+  grad_work_ = Work();
+  grad_shard_ = at::Tensor();
+  flat_grad_ = at::Tensor();
+  grads_ready_ = 0;
+  backward_seen_ = false;
+  if (flat_) flat_->reshard();
+  state_ = TrainingState::kIdle;
+}
+
+void Unit::end_of_backward() {
+  callback_queued_ = false;
+  for (Unit* unit : units_) unit->finish_backward();
+}
+
+}  // namespace fsdp
