@@ -10,7 +10,9 @@
 #include <fsdp/comm/types.h>
 #include <fsdp/comm/work.h>
 #include <fsdp/core/flat_parameter.h>
+#include <fsdp/memory.h>
 #include <fsdp/runtime/unit.h>
 #include <fsdp/wrap/fully_sharded.h>
 #include <fsdp/wrap/options.h>
+#include <fsdp/wrap/sequential.h>
 #include <fsdp/wrap/summon_full_params.h>

@@ -73,19 +73,24 @@ void FlatParameter::resize_unsharded_storage(bool allocate) {
                                allocate ? padded_numel_ * unsharded_.element_size() : 0);
 }
 
-Work FlatParameter::unshard_async() {
-  if (state_ == State::kUnsharded) return Work();
+void FlatParameter::unshard_async() {
+  if (state_ == State::kUnsharded) return;
   resize_unsharded_storage(true);
   state_ = State::kUnsharded;
-  return group_->all_gather_into_tensor(unsharded_, shard_.detach());
+  pending_unshard_ = group_->all_gather_into_tensor(unsharded_, shard_.detach());
 }
 
 void FlatParameter::unshard() {
-  Work work = unshard_async();
-  if (work) work.wait();
+  unshard_async();
+  if (pending_unshard_) {
+    Work work = std::move(pending_unshard_);
+    pending_unshard_ = Work();
+    work.wait();
+  }
 }
 
 void FlatParameter::reshard() {
+  if (pending_unshard_) unshard();
   if (keep_unsharded_ || state_ == State::kSharded) return;
   resize_unsharded_storage(false);
   state_ = State::kSharded;

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cmath>
 #include <unordered_set>
 
 #include <fsdp/comm/init.h>
@@ -127,7 +128,13 @@ void Unit::pre_forward() {
     state_ = TrainingState::kIdle;
   }
   transition(TrainingState::kIdle, TrainingState::kForward);
-  if (!flat_) return;
+  // The root's forward starts every iteration after the first: the order
+  // recorded so far is the first iteration's.
+  if (is_root() && !forward_order_.empty()) recording_order_ = false;
+  if (!flat_) {
+    record_or_prefetch();
+    return;
+  }
   // requires_grad(false) set on the shard after wrapping freezes the unit's
   // original parameters too, so autograd computes no gradient for them.
   const bool trainable = flat_->shard().requires_grad();
@@ -141,6 +148,23 @@ void Unit::pre_forward() {
     trainable_slots_ += want ? 1 : 0;
   }
   flat_->unshard();
+  record_or_prefetch();
+}
+
+void Unit::record_or_prefetch() {
+  Unit* root = root_;
+  if (root->recording_order_) {
+    order_index_ = root->forward_order_.size();
+    root->forward_order_.push_back(this);
+    return;
+  }
+  if (!options_.forward_prefetch()) return;
+  // The next unit of the first iteration's order starts gathering now; its
+  // own pre_forward waits for it.
+  const size_t next = order_index_ + 1;
+  if (next < root->forward_order_.size() && root->forward_order_[next]->flat_) {
+    root->forward_order_[next]->flat_->unshard_async();
+  }
 }
 
 void Unit::post_forward(const at::Tensor& output) {
@@ -173,9 +197,10 @@ void Unit::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
   if (!flat_grad_.defined()) flat_grad_ = flat_->new_flat_grad();
-  flat_->slot_view(flat_grad_, slot).copy_(param.grad().reshape({-1}));
+  // add_, not copy_: inside no_sync() the buffer accumulates over backwards.
+  flat_->slot_view(flat_grad_, slot).add_(param.grad().reshape({-1}));
   const_cast<at::Tensor&>(param).mutable_grad().reset();
-  if (++grads_ready_ == trainable_slots_) launch_grad_reduction();
+  if (++grads_ready_ == trainable_slots_ && require_sync_) launch_grad_reduction();
 }
 
 void Unit::launch_grad_reduction() {
@@ -195,7 +220,16 @@ void Unit::launch_grad_reduction() {
 }
 
 void Unit::finish_backward() {
-  if (flat_ && grads_ready_ > 0 && !grad_work_) launch_grad_reduction();  // unused parameters
+  if (!require_sync_) {  // no_sync(): keep the unsharded gradient for later
+    grads_ready_ = 0;
+    backward_seen_ = false;
+    if (flat_) flat_->reshard();
+    state_ = TrainingState::kIdle;
+    return;
+  }
+  // Gradients that arrived only in part (unused parameters), or only inside
+  // no_sync(), are reduced now.
+  if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
   if (grad_work_) {
     grad_work_.wait();
     at::Tensor shard = flat_->shard();
@@ -212,6 +246,56 @@ void Unit::finish_backward() {
   backward_seen_ = false;
   if (flat_) flat_->reshard();
   state_ = TrainingState::kIdle;
+}
+
+std::vector<Unit*> Unit::units_in_tree() const {
+  std::vector<Unit*> out;
+  for (const auto& m : self_->modules(/*include_self=*/true)) {
+    if (auto* unit = dynamic_cast<Unit*>(m.get())) out.push_back(unit);
+  }
+  return out;
+}
+
+Unit::NoSyncGuard::NoSyncGuard(std::vector<Unit*> units) : units_(std::move(units)) {
+  for (Unit* unit : units_) unit->require_sync_ = false;
+}
+
+Unit::NoSyncGuard::~NoSyncGuard() {
+  for (Unit* unit : units_) unit->require_sync_ = true;
+}
+
+Unit::NoSyncGuard Unit::no_sync() { return NoSyncGuard(units_in_tree()); }
+
+double Unit::clip_grad_norm_(double max_norm, double norm_type) {
+  TORCH_CHECK(max_norm > 0, "fsdp clip_grad_norm_: max_norm must be positive, got ", max_norm);
+  TORCH_CHECK(norm_type > 0, "fsdp clip_grad_norm_: norm_type must be positive, got ", norm_type);
+  const bool inf = std::isinf(norm_type);
+  // Sharded gradients are disjoint pieces (reduced over the group);
+  // NO_SHARD gradients are whole copies (counted once, locally).
+  double sharded = 0, replicated = 0;
+  std::vector<at::Tensor> grads;
+  ProcessGroup* group = nullptr;
+  for (Unit* unit : units_in_tree()) {
+    if (!unit->flat_) continue;
+    group = &unit->flat_->group();
+    const at::Tensor& g = unit->flat_->shard().grad();
+    if (!g.defined()) continue;
+    grads.push_back(g);
+    const double part = inf ? g.abs().max().item<double>()
+                            : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+    double& acc = unit->flat_->keeps_unsharded() ? replicated : sharded;
+    acc = inf ? std::max(acc, part) : acc + part;
+  }
+  if (group == nullptr) return 0.0;
+  at::Tensor total = at::full({1}, sharded, at::kDouble);
+  group->all_reduce(total, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
+  const double combined = inf ? std::max(total.item<double>(), replicated)
+                              : std::pow(total.item<double>() + replicated, 1.0 / norm_type);
+  const double coef = max_norm / (combined + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return combined;
 }
 
 void Unit::end_of_backward() {

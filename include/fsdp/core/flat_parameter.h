@@ -61,12 +61,14 @@ class FlatParameter {
   /// True when the buffer is never sharded (NO_SHARD).
   bool keeps_unsharded() const { return keep_unsharded_; }
 
-  /// kSharded -> kUnsharded: allocates the unsharded buffer and all-gathers
-  /// into it. Returns the pending all-gather (empty if nothing to do).
-  Work unshard_async();
-  /// unshard_async() and wait.
+  /// kSharded -> kUnsharded: allocates the unsharded buffer and starts the
+  /// all-gather into it (a prefetch); unshard() or reshard() waits for it.
+  void unshard_async();
+  /// Makes the original parameters hold the full values (waits for a pending
+  /// all-gather, or gathers now).
   void unshard();
   /// kUnsharded -> kSharded: frees the unsharded buffer (no-op for NO_SHARD).
+  /// A pending all-gather is waited for first: it writes into that buffer.
   void reshard();
 
   /// A zeroed buffer of padded_numel() for gradients, in the shard's dtype.
@@ -88,6 +90,7 @@ class FlatParameter {
   at::Tensor shard_;
 
   State state_ = State::kUnsharded;
+  Work pending_unshard_;  // the all-gather started by unshard_async()
 };
 
 /// The name of a FlatParameter state, for messages.

@@ -50,6 +50,31 @@ class Unit {
   /// The unit's options.
   const FSDPOptions& fsdp_options() const { return options_; }
 
+  /// Clips the gradients of every shard in this unit's tree so that their
+  /// global norm (over all ranks) is at most max_norm; returns that norm
+  /// before clipping, the same on every rank. Collective; call on the root
+  /// between backward and the optimizer step.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  /// While the returned guard lives, backward passes accumulate gradients
+  /// locally (unsharded) and communicate nothing; the first backward after it
+  /// reduces everything accumulated. Call on the root.
+  class NoSyncGuard {
+   public:
+    /// Restores gradient synchronisation.
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept : units_(std::move(other.units_)) {}
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    friend class Unit;
+    explicit NoSyncGuard(std::vector<Unit*> units);
+    std::vector<Unit*> units_;
+  };
+  /// See NoSyncGuard.
+  NoSyncGuard no_sync();
+
  protected:
   explicit Unit(FSDPOptions options);
 
@@ -63,6 +88,7 @@ class Unit {
 
  private:
   void lazy_init_root();
+  void record_or_prefetch();
   void pre_backward();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
@@ -70,6 +96,7 @@ class Unit {
   void end_of_backward();
   void transition(TrainingState from, TrainingState to);
   void register_grad_hooks();
+  std::vector<Unit*> units_in_tree() const;
 
   // Constant after init_unit().
   FSDPOptions options_;
@@ -82,10 +109,16 @@ class Unit {
   // Set at the root's first forward.
   Unit* root_ = nullptr;
   std::vector<Unit*> units_;  // root only: every unit of the tree, pre-order
+  // Root only: the forward order of the first iteration (units with
+  // parameters), recorded while `recording_order_`; drives forward prefetch.
+  std::vector<Unit*> forward_order_;
+  bool recording_order_ = true;
+  size_t order_index_ = 0;  // position of this unit in the root's forward_order_
 
   // Per-iteration state.
   TrainingState state_ = TrainingState::kIdle;
   bool backward_seen_ = false;    // pre-backward hook fired this iteration
+  bool require_sync_ = true;      // false inside no_sync()
   bool callback_queued_ = false;  // root only
   size_t grads_ready_ = 0;
   at::Tensor flat_grad_;   // unsharded gradient buffer while accumulating

@@ -15,6 +15,10 @@
 namespace fsdp {
 
 namespace detail {
+/// Registers `inner`'s direct parameters and buffers and its children on
+/// `outer`, so a wrapper is transparent to names and state dicts.
+void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner);
+
 /// The forward signature the wrapper exposes; deduced from Impl::forward.
 template <typename Impl>
 struct ForwardSignature {

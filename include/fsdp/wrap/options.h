@@ -30,6 +30,9 @@ struct FSDPOptions {
   TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
   /// See ShardingStrategy.
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  /// Issue the next unit's all-gather (in the first iteration's forward
+  /// order) before this unit computes, so communication overlaps compute.
+  TORCH_ARG(bool, forward_prefetch) = false;
 };
 
 }  // namespace fsdp

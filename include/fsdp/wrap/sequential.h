@@ -1,0 +1,38 @@
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <vector>
+
+#include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/options.h>
+
+namespace fsdp {
+
+/// An FSDP unit around a type-erased module whose forward takes and returns
+/// one Tensor: what a Sequential entry is. Its parameters, buffers and
+/// children keep their names, as with FullyShardedDataParallel<Impl>.
+class AnyUnitImpl : public torch::nn::Module, public Unit {
+ public:
+  /// Wraps `module` (flattening and sharding its parameters now).
+  AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options = {});
+  /// Gathers the parameters, runs the wrapped forward, arranges backward.
+  at::Tensor forward(at::Tensor input);
+  /// The flat shards of this unit and the units nested in it.
+  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
+
+ private:
+  torch::nn::AnyModule module_;
+};
+TORCH_MODULE(AnyUnit);
+
+/// Replaces entry `index` of `seq` in place by an FSDP unit around it, so
+/// `seq->forward` and `seq->named_parameters()` go through the unit with
+/// unchanged names. Returns the unit. The entry's forward must take and
+/// return one Tensor.
+AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOptions options = {});
+
+}  // namespace fsdp

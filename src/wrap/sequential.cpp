@@ -1,0 +1,47 @@
+#include <fsdp/wrap/sequential.h>
+
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+namespace detail {
+/// Registers `inner`'s direct parameters and buffers and its children on
+/// `outer`, so a wrapper is transparent to names and state dicts.
+void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner) {
+  for (const auto& p : inner.named_parameters(/*recurse=*/false)) {
+    outer.register_parameter(p.key(), p.value(), p.value().requires_grad());
+  }
+  for (const auto& b : inner.named_buffers(/*recurse=*/false))
+    outer.register_buffer(b.key(), b.value());
+  for (const auto& c : inner.named_children()) outer.register_module(c.key(), c.value());
+}
+}  // namespace detail
+
+AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)
+    : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
+  TORCH_CHECK(!module_.is_empty(), "fsdp: cannot wrap an empty AnyModule");
+  TORCH_CHECK(dynamic_cast<Unit*>(module_.ptr().get()) == nullptr, "fsdp: the module ",
+              module_.ptr()->name(), " is already an FSDP unit; wrap each module once.");
+  detail::adopt_module_contents(*this, *module_.ptr());
+  init_unit(*this);
+}
+
+at::Tensor AnyUnitImpl::forward(at::Tensor input) {
+  pre_forward();
+  at::Tensor out = module_.forward(std::move(input));
+  post_forward(out);
+  return out;
+}
+
+AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOptions options) {
+  TORCH_CHECK(index < seq->size(), "fsdp: Sequential has ", seq->size(),
+              " entries, cannot wrap entry ", index);
+  auto it = seq->begin() + static_cast<std::ptrdiff_t>(index);
+  const std::string name = seq->named_children()[index].key();
+  AnyUnit unit(*it, std::move(options));
+  *it = torch::nn::AnyModule(unit);       // what Sequential::forward calls
+  seq->replace_module(name, unit.ptr());  // what children() and parameters() see
+  return unit;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,43 @@
+#pragma once
+
+// Small models shared by the core tests.
+
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+namespace fsdp::testing {
+
+// fc1 and block are units when wrapped; head and the one-element `scale` are
+// managed by the root unit.
+struct NetImpl : torch::nn::Module {
+  NetImpl(bool wrap, const FSDPOptions& o) {
+    torch::nn::Linear l1(7, 16);
+    torch::nn::Sequential b(torch::nn::Linear(16, 16), torch::nn::GELU(),
+                            torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})),
+                            torch::nn::Linear(16, 16));
+    if (wrap) {
+      fc1 = torch::nn::AnyModule(FullyShardedDataParallel<torch::nn::LinearImpl>(l1, o));
+      block = torch::nn::AnyModule(FullyShardedDataParallel<torch::nn::SequentialImpl>(b, o));
+      register_module("block", block.ptr());
+    } else {
+      fc1 = torch::nn::AnyModule(l1);
+      plain_block = register_module("block", b);
+    }
+    register_module("fc1", fc1.ptr());
+    head = register_module("head", torch::nn::Linear(16, 3));
+    scale = register_parameter("scale", torch::full({1}, 0.5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(fc1.forward(x));
+    x = x + (plain_block ? plain_block->forward(x) : block.forward(x));
+    return head(x) * scale;
+  }
+  torch::nn::AnyModule fc1, block;
+  torch::nn::Sequential plain_block{nullptr};
+  torch::nn::Linear head{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(Net);
+
+}  // namespace fsdp::testing

@@ -1,0 +1,94 @@
+// no_sync() gradient accumulation and clip_grad_norm_ against plain LibTorch.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+void expect_same_params(torch::nn::Module& actual, torch::nn::Module& expected,
+                        const std::string& what) {
+  auto exp = expected.named_parameters();
+  auto act = actual.named_parameters();
+  ASSERT_EQ(act.size(), exp.size());
+  for (const auto& p : exp) {
+    const torch::Tensor* a = act.find(p.key());
+    ASSERT_NE(a, nullptr) << p.key();
+    EXPECT_TRUE(torch::allclose(*a, p.value(), 1.3e-6, 1e-5))
+        << what << " " << p.key() << " max diff " << (*a - p.value()).abs().max().item<double>();
+  }
+}
+
+TEST(TrainingTools, NoSyncOverFourMicroBatchesEqualsOneStep) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      torch::manual_seed(0);
+      Net reference(false, FSDPOptions());
+      torch::manual_seed(0);
+      auto options = FSDPOptions().sharding_strategy(strategy);
+      FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+      torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      torch::manual_seed(7);
+      torch::Tensor x = torch::randn({16, 7});
+      torch::Tensor target = torch::randn({16, 3});
+      torch::mse_loss(reference->forward(x), target).backward();
+      ref_opt.step();
+      {
+        auto guard = model->no_sync();
+        for (int m = 0; m < 3; ++m) {
+          (torch::mse_loss(model->forward(x.narrow(0, 4 * m, 4)), target.narrow(0, 4 * m, 4)) / 4)
+              .backward();
+        }
+        for (const auto& shard : model->parameters()) {
+          EXPECT_FALSE(shard.grad().defined()) << "no_sync communicated a gradient";
+        }
+      }
+      (torch::mse_loss(model->forward(x.narrow(0, 12, 4)), target.narrow(0, 12, 4)) / 4).backward();
+      opt.step();
+      SummonFullParams full(*model.ptr());
+      expect_same_params(*model.ptr(), *reference.ptr(), to_string(strategy));
+    }
+  });
+}
+
+TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
+  run_ranks_ok(3, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      for (double norm_type : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        torch::manual_seed(0);
+        auto options = FSDPOptions().sharding_strategy(strategy);
+        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        torch::manual_seed(3);
+        torch::Tensor x = torch::randn({6, 7}) * 10;
+        torch::mse_loss(reference->forward(x), torch::zeros({6, 3})).backward();
+        torch::mse_loss(model->forward(x), torch::zeros({6, 3})).backward();
+        const double expected =
+            torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5, norm_type);
+        const double actual = model->clip_grad_norm_(0.5, norm_type);
+        EXPECT_NEAR(actual, expected, 1e-5 * std::max(1.0, expected))
+            << to_string(strategy) << " p=" << norm_type;
+        EXPECT_GT(expected, 0.5);  // so clipping really happened
+        torch::optim::SGD(reference->parameters(), torch::optim::SGDOptions(1.0)).step();
+        torch::optim::SGD(model->parameters(), torch::optim::SGDOptions(1.0)).step();
+        SummonFullParams full(*model.ptr());
+        expect_same_params(*model.ptr(), *reference.ptr(), "clipped step");
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
