@@ -191,6 +191,21 @@ void Unit::pre_backward() {
   backward_seen_ = true;
   transition(TrainingState::kIdle, TrainingState::kPreBackward);
   if (flat_) flat_->unshard();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
+}
+
+void Unit::prefetch_backward() {
+  // Backward runs the first iteration's forward order in reverse: the unit
+  // recorded before this one is the next to need its parameters.
+  Unit* root = root_ != nullptr ? root_ : this;
+  if (root->recording_order_ || order_index_ == 0 || order_index_ >= root->forward_order_.size() ||
+      root->forward_order_[order_index_] != this) {
+    return;
+  }
+  Unit* next = root->forward_order_[order_index_ - 1];
+  if (next->flat_ && !next->backward_seen_ && next->state_ == TrainingState::kIdle) {
+    next->flat_->unshard_async();
+  }
 }
 
 void Unit::on_grad_ready(size_t slot) {
@@ -217,6 +232,7 @@ void Unit::launch_grad_reduction() {
   flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
   if (state_ == TrainingState::kPreBackward) state_ = TrainingState::kPostBackward;
   flat_->reshard();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
 }
 
 void Unit::finish_backward() {

@@ -26,6 +26,11 @@ AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)
   init_unit(*this);
 }
 
+void AnyUnitImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_.ptr()->train(on);
+}
+
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
   at::Tensor out = module_.forward(std::move(input));

@@ -30,11 +30,11 @@ torch::Tensor batch(int step, int64_t rows) {
   return torch::randn({rows, 7});
 }
 
-void train_and_compare(ShardingStrategy strategy, const std::string& optimizer, int steps) {
+void train_and_compare(const FSDPOptions& options, const std::string& optimizer, int steps) {
+  const ShardingStrategy strategy = options.sharding_strategy();
   torch::manual_seed(0);
   Net reference(false, FSDPOptions());
   torch::manual_seed(0);
-  auto options = FSDPOptions().sharding_strategy(strategy);
   FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
   auto ref_opt = make_optimizer(optimizer, reference->parameters());
   auto opt = make_optimizer(optimizer, model->parameters());
@@ -70,7 +70,14 @@ TEST(Parity, StrategiesWorldSizesOptimizers) {
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                             ShardingStrategy::kNoShard}) {
-        for (const char* optimizer : {"sgd", "adam"}) train_and_compare(strategy, optimizer, 5);
+        for (const char* optimizer : {"sgd", "adam"}) {
+          train_and_compare(FSDPOptions().sharding_strategy(strategy), optimizer, 5);
+        }
+      }
+      // Prefetching changes when parameters are gathered, never the result.
+      for (auto backward : {BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPost}) {
+        train_and_compare(FSDPOptions().forward_prefetch(true).backward_prefetch(backward), "adam",
+                          5);
       }
     });
   }

@@ -89,6 +89,7 @@ class Unit {
  private:
   void lazy_init_root();
   void record_or_prefetch();
+  void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();

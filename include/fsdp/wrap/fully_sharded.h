@@ -73,6 +73,12 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
     return out;
   }
 
+  /// Sets training mode on the wrapper, the wrapped module and their children.
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    module_->train(on);
+  }
+
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }

@@ -20,6 +20,17 @@ enum class ShardingStrategy : uint8_t {
   kNoShard,
 };
 
+/// Which all-gather is issued early during backward (PyTorch's names).
+enum class BackwardPrefetch : uint8_t {
+  /// Gather each unit only when its own backward starts.
+  kNone,
+  /// When a unit's backward starts, also start gathering the unit whose
+  /// backward comes next (more overlap, one more unit's memory).
+  kBackwardPre,
+  /// Start gathering the next unit once this unit's gradients are reduced.
+  kBackwardPost,
+};
+
 /// The name of a strategy, for messages.
 const char* to_string(ShardingStrategy strategy);
 
@@ -33,6 +44,8 @@ struct FSDPOptions {
   /// Issue the next unit's all-gather (in the first iteration's forward
   /// order) before this unit computes, so communication overlaps compute.
   TORCH_ARG(bool, forward_prefetch) = false;
+  /// See BackwardPrefetch; it matters for kFullShard only.
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
 };
 
 }  // namespace fsdp

@@ -21,6 +21,8 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options = {});
   /// Gathers the parameters, runs the wrapped forward, arranges backward.
   at::Tensor forward(at::Tensor input);
+  /// Sets training mode on the wrapper, the wrapped module and their children.
+  void train(bool on = true) override;
   /// The flat shards of this unit and the units nested in it.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
 
