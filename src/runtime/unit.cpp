@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <unordered_set>
 
@@ -75,6 +76,49 @@ void Unit::init_unit(torch::nn::Module& self) {
       std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
                                       options_.sharding_strategy() == ShardingStrategy::kNoShard);
   register_grad_hooks();
+  make_optim_params();
+}
+
+void Unit::make_optim_params() {
+  const at::Tensor& shard = flat_->shard();
+  if (!options_.use_orig_params()) {
+    optim_params_ = {shard};
+    return;
+  }
+  // Each slot's piece is its intersection with this rank's shard: a view of
+  // the shard (so an optimizer step updates the shard in place), and a leaf.
+  const int64_t begin = flat_->shard_offset(), end = begin + shard.numel();
+  const at::Tensor base = shard.detach();
+  for (size_t i = 0; i < flat_->slots().size(); ++i) {
+    const auto& slot = flat_->slots()[i];
+    const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
+    at::Tensor piece = base.narrow(0, lo < hi ? lo - begin : 0, lo < hi ? hi - lo : 0);
+    piece.set_requires_grad(slot_trainable_[i]);
+    optim_params_.push_back(piece);
+  }
+}
+
+void Unit::assign_reduced_grad() {
+  auto accumulate = [](at::Tensor& param, const at::Tensor& grad) {
+    if (param.grad().defined()) {
+      param.mutable_grad().add_(grad);
+    } else {
+      // A copy, not a view: LibTorch 1.13's zero_grad() cannot detach views.
+      param.mutable_grad() = grad.is_view() ? grad.clone() : grad;
+    }
+  };
+  if (!options_.use_orig_params()) {
+    accumulate(optim_params_[0], grad_shard_);
+    return;
+  }
+  const int64_t begin = flat_->shard_offset();
+  for (size_t i = 0; i < optim_params_.size(); ++i) {
+    at::Tensor& piece = optim_params_[i];
+    if (!piece.requires_grad()) continue;
+    const auto& slot = flat_->slots()[i];
+    const int64_t lo = std::max(begin, slot.offset);
+    accumulate(piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
+  }
 }
 
 void Unit::register_grad_hooks() {
@@ -99,7 +143,26 @@ std::vector<at::Tensor> Unit::flat_parameters() const {
   if (self_ == nullptr) return out;
   for (const auto& m : self_->modules(/*include_self=*/true)) {
     const auto* unit = dynamic_cast<const Unit*>(m.get());
-    if (unit != nullptr && unit->flat_) out.push_back(unit->flat_->shard());
+    if (unit == nullptr) continue;
+    out.insert(out.end(), unit->optim_params_.begin(), unit->optim_params_.end());
+  }
+  return out;
+}
+
+torch::OrderedDict<std::string, at::Tensor> Unit::named_flat_parameters() const {
+  torch::OrderedDict<std::string, at::Tensor> out;
+  if (self_ == nullptr) return out;
+  for (const auto& item : self_->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const auto* unit = dynamic_cast<const Unit*>(item.value().get());
+    if (unit == nullptr || !unit->flat_) continue;
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    if (!unit->options_.use_orig_params()) {
+      out.insert(prefix + "_flat_param", unit->optim_params_[0]);
+      continue;
+    }
+    for (size_t i = 0; i < unit->optim_params_.size(); ++i) {
+      out.insert(prefix + unit->flat_->slots()[i].name, unit->optim_params_[i]);
+    }
   }
   return out;
 }
@@ -137,11 +200,15 @@ void Unit::pre_forward() {
   }
   // requires_grad(false) set on the shard after wrapping freezes the unit's
   // original parameters too, so autograd computes no gradient for them.
+  // (With use_orig_params, per parameter: its piece, or the original itself.)
   const bool trainable = flat_->shard().requires_grad();
+  const bool per_param = options_.use_orig_params();
   trainable_slots_ = 0;
   const auto& slots = flat_->slots();
   for (size_t i = 0; i < slots.size(); ++i) {
-    const bool want = slot_trainable_[i] && trainable;
+    const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
+                                                             slots[i].param.requires_grad()
+                                                       : trainable);
     if (slots[i].param.requires_grad() != want) {
       const_cast<at::Tensor&>(slots[i].param).set_requires_grad(want);
     }
@@ -248,12 +315,7 @@ void Unit::finish_backward() {
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
   if (grad_work_) {
     grad_work_.wait();
-    at::Tensor shard = flat_->shard();
-    if (shard.grad().defined()) {
-      shard.mutable_grad().add_(grad_shard_);
-    } else {
-      shard.mutable_grad() = grad_shard_;
-    }
+    assign_reduced_grad();
   }
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
@@ -294,13 +356,15 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   for (Unit* unit : units_in_tree()) {
     if (!unit->flat_) continue;
     group = &unit->flat_->group();
-    const at::Tensor& g = unit->flat_->shard().grad();
-    if (!g.defined()) continue;
-    grads.push_back(g);
-    const double part = inf ? g.abs().max().item<double>()
-                            : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
-    double& acc = unit->flat_->keeps_unsharded() ? replicated : sharded;
-    acc = inf ? std::max(acc, part) : acc + part;
+    for (const at::Tensor& p : unit->optim_params_) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined() || g.numel() == 0) continue;
+      grads.push_back(g);
+      const double part = inf ? g.abs().max().item<double>()
+                              : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+      double& acc = unit->flat_->keeps_unsharded() ? replicated : sharded;
+      acc = inf ? std::max(acc, part) : acc + part;
+    }
   }
   if (group == nullptr) return 0.0;
   at::Tensor total = at::full({1}, sharded, at::kDouble);

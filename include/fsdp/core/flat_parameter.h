@@ -54,6 +54,8 @@ class FlatParameter {
   const std::vector<FlatParamSlot>& slots() const { return slots_; }
   /// Elements of all original parameters (without padding).
   int64_t numel() const { return numel_; }
+  /// Element offset of shard() within the padded unsharded buffer.
+  int64_t shard_offset() const { return keep_unsharded_ ? 0 : group_->rank() * shard_numel_; }
   /// Elements of the padded unsharded buffer.
   int64_t padded_numel() const { return padded_numel_; }
   /// The group that shards this buffer.

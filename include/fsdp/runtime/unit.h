@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
 
 #include <memory>
 #include <string>
@@ -40,6 +41,11 @@ class Unit {
   /// optimizer steps. Shards of fully frozen units are included (their
   /// requires_grad is false).
   std::vector<at::Tensor> flat_parameters() const;
+
+  /// flat_parameters() with names: with use_orig_params, each original
+  /// parameter's path from this unit ("block.0.weight"); otherwise each unit's
+  /// path followed by "_flat_param" ("block._flat_param").
+  torch::OrderedDict<std::string, at::Tensor> named_flat_parameters() const;
 
   /// This unit's FlatParameter, or nullptr when it manages no parameter.
   FlatParameter* flat_param() const { return flat_.get(); }
@@ -97,6 +103,8 @@ class Unit {
   void end_of_backward();
   void transition(TrainingState from, TrainingState to);
   void register_grad_hooks();
+  void make_optim_params();
+  void assign_reduced_grad();
   std::vector<Unit*> units_in_tree() const;
 
   // Constant after init_unit().
@@ -105,6 +113,9 @@ class Unit {
   torch::nn::Module* self_ = nullptr;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<bool> slot_trainable_;
+  // What the optimizer steps: {shard} or, with use_orig_params, one view of
+  // the shard per slot (see Note [FlatParameter vocabulary]).
+  std::vector<at::Tensor> optim_params_;
   size_t trainable_slots_ = 0;
 
   // Set at the root's first forward.

@@ -46,6 +46,10 @@ struct FSDPOptions {
   TORCH_ARG(bool, forward_prefetch) = false;
   /// See BackwardPrefetch; it matters for kFullShard only.
   TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  /// The optimizer steps one view of the shard per original parameter
+  /// (possibly empty on ranks that hold none of it) instead of one flat
+  /// shard, so parameter groups (e.g. no weight decay on biases) work.
+  TORCH_ARG(bool, use_orig_params) = false;
 };
 
 }  // namespace fsdp
