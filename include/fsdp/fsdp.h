@@ -12,6 +12,7 @@
 #include <fsdp/core/flat_parameter.h>
 #include <fsdp/memory.h>
 #include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/auto_wrap.h>
 #include <fsdp/wrap/fully_sharded.h>
 #include <fsdp/wrap/options.h>
 #include <fsdp/wrap/sequential.h>

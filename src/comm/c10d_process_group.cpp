@@ -165,7 +165,9 @@ std::shared_ptr<ProcessGroup> C10dProcessGroup::new_subgroup(const std::vector<i
   auto sub_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   const int sub_rank = static_cast<int>(it - ranks.begin());
   auto sub = factory_(sub_store, sub_rank, static_cast<int>(ranks.size()));
-  return std::make_shared<C10dProcessGroup>(sub, timeout(), sub_store, factory_);
+  auto group = std::make_shared<C10dProcessGroup>(sub, timeout(), sub_store, factory_);
+  if (group->size() > 1) group->barrier().wait();  // everyone connected before use
+  return group;
 }
 
 }  // namespace fsdp

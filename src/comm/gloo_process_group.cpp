@@ -300,8 +300,10 @@ std::shared_ptr<ProcessGroup> GlooProcessGroup::new_subgroup(const std::vector<i
   auto it = std::find(ranks.begin(), ranks.end(), rank());
   if (it == ranks.end()) return nullptr;
   const int sub_rank = static_cast<int>(it - ranks.begin());
-  return std::make_shared<GlooProcessGroup>(
+  auto sub = std::make_shared<GlooProcessGroup>(
       store_, prefix, sub_rank, static_cast<int>(ranks.size()), timeout(), listen_addr_);
+  if (sub->size() > 1) sub->barrier().wait();  // everyone connected before use
+  return sub;
 }
 
 }  // namespace fsdp::detail

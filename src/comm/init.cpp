@@ -118,6 +118,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     }
   }
 
+  // Nobody leaves init before everyone has connected: a rank that returned
+  // and exited at once would otherwise break a peer's connect in progress.
+  if (info.world_size > 1) group->barrier().wait();
+
   if (options.set_default()) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_default = group;

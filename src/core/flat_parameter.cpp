@@ -62,6 +62,13 @@ at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
   return flat.narrow(0, slots_[i].offset, slots_[i].numel);
 }
 
+void FlatParameter::copy_unsharded_into_shard() {
+  if (keep_unsharded_ || state_ != State::kUnsharded) return;
+  unshard();  // a pending all-gather must land first
+  at::NoGradGuard no_grad;
+  shard_.detach().copy_(unsharded_.narrow(0, shard_offset(), shard_numel_));
+}
+
 at::Tensor FlatParameter::new_flat_grad() const {
   return at::zeros({padded_numel_}, shard_.options().requires_grad(false));
 }

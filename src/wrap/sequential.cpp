@@ -42,7 +42,14 @@ AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOpti
   TORCH_CHECK(index < seq->size(), "fsdp: Sequential has ", seq->size(),
               " entries, cannot wrap entry ", index);
   auto it = seq->begin() + static_cast<std::ptrdiff_t>(index);
-  const std::string name = seq->named_children()[index].key();
+  // The child registered for this entry, found by identity: a Sequential
+  // subclass may register other children before its entries.
+  std::string name;
+  for (const auto& child : seq->named_children()) {
+    if (child.value().get() == it->ptr().get()) name = child.key();
+  }
+  TORCH_CHECK(!name.empty(), "fsdp: entry ", index, " of the Sequential is not one of its ",
+              "registered children; cannot wrap it in place");
   AnyUnit unit(*it, std::move(options));
   *it = torch::nn::AnyModule(unit);       // what Sequential::forward calls
   seq->replace_module(name, unit.ptr());  // what children() and parameters() see

@@ -92,3 +92,77 @@ TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
 
 }  // namespace
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace {
+
+TEST(TrainingTools, SummonFullParamsWritebackAndRank0Only) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, FSDPOptions()),
+                                            FSDPOptions());
+    {
+      SummonFullParams full(*model.ptr(), SummonOptions().writeback(true));
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->named_parameters()) p.value().fill_(2.0);
+    }
+    {
+      SummonFullParams full(*model.ptr());
+      for (const auto& p : model->named_parameters()) {
+        EXPECT_TRUE(torch::all(p.value() == 2.0).item<bool>()) << p.key() << " lost the writeback";
+      }
+    }
+    {
+      SummonFullParams full(*model.ptr(), SummonOptions().rank0_only(true));
+      for (const auto& m : model->modules()) {
+        auto* unit = dynamic_cast<Unit*>(m.get());
+        if (unit == nullptr || unit->flat_param() == nullptr) continue;
+        const auto expected =
+            rank == 0 ? FlatParameter::State::kUnsharded : FlatParameter::State::kSharded;
+        if (!unit->is_root()) EXPECT_EQ(unit->flat_param()->state(), expected);
+      }
+    }
+    EXPECT_THROW(SummonFullParams(*model.ptr(), SummonOptions().writeback(true).rank0_only(true)),
+                 c10::Error);
+  });
+}
+
+// A unit whose module has a parameter the forward never uses: its gradient
+// is zero in the flat buffer and the rest still matches plain training.
+struct PartlyUsedImpl : torch::nn::Module {
+  PartlyUsedImpl() {
+    used = register_module("used", torch::nn::Linear(5, 5));
+    unused = register_module("unused", torch::nn::Linear(5, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) { return used(x); }
+  torch::nn::Linear used{nullptr}, unused{nullptr};
+};
+TORCH_MODULE(PartlyUsed);
+
+TEST(TrainingTools, UnusedParametersMatchPlainTraining) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    PartlyUsed reference;
+    torch::manual_seed(0);
+    FullyShardedDataParallel<PartlyUsedImpl> model(PartlyUsed{});
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(step);
+      torch::Tensor x = torch::randn({3, 5});
+      ref_opt.zero_grad();
+      reference->forward(x).pow(2).sum().backward();
+      ref_opt.step();
+      opt.zero_grad();
+      model->forward(x).pow(2).sum().backward();
+      opt.step();
+    }
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference.ptr(), "partly used");
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing

@@ -73,6 +73,10 @@ class FlatParameter {
   /// A pending all-gather is waited for first: it writes into that buffer.
   void reshard();
 
+  /// Copies this rank's part of the unsharded buffer into the shard (after
+  /// the full parameters were modified in place). No-op for NO_SHARD, whose
+  /// shard is the buffer.
+  void copy_unsharded_into_shard();
   /// A zeroed buffer of padded_numel() for gradients, in the shard's dtype.
   at::Tensor new_flat_grad() const;
   /// The view of `flat` that belongs to slot i.

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <torch/arg.h>
 #include <torch/nn/module.h>
 
 #include <vector>
@@ -8,21 +9,33 @@ namespace fsdp {
 
 class Unit;
 
+/// Options of SummonFullParams.
+struct SummonOptions {
+  /// Copy each rank's part of the (possibly modified) full parameters back
+  /// into its shard when the guard ends.
+  TORCH_ARG(bool, writeback) = false;
+  /// Only rank 0 keeps the full parameters; the others free them at once
+  /// (they still take part in the all-gathers). Not allowed with writeback.
+  TORCH_ARG(bool, rank0_only) = false;
+};
+
 /// While alive, every unit in `root`'s module tree is unsharded, so the
 /// original parameters (named_parameters()) hold the full values on every
-/// rank. Collective: every rank must create and destroy it together.
-/// Writes to the full parameters are not kept (no writeback yet).
+/// rank (rank 0 only with rank0_only). Collective: every rank must create and
+/// destroy it together.
 class SummonFullParams {
  public:
   /// Gathers every unit under (and including) `root`.
-  explicit SummonFullParams(torch::nn::Module& root);
-  /// Frees what it gathered.
+  explicit SummonFullParams(torch::nn::Module& root, SummonOptions options = {});
+  /// Writes back (if asked) and frees what it gathered.
   ~SummonFullParams();
   SummonFullParams(const SummonFullParams&) = delete;
   SummonFullParams& operator=(const SummonFullParams&) = delete;
 
  private:
-  std::vector<Unit*> gathered_;
+  SummonOptions options_;
+  std::vector<Unit*> units_;     // every unit with parameters, pre-order
+  std::vector<Unit*> gathered_;  // those this guard unsharded
 };
 
 }  // namespace fsdp

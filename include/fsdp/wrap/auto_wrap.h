@@ -1,0 +1,152 @@
+#pragma once
+
+#include <c10/util/Type.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <vector>
+
+#include <fsdp/wrap/options.h>
+#include <fsdp/wrap/sequential.h>
+
+namespace fsdp {
+
+/// Decides, for each module of a tree, whether auto_wrap makes it an FSDP
+/// unit: PyTorch's auto_wrap_policy. A cheap-to-copy value (it holds
+/// std::functions), so the policies below convert to it and combine with `|`.
+///
+/// A policy sees the module, its path under the Sequential given to auto_wrap
+/// ("3.0", as in named_parameters()) and its *unwrapped numel*: the number of
+/// elements of the parameters in its subtree that no unit made before it owns.
+/// auto_wrap asks in post-order, so every descendant has been decided first.
+class AutoWrapPolicy {
+ public:
+  /// What a policy asks of one module.
+  using Fn = std::function<bool(const torch::nn::Module& module, const std::string& path,
+                                int64_t unwrapped_numel)>;
+
+  /// A policy that selects no module.
+  AutoWrapPolicy();
+  /// A policy that makes a unit of each module for which `should_wrap` is
+  /// true. `should_recurse` (PyTorch's `recurse=True` call; nullptr: always)
+  /// is asked before a module's descendants, with the unwrapped numel of its
+  /// whole subtree; when false, neither the module nor anything under it is
+  /// wrapped. `description` names the policy in messages.
+  AutoWrapPolicy(Fn should_wrap, std::string description, Fn should_recurse = nullptr);
+
+  /// True when `module` should become a unit.
+  bool should_wrap(const torch::nn::Module& module, const std::string& path,
+                   int64_t unwrapped_numel) const;
+  /// True when auto_wrap should look at `module`'s subtree at all.
+  bool should_recurse(const torch::nn::Module& module, const std::string& path,
+                      int64_t unwrapped_numel) const;
+  /// The policy, for messages: "MinParamsPolicy(100000)".
+  const std::string& description() const { return description_; }
+
+ private:
+  Fn should_wrap_;
+  Fn should_recurse_;
+  std::string description_;
+};
+
+/// Selects every module (PyTorch's always_wrap_policy). Modules reached only
+/// through a typed member cannot be wrapped in place, so with this policy
+/// auto_wrap accepts only trees made of Sequential entries.
+class AlwaysWrapPolicy : public AutoWrapPolicy {
+ public:
+  AlwaysWrapPolicy();
+};
+
+/// Selects a module when its unwrapped numel is at least `min_num_params`
+/// (PyTorch's size_based_auto_wrap_policy, same default). As there, it never
+/// selects a ModuleList or ModuleDict (they have no forward), and never looks
+/// inside a MultiheadAttention (its projections are typed members).
+class MinParamsPolicy : public AutoWrapPolicy {
+ public:
+  explicit MinParamsPolicy(int64_t min_num_params = 100000000);
+};
+
+/// Selects the modules for which `fn(module, path, unwrapped_numel)` is true
+/// (PyTorch's lambda_auto_wrap_policy, with more to look at).
+class LambdaPolicy : public AutoWrapPolicy {
+ public:
+  explicit LambdaPolicy(Fn fn, std::string description = "LambdaPolicy");
+};
+
+/// Selects the modules that are of one of the given types or derive from one
+/// (PyTorch's ModuleWrapPolicy, isinstance semantics; tested with
+/// dynamic_cast). Made with fsdp::module_type_policy<Impl...>().
+class ModuleTypePolicy : public AutoWrapPolicy {
+ public:
+  /// One type to match: its name for messages and a test of a module.
+  struct Type {
+    std::string name;
+    std::function<bool(const torch::nn::Module&)> matches;
+  };
+  explicit ModuleTypePolicy(std::vector<Type> types);
+};
+
+/// The ModuleTypePolicy of the module types Impls (the Impl classes, as
+/// torch::nn::LinearImpl, not the holders):
+/// `fsdp::module_type_policy<torch::nn::LinearImpl, MyBlockImpl>()`.
+template <typename... Impls>
+ModuleTypePolicy module_type_policy() {
+  static_assert(sizeof...(Impls) > 0, "fsdp::module_type_policy needs at least one module type");
+  static_assert((std::is_base_of_v<torch::nn::Module, Impls> && ...),
+                "fsdp::module_type_policy takes module Impl types (torch::nn::LinearImpl), "
+                "not holders (torch::nn::Linear)");
+  return ModuleTypePolicy(
+      {ModuleTypePolicy::Type{c10::demangle(typeid(Impls).name()), [](const torch::nn::Module& m) {
+                                return dynamic_cast<const Impls*>(&m) != nullptr;
+                              }}...});
+}
+
+/// Selects a module when any of `policies` does, and looks inside it when any
+/// of them would (PyTorch's _or_policy).
+class UnionPolicy : public AutoWrapPolicy {
+ public:
+  explicit UnionPolicy(std::vector<AutoWrapPolicy> policies);
+};
+
+/// `a | b`: the UnionPolicy of a and b.
+UnionPolicy operator|(const AutoWrapPolicy& a, const AutoWrapPolicy& b);
+
+/// One unit made by auto_wrap.
+struct AutoWrappedUnit {
+  /// Path of the wrapped module under the Sequential given to auto_wrap ("3.0").
+  std::string path;
+  /// The unit, now in the module's Sequential slot.
+  AnyUnit unit;
+};
+
+/// Makes FSDP units, in place, of the modules under `seq` that `policy`
+/// selects (PyTorch's auto wrapping), and returns them in the order made.
+///
+/// C++ modules have no forward hooks, so a module can only be rewrapped where
+/// it is called through a type-erased slot: an entry of a Sequential (see
+/// wrap_sequential_entry). auto_wrap walks the whole tree under `seq` in
+/// post-order (children in registration order, then the parent), looking
+/// inside entries that are themselves Sequentials (classes deriving from
+/// torch::nn::SequentialImpl with a concrete forward), so inner entries
+/// become units before the entries holding them, whose units then manage
+/// only what is left. `seq` itself is not a candidate: wrap it afterwards as
+/// the root, e.g. with fsdp::FullyShardedDataParallel<torch::nn::SequentialImpl>.
+///
+/// Every decision is made before any unit is: it fails, changing nothing,
+/// when the tree already holds an FSDP unit, when the policy selects a module
+/// that is no Sequential entry (a typed member), or one reached at more than
+/// one place. Every rank must call it alike (units are made collectively).
+std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
+                                       FSDPOptions options = {});
+
+/// The paths auto_wrap(seq, policy) would wrap, in the order it would, with
+/// the same checks; makes nothing, so it needs no process group.
+std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
+                                         const AutoWrapPolicy& policy);
+
+}  // namespace fsdp

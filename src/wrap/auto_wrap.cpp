@@ -1,0 +1,278 @@
+#include <fsdp/wrap/auto_wrap.h>
+
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/moduledict.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <memory>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include <fsdp/comm/init.h>
+#include <fsdp/runtime/unit.h>
+
+namespace fsdp {
+
+using torch::nn::Module;
+using torch::nn::SequentialImpl;
+
+AutoWrapPolicy::AutoWrapPolicy()
+    : AutoWrapPolicy([](const Module&, const std::string&, int64_t) { return false; },
+                     "NoWrapPolicy") {}
+
+AutoWrapPolicy::AutoWrapPolicy(Fn should_wrap, std::string description, Fn should_recurse)
+    : should_wrap_(std::move(should_wrap)),
+      should_recurse_(std::move(should_recurse)),
+      description_(std::move(description)) {}
+
+bool AutoWrapPolicy::should_wrap(const Module& module, const std::string& path,
+                                 int64_t unwrapped_numel) const {
+  return should_wrap_ && should_wrap_(module, path, unwrapped_numel);
+}
+
+bool AutoWrapPolicy::should_recurse(const Module& module, const std::string& path,
+                                    int64_t unwrapped_numel) const {
+  return !should_recurse_ || should_recurse_(module, path, unwrapped_numel);
+}
+
+AlwaysWrapPolicy::AlwaysWrapPolicy()
+    : AutoWrapPolicy([](const Module&, const std::string&, int64_t) { return true; },
+                     "AlwaysWrapPolicy") {}
+
+MinParamsPolicy::MinParamsPolicy(int64_t min_num_params)
+    : AutoWrapPolicy(
+          [min_num_params](const Module& m, const std::string&, int64_t numel) {
+            // Containers without a forward are never called, so a unit there
+            // would never gather (PyTorch's EXCLUDE_WRAP_MODULES).
+            return numel >= min_num_params &&
+                   dynamic_cast<const torch::nn::ModuleListImpl*>(&m) == nullptr &&
+                   dynamic_cast<const torch::nn::ModuleDictImpl*>(&m) == nullptr;
+          },
+          "MinParamsPolicy(" + std::to_string(min_num_params) + ")",
+          [min_num_params](const Module& m, const std::string&, int64_t numel) {
+            // A subtree smaller than the minimum holds nothing to select;
+            // MultiheadAttention uses its projections' weights directly
+            // (PyTorch's FORCE_LEAF_MODULES).
+            return numel >= min_num_params &&
+                   dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(&m) == nullptr;
+          }) {
+  TORCH_CHECK(min_num_params >= 0, "fsdp MinParamsPolicy: expected min_num_params >= 0, got ",
+              min_num_params, ". A parameter count cannot be negative. Pass 0 to select every ",
+              "module.");
+}
+
+LambdaPolicy::LambdaPolicy(Fn fn, std::string description)
+    : AutoWrapPolicy(std::move(fn), std::move(description)) {}
+
+namespace {
+
+std::string describe_types(const std::vector<ModuleTypePolicy::Type>& types) {
+  std::string out = "ModuleTypePolicy(";
+  for (size_t i = 0; i < types.size(); ++i) out += (i ? ", " : "") + types[i].name;
+  return out + ")";
+}
+
+std::string describe_union(const std::vector<AutoWrapPolicy>& policies) {
+  std::string out = "(";
+  for (size_t i = 0; i < policies.size(); ++i) out += (i ? " | " : "") + policies[i].description();
+  return out + ")";
+}
+
+}  // namespace
+
+ModuleTypePolicy::ModuleTypePolicy(std::vector<Type> types)
+    : AutoWrapPolicy(
+          [types](const Module& m, const std::string&, int64_t) {
+            for (const auto& t : types) {
+              if (t.matches(m)) return true;
+            }
+            return false;
+          },
+          describe_types(types)) {}
+
+UnionPolicy::UnionPolicy(std::vector<AutoWrapPolicy> policies)
+    : AutoWrapPolicy(
+          [policies](const Module& m, const std::string& path, int64_t numel) {
+            for (const auto& p : policies) {
+              if (p.should_wrap(m, path, numel)) return true;
+            }
+            return false;
+          },
+          describe_union(policies),
+          // A member that would descend must see the subtree, even if the
+          // others would prune it (PyTorch's _or_policy asks with recurse=True).
+          [policies](const Module& m, const std::string& path, int64_t numel) {
+            for (const auto& p : policies) {
+              if (p.should_recurse(m, path, numel)) return true;
+            }
+            return false;
+          }) {}
+
+UnionPolicy operator|(const AutoWrapPolicy& a, const AutoWrapPolicy& b) {
+  return UnionPolicy({a, b});
+}
+
+namespace {
+
+// The rank shown in messages: the group the units would use, when known.
+int message_rank(const std::shared_ptr<ProcessGroup>& group) {
+  if (group) return group->rank();
+  if (is_initialized()) return default_process_group()->rank();
+  return 0;
+}
+
+std::string shown(const std::string& path) { return path.empty() ? "<root>" : path; }
+
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+// Where a module is called from. Only a Sequential slot can be patched; for
+// anything else `reason` says why not.
+struct Slot {
+  std::shared_ptr<SequentialImpl> parent;
+  size_t index = 0;
+  std::string reason;
+};
+
+// A unit to make: entry `index` of `parent`, at `path`.
+struct Planned {
+  std::string path;
+  std::shared_ptr<SequentialImpl> parent;
+  size_t index;
+};
+
+// Decides every unit before any is made, so a refusal changes nothing.
+class Planner {
+ public:
+  Planner(const AutoWrapPolicy& policy, int rank) : policy_(policy), rank_(rank) {}
+
+  std::vector<Planned> plan(const std::shared_ptr<SequentialImpl>& root) {
+    survey(root, "");
+    visit(root, "", Slot{});
+    return std::move(planned_);
+  }
+
+ private:
+  // Pre-order, registration order, like named_modules(): rejects existing
+  // units (the first found is named) and records every path of every module.
+  void survey(const std::shared_ptr<Module>& m, const std::string& path) {
+    TORCH_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr, "[rank ", rank_, "] fsdp(",
+                shown(path), "): expected a module tree without FSDP units, got ", m->name(),
+                " at ", shown(path),
+                ". auto_wrap decides every unit itself and does not nest new units around units "
+                "made before (as PyTorch's auto wrapping). Call auto_wrap once, on the unwrapped "
+                "model, or wrap the whole model by hand.");
+    auto& paths = paths_[m.get()];
+    paths.push_back(path);
+    if (paths.size() > 1) return;  // its subtree was surveyed at its first path
+    for (const auto& c : m->named_children()) survey(c.value(), join(path, c.key()));
+  }
+
+  // Post-order: the children in registration order, then the module.
+  void visit(const std::shared_ptr<Module>& m, const std::string& path, const Slot& slot) {
+    if (!visited_.insert(m.get()).second) return;  // decided at its first path
+    if (!policy_.should_recurse(*m, path, unwrapped_numel(*m))) return;
+    const auto seq = std::dynamic_pointer_cast<SequentialImpl>(m);
+    const auto children = m->named_children();
+    for (size_t i = 0; i < children.size(); ++i) {
+      visit(children[i].value(), join(path, children[i].key()), slot_of(m, seq, children, i, path));
+    }
+    if (path.empty()) return;  // the root: the caller wraps it
+    const int64_t numel = unwrapped_numel(*m);
+    if (!policy_.should_wrap(*m, path, numel)) return;
+    TORCH_CHECK(slot.parent != nullptr, "[rank ", rank_, "] fsdp(", path,
+                "): expected the modules that ", policy_.description(),
+                " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
+                ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
+                "called through a Sequential's type-erased slot. Make it an entry of a "
+                "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
+                "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
+                "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
+                "it.");
+    const auto& paths = paths_.at(m.get());
+    TORCH_CHECK(paths.size() == 1, "[rank ", rank_, "] fsdp(", path, "): expected the modules ",
+                "that ", policy_.description(), " selects to be reached at one place, got ",
+                m->name(), " also at ", shown(paths[1]),
+                ". A unit in one slot would leave the other place calling the module with its "
+                "parameters sharded. Give each place its own module, or keep it out of the "
+                "policy.");
+    own(*m);
+    planned_.push_back(Planned{path, slot.parent, slot.index});
+  }
+
+  // Where the parent `m` calls child i.
+  static Slot slot_of(const std::shared_ptr<Module>& m, const std::shared_ptr<SequentialImpl>& seq,
+                      const torch::OrderedDict<std::string, std::shared_ptr<Module>>& children,
+                      size_t i, const std::string& path) {
+    const Module* child = children[i].value().get();
+    const std::string parent = m->name() + " (at " + shown(path) + ")";
+    if (!seq) return Slot{nullptr, 0, "a typed member of " + parent};
+    for (size_t e = 0; e < seq->size(); ++e) {
+      if (seq->ptr(e).get() != child) continue;
+      // wrap_sequential_entry finds the child to replace by the entry's index.
+      if (e == i) return Slot{seq, e, ""};
+      return Slot{nullptr, 0,
+                  "entry " + std::to_string(e) + " of " + parent + ", registered as its child " +
+                      std::to_string(i) +
+                      " (the Sequential registers other modules before its entries, so the "
+                      "entry cannot be replaced by index; register them after the entries)"};
+    }
+    return Slot{nullptr, 0, "a module " + parent + " registers besides its entries"};
+  }
+
+  int64_t unwrapped_numel(const Module& m) const {
+    std::unordered_set<const void*> seen;  // tied parameters count once
+    int64_t numel = 0;
+    for (const auto& p : m.parameters()) {
+      const void* key = p.unsafeGetTensorImpl();
+      if (owned_.count(key) == 0 && seen.insert(key).second) numel += p.numel();
+    }
+    return numel;
+  }
+
+  void own(const Module& m) {
+    for (const auto& p : m.parameters()) owned_.insert(p.unsafeGetTensorImpl());
+  }
+
+  const AutoWrapPolicy& policy_;
+  const int rank_;
+  std::unordered_map<const Module*, std::vector<std::string>> paths_;
+  std::unordered_set<const Module*> visited_;
+  std::unordered_set<const void*> owned_;  // TensorImpls of parameters of planned units
+  std::vector<Planned> planned_;
+};
+
+std::vector<Planned> plan(const torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
+                          int rank) {
+  TORCH_CHECK(!seq.is_empty(), "[rank ", rank,
+              "] fsdp(<root>): expected a Sequential to auto-wrap, got an empty holder "
+              "(torch::nn::Sequential(nullptr)). Nothing was constructed. Pass a constructed "
+              "Sequential.");
+  return Planner(policy, rank).plan(seq.ptr());
+}
+
+}  // namespace
+
+std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
+                                       FSDPOptions options) {
+  const auto planned = plan(seq, policy, message_rank(options.process_group()));
+  std::vector<AutoWrappedUnit> units;
+  units.reserve(planned.size());
+  for (const auto& p : planned) {
+    torch::nn::Sequential parent(p.parent);
+    units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, options)});
+  }
+  return units;
+}
+
+std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
+                                         const AutoWrapPolicy& policy) {
+  std::vector<std::string> paths;
+  for (auto& p : plan(seq, policy, message_rank(nullptr))) paths.push_back(std::move(p.path));
+  return paths;
+}
+
+}  // namespace fsdp

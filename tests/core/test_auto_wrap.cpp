@@ -1,0 +1,294 @@
+// fsdp::auto_wrap and its policies (PyTorch's _wrap_utils.py / wrap.py, seed
+// 003): which modules each policy selects, in post-order with only unwrapped
+// parameters counted; in-place wrapping of Sequential entries keeping
+// parameter names; training parity against plain LibTorch; the refusals
+// (a tree already holding units, a selected module no slot calls).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace nn = torch::nn;
+using Paths = std::vector<std::string>;
+
+// A Sequential with a concrete forward, so it can be an entry of another
+// Sequential; auto_wrap looks inside it.
+struct BlockImpl : nn::SequentialImpl {
+  using nn::SequentialImpl::SequentialImpl;
+  torch::Tensor forward(torch::Tensor x) { return nn::SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Block);
+
+// An entry whose Linears are typed members: no slot calls them.
+struct MlpImpl : nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", nn::Linear(16, 16))),
+        fc2(register_module("fc2", nn::Linear(16, 16))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
+  nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Mlp);
+
+// A Sequential that registers a module besides its entries, before them: its
+// entry 0 is its child 1.
+struct TaggedImpl : nn::SequentialImpl {
+  TaggedImpl() {
+    register_module("tag", nn::Linear(2, 2));
+    push_back(nn::Linear(16, 16));
+  }
+  torch::Tensor forward(torch::Tensor x) { return nn::SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Tagged);
+
+// Parameter counts: 0: 144, 2: 32, 3: 576 (3.0: 272, 3.2: 32, 3.3: 272), 4: 68.
+nn::Sequential make_model() {
+  torch::manual_seed(0);
+  return nn::Sequential(nn::Linear(8, 16), nn::ReLU(), nn::LayerNorm(nn::LayerNormOptions({16})),
+                        Block(nn::Linear(16, 16), nn::ReLU(),
+                              nn::LayerNorm(nn::LayerNormOptions({16})), nn::Linear(16, 16)),
+                        nn::Linear(16, 4));
+}
+
+struct PolicyCase {
+  std::string name;
+  AutoWrapPolicy policy;
+  Paths expected;
+};
+
+std::vector<PolicyCase> policy_cases() {
+  return {
+      {"always", AlwaysWrapPolicy(), {"0", "1", "2", "3.0", "3.1", "3.2", "3.3", "3", "4"}},
+      {"linear", module_type_policy<nn::LinearImpl>(), {"0", "3.0", "3.3", "4"}},
+      {"block", module_type_policy<BlockImpl>(), {"3"}},
+      {"linear_and_block",
+       module_type_policy<nn::LinearImpl, BlockImpl>(),
+       {"0", "3.0", "3.3", "3", "4"}},
+      // isinstance semantics: a subclass matches; the root is never a candidate.
+      {"sequential_subclass", module_type_policy<nn::SequentialImpl>(), {"3"}},
+      // The block holds 576 but only its LayerNorm's 32 are left unwrapped.
+      {"min_250", MinParamsPolicy(250), {"3.0", "3.3"}},
+      {"min_300", MinParamsPolicy(300), {"3"}},
+      {"min_144_inclusive", MinParamsPolicy(144), {"0", "3.0", "3.3"}},
+      {"min_default", MinParamsPolicy(), {}},
+      {"lambda",
+       LambdaPolicy([](const nn::Module&, const std::string& path, int64_t numel) {
+         return path.rfind("3.", 0) == 0 && numel > 0;
+       }),
+       {"3.0", "3.2", "3.3"}},
+      {"union",
+       module_type_policy<nn::LayerNormImpl>() | MinParamsPolicy(250),
+       {"2", "3.0", "3.2", "3.3"}},
+  };
+}
+
+std::vector<std::string> names_of(const nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& p : m.named_parameters()) out.push_back(p.key());
+  return out;
+}
+
+// The message of what `fn` throws ("" when it does not).
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// Joins the world group of a rank process.
+std::shared_ptr<ProcessGroup> start_rank() {
+  torch::set_num_threads(1);
+  return init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+}
+
+// Ends a rank body. A rank whose body makes no collective could otherwise
+// exit while its peer is still connecting to it (Gloo then fails the peer).
+void finish_rank(const std::shared_ptr<ProcessGroup>& group) { group->barrier().wait(); }
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(AutoWrapPolicies, EachPolicySelectsTheExpectedPaths) {
+  for (const auto& c : policy_cases()) {
+    EXPECT_EQ(auto_wrap_paths(make_model(), c.policy), c.expected) << c.name;
+  }
+  EXPECT_EQ((module_type_policy<nn::LinearImpl>() | MinParamsPolicy(7)).description(),
+            "(ModuleTypePolicy(torch::nn::LinearImpl) | MinParamsPolicy(7))");
+  EXPECT_TRUE(contains(error_of([] { MinParamsPolicy(-1); }), "got -1"));
+}
+
+TEST(AutoWrapPolicies, AskedInPostOrderWithOnlyUnwrappedParams) {
+  std::vector<std::pair<std::string, int64_t>> asked;
+  const auto record = [&](bool select_linears) {
+    asked.clear();
+    return LambdaPolicy(
+        [&asked, select_linears](const nn::Module& m, const std::string& path, int64_t numel) {
+          asked.emplace_back(path, numel);
+          return select_linears && dynamic_cast<const nn::LinearImpl*>(&m) != nullptr;
+        });
+  };
+  const std::vector<std::pair<std::string, int64_t>> all = {{"0", 144},   {"1", 0},   {"2", 32},
+                                                            {"3.0", 272}, {"3.1", 0}, {"3.2", 32},
+                                                            {"3.3", 272}, {"3", 576}, {"4", 68}};
+  EXPECT_TRUE(auto_wrap_paths(make_model(), record(false)).empty());
+  EXPECT_EQ(asked, all);
+  // Once its Linears are units, the block is left with its LayerNorm's.
+  auto expected = all;
+  expected[7].second = 32;
+  EXPECT_EQ(auto_wrap_paths(make_model(), record(true)), (Paths{"0", "3.0", "3.3", "4"}));
+  EXPECT_EQ(asked, expected);
+}
+
+TEST(AutoWrapPolicies, SelectingAModuleNoSlotCallsIsRefused) {
+  const auto with_mlp = [] { return nn::Sequential(nn::Linear(8, 16), Mlp(), nn::ReLU()); };
+  for (const AutoWrapPolicy& policy :
+       {AutoWrapPolicy(module_type_policy<nn::LinearImpl>()), AutoWrapPolicy(MinParamsPolicy(200)),
+        AutoWrapPolicy(AlwaysWrapPolicy())}) {
+    const std::string msg = error_of([&] { auto_wrap_paths(with_mlp(), policy); });
+    EXPECT_TRUE(contains(msg, "fsdp(1.fc1)")) << policy.description() << ": " << msg;
+    EXPECT_TRUE(contains(msg, "a typed member of ") && contains(msg, "MlpImpl (at 1)")) << msg;
+    EXPECT_TRUE(contains(msg, "entry of a torch::nn::Sequential")) << msg;
+  }
+  // Selecting the entry itself is fine: its unit manages the members.
+  EXPECT_EQ(auto_wrap_paths(with_mlp(), module_type_policy<MlpImpl>()), (Paths{"1"}));
+
+  const auto tagged = [] { return nn::Sequential(nn::Linear(8, 16), Tagged()); };
+  std::string msg =
+      error_of([&] { auto_wrap_paths(tagged(), module_type_policy<nn::LinearImpl>()); });
+  EXPECT_TRUE(contains(msg, "fsdp(1.tag)") && contains(msg, "registers besides its entries"))
+      << msg;
+  const LambdaPolicy entry(
+      [](const nn::Module&, const std::string& path, int64_t) { return path == "1.0"; });
+  msg = error_of([&] { auto_wrap_paths(tagged(), entry); });
+  EXPECT_TRUE(contains(msg, "fsdp(1.0)") && contains(msg, "registered as its child 1")) << msg;
+
+  nn::Linear shared(4, 4);
+  nn::Sequential twice(shared, nn::ReLU(), shared);
+  msg = error_of([&] { auto_wrap_paths(twice, module_type_policy<nn::LinearImpl>()); });
+  EXPECT_TRUE(contains(msg, "fsdp(0)") && contains(msg, "also at 2")) << msg;
+}
+
+TEST(AutoWrap, WrapsSelectedEntriesInPlaceKeepingNames) {
+  run_ranks_ok(2, [](int, int) {
+    const auto group = start_rank();
+    for (const auto& c : policy_cases()) {
+      nn::Sequential seq = make_model();
+      const auto names = names_of(*seq);
+      const auto units = auto_wrap(seq, c.policy);
+      Paths paths;
+      for (const auto& u : units) paths.push_back(u.path);
+      EXPECT_EQ(paths, c.expected) << c.name;
+      // Each unit sits where its module was, and nothing else became one.
+      const auto modules = seq->named_modules();
+      for (const auto& u : units) {
+        ASSERT_TRUE(modules.contains(u.path)) << c.name << " " << u.path;
+        EXPECT_EQ(modules[u.path].get(), u.unit.ptr().get()) << c.name << " " << u.path;
+      }
+      size_t unit_count = 0;
+      for (const auto& m : seq->modules()) unit_count += dynamic_cast<Unit*>(m.get()) ? 1 : 0;
+      EXPECT_EQ(unit_count, units.size()) << c.name;
+      EXPECT_EQ(names_of(*seq), names) << c.name;
+      FullyShardedDataParallel<nn::SequentialImpl> root(seq);
+      EXPECT_EQ(names_of(*root), names) << c.name;
+      EXPECT_EQ(root->forward(torch::ones({2, 8})).sizes(), (std::vector<int64_t>{2, 4})) << c.name;
+    }
+    finish_rank(group);
+  });
+}
+
+// Trains 3 SGD steps; returns the full parameters (gathered when wrapped).
+std::vector<std::pair<std::string, torch::Tensor>> train(const AutoWrapPolicy* policy) {
+  nn::Sequential seq = make_model();
+  torch::manual_seed(1);
+  const torch::Tensor batch = torch::randn({4, 8});
+  const torch::Tensor target = torch::randn({4, 4});
+  std::function<torch::Tensor(torch::Tensor)> forward = [&](torch::Tensor x) {
+    return seq->forward(x);
+  };
+  std::vector<torch::Tensor> params = seq->parameters();
+  FullyShardedDataParallel<nn::SequentialImpl> root{nullptr};
+  if (policy != nullptr) {
+    auto_wrap(seq, *policy);
+    root = FullyShardedDataParallel<nn::SequentialImpl>(seq);
+    forward = [&](torch::Tensor x) { return root->forward(x); };
+    params = root->parameters();
+  }
+  torch::optim::SGD optimizer(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 3; ++step) {
+    optimizer.zero_grad();
+    nn::functional::mse_loss(forward(batch), target).backward();
+    optimizer.step();
+  }
+  std::unique_ptr<SummonFullParams> full;
+  if (root) full = std::make_unique<SummonFullParams>(*root.ptr());
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (const auto& p : seq->named_parameters()) {
+    out.emplace_back(p.key(), p.value().detach().clone());
+  }
+  return out;
+}
+
+TEST(AutoWrap, TrainingMatchesPlainLibTorch) {
+  run_ranks_ok(2, [](int, int) {
+    const auto group = start_rank();
+    const auto expected = train(nullptr);
+    for (const auto& c : policy_cases()) {
+      const auto actual = train(&c.policy);
+      ASSERT_EQ(actual.size(), expected.size()) << c.name;
+      for (size_t i = 0; i < expected.size(); ++i) {
+        EXPECT_EQ(actual[i].first, expected[i].first) << c.name;
+        EXPECT_TRUE(torch::allclose(actual[i].second, expected[i].second, 1.3e-6, 1e-5))
+            << c.name << " " << expected[i].first << " max diff "
+            << (actual[i].second - expected[i].second).abs().max().item<double>();
+      }
+    }
+    finish_rank(group);
+  });
+}
+
+TEST(AutoWrap, RefusalsNameTheModuleAndChangeNothing) {
+  run_ranks_ok(2, [](int rank, int) {
+    const auto group = start_rank();
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+
+    // A unit made by hand inside the block: auto_wrap names it, before
+    // wrapping the Linears it would otherwise wrap first.
+    nn::Sequential seq = make_model();
+    nn::Sequential block(std::dynamic_pointer_cast<nn::SequentialImpl>(seq->ptr(3)));
+    wrap_sequential_entry(block, 2);
+    std::string msg = error_of([&] { auto_wrap(seq, module_type_policy<nn::LinearImpl>()); });
+    EXPECT_TRUE(contains(msg, prefix + "fsdp(3.2): expected a module tree without FSDP units"))
+        << msg;
+    EXPECT_NE(dynamic_cast<nn::LinearImpl*>(seq->ptr(0).get()), nullptr)
+        << "entry 0 was wrapped before the refusal";
+
+    // A typed member selected after an entry that could be wrapped.
+    nn::Sequential with_mlp(nn::Linear(8, 16), Mlp());
+    msg = error_of([&] { auto_wrap(with_mlp, module_type_policy<nn::LinearImpl>()); });
+    EXPECT_TRUE(contains(msg, prefix + "fsdp(1.fc1): expected the modules that "
+                                       "ModuleTypePolicy(torch::nn::LinearImpl) selects to be "
+                                       "Sequential entries"))
+        << msg;
+    EXPECT_TRUE(contains(msg, "fsdp::FullyShardedDataParallel<Impl>")) << msg;
+    EXPECT_NE(dynamic_cast<nn::LinearImpl*>(with_mlp->ptr(0).get()), nullptr)
+        << "entry 0 was wrapped before the refusal";
+    finish_rank(group);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
