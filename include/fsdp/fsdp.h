@@ -17,3 +17,4 @@
 #include <fsdp/wrap/options.h>
 #include <fsdp/wrap/sequential.h>
 #include <fsdp/wrap/summon_full_params.h>
+#include <fsdp/wrap/enable_wrap.h>

@@ -52,7 +52,8 @@ namespace {
 void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const std::string& prefix,
                      std::unordered_set<const void*>& seen,
                      std::vector<std::pair<std::string, at::Tensor>>& out) {
-  if (&m != &self && dynamic_cast<Unit*>(&m) != nullptr) return;
+  const auto* unit = dynamic_cast<const Unit*>(&m);
+  if (&m != &self && unit != nullptr && unit->is_active()) return;
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second)
       out.emplace_back(prefix + p.key(), p.value());
@@ -177,7 +178,7 @@ void Unit::lazy_init_root() {
   root_ = this;
   for (const auto& m : self_->modules(/*include_self=*/true)) {
     auto* unit = dynamic_cast<Unit*>(m.get());
-    if (unit == nullptr) continue;
+    if (unit == nullptr || !unit->is_active()) continue;
     unit->root_ = this;
     units_.push_back(unit);
   }
@@ -329,7 +330,8 @@ void Unit::finish_backward() {
 std::vector<Unit*> Unit::units_in_tree() const {
   std::vector<Unit*> out;
   for (const auto& m : self_->modules(/*include_self=*/true)) {
-    if (auto* unit = dynamic_cast<Unit*>(m.get())) out.push_back(unit);
+    auto* unit = dynamic_cast<Unit*>(m.get());
+    if (unit != nullptr && unit->is_active()) out.push_back(unit);
   }
   return out;
 }

@@ -51,6 +51,9 @@ class Unit {
   FlatParameter* flat_param() const { return flat_.get(); }
   /// True for the outermost unit (decided at the first forward).
   bool is_root() const { return root_ == this; }
+  /// False for a pass-through wrapper (fsdp::wrap() outside a scope): it is
+  /// no unit, and its parameters belong to the enclosing unit.
+  bool is_active() const { return active_; }
   /// This unit's state.
   TrainingState training_state() const { return state_; }
   /// The unit's options.
@@ -87,6 +90,8 @@ class Unit {
   /// Flattens the parameters of `self` (the wrapper module, whose parameters
   /// and children are the wrapped module's) that no nested unit owns.
   void init_unit(torch::nn::Module& self);
+  /// Makes this a pass-through (see is_active()); before init_unit().
+  void deactivate() { active_ = false; }
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
   /// Called by the wrapper after the wrapped forward with its output.
@@ -109,6 +114,7 @@ class Unit {
 
   // Constant after init_unit().
   FSDPOptions options_;
+  bool active_ = true;
   std::unique_ptr<FlatParameter> flat_;
   torch::nn::Module* self_ = nullptr;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;

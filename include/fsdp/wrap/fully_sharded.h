@@ -43,26 +43,34 @@ template <typename Impl, typename R, typename... Args>
 class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::nn::Module,
                                                                  public Unit {
  public:
-  /// Wraps the module held by `module` (flattening and sharding its parameters now).
+  /// Wraps the module held by `module` (flattening and sharding its
+  /// parameters now). With enabled == false the wrapper is a pass-through:
+  /// no unit, the module unchanged (see fsdp::wrap()).
   explicit FullyShardedDataParallelImpl(const torch::nn::ModuleHolder<Impl>& module,
-                                        FSDPOptions options = {})
-      : FullyShardedDataParallelImpl(module.ptr(), std::move(options)) {}
+                                        FSDPOptions options = {}, bool enabled = true)
+      : FullyShardedDataParallelImpl(module.ptr(), std::move(options), enabled) {}
 
-  /// Wraps `module` (flattening and sharding its parameters now).
-  explicit FullyShardedDataParallelImpl(std::shared_ptr<Impl> module, FSDPOptions options = {})
-      : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
+  /// See the constructor above.
+  explicit FullyShardedDataParallelImpl(std::shared_ptr<Impl> module, FSDPOptions options = {},
+                                        bool enabled = true)
+      : Module("FullyShardedDataParallel"),
+        Unit(std::move(options)),
+        module_(std::move(module)),
+        enabled_(enabled) {
     TORCH_CHECK(module_, "fsdp: cannot wrap a null module");
-    for (const auto& p : module_->named_parameters(/*recurse=*/false)) {
-      register_parameter(p.key(), p.value(), p.value().requires_grad());
+    TORCH_CHECK(dynamic_cast<Unit*>(module_.get()) == nullptr, "fsdp: the module ", module_->name(),
+                " is already an FSDP unit; wrap each module once.");
+    detail::adopt_module_contents(*this, *module_);
+    if (enabled_) {
+      init_unit(*this);
+    } else {
+      deactivate();
     }
-    for (const auto& b : module_->named_buffers(/*recurse=*/false))
-      register_buffer(b.key(), b.value());
-    for (const auto& c : module_->named_children()) register_module(c.key(), c.value());
-    init_unit(*this);
   }
 
   /// Gathers the parameters, runs the wrapped forward, and arranges backward.
   R forward(Args... args) {
+    if (!enabled_) return module_->forward(std::forward<Args>(args)...);
     pre_forward();
     R out = module_->forward(std::forward<Args>(args)...);
     if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
@@ -81,13 +89,19 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
 
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
-  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
+  std::vector<at::Tensor> parameters(bool recurse = true) const {
+    return enabled_ ? flat_parameters() : torch::nn::Module::parameters(recurse);
+  }
+
+  /// False for a pass-through wrapper made by fsdp::wrap() outside a scope.
+  bool enabled() const { return enabled_; }
 
   /// The wrapped module.
   Impl& module() const { return *module_; }
 
  private:
   std::shared_ptr<Impl> module_;
+  bool enabled_;
 };
 
 /// Holder for FullyShardedDataParallelImpl, like torch::nn::Linear for LinearImpl:

@@ -1,0 +1,40 @@
+#pragma once
+
+#include <optional>
+
+#include <fsdp/wrap/fully_sharded.h>
+#include <fsdp/wrap/options.h>
+
+namespace fsdp {
+
+/// While alive (on this thread), fsdp::wrap() makes FSDP units with these
+/// options: PyTorch's `with enable_wrap(...)`. Scopes nest; the innermost wins.
+class EnableWrap {
+ public:
+  /// Opens a scope.
+  explicit EnableWrap(FSDPOptions options);
+  /// Closes it, restoring the enclosing scope's options.
+  ~EnableWrap();
+  EnableWrap(const EnableWrap&) = delete;
+  EnableWrap& operator=(const EnableWrap&) = delete;
+
+  /// The innermost scope's options, or nullptr outside any scope.
+  static const FSDPOptions* current();
+
+ private:
+  std::optional<FSDPOptions> previous_;
+};
+
+/// Inside an EnableWrap scope: an FSDP unit around `module` with the scope's
+/// options. Outside: the same wrapper type in pass-through mode, which is the
+/// module unchanged (no unit, no sharding, the module's own parameters), so
+/// model code can call wrap() unconditionally.
+template <typename Impl>
+FullyShardedDataParallel<Impl> wrap(const torch::nn::ModuleHolder<Impl>& module) {
+  if (const FSDPOptions* options = EnableWrap::current()) {
+    return FullyShardedDataParallel<Impl>(module, *options);
+  }
+  return FullyShardedDataParallel<Impl>(module, FSDPOptions(), /*enabled=*/false);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,75 @@
+// fsdp::wrap() inside and outside an EnableWrap scope (PyTorch's enable_wrap).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
+
+namespace fsdp::testing {
+namespace {
+
+struct TwoLayerImpl : torch::nn::Module {
+  TwoLayerImpl() {
+    // The model code calls wrap() unconditionally, as with PyTorch's wrap().
+    a = register_module("a", wrap(torch::nn::Linear(6, 6)));
+    b = register_module("b", wrap(torch::nn::Linear(6, 2)));
+  }
+  torch::Tensor forward(torch::Tensor x) { return b(torch::relu(a(x))); }
+  FullyShardedDataParallel<torch::nn::LinearImpl> a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoLayer);
+
+TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    TwoLayer plain;  // outside any scope: pass-through wrappers
+    EXPECT_EQ(EnableWrap::current(), nullptr);
+    EXPECT_FALSE(plain->a->enabled());
+    EXPECT_EQ(plain->a->flat_param(), nullptr);
+    EXPECT_EQ(plain->a->parameters().size(), 2u);  // the Linear's own weight and bias
+    torch::manual_seed(0);
+    TwoLayer wrapped = [] {
+      EnableWrap scope(FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
+      {
+        EnableWrap inner(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard));
+        EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kNoShard);
+      }
+      EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kShardGradOp);
+      return TwoLayer();
+    }();
+    EXPECT_EQ(EnableWrap::current(), nullptr);
+    ASSERT_NE(wrapped->a->flat_param(), nullptr);
+    EXPECT_EQ(wrapped->a->fsdp_options().sharding_strategy(), ShardingStrategy::kShardGradOp);
+    EXPECT_EQ(wrapped->a->flat_param()->state(), FlatParameter::State::kSharded);
+
+    // Same names either way, and the same training.
+    EXPECT_EQ(plain->named_parameters().keys(), wrapped->named_parameters().keys());
+    FullyShardedDataParallel<TwoLayerImpl> root(wrapped);
+    FullyShardedDataParallel<TwoLayerImpl> plain_root(plain);  // its pass-throughs are not units
+    ASSERT_NE(plain_root->flat_param(), nullptr);
+    EXPECT_EQ(plain_root->flat_param()->slots().size(), 4u) << "the root manages all four";
+    torch::optim::SGD opt_a(root->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_b(plain_root->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      torch::Tensor x = torch::randn({4, 6});
+      opt_a.zero_grad();
+      root->forward(x).pow(2).sum().backward();
+      opt_a.step();
+      opt_b.zero_grad();
+      plain_root->forward(x).pow(2).sum().backward();
+      opt_b.step();
+    }
+    SummonFullParams full_a(*root.ptr());
+    SummonFullParams full_b(*plain_root.ptr());
+    for (const auto& p : plain_root->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(root->named_parameters()[p.key()], p.value(), 1.3e-6, 1e-5))
+          << p.key();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
