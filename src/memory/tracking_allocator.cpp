@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
 
 namespace fsdp {
 namespace detail {
@@ -56,34 +58,91 @@ void delete_tracked(void* context) {
   c.frees.fetch_add(1, std::memory_order_relaxed);
 }
 
+// Sizes of live allocations made through the raw-compatible path, by data
+// pointer: LibTorch's raw interface (used by oneDNN, e.g. for at::gelu)
+// hands the deleter only the data pointer.
+struct RawSizes {
+  std::mutex mutex;
+  std::unordered_map<void*, int64_t> bytes;
+  c10::DeleterFnPtr inner_deleter = nullptr;  // constant once installed
+};
+
+RawSizes& raw_sizes() {
+  static RawSizes* sizes = new RawSizes();  // never destroyed, as counters()
+  return *sizes;
+}
+
+void delete_raw_tracked(void* data) {
+  RawSizes& sizes = raw_sizes();
+  int64_t nbytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(sizes.mutex);
+    auto it = sizes.bytes.find(data);
+    if (it != sizes.bytes.end()) {
+      nbytes = it->second;
+      sizes.bytes.erase(it);
+    }
+  }
+  sizes.inner_deleter(data);
+  if (nbytes > 0) {
+    MemoryCounters& c = counters();
+    c.current.fetch_sub(nbytes, std::memory_order_relaxed);
+    c.frees.fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
 /// Counts the bytes of every non-empty allocation and forwards to the CPU
 /// allocator that was installed before it.
 ///
-/// raw_deleter() keeps the default nullptr: our DataPtr's context is a
-/// TrackedContext, not the data pointer, so the raw interface cannot be
-/// offered (only CUDA-side and third-party code uses it on the CPU allocator).
+/// When the inner allocator supports LibTorch's raw interface (the default
+/// CPU allocator does: its context is the data pointer), so does this one,
+/// with the size kept in a table; oneDNN kernels allocate through it and
+/// abort on an allocator without it. Otherwise the size travels in a
+/// TrackedContext and raw_deleter() stays nullptr.
 class TrackingAllocator final : public c10::Allocator {
  public:
-  explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {}
+  explicit TrackingAllocator(c10::Allocator* inner) : inner_(inner) {
+    raw_sizes().inner_deleter = inner_->raw_deleter();
+  }
 
   c10::DataPtr allocate(size_t nbytes) const override {
     c10::DataPtr inner = inner_->allocate(nbytes);
     // Empty storages hold no memory; passing them through untouched keeps
     // allocations/frees about real memory and saves a context allocation.
     if (nbytes == 0) return inner;
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    const auto size = static_cast<int64_t>(nbytes);
+    if (raw_compatible(inner)) {
+      {
+        RawSizes& sizes = raw_sizes();
+        std::lock_guard<std::mutex> lock(sizes.mutex);
+        sizes.bytes[data] = size;
+      }
+      inner.release_context();
+      record_allocation(size);
+      return c10::DataPtr(data, data, &delete_raw_tracked, device);
+    }
     // Allocated before the inner context is released, so a bad_alloc here
     // still frees the inner allocation through `inner`.
     auto tracked = std::make_unique<TrackedContext>();
     tracked->inner_deleter = inner.get_deleter();
-    tracked->nbytes = static_cast<int64_t>(nbytes);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
+    tracked->nbytes = size;
     tracked->inner_context = inner.release_context();
-    record_allocation(tracked->nbytes);
+    record_allocation(size);
     return c10::DataPtr(data, tracked.release(), &delete_tracked, device);
   }
 
+  c10::DeleterFnPtr raw_deleter() const override {
+    return raw_sizes().inner_deleter != nullptr ? &delete_raw_tracked : nullptr;
+  }
+
  private:
+  bool raw_compatible(const c10::DataPtr& inner) const {
+    return raw_sizes().inner_deleter != nullptr && inner.get_context() == inner.get() &&
+           inner.get_deleter() == raw_sizes().inner_deleter;
+  }
+
   c10::Allocator* inner_;
 };
 

@@ -179,3 +179,27 @@ TEST(Memory, EnableIsIdempotentAndThreadSafe) {
 }
 
 }  // namespace
+
+namespace fsdp {
+namespace {
+
+// oneDNN kernels (at::gelu's exact form in LibTorch 1.13) allocate through
+// the allocator's raw interface; with tracking on they must still work.
+TEST(MemoryTracking, RawInterfaceServesOneDnnKernels) {
+  enable_memory_tracking();
+  const int64_t before = memory_stats().current_bytes;
+  {
+    at::Tensor x = at::randn({64, 1024});
+    at::Tensor y = at::gelu(x);
+    EXPECT_TRUE(at::allclose(y, x * 0.5 * (1 + at::erf(x / std::sqrt(2.0))), 1e-5, 1e-5));
+    c10::Allocator* cpu = c10::GetCPUAllocator();
+    ASSERT_NE(cpu->raw_deleter(), nullptr);
+    void* p = cpu->raw_allocate(4096);
+    EXPECT_GE(memory_stats().current_bytes - before, 4096 + 2 * 64 * 1024 * 4);
+    cpu->raw_deallocate(p);
+  }
+  EXPECT_EQ(memory_stats().current_bytes, before);
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,278 @@
+// Training-step benchmark (issue: FSDP core, "Step"). GPT-mini (gpt_mini.h),
+// AdamW, fp32, one intra-op thread per rank, each block an FSDP unit:
+//   build/bin/bench_step --mode local                       # one process, no FSDP
+//   build/bin/fsdprun --nproc-per-node 2 build/bin/bench_step --mode full_shard
+// Modes: local | no_shard | shard_grad_op | full_shard. `local` under fsdprun
+// runs one independent unsharded model per rank (no communication but the
+// timing barriers): not data parallel, but it shows what running N processes
+// side by side costs on the machine by itself (cores, memory bandwidth).
+// Options:
+//   --steps N (10) --warmup W (2) --blocks 8 --d-model 512 --heads 8 --seq 128
+//   --batch 8 (per rank) --vocab 256 --forward-prefetch 0|1 (1)
+// Rank 0 prints one JSON line; bench/run_fsdp_benchmarks.sh runs every mode
+// and computes the ratios to local.
+//
+// Memory figures (all per rank, the maximum over ranks):
+// - peak_bytes: peak of libfsdp's tracked CPU allocations over the timed
+//   steps (parameters, gradients, optimizer state, activations, buffers).
+// - state_bytes: parameters + gradients + AdamW state, computed from the
+//   tensors themselves after the last optimizer step (the optimizer's
+//   parameters, i.e. the flat shards under FSDP, their .grad, exp_avg and
+//   exp_avg_sq). This is what is resident between steps.
+// - param_peak_bytes: peak tracked bytes of one extra step on a 1x1 token
+//   input, measured with memory_stats. Activations are then a few KiB, so this
+//   is the peak of parameters + gradients + optimizer state *during* a step,
+//   including what FSDP holds only transiently (gathered blocks, unsharded
+//   gradient buffers, reduce-scatter outputs, optimizer temporaries). With
+//   next to no compute, backward outruns the reduce-scatters, so more
+//   unsharded gradient buffers wait for the communication thread at once than
+//   in a real step: an upper bound. run_fsdp_benchmarks.sh's main figure is
+//   instead this run's peak_bytes minus local's activations (local's peak_bytes
+//   minus its state_bytes), which holds the same per rank in every mode.
+
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "gpt_mini.h"
+
+namespace {
+
+// One intra-op thread means one BLAS thread too: at::set_num_threads() does
+// not reach OpenBLAS's own pthread pool (Debian's default BLAS), which
+// otherwise uses every core for a single-process run while fsdprun's ranks
+// get OMP_NUM_THREADS=1, and would flatter the local baseline.
+void single_threaded_blas() {
+  using SetThreads = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    fn(1);
+}
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The slowest rank's value: a step is as slow as its slowest rank.
+double max_over_ranks(fsdp::ProcessGroup& pg, double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  pg.all_reduce(t, fsdp::ReduceOp::kMax).wait();
+  return t.item<double>();
+}
+
+int64_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+// Parameters + gradients + AdamW state of what `opt` steps, from the tensors.
+int64_t optimizer_state_bytes(torch::optim::AdamW& opt) {
+  int64_t bytes = 0;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) bytes += bytes_of(p) + bytes_of(p.grad());
+  }
+  for (const auto& kv : opt.state()) {
+    const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(kv.second.get());
+    if (s == nullptr) continue;
+    bytes += bytes_of(s->exp_avg()) + bytes_of(s->exp_avg_sq()) + bytes_of(s->max_exp_avg_sq());
+  }
+  return bytes;
+}
+
+struct Args {
+  std::string mode = "full_shard";
+  int steps = 10;
+  int warmup = 2;
+  int64_t blocks = 8;
+  int64_t d_model = 512;
+  int64_t heads = 8;
+  int64_t seq = 128;
+  int64_t batch = 8;
+  int64_t vocab = 256;
+  bool forward_prefetch = true;
+};
+
+[[noreturn]] void usage() {
+  std::fprintf(stderr,
+               "usage: bench_step --mode local|no_shard|shard_grad_op|full_shard [--steps N] "
+               "[--warmup W] [--blocks 8] [--d-model 512] [--heads 8] [--seq 128] [--batch 8] "
+               "[--vocab 256] [--forward-prefetch 0|1]\n");
+  std::exit(2);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; i += 2) {
+    if (i + 1 >= argc) usage();
+    const std::string k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "--mode")
+      a.mode = v;
+    else if (k == "--steps")
+      a.steps = std::atoi(v);
+    else if (k == "--warmup")
+      a.warmup = std::atoi(v);
+    else if (k == "--blocks")
+      a.blocks = std::atoll(v);
+    else if (k == "--d-model")
+      a.d_model = std::atoll(v);
+    else if (k == "--heads")
+      a.heads = std::atoll(v);
+    else if (k == "--seq")
+      a.seq = std::atoll(v);
+    else if (k == "--batch")
+      a.batch = std::atoll(v);
+    else if (k == "--vocab")
+      a.vocab = std::atoll(v);
+    else if (k == "--forward-prefetch")
+      a.forward_prefetch = std::atoi(v) != 0;
+    else
+      usage();
+  }
+  if (a.steps < 1 || a.warmup < 0) usage();
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  std::optional<fsdp::ShardingStrategy> strategy;
+  if (args.mode == "full_shard")
+    strategy = fsdp::ShardingStrategy::kFullShard;
+  else if (args.mode == "shard_grad_op")
+    strategy = fsdp::ShardingStrategy::kShardGradOp;
+  else if (args.mode == "no_shard")
+    strategy = fsdp::ShardingStrategy::kNoShard;
+  else if (args.mode != "local")
+    usage();
+
+  // Before any tensor exists, so every storage of the model is counted.
+  fsdp::enable_memory_tracking();
+  at::set_num_threads(1);
+  single_threaded_blas();
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+
+  const auto config = gpt_mini::GPTConfig()
+                          .vocab_size(args.vocab)
+                          .block_size(args.seq)
+                          .d_model(args.d_model)
+                          .n_head(args.heads)
+                          .n_layer(args.blocks);
+
+  // The model behind one forward function: plain GPT, or an FSDP root around
+  // a GPT whose blocks are units.
+  torch::manual_seed(0);
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> params;
+  gpt_mini::GPT local{nullptr};
+  fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
+  if (strategy) {
+    const auto opts =
+        fsdp::FSDPOptions().sharding_strategy(*strategy).forward_prefetch(args.forward_prefetch);
+    sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
+        std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
+    forward = [&](const at::Tensor& x) { return sharded->forward(x); };
+    params = sharded->parameters();
+  } else {
+    local = gpt_mini::GPT(config);
+    forward = [&](const at::Tensor& x) { return local->forward(x); };
+    params = local->parameters();
+  }
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(3e-4));
+
+  // Each rank its own batch; rank 0's equals the local run's, so loss0 (the
+  // first step's loss on rank 0) must agree between every mode.
+  torch::manual_seed(1000 + rank);
+  at::Tensor data = torch::randint(args.vocab, {args.batch, args.seq + 1}, torch::kLong);
+  at::Tensor inputs = data.slice(1, 0, args.seq).contiguous();
+  at::Tensor targets = data.slice(1, 1, args.seq + 1).contiguous();
+
+  std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
+  double loss0 = 0;
+  for (int i = -args.warmup; i < args.steps; ++i) {
+    if (i == 0) fsdp::reset_peak_memory_stats();
+    pg->barrier().wait();
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    at::Tensor loss = gpt_mini::lm_loss(forward(inputs), targets);
+    const double f = ms_since(t0);
+    const auto t1 = Clock::now();
+    loss.backward();
+    const double b = ms_since(t1);
+    const auto t2 = Clock::now();
+    opt.step();
+    const double o = ms_since(t2);
+    const double total = ms_since(t0);
+    if (i == -args.warmup) loss0 = loss.item<double>();
+    if (i >= 0) {
+      step_ms.push_back(total);
+      fwd_ms.push_back(f);
+      bwd_ms.push_back(b);
+      opt_ms.push_back(o);
+    }
+  }
+  const int64_t peak = fsdp::memory_stats().peak_bytes;
+  const int64_t state = optimizer_state_bytes(opt);
+
+  // One step on a single token: activations vanish, parameter memory stays.
+  at::Tensor tiny = inputs.slice(0, 0, 1).slice(1, 0, 1).contiguous();
+  at::Tensor tiny_target = targets.slice(0, 0, 1).slice(1, 0, 1).contiguous();
+  pg->barrier().wait();
+  fsdp::reset_peak_memory_stats();
+  opt.zero_grad();
+  gpt_mini::lm_loss(forward(tiny), tiny_target).backward();
+  opt.step();
+  const int64_t param_peak = fsdp::memory_stats().peak_bytes;
+
+  int64_t total_params = 0;
+  for (const auto& p : params) total_params += p.numel();
+  if (strategy && *strategy != fsdp::ShardingStrategy::kNoShard) total_params *= world;
+
+  const double med = max_over_ranks(*pg, median(step_ms));
+  const double med_f = max_over_ranks(*pg, median(fwd_ms));
+  const double med_b = max_over_ranks(*pg, median(bwd_ms));
+  const double med_o = max_over_ranks(*pg, median(opt_ms));
+  const auto peak_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(peak)));
+  const auto state_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(state)));
+  const auto param_peak_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(param_peak)));
+  if (rank == 0) {
+    std::printf(
+        "{\"bench\":\"step\",\"mode\":\"%s\",\"world\":%d,\"blocks\":%lld,\"d_model\":%lld,"
+        "\"seq\":%lld,\"batch\":%lld,\"params\":%lld,\"forward_prefetch\":%s,\"steps\":%d,"
+        "\"warmup\":%d,\"median_ms\":%.1f,\"forward_ms\":%.1f,\"backward_ms\":%.1f,"
+        "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
+        "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f}\n",
+        args.mode.c_str(), world, static_cast<long long>(args.blocks),
+        static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
+        static_cast<long long>(args.batch), static_cast<long long>(total_params),
+        strategy && args.forward_prefetch ? "true" : "false", args.steps, args.warmup, med, med_f,
+        med_b, med_o, static_cast<long long>(peak_max), static_cast<long long>(state_max),
+        static_cast<long long>(param_peak_max),
+        static_cast<long long>(gpt_mini::block_param_count(config) *
+                               static_cast<int64_t>(sizeof(float))),
+        loss0);
+    std::fflush(stdout);
+  }
+  pg->barrier().wait();
+  return 0;
+}

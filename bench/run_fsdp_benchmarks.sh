@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The FSDP-core benchmarks (issue: FSDP core) in one run, so every ratio is
+# measured on the same machine at the same time. Builds nothing:
+#
+#   bench/run_fsdp_benchmarks.sh [BUILD_DIR]        # default: build
+#
+# Runs bench_step for local (one process), then NO_SHARD, SHARD_GRAD_OP and
+# FULL_SHARD at 2 ranks with fsdprun, then bench_overhead at world size 1 and
+# 2. Every JSON line is echoed as it comes; the last line is a summary with the
+# ratios to local and the issue's targets. Roughly 4 minutes on 2 cores.
+#
+# Environment overrides:
+#   STEPS (10), WARMUP (2)       timed and untimed steps of bench_step
+#   STEP_ARGS                    more bench_step flags, e.g. "--blocks 4 --seq 64"
+#   NPROC (2)                    ranks of the sharded runs
+#   OVERHEAD_ARGS                bench_overhead flags, e.g. "--rounds 10"
+#   LOCAL_CONCURRENT (1)         also run `local` on NPROC ranks side by side
+#                                (no communication): what NPROC busy processes
+#                                cost the machine by itself, to tell it apart
+#                                from FSDP's own cost. 0 skips it (~35 s).
+set -euo pipefail
+
+BUILD=${1:-build}
+BIN=$BUILD/bin
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-2}
+STEP_ARGS=${STEP_ARGS:-}
+NPROC=${NPROC:-2}
+OVERHEAD_ARGS=${OVERHEAD_ARGS:-}
+LOCAL_CONCURRENT=${LOCAL_CONCURRENT:-1}
+
+for exe in fsdprun bench_step bench_overhead; do
+  if [[ ! -x $BIN/$exe ]]; then
+    echo "run_fsdp_benchmarks.sh: $BIN/$exe not found; build it first:" >&2
+    echo "  cmake --build $BUILD --target fsdprun bench_step bench_overhead" >&2
+    exit 1
+  fi
+done
+
+# One thread per process everywhere (the benchmarks also pin OpenBLAS to one
+# thread themselves); set here so fsdprun does not print its notice.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+
+# Runs a command, keeps its JSON lines (fsdprun's "[rankN]: " prefix removed)
+# and echoes them; everything else goes to stderr.
+run() {
+  echo "# $*" >&2
+  local rc=0
+  "$@" | sed -u 's/^\[rank[0-9]*\]: //' | while IFS= read -r line; do
+    if [[ $line == \{* ]]; then
+      echo "$line"
+      echo "$line" >>"$results"
+    else
+      echo "$line" >&2
+    fi
+  done || rc=$?
+  # A failed benchmark fails the run rather than leaving a summary without it.
+  if ((rc != 0)); then
+    echo "run_fsdp_benchmarks.sh: '$*' failed with status $rc" >&2
+    exit "$rc"
+  fi
+}
+
+step=("$BIN/bench_step" --steps "$STEPS" --warmup "$WARMUP")
+# shellcheck disable=SC2206  # word splitting of the user's flags is intended
+step+=($STEP_ARGS)
+launch=("$BIN/fsdprun" --nproc-per-node "$NPROC")
+
+run "${step[@]}" --mode local
+if [[ $LOCAL_CONCURRENT != 0 ]]; then
+  run "${launch[@]}" "${step[@]}" --mode local
+fi
+for mode in no_shard shard_grad_op full_shard; do
+  run "${launch[@]}" "${step[@]}" --mode "$mode"
+done
+# shellcheck disable=SC2086
+run "$BIN/bench_overhead" $OVERHEAD_ARGS
+# shellcheck disable=SC2086
+run "${launch[@]}" "$BIN/bench_overhead" $OVERHEAD_ARGS
+
+python3 - "$results" "$NPROC" <<'EOF'
+import json
+import sys
+
+path, nproc = sys.argv[1], int(sys.argv[2])
+lines = [json.loads(l) for l in open(path)]
+step = {}
+for r in lines:
+    if r["bench"] == "step":
+        key = r["mode"] if r["mode"] != "local" or r["world"] == 1 else "local_concurrent"
+        step[key] = r
+over = {r["world"]: r for r in lines if r["bench"] == "overhead_summary"}
+
+local, fs = step["local"], step["full_shard"]
+out = {"bench": "fsdp_core_summary", "world": nproc, "local_ms": local["median_ms"]}
+for mode, target in (("full_shard", 1.15), ("no_shard", 1.10), ("shard_grad_op", None)):
+    ratio = step[mode]["median_ms"] / local["median_ms"]
+    out[f"{mode}_over_local"] = round(ratio, 3)
+    if target is not None:
+        out[f"{mode}_target"] = target
+        out[f"{mode}_ok"] = ratio <= target
+if "local_concurrent" in step:
+    conc = step["local_concurrent"]["median_ms"]
+    out["local_concurrent_over_local"] = round(conc / local["median_ms"], 3)
+    out["full_shard_over_local_concurrent"] = round(fs["median_ms"] / conc, 3)
+    out["no_shard_over_local_concurrent"] = round(step["no_shard"]["median_ms"] / conc, 3)
+
+# Memory: half of local's parameters + gradients + AdamW state, plus two
+# blocks' full parameters (the gathered block and the prefetched one), +10%.
+bound = 1.10 * (local["state_bytes"] / 2 + 2 * fs["block_param_bytes"])
+# Activations (and their backward temporaries) are the same per rank in every
+# mode: local's peak minus its resident state. FULL_SHARD's peak minus that is
+# its peak of parameters + gradients + optimizer state, transients included.
+activations = local["peak_bytes"] - local["state_bytes"]
+param_peak = fs["peak_bytes"] - activations
+out.update({
+    "local_peak_bytes": local["peak_bytes"],
+    "full_shard_peak_bytes": fs["peak_bytes"],
+    "full_shard_peak_over_local": round(fs["peak_bytes"] / local["peak_bytes"], 3),
+    "local_state_bytes": local["state_bytes"],
+    "full_shard_state_bytes": fs["state_bytes"],
+    "full_shard_param_peak_bytes": param_peak,
+    "full_shard_param_peak_1token_bytes": fs["param_peak_bytes"],
+    "memory_bound_bytes": int(bound),
+    "memory_ok": param_peak <= bound,
+    "memory_ok_1token": fs["param_peak_bytes"] <= bound,
+})
+for world, target in ((1, 25.0), (2, 400.0)):
+    if world in over:
+        us = over[world]["full_shard_us_per_unit"]
+        out[f"overhead_us_per_unit_world{world}"] = us
+        out[f"overhead_target_world{world}"] = target
+        out[f"overhead_ok_world{world}"] = us <= target
+        for mode in ("shard_grad_op", "no_shard"):
+            if f"{mode}_us_per_unit" in over[world]:
+                out[f"overhead_{mode}_us_per_unit_world{world}"] = over[world][f"{mode}_us_per_unit"]
+out["loss0_agrees"] = len({round(r["loss0"], 4) for r in step.values()}) == 1
+print(json.dumps(out))
+EOF
