@@ -46,37 +46,17 @@
 
 #include <fsdp/fsdp.h>
 
+#include "bench_util.h"
+
 #include "gpt_mini.h"
 
 namespace {
 
-// One intra-op thread means one BLAS thread too: at::set_num_threads() does
-// not reach OpenBLAS's own pthread pool (Debian's default BLAS), which
-// otherwise uses every core for a single-process run while fsdprun's ranks
-// get OMP_NUM_THREADS=1, and would flatter the local baseline.
-void single_threaded_blas() {
-  using SetThreads = void (*)(int);
-  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
-    fn(1);
-}
-
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// The slowest rank's value: a step is as slow as its slowest rank.
-double max_over_ranks(fsdp::ProcessGroup& pg, double value) {
-  at::Tensor t = at::full({1}, value, at::kDouble);
-  pg.all_reduce(t, fsdp::ReduceOp::kMax).wait();
-  return t.item<double>();
-}
+using bench::Clock;
+using bench::max_over_ranks;
+using bench::median;
+using bench::ms_since;
+using bench::single_threaded_blas;
 
 int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;

@@ -1,0 +1,50 @@
+#pragma once
+
+// Helpers shared by the benchmarks.
+
+#include <ATen/ATen.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include <fsdp/comm/process_group.h>
+
+namespace bench {
+
+/// One intra-op thread means one BLAS thread too: at::set_num_threads() does
+/// not reach OpenBLAS's own pthread pool (Debian's default BLAS), which
+/// otherwise uses every core for a single-process run while fsdprun's ranks
+/// get OMP_NUM_THREADS=1, and would flatter the local baseline.
+inline void single_threaded_blas() {
+  using SetThreads = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    fn(1);
+}
+
+/// The benchmarks' clock.
+using Clock = std::chrono::steady_clock;
+
+/// Microseconds since t0.
+inline double us_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+}
+
+/// Milliseconds since t0.
+inline double ms_since(Clock::time_point t0) { return us_since(t0) / 1000.0; }
+
+/// The median (upper median for an even count).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// The slowest rank's value: a step is as slow as its slowest rank.
+inline double max_over_ranks(fsdp::ProcessGroup& pg, double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  pg.all_reduce(t, fsdp::ReduceOp::kMax).wait();
+  return t.item<double>();
+}
+
+}  // namespace bench
