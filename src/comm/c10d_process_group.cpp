@@ -67,12 +67,6 @@ bool needs_float_detour(c10d::ProcessGroup& group, const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 && group.getBackendName() == "gloo";
 }
 
-std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.numel() << " x " << t.scalar_type();
-  return os.str();
-}
-
 }  // namespace
 
 C10dProcessGroup::C10dProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -90,39 +84,40 @@ std::string C10dProcessGroup::backend_name() const { return "c10d:" + group_->ge
 
 Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
-  return thread_->enqueue(
-      CollectiveKind::kAllGather, describe(flat), {flat, shard}, [this, flat, shard](uint64_t seq) {
-        C10dPointToPoint p2p(*group_, timeout());
-        detail::ring_all_gather(p2p, rank(), size(), flat.view({-1}), shard.view({-1}),
-                                C10dPointToPoint::slot_base(seq));
-      });
+  return thread_->enqueue(CollectiveKind::kAllGather, detail::describe_tensor(flat), {flat, shard},
+                          [this, flat, shard](uint64_t seq) {
+                            C10dPointToPoint p2p(*group_, timeout());
+                            detail::ring_all_gather(p2p, rank(), size(), flat.view({-1}),
+                                                    shard.view({-1}),
+                                                    C10dPointToPoint::slot_base(seq));
+                          });
 }
 
 Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
                                              ReduceOp op) {
   check_reduce_scatter(shard, flat, op);
-  return thread_->enqueue(CollectiveKind::kReduceScatter, describe(flat) + ", " + to_string(op),
-                          {flat, shard}, [this, flat, shard, op](uint64_t seq) {
-                            const at::Tensor s = shard.view({-1});
-                            at::Tensor scratch;
-                            if (size() >= 3) {
-                              if (!scratch_.defined() || scratch_.numel() < s.numel() ||
-                                  scratch_.scalar_type() != s.scalar_type()) {
-                                scratch_ = at::empty({s.numel()}, s.options());
-                              }
-                              scratch = scratch_.narrow(0, 0, s.numel());
-                            }
-                            C10dPointToPoint p2p(*group_, timeout());
-                            detail::ring_reduce_scatter(p2p, rank(), size(), flat.view({-1}), s,
-                                                        scratch, op,
-                                                        C10dPointToPoint::slot_base(seq));
-                          });
+  return thread_->enqueue(
+      CollectiveKind::kReduceScatter, detail::describe_tensor(flat) + ", " + to_string(op),
+      {flat, shard}, [this, flat, shard, op](uint64_t seq) {
+        const at::Tensor s = shard.view({-1});
+        at::Tensor scratch;
+        if (size() >= 3) {
+          if (!scratch_.defined() || scratch_.numel() < s.numel() ||
+              scratch_.scalar_type() != s.scalar_type()) {
+            scratch_ = at::empty({s.numel()}, s.options());
+          }
+          scratch = scratch_.narrow(0, 0, s.numel());
+        }
+        C10dPointToPoint p2p(*group_, timeout());
+        detail::ring_reduce_scatter(p2p, rank(), size(), flat.view({-1}), s, scratch, op,
+                                    C10dPointToPoint::slot_base(seq));
+      });
 }
 
 Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
   return thread_->enqueue(
-      CollectiveKind::kAllReduce, describe(tensor) + ", " + to_string(op), {tensor},
+      CollectiveKind::kAllReduce, detail::describe_tensor(tensor) + ", " + to_string(op), {tensor},
       [this, tensor, op](uint64_t) {
         const bool detour = needs_float_detour(*group_, tensor);
         std::vector<at::Tensor> tensors{detour ? tensor.to(at::kFloat) : tensor};
@@ -138,7 +133,8 @@ Work C10dProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_single("broadcast", tensor);
   check_root(root);
   return thread_->enqueue(
-      CollectiveKind::kBroadcast, describe(tensor) + ", root " + std::to_string(root), {tensor},
+      CollectiveKind::kBroadcast,
+      detail::describe_tensor(tensor) + ", root " + std::to_string(root), {tensor},
       [this, tensor, root](uint64_t) {
         const bool detour = needs_float_detour(*group_, tensor);
         std::vector<at::Tensor> tensors{detour ? tensor.to(at::kFloat) : tensor};

@@ -8,6 +8,12 @@
 
 namespace fsdp::detail {
 
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.numel() << " x " << t.scalar_type();
+  return os.str();
+}
+
 namespace {
 // Beyond the collective's own timeout, how long wait() gives the engine to
 // report it before declaring the collective lost.

@@ -19,6 +19,9 @@ namespace fsdp::detail {
 
 struct WorkState;
 
+/// "4096 x Float": a collective's tensor in Work descriptions.
+std::string describe_tensor(const at::Tensor& t);
+
 /// Runs one group's collectives, in issue order, on a dedicated thread, so
 /// that blocking engines (Gloo's calls, c10d's wait()) become asynchronous.
 ///

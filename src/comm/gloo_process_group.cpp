@@ -178,12 +178,6 @@ void dispatch_dtype(at::ScalarType dtype, Fn&& fn) {
   }
 }
 
-std::string describe(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.numel() << " x " << t.scalar_type();
-  return os.str();
-}
-
 }  // namespace
 
 GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix,
@@ -228,7 +222,7 @@ at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
 
 Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
-  return submit(CollectiveKind::kAllGather, describe(flat), {flat, shard},
+  return submit(CollectiveKind::kAllGather, describe_tensor(flat), {flat, shard},
                 [this, flat, shard](uint64_t seq) {
                   const at::Tensor f = flat.view({-1}), s = shard.view({-1});
                   if (size() == 1) {
@@ -243,7 +237,7 @@ Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
 Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
                                              ReduceOp op) {
   check_reduce_scatter(shard, flat, op);
-  return submit(CollectiveKind::kReduceScatter, describe(flat) + ", " + to_string(op),
+  return submit(CollectiveKind::kReduceScatter, describe_tensor(flat) + ", " + to_string(op),
                 {flat, shard}, [this, flat, shard, op](uint64_t seq) {
                   const at::Tensor f = flat.view({-1}), s = shard.view({-1});
                   if (size() == 1) {
@@ -258,8 +252,8 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
 
 Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
-  return submit(CollectiveKind::kAllReduce, describe(tensor) + ", " + to_string(op), {tensor},
-                [this, tensor, op](uint64_t seq) {
+  return submit(CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op),
+                {tensor}, [this, tensor, op](uint64_t seq) {
                   if (size() == 1 || tensor.numel() == 0) return;
                   dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
                     using T = decltype(tag_value);
@@ -273,15 +267,15 @@ Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_single("broadcast", tensor);
   check_root(root);
-  return submit(CollectiveKind::kBroadcast, describe(tensor) + ", root " + std::to_string(root),
-                {tensor}, [this, tensor, root](uint64_t seq) {
-                  if (size() == 1 || tensor.numel() == 0) return;
-                  dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
-                    using T = decltype(tag_value);
-                    gloo_broadcast_typed<T>(context_, tensor, root, static_cast<uint32_t>(seq),
-                                            timeout());
-                  });
-                });
+  return submit(
+      CollectiveKind::kBroadcast, describe_tensor(tensor) + ", root " + std::to_string(root),
+      {tensor}, [this, tensor, root](uint64_t seq) {
+        if (size() == 1 || tensor.numel() == 0) return;
+        dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
+          using T = decltype(tag_value);
+          gloo_broadcast_typed<T>(context_, tensor, root, static_cast<uint32_t>(seq), timeout());
+        });
+      });
 }
 
 Work GlooProcessGroup::barrier() {

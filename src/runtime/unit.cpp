@@ -141,10 +141,7 @@ void Unit::register_grad_hooks() {
 
 std::vector<at::Tensor> Unit::flat_parameters() const {
   std::vector<at::Tensor> out;
-  if (self_ == nullptr) return out;
-  for (const auto& m : self_->modules(/*include_self=*/true)) {
-    const auto* unit = dynamic_cast<const Unit*>(m.get());
-    if (unit == nullptr) continue;
+  for (const Unit* unit : units_in_tree()) {
     out.insert(out.end(), unit->optim_params_.begin(), unit->optim_params_.end());
   }
   return out;
@@ -176,12 +173,8 @@ void Unit::transition(TrainingState from, TrainingState to) {
 
 void Unit::lazy_init_root() {
   root_ = this;
-  for (const auto& m : self_->modules(/*include_self=*/true)) {
-    auto* unit = dynamic_cast<Unit*>(m.get());
-    if (unit == nullptr || !unit->is_active()) continue;
-    unit->root_ = this;
-    units_.push_back(unit);
-  }
+  units_ = units_in_tree();
+  for (Unit* unit : units_) unit->root_ = this;
 }
 
 void Unit::pre_forward() {
@@ -329,6 +322,7 @@ void Unit::finish_backward() {
 
 std::vector<Unit*> Unit::units_in_tree() const {
   std::vector<Unit*> out;
+  if (self_ == nullptr) return out;
   for (const auto& m : self_->modules(/*include_self=*/true)) {
     auto* unit = dynamic_cast<Unit*>(m.get());
     if (unit != nullptr && unit->is_active()) out.push_back(unit);

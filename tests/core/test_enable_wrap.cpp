@@ -6,6 +6,7 @@
 #include <fsdp/fsdp.h>
 
 #include "multi_rank.h"
+#include "test_models.h"
 
 namespace fsdp::testing {
 namespace {
@@ -64,10 +65,7 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
     }
     SummonFullParams full_a(*root.ptr());
     SummonFullParams full_b(*plain_root.ptr());
-    for (const auto& p : plain_root->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(root->named_parameters()[p.key()], p.value(), 1.3e-6, 1e-5))
-          << p.key();
-    }
+    expect_same_params(*root.ptr(), *plain_root.ptr(), "wrap() inside vs outside a scope");
   });
 }
 

@@ -2,11 +2,32 @@
 
 // Small models shared by the core tests.
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <string>
 
 #include <fsdp/fsdp.h>
 
 namespace fsdp::testing {
+
+/// Parity check: `actual` (an FSDP model whose full parameters are gathered,
+/// e.g. under SummonFullParams) has exactly `expected`'s parameter names, and
+/// each equals the reference within the seeds' tolerance (atol 1e-5, rtol
+/// 1.3e-6) with the same requires_grad. `what` labels failures.
+inline void expect_same_params(torch::nn::Module& actual, torch::nn::Module& expected,
+                               const std::string& what) {
+  auto exp = expected.named_parameters();
+  auto act = actual.named_parameters();
+  ASSERT_EQ(act.size(), exp.size()) << what;
+  for (const auto& p : exp) {
+    const torch::Tensor* a = act.find(p.key());
+    ASSERT_NE(a, nullptr) << what << ": missing parameter " << p.key();
+    EXPECT_TRUE(torch::allclose(*a, p.value(), /*rtol=*/1.3e-6, /*atol=*/1e-5))
+        << what << " " << p.key() << " max diff " << (*a - p.value()).abs().max().item<double>();
+    EXPECT_EQ(a->requires_grad(), p.value().requires_grad()) << what << " " << p.key();
+  }
+}
 
 // fc1 and block are units when wrapped; head and the one-element `scale` are
 // managed by the root unit.

@@ -59,12 +59,7 @@ TEST(OrigParams, ParameterGroupsMatchPlainTraining) {
           opt->step();
         }
         SummonFullParams full(*model.ptr());
-        for (const auto& p : reference->named_parameters()) {
-          const torch::Tensor& a = model->named_parameters()[p.key()];
-          EXPECT_TRUE(torch::allclose(a, p.value(), 1.3e-6, 1e-5))
-              << to_string(strategy) << " " << p.key() << " max diff "
-              << (a - p.value()).abs().max().item<double>();
-        }
+        expect_same_params(*model.ptr(), *reference.ptr(), to_string(strategy));
       }
     });
   }

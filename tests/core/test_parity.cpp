@@ -50,17 +50,8 @@ void train_and_compare(const FSDPOptions& options, const std::string& optimizer,
     opt->step();
   }
   SummonFullParams full(*model.ptr());
-  auto expected = reference->named_parameters();
-  auto actual = model->named_parameters();
-  ASSERT_EQ(actual.size(), expected.size());
-  for (const auto& p : expected) {
-    const torch::Tensor* a = actual.find(p.key());
-    ASSERT_NE(a, nullptr) << "missing parameter " << p.key();
-    EXPECT_TRUE(torch::allclose(*a, p.value(), /*rtol=*/1.3e-6, /*atol=*/1e-5))
-        << to_string(strategy) << " " << optimizer << " " << p.key() << " max diff "
-        << (*a - p.value()).abs().max().item<double>();
-    EXPECT_EQ(a->requires_grad(), p.value().requires_grad()) << p.key();
-  }
+  expect_same_params(*model.ptr(), *reference.ptr(),
+                     std::string(to_string(strategy)) + " " + optimizer);
 }
 
 TEST(Parity, StrategiesWorldSizesOptimizers) {

@@ -13,19 +13,6 @@
 namespace fsdp::testing {
 namespace {
 
-void expect_same_params(torch::nn::Module& actual, torch::nn::Module& expected,
-                        const std::string& what) {
-  auto exp = expected.named_parameters();
-  auto act = actual.named_parameters();
-  ASSERT_EQ(act.size(), exp.size());
-  for (const auto& p : exp) {
-    const torch::Tensor* a = act.find(p.key());
-    ASSERT_NE(a, nullptr) << p.key();
-    EXPECT_TRUE(torch::allclose(*a, p.value(), 1.3e-6, 1e-5))
-        << what << " " << p.key() << " max diff " << (*a - p.value()).abs().max().item<double>();
-  }
-}
-
 TEST(TrainingTools, NoSyncOverFourMicroBatchesEqualsOneStep) {
   run_ranks_ok(2, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));

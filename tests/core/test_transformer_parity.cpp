@@ -9,6 +9,7 @@
 
 #include "gpt_mini.h"
 #include "multi_rank.h"
+#include "test_models.h"
 
 namespace fsdp::testing {
 namespace {
@@ -43,15 +44,8 @@ void compare(ShardingStrategy strategy, bool adam) {
     opt->step();
   }
   SummonFullParams full(*model.ptr());
-  auto actual = model->named_parameters();
-  ASSERT_EQ(actual.size(), reference->named_parameters().size());
-  for (const auto& p : reference->named_parameters()) {
-    const torch::Tensor* a = actual.find(p.key());
-    ASSERT_NE(a, nullptr) << p.key();
-    EXPECT_TRUE(torch::allclose(*a, p.value(), 1.3e-6, 1e-5))
-        << to_string(strategy) << (adam ? " adam " : " sgd ") << p.key() << " max diff "
-        << (*a - p.value()).abs().max().item<double>();
-  }
+  expect_same_params(*model.ptr(), *reference.ptr(),
+                     std::string(to_string(strategy)) + (adam ? " adam" : " sgd"));
 }
 
 TEST(TransformerParity, SmallGptAllStrategies) {
