@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "core/sharded_placeholder.h"
+
 namespace fsdp {
 
 const char* to_string(FlatParameter::State state) {
@@ -45,8 +47,14 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
     at::Tensor view = slot_view(unsharded_, i);
     view.copy_(slot.param.reshape({-1}));
     // Same TensorImpl, grad accumulator and requires_grad; new storage.
-    slot.param.set_data(view.view(slot.shape));
+    views_.push_back(view.view(slot.shape));
+    slot.param.set_data(views_.back());
     any_trainable = any_trainable || slot.param.requires_grad();
+    if (!keep_unsharded_) {
+      placeholders_.push_back(
+          detail::make_placeholder(slot.param, detail::PlaceholderKind::kParameter,
+                                   "parameter '" + slot.name + "' of an FSDP unit"));
+    }
   }
   if (keep_unsharded_) {
     shard_ = unsharded_.detach();
@@ -56,6 +64,17 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   shard_.set_requires_grad(any_trainable);
   state_ = State::kUnsharded;
   reshard();
+}
+
+FlatParameter::~FlatParameter() {
+  for (const auto& p : placeholders_) detail::release_placeholder(p);
+}
+
+void FlatParameter::set_unit_path(const std::string& path) {
+  const std::string unit = path.empty() ? "the root FSDP unit" : "FSDP unit '" + path + "'";
+  for (size_t i = 0; i < placeholders_.size(); ++i) {
+    detail::rename_placeholder(placeholders_[i], "parameter '" + slots_[i].name + "' of " + unit);
+  }
 }
 
 at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
@@ -83,6 +102,7 @@ void FlatParameter::resize_unsharded_storage(bool allocate) {
 void FlatParameter::unshard_async() {
   if (state_ == State::kUnsharded) return;
   resize_unsharded_storage(true);
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
   state_ = State::kUnsharded;
   pending_unshard_ = group_->all_gather_into_tensor(unsharded_, shard_.detach());
 }
@@ -100,6 +120,7 @@ void FlatParameter::reshard() {
   if (pending_unshard_) unshard();
   if (keep_unsharded_ || state_ == State::kSharded) return;
   resize_unsharded_storage(false);
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
   state_ = State::kSharded;
 }
 

@@ -13,6 +13,8 @@
 
 #include <fsdp/comm/init.h>
 
+#include "core/sharded_placeholder.h"
+
 namespace fsdp {
 
 const char* to_string(ShardingStrategy strategy) {
@@ -43,7 +45,9 @@ const char* to_string(Unit::TrainingState state) {
 
 Unit::Unit(FSDPOptions options) : options_(std::move(options)) {}
 
-Unit::~Unit() = default;
+Unit::~Unit() {
+  for (const auto& p : grad_placeholders_) detail::release_placeholder(p);
+}
 
 namespace {
 
@@ -126,6 +130,8 @@ void Unit::register_grad_hooks() {
   const auto& slots = flat_->slots();
   slot_trainable_.assign(slots.size(), false);
   for (size_t i = 0; i < slots.size(); ++i) {
+    grad_placeholders_.push_back(detail::make_placeholder(
+        slots[i].param, detail::PlaceholderKind::kGradient, "'" + slots[i].name + "'"));
     if (!slots[i].param.requires_grad()) continue;
     slot_trainable_[i] = true;
     auto acc = torch::autograd::impl::grad_accumulator(slots[i].param);
@@ -175,6 +181,17 @@ void Unit::lazy_init_root() {
   root_ = this;
   units_ = units_in_tree();
   for (Unit* unit : units_) unit->root_ = this;
+  // Error messages about sharded parameters name each unit by its path.
+  for (const auto& item : self_->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto* unit = dynamic_cast<Unit*>(item.value().get());
+    if (unit == nullptr || !unit->is_active() || !unit->flat_) continue;
+    unit->flat_->set_unit_path(item.key());
+    const auto& slots = unit->flat_->slots();
+    const std::string where = item.key().empty() ? "" : item.key() + ".";
+    for (size_t i = 0; i < slots.size(); ++i) {
+      detail::rename_placeholder(unit->grad_placeholders_[i], "'" + where + slots[i].name + "'");
+    }
+  }
 }
 
 void Unit::pre_forward() {
@@ -200,6 +217,10 @@ void Unit::pre_forward() {
   trainable_slots_ = 0;
   const auto& slots = flat_->slots();
   for (size_t i = 0; i < slots.size(); ++i) {
+    // The last backward's moved gradient must not meet AccumulateGrad.
+    if (detail::is_placeholder(slots[i].param.grad())) {
+      const_cast<at::Tensor&>(slots[i].param).mutable_grad().reset();
+    }
     const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
                                                              slots[i].param.requires_grad()
                                                        : trainable);
@@ -275,7 +296,7 @@ void Unit::on_grad_ready(size_t slot) {
   if (!flat_grad_.defined()) flat_grad_ = flat_->new_flat_grad();
   // add_, not copy_: inside no_sync() the buffer accumulates over backwards.
   flat_->slot_view(flat_grad_, slot).add_(param.grad().reshape({-1}));
-  const_cast<at::Tensor&>(param).mutable_grad().reset();
+  const_cast<at::Tensor&>(param).mutable_grad() = grad_placeholders_[slot];
   if (++grads_ready_ == trainable_slots_ && require_sync_) launch_grad_reduction();
 }
 

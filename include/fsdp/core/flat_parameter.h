@@ -35,6 +35,8 @@ struct FlatParamSlot {
 ///   buffer, a leaf with its own storage: what the optimizer steps and where
 ///   the reduced gradient ends. With keep_unsharded (NO_SHARD) it is the whole
 ///   buffer, sharing its storage.
+/// - while sharded, each original parameter points at a placeholder that
+///   turns any use into an error naming it (Note [Sharded placeholders]).
 class FlatParameter {
  public:
   /// kSharded: only shard() holds data. kUnsharded: the original parameters
@@ -45,6 +47,13 @@ class FlatParameter {
   /// shards them and frees the unsharded buffer.
   FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
                 std::shared_ptr<ProcessGroup> group, bool keep_unsharded);
+  ~FlatParameter();
+  FlatParameter(const FlatParameter&) = delete;
+  FlatParameter& operator=(const FlatParameter&) = delete;
+
+  /// Names the unit in error messages about its sharded parameters (its
+  /// module path from the root, "" for the root).
+  void set_unit_path(const std::string& path);
 
   /// Current state.
   State state() const { return state_; }
@@ -92,7 +101,9 @@ class FlatParameter {
   int64_t numel_ = 0;
   int64_t padded_numel_ = 0;
   int64_t shard_numel_ = 0;
-  at::Tensor unsharded_;  // its StorageImpl is resized, never replaced
+  at::Tensor unsharded_;                  // its StorageImpl is resized, never replaced
+  std::vector<at::Tensor> views_;         // per slot: its view of unsharded_
+  std::vector<at::Tensor> placeholders_;  // per slot, while sharded
   at::Tensor shard_;
 
   State state_ = State::kUnsharded;

@@ -119,6 +119,9 @@ class Unit {
   torch::nn::Module* self_ = nullptr;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<bool> slot_trainable_;
+  // Per slot: what the original parameter's .grad points at once its
+  // gradient moved into flat_grad_ (Note [Sharded placeholders]).
+  std::vector<at::Tensor> grad_placeholders_;
   // What the optimizer steps: {shard} or, with use_orig_params, one view of
   // the shard per slot (see Note [FlatParameter vocabulary]).
   std::vector<at::Tensor> optim_params_;

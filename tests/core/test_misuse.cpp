@@ -1,0 +1,123 @@
+// Misuse of a wrapped model is an error naming the parameter and the fix, on
+// every rank (Note [Sharded placeholders]): calling a sharded unit's inner
+// module directly, and an optimizer built on the unwrapped parameters.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+
+#include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace nn = torch::nn;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
+
+struct TwoLayerImpl : nn::Module {
+  explicit TwoLayerImpl(const FSDPOptions& o) {
+    plain = nn::Linear(6, 6);
+    fc = register_module("fc", FullyShardedDataParallel<nn::LinearImpl>(plain, o));
+    head = register_module("head", nn::Linear(6, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(fc(x))); }
+  nn::Linear plain{nullptr};  // the user's own handle on the wrapped Linear
+  FullyShardedDataParallel<nn::LinearImpl> fc{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(TwoLayer);
+
+TEST(Misuse, CallingAShardedUnitsInnerModuleIsAnErrorNamingIt) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    auto o = FSDPOptions();
+    FullyShardedDataParallel<TwoLayerImpl> model(TwoLayer(o), o);
+    torch::Tensor x = torch::randn({3, 6});
+    // Before the first forward the unit's path is not known yet.
+    std::string before = error_of([&] { model->module().plain(x); });
+    EXPECT_CONTAINS(before, "parameter 'weight' of an FSDP unit");
+    EXPECT_CONTAINS(before, "call the FullyShardedDataParallel wrapper");
+
+    model->forward(x).sum().backward();
+    // Through the wrapper's module() and through the user's own holder.
+    for (const std::string& msg : {error_of([&] { model->module().fc->module().forward(x); }),
+                                   error_of([&] { model->module().plain(x); })}) {
+      EXPECT_CONTAINS(msg, "parameter 'weight' of FSDP unit 'fc'");
+      EXPECT_CONTAINS(msg, "is sharded");
+      EXPECT_CONTAINS(msg, "fsdp::SummonFullParams");
+    }
+    // Reading the parameter is the same mistake; reading its metadata is not.
+    EXPECT_CONTAINS(error_of([&] { model->module().plain->weight.sum(); }), "aten::sum");
+    EXPECT_EQ(model->module().plain->weight.sizes(), torch::IntArrayRef({6, 6}));
+    EXPECT_TRUE(model->module().plain->weight.requires_grad());
+
+    // The right ways still work: the wrapper, and full parameters on demand.
+    torch::Tensor y = model->forward(x);
+    EXPECT_EQ(y.sizes(), torch::IntArrayRef({3, 2}));
+    SummonFullParams full(*model.ptr());
+    torch::Tensor direct = model->module().plain(x);
+    EXPECT_EQ(direct.sizes(), torch::IntArrayRef({3, 6}));
+  });
+}
+
+TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      torch::manual_seed(0);
+      auto o = FSDPOptions().sharding_strategy(strategy);
+      TwoLayer inner(o);
+      std::vector<torch::Tensor> unwrapped = inner->parameters();  // before wrapping
+      FullyShardedDataParallel<TwoLayerImpl> model(inner, o);
+      torch::optim::SGD wrong(unwrapped, torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::Adam also_wrong(inner->fc->module().parameters(), torch::optim::AdamOptions());
+      torch::Tensor x = torch::randn({3, 6});
+      model->forward(x).sum().backward();
+      wrong.zero_grad();  // harmless, like Module::zero_grad() below
+      std::string msg = error_of([&] { wrong.step(); });
+      EXPECT_CONTAINS(msg, "read the gradient of '");
+      EXPECT_CONTAINS(msg, "built on the unwrapped module's parameters");
+      EXPECT_CONTAINS(msg, "wrapped model's parameters()");
+      // Adam reads the (sharded) parameter before its gradient.
+      msg = error_of([&] { also_wrong.step(); });
+      EXPECT_CONTAINS(msg, strategy == ShardingStrategy::kNoShard ? "gradient of 'fc.weight'"
+                                                                  : "of FSDP unit 'fc'");
+      EXPECT_CONTAINS(msg, "wrapped model's parameters()");
+      EXPECT_CONTAINS(error_of([&] { nn::utils::clip_grad_norm_(unwrapped, 1.0); }),
+                      "clip_grad_norm_()");
+
+      // The same model trains normally afterwards with the right optimizer,
+      // and Module::zero_grad() on the wrapped model stays harmless.
+      torch::optim::SGD right(model->parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 2; ++step) {
+        right.zero_grad();
+        model->zero_grad();
+        model->forward(x).sum().backward();
+        right.step();
+      }
+      for (const auto& shard : model->parameters()) EXPECT_TRUE(shard.grad().defined());
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
