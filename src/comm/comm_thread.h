@@ -30,6 +30,14 @@ std::string describe_tensor(const at::Tensor& t);
 /// from kHealthy to kBroken for good: the ranks no longer agree on what was
 /// exchanged, so every later collective fails at once with the first cause
 /// instead of pairing wrongly with a peer's next message or hanging.
+///
+/// Note [Running on the waiter]
+/// A collective waited for right after it was issued (FSDP's unshard without
+/// prefetch) would cost two thread hand-offs: waking the communication thread,
+/// then waking the waiter. So Work::wait() runs the collective on the waiting
+/// thread itself when it is next in the queue and no collective is running.
+/// Order is kept (only the queue's front may run, one collective at a time);
+/// asynchronous collectives still start at once on the communication thread.
 class CommThread {
  public:
   /// `rank` and `timeout` are used in messages and as the wait limit.
@@ -38,8 +46,8 @@ class CommThread {
   ~CommThread();
 
   /// Queues `body` and returns its handle; `body` gets the collective's
-  /// sequence number in this group (the same on every rank). `tensors` stay alive until it
-  /// finished. The description names the collective in messages.
+  /// sequence number in this group (the same on every rank). `tensors` stay
+  /// alive until it finished. The description names the collective in messages.
   Work enqueue(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
                std::function<void(uint64_t seq)> body);
 
@@ -52,35 +60,8 @@ class CommThread {
   uint64_t issued() const;
 
  private:
-  /// Health of the group; see Note [Broken groups].
-  enum class Health { kHealthy, kBroken };
-
-  struct Item {
-    std::shared_ptr<WorkState> state;
-    uint64_t seq = 0;
-    std::function<void(uint64_t)> body;
-  };
-
-  Item make_item(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
-                 std::function<void(uint64_t)> body);
-  void execute(Item& item);
-  void loop();
-
-  // Constant after construction.
-  const int rank_;
-  const std::chrono::milliseconds timeout_;
-
-  // State below is protected by mutex_.
-  mutable std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Item> queue_;
-  bool stopping_ = false;
-  uint64_t seq_ = 0;
-
-  // Touched only by the thread that runs collectives.
-  Health health_ = Health::kHealthy;
-  std::string broken_cause_;
-
+  struct Core;  // the queue and health, shared with pending Works
+  std::shared_ptr<Core> core_;
   std::thread thread_;  // last: started after everything above exists
 };
 

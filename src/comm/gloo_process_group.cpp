@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "comm/comm_thread.h"
+#include "comm/direct_links.h"
 #include "comm/ring.h"
 
 namespace fsdp::detail {
@@ -201,6 +202,10 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
                   ". Check that every rank started and can reach the others' addresses.");
     }
     context_ = ctx;
+    if (DirectLinks::max_message_bytes() > 0) {
+      c10d::PrefixStore links_store(prefix_, store_);
+      links_ = std::make_unique<DirectLinks>(links_store, rank, size, listen_addr_, timeout);
+    }
   }
   thread_ = std::make_unique<CommThread>(rank, timeout);
 }
@@ -212,6 +217,11 @@ Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
                               std::function<void(uint64_t seq)> body) {
   if (size() == 1) return thread_->run_inline(kind, what, std::move(tensors), body);
   return thread_->enqueue(kind, what, std::move(tensors), std::move(body));
+}
+
+PointToPoint& GlooProcessGroup::transport_for(const at::Tensor& shard, PointToPoint& gloo) {
+  const bool small = static_cast<int64_t>(shard.nbytes()) <= DirectLinks::max_message_bytes();
+  return links_ && small ? static_cast<PointToPoint&>(*links_) : gloo;
 }
 
 at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
@@ -229,8 +239,9 @@ Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
                     if (f.data_ptr() != s.data_ptr()) f.copy_(s);
                     return;
                   }
-                  GlooPointToPoint p2p(*context_, timeout());
-                  ring_all_gather(p2p, rank(), size(), f, s, ring_slot_base(seq));
+                  GlooPointToPoint gloo(*context_, timeout());
+                  ring_all_gather(transport_for(s, gloo), rank(), size(), f, s,
+                                  ring_slot_base(seq));
                 });
 }
 
@@ -245,8 +256,9 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                     return;
                   }
                   at::Tensor scratch = size() >= 3 ? scratch_like(s) : at::Tensor();
-                  GlooPointToPoint p2p(*context_, timeout());
-                  ring_reduce_scatter(p2p, rank(), size(), f, s, scratch, op, ring_slot_base(seq));
+                  GlooPointToPoint gloo(*context_, timeout());
+                  ring_reduce_scatter(transport_for(s, gloo), rank(), size(), f, s, scratch, op,
+                                      ring_slot_base(seq));
                 });
 }
 

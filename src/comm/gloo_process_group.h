@@ -17,6 +17,9 @@ class CommThread;
 
 /// The CPU engine: Gloo called directly, ring collectives on Gloo's unbound
 /// buffers (Note [Ring collectives]), on one communication thread per group.
+class DirectLinks;
+class PointToPoint;
+
 class GlooProcessGroup final : public ProcessGroup {
  public:
   /// Connects a full mesh of `size` ranks through `store` (keys under
@@ -38,12 +41,18 @@ class GlooProcessGroup final : public ProcessGroup {
   Work submit(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
               std::function<void(uint64_t seq)> body);
   at::Tensor scratch_like(const at::Tensor& shard);
+  // The direct links for a collective whose per-rank chunk is `shard`, when
+  // small enough; otherwise `gloo`.
+  PointToPoint& transport_for(const at::Tensor& shard, PointToPoint& gloo);
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
   std::string listen_addr_;
   std::shared_ptr<gloo::Context> context_;  // null when size() == 1
+  // Small collectives' transport (Note [Direct links for small collectives]);
+  // null when size() == 1 or turned off.
+  std::unique_ptr<DirectLinks> links_;
 
   int subgroups_made_ = 0;  // caller thread only
   at::Tensor scratch_;      // communication thread only

@@ -30,6 +30,7 @@ void Work::wait() const {
 
 void Work::wait(std::chrono::milliseconds timeout) const {
   TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
+  if (state_->run_here) state_->run_here(state_.get());
   std::unique_lock<std::mutex> lock(state_->mutex);
   const bool finished = state_->done.wait_for(
       lock, timeout, [&] { return state_->status != detail::WorkState::Status::kPending; });

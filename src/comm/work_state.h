@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -38,6 +39,10 @@ struct WorkState {
   Status status = Status::kPending;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive until the collective finished
+
+  /// Set before the Work is handed out: runs the collective on the calling
+  /// thread if it may (Note [Running on the waiter] in comm_thread.h).
+  std::function<bool(const WorkState*)> run_here;
 };
 
 }  // namespace fsdp::detail

@@ -1,0 +1,182 @@
+#include "comm/direct_links.h"
+
+#include <c10/util/Exception.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+// See Note [Direct links for small collectives].
+
+namespace fsdp::detail {
+
+namespace {
+
+struct Header {
+  uint64_t slot;
+  uint64_t bytes;
+};
+
+void set_socket_options(int fd, std::chrono::milliseconds timeout) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = 1 << 20;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+std::string errno_text(ssize_t rc) {
+  if (rc == 0) return "the peer closed the connection";
+  if (errno == EAGAIN || errno == EWOULDBLOCK) return "timed out";
+  return std::strerror(errno);
+}
+
+// Sends header and payload with as few syscalls as the kernel allows.
+void send_message(int fd, const Header& h, const void* data, int rank, int peer) {
+  iovec iov[2] = {{const_cast<Header*>(&h), sizeof(h)},
+                  {const_cast<void*>(data), static_cast<size_t>(h.bytes)}};
+  int first = 0;
+  while (first < 2) {
+    msghdr msg{};
+    msg.msg_iov = iov + first;
+    msg.msg_iovlen = static_cast<size_t>(2 - first);
+    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    TORCH_CHECK(w > 0, "[rank ", rank, "] fsdp: sending to rank ", peer,
+                " over its direct link failed: ", errno_text(w));
+    size_t n = static_cast<size_t>(w);
+    while (first < 2 && n >= iov[first].iov_len) n -= iov[first++].iov_len;
+    if (first < 2) {
+      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + n;
+      iov[first].iov_len -= n;
+    }
+  }
+}
+
+class DoneTransfer : public PendingTransfer {
+ public:
+  void wait() override {}
+};
+
+class LazyReceive : public PendingTransfer {
+ public:
+  LazyReceive(DirectLinks& links, at::Tensor dst, uint64_t slot)
+      : links_(links), dst_(std::move(dst)), slot_(slot) {}
+  void wait() override {
+    if (done_) return;
+    links_.receive(dst_.data_ptr(), dst_.nbytes(), slot_);
+    done_ = true;
+  }
+
+ private:
+  DirectLinks& links_;
+  at::Tensor dst_;
+  uint64_t slot_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+int64_t DirectLinks::max_message_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("FSDP_DIRECT_LINK_BYTES");
+    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{64} << 10;
+  }();
+  return bytes;
+}
+
+DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
+                         std::chrono::milliseconds timeout)
+    : rank_(rank), next_((rank + 1) % size), prev_((rank + size - 1) % size), timeout_(timeout) {
+  int port = 0;
+  UniqueFd listener = listen_tcp(listen_addr, 0, &port);
+  const std::string mine = listen_addr + " " + std::to_string(port);
+  store.set("direct/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  const auto theirs = store.get("direct/" + std::to_string(next_));
+  const std::string addr(theirs.begin(), theirs.end());
+  const size_t space = addr.rfind(' ');
+  try {
+    to_next_ = connect_tcp(addr.substr(0, space), std::stoi(addr.substr(space + 1)), timeout);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "[rank ", rank, "] fsdp: cannot open the direct link to rank ", next_,
+                " at ", addr, ": ", e.what_without_backtrace());
+  }
+  const int32_t hello = rank;
+  TORCH_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), "[rank ", rank,
+              "] fsdp: the direct link to rank ", next_, " closed during set-up");
+  pollfd pfd{listener.get(), POLLIN, 0};
+  TORCH_CHECK(::poll(&pfd, 1, static_cast<int>(timeout.count())) == 1, "[rank ", rank,
+              "] fsdp: rank ", prev_, " did not open its direct link within ", timeout.count(),
+              " ms");
+  from_prev_ = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  TORCH_CHECK(from_prev_.get() >= 0, "[rank ", rank, "] fsdp: accepting the direct link from rank ",
+              prev_, " failed: ", std::strerror(errno));
+  int32_t peer = -1;
+  TORCH_CHECK(read_all(from_prev_.get(), &peer, sizeof(peer)) && peer == prev_, "[rank ", rank,
+              "] fsdp: expected the direct link from rank ", prev_, ", got one from rank ", peer,
+              ". Is another job using the same MASTER_PORT?");
+  set_socket_options(to_next_.get(), timeout);
+  set_socket_options(from_prev_.get(), timeout);
+}
+
+std::unique_ptr<PendingTransfer> DirectLinks::isend(const at::Tensor& src, int peer,
+                                                    uint64_t slot) {
+  TORCH_INTERNAL_ASSERT(peer == next_, "direct links send only to the next rank");
+  send_message(to_next_.get(), Header{slot, static_cast<uint64_t>(src.nbytes())}, src.data_ptr(),
+               rank_, next_);
+  return std::make_unique<DoneTransfer>();
+}
+
+std::unique_ptr<PendingTransfer> DirectLinks::irecv(const at::Tensor& dst, int peer,
+                                                    uint64_t slot) {
+  TORCH_INTERNAL_ASSERT(peer == prev_, "direct links receive only from the previous rank");
+  return std::make_unique<LazyReceive>(*this, dst, slot);
+}
+
+void DirectLinks::receive(void* dst, size_t bytes, uint64_t slot) {
+  Header h{};
+  iovec iov[2] = {{&h, sizeof(h)}, {dst, bytes}};
+  size_t got = 0;
+  const size_t total = sizeof(h) + bytes;
+  while (got < total) {
+    // Until the header is in, read no further than it: a payload size that
+    // disagrees must not be read into `dst`.
+    const bool header_done = got >= sizeof(h);
+    iovec part[2];
+    int count = 0;
+    size_t skip = got;
+    for (int i = 0; i < (header_done ? 2 : 1); ++i) {
+      if (skip >= iov[i].iov_len) {
+        skip -= iov[i].iov_len;
+        continue;
+      }
+      part[count++] = {static_cast<char*>(iov[i].iov_base) + skip, iov[i].iov_len - skip};
+      skip = 0;
+    }
+    msghdr msg{};
+    msg.msg_iov = part;
+    msg.msg_iovlen = static_cast<size_t>(count);
+    ssize_t r = ::recvmsg(from_prev_.get(), &msg, 0);
+    if (r < 0 && errno == EINTR) continue;
+    TORCH_CHECK(r > 0, "[rank ", rank_, "] fsdp: receiving from rank ", prev_,
+                " over its direct link failed: ", errno_text(r));
+    got += static_cast<size_t>(r);
+    if (!header_done && got >= sizeof(h)) {
+      TORCH_CHECK(h.slot == slot && h.bytes == bytes, "[rank ", rank_, "] fsdp: rank ", prev_,
+                  " sent message slot ", h.slot, " of ", h.bytes, " bytes where slot ", slot,
+                  " of ", bytes, " bytes was expected: the ranks issued different collectives.");
+    }
+  }
+}
+
+}  // namespace fsdp::detail
