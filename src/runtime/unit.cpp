@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <fsdp/comm/init.h>
@@ -67,6 +68,20 @@ void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const 
   }
 }
 
+// Parameters already flattened by units nested in `self`, with where they
+// live ("block.0.weight"), keyed by TensorImpl.
+std::unordered_map<const void*, std::string> owned_by_nested_units(torch::nn::Module& self) {
+  std::unordered_map<const void*, std::string> owned;
+  for (const auto& item : self.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* unit = dynamic_cast<const Unit*>(item.value().get());
+    if (unit == nullptr || !unit->is_active() || unit->flat_param() == nullptr) continue;
+    for (const auto& slot : unit->flat_param()->slots()) {
+      owned.emplace(slot.param.unsafeGetTensorImpl(), item.key() + "." + slot.name);
+    }
+  }
+  return owned;
+}
+
 }  // namespace
 
 void Unit::init_unit(torch::nn::Module& self) {
@@ -76,6 +91,18 @@ void Unit::init_unit(torch::nn::Module& self) {
   std::unordered_set<const void*> seen;
   std::vector<std::pair<std::string, at::Tensor>> params;
   collect_managed(self, self, "", seen, params);
+  // A parameter shared with a nested unit would be flattened twice; PyTorch
+  // FSDP's answer (the outer unit skips it) breaks as soon as the outer
+  // forward uses it while the inner unit is sharded.
+  const auto owned = owned_by_nested_units(self);
+  for (const auto& [name, p] : params) {
+    auto it = owned.find(p.unsafeGetTensorImpl());
+    TORCH_CHECK(it == owned.end(), "fsdp: parameter '", name, "' of ", self.name(),
+                " is the same tensor as '", it->second,
+                "', which a nested FSDP unit already manages. A parameter shared between units "
+                "(e.g. tied embedding weights) must belong to one unit: wrap the modules that "
+                "share it in the same unit (or leave the nested module unwrapped).");
+  }
   if (params.empty()) return;
   flat_ =
       std::make_unique<FlatParameter>(std::move(params), options_.process_group(),

@@ -119,5 +119,30 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
   });
 }
 
+// Tied weights: the output projection reuses the (wrapped) embedding's weight.
+struct TiedImpl : nn::Module {
+  explicit TiedImpl(const FSDPOptions& o) {
+    nn::Embedding table(10, 4);
+    out_weight = register_parameter("out_weight", table->weight);
+    embed = register_module("embed", FullyShardedDataParallel<nn::EmbeddingImpl>(table, o));
+  }
+  torch::Tensor forward(torch::Tensor ids) { return torch::matmul(embed(ids), out_weight.t()); }
+  FullyShardedDataParallel<nn::EmbeddingImpl> embed{nullptr};
+  torch::Tensor out_weight;
+};
+TORCH_MODULE(Tied);
+
+TEST(Misuse, AParameterSharedWithANestedUnitIsAnErrorNamingBoth) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    auto o = FSDPOptions();
+    Tied tied(o);
+    const std::string msg = error_of([&] { FullyShardedDataParallel<TiedImpl> root(tied, o); });
+    EXPECT_CONTAINS(msg, "parameter 'out_weight'");
+    EXPECT_CONTAINS(msg, "the same tensor as 'embed.weight'");
+    EXPECT_CONTAINS(msg, "wrap the modules that share it in the same unit");
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing
