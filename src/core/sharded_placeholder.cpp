@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "detail/torch_compat.h"
+
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -15,7 +17,7 @@
 namespace fsdp::detail {
 namespace {
 
-constexpr c10::DispatchKey kKey = c10::DispatchKey::DeferredInit;
+constexpr c10::DispatchKey kKey = c10::DispatchKey::FSDP_PLACEHOLDER_DISPATCH_KEY;
 
 struct Entry {
   PlaceholderKind kind;
@@ -90,7 +92,7 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(_, DeferredInit, m) {
+TORCH_LIBRARY_IMPL(_, FSDP_PLACEHOLDER_DISPATCH_KEY, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&placeholder_fallback>());
 }
 

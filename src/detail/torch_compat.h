@@ -18,6 +18,11 @@
   (TORCH_VERSION_MAJOR > (major) ||       \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// The dispatch key that marks sharded placeholders (Note [Sharded
+// placeholders]): a functionality key ordered before autograd that LibTorch
+// registers nothing for (it exists for torchdistX's deferred init).
+#define FSDP_PLACEHOLDER_DISPATCH_KEY DeferredInit
+
 namespace fsdp::compat {
 
 /// A c10d Gloo process group listening on `listen_addr`.
