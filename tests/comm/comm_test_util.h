@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
+#include <iostream>
 #include <memory>
 #include <string>
 
@@ -20,6 +22,20 @@ inline std::shared_ptr<ProcessGroup> join(
 /// Names a backend for parameterised test names.
 inline std::string backend_label(const ::testing::TestParamInfo<Backend>& info) {
   return info.param == Backend::kGloo ? "Gloo" : "C10dGloo";
+}
+
+/// Expects `collective` to throw a c10::Error within `limit` (a dead or
+/// stuck peer must fail it, not hang it); prints "got the expected error".
+inline void expect_error_within(const std::function<void()>& collective,
+                                std::chrono::steady_clock::duration limit) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    collective();
+    ADD_FAILURE() << "the collective completed although its peers disagree or are gone";
+  } catch (const c10::Error& e) {
+    std::cout << "got the expected error: " << e.what() << std::endl;
+  }
+  EXPECT_LE(std::chrono::steady_clock::now() - t0, limit);
 }
 
 /// Bitwise equality with a message naming where the first difference is.

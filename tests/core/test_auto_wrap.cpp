@@ -14,6 +14,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "error_of.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -96,16 +97,6 @@ std::vector<std::string> names_of(const nn::Module& m) {
   std::vector<std::string> out;
   for (const auto& p : m.named_parameters()) out.push_back(p.key());
   return out;
-}
-
-// The message of what `fn` throws ("" when it does not).
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
 }
 
 // Joins the world group of a rank process.

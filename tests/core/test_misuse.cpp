@@ -10,6 +10,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -17,15 +18,6 @@ namespace fsdp::testing {
 namespace {
 
 namespace nn = torch::nn;
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 #define EXPECT_CONTAINS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
