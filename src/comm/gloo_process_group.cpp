@@ -264,16 +264,35 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
 
 Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
-  return submit(CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op),
-                {tensor}, [this, tensor, op](uint64_t seq) {
-                  if (size() == 1 || tensor.numel() == 0) return;
-                  dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
-                    using T = decltype(tag_value);
-                    gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq),
-                                             timeout());
-                  });
-                  if (op == ReduceOp::kAvg) tensor.div_(size());
-                });
+  return submit(
+      CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op), {tensor},
+      [this, tensor, op](uint64_t seq) {
+        if (size() == 1 || tensor.numel() == 0) return;
+        if (links_ &&
+            static_cast<int64_t>(tensor.nbytes()) <= DirectLinks::max_message_bytes() * size()) {
+          ring_all_reduce_small(tensor, op, seq);
+          return;
+        }
+        dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
+          using T = decltype(tag_value);
+          gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq), timeout());
+        });
+        if (op == ReduceOp::kAvg) tensor.div_(size());
+      });
+}
+
+void GlooProcessGroup::ring_all_reduce_small(const at::Tensor& tensor, ReduceOp op, uint64_t seq) {
+  // A reduce-scatter then an all-gather over the direct links, on a copy
+  // padded to a multiple of the group size (the padding is never read back).
+  const int64_t numel = tensor.numel(), per = (numel + size() - 1) / size();
+  at::Tensor flat = at::zeros({per * size()}, tensor.options());
+  flat.narrow(0, 0, numel).copy_(tensor.view({-1}));
+  at::Tensor shard = at::empty({per}, tensor.options());
+  at::Tensor scratch = size() >= 3 ? scratch_like(shard) : at::Tensor();
+  const uint64_t base = ring_slot_base(seq);
+  ring_reduce_scatter(*links_, rank(), size(), flat, shard, scratch, op, base);
+  ring_all_gather(*links_, rank(), size(), flat, shard, base + (uint64_t{1} << 20));
+  tensor.view({-1}).copy_(flat.narrow(0, 0, numel));
 }
 
 Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {

@@ -44,6 +44,8 @@ class GlooProcessGroup final : public ProcessGroup {
   // The direct links for a collective whose per-rank chunk is `shard`, when
   // small enough; otherwise `gloo`.
   PointToPoint& transport_for(const at::Tensor& shard, PointToPoint& gloo);
+  // all_reduce of a small tensor over the direct links (sequence `seq`).
+  void ring_all_reduce_small(const at::Tensor& tensor, ReduceOp op, uint64_t seq);
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;

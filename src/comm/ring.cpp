@@ -51,6 +51,22 @@ Segments segments_of(const at::Tensor& shard) {
   return Segments{shard.numel(), seg, std::max<int64_t>(1, (shard.numel() + seg - 1) / seg)};
 }
 
+// acc = acc (op) other, elementwise.
+void combine(const at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      acc.add_(other);
+      return;
+    case ReduceOp::kMax:
+      at::maximum_out(const_cast<at::Tensor&>(acc), acc, other);
+      return;
+    case ReduceOp::kMin:
+      at::minimum_out(const_cast<at::Tensor&>(acc), acc, other);
+      return;
+  }
+}
+
 void wait_all(std::vector<std::unique_ptr<PendingTransfer>>& transfers) {
   for (auto& t : transfers) t->wait();
   transfers.clear();
@@ -128,7 +144,7 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
       } else {
         recvs[k]->wait();
         src = segs.of(recv_buf(s - 1), k);
-        src.add_(segs.of(chunk(mod(rank - s - 1, size)), k));
+        combine(src, segs.of(chunk(mod(rank - s - 1, size)), k), op);
       }
       sends.push_back(p2p.isend(src, next, slot(s, k)));
     }
@@ -136,7 +152,7 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
   }
   for (int64_t k = 0; k < segs.count; ++k) {
     recvs[k]->wait();
-    segs.of(shard, k).add_(segs.of(chunk(rank), k));
+    combine(segs.of(shard, k), segs.of(chunk(rank), k), op);
   }
   wait_all(sends);
   if (op == ReduceOp::kAvg) shard.div_(size);

@@ -40,7 +40,7 @@ int64_t ring_segment_numel(int64_t element_size);
 void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
                      const at::Tensor& shard, uint64_t slot_base);
 
-/// Ring reduce-scatter of `flat` into `shard`; `flat` is left untouched.
+/// Ring reduce-scatter of `flat` into `shard` (any ReduceOp); `flat` is left untouched.
 /// `scratch` (shard-sized) is needed only when size >= 3.
 void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
                          const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
