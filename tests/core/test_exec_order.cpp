@@ -13,6 +13,7 @@
 
 #include "detail/torch_compat.h"
 #include "multi_rank.h"
+#include "test_models.h"
 
 namespace fsdp::testing {
 namespace {
@@ -220,6 +221,42 @@ TEST(ExecOrder, EvalModeIsNotChecked) {
     for (int i = 0; i < 2; ++i) model->forward(torch::randn({8, 5}));
     EXPECT_TRUE(with_prefix(warnings.messages, "Forward order differs").empty());
   });
+}
+
+// Debug mode (FSDP_DEBUG=detail) changes no result: training with prefetch
+// in both directions equals plain LibTorch, every collective fingerprinted.
+TEST(ExecOrder, TrainingInDebugModeMatchesPlainLibTorch) {
+  MultiRankOptions options;
+  options.env["FSDP_DEBUG"] = "detail";
+  run_ranks_ok(
+      2,
+      [](int, int) {
+        auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        ASSERT_TRUE(pg->debug_collectives());
+        for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                              ShardingStrategy::kNoShard}) {
+          torch::manual_seed(0);
+          Net reference(false, FSDPOptions());
+          torch::manual_seed(0);
+          auto o = FSDPOptions().sharding_strategy(strategy).forward_prefetch(true);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, o), o);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < 3; ++step) {
+            torch::manual_seed(7 + step);  // the same batch on every rank
+            torch::Tensor x = torch::randn({8, 7});
+            ref_opt.zero_grad();
+            opt.zero_grad();
+            reference->forward(x).pow(2).sum().backward();
+            model->forward(x).pow(2).sum().backward();
+            ref_opt.step();
+            opt.step();
+          }
+          SummonFullParams full(*model.ptr());
+          expect_same_params(*model.ptr(), *reference.ptr(), to_string(strategy));
+        }
+      },
+      options);
 }
 
 }  // namespace
