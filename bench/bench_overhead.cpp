@@ -33,6 +33,7 @@
 #include <fsdp/fsdp.h>
 
 #include "bench_util.h"
+#include "overhead_net.h"
 
 namespace {
 
@@ -42,44 +43,8 @@ using bench::median;
 using bench::single_threaded_blas;
 using bench::us_since;
 
-// One unit's module: Linear + ReLU.
-class LayerImpl : public torch::nn::Module {
- public:
-  explicit LayerImpl(int64_t width) : fc_(register_module("fc", torch::nn::Linear(width, width))) {}
-  at::Tensor forward(at::Tensor x) { return at::relu(fc_->forward(x)); }
-
- private:
-  torch::nn::Linear fc_;
-};
-TORCH_MODULE(Layer);
-
-// `units` layers in a row; with `options`, each one is an FSDP unit. Both
-// variants call their layers through AnyModule, so the dispatch cost cancels.
-class NetImpl : public torch::nn::Module {
- public:
-  NetImpl(int64_t units, int64_t width, std::optional<fsdp::FSDPOptions> options) {
-    for (int64_t i = 0; i < units; ++i) {
-      Layer layer(width);
-      const std::string name = "l" + std::to_string(i);
-      if (options) {
-        fsdp::FullyShardedDataParallel<LayerImpl> unit(layer, *options);
-        register_module(name, unit);
-        layers_.emplace_back(unit);
-      } else {
-        register_module(name, layer);
-        layers_.emplace_back(layer);
-      }
-    }
-  }
-  at::Tensor forward(at::Tensor x) {
-    for (auto& layer : layers_) x = layer.forward(x);
-    return x;
-  }
-
- private:
-  std::vector<torch::nn::AnyModule> layers_;
-};
-TORCH_MODULE(Net);
+using bench::Net;
+using bench::NetImpl;
 
 struct Config {
   std::string mode;

@@ -43,6 +43,9 @@ class C10dPointToPoint : public detail::PointToPoint {
     return std::make_unique<C10dTransfer>(group_.recv(tensors, peer, tag(slot)), timeout_);
   }
   static uint64_t slot_base(uint64_t seq) { return (seq & 0x7fffu) << 16; }
+  // Fingerprints (Note [Collective fingerprints]) use the top segment
+  // indices of their collective's tag range, which no collective reaches.
+  static uint64_t fingerprint_slot_base(uint64_t seq) { return slot_base(seq) | 0xf000u; }
 
  private:
   static int tag(uint64_t slot) { return static_cast<int>(slot & 0x7fffffffu); }
@@ -76,7 +79,23 @@ C10dProcessGroup::C10dProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> group,
       group_(std::move(group)),
       store_(std::move(store)),
       factory_(std::move(factory)),
-      thread_(std::make_unique<detail::CommThread>(rank(), timeout)) {}
+      thread_(std::make_unique<detail::CommThread>(rank(), timeout)) {
+  thread_->set_fingerprint_exchange(
+      [this](const at::Tensor& mine, uint64_t seq) { return exchange_fingerprints(mine, seq); });
+  set_debug_collectives(detail::debug_requested_by_env());
+}
+
+void C10dProcessGroup::set_debug_collectives(bool on) { thread_->set_debug(on && size() > 1); }
+
+bool C10dProcessGroup::debug_collectives() const { return thread_->debug(); }
+
+at::Tensor C10dProcessGroup::exchange_fingerprints(const at::Tensor& mine, uint64_t seq) {
+  at::Tensor all = at::empty({size() * mine.numel()}, mine.options());
+  C10dPointToPoint p2p(*group_, timeout());
+  detail::ring_all_gather(p2p, rank(), size(), all, mine,
+                          C10dPointToPoint::fingerprint_slot_base(seq));
+  return all.view({size(), mine.numel()});
+}
 
 C10dProcessGroup::~C10dProcessGroup() { thread_.reset(); }
 
@@ -85,7 +104,7 @@ std::string C10dProcessGroup::backend_name() const { return "c10d:" + group_->ge
 Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
   return thread_->enqueue(CollectiveKind::kAllGather, detail::describe_tensor(flat), {flat, shard},
-                          [this, flat, shard](uint64_t seq) {
+                          -1, [this, flat, shard](uint64_t seq) {
                             C10dPointToPoint p2p(*group_, timeout());
                             detail::ring_all_gather(p2p, rank(), size(), flat.view({-1}),
                                                     shard.view({-1}),
@@ -98,7 +117,7 @@ Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
   check_reduce_scatter(shard, flat, op);
   return thread_->enqueue(
       CollectiveKind::kReduceScatter, detail::describe_tensor(flat) + ", " + to_string(op),
-      {flat, shard}, [this, flat, shard, op](uint64_t seq) {
+      {flat, shard}, static_cast<int64_t>(op), [this, flat, shard, op](uint64_t seq) {
         const at::Tensor s = shard.view({-1});
         at::Tensor scratch;
         if (size() >= 3) {
@@ -118,7 +137,7 @@ Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
   return thread_->enqueue(
       CollectiveKind::kAllReduce, detail::describe_tensor(tensor) + ", " + to_string(op), {tensor},
-      [this, tensor, op](uint64_t) {
+      static_cast<int64_t>(op), [this, tensor, op](uint64_t) {
         const bool detour = needs_float_detour(*group_, tensor);
         std::vector<at::Tensor> tensors{detour ? tensor.to(at::kFloat) : tensor};
         c10d::AllreduceOptions opts;
@@ -134,7 +153,7 @@ Work C10dProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_root(root);
   return thread_->enqueue(
       CollectiveKind::kBroadcast,
-      detail::describe_tensor(tensor) + ", root " + std::to_string(root), {tensor},
+      detail::describe_tensor(tensor) + ", root " + std::to_string(root), {tensor}, root,
       [this, tensor, root](uint64_t) {
         const bool detour = needs_float_detour(*group_, tensor);
         std::vector<at::Tensor> tensors{detour ? tensor.to(at::kFloat) : tensor};
@@ -146,7 +165,7 @@ Work C10dProcessGroup::broadcast(const at::Tensor& tensor, int root) {
 }
 
 Work C10dProcessGroup::barrier() {
-  return thread_->enqueue(CollectiveKind::kBarrier, "", {},
+  return thread_->enqueue(CollectiveKind::kBarrier, "", {}, -1,
                           [this](uint64_t) { compat::wait_work(group_->barrier(), timeout()); });
 }
 
@@ -162,6 +181,7 @@ std::shared_ptr<ProcessGroup> C10dProcessGroup::new_subgroup(const std::vector<i
   const int sub_rank = static_cast<int>(it - ranks.begin());
   auto sub = factory_(sub_store, sub_rank, static_cast<int>(ranks.size()));
   auto group = std::make_shared<C10dProcessGroup>(sub, timeout(), sub_store, factory_);
+  group->set_debug_collectives(debug_collectives());
   if (group->size() > 1) group->barrier().wait();  // everyone connected before use
   return group;
 }

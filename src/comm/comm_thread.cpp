@@ -2,15 +2,96 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <sstream>
 
 #include "comm/work_state.h"
+
+// Note [Collective fingerprints]
+// Ranks that issue different collectives (another operation, size or dtype)
+// at the same point pair them up wrongly: the engine waits for a message that
+// never comes (a hang until the timeout) or, when the byte counts happen to
+// match, mixes unrelated tensors silently. In debug mode (ProcessGroupOptions
+// debug_collectives, or FSDP_DEBUG=detail) every collective is preceded by an
+// all-gather of a fixed-size fingerprint: sequence number, operation, dtype,
+// element count and reduce op or root. Being fixed-size, that exchange pairs
+// up correctly whatever the collectives are, so every rank sees every other
+// rank's fingerprint and all of them raise the same error, naming the ranks
+// and their fingerprints, before the real collective starts. The exchange
+// runs on the engine's point-to-point channel under slots of its own, so it
+// never collides with the collectives' messages. It costs one small ring
+// all-gather (size - 1 latency steps) per collective. A rank that issues no
+// collective at all still makes the others wait until the timeout.
 
 namespace fsdp::detail {
 
 std::string describe_tensor(const at::Tensor& t) {
   std::ostringstream os;
   os << t.numel() << " x " << t.scalar_type();
+  return os.str();
+}
+
+bool debug_requested_by_env() {
+  const char* env = std::getenv("FSDP_DEBUG");
+  if (env == nullptr) return false;
+  std::string value(env);
+  std::transform(value.begin(), value.end(), value.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return value == "detail";
+}
+
+at::Tensor Fingerprint::to_tensor() const {
+  at::Tensor t = at::empty({kFields}, at::kLong);
+  int64_t* p = t.data_ptr<int64_t>();
+  p[0] = static_cast<int64_t>(seq);
+  p[1] = static_cast<int64_t>(kind);
+  p[2] = dtype;
+  p[3] = numel;
+  p[4] = detail;
+  return t;
+}
+
+Fingerprint Fingerprint::from_row(const int64_t* row) {
+  Fingerprint f;
+  f.seq = static_cast<uint64_t>(row[0]);
+  f.kind = static_cast<CollectiveKind>(row[1]);
+  f.dtype = row[2];
+  f.numel = row[3];
+  f.detail = row[4];
+  return f;
+}
+
+bool Fingerprint::operator==(const Fingerprint& o) const {
+  return seq == o.seq && kind == o.kind && dtype == o.dtype && numel == o.numel &&
+         detail == o.detail;
+}
+
+std::string Fingerprint::to_string() const {
+  std::ostringstream os;
+  const auto k = static_cast<int64_t>(kind);
+  if (k >= 0 && k <= static_cast<int64_t>(CollectiveKind::kBarrier)) {
+    os << fsdp::to_string(kind);
+  } else {
+    os << "collective kind " << k;
+  }
+  os << " #" << seq << " (";
+  if (dtype >= 0) {
+    os << numel << " x " << static_cast<at::ScalarType>(dtype);
+  } else {
+    os << "no tensor";
+  }
+  if (detail >= 0 &&
+      (kind == CollectiveKind::kReduceScatter || kind == CollectiveKind::kAllReduce) &&
+      detail <= static_cast<int64_t>(ReduceOp::kMin)) {
+    os << ", " << fsdp::to_string(static_cast<ReduceOp>(detail));
+  } else if (detail >= 0 && kind == CollectiveKind::kBroadcast) {
+    os << ", root " << detail;
+  }
+  os << ")";
   return os.str();
 }
 
@@ -26,14 +107,17 @@ enum class Health { kHealthy, kBroken };
 struct CommThread::Core {
   struct Item {
     std::shared_ptr<WorkState> state;
-    uint64_t seq = 0;
+    Fingerprint fingerprint;
+    bool check = false;  // debug mode was on when it was issued
     std::function<void(uint64_t)> body;
   };
 
   Core(int rank, std::chrono::milliseconds timeout) : rank(rank), timeout(timeout) {}
 
   Item make_item(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
-                 std::function<void(uint64_t)> body);
+                 int64_t detail, std::function<void(uint64_t)> body);
+  // The mismatch message, or "" when every rank sent the same fingerprint.
+  std::string check_fingerprints(const Item& item);
   void execute(Item& item);
   void loop();
   bool try_run(const WorkState* state);
@@ -41,6 +125,8 @@ struct CommThread::Core {
   // Constant after construction.
   const int rank;
   const std::chrono::milliseconds timeout;
+  FingerprintExchange exchange;  // set before debug mode is first on
+  std::atomic<bool> debug{false};
 
   // State below is protected by mutex.
   std::mutex mutex;
@@ -72,16 +158,34 @@ uint64_t CommThread::issued() const {
   return core_->seq;
 }
 
+void CommThread::set_fingerprint_exchange(FingerprintExchange exchange) {
+  core_->exchange = std::move(exchange);
+}
+
+void CommThread::set_debug(bool on) {
+  TORCH_INTERNAL_ASSERT(!on || core_->exchange, "fsdp: debug mode needs a fingerprint exchange");
+  core_->debug.store(on);
+}
+
+bool CommThread::debug() const { return core_->debug.load(); }
+
 CommThread::Core::Item CommThread::Core::make_item(CollectiveKind kind, const std::string& what,
-                                                   std::vector<at::Tensor> tensors,
+                                                   std::vector<at::Tensor> tensors, int64_t detail,
                                                    std::function<void(uint64_t)> body) {
   Item item;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    item.seq = seq++;
+    item.fingerprint.seq = seq++;
   }
+  item.fingerprint.kind = kind;
+  item.fingerprint.detail = detail;
+  if (!tensors.empty()) {
+    item.fingerprint.dtype = static_cast<int64_t>(tensors[0].scalar_type());
+    item.fingerprint.numel = tensors[0].numel();
+  }
+  item.check = debug.load();
   std::ostringstream os;
-  os << to_string(kind) << " #" << item.seq;
+  os << to_string(kind) << " #" << item.fingerprint.seq;
   if (!what.empty()) os << " (" << what << ")";
   item.state =
       std::make_shared<WorkState>(os.str(), rank, timeout + kWaitGrace, std::move(tensors));
@@ -90,8 +194,9 @@ CommThread::Core::Item CommThread::Core::make_item(CollectiveKind kind, const st
 }
 
 Work CommThread::enqueue(CollectiveKind kind, const std::string& what,
-                         std::vector<at::Tensor> tensors, std::function<void(uint64_t)> body) {
-  Core::Item item = core_->make_item(kind, what, std::move(tensors), std::move(body));
+                         std::vector<at::Tensor> tensors, int64_t detail,
+                         std::function<void(uint64_t)> body) {
+  Core::Item item = core_->make_item(kind, what, std::move(tensors), detail, std::move(body));
   std::weak_ptr<Core> weak = core_;
   item.state->run_here = [weak](const WorkState* state) {
     auto core = weak.lock();
@@ -107,11 +212,46 @@ Work CommThread::enqueue(CollectiveKind kind, const std::string& what,
 }
 
 Work CommThread::run_inline(CollectiveKind kind, const std::string& what,
-                            std::vector<at::Tensor> tensors,
+                            std::vector<at::Tensor> tensors, int64_t detail,
                             const std::function<void(uint64_t)>& body) {
-  Core::Item item = core_->make_item(kind, what, std::move(tensors), body);
+  Core::Item item = core_->make_item(kind, what, std::move(tensors), detail, body);
+  item.check = false;  // a single rank has nobody to disagree with
   core_->execute(item);
   return Work(item.state);
+}
+
+std::string CommThread::Core::check_fingerprints(const Item& item) {
+  const Fingerprint& mine = item.fingerprint;
+  const at::Tensor all = exchange(mine.to_tensor(), mine.seq).contiguous();
+  const int64_t size = all.size(0);
+  const int64_t* rows = all.data_ptr<int64_t>();
+  // Ranks grouped by the fingerprint they sent, in rank order of first sight.
+  std::vector<std::pair<Fingerprint, std::vector<int64_t>>> groups;
+  for (int64_t r = 0; r < size; ++r) {
+    const Fingerprint f = Fingerprint::from_row(rows + r * Fingerprint::kFields);
+    auto it =
+        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == f; });
+    if (it == groups.end()) {
+      groups.push_back({f, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (groups.size() == 1) return "";
+  std::ostringstream os;
+  os << "[rank " << rank << "] fsdp: collective mismatch (debug mode) at collective #" << mine.seq
+     << " of the group: ";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const auto& ranks = groups[i].second;
+    os << (i > 0 ? "; " : "") << (ranks.size() > 1 ? "ranks " : "rank ");
+    for (size_t j = 0; j < ranks.size(); ++j) os << (j > 0 ? ", " : "") << ranks[j];
+    os << " issued " << groups[i].first.to_string();
+  }
+  os << ". Every rank must issue the same collectives, with the same sizes and dtypes, in the "
+        "same order; the collective was not run, and the group is now broken. Look for "
+        "rank-dependent control flow around this point (for FSDP units: a forward order or "
+        "a set of trainable parameters that differs between ranks).";
+  return os.str();
 }
 
 void CommThread::Core::execute(Item& item) {
@@ -124,7 +264,17 @@ void CommThread::Core::execute(Item& item) {
     return;
   }
   try {
-    item.body(item.seq);
+    // A failure of the exchange itself (a peer died or timed out) is
+    // reported like a failure of the collective, below.
+    const std::string mismatch = item.check ? check_fingerprints(item) : "";
+    if (!mismatch.empty()) {
+      health = Health::kBroken;
+      broken_cause = item.state->description + ": collective mismatch";
+      item.state->finish(std::make_exception_ptr(
+          c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, mismatch)));
+      return;
+    }
+    item.body(item.fingerprint.seq);
     item.state->finish(nullptr);
   } catch (const std::exception& e) {
     health = Health::kBroken;

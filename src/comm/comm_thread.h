@@ -2,6 +2,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -21,6 +22,35 @@ struct WorkState;
 
 /// "4096 x Float": a collective's tensor in Work descriptions.
 std::string describe_tensor(const at::Tensor& t);
+
+/// What every rank must agree on about one collective; exchanged before it
+/// in debug mode (see Note [Collective fingerprints] in comm_thread.cpp).
+struct Fingerprint {
+  /// Number of int64 fields of a fingerprint on the wire.
+  static constexpr int64_t kFields = 5;
+  uint64_t seq = 0;                                ///< sequence number in the group
+  CollectiveKind kind = CollectiveKind::kBarrier;  ///< the operation
+  int64_t dtype = -1;                              ///< at::ScalarType, -1: no tensor
+  int64_t numel = 0;                               ///< elements of the (flat) tensor
+  int64_t detail = -1;                             ///< ReduceOp or broadcast root, -1: none
+
+  /// The fingerprint as kFields int64 values.
+  at::Tensor to_tensor() const;
+  /// Reads one row written by to_tensor().
+  static Fingerprint from_row(const int64_t* row);
+  /// "all_reduce #5 (8 x Float, sum)", for messages.
+  std::string to_string() const;
+  /// True when every field is equal.
+  bool operator==(const Fingerprint& other) const;
+};
+
+/// True when FSDP_DEBUG is "detail" (any case): debug mode by default.
+bool debug_requested_by_env();
+
+/// All-gathers every rank's fingerprint (`mine`, Fingerprint::kFields int64
+/// values) for collective `seq` into a [size, kFields] tensor, over a channel
+/// that cannot collide with the collectives themselves.
+using FingerprintExchange = std::function<at::Tensor(const at::Tensor& mine, uint64_t seq)>;
 
 /// Runs one group's collectives, in issue order, on a dedicated thread, so
 /// that blocking engines (Gloo's calls, c10d's wait()) become asynchronous.
@@ -47,14 +77,27 @@ class CommThread {
 
   /// Queues `body` and returns its handle; `body` gets the collective's
   /// sequence number in this group (the same on every rank). `tensors` stay
-  /// alive until it finished. The description names the collective in messages.
+  /// alive until it finished; the first one (if any) is the one its
+  /// fingerprint describes. The description names the collective in
+  /// messages; `detail` is the ReduceOp or broadcast root (-1: none), for the
+  /// fingerprint.
   Work enqueue(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
-               std::function<void(uint64_t seq)> body);
+               int64_t detail, std::function<void(uint64_t seq)> body);
 
   /// Runs `body` on the calling thread and returns a completed handle: for
-  /// single-rank groups, where a hand-off would only add latency.
+  /// single-rank groups, where a hand-off would only add latency (and where
+  /// there is nothing to compare fingerprints with).
   Work run_inline(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
-                  const std::function<void(uint64_t seq)>& body);
+                  int64_t detail, const std::function<void(uint64_t seq)>& body);
+
+  /// How the engine exchanges fingerprints; set once, before debug mode is
+  /// switched on.
+  void set_fingerprint_exchange(FingerprintExchange exchange);
+  /// Debug mode on or off for the collectives issued from now on (caller
+  /// thread). See Note [Collective fingerprints].
+  void set_debug(bool on);
+  /// True when collectives issued now exchange fingerprints first.
+  bool debug() const;
 
   /// Number of collectives issued so far (the next one's sequence number).
   uint64_t issued() const;

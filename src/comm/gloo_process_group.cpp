@@ -68,6 +68,11 @@ constexpr uint64_t kRingSlotPrefix = 0x40;
 uint64_t ring_slot_base(uint64_t seq) {
   return (kRingSlotPrefix << 56) | ((seq & 0xffffffu) << 24);
 }
+// Fingerprints (Note [Collective fingerprints]) under a prefix of their own.
+constexpr uint64_t kFingerprintSlotPrefix = 0x41;
+uint64_t fingerprint_slot_base(uint64_t seq) {
+  return (kFingerprintSlotPrefix << 56) | ((seq & 0xffffffu) << 24);
+}
 
 class GlooTransfer : public PendingTransfer {
  public:
@@ -208,15 +213,29 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
     }
   }
   thread_ = std::make_unique<CommThread>(rank, timeout);
+  thread_->set_fingerprint_exchange(
+      [this](const at::Tensor& mine, uint64_t seq) { return exchange_fingerprints(mine, seq); });
+  set_debug_collectives(debug_requested_by_env());
+}
+
+void GlooProcessGroup::set_debug_collectives(bool on) { thread_->set_debug(on && size() > 1); }
+
+bool GlooProcessGroup::debug_collectives() const { return thread_->debug(); }
+
+at::Tensor GlooProcessGroup::exchange_fingerprints(const at::Tensor& mine, uint64_t seq) {
+  at::Tensor all = at::empty({size() * mine.numel()}, mine.options());
+  GlooPointToPoint gloo(*context_, timeout());
+  ring_all_gather(transport_for(mine, gloo), rank(), size(), all, mine, fingerprint_slot_base(seq));
+  return all.view({size(), mine.numel()});
 }
 
 GlooProcessGroup::~GlooProcessGroup() { thread_.reset(); }
 
 Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
-                              std::vector<at::Tensor> tensors,
+                              std::vector<at::Tensor> tensors, int64_t detail,
                               std::function<void(uint64_t seq)> body) {
-  if (size() == 1) return thread_->run_inline(kind, what, std::move(tensors), body);
-  return thread_->enqueue(kind, what, std::move(tensors), std::move(body));
+  if (size() == 1) return thread_->run_inline(kind, what, std::move(tensors), detail, body);
+  return thread_->enqueue(kind, what, std::move(tensors), detail, std::move(body));
 }
 
 PointToPoint& GlooProcessGroup::transport_for(const at::Tensor& shard, PointToPoint& gloo) {
@@ -232,7 +251,7 @@ at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
 
 Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
-  return submit(CollectiveKind::kAllGather, describe_tensor(flat), {flat, shard},
+  return submit(CollectiveKind::kAllGather, describe_tensor(flat), {flat, shard}, -1,
                 [this, flat, shard](uint64_t seq) {
                   const at::Tensor f = flat.view({-1}), s = shard.view({-1});
                   if (size() == 1) {
@@ -249,7 +268,7 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                                              ReduceOp op) {
   check_reduce_scatter(shard, flat, op);
   return submit(CollectiveKind::kReduceScatter, describe_tensor(flat) + ", " + to_string(op),
-                {flat, shard}, [this, flat, shard, op](uint64_t seq) {
+                {flat, shard}, static_cast<int64_t>(op), [this, flat, shard, op](uint64_t seq) {
                   const at::Tensor f = flat.view({-1}), s = shard.view({-1});
                   if (size() == 1) {
                     s.copy_(f);
@@ -266,7 +285,7 @@ Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
   return submit(
       CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op), {tensor},
-      [this, tensor, op](uint64_t seq) {
+      static_cast<int64_t>(op), [this, tensor, op](uint64_t seq) {
         if (size() == 1 || tensor.numel() == 0) return;
         if (links_ &&
             static_cast<int64_t>(tensor.nbytes()) <= DirectLinks::max_message_bytes() * size()) {
@@ -300,7 +319,7 @@ Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_root(root);
   return submit(
       CollectiveKind::kBroadcast, describe_tensor(tensor) + ", root " + std::to_string(root),
-      {tensor}, [this, tensor, root](uint64_t seq) {
+      {tensor}, root, [this, tensor, root](uint64_t seq) {
         if (size() == 1 || tensor.numel() == 0) return;
         dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
           using T = decltype(tag_value);
@@ -310,7 +329,7 @@ Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
 }
 
 Work GlooProcessGroup::barrier() {
-  return submit(CollectiveKind::kBarrier, "", {}, [this](uint64_t seq) {
+  return submit(CollectiveKind::kBarrier, "", {}, -1, [this](uint64_t seq) {
     if (size() == 1) return;
     gloo::BarrierOptions opts(context_);
     opts.setTag(static_cast<uint32_t>(seq));
@@ -327,6 +346,7 @@ std::shared_ptr<ProcessGroup> GlooProcessGroup::new_subgroup(const std::vector<i
   const int sub_rank = static_cast<int>(it - ranks.begin());
   auto sub = std::make_shared<GlooProcessGroup>(
       store_, prefix, sub_rank, static_cast<int>(ranks.size()), timeout(), listen_addr_);
+  sub->set_debug_collectives(debug_collectives());
   if (sub->size() > 1) sub->barrier().wait();  // everyone connected before use
   return sub;
 }

@@ -36,10 +36,13 @@ class GlooProcessGroup final : public ProcessGroup {
   Work broadcast(const at::Tensor& tensor, int root) override;
   Work barrier() override;
   std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override;
+  void set_debug_collectives(bool on) override;
+  bool debug_collectives() const override;
 
  private:
   Work submit(CollectiveKind kind, const std::string& what, std::vector<at::Tensor> tensors,
-              std::function<void(uint64_t seq)> body);
+              int64_t detail, std::function<void(uint64_t seq)> body);
+  at::Tensor exchange_fingerprints(const at::Tensor& mine, uint64_t seq);
   at::Tensor scratch_like(const at::Tensor& shard);
   // The direct links for a collective whose per-rank chunk is `shard`, when
   // small enough; otherwise `gloo`.

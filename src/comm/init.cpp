@@ -118,6 +118,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     }
   }
 
+  if (options.debug_collectives()) group->set_debug_collectives(true);
+
   // Nobody leaves init before everyone has connected: a rank that returned
   // and exited at once would otherwise break a peer's connect in progress.
   if (info.world_size > 1) group->barrier().wait();

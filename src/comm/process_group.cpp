@@ -51,6 +51,11 @@ ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout
               timeout.count(), " ms");
 }
 
+void ProcessGroup::set_debug_collectives(bool on) {
+  TORCH_CHECK(!on, "[rank ", rank_, "] fsdp: the ", backend_name(),
+              " process group has no debug mode (collective fingerprints)");
+}
+
 void ProcessGroup::check_single(const char* op_name, const at::Tensor& t) const {
   TORCH_CHECK(t.defined(), "[rank ", rank_, "] fsdp ", op_name, ": got an undefined tensor");
   TORCH_CHECK(t.is_contiguous(), "[rank ", rank_, "] fsdp ", op_name,

@@ -11,8 +11,11 @@
 
 #include <gloo/transport/tcp/device.h>
 
+#include <c10/util/Exception.h>
+
 #include <chrono>
 #include <string>
+#include <vector>
 
 #define FSDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||       \
@@ -43,6 +46,30 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_c10d_gloo_group(
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 #endif
 }
+
+/// Collects the messages of TORCH_WARN while alive (the handler interface
+/// and the guard's namespace changed in 2.x). Not thread-safe: warnings are
+/// expected on the thread that runs the model.
+class WarningCollector : public c10::WarningHandler {
+ public:
+  WarningCollector() : guard_(this) {}
+#if FSDP_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  /// Every message seen, in order.
+  std::vector<std::string> messages;
+
+ private:
+#if FSDP_TORCH_AT_LEAST(2, 0)
+  c10::WarningUtils::WarningHandlerGuard guard_;
+#else
+  c10::Warning::WarningHandlerGuard guard_;
+#endif
+};
 
 /// Waits for a c10d collective with a limit (the Work type moved in 2.x).
 template <typename WorkPtr>

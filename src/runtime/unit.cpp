@@ -219,6 +219,8 @@ void Unit::lazy_init_root() {
       detail::rename_placeholder(unit->grad_placeholders_[i], "'" + where + slots[i].name + "'");
     }
   }
+  exec_order_ =
+      std::make_unique<ExecOrder>(*self_, options_.process_group(), options_.check_forward_order());
 }
 
 void Unit::pre_forward() {
@@ -229,13 +231,9 @@ void Unit::pre_forward() {
     state_ = TrainingState::kIdle;
   }
   transition(TrainingState::kIdle, TrainingState::kForward);
-  // The root's forward starts every iteration after the first: the order
-  // recorded so far is the first iteration's.
-  if (is_root() && !forward_order_.empty()) recording_order_ = false;
-  if (!flat_) {
-    record_or_prefetch();
-    return;
-  }
+  if (is_root()) root_->exec_order_->begin_forward(self_->is_training());
+  if (!flat_) return;
+  root_->exec_order_->before_unshard(*this);  // See Note [Forward order].
   // requires_grad(false) set on the shard after wrapping freezes the unit's
   // original parameters too, so autograd computes no gradient for them.
   // (With use_orig_params, per parameter: its piece, or the original itself.)
@@ -257,26 +255,18 @@ void Unit::pre_forward() {
     trainable_slots_ += want ? 1 : 0;
   }
   flat_->unshard();
-  record_or_prefetch();
+  prefetch_forward();
 }
 
-void Unit::record_or_prefetch() {
-  Unit* root = root_;
-  if (root->recording_order_) {
-    order_index_ = root->forward_order_.size();
-    root->forward_order_.push_back(this);
-    return;
-  }
+void Unit::prefetch_forward() {
   if (!options_.forward_prefetch()) return;
   // The next unit of the first iteration's order starts gathering now; its
   // own pre_forward waits for it.
-  const size_t next = order_index_ + 1;
-  if (next < root->forward_order_.size() && root->forward_order_[next]->flat_) {
-    root->forward_order_[next]->flat_->unshard_async();
-  }
+  if (Unit* next = root_->exec_order_->next(*this)) next->flat_->unshard_async();
 }
 
 void Unit::post_forward(const at::Tensor& output) {
+  if (is_root()) exec_order_->end_forward();
   transition(TrainingState::kForward, TrainingState::kIdle);
   const bool grad_enabled = at::GradMode::is_enabled();
   if (flat_ && (!grad_enabled ||
@@ -307,12 +297,8 @@ void Unit::prefetch_backward() {
   // Backward runs the first iteration's forward order in reverse: the unit
   // recorded before this one is the next to need its parameters.
   Unit* root = root_ != nullptr ? root_ : this;
-  if (root->recording_order_ || order_index_ == 0 || order_index_ >= root->forward_order_.size() ||
-      root->forward_order_[order_index_] != this) {
-    return;
-  }
-  Unit* next = root->forward_order_[order_index_ - 1];
-  if (next->flat_ && !next->backward_seen_ && next->state_ == TrainingState::kIdle) {
+  Unit* next = root->exec_order_ ? root->exec_order_->previous(*this) : nullptr;
+  if (next != nullptr && !next->backward_seen_ && next->state_ == TrainingState::kIdle) {
     next->flat_->unshard_async();
   }
 }

@@ -26,6 +26,7 @@ using C10dGroupFactory = std::function<c10::intrusive_ptr<c10d::ProcessGroup>(
 class C10dProcessGroup final : public ProcessGroup {
  public:
   /// Wraps `group`. `store` and `factory` are needed only by new_subgroup().
+  /// Debug mode starts on when FSDP_DEBUG=detail (see set_debug_collectives()).
   C10dProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout,
                    c10::intrusive_ptr<c10d::Store> store = {}, C10dGroupFactory factory = {});
   ~C10dProcessGroup() override;
@@ -37,11 +38,15 @@ class C10dProcessGroup final : public ProcessGroup {
   Work broadcast(const at::Tensor& tensor, int root) override;
   Work barrier() override;
   std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override;
+  void set_debug_collectives(bool on) override;
+  bool debug_collectives() const override;
 
   /// The wrapped c10d group.
   const c10::intrusive_ptr<c10d::ProcessGroup>& c10d_group() const { return group_; }
 
  private:
+  at::Tensor exchange_fingerprints(const at::Tensor& mine, uint64_t seq);
+
   // Constant after construction.
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::intrusive_ptr<c10d::Store> store_;

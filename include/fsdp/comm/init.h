@@ -47,6 +47,11 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// Collective engine.
   TORCH_ARG(Backend, backend) = Backend::kGloo;
+  /// Debug mode: every collective first exchanges a fingerprint with the
+  /// other ranks, so a mismatch is an error on every rank rather than a hang
+  /// (see ProcessGroup::set_debug_collectives()). Also on when the
+  /// environment has FSDP_DEBUG=detail.
+  TORCH_ARG(bool, debug_collectives) = false;
   /// Make the result the default group (see default_process_group()).
   TORCH_ARG(bool, set_default) = true;
 };

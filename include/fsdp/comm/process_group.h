@@ -53,6 +53,18 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
   /// Completes once every rank has issued it.
   virtual Work barrier() = 0;
 
+  /// Debug mode: every collective issued from now on first exchanges a
+  /// fingerprint (sequence number, operation, dtype, element count) with the
+  /// other ranks, so that ranks issuing different collectives all fail at
+  /// once with an error naming the ranks and their fingerprints, instead of
+  /// hanging or mixing tensors. Every rank must switch it at the same point of
+  /// its sequence of collectives. Initially on with
+  /// ProcessGroupOptions::debug_collectives or FSDP_DEBUG=detail; sub-groups
+  /// inherit it. Costs one small all-gather per collective.
+  virtual void set_debug_collectives(bool on);
+  /// True while debug mode is on (see set_debug_collectives()).
+  virtual bool debug_collectives() const { return false; }
+
   /// Makes a group of the given ranks of this group (sorted, unique). Every
   /// rank of this group must call it with the same list, in the same order as
   /// its other new_subgroup calls. Returns nullptr on ranks not in the list.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <fsdp/core/flat_parameter.h>
+#include <fsdp/runtime/exec_order.h>
 #include <fsdp/wrap/options.h>
 
 namespace fsdp {
@@ -99,7 +100,7 @@ class Unit {
 
  private:
   void lazy_init_root();
-  void record_or_prefetch();
+  void prefetch_forward();
   void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);
@@ -130,11 +131,9 @@ class Unit {
   // Set at the root's first forward.
   Unit* root_ = nullptr;
   std::vector<Unit*> units_;  // root only: every unit of the tree, pre-order
-  // Root only: the forward order of the first iteration (units with
-  // parameters), recorded while `recording_order_`; drives forward prefetch.
-  std::vector<Unit*> forward_order_;
-  bool recording_order_ = true;
-  size_t order_index_ = 0;  // position of this unit in the root's forward_order_
+  // Root only: the first iteration's forward order (units with parameters),
+  // agreed across ranks; drives prefetch. See Note [Forward order].
+  std::unique_ptr<ExecOrder> exec_order_;
 
   // Per-iteration state.
   TrainingState state_ = TrainingState::kIdle;

@@ -50,6 +50,11 @@ struct FSDPOptions {
   /// (possibly empty on ranks that hold none of it) instead of one flat
   /// shard, so parameter groups (e.g. no weight decay on biases) work.
   TORCH_ARG(bool, use_orig_params) = false;
+  /// Check the forward order of units (the root's option counts): in the
+  /// first training iteration ranks agree on each unit before gathering it
+  /// (an error on every rank when they differ); later iterations warn once
+  /// when a rank's order changes. See Note [Forward order].
+  TORCH_ARG(bool, check_forward_order) = true;
 };
 
 }  // namespace fsdp
