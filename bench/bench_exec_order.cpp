@@ -13,6 +13,7 @@
 //   unit) and off.
 // - debug_mode: steady steps with debug mode (a fingerprint exchange before
 //   every collective) on and off; cost per unit per step and per collective.
+// The steady configurations alternate step by step (reps * steps each).
 // A step is forward + sum/loss + backward (no optimizer: it is the same in
 // every configuration). Rank 0 prints one JSON line per measurement.
 
@@ -192,15 +193,17 @@ int main(int argc, char** argv) {
       checked.step();
       unchecked.step();
     }
-    std::vector<double> later_on, later_off, debug_on, debug_off;
-    for (int r = 0; r < a.reps; ++r) {
-      for (int i = 0; i < a.steps; ++i) later_on.push_back(timed(*pg, checked.step));
-      for (int i = 0; i < a.steps; ++i) later_off.push_back(timed(*pg, unchecked.step));
-      for (int i = 0; i < a.steps; ++i) debug_off.push_back(timed(*pg, checked.step));
-      pg->set_debug_collectives(true);  // every rank at the same point
-      for (int i = 0; i < a.steps; ++i) debug_on.push_back(timed(*pg, checked.step));
+    // Interleaved step by step: checked (debug off), unchecked, checked with
+    // debug mode on (every rank switches at the same point).
+    std::vector<double> later_on, later_off, debug_on;
+    for (int i = 0; i < a.reps * a.steps; ++i) {
+      later_on.push_back(timed(*pg, checked.step));
+      later_off.push_back(timed(*pg, unchecked.step));
+      pg->set_debug_collectives(true);
+      debug_on.push_back(timed(*pg, checked.step));
       pg->set_debug_collectives(false);
     }
+    const std::vector<double>& debug_off = later_on;
     const double l_on = max_over_ranks(*pg, median(later_on));
     const double l_off = max_over_ranks(*pg, median(later_off));
     const double d_on = max_over_ranks(*pg, median(debug_on));

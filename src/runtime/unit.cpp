@@ -125,7 +125,7 @@ void Unit::make_optim_params() {
     const auto& slot = flat_->slots()[i];
     const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
     at::Tensor piece = base.narrow(0, lo < hi ? lo - begin : 0, lo < hi ? hi - lo : 0);
-    piece.set_requires_grad(slot_trainable_[i]);
+    piece.set_requires_grad(slot.param.requires_grad());  // as when wrapped
     optim_params_.push_back(piece);
   }
 }
@@ -156,12 +156,19 @@ void Unit::assign_reduced_grad() {
 void Unit::register_grad_hooks() {
   const auto& slots = flat_->slots();
   slot_trainable_.assign(slots.size(), false);
+  // A unit frozen entirely when wrapped can be unfrozen later through its
+  // shard (as PyTorch's FlatParameter can; seed 004 does it): every slot gets
+  // its hook, made while requires_grad is briefly on.
+  const bool all_frozen = !flat_->shard().requires_grad();
   for (size_t i = 0; i < slots.size(); ++i) {
     grad_placeholders_.push_back(detail::make_placeholder(
         slots[i].param, detail::PlaceholderKind::kGradient, "'" + slots[i].name + "'"));
-    if (!slots[i].param.requires_grad()) continue;
+    auto& param = const_cast<at::Tensor&>(slots[i].param);
+    if (!param.requires_grad() && !all_frozen) continue;
     slot_trainable_[i] = true;
-    auto acc = torch::autograd::impl::grad_accumulator(slots[i].param);
+    if (all_frozen) param.set_requires_grad(true);
+    auto acc = torch::autograd::impl::grad_accumulator(param);
+    if (all_frozen) param.set_requires_grad(false);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i](const torch::autograd::variable_list& outputs,
                   const torch::autograd::variable_list&) {

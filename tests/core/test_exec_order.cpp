@@ -34,15 +34,12 @@ struct SeedModelImpl : nn::Module {
     layer0 = register_module("layer0", nn::Linear(5, 6));
     layer1 = register_module("layer1", FullyShardedDataParallel<nn::LinearImpl>(
                                            nn::Linear(nn::LinearOptions(6, 6).bias(false)), o));
-    layer2 = register_module(
-        "layer2", FullyShardedDataParallel<nn::SequentialImpl>(
-                      nn::Sequential(nn::Linear(nn::LinearOptions(6, 3).bias(false)), nn::ReLU(),
-                                     nn::Linear(nn::LinearOptions(3, 6).bias(false))),
-                      o));
-    // The seed freezes layer2 before wrapping; here its shard is frozen after
-    // wrapping, which is what lets flip_path() unfreeze it (a unit whose
-    // parameters were all frozen when it was wrapped stays frozen).
-    set_trainable(layer2->parameters(), false);
+    // layer2 is frozen before wrapping, as in the seed; flip_path() unfreezes
+    // it through its shard.
+    nn::Sequential alt(nn::Linear(nn::LinearOptions(6, 3).bias(false)), nn::ReLU(),
+                       nn::Linear(nn::LinearOptions(3, 6).bias(false)));
+    for (auto& p : alt->parameters()) p.set_requires_grad(false);
+    layer2 = register_module("layer2", FullyShardedDataParallel<nn::SequentialImpl>(alt, o));
   }
   torch::Tensor forward(torch::Tensor x) {
     torch::Tensor z = torch::relu(layer0(x));
@@ -176,6 +173,8 @@ TEST(ExecOrder, OrderChangedAfterFirstIterationWarnsOnceOnTheChangedRanks) {
           EXPECT_EQ(warned[0].rfind(expected, 0), 0u) << warned[0];
           EXPECT_NE(warned[0].find("unit `layer1`"), std::string::npos) << warned[0];
           EXPECT_NE(warned[0].find("unit `layer2`"), std::string::npos) << warned[0];
+          // layer2, frozen when wrapped, was unfrozen through its shard.
+          EXPECT_TRUE(model->module().layer2->parameters()[0].grad().defined()) << what;
         }
         // One more iteration: no new warning.
         train_step(model);
