@@ -1,5 +1,7 @@
 #include "state/local_state.h"
 
+#include "detail/torch_compat.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/adam.h>
@@ -113,18 +115,16 @@ std::vector<LocalPiece> local_pieces(torch::nn::Module& root) {
 // torch::optim keeps state under the address of the parameter's TensorImpl,
 // which means nothing in another process. Checkpoints key it by the original
 // parameter name instead; these accessors translate, building the address key
-// exactly as torch::optim does (streaming the pointer).
+// exactly as torch::optim does (see compat::optim_state_key).
 namespace {
 
-std::string optim_key(const at::Tensor& p) {
-  std::ostringstream s;
-  s << p.unsafeGetTensorImpl();
-  return s.str();
+auto optim_key(const torch::optim::Optimizer& opt, const at::Tensor& p) {
+  return compat::optim_state_key(opt.state(), p);
 }
 
 template <typename State>
 bool get_adam(const torch::optim::Optimizer& opt, const at::Tensor& p, ParamState& out) {
-  const auto it = opt.state().find(optim_key(p));
+  const auto it = opt.state().find(optim_key(opt, p));
   if (it == opt.state().end()) return false;
   const auto& s = static_cast<const State&>(*it->second);
   out.step = s.step();
@@ -142,7 +142,7 @@ void set_adam(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamStat
   s->exp_avg_sq(in.tensors.at("exp_avg_sq"));
   const auto m = in.tensors.find("max_exp_avg_sq");
   if (m != in.tensors.end()) s->max_exp_avg_sq(m->second);
-  opt.state()[optim_key(p)] = std::move(s);
+  opt.state()[optim_key(opt, p)] = std::move(s);
 }
 
 }  // namespace
@@ -176,7 +176,7 @@ bool OptimAccess::get(const at::Tensor& param, ParamState& out) const {
   out = ParamState();
   switch (kind_) {
     case Kind::kSgd: {
-      const auto it = opt_.state().find(optim_key(param));
+      const auto it = opt_.state().find(optim_key(opt_, param));
       if (it == opt_.state().end()) return false;
       const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
       if (!s.momentum_buffer().defined()) return false;
@@ -196,7 +196,7 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
     case Kind::kSgd: {
       auto s = std::make_unique<torch::optim::SGDParamState>();
       s->momentum_buffer(state.tensors.at("momentum_buffer"));
-      opt_.state()[optim_key(param)] = std::move(s);
+      opt_.state()[optim_key(opt_, param)] = std::move(s);
       return;
     }
     case Kind::kAdam:
@@ -205,6 +205,8 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
       return set_adam<torch::optim::AdamWParamState>(opt_, param, state);
   }
 }
+
+void OptimAccess::clear(const at::Tensor& param) { opt_.state().erase(optim_key(opt_, param)); }
 
 std::string safetensors_dtype(at::ScalarType t) {
   switch (t) {

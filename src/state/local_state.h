@@ -67,6 +67,8 @@ class OptimAccess {
   bool get(const at::Tensor& param, ParamState& out) const;
   /// Replaces the state of `param`.
   void set(const at::Tensor& param, const ParamState& state);
+  /// Drops the state of `param` (as if it was never stepped).
+  void clear(const at::Tensor& param);
 
  private:
   torch::optim::Optimizer& opt_;

@@ -140,7 +140,11 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
         break;
       }
     }
-    if (found) access.set(param, st);
+    if (found) {
+      access.set(param, st);
+    } else {
+      access.clear(param);  // saved without state: it was never stepped
+    }
   }
 }
 

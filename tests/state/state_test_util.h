@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -26,6 +27,12 @@ inline std::string test_dir() {
   const char* dir = ::mkdtemp(tmpl);
   EXPECT_NE(dir, nullptr);
   return dir;
+}
+
+/// Removes a test directory in the test process once the test passed (a
+/// failing test keeps it for inspection).
+inline void remove_test_dir(const std::string& dir) {
+  if (!is_rank_process() && !::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
 }
 
 /// Options that pass `dir` to the rank processes.

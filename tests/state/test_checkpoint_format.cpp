@@ -110,7 +110,7 @@ struct Saved {
 
 TEST(CheckpointDir, PlainModelRoundTripBothTypes) {
   for (auto type : {StateDictType::kFull, StateDictType::kSharded}) {
-    const std::string dir = test_dir() + "/ckpt";
+    const std::string root = test_dir(), dir = root + "/ckpt";
     Saved saved(dir, type);
     torch::manual_seed(2);
     Net other(false, FSDPOptions());
@@ -125,6 +125,7 @@ TEST(CheckpointDir, PlainModelRoundTripBothTypes) {
     torch::manual_seed(5);
     train(*other, *opt, 2);
     expect_bitwise_equal(full_state_dict(*other), full_state_dict(*saved.model), "after training");
+    remove_test_dir(root);
   }
 }
 
@@ -200,6 +201,7 @@ TEST(CheckpointDir, RefusesDamage) {
         reseal(d, "model.safetensors");
       },
       {"model.safetensors", "header length"});
+  remove_test_dir(root);
 }
 
 TEST(CheckpointDir, LatestCompleteCheckpoint) {
@@ -210,6 +212,7 @@ TEST(CheckpointDir, LatestCompleteCheckpoint) {
   Saved c(checkpoint_path(root, 20), StateDictType::kSharded);
   std::remove((checkpoint_path(root, 20) + "/COMPLETE").c_str());
   EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 12));
+  remove_test_dir(root);
 }
 
 }  // namespace

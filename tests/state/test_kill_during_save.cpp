@@ -75,6 +75,7 @@ TEST_P(KillDuringSave, PreviousCheckpointSurvivesAndTornOneIsRefused) {
           << e.what();
     }
   }
+  remove_test_dir(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Seeds, KillDuringSave, ::testing::Range(0, 8));

@@ -83,6 +83,7 @@ void reshard_case(bool orig) {
       },
       env);
   if (!is_rank_process()) expect_same_full(dir, "1", "1to2");
+  remove_test_dir(dir);
 }
 
 TEST(Reshard, FlatShards) { reshard_case(false); }

@@ -50,6 +50,7 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
     EXPECT_GT(a.size(), 100u) << f;
     EXPECT_TRUE(a == file_bytes(dir + "/final_b/" + f)) << f << " differs after resume";
   }
+  remove_test_dir(dir);
 }
 
 }  // namespace

@@ -104,6 +104,7 @@ TEST(StateDict, CheckpointRoundTripsAndTrainingContinues) {
         }
       },
       with_dir(dir));
+  remove_test_dir(dir);
 }
 
 }  // namespace
