@@ -1,5 +1,5 @@
 // Round trips of model and optimizer state through full state dicts and
-// through full and sharded checkpoints, for FULL_SHARD and SHARD_GRAD_OP,
+// through full and sharded checkpoints, for FULL_SHARD, SHARD_GRAD_OP and NO_SHARD,
 // flat shards and use_orig_params, SGD with momentum and AdamW: what is loaded
 // equals what was saved bit for bit, and training continues identically.
 
@@ -57,7 +57,8 @@ struct Case {
 
 std::vector<Case> all_cases() {
   std::vector<Case> out;
-  for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp})
+  for (auto s :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard})
     for (bool orig : {false, true})
       for (const char* o : {"sgd", "adamw"})
         for (auto t : {StateDictType::kFull, StateDictType::kSharded})
