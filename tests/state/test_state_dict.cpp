@@ -44,6 +44,35 @@ TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
   });
 }
 
+TEST(StateDict, FullSaveGathersOneUnitAtATime) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        enable_memory_tracking();
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        torch::manual_seed(0);
+        torch::nn::Sequential seq;
+        for (int i = 0; i < 6; ++i) seq->push_back(torch::nn::Linear(128, 128));
+        for (size_t i = 0; i < seq->size(); ++i) wrap_sequential_entry(seq, i);
+        FullyShardedDataParallel<torch::nn::SequentialImpl> model(seq);
+        torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+        opt.zero_grad();
+        model->forward(torch::randn({2, 128})).sum().backward();
+        opt.step();
+        const int64_t unit_bytes = 128 * 129 * 4, model_bytes = 6 * unit_bytes;
+        const int64_t before = memory_stats().current_bytes;
+        reset_peak_memory_stats();
+        Checkpointer(*model, &opt).save(dir + "/full", 1, StateDictType::kFull);
+        const int64_t extra = memory_stats().peak_bytes - before;
+        // A unit's parameters and one gathered optimizer state at a time (plus
+        // small temporaries), far below the model's full size.
+        EXPECT_LT(extra, 3 * unit_bytes) << "peak " << extra << " bytes, model " << model_bytes;
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
 struct Case {
   ShardingStrategy strategy;
   bool orig;
