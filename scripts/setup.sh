@@ -10,6 +10,7 @@ PACKAGES=(
   libopenblas0-pthread  # without it LibTorch's matmuls use the reference BLAS (~13x slower)
   googletest libgtest-dev
   nlohmann-json3-dev libcli11-dev
+  clang-14 libclang-rt-14-dev  # libFuzzer + ASan for the checkpoint loader's fuzz target
 )
 
 missing=()

@@ -18,3 +18,5 @@
 #include <fsdp/wrap/sequential.h>
 #include <fsdp/wrap/summon_full_params.h>
 #include <fsdp/wrap/enable_wrap.h>
+#include <fsdp/state/checkpoint.h>
+#include <fsdp/state/state_dict.h>

@@ -14,8 +14,10 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <sstream>
 #include <string>
 #include <vector>
+#include <type_traits>
 
 #define FSDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||       \
@@ -75,6 +77,21 @@ class WarningCollector : public c10::WarningHandler {
 template <typename WorkPtr>
 void wait_work(const WorkPtr& work, std::chrono::milliseconds timeout) {
   work->wait(timeout);
+}
+
+/// The key torch::optim keeps a parameter's state under in `state` (the
+/// optimizer's state() map): the TensorImpl address, as text in 1.13
+/// (c10::guts::to_string), as a void* in later 2.x releases.
+template <typename StateMap>
+typename StateMap::key_type optim_state_key(const StateMap&, const at::Tensor& param) {
+  using Key = typename StateMap::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream s;
+    s << param.unsafeGetTensorImpl();
+    return s.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
 }
 
 }  // namespace fsdp::compat

@@ -1,0 +1,76 @@
+#pragma once
+
+// Files that appear whole or not at all, and checked reads (no LibTorch).
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <fsdp/state/crc32.h>
+
+namespace fsdp {
+
+/// Writes `path` atomically: the bytes go to a temporary name in the same
+/// directory; commit() fsyncs it, renames it to `path` and fsyncs the
+/// directory, so a crash leaves either the old state or the whole new file.
+/// A writer destroyed before commit() removes its temporary file.
+class AtomicFileWriter {
+ public:
+  /// Opens the temporary file; throws CheckpointError if it cannot.
+  explicit AtomicFileWriter(std::string path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  /// Appends bytes (and adds them to the checksum).
+  void write(const void* data, size_t size);
+  /// Makes the file durable under its final name.
+  void commit();
+  /// Bytes written so far.
+  uint64_t size() const { return size_; }
+  /// CRC-32 of the bytes written so far.
+  uint32_t crc32() const { return crc_.value(); }
+
+ private:
+  std::string path_;
+  std::string tmp_path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+  Crc32 crc_;
+};
+
+/// Writes a whole small file atomically; returns its CRC-32.
+uint32_t write_file_atomically(const std::string& path, const std::string& contents);
+
+/// fsyncs a directory, so that renames and creations in it are durable.
+void fsync_directory(const std::string& dir);
+
+/// A file opened for reading at offsets; every read is checked.
+class FileReader {
+ public:
+  /// Opens `path`; throws CheckpointError if it does not exist.
+  explicit FileReader(const std::string& path);
+  ~FileReader();
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  /// The file's size when opened.
+  uint64_t size() const { return size_; }
+  /// The path, for messages.
+  const std::string& path() const { return path_; }
+  /// Reads exactly `size` bytes at `offset`; throws if the file is shorter.
+  void read_at(uint64_t offset, void* dst, size_t size) const;
+  /// CRC-32 of the whole file, read in blocks (no allocation of its size).
+  uint32_t checksum() const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+/// Reads a small file whole, refusing one larger than max_size before
+/// allocating.
+std::string read_small_file(const std::string& path, uint64_t max_size);
+
+}  // namespace fsdp

@@ -1,0 +1,73 @@
+#pragma once
+
+// Reading a checkpoint directory (no LibTorch): the completion marker, the
+// manifests, and pieces of tensors from the safetensors files, every size and
+// checksum verified. See Note [Checkpoint directory].
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/state/atomic_file.h>
+#include <fsdp/state/manifest.h>
+#include <fsdp/state/safetensors.h>
+
+namespace fsdp {
+
+/// Name of the completion marker inside a checkpoint directory.
+constexpr const char* kCompletionMarker = "COMPLETE";
+/// Name of rank r's manifest.
+std::string manifest_name(int rank);
+/// Largest manifest or marker accepted (checked before reading).
+constexpr uint64_t kMaxManifestBytes = 256u << 20;
+
+/// A complete checkpoint directory opened for reading.
+class CheckpointReader {
+ public:
+  /// Verifies the marker, every manifest (size and CRC-32) and every data file
+  /// (size, CRC-32, header, and that each piece a manifest lists is in it with
+  /// its dtype and size); throws CheckpointError naming the file otherwise.
+  explicit CheckpointReader(std::string dir);
+
+  /// The directory.
+  const std::string& dir() const { return dir_; }
+  /// The marker.
+  const CompletionMarker& marker() const { return marker_; }
+  /// Rank r's manifest (r < marker().world_size).
+  const RankManifest& manifest(int rank) const { return manifests_.at(rank); }
+  /// Every stored piece of `key` (empty if none).
+  std::vector<const TensorRecord*> pieces(const std::string& key) const;
+  /// Every key stored.
+  std::vector<std::string> keys() const;
+  /// Copies elements [begin, end) of `piece` (relative to the original tensor,
+  /// inside the piece's range) to dst.
+  void read(const TensorRecord& piece, int64_t begin, int64_t end, void* dst) const;
+
+ private:
+  struct DataFile {
+    std::unique_ptr<FileReader> reader;
+    SafetensorsHeader header;
+  };
+  void open_data_file(const FileRecord& record);
+
+  std::string dir_;
+  CompletionMarker marker_;
+  std::vector<RankManifest> manifests_;
+  std::map<std::string, DataFile> files_;
+  std::map<std::string, std::vector<const TensorRecord*>> index_;
+};
+
+/// Opens and fully verifies `dir` (see CheckpointReader); throws if it is
+/// incomplete or damaged.
+void verify_checkpoint(const std::string& dir);
+
+/// The complete checkpoint directory under `parent` with the highest step
+/// (directories named "step-<N>" that hold a marker), or "" if none.
+std::string latest_checkpoint(const std::string& parent);
+
+/// "parent/step-<step>" with the step zero-padded, so names sort by step.
+std::string checkpoint_path(const std::string& parent, int64_t step);
+
+}  // namespace fsdp

@@ -1,0 +1,66 @@
+#pragma once
+
+// The JSON metadata of a checkpoint directory (no LibTorch):
+//   rank<R>.json  one manifest per rank: its data files (size, CRC-32), the
+//                 pieces of original tensors they hold, and its resume state;
+//   COMPLETE      the completion marker, written last by rank 0: every
+//                 manifest with its size and CRC-32.
+// See Note [Checkpoint directory] in src/state/checkpoint_dir.cpp.
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+/// A file of the checkpoint with its size and checksum.
+struct FileRecord {
+  std::string name;    ///< file name inside the checkpoint directory
+  uint64_t size = 0;   ///< bytes
+  uint32_t crc32 = 0;  ///< CRC-32 of all its bytes
+};
+
+/// A piece of an original tensor stored in a safetensors file: elements
+/// [begin, end) of the original tensor flattened.
+struct TensorRecord {
+  std::string key;             ///< "model/<name>" or "optim/<name>/<state>"
+  std::string file;            ///< the safetensors file that holds it
+  std::string tensor;          ///< its name inside that file
+  std::string dtype;           ///< safetensors dtype
+  std::vector<int64_t> shape;  ///< the original tensor's full shape
+  int64_t begin = 0;           ///< first element held
+  int64_t end = 0;             ///< one past the last element held
+};
+
+/// What one rank wrote.
+struct RankManifest {
+  int rank = 0;                              ///< the writer's rank
+  int world_size = 1;                        ///< ranks of the saving job
+  std::string kind;                          ///< "full" or "sharded"
+  int64_t step = 0;                          ///< the training step saved
+  std::string rng_state;                     ///< CPU generator state, hex
+  std::map<std::string, std::string> extra;  ///< registered training-loop state
+  std::map<std::string, int64_t> scalars;    ///< e.g. "optim/<name>/step"
+  std::vector<FileRecord> files;             ///< data files this rank wrote
+  std::vector<TensorRecord> tensors;         ///< pieces in those files
+};
+
+/// The completion marker.
+struct CompletionMarker {
+  int world_size = 1;                 ///< ranks of the saving job
+  std::string kind;                   ///< "full" or "sharded"
+  int64_t step = 0;                   ///< the training step saved
+  std::vector<FileRecord> manifests;  ///< rank<R>.json, one per rank
+};
+
+/// JSON text of a manifest.
+std::string encode_manifest(const RankManifest& m);
+/// Parses and validates a manifest; errors name `file`.
+RankManifest parse_manifest(const std::string& text, const std::string& file);
+/// JSON text of a marker.
+std::string encode_marker(const CompletionMarker& m);
+/// Parses and validates a marker; errors name `file`.
+CompletionMarker parse_marker(const std::string& text, const std::string& file);
+
+}  // namespace fsdp

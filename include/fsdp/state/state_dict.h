@@ -1,0 +1,52 @@
+#pragma once
+
+// Full state dicts of a sharded model and its optimizer, in memory, under the
+// original parameter and buffer names.
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include <string>
+
+namespace fsdp {
+
+/// Options of full_state_dict() and full_optim_state_dict().
+struct StateDictOptions {
+  /// Only rank 0 receives the tensors (the others return an empty dict but
+  /// still take part in the gathers).
+  TORCH_ARG(bool, rank0_only) = false;
+};
+
+/// The full parameters and buffers of `model` (FSDP-wrapped or plain), as
+/// copies under their original names ("block.0.weight"), in the order of
+/// the units (pre-order), then unsharded parameters, then buffers. Gathered
+/// one unit at a time, so at most one unit's full parameters exist besides
+/// the result. Collective: every rank calls it.
+torch::OrderedDict<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
+                                                            const StateDictOptions& options = {});
+
+/// The full optimizer state of `model`'s parameters, keyed by original name:
+/// "<name>/momentum_buffer" (SGD), "<name>/exp_avg", "<name>/exp_avg_sq",
+/// ["<name>/max_exp_avg_sq"] and "<name>/step" (a 0-d int64 tensor) for Adam
+/// and AdamW; full shapes, whether the optimizer steps flat shards or, with
+/// use_orig_params, per-parameter pieces. Parameters without state (never
+/// stepped) are absent. Collective.
+torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
+    torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+    const StateDictOptions& options = {});
+
+/// Copies a full state dict (as from full_state_dict()) into `model`: each rank
+/// takes its shard. Every rank passes the whole dict; no communication. The
+/// names and shapes must match the model's exactly.
+void load_full_state_dict(torch::nn::Module& model,
+                          const torch::OrderedDict<std::string, at::Tensor>& state_dict);
+
+/// Sets `optimizer`'s state from a full optimizer state dict (as from
+/// full_optim_state_dict()); every rank passes the whole dict; no communication.
+void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                const torch::OrderedDict<std::string, at::Tensor>& state_dict);
+
+}  // namespace fsdp

@@ -1,0 +1,132 @@
+#include <fsdp/state/atomic_file.h>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include <fsdp/state/error.h>
+
+namespace fsdp {
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+std::string parent_dir(const std::string& path) {
+  const auto slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+AtomicFileWriter::AtomicFileWriter(std::string path)
+    : path_(std::move(path)), tmp_path_(path_ + ".tmp." + std::to_string(::getpid())) {
+  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw CheckpointError(tmp_path_, "cannot create: " + errno_text());
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_path_.c_str());
+  }
+}
+
+void AtomicFileWriter::write(const void* data, size_t size) {
+  if (fd_ < 0) throw CheckpointError(path_, "write after commit");
+  crc_.update(data, size);
+  const auto* p = static_cast<const char*>(data);
+  while (size > 0) {
+    const ssize_t n = ::write(fd_, p, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw CheckpointError(tmp_path_, "write failed: " + errno_text());
+    p += n;
+    size -= static_cast<size_t>(n);
+    size_ += static_cast<uint64_t>(n);
+  }
+}
+
+void AtomicFileWriter::commit() {
+  if (::fsync(fd_) != 0) throw CheckpointError(tmp_path_, "fsync failed: " + errno_text());
+  ::close(fd_);
+  fd_ = -1;
+  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp_path_.c_str());
+    throw CheckpointError(path_, "rename from " + tmp_path_ + " failed: " + why);
+  }
+  fsync_directory(parent_dir(path_));
+}
+
+uint32_t write_file_atomically(const std::string& path, const std::string& contents) {
+  AtomicFileWriter w(path);
+  w.write(contents.data(), contents.size());
+  const uint32_t crc = w.crc32();
+  w.commit();
+  return crc;
+}
+
+void fsync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw CheckpointError(dir, "cannot open directory: " + errno_text());
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw CheckpointError(dir, "fsync of the directory failed: " + errno_text());
+}
+
+FileReader::FileReader(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) throw CheckpointError(path, "cannot open: " + errno_text());
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) throw CheckpointError(path, "cannot stat: " + errno_text());
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+FileReader::~FileReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FileReader::read_at(uint64_t offset, void* dst, size_t size) const {
+  if (offset > size_ || size > size_ - offset) {
+    throw CheckpointError(path_, "read of " + std::to_string(size) + " bytes at offset " +
+                                     std::to_string(offset) + " is past the end of the file (" +
+                                     std::to_string(size_) + " bytes)");
+  }
+  auto* p = static_cast<char*>(dst);
+  while (size > 0) {
+    const ssize_t n = ::pread(fd_, p, size, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw CheckpointError(path_, "read failed (file shrank?): " + errno_text());
+    p += n;
+    offset += static_cast<uint64_t>(n);
+    size -= static_cast<size_t>(n);
+  }
+}
+
+uint32_t FileReader::checksum() const {
+  Crc32 crc;
+  std::vector<char> block(1 << 20);
+  for (uint64_t at = 0; at < size_; at += block.size()) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(block.size(), size_ - at));
+    read_at(at, block.data(), n);
+    crc.update(block.data(), n);
+  }
+  return crc.value();
+}
+
+std::string read_small_file(const std::string& path, uint64_t max_size) {
+  FileReader r(path);
+  if (r.size() > max_size) {
+    throw CheckpointError(path, "is " + std::to_string(r.size()) + " bytes, more than the " +
+                                    std::to_string(max_size) + " expected");
+  }
+  std::string out(static_cast<size_t>(r.size()), '\0');
+  if (!out.empty()) r.read_at(0, &out[0], out.size());
+  return out;
+}
+
+}  // namespace fsdp

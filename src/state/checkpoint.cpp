@@ -1,0 +1,110 @@
+#include <fsdp/state/checkpoint.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <mutex>
+
+#include "state/checkpoint_writer.h"
+#include "state/local_state.h"
+#include "state/piece_io.h"
+
+namespace fsdp {
+namespace {
+
+// The default CPU generator's state as hex text, and back.
+std::string cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  const auto* p = state.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < state.numel(); ++i) {
+    out += digits[p[i] >> 4];
+    out += digits[p[i] & 15];
+  }
+  return out;
+}
+
+void set_cpu_rng_state(const std::string& hex, const std::string& file) {
+  TORCH_CHECK(hex.size() % 2 == 0, "fsdp load: ", file, ": rng_state is not hex bytes");
+  at::Tensor state = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
+  auto* p = state.data_ptr<uint8_t>();
+  auto nibble = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    TORCH_CHECK(false, "fsdp load: ", file, ": rng_state is not hex bytes");
+  };
+  for (size_t i = 0; i < hex.size() / 2; ++i)
+    p[i] = (nibble(hex[2 * i]) << 4) | nibble(hex[2 * i + 1]);
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+}  // namespace
+
+const char* to_string(StateDictType type) {
+  return type == StateDictType::kFull ? "full" : "sharded";
+}
+
+Checkpointer::Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer)
+    : model_(model), optimizer_(optimizer) {}
+
+void Checkpointer::register_state(const std::string& name, std::function<std::string()> save,
+                                  std::function<void(const std::string&)> load) {
+  TORCH_CHECK(save && load, "fsdp Checkpointer: state ", name, " needs both save and load");
+  TORCH_CHECK(registered_.count(name) == 0, "fsdp Checkpointer: state ", name,
+              " is registered twice; use distinct names");
+  registered_[name] = {std::move(save), std::move(load)};
+}
+
+void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type) {
+  detail::SaveRequest request;
+  request.dir = dir;
+  request.full = type == StateDictType::kFull;
+  request.step = step;
+  request.rng_state = cpu_rng_state();
+  for (const auto& kv : registered_) request.extra[kv.first] = kv.second.save();
+  detail::write_checkpoint(model_, optimizer_, request);
+}
+
+std::string Checkpointer::save_step(const std::string& parent, int64_t step, StateDictType type) {
+  const std::string dir = checkpoint_path(parent, step);
+  save(dir, step, type);
+  return dir;
+}
+
+int64_t Checkpointer::load(const std::string& dir) {
+  CheckpointReader reader(dir);
+  detail::FileSource source(reader);
+  detail::load_model_pieces(model_, source);
+  if (optimizer_ != nullptr) detail::load_optim_pieces(model_, *optimizer_, source);
+  // Resume state is per rank; at another world size rank r takes what rank
+  // r (or, beyond the saved ranks, rank 0) saved.
+  ProcessGroup* group = detail::state_group(model_);
+  const int rank = group != nullptr ? group->rank() : 0;
+  const int saved = reader.marker().world_size;
+  const RankManifest& m = reader.manifest(rank < saved ? rank : 0);
+  const std::string file = dir + "/" + manifest_name(m.rank);
+  if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file);
+  for (const auto& kv : registered_) {
+    const auto it = m.extra.find(kv.first);
+    TORCH_CHECK(it != m.extra.end(), "fsdp load: ", file, " has no registered state '", kv.first,
+                "'; it was saved without register_state(\"", kv.first, "\", ...)");
+    kv.second.load(it->second);
+  }
+  return reader.marker().step;
+}
+
+int64_t Checkpointer::resume(const std::string& parent) {
+  const std::string dir = latest_checkpoint(parent);
+  return dir.empty() ? -1 : load(dir);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,161 @@
+#include <fsdp/state/checkpoint_dir.h>
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+
+#include <fsdp/state/error.h>
+
+namespace fsdp {
+
+// Note [Checkpoint directory]
+// A checkpoint is a directory:
+//   model.safetensors, optim.safetensors  (full: rank 0 writes the whole
+//       tensors under their original names; any safetensors reader opens them)
+//   model-rank<R>.safetensors, optim-rank<R>.safetensors  (sharded: each rank's
+//       pieces of the original tensors, flattened, 1-D)
+//   rank<R>.json   each rank's manifest: its files with size and CRC-32, which
+//       element range of which original tensor each piece holds, its step,
+//       RNG state and registered state
+//   COMPLETE       the marker: every manifest with size and CRC-32.
+// Every file is written atomically (temporary name, fsync, rename, fsync of
+// the directory). Rank 0 writes COMPLETE only after a barrier that every rank
+// reaches once its files are durable, so a directory with a marker is whole,
+// and the chain marker -> manifest -> data file checksums catches any later
+// damage. A full checkpoint is read by the same code as a sharded one: its
+// pieces simply span whole tensors, so any world size can load either.
+
+namespace {
+
+std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
+
+void check_record(const FileReader& r, const FileRecord& rec) {
+  if (r.size() != rec.size) {
+    throw CheckpointError(r.path(), "is " + std::to_string(r.size()) +
+                                        " bytes, the manifest says " + std::to_string(rec.size) +
+                                        " (truncated or replaced)");
+  }
+  const uint32_t crc = r.checksum();
+  if (crc != rec.crc32) {
+    throw CheckpointError(r.path(), "checksum mismatch: CRC-32 " + std::to_string(crc) +
+                                        ", expected " + std::to_string(rec.crc32) + " (corrupted)");
+  }
+}
+
+}  // namespace
+
+std::string manifest_name(int rank) { return "rank" + std::to_string(rank) + ".json"; }
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  const std::string marker_path = join(dir_, kCompletionMarker);
+  struct stat st {};
+  if (::stat(marker_path.c_str(), &st) != 0) {
+    throw CheckpointError(marker_path,
+                          "missing completion marker: the save did not finish (or "
+                          "this is not a checkpoint directory); use an earlier "
+                          "checkpoint");
+  }
+  marker_ = parse_marker(read_small_file(marker_path, kMaxManifestBytes), marker_path);
+  for (int r = 0; r < marker_.world_size; ++r) {
+    const FileRecord& rec = marker_.manifests[r];
+    const std::string path = join(dir_, rec.name);
+    FileReader reader(path);
+    if (reader.size() > kMaxManifestBytes) throw CheckpointError(path, "manifest too large");
+    check_record(reader, rec);
+    std::string text(static_cast<size_t>(reader.size()), '\0');
+    if (!text.empty()) reader.read_at(0, &text[0], text.size());
+    RankManifest m = parse_manifest(text, path);
+    if (m.rank != r || m.world_size != marker_.world_size || m.kind != marker_.kind) {
+      throw CheckpointError(path, "belongs to rank " + std::to_string(m.rank) + " of " +
+                                      std::to_string(m.world_size) + " (" + m.kind +
+                                      "), the marker expects rank " + std::to_string(r) + " of " +
+                                      std::to_string(marker_.world_size) + " (" + marker_.kind +
+                                      ")");
+    }
+    manifests_.push_back(std::move(m));
+  }
+  for (const auto& m : manifests_) {
+    for (const auto& f : m.files) open_data_file(f);
+    for (const auto& t : m.tensors) {
+      const DataFile& df = files_.at(t.file);
+      const std::string path = join(dir_, t.file);
+      const SafetensorsEntry* e = df.header.find(t.tensor);
+      if (e == nullptr)
+        throw CheckpointError(path, "has no tensor '" + t.tensor + "' (" + t.key + ")");
+      if (e->dtype != t.dtype || e->numel() != t.end - t.begin) {
+        throw CheckpointError(path, "tensor '" + t.tensor + "' is " + e->dtype + " with " +
+                                        std::to_string(e->numel()) +
+                                        " elements, the manifest says " + t.dtype + " with " +
+                                        std::to_string(t.end - t.begin));
+      }
+      index_[t.key].push_back(&t);
+    }
+  }
+}
+
+void CheckpointReader::open_data_file(const FileRecord& record) {
+  if (files_.count(record.name) != 0) return;
+  const std::string path = join(dir_, record.name);
+  DataFile df;
+  df.reader = std::make_unique<FileReader>(path);
+  check_record(*df.reader, record);
+  unsigned char prefix[8];
+  df.reader->read_at(0, prefix, 8 <= df.reader->size() ? 8 : 0);
+  const uint64_t n = check_header_length(prefix, df.reader->size(), path);
+  std::string json(static_cast<size_t>(n), '\0');
+  if (n > 0) df.reader->read_at(8, &json[0], json.size());
+  df.header = parse_safetensors_header(json.data(), json.size(), df.reader->size(), path);
+  files_.emplace(record.name, std::move(df));
+}
+
+std::vector<const TensorRecord*> CheckpointReader::pieces(const std::string& key) const {
+  const auto it = index_.find(key);
+  return it == index_.end() ? std::vector<const TensorRecord*>{} : it->second;
+}
+
+std::vector<std::string> CheckpointReader::keys() const {
+  std::vector<std::string> out;
+  for (const auto& kv : index_) out.push_back(kv.first);
+  return out;
+}
+
+void CheckpointReader::read(const TensorRecord& piece, int64_t begin, int64_t end,
+                            void* dst) const {
+  if (begin < piece.begin || end > piece.end || begin > end) {
+    throw CheckpointError(join(dir_, piece.file),
+                          piece.key + ": elements [" + std::to_string(begin) + ", " +
+                              std::to_string(end) + ") are not in this piece");
+  }
+  const DataFile& df = files_.at(piece.file);
+  const SafetensorsEntry* e = df.header.find(piece.tensor);
+  const uint64_t elem = dtype_size(piece.dtype);
+  df.reader->read_at(
+      df.header.data_start + e->begin + static_cast<uint64_t>(begin - piece.begin) * elem, dst,
+      static_cast<size_t>(end - begin) * elem);
+}
+
+void verify_checkpoint(const std::string& dir) { CheckpointReader reader(dir); }
+
+std::string checkpoint_path(const std::string& parent, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%010lld", static_cast<long long>(step));
+  return join(parent, name);
+}
+
+std::string latest_checkpoint(const std::string& parent) {
+  DIR* d = ::opendir(parent.c_str());
+  if (d == nullptr) return "";
+  std::string best;
+  while (const dirent* ent = ::readdir(d)) {
+    const std::string name = ent->d_name;
+    if (name.rfind("step-", 0) != 0) continue;
+    struct stat st {};
+    if (::stat(join(join(parent, name), kCompletionMarker).c_str(), &st) != 0) continue;
+    if (name > best) best = name;
+  }
+  ::closedir(d);
+  return best.empty() ? "" : join(parent, best);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,247 @@
+#include "state/checkpoint_writer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <exception>
+
+#include <fsdp/state/atomic_file.h>
+#include <fsdp/state/checkpoint_dir.h>
+#include <fsdp/state/error.h>
+#include <fsdp/state/manifest.h>
+#include <fsdp/state/safetensors.h>
+
+#include "state/full_gather.h"
+#include "state/local_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+// A tensor to write: its header entry, its bytes, and its manifest record.
+struct Item {
+  SafetensorsEntry entry;
+  at::Tensor data;
+  TensorRecord record;
+};
+
+void make_dirs(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
+      throw CheckpointError(part, std::string("cannot create directory: ") + std::strerror(errno));
+  }
+}
+
+// Every rank learns whether every rank got through `phase`: a failure on one
+// rank becomes an error on all, not a hang at the next collective.
+void agree(ProcessGroup* group, const std::exception_ptr& error, const std::string& dir,
+           const char* phase) {
+  double ok = error ? 0.0 : 1.0;
+  if (group != nullptr && group->size() > 1) {
+    at::Tensor t = at::full({1}, ok, at::kDouble);
+    group->all_reduce(t, ReduceOp::kMin).wait();
+    ok = t.item<double>();
+  }
+  if (error) std::rethrow_exception(error);
+  if (ok <= 0.0) {
+    throw CheckpointError(dir, std::string("another rank failed while ") + phase +
+                                   " (see its error); this checkpoint is incomplete and will "
+                                   "not load");
+  }
+}
+
+void write_bytes(AtomicFileWriter& w, const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  w.write(c.data_ptr(), c.numel() * c.element_size());
+}
+
+FileRecord write_items(const std::string& dir, const std::string& name, std::vector<Item>& items,
+                       RankManifest& manifest) {
+  std::vector<SafetensorsEntry> entries;
+  for (const Item& it : items) entries.push_back(it.entry);
+  const std::string header = encode_safetensors_header(entries);
+  AtomicFileWriter w(dir + "/" + name);
+  w.write(header.data(), header.size());
+  for (Item& it : items) {
+    write_bytes(w, it.data);
+    it.record.file = name;
+    manifest.tensors.push_back(it.record);
+  }
+  FileRecord rec{name, w.size(), w.crc32()};
+  w.commit();
+  return rec;
+}
+
+Item make_item(const std::string& key, const std::string& tensor, const at::Tensor& data,
+               const std::vector<int64_t>& shape, std::vector<int64_t> stored_shape, int64_t begin,
+               int64_t end) {
+  Item it;
+  it.entry.name = tensor;
+  it.entry.dtype = safetensors_dtype(data.scalar_type());
+  it.entry.shape = std::move(stored_shape);
+  it.data = data;
+  it.record = TensorRecord{key, "", tensor, it.entry.dtype, shape, begin, end};
+  return it;
+}
+
+void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int rank,
+                   const std::string& dir, RankManifest& manifest) {
+  std::vector<Item> model, optim;
+  std::unique_ptr<OptimAccess> access;
+  if (opt != nullptr) access = std::make_unique<OptimAccess>(*opt);
+  const std::string suffix = "-rank" + std::to_string(rank) + ".safetensors";
+  for (const LocalPiece& p : local_pieces(root)) {
+    if (p.replicated && rank != 0) continue;
+    const int64_t len = p.end - p.begin;
+    if (len > 0)
+      model.push_back(make_item("model/" + p.name, p.name, p.data, p.shape, {len}, p.begin, p.end));
+    ParamState st;
+    if (!access || p.is_buffer || !access->get(p.optim_param, st)) continue;
+    for (const std::string& name : access->state_names()) {
+      if (len == 0 || st.tensors.count(name) == 0) continue;
+      const at::Tensor piece = st.tensors.at(name).reshape({-1}).narrow(0, p.optim_offset, len);
+      const std::string tensor = p.name + "/" + name;
+      optim.push_back(make_item("optim/" + tensor, tensor, piece, p.shape, {len}, p.begin, p.end));
+    }
+    if (access->has_step()) {
+      const std::string tensor = p.name + "/step";
+      optim.push_back(make_item("optim/" + tensor, tensor, at::scalar_tensor(st.step, at::kLong),
+                                {}, {}, 0, 1));
+    }
+  }
+  manifest.files.push_back(write_items(dir, "model" + suffix, model, manifest));
+  if (opt != nullptr) manifest.files.push_back(write_items(dir, "optim" + suffix, optim, manifest));
+}
+
+// Rank 0 streams the full tensors as the walker gathers them; the other ranks
+// only take part in the gathers. A write error on rank 0 is kept until the
+// walk ends, so that no rank is left waiting in a gather.
+std::exception_ptr write_full(torch::nn::Module& root, torch::optim::Optimizer* opt, int rank,
+                              const std::string& dir, RankManifest& manifest) {
+  FullWalker walker(root, opt, /*model=*/true);
+  if (rank != 0) {
+    walker.walk([](size_t, const at::Tensor&) {});
+    return nullptr;
+  }
+  std::exception_ptr error;
+  const std::vector<FullSpec>& specs = walker.specs();
+  std::vector<SafetensorsEntry> entries[2];
+  std::vector<int> which(specs.size());
+  std::vector<TensorRecord> records;
+  const std::string names[2] = {"model.safetensors", "optim.safetensors"};
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const FullSpec& s = specs[i];
+    which[i] = s.key.rfind("model/", 0) == 0 ? 0 : 1;
+    SafetensorsEntry e;
+    e.name = s.key.substr(s.key.find('/') + 1);
+    e.dtype = safetensors_dtype(s.dtype);
+    e.shape = s.shape;
+    entries[which[i]].push_back(e);
+    records.push_back({s.key, names[which[i]], e.name, e.dtype, s.shape, 0, e.numel()});
+  }
+  std::unique_ptr<AtomicFileWriter> writers[2];
+  const int files = opt != nullptr ? 2 : 1;
+  try {
+    for (int f = 0; f < files; ++f) {
+      const std::string header = encode_safetensors_header(entries[f]);
+      writers[f] = std::make_unique<AtomicFileWriter>(dir + "/" + names[f]);
+      writers[f]->write(header.data(), header.size());
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  walker.walk([&](size_t i, const at::Tensor& t) {
+    if (error) return;
+    try {
+      TORCH_INTERNAL_ASSERT(t.scalar_type() == specs[i].dtype && t.sizes().vec() == specs[i].shape,
+                            "fsdp save: ", specs[i].key, " changed shape or dtype while saving");
+      write_bytes(*writers[which[i]], t);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  if (error) return error;
+  try {
+    for (int f = 0; f < files; ++f) {
+      manifest.files.push_back({names[f], writers[f]->size(), writers[f]->crc32()});
+      writers[f]->commit();
+    }
+    manifest.tensors = std::move(records);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+CompletionMarker make_marker(const std::string& dir, int world, const SaveRequest& request) {
+  CompletionMarker marker;
+  marker.world_size = world;
+  marker.kind = request.full ? "full" : "sharded";
+  marker.step = request.step;
+  for (int r = 0; r < world; ++r) {
+    const std::string text = read_small_file(dir + "/" + manifest_name(r), kMaxManifestBytes);
+    marker.manifests.push_back({manifest_name(r), text.size(), crc32(text.data(), text.size())});
+  }
+  return marker;
+}
+
+}  // namespace
+
+void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
+                      const SaveRequest& request) {
+  ProcessGroup* group = state_group(root);
+  const int rank = group != nullptr ? group->rank() : 0;
+  const int world = group != nullptr ? group->size() : 1;
+  const std::string& dir = request.dir;
+  std::exception_ptr error;
+  // 1. Rank 0 prepares the directory; an old marker goes first, so that a
+  //    half-overwritten checkpoint can never look complete.
+  if (rank == 0) {
+    try {
+      make_dirs(dir);
+      const std::string marker = dir + "/" + kCompletionMarker;
+      if (::unlink(marker.c_str()) != 0 && errno != ENOENT)
+        throw CheckpointError(marker, std::string("cannot remove: ") + std::strerror(errno));
+      fsync_directory(dir);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  agree(group, error, dir, "preparing the directory");
+  // 2. Every rank writes its files and then its manifest.
+  RankManifest manifest;
+  manifest.rank = rank;
+  manifest.world_size = world;
+  manifest.kind = request.full ? "full" : "sharded";
+  manifest.step = request.step;
+  manifest.rng_state = request.rng_state;
+  manifest.extra = request.extra;
+  try {
+    if (request.full) {
+      error = write_full(root, opt, rank, dir, manifest);
+    } else {
+      write_sharded(root, opt, rank, dir, manifest);
+    }
+    if (!error) write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  agree(group, error, dir, "writing its files");
+  // 3. Every rank's files are durable: rank 0 seals the checkpoint.
+  if (rank == 0) {
+    try {
+      write_file_atomically(dir + "/" + kCompletionMarker,
+                            encode_marker(make_marker(dir, world, request)));
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  agree(group, error, dir, "writing the completion marker");
+}
+
+}  // namespace fsdp::detail

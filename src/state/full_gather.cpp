@@ -1,0 +1,146 @@
+#include "state/full_gather.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "state/local_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+// The unit's state `name` as a shard-sized tensor (zeros where this rank's
+// pieces have none).
+at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess& access,
+                             const FlatParameter& flat, const std::string& name) {
+  const at::Tensor shard = flat.shard().detach();
+  if (!pieces.front()->unit->fsdp_options().use_orig_params()) {
+    ParamState st;
+    if (access.get(pieces.front()->optim_param, st) && st.tensors.count(name))
+      return st.tensors.at(name).detach().reshape({-1});
+    return at::zeros_like(shard);
+  }
+  at::Tensor out = at::zeros_like(shard);
+  for (LocalPiece* p : pieces) {
+    ParamState st;
+    if (p->end == p->begin || !access.get(p->optim_param, st) || !st.tensors.count(name)) continue;
+    const int64_t at_shard = p->begin + flat.slots()[p->slot].offset - flat.shard_offset();
+    out.narrow(0, at_shard, p->end - p->begin).copy_(st.tensors.at(name).reshape({-1}));
+  }
+  return out;
+}
+
+}  // namespace
+
+FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model)
+    : root_(root), opt_(opt), model_(model) {
+  if (opt_ != nullptr) {
+    // Agree on which parameters have optimizer state, and their steps: a
+    // rank whose piece is empty may have none (see Note [State pieces]).
+    OptimAccess access(*opt_);
+    auto pieces = local_pieces(root_);
+    at::Tensor flags = at::full({static_cast<int64_t>(pieces.size()), 2}, -1.0, at::kDouble);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      ParamState st;
+      if (pieces[i].is_buffer || !access.get(pieces[i].optim_param, st)) continue;
+      flags[i][0] = 1.0;
+      flags[i][1] = static_cast<double>(st.step);
+    }
+    ProcessGroup* group = state_group(root_);
+    if (group != nullptr && group->size() > 1) group->all_reduce(flags, ReduceOp::kMax).wait();
+    agreed_.assign(flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
+  }
+  run(nullptr);
+}
+
+void FullWalker::walk(const std::function<void(size_t, const at::Tensor&)>& fn) { run(&fn); }
+
+void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
+  const bool dry = fn == nullptr;
+  if (dry) specs_.clear();
+  size_t index = 0;
+  auto emit = [&](const std::string& key, at::ScalarType dtype, const std::vector<int64_t>& shape,
+                  const at::Tensor& t) {
+    if (dry) {
+      specs_.push_back({key, dtype, shape});
+    } else {
+      TORCH_INTERNAL_ASSERT(specs_.at(index).key == key, "fsdp: full walk out of order at ", key);
+      (*fn)(index, t);
+    }
+    ++index;
+  };
+  std::vector<LocalPiece> pieces = local_pieces(root_);
+  std::unique_ptr<OptimAccess> access;
+  if (opt_ != nullptr) access = std::make_unique<OptimAccess>(*opt_);
+  auto has_state = [&](size_t i) { return opt_ != nullptr && agreed_[2 * i] > 0; };
+  auto step_of = [&](size_t i) { return static_cast<int64_t>(agreed_[2 * i + 1]); };
+
+  size_t i = 0;
+  while (i < pieces.size() && pieces[i].unit != nullptr) {
+    // One unit: pieces [i, j).
+    Unit* unit = pieces[i].unit;
+    size_t j = i;
+    std::vector<LocalPiece*> group;
+    while (j < pieces.size() && pieces[j].unit == unit) group.push_back(&pieces[j++]);
+    FlatParameter& flat = *unit->flat_param();
+    if (model_) {
+      const bool gathered = !dry && flat.state() == FlatParameter::State::kSharded;
+      if (gathered) flat.unshard();
+      for (LocalPiece* p : group) {
+        emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
+             dry ? at::Tensor() : flat.slots()[p->slot].param.detach());
+      }
+      if (gathered) flat.reshard();
+    }
+    if (opt_ != nullptr) {
+      for (const std::string& name : access->state_names()) {
+        at::Tensor full;
+        bool any = false;
+        for (size_t k = i; k < j; ++k) any = any || has_state(k);
+        if (!any) continue;
+        if (!dry) {
+          at::Tensor local = local_state_shard(group, *access, flat, name);
+          if (flat.keeps_unsharded()) {
+            full = local;
+          } else {
+            full = at::empty({flat.padded_numel()}, local.options());
+            flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
+          }
+        }
+        for (size_t k = i; k < j; ++k) {
+          if (!has_state(k)) continue;
+          const FlatParamSlot& slot = flat.slots()[pieces[k].slot];
+          emit("optim/" + pieces[k].name + "/" + name, flat.shard().scalar_type(), slot.shape,
+               dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+        }
+      }
+      if (access->has_step()) {
+        for (size_t k = i; k < j; ++k) {
+          if (!has_state(k)) continue;
+          emit("optim/" + pieces[k].name + "/step", at::kLong, {},
+               dry ? at::Tensor() : at::scalar_tensor(step_of(k), at::kLong));
+        }
+      }
+    }
+    i = j;
+  }
+  for (; i < pieces.size(); ++i) {
+    const LocalPiece& p = pieces[i];
+    const at::ScalarType dtype = p.data.scalar_type();
+    if (model_) emit("model/" + p.name, dtype, p.shape, dry ? at::Tensor() : p.data.view(p.shape));
+    if (opt_ == nullptr || p.is_buffer || !has_state(i)) continue;
+    ParamState st;
+    if (!dry) access->get(p.optim_param, st);
+    for (const std::string& name : access->state_names()) {
+      emit("optim/" + p.name + "/" + name, dtype, p.shape,
+           dry ? at::Tensor()
+               : (st.tensors.count(name) ? st.tensors.at(name)
+                                         : at::zeros(p.shape, p.data.options())));
+    }
+    if (access->has_step()) {
+      emit("optim/" + p.name + "/step", at::kLong, {},
+           dry ? at::Tensor() : at::scalar_tensor(step_of(i), at::kLong));
+    }
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,249 @@
+#include "state/local_state.h"
+
+#include "detail/torch_compat.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include <fsdp/comm/init.h>
+
+namespace fsdp::detail {
+
+// Note [State pieces]
+// Every rank describes what it holds as pieces: elements [begin, end) of an
+// original tensor flattened. A unit's slot contributes its intersection with
+// this rank's shard (padding never belongs to a slot); a parameter no unit
+// shards, a buffer, or a NO_SHARD unit's slot is held whole by every rank
+// (`replicated`, saved by rank 0 only). Saving writes the pieces with their
+// ranges; loading fills each local piece from whichever stored pieces
+// intersect it, so any saved world size loads into any other without
+// communication, and a full checkpoint is the case of one piece per tensor.
+
+std::vector<UnitEntry> units_with_params(torch::nn::Module& root) {
+  std::vector<UnitEntry> out;
+  std::unordered_set<Unit*> seen;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    auto* unit = dynamic_cast<Unit*>(item.value().get());
+    if (unit == nullptr || !unit->is_active() || unit->flat_param() == nullptr) continue;
+    if (!seen.insert(unit).second) continue;
+    out.push_back({unit, item.key().empty() ? "" : item.key() + "."});
+  }
+  return out;
+}
+
+ProcessGroup* state_group(torch::nn::Module& root) {
+  for (const auto& e : units_with_params(root)) return &e.unit->flat_param()->group();
+  return is_initialized() ? default_process_group().get() : nullptr;
+}
+
+namespace {
+
+LocalPiece unit_piece(const UnitEntry& e, size_t i) {
+  const FlatParameter& flat = *e.unit->flat_param();
+  const FlatParamSlot& slot = flat.slots()[i];
+  const at::Tensor shard = flat.shard().detach();
+  const int64_t lo = std::max(flat.shard_offset(), slot.offset);
+  const int64_t hi = std::min(flat.shard_offset() + shard.numel(), slot.offset + slot.numel);
+  LocalPiece p;
+  p.name = e.prefix + slot.name;
+  p.shape = slot.shape;
+  p.numel = slot.numel;
+  p.begin = lo < hi ? lo - slot.offset : 0;
+  p.end = lo < hi ? hi - slot.offset : 0;
+  p.data = shard.narrow(0, lo < hi ? lo - flat.shard_offset() : 0, p.end - p.begin);
+  p.unit = e.unit;
+  p.slot = i;
+  p.replicated = flat.keeps_unsharded();
+  if (e.unit->fsdp_options().use_orig_params()) {
+    const auto named = e.unit->named_flat_parameters();
+    const at::Tensor* piece = named.find(slot.name);
+    TORCH_INTERNAL_ASSERT(piece != nullptr, "fsdp: no optimizer parameter for ", p.name);
+    p.optim_param = *piece;
+    p.optim_offset = 0;
+  } else {
+    p.optim_param = flat.shard();
+    p.optim_offset = lo < hi ? lo - flat.shard_offset() : 0;
+  }
+  return p;
+}
+
+LocalPiece whole_piece(const std::string& name, const at::Tensor& t, bool is_buffer) {
+  LocalPiece p;
+  p.name = name;
+  p.shape = t.sizes().vec();
+  p.numel = t.numel();
+  p.begin = 0;
+  p.end = t.numel();
+  TORCH_CHECK(t.is_contiguous(), "fsdp checkpoint: ", name,
+              " is not contiguous; expected the "
+              "module's parameters and buffers to be contiguous tensors");
+  p.data = t.detach().view({-1});
+  if (!is_buffer) p.optim_param = t;
+  p.replicated = true;
+  p.is_buffer = is_buffer;
+  return p;
+}
+
+}  // namespace
+
+std::vector<LocalPiece> local_pieces(torch::nn::Module& root) {
+  std::vector<LocalPiece> out;
+  std::unordered_set<const void*> managed;
+  for (const UnitEntry& e : units_with_params(root)) {
+    const auto& slots = e.unit->flat_param()->slots();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      managed.insert(slots[i].param.unsafeGetTensorImpl());
+      out.push_back(unit_piece(e, i));
+    }
+  }
+  for (const auto& p : root.named_parameters()) {
+    if (managed.count(p.value().unsafeGetTensorImpl()) == 0) {
+      out.push_back(whole_piece(p.key(), p.value(), false));
+    }
+  }
+  for (const auto& b : root.named_buffers()) out.push_back(whole_piece(b.key(), b.value(), true));
+  return out;
+}
+
+// Note [Optimizer keys]
+// torch::optim keeps state under the address of the parameter's TensorImpl,
+// which means nothing in another process. Checkpoints key it by the original
+// parameter name instead; these accessors translate, building the address key
+// exactly as torch::optim does (see compat::optim_state_key).
+namespace {
+
+auto optim_key(const torch::optim::Optimizer& opt, const at::Tensor& p) {
+  return compat::optim_state_key(opt.state(), p);
+}
+
+template <typename State>
+bool get_adam(const torch::optim::Optimizer& opt, const at::Tensor& p, ParamState& out) {
+  const auto it = opt.state().find(optim_key(opt, p));
+  if (it == opt.state().end()) return false;
+  const auto& s = static_cast<const State&>(*it->second);
+  out.step = s.step();
+  out.tensors["exp_avg"] = s.exp_avg();
+  out.tensors["exp_avg_sq"] = s.exp_avg_sq();
+  if (s.max_exp_avg_sq().defined()) out.tensors["max_exp_avg_sq"] = s.max_exp_avg_sq();
+  return true;
+}
+
+template <typename State>
+void set_adam(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamState& in) {
+  auto s = std::make_unique<State>();
+  s->step(in.step);
+  s->exp_avg(in.tensors.at("exp_avg"));
+  s->exp_avg_sq(in.tensors.at("exp_avg_sq"));
+  const auto m = in.tensors.find("max_exp_avg_sq");
+  if (m != in.tensors.end()) s->max_exp_avg_sq(m->second);
+  opt.state()[optim_key(opt, p)] = std::move(s);
+}
+
+}  // namespace
+
+OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
+  bool amsgrad = false;
+  if (dynamic_cast<torch::optim::SGD*>(&opt) != nullptr) {
+    kind_ = Kind::kSgd;
+    names_ = {"momentum_buffer"};
+    return;
+  }
+  if (dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr) {
+    kind_ = Kind::kAdamW;
+    for (const auto& g : opt.param_groups())
+      amsgrad |= static_cast<const torch::optim::AdamWOptions&>(g.options()).amsgrad();
+  } else if (dynamic_cast<torch::optim::Adam*>(&opt) != nullptr) {
+    kind_ = Kind::kAdam;
+    for (const auto& g : opt.param_groups())
+      amsgrad |= static_cast<const torch::optim::AdamOptions&>(g.options()).amsgrad();
+  } else {
+    TORCH_CHECK(false,
+                "fsdp checkpoint: unsupported optimizer; expected torch::optim::SGD, Adam "
+                "or AdamW. Save other optimizers' state yourself with the registered state.");
+  }
+  has_step_ = true;
+  names_ = {"exp_avg", "exp_avg_sq"};
+  if (amsgrad) names_.push_back("max_exp_avg_sq");
+}
+
+bool OptimAccess::get(const at::Tensor& param, ParamState& out) const {
+  out = ParamState();
+  switch (kind_) {
+    case Kind::kSgd: {
+      const auto it = opt_.state().find(optim_key(opt_, param));
+      if (it == opt_.state().end()) return false;
+      const auto& s = static_cast<const torch::optim::SGDParamState&>(*it->second);
+      if (!s.momentum_buffer().defined()) return false;
+      out.tensors["momentum_buffer"] = s.momentum_buffer();
+      return true;
+    }
+    case Kind::kAdam:
+      return get_adam<torch::optim::AdamParamState>(opt_, param, out);
+    case Kind::kAdamW:
+      return get_adam<torch::optim::AdamWParamState>(opt_, param, out);
+  }
+  return false;
+}
+
+void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
+  switch (kind_) {
+    case Kind::kSgd: {
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      s->momentum_buffer(state.tensors.at("momentum_buffer"));
+      opt_.state()[optim_key(opt_, param)] = std::move(s);
+      return;
+    }
+    case Kind::kAdam:
+      return set_adam<torch::optim::AdamParamState>(opt_, param, state);
+    case Kind::kAdamW:
+      return set_adam<torch::optim::AdamWParamState>(opt_, param, state);
+  }
+}
+
+void OptimAccess::clear(const at::Tensor& param) { opt_.state().erase(optim_key(opt_, param)); }
+
+std::string safetensors_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "F32";
+    case at::kDouble:
+      return "F64";
+    case at::kHalf:
+      return "F16";
+    case at::kBFloat16:
+      return "BF16";
+    case at::kLong:
+      return "I64";
+    case at::kInt:
+      return "I32";
+    case at::kShort:
+      return "I16";
+    case at::kChar:
+      return "I8";
+    case at::kByte:
+      return "U8";
+    case at::kBool:
+      return "BOOL";
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "fsdp checkpoint: tensors of dtype ", t, " cannot be saved in safetensors");
+}
+
+at::ScalarType scalar_type_of(const std::string& dtype) {
+  static const std::map<std::string, at::ScalarType> types = {
+      {"F32", at::kFloat}, {"F64", at::kDouble}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+      {"I64", at::kLong},  {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},   {"BOOL", at::kBool}};
+  const auto it = types.find(dtype);
+  TORCH_CHECK(it != types.end(), "fsdp checkpoint: dtype ", dtype, " has no LibTorch equivalent");
+  return it->second;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,85 @@
+#pragma once
+
+// What this rank holds of a model's original tensors, as pieces of their
+// flattened forms, and of their optimizer state. See Note [State pieces].
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm/process_group.h>
+#include <fsdp/runtime/unit.h>
+
+namespace fsdp::detail {
+
+/// Elements [begin, end) of an original parameter or buffer, flattened, that
+/// this rank holds.
+struct LocalPiece {
+  std::string name;            ///< original name ("block.0.weight")
+  std::vector<int64_t> shape;  ///< original full shape
+  int64_t numel = 0;           ///< original numel
+  int64_t begin = 0, end = 0;  ///< element range held here
+  at::Tensor data;             ///< 1-D view of the local values (end - begin elements)
+  at::Tensor optim_param;      ///< what the optimizer steps (undefined for buffers)
+  int64_t optim_offset = 0;    ///< where `data` starts inside optim_param, flattened
+  Unit* unit = nullptr;        ///< the unit that shards it, nullptr when not sharded
+  size_t slot = 0;             ///< its slot in unit->flat_param()
+  bool replicated = false;     ///< every rank holds it whole (buffers, NO_SHARD, unmanaged)
+  bool is_buffer = false;      ///< a buffer (no optimizer state)
+};
+
+/// A unit with parameters and its module path.
+struct UnitEntry {
+  Unit* unit = nullptr;
+  std::string prefix;  ///< module path plus "." ("" for the root)
+};
+
+/// Units with parameters under `root`, pre-order (the same order on every rank).
+std::vector<UnitEntry> units_with_params(torch::nn::Module& root);
+
+/// Every piece this rank holds: units' slots (pre-order), then parameters no
+/// unit manages, then buffers.
+std::vector<LocalPiece> local_pieces(torch::nn::Module& root);
+
+/// The group of the first unit, the default group if there is one, else nullptr.
+ProcessGroup* state_group(torch::nn::Module& root);
+
+/// Optimizer state of one optimizer parameter, by state name.
+struct ParamState {
+  std::map<std::string, at::Tensor> tensors;  ///< "exp_avg", "momentum_buffer", ...
+  int64_t step = -1;                          ///< Adam's step; -1 when none
+};
+
+/// Reads and writes torch::optim state by parameter (see Note [Optimizer keys]).
+/// Supports SGD, Adam and AdamW.
+class OptimAccess {
+ public:
+  explicit OptimAccess(torch::optim::Optimizer& opt);
+  /// The tensor state names this optimizer keeps.
+  const std::vector<std::string>& state_names() const { return names_; }
+  /// True for optimizers with a step count (Adam, AdamW).
+  bool has_step() const { return has_step_; }
+  /// The state of `param`; false if it has none yet.
+  bool get(const at::Tensor& param, ParamState& out) const;
+  /// Replaces the state of `param`.
+  void set(const at::Tensor& param, const ParamState& state);
+  /// Drops the state of `param` (as if it was never stepped).
+  void clear(const at::Tensor& param);
+
+ private:
+  torch::optim::Optimizer& opt_;
+  enum class Kind { kSgd, kAdam, kAdamW } kind_;
+  std::vector<std::string> names_;
+  bool has_step_ = false;
+};
+
+/// The safetensors dtype of a scalar type; throws for an unsupported one.
+std::string safetensors_dtype(at::ScalarType t);
+/// The scalar type of a safetensors dtype.
+at::ScalarType scalar_type_of(const std::string& dtype);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,177 @@
+#include <fsdp/state/manifest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fsdp/state/error.h>
+#include <fsdp/state/safetensors.h>
+
+namespace fsdp {
+namespace {
+
+using nlohmann::json;
+constexpr int kFormatVersion = 1;
+
+json file_json(const FileRecord& f) {
+  return {{"name", f.name}, {"size", f.size}, {"crc32", f.crc32}};
+}
+
+// A field of `j` of the given kind, or an error naming it.
+template <typename T>
+T field(const json& j, const char* name, const std::string& file) {
+  const auto it = j.find(name);
+  if (it == j.end()) throw CheckpointError(file, std::string("missing field '") + name + "'");
+  try {
+    return it->get<T>();
+  } catch (const json::exception&) {
+    throw CheckpointError(file,
+                          std::string("field '") + name + "' has the wrong type: " + it->dump());
+  }
+}
+
+// A file name that stays inside the checkpoint directory.
+std::string safe_name(const json& j, const std::string& file) {
+  auto name = field<std::string>(j, "name", file);
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") {
+    throw CheckpointError(file, "bad file name '" + name + "'");
+  }
+  return name;
+}
+
+FileRecord parse_file(const json& j, const std::string& file) {
+  if (!j.is_object()) throw CheckpointError(file, "a file record is not an object");
+  FileRecord f;
+  f.name = safe_name(j, file);
+  f.size = field<uint64_t>(j, "size", file);
+  f.crc32 = field<uint32_t>(j, "crc32", file);
+  return f;
+}
+
+json parse_json(const std::string& text, const std::string& file) {
+  try {
+    json j = json::parse(text);
+    if (!j.is_object()) throw CheckpointError(file, "is not a JSON object");
+    if (field<std::string>(j, "format", file) != "libfsdp-checkpoint" ||
+        field<int>(j, "version", file) != kFormatVersion) {
+      throw CheckpointError(
+          file, "is not a libfsdp checkpoint of format version " + std::to_string(kFormatVersion));
+    }
+    return j;
+  } catch (const json::exception& e) {
+    throw CheckpointError(file, std::string("is not valid JSON: ") + e.what());
+  }
+}
+
+void check_kind(const std::string& kind, const std::string& file) {
+  if (kind != "full" && kind != "sharded")
+    throw CheckpointError(file, "kind must be \"full\" or \"sharded\", got \"" + kind + "\"");
+}
+
+TensorRecord parse_tensor(const json& j, const RankManifest& m, const std::string& file) {
+  if (!j.is_object()) throw CheckpointError(file, "a tensor record is not an object");
+  TensorRecord t;
+  t.key = field<std::string>(j, "key", file);
+  t.file = field<std::string>(j, "file", file);
+  t.tensor = field<std::string>(j, "tensor", file);
+  t.dtype = field<std::string>(j, "dtype", file);
+  t.shape = field<std::vector<int64_t>>(j, "shape", file);
+  t.begin = field<int64_t>(j, "begin", file);
+  t.end = field<int64_t>(j, "end", file);
+  if (dtype_size(t.dtype) == 0) throw CheckpointError(file, t.key + ": unknown dtype " + t.dtype);
+  int64_t numel = 1;
+  for (int64_t d : t.shape) {
+    if (d < 0 || (d != 0 && numel > (int64_t{1} << 56) / d))
+      throw CheckpointError(file, t.key + ": bad shape");
+    numel *= d;
+  }
+  if (t.begin < 0 || t.begin > t.end || t.end > numel) {
+    throw CheckpointError(file, t.key + ": element range [" + std::to_string(t.begin) + ", " +
+                                    std::to_string(t.end) + ") is outside its " +
+                                    std::to_string(numel) + " elements");
+  }
+  bool known = false;
+  for (const auto& f : m.files) known = known || f.name == t.file;
+  if (!known) throw CheckpointError(file, t.key + ": refers to unlisted file " + t.file);
+  return t;
+}
+
+}  // namespace
+
+std::string encode_manifest(const RankManifest& m) {
+  json files = json::array(), tensors = json::array();
+  for (const auto& f : m.files) files.push_back(file_json(f));
+  for (const auto& t : m.tensors) {
+    tensors.push_back({{"key", t.key},
+                       {"file", t.file},
+                       {"tensor", t.tensor},
+                       {"dtype", t.dtype},
+                       {"shape", t.shape},
+                       {"begin", t.begin},
+                       {"end", t.end}});
+  }
+  json j = {{"format", "libfsdp-checkpoint"},
+            {"version", kFormatVersion},
+            {"rank", m.rank},
+            {"world_size", m.world_size},
+            {"kind", m.kind},
+            {"step", m.step},
+            {"rng_state", m.rng_state},
+            {"extra", m.extra},
+            {"scalars", m.scalars},
+            {"files", files},
+            {"tensors", tensors}};
+  return j.dump(1);
+}
+
+RankManifest parse_manifest(const std::string& text, const std::string& file) {
+  const json j = parse_json(text, file);
+  RankManifest m;
+  m.rank = field<int>(j, "rank", file);
+  m.world_size = field<int>(j, "world_size", file);
+  if (m.world_size < 1 || m.rank < 0 || m.rank >= m.world_size) {
+    throw CheckpointError(file, "rank " + std::to_string(m.rank) + " is not in a world of " +
+                                    std::to_string(m.world_size));
+  }
+  m.kind = field<std::string>(j, "kind", file);
+  check_kind(m.kind, file);
+  m.step = field<int64_t>(j, "step", file);
+  m.rng_state = field<std::string>(j, "rng_state", file);
+  m.extra = field<std::map<std::string, std::string>>(j, "extra", file);
+  m.scalars = field<std::map<std::string, int64_t>>(j, "scalars", file);
+  const json files = field<json>(j, "files", file), tensors = field<json>(j, "tensors", file);
+  if (!files.is_array() || !tensors.is_array())
+    throw CheckpointError(file, "files and tensors must be arrays");
+  for (const auto& f : files) m.files.push_back(parse_file(f, file));
+  for (const auto& t : tensors) m.tensors.push_back(parse_tensor(t, m, file));
+  return m;
+}
+
+std::string encode_marker(const CompletionMarker& m) {
+  json manifests = json::array();
+  for (const auto& f : m.manifests) manifests.push_back(file_json(f));
+  json j = {{"format", "libfsdp-checkpoint"},
+            {"version", kFormatVersion},
+            {"world_size", m.world_size},
+            {"kind", m.kind},
+            {"step", m.step},
+            {"manifests", manifests}};
+  return j.dump(1);
+}
+
+CompletionMarker parse_marker(const std::string& text, const std::string& file) {
+  const json j = parse_json(text, file);
+  CompletionMarker m;
+  m.world_size = field<int>(j, "world_size", file);
+  m.kind = field<std::string>(j, "kind", file);
+  check_kind(m.kind, file);
+  m.step = field<int64_t>(j, "step", file);
+  const json manifests = field<json>(j, "manifests", file);
+  if (!manifests.is_array()) throw CheckpointError(file, "manifests must be an array");
+  for (const auto& f : manifests) m.manifests.push_back(parse_file(f, file));
+  if (m.world_size < 1 || static_cast<int>(m.manifests.size()) != m.world_size) {
+    throw CheckpointError(file, "lists " + std::to_string(m.manifests.size()) +
+                                    " manifests for a world of " + std::to_string(m.world_size));
+  }
+  return m;
+}
+
+}  // namespace fsdp

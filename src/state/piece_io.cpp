@@ -1,0 +1,151 @@
+#include "state/piece_io.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "state/local_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  return c10::IntArrayRef(s).vec().empty() ? "[]" : c10::str(c10::IntArrayRef(s));
+}
+
+}  // namespace
+
+DictSource::DictSource(const torch::OrderedDict<std::string, at::Tensor>& dict, std::string prefix)
+    : dict_(dict), prefix_(std::move(prefix)) {}
+
+bool DictSource::has(const std::string& key) const {
+  return key.rfind(prefix_, 0) == 0 && dict_.find(key.substr(prefix_.size())) != nullptr;
+}
+
+std::vector<std::string> DictSource::keys() const {
+  std::vector<std::string> out;
+  for (const auto& item : dict_) out.push_back(prefix_ + item.key());
+  return out;
+}
+
+void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
+                      int64_t end, const at::Tensor& dst) const {
+  const at::Tensor& t = dict_[key.substr(prefix_.size())];
+  TORCH_CHECK(t.sizes().vec() == shape, "fsdp load: ", key.substr(prefix_.size()), " has shape ",
+              t.sizes(), " in the state dict, expected ", shape_text(shape),
+              " (the model's). Load a state dict saved from the same model.");
+  TORCH_CHECK(t.scalar_type() == dst.scalar_type(), "fsdp load: ", key.substr(prefix_.size()),
+              " is ", t.scalar_type(), " in the state dict, expected ", dst.scalar_type());
+  dst.copy_(t.detach().reshape({-1}).narrow(0, begin, end - begin));
+}
+
+bool FileSource::has(const std::string& key) const { return !reader_.pieces(key).empty(); }
+
+void FileSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
+                      int64_t end, const at::Tensor& dst) const {
+  auto pieces = reader_.pieces(key);
+  std::sort(pieces.begin(), pieces.end(),
+            [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
+  TORCH_CHECK(dst.is_contiguous(), "fsdp load: internal: destination not contiguous");
+  const std::string dtype = safetensors_dtype(dst.scalar_type());
+  auto* out = static_cast<char*>(dst.data_ptr());
+  const int64_t elem = static_cast<int64_t>(dst.element_size());
+  int64_t cur = begin;
+  for (const TensorRecord* p : pieces) {
+    TORCH_CHECK(p->shape == shape, "fsdp load: ", reader_.dir(), "/", p->file, ": ", key,
+                " has shape ", shape_text(p->shape), ", the model expects ", shape_text(shape),
+                ". Load a checkpoint saved from the same model.");
+    TORCH_CHECK(p->dtype == dtype, "fsdp load: ", reader_.dir(), "/", p->file, ": ", key, " is ",
+                p->dtype, ", the model expects ", dtype);
+    if (cur >= end) break;
+    if (p->begin > cur || p->end <= cur) continue;
+    const int64_t hi = std::min(end, p->end);
+    reader_.read(*p, cur, hi, out + (cur - begin) * elem);
+    cur = hi;
+  }
+  TORCH_CHECK(cur >= end, "fsdp load: ", reader_.dir(), ": elements [", cur, ", ", end, ") of ",
+              key, " are in no file of the checkpoint (an incomplete sharded checkpoint?)");
+}
+
+void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
+  // A unit left unsharded would keep stale full values: free them first; the
+  // next forward gathers the loaded shards.
+  for (const UnitEntry& e : units_with_params(root)) e.unit->flat_param()->reshard();
+  at::NoGradGuard no_grad;
+  std::set<std::string> expected;
+  for (LocalPiece& p : local_pieces(root)) {
+    const std::string key = "model/" + p.name;
+    expected.insert(key);
+    TORCH_CHECK(src.has(key), "fsdp load: the checkpoint has no entry for ",
+                p.is_buffer ? "buffer " : "parameter ", p.name,
+                ". Load a checkpoint saved from the same model (names are the original "
+                "module paths).");
+    if (p.end == p.begin) continue;
+    src.read(key, p.shape, p.begin, p.end, p.data);
+  }
+  for (const std::string& key : src.keys()) {
+    if (key.rfind("model/", 0) != 0) continue;
+    TORCH_CHECK(expected.count(key) != 0, "fsdp load: the checkpoint has ", key.substr(6),
+                ", which the model does not have. Load a checkpoint saved from the same model.");
+  }
+}
+
+void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
+                       const PieceSource& src) {
+  OptimAccess access(opt);
+  auto pieces = local_pieces(root);
+  // Pieces grouped by the tensor the optimizer steps (a flat shard holds many).
+  std::vector<std::vector<LocalPiece*>> groups;
+  std::map<const void*, size_t> where;
+  for (LocalPiece& p : pieces) {
+    if (p.is_buffer) continue;
+    const void* impl = p.optim_param.unsafeGetTensorImpl();
+    auto it = where.find(impl);
+    if (it == where.end()) {
+      it = where.emplace(impl, groups.size()).first;
+      groups.emplace_back();
+    }
+    groups[it->second].push_back(&p);
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& group : groups) {
+    const at::Tensor& param = group.front()->optim_param;
+    ParamState st;
+    bool found = false;
+    for (const std::string& name : access.state_names()) {
+      at::Tensor t = at::zeros_like(param.detach(), at::MemoryFormat::Contiguous);
+      at::Tensor flat = t.view({-1});
+      for (LocalPiece* p : group) {
+        const std::string key = "optim/" + p->name + "/" + name;
+        if (!src.has(key)) continue;
+        found = true;
+        if (p->end > p->begin)
+          src.read(key, p->shape, p->begin, p->end,
+                   flat.narrow(0, p->optim_offset, p->end - p->begin));
+      }
+      st.tensors[name] = t;
+    }
+    if (access.has_step()) {
+      for (LocalPiece* p : group) {
+        const std::string key = "optim/" + p->name + "/step";
+        if (!src.has(key)) continue;
+        at::Tensor step = at::zeros({1}, at::kLong);
+        src.read(key, {}, 0, 1, step);
+        st.step = step.item<int64_t>();
+        found = true;
+        break;
+      }
+    }
+    if (found) {
+      access.set(param, st);
+    } else {
+      access.clear(param);  // saved without state: it was never stepped
+    }
+  }
+}
+
+}  // namespace fsdp::detail

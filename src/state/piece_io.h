@@ -1,0 +1,68 @@
+#pragma once
+
+// Loading local pieces (see Note [State pieces]) from full tensors in memory
+// or from a checkpoint directory.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
+
+#include <string>
+#include <vector>
+
+#include <fsdp/state/checkpoint_dir.h>
+
+namespace fsdp::detail {
+
+/// Where stored tensors come from, by key ("model/<name>", "optim/<name>/<state>").
+class PieceSource {
+ public:
+  virtual ~PieceSource() = default;
+  /// Whether `key` is stored.
+  virtual bool has(const std::string& key) const = 0;
+  /// Every stored key.
+  virtual std::vector<std::string> keys() const = 0;
+  /// Fills `dst` (1-D, end - begin elements) with elements [begin, end) of
+  /// the flattened `key`, whose full shape must be `shape`.
+  virtual void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
+                    int64_t end, const at::Tensor& dst) const = 0;
+};
+
+/// Full tensors in memory, keyed by `prefix` + their name.
+class DictSource : public PieceSource {
+ public:
+  DictSource(const torch::OrderedDict<std::string, at::Tensor>& dict, std::string prefix);
+  bool has(const std::string& key) const override;
+  std::vector<std::string> keys() const override;
+  void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
+            const at::Tensor& dst) const override;
+
+ private:
+  const torch::OrderedDict<std::string, at::Tensor>& dict_;
+  std::string prefix_;
+};
+
+/// Pieces in a verified checkpoint directory, from whichever files hold them.
+class FileSource : public PieceSource {
+ public:
+  explicit FileSource(const CheckpointReader& reader) : reader_(reader) {}
+  bool has(const std::string& key) const override;
+  std::vector<std::string> keys() const override { return reader_.keys(); }
+  void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
+            const at::Tensor& dst) const override;
+
+ private:
+  const CheckpointReader& reader_;
+};
+
+/// Loads every parameter and buffer of `root` from `src` (strict: a missing or
+/// unexpected "model/" key is an error). No communication.
+void load_model_pieces(torch::nn::Module& root, const PieceSource& src);
+
+/// Replaces `opt`'s state for `root`'s parameters with what `src` holds. No
+/// communication.
+void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
+                       const PieceSource& src);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,47 @@
+#include <fsdp/state/state_dict.h>
+
+#include "state/full_gather.h"
+#include "state/local_state.h"
+#include "state/piece_io.h"
+
+namespace fsdp {
+namespace {
+
+torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
+                                                   torch::optim::Optimizer* optimizer,
+                                                   const StateDictOptions& options) {
+  detail::FullWalker walker(model, optimizer, /*model=*/optimizer == nullptr);
+  ProcessGroup* group = detail::state_group(model);
+  const bool keep = !options.rank0_only() || group == nullptr || group->rank() == 0;
+  torch::OrderedDict<std::string, at::Tensor> out;
+  walker.walk([&](size_t i, const at::Tensor& t) {
+    if (!keep) return;
+    const std::string& key = walker.specs()[i].key;
+    out.insert(key.substr(key.find('/') + 1), t.detach().clone());
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::OrderedDict<std::string, at::Tensor> full_state_dict(torch::nn::Module& model,
+                                                            const StateDictOptions& options) {
+  return gather(model, nullptr, options);
+}
+
+torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
+    torch::nn::Module& model, torch::optim::Optimizer& optimizer, const StateDictOptions& options) {
+  return gather(model, &optimizer, options);
+}
+
+void load_full_state_dict(torch::nn::Module& model,
+                          const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+  detail::load_model_pieces(model, detail::DictSource(state_dict, "model/"));
+}
+
+void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+  detail::load_optim_pieces(model, optimizer, detail::DictSource(state_dict, "optim/"));
+}
+
+}  // namespace fsdp

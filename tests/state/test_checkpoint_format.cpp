@@ -1,0 +1,219 @@
+// The on-disk layer: CRC-32, safetensors headers, and a checkpoint directory
+// that refuses every kind of damage with an error naming the file. Single
+// process: plain LibTorch modules save and load without a process group.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <functional>
+
+#include <fsdp/fsdp.h>
+#include <fsdp/state/crc32.h>
+#include <fsdp/state/safetensors.h>
+
+#include "state_test_util.h"
+
+namespace fsdp::testing {
+namespace {
+
+TEST(Crc32, KnownValues) {
+  EXPECT_EQ(crc32("123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(crc32("", 0), 0u);
+  Crc32 c;
+  c.update("1234", 4);
+  c.update("56789", 5);
+  EXPECT_EQ(c.value(), 0xCBF43926u);
+}
+
+std::string tiny_file() {
+  std::vector<SafetensorsEntry> entries(2);
+  entries[0].name = "a";
+  entries[0].dtype = "F32";
+  entries[0].shape = {2, 3};
+  entries[1].name = "b";
+  entries[1].dtype = "I64";
+  entries[1].shape = {};
+  std::string file = encode_safetensors_header(entries);
+  file.append(24 + 8, 'x');
+  return file;
+}
+
+SafetensorsHeader parse(const std::string& bytes) {
+  return parse_safetensors(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(),
+                           "t.safetensors");
+}
+
+// Expects `fn` to throw a CheckpointError whose message contains every needle.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << needles.front();
+  } catch (const std::exception& e) {
+    for (const auto& n : needles) {
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "error \"" << e.what() << "\" does not mention \"" << n << "\"";
+    }
+  }
+}
+
+TEST(Safetensors, HeaderRoundTrip) {
+  const std::string file = tiny_file();
+  EXPECT_EQ((file.size() - 32) % 8, 0u);  // header padded to 8 bytes
+  const SafetensorsHeader h = parse(file);
+  ASSERT_EQ(h.entries.size(), 2u);
+  EXPECT_EQ(h.entries[0].name, "a");
+  EXPECT_EQ(h.entries[0].shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(h.entries[0].end, 24u);
+  EXPECT_EQ(h.entries[1].dtype, "I64");
+  EXPECT_EQ(h.entries[1].begin, 24u);
+  EXPECT_EQ(h.entries[1].end, 32u);
+}
+
+TEST(Safetensors, RefusesInconsistentHeaders) {
+  const std::string good = tiny_file();
+  expect_error([&] { parse(good.substr(0, good.size() - 1)); }, {"t.safetensors", "truncated"});
+  expect_error([&] { parse(good.substr(0, 5)); }, {"t.safetensors", "truncated"});
+  std::string huge = good;
+  huge[5] = 0x7f;  // header length ~2^47
+  expect_error([&] { parse(huge); }, {"t.safetensors", "header length"});
+  // Replaces text in the header and rewrites the length prefix to match.
+  auto edit = [&](const std::string& from, const std::string& to) {
+    std::string s = good;
+    s.replace(s.find(from), from.size(), to);
+    const uint64_t n = good[0] + to.size() - from.size();  // the header is < 256 bytes
+    for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+    return s;
+  };
+  expect_error([&] { parse(edit("[2,3]", "[2,4]")); }, {"t.safetensors", "'a'", "data_offsets"});
+  expect_error([&] { parse(edit("\"F32\"", "\"F99\"")); }, {"unknown dtype F99"});
+  expect_error([&] { parse(edit("[24,32]", "[16,24]")); }, {"'b'", "overlap or gap"});
+  expect_error([&] { parse(edit("[2,3]", "[-2,3]")); }, {"'a'", "non-negative"});
+  expect_error([&] { parse(edit("{", "[")); }, {"t.safetensors", "JSON"});
+  expect_error([&] { parse(edit("[2,3]", "[99999999999,99999999999]")); }, {"too large"});
+}
+
+// A plain model and Adam after two steps, saved to `dir`.
+struct Saved {
+  Net model{false, FSDPOptions()};
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  Saved(const std::string& dir, StateDictType type) {
+    torch::manual_seed(1);
+    model = Net(false, FSDPOptions());
+    opt = make_optimizer("adam", model->parameters());
+    train(*model, *opt, 2);
+    Checkpointer(*model, opt.get()).save(dir, 2, type);
+  }
+};
+
+TEST(CheckpointDir, PlainModelRoundTripBothTypes) {
+  for (auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+    const std::string root = test_dir(), dir = root + "/ckpt";
+    Saved saved(dir, type);
+    torch::manual_seed(2);
+    Net other(false, FSDPOptions());
+    auto opt = make_optimizer("adam", other->parameters());
+    EXPECT_EQ(Checkpointer(*other, opt.get()).load(dir), 2);
+    expect_bitwise_equal(full_state_dict(*other), full_state_dict(*saved.model), "model");
+    expect_bitwise_equal(full_optim_state_dict(*other, *opt),
+                         full_optim_state_dict(*saved.model, *saved.opt), "optimizer");
+    // Training continues identically.
+    torch::manual_seed(5);
+    train(*saved.model, *saved.opt, 2);
+    torch::manual_seed(5);
+    train(*other, *opt, 2);
+    expect_bitwise_equal(full_state_dict(*other), full_state_dict(*saved.model), "after training");
+    remove_test_dir(root);
+  }
+}
+
+// Rewrites the CRC-32 and size of `name` in `record_file` ("files" or
+// "manifests"), so that a deliberately inconsistent file passes the checksums
+// and reaches the header validation.
+void reseal(const std::string& dir, const std::string& name) {
+  auto fix = [&](const std::string& json_file, const char* list, const std::string& target) {
+    auto j = nlohmann::json::parse(file_bytes(dir + "/" + json_file));
+    const std::string bytes = file_bytes(dir + "/" + target);
+    for (auto& f : j[list]) {
+      if (f["name"] == target) {
+        f["size"] = bytes.size();
+        f["crc32"] = crc32(bytes.data(), bytes.size());
+      }
+    }
+    put_file_bytes(dir + "/" + json_file, j.dump(1));
+  };
+  fix("rank0.json", "files", name);
+  fix("COMPLETE", "manifests", "rank0.json");
+}
+
+TEST(CheckpointDir, RefusesDamage) {
+  const std::string root = test_dir();
+  int n = 0;
+  // Each case damages a fresh full checkpoint and expects load to name the file and problem.
+  auto check = [&](const std::function<void(const std::string&)>& damage,
+                   const std::vector<std::string>& needles) {
+    const std::string dir = root + "/c" + std::to_string(n++);
+    Saved saved(dir, StateDictType::kFull);
+    verify_checkpoint(dir);
+    damage(dir);
+    Net other(false, FSDPOptions());
+    expect_error([&] { Checkpointer(*other).load(dir); }, needles);
+    expect_error([&] { verify_checkpoint(dir); }, needles);
+  };
+  check([](const std::string& d) { std::remove((d + "/COMPLETE").c_str()); },
+        {"COMPLETE", "missing completion marker"});
+  check(
+      [](const std::string& d) {
+        std::string b = file_bytes(d + "/model.safetensors");
+        b[b.size() - 3] ^= 0x10;
+        put_file_bytes(d + "/model.safetensors", b);
+      },
+      {"model.safetensors", "checksum mismatch"});
+  check(
+      [](const std::string& d) {
+        std::string b = file_bytes(d + "/optim.safetensors");
+        put_file_bytes(d + "/optim.safetensors", b.substr(0, b.size() / 2));
+      },
+      {"optim.safetensors", "truncated"});
+  check(
+      [](const std::string& d) {
+        std::string b = file_bytes(d + "/rank0.json");
+        b[b.size() / 2] ^= 0x01;
+        put_file_bytes(d + "/rank0.json", b);
+      },
+      {"rank0.json", "checksum mismatch"});
+  check(
+      [](const std::string& d) {  // a lie in the header, checksums made consistent
+        std::string b = file_bytes(d + "/model.safetensors");
+        const auto at = b.find("[16,7]");
+        b.replace(at, 6, "[17,7]");
+        put_file_bytes(d + "/model.safetensors", b);
+        reseal(d, "model.safetensors");
+      },
+      {"model.safetensors", "fc1.weight", "data_offsets"});
+  check(
+      [](const std::string& d) {  // a header length past the end, checksums consistent
+        std::string b = file_bytes(d + "/model.safetensors");
+        b[6] = 0x01;
+        put_file_bytes(d + "/model.safetensors", b);
+        reseal(d, "model.safetensors");
+      },
+      {"model.safetensors", "header length"});
+  remove_test_dir(root);
+}
+
+TEST(CheckpointDir, LatestCompleteCheckpoint) {
+  const std::string root = test_dir();
+  EXPECT_EQ(latest_checkpoint(root), "");
+  Saved a(checkpoint_path(root, 3), StateDictType::kSharded);
+  Saved b(checkpoint_path(root, 12), StateDictType::kSharded);
+  Saved c(checkpoint_path(root, 20), StateDictType::kSharded);
+  std::remove((checkpoint_path(root, 20) + "/COMPLETE").c_str());
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 12));
+  remove_test_dir(root);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
