@@ -1,0 +1,177 @@
+#include "config.h"
+
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <map>
+
+namespace train_gpt {
+namespace {
+
+// Checks that involve several flags; CLI11's validators see one value each.
+void check_combinations(const TrainConfig& c) {
+  if (c.d_model % c.n_head != 0) {
+    throw CLI::ValidationError(
+        "--d-model", "--d-model " + std::to_string(c.d_model) + " is not a multiple of --heads " +
+                         std::to_string(c.n_head) + "; pick a width divisible by the head count");
+  }
+  if (c.warmup_steps > c.steps) {
+    throw CLI::ValidationError("--warmup-steps", "--warmup-steps " +
+                                                     std::to_string(c.warmup_steps) +
+                                                     " exceeds --steps " + std::to_string(c.steps));
+  }
+  if (c.min_lr > c.lr) {
+    throw CLI::ValidationError("--min-lr", "--min-lr must not exceed --lr");
+  }
+}
+
+}  // namespace
+
+std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config) {
+  TrainConfig& c = *config;
+  CLI::App app(
+      "Trains a character-level GPT with libfsdp (each transformer block an FSDP unit).\n"
+      "Run it with fsdprun, e.g.: fsdprun --nproc-per-node 2 train_gpt --steps 400",
+      "train_gpt");
+  app.get_formatter()->column_width(32);
+
+  auto* model = "Model";
+  app.add_option("--layers", c.n_layer, "Transformer blocks (each an FSDP unit)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->group(model)
+      ->capture_default_str();
+  app.add_option("--d-model", c.d_model, "Width of the residual stream")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+      ->group(model)
+      ->capture_default_str();
+  app.add_option("--heads", c.n_head, "Attention heads (must divide --d-model)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+      ->group(model)
+      ->capture_default_str();
+  app.add_option("--seq-len", c.seq_len, "Characters per training sequence (context length)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+      ->group(model)
+      ->capture_default_str();
+
+  auto* data = "Data";
+  app.add_option("--data", c.data_path,
+                 "Text file to train on (default: a generated English-like corpus)")
+      ->check(CLI::ExistingFile)
+      ->group(data);
+  app.add_option("--corpus-chars", c.corpus_chars, "Size of the generated default corpus")
+      ->check(CLI::Range(int64_t{1000}, int64_t{1} << 30))
+      ->group(data)
+      ->capture_default_str();
+  app.add_option("--val-fraction", c.val_fraction, "Tail of the text held out for evaluation")
+      ->check(CLI::Range(0.01, 0.5))
+      ->group(data)
+      ->capture_default_str();
+
+  auto* optim = "Optimisation";
+  app.add_option("--batch-size", c.batch_size,
+                 "Global batch in sequences, split evenly over the ranks")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--steps", c.steps, "Optimizer steps")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--warmup-steps", c.warmup_steps, "Linear warm-up steps before the cosine decay")
+      ->check(CLI::NonNegativeNumber)
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--lr", c.lr, "Peak learning rate")
+      ->check(CLI::Range(1e-12, 10.0))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
+      ->check(CLI::Range(0.0, 10.0))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--weight-decay", c.weight_decay,
+                 "AdamW weight decay (not applied to biases and LayerNorm)")
+      ->check(CLI::Range(0.0, 10.0))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--beta1", c.beta1, "AdamW beta1")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--beta2", c.beta2, "AdamW beta2")
+      ->check(CLI::Range(0.0, 0.999999))
+      ->group(optim)
+      ->capture_default_str();
+  app.add_option("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(optim)
+      ->capture_default_str();
+
+  const std::map<std::string, fsdp::ShardingStrategy> strategies = {
+      {"full_shard", fsdp::ShardingStrategy::kFullShard},
+      {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
+      {"no_shard", fsdp::ShardingStrategy::kNoShard}};
+  app.add_option("--sharding", c.sharding, "FSDP sharding strategy")
+      ->transform(CLI::CheckedTransformer(strategies, CLI::ignore_case))
+      ->group("FSDP")
+      ->default_str("full_shard");
+
+  auto* eval = "Evaluation and sampling";
+  app.add_option("--eval-interval", c.eval_interval,
+                 "Held-out loss every N steps (and after the last)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->group(eval)
+      ->capture_default_str();
+  app.add_option("--eval-batches", c.eval_batches, "Held-out batches per evaluation")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->group(eval)
+      ->capture_default_str();
+  app.add_option("--sample-tokens", c.sample_tokens, "Characters generated at the end (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
+      ->group(eval)
+      ->capture_default_str();
+  app.add_option("--temperature", c.temperature, "Sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 100.0))
+      ->group(eval)
+      ->capture_default_str();
+  app.add_option("--prompt", c.prompt, "Text the sample starts from")
+      ->group(eval)
+      ->capture_default_str();
+
+  auto* out = "Output";
+  app.add_option("--metrics-dir", c.metrics_dir,
+                 "Directory for per-rank metrics (rank<R>.jsonl), created if missing")
+      ->group(out);
+  app.add_option("--log-interval", c.log_interval, "Steps between log lines (non-terminal)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->group(out)
+      ->capture_default_str();
+  const std::map<std::string, ProgressMode> modes = {{"auto", ProgressMode::kAuto},
+                                                     {"bar", ProgressMode::kBar},
+                                                     {"log", ProgressMode::kLog},
+                                                     {"none", ProgressMode::kNone}};
+  app.add_option("--progress", c.progress,
+                 "auto: a bar on a terminal, log lines otherwise; bar; log; none")
+      ->transform(CLI::CheckedTransformer(modes, CLI::ignore_case))
+      ->group(out)
+      ->default_str("auto");
+  app.add_option("--seed", c.seed, "Seed of the initial weights, the batches and the sample")
+      ->group(out)
+      ->capture_default_str();
+  app.add_option("--threads", c.threads, "Intra-op threads per rank")
+      ->check(CLI::Range(1, 1024))
+      ->group(out)
+      ->capture_default_str();
+
+  try {
+    app.parse(argc, argv);
+    check_combinations(c);
+  } catch (const CLI::ParseError& e) {
+    // CLI11 prints --help to stdout (exit 0) and errors to stderr, the latter
+    // followed by a pointer to --help.
+    return app.exit(e);
+  }
+  return std::nullopt;
+}
+
+}  // namespace train_gpt
