@@ -9,12 +9,13 @@ namespace train_gpt {
 namespace {
 
 // Checks that involve several flags; CLI11's validators see one value each.
-void check_combinations(const TrainConfig& c) {
+void check_combinations(TrainConfig& c) {
   if (c.d_model % c.n_head != 0) {
     throw CLI::ValidationError(
         "--d-model", "--d-model " + std::to_string(c.d_model) + " is not a multiple of --heads " +
                          std::to_string(c.n_head) + "; pick a width divisible by the head count");
   }
+  if (c.warmup_steps < 0) c.warmup_steps = c.steps / 10;
   if (c.warmup_steps > c.steps) {
     throw CLI::ValidationError("--warmup-steps", "--warmup-steps " +
                                                      std::to_string(c.warmup_steps) +
@@ -34,6 +35,8 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
       "Run it with fsdprun, e.g.: fsdprun --nproc-per-node 2 train_gpt --steps 400",
       "train_gpt");
   app.get_formatter()->column_width(32);
+  // A flag given twice: the last one counts (so scripts can override defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
   auto* model = "Model";
   app.add_option("--layers", c.n_layer, "Transformer blocks (each an FSDP unit)")
@@ -77,10 +80,10 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->group(optim)
       ->capture_default_str();
-  app.add_option("--warmup-steps", c.warmup_steps, "Linear warm-up steps before the cosine decay")
+  app.add_option("--warmup-steps", c.warmup_steps,
+                 "Linear warm-up steps before the cosine decay (default: steps / 10)")
       ->check(CLI::NonNegativeNumber)
-      ->group(optim)
-      ->capture_default_str();
+      ->group(optim);
   app.add_option("--lr", c.lr, "Peak learning rate")
       ->check(CLI::Range(1e-12, 10.0))
       ->group(optim)

@@ -35,7 +35,7 @@ struct TrainConfig {
   // Optimisation.
   int64_t batch_size = 16;  ///< Global batch (sequences per step, all ranks).
   int64_t steps = 400;
-  int64_t warmup_steps = 40;
+  int64_t warmup_steps = -1;  ///< -1: a tenth of the steps.
   double lr = 3e-3;           ///< Peak learning rate.
   double min_lr = 3e-4;       ///< Learning rate at the end of the cosine.
   double weight_decay = 0.1;  ///< AdamW decay of weights (not biases, LayerNorm).
