@@ -13,7 +13,9 @@
 namespace train_gpt {
 namespace {
 
-constexpr const char* kCursorUpClearLine = "\x1b[1A\x1b[2K\r";
+// Clears the current line (where fsdprun may have put its "[rankN]: " prefix),
+// then moves up to the previous bar and clears it.
+constexpr const char* kCursorUpClearLine = "\x1b[2K\x1b[1A\x1b[2K\r";
 
 std::string fixed(double v, int digits) {
   char buf[64];
