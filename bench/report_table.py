@@ -40,11 +40,13 @@ def main(path, out_dir):
     lines.append("GPT-mini training step: %d blocks, d_model %d, seq %d, batch %d per rank, "
                  "%.1f M parameters, AdamW, fp32, one thread per rank; median of %d steps "
                  "(slowest rank); peak memory is libfsdp's tracked CPU tensor bytes, the "
-                 "largest rank's. %s, %d cores, %s." %
+                 "largest rank's. %s, %d cores, %s; 15-minute load average %.1f when the "
+                 "report was written (other processes share the cores, so compare rows of one "
+                 "report only)." %
                  (first["blocks"], first["d_model"], first["seq"], first["batch"],
                   by.get(("local", worlds[0]), first)["params"] / 1e6, first["steps"],
                   cpu_model(), os.cpu_count() or 0,
-                  datetime.date.today().isoformat()))
+                  datetime.date.today().isoformat(), os.getloadavg()[2]))
     lines.append("")
     lines.append("| mode | ranks | step (ms) | forward | backward | optimizer | vs local "
                  "| peak memory / rank (MiB) | params+grads+AdamW / rank (MiB) |")

@@ -38,77 +38,46 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   // A flag given twice: the last one counts (so scripts can override defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
-  auto* model = "Model";
-  app.add_option("--layers", c.n_layer, "Transformer blocks (each an FSDP unit)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
-      ->group(model)
-      ->capture_default_str();
-  app.add_option("--d-model", c.d_model, "Width of the residual stream")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
-      ->group(model)
-      ->capture_default_str();
-  app.add_option("--heads", c.n_head, "Attention heads (must divide --d-model)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1024}))
-      ->group(model)
-      ->capture_default_str();
-  app.add_option("--seq-len", c.seq_len, "Characters per training sequence (context length)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
-      ->group(model)
-      ->capture_default_str();
+  // name, variable, help, check, group; the default shows in --help.
+  auto add = [&app](const char* name, auto& value, const char* help, const CLI::Validator& check,
+                    const char* group) {
+    return app.add_option(name, value, help)->check(check)->group(group)->capture_default_str();
+  };
+  const auto count = [](int64_t lo) { return CLI::Range(lo, int64_t{1} << 40); };
 
-  auto* data = "Data";
+  const char* model = "Model";
+  add("--layers", c.n_layer, "Transformer blocks (each an FSDP unit)", CLI::Range(1, 1024), model);
+  add("--d-model", c.d_model, "Width of the residual stream", CLI::Range(1, 1 << 16), model);
+  add("--heads", c.n_head, "Attention heads (must divide --d-model)", CLI::Range(1, 1024), model);
+  add("--seq-len", c.seq_len, "Characters per training sequence (context length)",
+      CLI::Range(1, 1 << 16), model);
+
+  const char* data = "Data";
   app.add_option("--data", c.data_path,
                  "Text file to train on (default: a generated English-like corpus)")
       ->check(CLI::ExistingFile)
       ->group(data);
-  app.add_option("--corpus-chars", c.corpus_chars, "Size of the generated default corpus")
-      ->check(CLI::Range(int64_t{1000}, int64_t{1} << 30))
-      ->group(data)
-      ->capture_default_str();
-  app.add_option("--val-fraction", c.val_fraction, "Tail of the text held out for evaluation")
-      ->check(CLI::Range(0.01, 0.5))
-      ->group(data)
-      ->capture_default_str();
+  add("--corpus-chars", c.corpus_chars, "Size of the generated default corpus", count(1000), data);
+  add("--val-fraction", c.val_fraction, "Tail of the text held out for evaluation",
+      CLI::Range(0.01, 0.5), data);
 
-  auto* optim = "Optimisation";
-  app.add_option("--batch-size", c.batch_size,
-                 "Global batch in sequences, split evenly over the ranks")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--steps", c.steps, "Optimizer steps")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->group(optim)
-      ->capture_default_str();
+  const char* optim = "Optimisation";
+  add("--batch-size", c.batch_size, "Global batch in sequences, split evenly over the ranks",
+      count(1), optim);
+  add("--steps", c.steps, "Optimizer steps", count(1), optim);
   app.add_option("--warmup-steps", c.warmup_steps,
                  "Linear warm-up steps before the cosine decay (default: steps / 10)")
       ->check(CLI::NonNegativeNumber)
       ->group(optim);
-  app.add_option("--lr", c.lr, "Peak learning rate")
-      ->check(CLI::Range(1e-12, 10.0))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay")
-      ->check(CLI::Range(0.0, 10.0))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--weight-decay", c.weight_decay,
-                 "AdamW weight decay (not applied to biases and LayerNorm)")
-      ->check(CLI::Range(0.0, 10.0))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--beta1", c.beta1, "AdamW beta1")
-      ->check(CLI::Range(0.0, 0.999999))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--beta2", c.beta2, "AdamW beta2")
-      ->check(CLI::Range(0.0, 0.999999))
-      ->group(optim)
-      ->capture_default_str();
-  app.add_option("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)")
-      ->check(CLI::NonNegativeNumber)
-      ->group(optim)
-      ->capture_default_str();
+  add("--lr", c.lr, "Peak learning rate", CLI::Range(1e-12, 10.0), optim);
+  add("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay", CLI::Range(0.0, 10.0),
+      optim);
+  add("--weight-decay", c.weight_decay, "AdamW weight decay (not on biases and LayerNorm)",
+      CLI::Range(0.0, 10.0), optim);
+  add("--beta1", c.beta1, "AdamW beta1", CLI::Range(0.0, 0.999999), optim);
+  add("--beta2", c.beta2, "AdamW beta2", CLI::Range(0.0, 0.999999), optim);
+  add("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)",
+      CLI::NonNegativeNumber, optim);
 
   const std::map<std::string, fsdp::ShardingStrategy> strategies = {
       {"full_shard", fsdp::ShardingStrategy::kFullShard},
@@ -119,36 +88,23 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
       ->group("FSDP")
       ->default_str("full_shard");
 
-  auto* eval = "Evaluation and sampling";
-  app.add_option("--eval-interval", c.eval_interval,
-                 "Held-out loss every N steps (and after the last)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->group(eval)
-      ->capture_default_str();
-  app.add_option("--eval-batches", c.eval_batches, "Held-out batches per evaluation")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
-      ->group(eval)
-      ->capture_default_str();
-  app.add_option("--sample-tokens", c.sample_tokens, "Characters generated at the end (0: none)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
-      ->group(eval)
-      ->capture_default_str();
-  app.add_option("--temperature", c.temperature, "Sampling temperature (0: greedy)")
-      ->check(CLI::Range(0.0, 100.0))
-      ->group(eval)
-      ->capture_default_str();
+  const char* eval = "Evaluation and sampling";
+  add("--eval-interval", c.eval_interval, "Held-out loss every N steps (and after the last)",
+      count(1), eval);
+  add("--eval-batches", c.eval_batches, "Held-out batches per evaluation", count(1), eval);
+  add("--sample-tokens", c.sample_tokens, "Characters generated at the end (0: none)", count(0),
+      eval);
+  add("--temperature", c.temperature, "Sampling temperature (0: greedy)", CLI::Range(0.0, 100.0),
+      eval);
   app.add_option("--prompt", c.prompt, "Text the sample starts from")
       ->group(eval)
       ->capture_default_str();
 
-  auto* out = "Output";
+  const char* out = "Output";
   app.add_option("--metrics-dir", c.metrics_dir,
                  "Directory for per-rank metrics (rank<R>.jsonl), created if missing")
       ->group(out);
-  app.add_option("--log-interval", c.log_interval, "Steps between log lines (non-terminal)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
-      ->group(out)
-      ->capture_default_str();
+  add("--log-interval", c.log_interval, "Steps between log lines (when not a bar)", count(1), out);
   const std::map<std::string, ProgressMode> modes = {{"auto", ProgressMode::kAuto},
                                                      {"bar", ProgressMode::kBar},
                                                      {"log", ProgressMode::kLog},
@@ -161,10 +117,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   app.add_option("--seed", c.seed, "Seed of the initial weights, the batches and the sample")
       ->group(out)
       ->capture_default_str();
-  app.add_option("--threads", c.threads, "Intra-op threads per rank")
-      ->check(CLI::Range(1, 1024))
-      ->group(out)
-      ->capture_default_str();
+  add("--threads", c.threads, "Intra-op threads per rank", CLI::Range(1, 1024), out);
 
   try {
     app.parse(argc, argv);
