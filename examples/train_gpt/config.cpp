@@ -34,7 +34,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
       "Trains a character-level GPT with libfsdp (each transformer block an FSDP unit).\n"
       "Run it with fsdprun, e.g.: fsdprun --nproc-per-node 2 train_gpt --steps 400",
       "train_gpt");
-  app.get_formatter()->column_width(32);
+  app.get_formatter()->column_width(44);
   // A flag given twice: the last one counts (so scripts can override defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 
@@ -57,7 +57,8 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
                  "Text file to train on (default: a generated English-like corpus)")
       ->check(CLI::ExistingFile)
       ->group(data);
-  add("--corpus-chars", c.corpus_chars, "Size of the generated default corpus", count(1000), data);
+  add("--corpus-chars", c.corpus_chars, "Size of the generated default corpus",
+      CLI::Range(1000, 1 << 28), data);
   add("--val-fraction", c.val_fraction, "Tail of the text held out for evaluation",
       CLI::Range(0.01, 0.5), data);
 
