@@ -43,7 +43,7 @@ struct TrainConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;  ///< Max global gradient norm; 0 disables clipping.
 
-  // FSDP.
+  // FSDP. (--bf16, issue 4, goes here.)
   fsdp::ShardingStrategy sharding = fsdp::ShardingStrategy::kFullShard;
 
   // Evaluation and sampling.
@@ -52,6 +52,9 @@ struct TrainConfig {
   int64_t sample_tokens = 300;  ///< Characters generated at the end; 0: none.
   double temperature = 0.8;     ///< 0: greedy.
   std::string prompt = "The ";
+
+  // Checkpoints (issue 6) go here: --checkpoint-dir, --checkpoint-every K,
+  // --resume; main.cpp marks where they save and load (see Note [Training state]).
 
   // Output and run time.
   std::string metrics_dir;  ///< Empty: no JSONL files.

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <sstream>
 
 #include <fsdp/fsdp.h>
@@ -57,6 +58,13 @@ int fail(const std::string& message) {
   return 1;
 }
 
+// True when `ok` holds on every rank (collective).
+bool all_ranks_ok(fsdp::ProcessGroup& pg, bool ok) {
+  at::Tensor flag = at::full({1}, ok ? 1.0 : 0.0, at::kFloat);
+  pg.all_reduce(flag, fsdp::ReduceOp::kMin).wait();
+  return flag.item<float>() > 0.5f;
+}
+
 std::vector<Batch> eval_batches(const Corpus& corpus, const TrainConfig& c, int rank, int world) {
   // A fixed held-out set: the same batches at every evaluation.
   const BatchSampler sampler(corpus.val, c.seq_len, c.batch_size, rank, world, c.seed + 1);
@@ -92,7 +100,20 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     return fail("--batch-size " + std::to_string(c.batch_size) + " cannot be split evenly over " +
                 std::to_string(world) + " ranks; use a multiple of " + std::to_string(world));
   }
-  MetricsLog metrics(c.metrics_dir, rank);
+  // The metrics directory can be writable on one node and not on another:
+  // agree before the first collective of the model (see DESIGN.md's rules).
+  std::unique_ptr<MetricsLog> metrics_file;
+  std::string metrics_error;
+  try {
+    metrics_file = std::make_unique<MetricsLog>(c.metrics_dir, rank);
+  } catch (const std::exception& e) {
+    metrics_error = e.what();
+  }
+  if (!all_ranks_ok(*pg, metrics_error.empty())) {
+    return fail(metrics_error.empty() ? "another rank could not open its metrics file"
+                                      : metrics_error);
+  }
+  MetricsLog& metrics = *metrics_file;
   ProgressDisplay progress(resolve_progress_mode(c.progress), rank == 0, c.log_interval);
 
   Trainer trainer(c, corpus, pg);

@@ -42,6 +42,8 @@ Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
                            .sharding_strategy(config.sharding)
                            .forward_prefetch(true)
                            .use_orig_params(true);
+  // Mixed precision (issue 4) plugs in here: a --bf16 flag (config.cpp, group
+  // "FSDP") sets the options' mixed-precision policy; nothing else changes.
   torch::manual_seed(config.seed);  // the same initial weights on every rank
   model_ = ShardedGPT(
       std::make_shared<gpt_mini::GPTImpl>(model_config(config, corpus.vocab.size()), options),
