@@ -134,6 +134,28 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
   fs::remove_all(two);
 }
 
+TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
+  const fs::path dir = fresh_dir("progress");
+  auto args = tiny_run(dir.string());
+  for (const char* a : {"--steps", "5", "--sample-tokens", "0", "--progress", "auto"}) {
+    args.push_back(a);
+  }
+  // Piped (the test reads the output) and no FSDPRUN_STDOUT_TTY: log lines.
+  const RunResult piped = run_launcher(launch(1, args), {{"FSDPRUN_STDOUT_TTY", std::nullopt}},
+                                       std::chrono::seconds(60));
+  expect_success(piped);
+  EXPECT_NE(piped.out.find("[rank0]: step 5/5 loss"), std::string::npos) << piped.out;
+  EXPECT_EQ(piped.out.find("\x1b["), std::string::npos) << piped.out;
+  // What fsdprun sets when its own stdout is a terminal: the bar, redrawn in place.
+  const RunResult tty =
+      run_launcher(launch(1, args), {{"FSDPRUN_STDOUT_TTY", "1"}}, std::chrono::seconds(60));
+  expect_success(tty);
+  EXPECT_NE(tty.out.find("\x1b[1A\x1b[2K\r[########################] 5/5 loss"), std::string::npos)
+      << tty.out;
+  EXPECT_NE(tty.out.find("tok/s | ETA"), std::string::npos) << tty.out;
+  fs::remove_all(dir);
+}
+
 // Runs train_gpt directly (one rank, no launcher) with a deadline.
 struct Outcome {
   bool exited = false;  // false: killed by a signal (a crash)
