@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what libfsdp needs to build, test and run, from Debian's archive
 # only. Safe to run any number of times: it installs just what is missing.
+#   scripts/setup.sh           what the build, the tests and the demo need
+#   scripts/setup.sh --bench   also gnuplot (bench/report.sh draws its chart)
 set -euo pipefail
 
 PACKAGES=(
@@ -12,6 +14,9 @@ PACKAGES=(
   nlohmann-json3-dev libcli11-dev
   clang-14 libclang-rt-14-dev  # libFuzzer + ASan for the checkpoint loader's fuzz target
 )
+if [[ ${1:-} == --bench ]]; then
+  PACKAGES+=(gnuplot-nox)  # bench/report.sh's PNG chart
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,4 +1,4 @@
-// Parity on a small GPT (bench/gpt_mini.h: LayerNorm + causal self-attention
+// Parity on a small GPT (examples/models/gpt_mini.h: LayerNorm + causal self-attention
 // + GELU MLP blocks, each block a unit, embeddings and head in the root):
 // every strategy at world sizes 2 and 3 against plain LibTorch, 5 steps.
 

@@ -4,6 +4,7 @@
 #include <sys/prctl.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <memory>
@@ -56,6 +57,11 @@ int launch(const LaunchOptions& options) {
   }
 
   std::vector<std::string> base_env = environment_from(environ);
+  // The ranks write into pipes; tell them when what they write ends up on a
+  // terminal, so they can draw progress bars (unless the user decided).
+  if (::isatty(STDOUT_FILENO) != 0 && std::getenv("FSDPRUN_STDOUT_TTY") == nullptr) {
+    base_env.emplace_back("FSDPRUN_STDOUT_TTY=1");
+  }
   if (defaults_omp_num_threads(options, base_env)) {
     err.write(
         "fsdprun: setting OMP_NUM_THREADS=1 for each rank to avoid "

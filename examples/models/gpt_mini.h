@@ -3,8 +3,8 @@
 // GPT-mini: a small decoder-only transformer (token + position embeddings,
 // pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, final
 // LayerNorm, a linear head), written with plain LibTorch ops so that it needs
-// nothing beyond LibTorch 1.13. Used by bench/bench_step.cpp and meant to be
-// reused by examples/train_gpt.
+// nothing beyond LibTorch 1.13. Shared by examples/train_gpt, bench/bench_step.cpp
+// and tests/core/test_transformer_parity.cpp (CMake target fsdp_models).
 //
 // Each block can be its own FSDP unit: GPT(config, block_options) wraps every
 // block in fsdp::FullyShardedDataParallel<BlockImpl> while the model is built;

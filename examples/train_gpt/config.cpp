@@ -1,0 +1,134 @@
+#include "config.h"
+
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <map>
+
+namespace train_gpt {
+namespace {
+
+// Checks that involve several flags; CLI11's validators see one value each.
+void check_combinations(TrainConfig& c) {
+  if (c.d_model % c.n_head != 0) {
+    throw CLI::ValidationError(
+        "--d-model", "--d-model " + std::to_string(c.d_model) + " is not a multiple of --heads " +
+                         std::to_string(c.n_head) + "; pick a width divisible by the head count");
+  }
+  if (c.warmup_steps < 0) c.warmup_steps = c.steps / 10;
+  if (c.warmup_steps > c.steps) {
+    throw CLI::ValidationError("--warmup-steps", "--warmup-steps " +
+                                                     std::to_string(c.warmup_steps) +
+                                                     " exceeds --steps " + std::to_string(c.steps));
+  }
+  if (c.min_lr > c.lr) {
+    throw CLI::ValidationError("--min-lr", "--min-lr must not exceed --lr");
+  }
+}
+
+}  // namespace
+
+std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config) {
+  TrainConfig& c = *config;
+  CLI::App app(
+      "Trains a character-level GPT with libfsdp (each transformer block an FSDP unit).\n"
+      "Run it with fsdprun, e.g.: fsdprun --nproc-per-node 2 train_gpt --steps 400",
+      "train_gpt");
+  app.get_formatter()->column_width(44);
+  // A flag given twice: the last one counts (so scripts can override defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+
+  // name, variable, help, check, group; the default shows in --help.
+  auto add = [&app](const char* name, auto& value, const char* help, const CLI::Validator& check,
+                    const char* group) {
+    return app.add_option(name, value, help)->check(check)->group(group)->capture_default_str();
+  };
+  const auto count = [](int64_t lo) { return CLI::Range(lo, int64_t{1} << 40); };
+
+  const char* model = "Model";
+  add("--layers", c.n_layer, "Transformer blocks (each an FSDP unit)", CLI::Range(1, 1024), model);
+  add("--d-model", c.d_model, "Width of the residual stream", CLI::Range(1, 1 << 16), model);
+  add("--heads", c.n_head, "Attention heads (must divide --d-model)", CLI::Range(1, 1024), model);
+  add("--seq-len", c.seq_len, "Characters per training sequence (context length)",
+      CLI::Range(1, 1 << 16), model);
+
+  const char* data = "Data";
+  app.add_option("--data", c.data_path,
+                 "Text file to train on (default: a generated English-like corpus)")
+      ->check(CLI::ExistingFile)
+      ->group(data);
+  add("--corpus-chars", c.corpus_chars, "Size of the generated default corpus",
+      CLI::Range(1000, 1 << 28), data);
+  add("--val-fraction", c.val_fraction, "Tail of the text held out for evaluation",
+      CLI::Range(0.01, 0.5), data);
+
+  const char* optim = "Optimisation";
+  add("--batch-size", c.batch_size, "Global batch in sequences, split evenly over the ranks",
+      count(1), optim);
+  add("--steps", c.steps, "Optimizer steps", count(1), optim);
+  app.add_option("--warmup-steps", c.warmup_steps,
+                 "Linear warm-up steps before the cosine decay (default: steps / 10)")
+      ->check(CLI::NonNegativeNumber)
+      ->group(optim);
+  add("--lr", c.lr, "Peak learning rate", CLI::Range(1e-12, 10.0), optim);
+  add("--min-lr", c.min_lr, "Learning rate at the end of the cosine decay", CLI::Range(0.0, 10.0),
+      optim);
+  add("--weight-decay", c.weight_decay, "AdamW weight decay (not on biases and LayerNorm)",
+      CLI::Range(0.0, 10.0), optim);
+  add("--beta1", c.beta1, "AdamW beta1", CLI::Range(0.0, 0.999999), optim);
+  add("--beta2", c.beta2, "AdamW beta2", CLI::Range(0.0, 0.999999), optim);
+  add("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)",
+      CLI::NonNegativeNumber, optim);
+
+  const std::map<std::string, fsdp::ShardingStrategy> strategies = {
+      {"full_shard", fsdp::ShardingStrategy::kFullShard},
+      {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
+      {"no_shard", fsdp::ShardingStrategy::kNoShard}};
+  app.add_option("--sharding", c.sharding, "FSDP sharding strategy")
+      ->transform(CLI::CheckedTransformer(strategies, CLI::ignore_case))
+      ->group("FSDP")
+      ->default_str("full_shard");
+
+  const char* eval = "Evaluation and sampling";
+  add("--eval-interval", c.eval_interval, "Held-out loss every N steps (and after the last)",
+      count(1), eval);
+  add("--eval-batches", c.eval_batches, "Held-out batches per evaluation", count(1), eval);
+  add("--sample-tokens", c.sample_tokens, "Characters generated at the end (0: none)", count(0),
+      eval);
+  add("--temperature", c.temperature, "Sampling temperature (0: greedy)", CLI::Range(0.0, 100.0),
+      eval);
+  app.add_option("--prompt", c.prompt, "Text the sample starts from")
+      ->group(eval)
+      ->capture_default_str();
+
+  const char* out = "Output";
+  app.add_option("--metrics-dir", c.metrics_dir,
+                 "Directory for per-rank metrics (rank<R>.jsonl), created if missing")
+      ->group(out);
+  add("--log-interval", c.log_interval, "Steps between log lines (when not a bar)", count(1), out);
+  const std::map<std::string, ProgressMode> modes = {{"auto", ProgressMode::kAuto},
+                                                     {"bar", ProgressMode::kBar},
+                                                     {"log", ProgressMode::kLog},
+                                                     {"none", ProgressMode::kNone}};
+  app.add_option("--progress", c.progress,
+                 "auto: a bar on a terminal, log lines otherwise; bar; log; none")
+      ->transform(CLI::CheckedTransformer(modes, CLI::ignore_case))
+      ->group(out)
+      ->default_str("auto");
+  app.add_option("--seed", c.seed, "Seed of the initial weights, the batches and the sample")
+      ->group(out)
+      ->capture_default_str();
+  add("--threads", c.threads, "Intra-op threads per rank", CLI::Range(1, 1024), out);
+
+  try {
+    app.parse(argc, argv);
+    check_combinations(c);
+  } catch (const CLI::ParseError& e) {
+    // CLI11 prints --help to stdout (exit 0) and errors to stderr, the latter
+    // followed by a pointer to --help.
+    return app.exit(e);
+  }
+  return std::nullopt;
+}
+
+}  // namespace train_gpt

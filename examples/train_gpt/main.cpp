@@ -1,0 +1,257 @@
+// train_gpt: a character-level GPT trained with libfsdp, each transformer
+// block an FSDP unit. The README's first command:
+//   build/bin/fsdprun --nproc-per-node 2 build/bin/train_gpt
+// `train_gpt --help` lists every flag. Files:
+//   config.*       command line (CLI11)          corpus.*   text, vocabulary, split
+//   batches.*      data-parallel batches          lr_schedule.h  warm-up + cosine
+//   trainer.*      model, AdamW groups, step, eval, generation
+//   progress.*     rank 0's bar / log lines, per-rank JSONL metrics
+//   train_state.h  what a checkpoint saves besides model and optimizer
+
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <exception>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+#include <fsdp/fsdp.h>
+
+#include "batches.h"
+#include "config.h"
+#include "corpus.h"
+#include "lr_schedule.h"
+#include "progress.h"
+#include "train_state.h"
+#include "trainer.h"
+
+namespace train_gpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// at::set_num_threads does not reach OpenBLAS's own thread pool.
+void set_blas_threads(int n) {
+  using SetThreads = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
+    fn(n);
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+
+// Messages before the process group exists: every rank checks the same
+// arguments and files, so each fails alike (fsdprun then reports the rank).
+int fail(const std::string& message) {
+  std::cerr << "train_gpt: error: " << message << std::endl;
+  return 1;
+}
+
+// True when `ok` holds on every rank (collective).
+bool all_ranks_ok(fsdp::ProcessGroup& pg, bool ok) {
+  at::Tensor flag = at::full({1}, ok ? 1.0 : 0.0, at::kFloat);
+  pg.all_reduce(flag, fsdp::ReduceOp::kMin).wait();
+  return flag.item<float>() > 0.5f;
+}
+
+std::vector<Batch> eval_batches(const Corpus& corpus, const TrainConfig& c, int rank, int world) {
+  // A fixed held-out set: the same batches at every evaluation.
+  const BatchSampler sampler(corpus.val, c.seq_len, c.batch_size, rank, world, c.seed + 1);
+  std::vector<Batch> out;
+  for (int64_t i = 0; i < c.eval_batches; ++i) out.push_back(sampler.batch(i));
+  return out;
+}
+
+nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Trainer& trainer,
+                           int world) {
+  return {{"type", "config"},
+          {"world", world},
+          {"layers", c.n_layer},
+          {"d_model", c.d_model},
+          {"heads", c.n_head},
+          {"seq_len", c.seq_len},
+          {"batch_size", c.batch_size},
+          {"steps", c.steps},
+          {"lr", c.lr},
+          {"sharding", fsdp::to_string(c.sharding)},
+          {"data", corpus.source},
+          {"chars", corpus.chars},
+          {"vocab", corpus.vocab.size()},
+          {"params", trainer.total_params()},
+          {"seed", c.seed}};
+}
+
+int train(const TrainConfig& c, const Corpus& corpus) {
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  if (c.batch_size % world != 0) {
+    // The same on every rank: all stop here, before any collective.
+    return fail("--batch-size " + std::to_string(c.batch_size) + " cannot be split evenly over " +
+                std::to_string(world) + " ranks; use a multiple of " + std::to_string(world));
+  }
+  // The metrics directory can be writable on one node and not on another:
+  // agree before the first collective of the model (see DESIGN.md's rules).
+  std::unique_ptr<MetricsLog> metrics_file;
+  std::string metrics_error;
+  try {
+    metrics_file = std::make_unique<MetricsLog>(c.metrics_dir, rank);
+  } catch (const std::exception& e) {
+    metrics_error = e.what();
+  }
+  if (!all_ranks_ok(*pg, metrics_error.empty())) {
+    return fail(metrics_error.empty() ? "another rank could not open its metrics file"
+                                      : metrics_error);
+  }
+  MetricsLog& metrics = *metrics_file;
+  ProgressDisplay progress(resolve_progress_mode(c.progress), rank == 0, c.log_interval);
+
+  Trainer trainer(c, corpus, pg);
+  TrainState state;
+  state.seed = c.seed;
+  // Checkpoints (issue 6) plug in here: with --resume, load the model,
+  // optimizer and `state` (see Note [Training state]) before the loop.
+  const BatchSampler sampler(corpus.train, c.seq_len, c.batch_size, rank, world, c.seed);
+  const std::vector<Batch> held_out = eval_batches(corpus, c, rank, world);
+  const LrSchedule schedule{c.lr, c.min_lr, c.warmup_steps, c.steps};
+  const int64_t tokens_per_step = c.batch_size * c.seq_len;
+
+  metrics.write(config_json(c, corpus, trainer, world));
+  {
+    std::ostringstream s;
+    s << "train_gpt: " << corpus.source << " (" << corpus.chars << " chars, vocab "
+      << corpus.vocab.size() << "), " << world << " rank(s), " << fsdp::to_string(c.sharding)
+      << ", " << c.n_layer << " blocks as FSDP units, " << trainer.total_params() << " parameters ("
+      << trainer.undecayed_params() << " without weight decay), global batch " << c.batch_size
+      << " x " << c.seq_len << " tokens";
+    progress.message(s.str());
+  }
+
+  const auto run_start = Clock::now();
+  double train_seconds = 0;  // excludes evaluation
+  double ema_step_s = 0;     // recent seconds per step, for tokens/s and ETA
+  double last_loss = 0;
+  while (state.step < c.steps) {
+    const double lr = schedule.at(state.step);
+    const Batch batch = sampler.batch(state.batches_drawn++);
+    const auto t0 = Clock::now();
+    const StepResult r = trainer.train_step(batch, lr);
+    const double dt = seconds_since(t0);
+    ++state.step;
+    state.tokens_seen += tokens_per_step;
+    train_seconds += dt;
+    ema_step_s = state.step == 1 ? dt : 0.9 * ema_step_s + 0.1 * dt;
+    last_loss = r.loss;
+
+    StepReport report;
+    report.step = state.step;
+    report.total = c.steps;
+    report.loss = r.loss;
+    report.lr = lr;
+    report.grad_norm = r.grad_norm;
+    report.tokens_per_s = static_cast<double>(tokens_per_step) / ema_step_s;
+    report.eta_s = ema_step_s * static_cast<double>(c.steps - state.step);
+    report.peak_bytes = r.peak_bytes;
+    progress.step(report);
+    metrics.write({{"type", "train"},
+                   {"step", state.step},
+                   {"loss", r.loss},
+                   {"local_loss", r.local_loss},
+                   {"lr", lr},
+                   {"grad_norm", r.grad_norm},
+                   {"step_ms", dt * 1e3},
+                   {"tokens_per_s", report.tokens_per_s},
+                   {"tokens_seen", state.tokens_seen},
+                   {"current_bytes", r.current_bytes[static_cast<size_t>(rank)]},
+                   {"peak_bytes", r.peak_bytes[static_cast<size_t>(rank)]}});
+
+    if (state.step % c.eval_interval == 0 || state.step == c.steps) {
+      state.last_val_loss = trainer.evaluate(held_out);
+      std::ostringstream s;
+      s << "eval at step " << state.step << ": held-out loss " << state.last_val_loss << " (train "
+        << r.loss << ")";
+      progress.message(s.str());
+      metrics.write({{"type", "eval"}, {"step", state.step}, {"val_loss", state.last_val_loss}});
+    }
+    // Checkpoints (issue 6) plug in here: every --checkpoint-every steps,
+    // save the model, optimizer and `state`.
+  }
+
+  const double wall = seconds_since(run_start);
+  std::string sample;
+  if (c.sample_tokens > 0) {
+    sample = trainer.generate(c.prompt, c.sample_tokens, c.temperature, c.seed);
+  }
+  const double tokens_per_s = static_cast<double>(state.tokens_seen) / train_seconds;
+  nlohmann::json summary = {{"type", "summary"},
+                            {"state", state},
+                            {"train_loss", last_loss},
+                            {"val_loss", state.last_val_loss},
+                            {"wall_s", wall},
+                            {"train_s", train_seconds},
+                            {"tokens_per_s", tokens_per_s},
+                            {"peak_bytes", fsdp::memory_stats().peak_bytes}};
+  if (!sample.empty()) summary["sample"] = sample;
+  metrics.write(summary);
+  if (rank == 0) {
+    std::ostringstream s;
+    s << "done: " << state.step << " steps in " << format_duration(wall) << " ("
+      << static_cast<int64_t>(tokens_per_s) << " tokens/s), final train loss " << last_loss
+      << ", held-out loss " << state.last_val_loss;
+    if (!metrics.path().empty()) s << "; metrics in " << c.metrics_dir << "/rank<R>.jsonl";
+    std::cout << s.str() << "\n";
+    if (!sample.empty()) {
+      std::cout << "sample (temperature " << c.temperature << "):\n" << sample << "\n";
+    }
+    std::cout << std::flush;
+  }
+  pg->barrier().wait();
+  return 0;
+}
+
+}  // namespace
+}  // namespace train_gpt
+
+int main(int argc, char** argv) {
+  using namespace train_gpt;
+  // Before any tensor exists, so the memory figures count the whole model.
+  fsdp::enable_memory_tracking();
+  TrainConfig config;
+  if (auto code = parse_command_line(argc, argv, &config)) return *code;
+  at::set_num_threads(config.threads);
+  set_blas_threads(config.threads);
+
+  Corpus corpus;
+  try {
+    corpus = load_corpus(config.data_path, config.corpus_chars, config.val_fraction, config.seq_len,
+                         config.seed);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+  if (config.sample_tokens > 0) {
+    if (config.prompt.empty())
+      return fail("--prompt must not be empty (or pass --sample-tokens 0)");
+    try {
+      corpus.vocab.encode(config.prompt);
+    } catch (const std::exception& e) {
+      return fail(std::string("--prompt: ") + e.what() + "; use characters of the text");
+    }
+  }
+  try {
+    return train(config, corpus);
+  } catch (const std::exception& e) {
+    // A collective error or a bug: name the rank, since fsdprun interleaves output.
+    std::cerr << "train_gpt [rank " << env_int("RANK", 0) << "]: " << e.what() << std::endl;
+    return 1;
+  }
+}

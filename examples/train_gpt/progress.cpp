@@ -1,0 +1,138 @@
+#include "progress.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <stdexcept>
+
+namespace train_gpt {
+namespace {
+
+// Clears the current line (where fsdprun may have put its "[rankN]: " prefix),
+// then moves up to the previous bar and clears it.
+constexpr const char* kCursorUpClearLine = "\x1b[2K\x1b[1A\x1b[2K\r";
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::string memory_per_rank(const std::vector<int64_t>& bytes) {
+  std::string out;
+  for (size_t r = 0; r < bytes.size(); ++r) {
+    if (r > 0) out += " ";
+    out += "r" + std::to_string(r) + " " + format_bytes(bytes[r]);
+  }
+  return out;
+}
+
+}  // namespace
+
+ProgressMode resolve_progress_mode(ProgressMode mode) {
+  if (mode != ProgressMode::kAuto) return mode;
+  const char* launcher_tty = std::getenv("FSDPRUN_STDOUT_TTY");
+  const bool tty =
+      ::isatty(STDOUT_FILENO) != 0 || (launcher_tty != nullptr && std::string(launcher_tty) == "1");
+  return tty ? ProgressMode::kBar : ProgressMode::kLog;
+}
+
+std::string format_bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return fixed(v, u == 0 ? 0 : 1) + " " + units[u];
+}
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds) + 0.5);
+  char buf[64];
+  if (s >= 3600) {
+    std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", static_cast<long long>(s / 3600),
+                  static_cast<long long>(s / 60 % 60), static_cast<long long>(s % 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lld:%02lld", static_cast<long long>(s / 60),
+                  static_cast<long long>(s % 60));
+  }
+  return buf;
+}
+
+ProgressDisplay::ProgressDisplay(ProgressMode mode, bool active, int64_t log_interval)
+    : mode_(mode), active_(active && mode != ProgressMode::kNone), log_interval_(log_interval) {}
+
+std::string ProgressDisplay::bar_line(const StepReport& r) const {
+  constexpr int kWidth = 24;
+  const double frac = static_cast<double>(r.step) / static_cast<double>(r.total);
+  const int filled = static_cast<int>(frac * kWidth);
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(kWidth, '.');
+  std::ostringstream s;
+  s << "[" << bar << "] " << r.step << "/" << r.total << " loss " << fixed(r.loss, 4) << " | "
+    << fixed(r.tokens_per_s / 1000.0, 1) << "k tok/s | ETA " << format_duration(r.eta_s)
+    << " | peak mem " << memory_per_rank(r.peak_bytes);
+  return s.str();
+}
+
+std::string ProgressDisplay::log_line(const StepReport& r) const {
+  std::ostringstream s;
+  s << "step " << r.step << "/" << r.total << " loss " << fixed(r.loss, 4) << " lr "
+    << fixed(r.lr * 1e3, 3) << "e-3 grad_norm " << fixed(r.grad_norm, 3) << " | "
+    << static_cast<int64_t>(r.tokens_per_s) << " tok/s | ETA " << format_duration(r.eta_s)
+    << " | peak mem " << memory_per_rank(r.peak_bytes);
+  return s.str();
+}
+
+void ProgressDisplay::draw(const std::string& line) {
+  // See Note [Progress bar through fsdprun].
+  std::cout << (bar_shown_ ? kCursorUpClearLine : "") << line << "\n" << std::flush;
+  bar_shown_ = true;
+  last_bar_ = line;
+}
+
+void ProgressDisplay::step(const StepReport& report) {
+  if (!active_) return;
+  if (mode_ == ProgressMode::kBar) {
+    draw(bar_line(report));
+  } else if (report.step % log_interval_ == 0 || report.step == report.total || report.step == 1) {
+    std::cout << log_line(report) << "\n" << std::flush;
+  }
+}
+
+void ProgressDisplay::message(const std::string& text) {
+  if (!active_) return;
+  if (bar_shown_) {
+    std::cout << kCursorUpClearLine << text << "\n";
+    bar_shown_ = false;
+    draw(last_bar_);
+  } else {
+    std::cout << text << "\n" << std::flush;
+  }
+}
+
+MetricsLog::MetricsLog(const std::string& dir, int rank) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  path_ = (std::filesystem::path(dir) / ("rank" + std::to_string(rank) + ".jsonl")).string();
+  out_.open(path_, std::ios::trunc);
+  if (!out_) {
+    throw std::runtime_error("cannot write metrics file '" + path_ +
+                             "' (--metrics-dir): check that the directory is writable");
+  }
+}
+
+void MetricsLog::write(const nlohmann::json& record) {
+  if (!out_.is_open()) return;
+  out_ << record.dump() << "\n" << std::flush;
+}
+
+}  // namespace train_gpt

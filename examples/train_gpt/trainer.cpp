@@ -1,0 +1,157 @@
+#include "trainer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <set>
+
+namespace train_gpt {
+namespace {
+
+gpt_mini::GPTConfig model_config(const TrainConfig& c, int64_t vocab) {
+  return gpt_mini::GPTConfig()
+      .vocab_size(vocab)
+      .block_size(c.seq_len)
+      .d_model(c.d_model)
+      .n_head(c.n_head)
+      .n_layer(c.n_layer);
+}
+
+// Names of the parameters that get no weight decay: biases and LayerNorm's
+// weights (GPT-2's and nanoGPT's choice: decay only what multiplies inputs).
+std::set<std::string> no_decay_names(torch::nn::Module& root) {
+  std::set<std::string> names;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    const bool layer_norm = item.value()->as<torch::nn::LayerNorm>() != nullptr;
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      if (layer_norm || p.key() == "bias") names.insert(prefix + p.key());
+    }
+  }
+  return names;
+}
+
+}  // namespace
+
+Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
+                 std::shared_ptr<fsdp::ProcessGroup> pg)
+    : config_(config), corpus_(corpus), pg_(std::move(pg)) {
+  // use_orig_params: the optimizer sees one piece of the shard per original
+  // parameter, with its name, so it can have parameter groups.
+  const auto options = fsdp::FSDPOptions()
+                           .process_group(pg_)
+                           .sharding_strategy(config.sharding)
+                           .forward_prefetch(true)
+                           .use_orig_params(true);
+  // Mixed precision (issue 4) plugs in here: a --bf16 flag (config.cpp, group
+  // "FSDP") sets the options' mixed-precision policy; nothing else changes.
+  torch::manual_seed(config.seed);  // the same initial weights on every rank
+  model_ = ShardedGPT(
+      std::make_shared<gpt_mini::GPTImpl>(model_config(config, corpus.vocab.size()), options),
+      options);
+  build_optimizer();
+}
+
+void Trainer::build_optimizer() {
+  const std::set<std::string> no_decay = no_decay_names(*model_.ptr());
+  std::vector<at::Tensor> decay, plain;
+  for (const auto& item : model_->named_flat_parameters()) {
+    (no_decay.count(item.key()) ? plain : decay).push_back(item.value());
+  }
+  {
+    // Sizes of the full parameters, for the log (the pieces are shards).
+    fsdp::SummonFullParams full(*model_.ptr());
+    for (const auto& p : model_->named_parameters()) {
+      total_params_ += p.value().numel();
+      (no_decay.count(p.key()) ? undecayed_ : decayed_) += p.value().numel();
+    }
+  }
+  const auto base =
+      torch::optim::AdamWOptions(config_.lr).betas(std::make_tuple(config_.beta1, config_.beta2));
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay,
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(base).weight_decay(config_.weight_decay)));
+  groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(base).weight_decay(0.0)));
+  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+}
+
+StepResult Trainer::train_step(const Batch& batch, double lr) {
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+  optimizer_->zero_grad();
+  at::Tensor loss = gpt_mini::lm_loss(model_->forward(batch.inputs), batch.targets);
+  loss.backward();
+  StepResult out;
+  // clip_grad_norm_ with an infinite bound only measures the norm.
+  const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 1e30;
+  out.grad_norm = model_->clip_grad_norm_(max_norm);
+  optimizer_->step();
+  out.local_loss = loss.item<double>();
+
+  // One all-gather brings every rank's loss and memory: the mean loss (summed
+  // in rank order, so it is the same on every rank) and the memory display.
+  const fsdp::MemoryStats mem = fsdp::memory_stats();
+  const at::Tensor mine = at::tensor(
+      {out.local_loss, static_cast<double>(mem.current_bytes), static_cast<double>(mem.peak_bytes)},
+      at::kDouble);
+  at::Tensor all = at::empty({3 * pg_->size()}, at::kDouble);
+  pg_->all_gather_into_tensor(all, mine).wait();
+  const auto rows = all.view({pg_->size(), 3});
+  for (int r = 0; r < pg_->size(); ++r) {
+    out.loss += rows[r][0].item<double>() / pg_->size();
+    out.current_bytes.push_back(static_cast<int64_t>(rows[r][1].item<double>()));
+    out.peak_bytes.push_back(static_cast<int64_t>(rows[r][2].item<double>()));
+  }
+  return out;
+}
+
+double Trainer::evaluate(const std::vector<Batch>& batches) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  double sum = 0;
+  for (const Batch& b : batches) {
+    sum += gpt_mini::lm_loss(model_->forward(b.inputs), b.targets).item<double>();
+  }
+  model_->train();
+  at::Tensor mean = at::full({1}, sum / static_cast<double>(batches.size()), at::kDouble);
+  pg_->all_reduce(mean, fsdp::ReduceOp::kAvg).wait();
+  return mean.item<double>();
+}
+
+std::string Trainer::generate(const std::string& prompt, int64_t n, double temperature,
+                              uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  model_->eval();
+  std::vector<int64_t> ids = corpus_.vocab.encode(prompt);
+  std::string text = prompt;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto start = static_cast<int64_t>(ids.size()) > config_.seq_len
+                           ? ids.size() - static_cast<size_t>(config_.seq_len)
+                           : 0;
+    const std::vector<int64_t> window(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.end());
+    const at::Tensor context = at::tensor(window, at::kLong).unsqueeze(0);
+    // The forward pass is collective: every rank runs it.
+    const at::Tensor logits = model_->forward(context)[0][-1];
+    // Rank 0 chooses; a broadcast keeps every rank's context identical.
+    at::Tensor next = at::zeros({1}, at::kDouble);
+    if (pg_->rank() == 0) {
+      int64_t id = 0;
+      if (temperature <= 0) {
+        id = logits.argmax().item<int64_t>();
+      } else {
+        const at::Tensor probs = at::softmax(logits.to(at::kDouble) / temperature, 0);
+        id = at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
+      }
+      next.fill_(static_cast<double>(id));
+    }
+    pg_->broadcast(next, /*root=*/0).wait();
+    const auto id = static_cast<int64_t>(next.item<double>());
+    ids.push_back(id);
+    text += corpus_.vocab.decode(id);
+  }
+  model_->train();
+  return text;
+}
+
+}  // namespace train_gpt

@@ -1,0 +1,231 @@
+// examples/train_gpt end to end: a tiny model trains at 2 ranks and its loss
+// falls; 1 rank with global batch B follows the same loss curve as 2 ranks
+// with B/2 each; bad command lines end with a message and a non-zero exit.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "launch_test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fsdp::launch::testing::run_launcher;
+using fsdp::launch::testing::RunResult;
+
+// A tiny model: a few seconds for a few dozen steps at 2 ranks.
+std::vector<std::string> tiny_run(const std::string& metrics_dir) {
+  return {"--layers",       "2",        "--d-model",       "32", "--heads",        "2",
+          "--seq-len",      "32",       "--batch-size",    "8",  "--corpus-chars", "20000",
+          "--eval-batches", "2",        "--sample-tokens", "40", "--progress",     "log",
+          "--metrics-dir",  metrics_dir};
+}
+
+std::vector<std::string> launch(int ranks, std::vector<std::string> train_args) {
+  std::vector<std::string> args = {"--nproc-per-node", std::to_string(ranks), TRAIN_GPT_PATH};
+  args.insert(args.end(), train_args.begin(), train_args.end());
+  return args;
+}
+
+std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& type) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in) << "no metrics file " << path;
+  std::vector<nlohmann::json> out;
+  for (std::string line; std::getline(in, line);) {
+    auto record = nlohmann::json::parse(line);
+    if (record.at("type") == type) out.push_back(record);
+  }
+  return out;
+}
+
+std::vector<double> losses(const fs::path& path) {
+  std::vector<double> out;
+  for (const auto& r : read_jsonl(path, "train")) out.push_back(r.at("loss").get<double>());
+  return out;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("train_gpt_test_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void expect_success(const RunResult& r) {
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+}
+
+TEST(TrainGpt, LossFallsAtTwoRanks) {
+  const fs::path dir = fresh_dir("falls");
+  auto args = tiny_run(dir.string());
+  for (const char* a : {"--steps", "40", "--warmup-steps", "4", "--lr", "1e-2", "--min-lr", "1e-3",
+                        "--eval-interval", "20"}) {
+    args.push_back(a);
+  }
+  const RunResult r = run_launcher(launch(2, args), {}, std::chrono::seconds(120));
+  expect_success(r);
+
+  const auto loss0 = losses(dir / "rank0.jsonl");
+  const auto loss1 = losses(dir / "rank1.jsonl");
+  ASSERT_EQ(loss0.size(), 40u);
+  // The reported loss is the mean over all ranks: the same on both.
+  EXPECT_EQ(loss0, loss1);
+  // From about ln(vocab) to well below it.
+  double tail = 0;
+  for (size_t i = loss0.size() - 5; i < loss0.size(); ++i) tail += loss0[i] / 5;
+  EXPECT_GT(loss0.front(), 3.0);
+  EXPECT_LT(tail, 0.75 * loss0.front()) << "loss " << loss0.front() << " -> " << tail;
+
+  // Ranks trained on different rows.
+  const auto train0 = read_jsonl(dir / "rank0.jsonl", "train");
+  const auto train1 = read_jsonl(dir / "rank1.jsonl", "train");
+  EXPECT_NE(train0[0].at("local_loss"), train1[0].at("local_loss"));
+  EXPECT_GT(train0[0].at("peak_bytes").get<int64_t>(), 0);
+
+  // Held-out loss at steps 20 and 40, falling.
+  const auto evals = read_jsonl(dir / "rank0.jsonl", "eval");
+  ASSERT_EQ(evals.size(), 2u);
+  EXPECT_LT(evals[1].at("val_loss").get<double>(), 0.8 * loss0.front());
+
+  // The sample: the prompt and 40 characters, printed by rank 0 only.
+  const auto summary = read_jsonl(dir / "rank0.jsonl", "summary");
+  ASSERT_EQ(summary.size(), 1u);
+  const std::string sample = summary[0].at("sample");
+  EXPECT_EQ(sample.size(), 4u + 40u);
+  EXPECT_EQ(sample.rfind("The ", 0), 0u);
+  EXPECT_NE(r.out.find("[rank0]: sample"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[rank1]: sample"), std::string::npos) << r.out;
+  EXPECT_EQ(read_jsonl(dir / "rank1.jsonl", "summary")[0].at("sample"), sample);
+  fs::remove_all(dir);
+}
+
+TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
+  const fs::path one = fresh_dir("one"), two = fresh_dir("two");
+  auto common = [](const fs::path& dir) {
+    auto args = tiny_run(dir.string());
+    for (const char* a : {"--steps", "15", "--warmup-steps", "3", "--eval-interval", "100",
+                          "--sample-tokens", "0"}) {
+      args.push_back(a);
+    }
+    return args;
+  };
+  expect_success(run_launcher(launch(1, common(one)), {}, std::chrono::seconds(120)));
+  expect_success(run_launcher(launch(2, common(two)), {}, std::chrono::seconds(120)));
+  const auto a = losses(one / "rank0.jsonl");
+  const auto b = losses(two / "rank0.jsonl");
+  ASSERT_EQ(a.size(), 15u);
+  ASSERT_EQ(b.size(), 15u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    // fp32 sums in a different order (rows split over ranks, gradients
+    // reduce-scattered), nothing more.
+    EXPECT_NEAR(a[i], b[i], 1e-5 * a[i]) << "step " << i + 1;
+  }
+  EXPECT_LT(a.back(), a.front());
+  fs::remove_all(one);
+  fs::remove_all(two);
+}
+
+TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
+  const fs::path dir = fresh_dir("progress");
+  auto args = tiny_run(dir.string());
+  for (const char* a : {"--steps", "5", "--sample-tokens", "0", "--progress", "auto"}) {
+    args.push_back(a);
+  }
+  // Piped (the test reads the output) and no FSDPRUN_STDOUT_TTY: log lines.
+  const RunResult piped = run_launcher(launch(1, args), {{"FSDPRUN_STDOUT_TTY", std::nullopt}},
+                                       std::chrono::seconds(60));
+  expect_success(piped);
+  EXPECT_NE(piped.out.find("[rank0]: step 5/5 loss"), std::string::npos) << piped.out;
+  EXPECT_EQ(piped.out.find("\x1b["), std::string::npos) << piped.out;
+  // What fsdprun sets when its own stdout is a terminal: the bar, redrawn in place.
+  const RunResult tty =
+      run_launcher(launch(1, args), {{"FSDPRUN_STDOUT_TTY", "1"}}, std::chrono::seconds(60));
+  expect_success(tty);
+  EXPECT_NE(tty.out.find("\x1b[1A\x1b[2K\r[########################] 5/5 loss"), std::string::npos)
+      << tty.out;
+  EXPECT_NE(tty.out.find("tok/s | ETA"), std::string::npos) << tty.out;
+  fs::remove_all(dir);
+}
+
+// Runs train_gpt directly (one rank, no launcher) with a deadline.
+struct Outcome {
+  bool exited = false;  // false: killed by a signal (a crash)
+  int code = -1;
+  std::string output;
+};
+
+Outcome run_direct(const std::string& args) {
+  const std::string cmd = "timeout 60 " + std::string(TRAIN_GPT_PATH) + " " + args + " 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  Outcome out;
+  if (pipe == nullptr) return out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.output.append(buf, n);
+  const int status = ::pclose(pipe);
+  out.exited = WIFEXITED(status);
+  out.code = out.exited ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
+  const fs::path dir = fresh_dir("bad");
+  {
+    std::ofstream(dir / "short.txt") << "A short text, far shorter than the sequence length.\n";
+    std::ofstream(dir / "empty.txt");
+  }
+  const std::string tiny = "--layers 1 --d-model 16 --heads 2 --steps 1 ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--no-such-flag 3", "--no-such-flag"},
+      {"--data " + (dir / "missing.txt").string(), "missing.txt"},
+      {"--data " + (dir / "short.txt").string() + " --seq-len 64",
+       "--seq-len 64 needs at least 65 characters"},
+      {"--data " + (dir / "empty.txt").string(), "is empty"},
+      {"--layers 0", "--layers"},
+      {"--layers many", "--layers"},
+      {"--seq-len -5", "--seq-len"},
+      {"--lr -1", "--lr"},
+      {"--batch-size 0", "--batch-size"},
+      {"--d-model 30 --heads 4", "not a multiple of --heads 4"},
+      {"--sharding half", "--sharding"},
+      {"--progress fancy", "--progress"},
+      {"--steps 10 --warmup-steps 50", "exceeds --steps"},
+      {"--val-fraction 2", "--val-fraction"},
+      {"--prompt '~~~'", "--prompt"},
+      {"--metrics-dir /proc/no/such/dir", "cannot write metrics file"},
+  };
+  for (const auto& [args, message] : cases) {
+    const Outcome o = run_direct(tiny + args);
+    EXPECT_TRUE(o.exited) << args << ": killed by a signal\n" << o.output;
+    EXPECT_NE(o.code, 0) << args << "\n" << o.output;
+    EXPECT_NE(o.code, 124) << args << ": timed out\n" << o.output;
+    EXPECT_NE(o.output.find(message), std::string::npos)
+        << args << ": expected a message with '" << message << "', got:\n"
+        << o.output;
+    EXPECT_EQ(o.output.find("terminate called"), std::string::npos) << args << "\n" << o.output;
+  }
+  const Outcome help = run_direct("--help");
+  EXPECT_EQ(help.code, 0) << help.output;
+  EXPECT_NE(help.output.find("--seq-len"), std::string::npos) << help.output;
+  fs::remove_all(dir);
+}
+
+TEST(TrainGpt, BatchNotDivisibleByRanksIsRefusedOnEveryRank) {
+  const RunResult r = run_launcher(
+      launch(2, {"--layers", "1", "--d-model", "16", "--heads", "2", "--batch-size", "3"}), {},
+      std::chrono::seconds(60));
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--batch-size 3 cannot be split evenly over 2 ranks"), std::string::npos)
+      << r.err;
+}
+
+}  // namespace
