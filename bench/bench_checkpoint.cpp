@@ -16,7 +16,9 @@
 
 #include <fsdp/fsdp.h>
 
+#include <CLI/CLI.hpp>
 #include "bench_util.h"
+
 #include "gpt_mini.h"
 
 namespace {
@@ -29,20 +31,15 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    if (k == "--dir")
-      a.dir = argv[i + 1];
-    else if (k == "--repeats")
-      a.repeats = std::atoi(argv[i + 1]);
-    else if (k == "--blocks")
-      a.blocks = std::atoll(argv[i + 1]);
-    else if (k == "--d-model")
-      a.d_model = std::atoll(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", k.c_str());
-      std::exit(2);
-    }
+  CLI::App app("Checkpoint save/load time and peak memory (full and sharded)");
+  app.add_option("--dir", a.dir, "where to write the checkpoints");
+  app.add_option("--repeats", a.repeats, "repeats per configuration")->check(CLI::PositiveNumber);
+  app.add_option("--blocks", a.blocks, "GPT-mini blocks")->check(CLI::PositiveNumber);
+  app.add_option("--d-model", a.d_model, "GPT-mini width")->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
   return a;
 }

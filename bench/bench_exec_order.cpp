@@ -24,11 +24,11 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <fsdp/fsdp.h>
+#include <CLI/CLI.hpp>
 
 #include "bench_util.h"
 #include "gpt_mini.h"
@@ -42,7 +42,7 @@ using bench::median;
 using bench::us_since;
 
 struct Args {
-  std::string models = "overhead64,gpt_mini";
+  std::vector<std::string> models = {"overhead64", "gpt_mini"};
   std::string strategy = "full_shard";
   int reps = 7;
   int steps = 10;
@@ -94,51 +94,25 @@ double timed(fsdp::ProcessGroup& pg, const std::function<void()>& fn) {
   return us_since(t0);
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-[[noreturn]] void usage() {
-  std::fprintf(stderr,
-               "usage: bench_exec_order [--models overhead64,gpt_mini] [--strategy full_shard|"
-               "shard_grad_op|no_shard] [--reps 7] [--steps 10] [--blocks 8] [--d-model 256] "
-               "[--heads 8] [--seq 64] [--batch 4]\n");
-  std::exit(2);
-}
-
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc) usage();
-    const std::string k = argv[i];
-    const char* v = argv[i + 1];
-    if (k == "--models")
-      a.models = v;
-    else if (k == "--strategy")
-      a.strategy = v;
-    else if (k == "--reps")
-      a.reps = std::atoi(v);
-    else if (k == "--steps")
-      a.steps = std::atoi(v);
-    else if (k == "--blocks")
-      a.blocks = std::atoll(v);
-    else if (k == "--d-model")
-      a.d_model = std::atoll(v);
-    else if (k == "--heads")
-      a.heads = std::atoll(v);
-    else if (k == "--seq")
-      a.seq = std::atoll(v);
-    else if (k == "--batch")
-      a.batch = std::atoll(v);
-    else
-      usage();
+  CLI::App app("Cost of the forward-order check and of debug mode");
+  app.add_option("--models", a.models, "overhead64 and/or gpt_mini")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"overhead64", "gpt_mini"}));
+  app.add_option("--strategy", a.strategy)->check(CLI::IsMember(bench::strategy_names()));
+  app.add_option("--reps", a.reps)->check(CLI::PositiveNumber);
+  app.add_option("--steps", a.steps)->check(CLI::PositiveNumber);
+  app.add_option("--blocks", a.blocks);
+  app.add_option("--d-model", a.d_model);
+  app.add_option("--heads", a.heads);
+  app.add_option("--seq", a.seq);
+  app.add_option("--batch", a.batch);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
-  if (a.reps < 1 || a.steps < 1) usage();
   return a;
 }
 
@@ -146,15 +120,7 @@ Args parse(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
-  fsdp::ShardingStrategy strategy;
-  if (a.strategy == "full_shard")
-    strategy = fsdp::ShardingStrategy::kFullShard;
-  else if (a.strategy == "shard_grad_op")
-    strategy = fsdp::ShardingStrategy::kShardGradOp;
-  else if (a.strategy == "no_shard")
-    strategy = fsdp::ShardingStrategy::kNoShard;
-  else
-    usage();
+  const fsdp::ShardingStrategy strategy = bench::strategy_names().at(a.strategy);
 
   at::set_num_threads(1);
   bench::single_threaded_blas();
@@ -162,7 +128,7 @@ int main(int argc, char** argv) {
   const int rank = pg->rank(), world = pg->size();
   const auto base = fsdp::FSDPOptions().sharding_strategy(strategy);
 
-  for (const std::string& name : split(a.models)) {
+  for (const std::string& name : a.models) {
     // first_iteration: fresh models, the check on and off in turn.
     std::vector<double> first_on, first_off;
     int64_t units = 0;

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include <fsdp/fsdp.h>
+#include <CLI/CLI.hpp>
 
 #include "bench_util.h"
 #include "overhead_net.h"
@@ -41,6 +42,7 @@ using bench::Clock;
 using bench::max_over_ranks;
 using bench::median;
 using bench::single_threaded_blas;
+using bench::strategy_names;
 using bench::us_since;
 
 using bench::Net;
@@ -53,50 +55,27 @@ struct Config {
   std::vector<double> step_us, fwd_bwd_us;
 };
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
-[[noreturn]] void usage() {
-  std::fprintf(stderr,
-               "usage: bench_overhead [--units 64] [--width 32] [--batch 4] [--warmup 20] "
-               "[--rounds 5] [--steps 40] [--modes full_shard,shard_grad_op,no_shard]\n");
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   int64_t units = 64, width = 32, batch = 4;
   int warmup = 20, rounds = 5, steps = 40;
-  std::string modes = "full_shard,shard_grad_op,no_shard";
-  for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc) usage();
-    const std::string k = argv[i];
-    const char* v = argv[i + 1];
-    if (k == "--units")
-      units = std::atoll(v);
-    else if (k == "--width")
-      width = std::atoll(v);
-    else if (k == "--batch")
-      batch = std::atoll(v);
-    else if (k == "--warmup")
-      warmup = std::atoi(v);
-    else if (k == "--rounds")
-      rounds = std::atoi(v);
-    else if (k == "--steps")
-      steps = std::atoi(v);
-    else if (k == "--modes")
-      modes = v;
-    else
-      usage();
+  std::vector<std::string> modes = {"full_shard", "shard_grad_op", "no_shard"};
+  CLI::App app("Per-unit FSDP overhead above plain LibTorch (64 small units)");
+  app.add_option("--units", units)->check(CLI::PositiveNumber);
+  app.add_option("--width", width)->check(CLI::PositiveNumber);
+  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
+  app.add_option("--rounds", rounds)->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps)->check(CLI::PositiveNumber);
+  app.add_option("--modes", modes, "strategies to measure")
+      ->delimiter(',')
+      ->check(CLI::IsMember(strategy_names()));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
   }
-  if (units < 1 || rounds < 1 || steps < 1) usage();
 
   at::set_num_threads(1);
   single_threaded_blas();
@@ -115,16 +94,8 @@ int main(int argc, char** argv) {
     c.opt = std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
     configs.push_back(std::move(c));
   }
-  for (const std::string& mode : split(modes)) {
-    fsdp::ShardingStrategy strategy;
-    if (mode == "full_shard")
-      strategy = fsdp::ShardingStrategy::kFullShard;
-    else if (mode == "shard_grad_op")
-      strategy = fsdp::ShardingStrategy::kShardGradOp;
-    else if (mode == "no_shard")
-      strategy = fsdp::ShardingStrategy::kNoShard;
-    else
-      usage();
+  for (const std::string& mode : modes) {
+    const fsdp::ShardingStrategy strategy = strategy_names().at(mode);
     torch::manual_seed(0);
     const auto opts = fsdp::FSDPOptions().sharding_strategy(strategy);
     fsdp::FullyShardedDataParallel<NetImpl> root(std::make_shared<NetImpl>(units, width, opts),

@@ -7,9 +7,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <string>
 #include <vector>
 
 #include <fsdp/comm/process_group.h>
+#include <fsdp/wrap/options.h>
 
 namespace bench {
 
@@ -45,6 +48,15 @@ inline double max_over_ranks(fsdp::ProcessGroup& pg, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);
   pg.all_reduce(t, fsdp::ReduceOp::kMax).wait();
   return t.item<double>();
+}
+
+/// Sharding strategies by their command-line names (for CLI11 transforms).
+inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
+  static const std::map<std::string, fsdp::ShardingStrategy> names = {
+      {"full_shard", fsdp::ShardingStrategy::kFullShard},
+      {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
+      {"no_shard", fsdp::ShardingStrategy::kNoShard}};
+  return names;
 }
 
 }  // namespace bench
