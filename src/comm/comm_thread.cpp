@@ -121,6 +121,10 @@ struct CommThread::Core {
   void execute(Item& item);
   void loop();
   bool try_run(const WorkState* state);
+  // Pops the queue's front and marks it running (mutex held).
+  Item take_front();
+  // Executes a taken item, then clears `running`.
+  void run_taken(Item& item);
 
   // Constant after construction.
   const int rank;
@@ -287,20 +291,27 @@ void CommThread::Core::execute(Item& item) {
   }
 }
 
+CommThread::Core::Item CommThread::Core::take_front() {
+  Item item = std::move(queue.front());
+  queue.pop_front();
+  running = true;
+  return item;
+}
+
+void CommThread::Core::run_taken(Item& item) {
+  execute(item);
+  std::lock_guard<std::mutex> lock(mutex);
+  running = false;
+}
+
 bool CommThread::Core::try_run(const WorkState* state) {
   Item item;
   {
     std::lock_guard<std::mutex> lock(mutex);
     if (running || queue.empty() || queue.front().state.get() != state) return false;
-    item = std::move(queue.front());
-    queue.pop_front();
-    running = true;
+    item = take_front();
   }
-  execute(item);
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    running = false;
-  }
+  run_taken(item);
   wake.notify_one();  // collectives queued behind this one are the thread's again
   return true;
 }
@@ -310,15 +321,11 @@ void CommThread::Core::loop() {
     Item item;
     {
       std::unique_lock<std::mutex> lock(mutex);
-      wake.wait(lock, [&] { return (stopping && !running) || (!queue.empty() && !running); });
+      wake.wait(lock, [&] { return !running && (stopping || !queue.empty()); });
       if (queue.empty()) return;  // stopping and drained
-      item = std::move(queue.front());
-      queue.pop_front();
-      running = true;
+      item = take_front();
     }
-    execute(item);
-    std::lock_guard<std::mutex> lock(mutex);
-    running = false;
+    run_taken(item);
   }
 }
 
