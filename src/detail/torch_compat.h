@@ -11,8 +11,11 @@
 
 #include <gloo/transport/tcp/device.h>
 
+#include <c10/util/Exception.h>
+
 #include <chrono>
 #include <string>
+#include <vector>
 
 #define FSDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||       \
@@ -44,5 +47,22 @@ template <typename WorkPtr>
 void wait_work(const WorkPtr& work, std::chrono::milliseconds timeout) {
   work->wait(timeout);
 }
+
+/// Collects the messages of the warnings (TORCH_WARN) issued on any thread
+/// while it is installed; 1.13's handler takes (location, msg, verbatim), 2.x
+/// a c10::Warning.
+class CapturedWarnings : public c10::WarningHandler {
+ public:
+#if FSDP_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  using Guard = c10::WarningUtils::WarningHandlerGuard;
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+  using Guard = c10::Warning::WarningHandlerGuard;
+#endif
+  std::vector<std::string> messages;
+};
 
 }  // namespace fsdp::compat
