@@ -115,41 +115,48 @@ TEST(MixedPrecision, Bf16TrainingMatchesPlainBf16Computation) {
     constexpr int kSteps = 5;
     const auto reference = reference_training(world, kSteps);
 
-    auto counting = std::make_shared<CountingGroup>(group);
-    nn::Sequential model = make_model();
-    const auto o = FSDPOptions().process_group(counting).mixed_precision(
-        MixedPrecision().param_dtype(torch::kBFloat16));
-    auto units = auto_wrap(model, module_type_policy<nn::LinearImpl>(), o);
-    ASSERT_EQ(units.size(), 3u);
-    FullyShardedDataParallel<nn::SequentialImpl> root(model, o);
-    torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.5));
-    const torch::Tensor init0 = units[0].unit->flat_param()->shard().detach().clone();
+    int64_t bf16_bytes = 0;
+    for (const ShardingStrategy strategy :
+         {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+          ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      auto counting = std::make_shared<CountingGroup>(group);
+      nn::Sequential model = make_model();
+      const auto o =
+          FSDPOptions().process_group(counting).sharding_strategy(strategy).mixed_precision(
+              MixedPrecision().param_dtype(torch::kBFloat16));
+      auto units = auto_wrap(model, module_type_policy<nn::LinearImpl>(), o);
+      ASSERT_EQ(units.size(), 3u);
+      FullyShardedDataParallel<nn::SequentialImpl> root(model, o);
+      torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.5));
+      const torch::Tensor init0 = units[0].unit->flat_param()->shard().detach().clone();
 
-    for (int step = 0; step < kSteps; ++step) {
-      opt.zero_grad();
-      torch::Tensor out = root->forward(batch(step, rank));  // cast to bf16 by the root
-      EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
-      loss_of(out).backward();
-      opt.step();
-      for (const auto& u : units) {
-        const FlatParameter& flat = *u.unit->flat_param();
-        EXPECT_EQ(flat.param_dtype(), torch::kBFloat16);
-        EXPECT_EQ(flat.shard().scalar_type(), torch::kFloat) << "full-precision shard";
-        ASSERT_TRUE(flat.shard().grad().defined());
-        EXPECT_EQ(flat.shard().grad().scalar_type(), torch::kFloat);
-        const torch::Tensor want = expected_shard(flat, u.path, reference[step]);
-        EXPECT_TRUE(torch::allclose(flat.shard(), want, /*rtol=*/1.6e-2, /*atol=*/1e-3))
-            << "unit " << u.path << " step " << step << " max diff "
-            << (flat.shard() - want).abs().max().item<double>();
+      for (int step = 0; step < kSteps; ++step) {
+        opt.zero_grad();
+        torch::Tensor out = root->forward(batch(step, rank));  // cast to bf16 by the root
+        EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+        loss_of(out).backward();
+        opt.step();
+        for (const auto& u : units) {
+          const FlatParameter& flat = *u.unit->flat_param();
+          EXPECT_EQ(flat.param_dtype(), torch::kBFloat16);
+          EXPECT_EQ(flat.shard().scalar_type(), torch::kFloat) << "full-precision shard";
+          ASSERT_TRUE(flat.shard().grad().defined());
+          EXPECT_EQ(flat.shard().grad().scalar_type(), torch::kFloat);
+          const torch::Tensor want = expected_shard(flat, u.path, reference[step]);
+          EXPECT_TRUE(torch::allclose(flat.shard(), want, /*rtol=*/1.6e-2, /*atol=*/1e-3))
+              << "unit " << u.path << " step " << step << " max diff "
+              << (flat.shard() - want).abs().max().item<double>();
+        }
       }
+      EXPECT_GT((units[0].unit->flat_param()->shard() - init0).abs().max().item<double>(), 1e-2)
+          << "training moved the weights beyond the tolerance";
+      for (at::ScalarType t : counting->reduced_dtypes) EXPECT_EQ(t, torch::kBFloat16);
+      EXPECT_EQ(model->named_parameters()["0.weight"].scalar_type(), torch::kBFloat16);
+      if (strategy == ShardingStrategy::kFullShard) bf16_bytes = counting->gathered_bytes;
     }
-    EXPECT_GT((units[0].unit->flat_param()->shard() - init0).abs().max().item<double>(), 1e-2)
-        << "training moved the weights beyond the tolerance";
-    for (at::ScalarType t : counting->reduced_dtypes) EXPECT_EQ(t, torch::kBFloat16);
-    EXPECT_EQ(model->named_parameters()["0.weight"].scalar_type(), torch::kBFloat16);
 
-    // The same step in fp32 all-gathers twice the bytes.
-    const int64_t bf16_bytes = counting->gathered_bytes;
+    // The same steps in fp32 (FULL_SHARD) all-gather twice the bytes.
     auto counting32 = std::make_shared<CountingGroup>(group);
     nn::Sequential model32 = make_model();
     const auto o32 = FSDPOptions().process_group(counting32);
