@@ -9,6 +9,12 @@
 // Options:
 //   --steps N (10) --warmup W (2) --blocks 8 --d-model 512 --heads 8 --seq 128
 //   --batch 8 (per rank) --vocab 256 --forward-prefetch 0|1 (1)
+//   --mixed-precision fp32|bf16 (fp32): bf16 sets MixedPrecision(param_dtype
+//   bf16) on every unit (compute, all-gather and reduce-scatter in bf16,
+//   fp32 shards for AdamW); the loss is computed on fp32 logits either way.
+// Each sharded run also reports all_gather_bytes_per_step and
+// reduce_scatter_bytes_per_step (per rank, the unsharded buffers' bytes),
+// counted by a forwarding process group.
 // Rank 0 prints one JSON line; bench/run_fsdp_benchmarks.sh runs every mode
 // and computes the ratios to local.
 //
@@ -87,13 +93,14 @@ struct Args {
   int64_t batch = 8;
   int64_t vocab = 256;
   bool forward_prefetch = true;
+  std::string precision = "fp32";
 };
 
 [[noreturn]] void usage() {
   std::fprintf(stderr,
                "usage: bench_step --mode local|no_shard|shard_grad_op|full_shard [--steps N] "
                "[--warmup W] [--blocks 8] [--d-model 512] [--heads 8] [--seq 128] [--batch 8] "
-               "[--vocab 256] [--forward-prefetch 0|1]\n");
+               "[--vocab 256] [--forward-prefetch 0|1] [--mixed-precision fp32|bf16]\n");
   std::exit(2);
 }
 
@@ -123,10 +130,12 @@ Args parse(int argc, char** argv) {
       a.vocab = std::atoll(v);
     else if (k == "--forward-prefetch")
       a.forward_prefetch = std::atoi(v) != 0;
+    else if (k == "--mixed-precision")
+      a.precision = v;
     else
       usage();
   }
-  if (a.steps < 1 || a.warmup < 0) usage();
+  if (a.steps < 1 || a.warmup < 0 || (a.precision != "fp32" && a.precision != "bf16")) usage();
   return a;
 }
 
@@ -165,14 +174,22 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> params;
   gpt_mini::GPT local{nullptr};
   fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
+  std::shared_ptr<bench::ByteCountingGroup> counting;
   if (strategy) {
-    const auto opts =
-        fsdp::FSDPOptions().sharding_strategy(*strategy).forward_prefetch(args.forward_prefetch);
+    counting = std::make_shared<bench::ByteCountingGroup>(pg);
+    auto opts =
+        fsdp::FSDPOptions().process_group(counting).sharding_strategy(*strategy).forward_prefetch(
+            args.forward_prefetch);
+    if (args.precision == "bf16") {
+      opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+    }
     sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
         std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
     forward = [&](const at::Tensor& x) { return sharded->forward(x); };
     params = sharded->parameters();
   } else {
+    TORCH_CHECK(args.precision == "fp32",
+                "bench_step: --mixed-precision bf16 needs a sharded mode");
     local = gpt_mini::GPT(config);
     forward = [&](const at::Tensor& x) { return local->forward(x); };
     params = local->parameters();
@@ -188,12 +205,19 @@ int main(int argc, char** argv) {
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
   double loss0 = 0;
+  int64_t gathered0 = 0, reduced0 = 0;
   for (int i = -args.warmup; i < args.steps; ++i) {
-    if (i == 0) fsdp::reset_peak_memory_stats();
+    if (i == 0) {
+      fsdp::reset_peak_memory_stats();
+      if (counting) {
+        gathered0 = counting->gathered_bytes;
+        reduced0 = counting->reduced_bytes;
+      }
+    }
     pg->barrier().wait();
     const auto t0 = Clock::now();
     opt.zero_grad();
-    at::Tensor loss = gpt_mini::lm_loss(forward(inputs), targets);
+    at::Tensor loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
     const double f = ms_since(t0);
     const auto t1 = Clock::now();
     loss.backward();
@@ -212,6 +236,9 @@ int main(int argc, char** argv) {
   }
   const int64_t peak = fsdp::memory_stats().peak_bytes;
   const int64_t state = optimizer_state_bytes(opt);
+  const int64_t gathered_per_step =
+      counting ? (counting->gathered_bytes - gathered0) / args.steps : 0;
+  const int64_t reduced_per_step = counting ? (counting->reduced_bytes - reduced0) / args.steps : 0;
 
   // One step on a single token: activations vanish, parameter memory stays.
   at::Tensor tiny = inputs.slice(0, 0, 1).slice(1, 0, 1).contiguous();
@@ -219,7 +246,7 @@ int main(int argc, char** argv) {
   pg->barrier().wait();
   fsdp::reset_peak_memory_stats();
   opt.zero_grad();
-  gpt_mini::lm_loss(forward(tiny), tiny_target).backward();
+  gpt_mini::lm_loss(forward(tiny).to(at::kFloat), tiny_target).backward();
   opt.step();
   const int64_t param_peak = fsdp::memory_stats().peak_bytes;
 
@@ -241,7 +268,9 @@ int main(int argc, char** argv) {
         "\"seq\":%lld,\"batch\":%lld,\"params\":%lld,\"forward_prefetch\":%s,\"steps\":%d,"
         "\"warmup\":%d,\"median_ms\":%.1f,\"forward_ms\":%.1f,\"backward_ms\":%.1f,"
         "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
-        "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f}\n",
+        "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f,"
+        "\"precision\":\"%s\",\"all_gather_bytes_per_step\":%lld,"
+        "\"reduce_scatter_bytes_per_step\":%lld}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(total_params),
@@ -250,7 +279,8 @@ int main(int argc, char** argv) {
         static_cast<long long>(param_peak_max),
         static_cast<long long>(gpt_mini::block_param_count(config) *
                                static_cast<int64_t>(sizeof(float))),
-        loss0);
+        loss0, args.precision.c_str(), static_cast<long long>(gathered_per_step),
+        static_cast<long long>(reduced_per_step));
     std::fflush(stdout);
   }
   pg->barrier().wait();

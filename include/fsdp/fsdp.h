@@ -10,6 +10,8 @@
 #include <fsdp/comm/types.h>
 #include <fsdp/comm/work.h>
 #include <fsdp/core/flat_parameter.h>
+#include <fsdp/core/mixed_precision.h>
+#include <fsdp/core/reset_parameters.h>
 #include <fsdp/memory.h>
 #include <fsdp/runtime/unit.h>
 #include <fsdp/wrap/auto_wrap.h>

@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
+
 #include "core/sharded_placeholder.h"
 
 namespace fsdp {
@@ -13,19 +15,53 @@ const char* to_string(FlatParameter::State state) {
   return state == FlatParameter::State::kSharded ? "sharded" : "unsharded";
 }
 
+namespace {
+
+// A tensor of `numel` elements whose storage holds 0 bytes: the freed state of
+// an unsharded buffer, made without ever allocating it.
+at::Tensor freed_buffer(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor t = at::empty({0}, options);
+  t.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return t;
+}
+
+// A view of `base`'s storage, built on the TensorImpl so that it can be made
+// while the storage is freed (narrow/view would check the storage's bounds).
+at::Tensor storage_view(const at::Tensor& base, int64_t offset, at::IntArrayRef shape) {
+  at::Tensor v = at::empty({0}, base.options());
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+  }
+  auto* impl = v.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(base.storage());
+  impl->set_sizes_and_strides(shape, strides);
+  impl->set_storage_offset(offset);
+  return v;
+}
+
+}  // namespace
+
 FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
                              std::shared_ptr<ProcessGroup> group, bool keep_unsharded)
-    : group_(std::move(group)), keep_unsharded_(keep_unsharded) {
+    : FlatParameter(std::move(params), std::move(group),
+                    FlatParamConfig().keep_unsharded(keep_unsharded)) {}
+
+FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
+                             std::shared_ptr<ProcessGroup> group, FlatParamConfig config)
+    : group_(std::move(group)), keep_unsharded_(config.keep_unsharded()) {
   TORCH_CHECK(!params.empty(), "fsdp: a FlatParameter needs at least one parameter");
   TORCH_CHECK(group_, "fsdp: a FlatParameter needs a process group");
-  const auto options = params.front().second.options();
+  const at::ScalarType dtype = params.front().second.scalar_type();
+  bool any_meta = false;
   for (auto& [name, p] : params) {
-    TORCH_CHECK(p.device().is_cpu(), "fsdp(", name, "): expected a CPU parameter, got one on ",
-                p.device(), ". libfsdp's CPU engine shards CPU parameters.");
-    TORCH_CHECK(p.scalar_type() == options.dtype().toScalarType(), "fsdp(", name,
-                "): all parameters of a unit must share one dtype; expected ", options.dtype(),
-                ", got ", p.scalar_type(),
-                ". Convert the module with ->to(dtype) before wrapping.");
+    TORCH_CHECK(p.device().is_cpu() || p.is_meta(), "fsdp(", name,
+                "): expected a CPU (or meta) parameter, got one on ", p.device(),
+                ". libfsdp's CPU engine shards CPU parameters.");
+    TORCH_CHECK(p.scalar_type() == dtype, "fsdp(", name,
+                "): all parameters of a unit must share one dtype; expected ", dtype, ", got ",
+                p.scalar_type(), ". Convert the module with ->to(dtype) before wrapping.");
+    any_meta = any_meta || p.is_meta();
     FlatParamSlot slot;
     slot.name = name;
     slot.param = p;
@@ -35,35 +71,30 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
     numel_ += slot.numel;
     slots_.push_back(std::move(slot));
   }
+  TORCH_CHECK(!any_meta || config.fill(), "fsdp(", slots_.front().name,
+              "): parameters on the meta device need a fill function to initialise them");
   const int64_t world = group_->size();
   shard_numel_ = keep_unsharded_ ? numel_ : (numel_ + world - 1) / world;
   padded_numel_ = keep_unsharded_ ? numel_ : shard_numel_ * world;
+  unsharded_ = freed_buffer(padded_numel_, at::TensorOptions().dtype(dtype));
+  state_ = State::kSharded;
 
-  at::NoGradGuard no_grad;
-  unsharded_ = at::zeros({padded_numel_}, options.requires_grad(false));
   bool any_trainable = false;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    auto& slot = slots_[i];
-    at::Tensor view = slot_view(unsharded_, i);
-    view.copy_(slot.param.reshape({-1}));
-    // Same TensorImpl, grad accumulator and requires_grad; new storage.
-    views_.push_back(view.view(slot.shape));
-    slot.param.set_data(views_.back());
-    any_trainable = any_trainable || slot.param.requires_grad();
-    if (!keep_unsharded_) {
-      placeholders_.push_back(
-          detail::make_placeholder(slot.param, detail::PlaceholderKind::kParameter,
-                                   "parameter '" + slot.name + "' of an FSDP unit"));
-    }
-  }
-  if (keep_unsharded_) {
-    shard_ = unsharded_.detach();
+  for (const auto& slot : slots_) any_trainable = any_trainable || slot.param.requires_grad();
+  at::NoGradGuard no_grad;
+  if (config.fill() || keep_unsharded_) {
+    build_through_unsharded(config);
   } else {
-    shard_ = unsharded_.narrow(0, group_->rank() * shard_numel_, shard_numel_).clone();
+    build_shard_directly();
   }
   shard_.set_requires_grad(any_trainable);
-  state_ = State::kUnsharded;
   reshard();
+  if (config.param_dtype() && *config.param_dtype() != dtype) {
+    use_low_precision(*config.param_dtype());
+  }
+  grad_dtype_ = config.reduce_dtype().value_or(config.param_dtype().value_or(dtype));
+  // Built sharded (or made low precision): bound to views of a freed buffer.
+  if (frees_unsharded() && state_ == State::kSharded) point_at_placeholders();
 }
 
 FlatParameter::~FlatParameter() {
@@ -71,10 +102,90 @@ FlatParameter::~FlatParameter() {
 }
 
 void FlatParameter::set_unit_path(const std::string& path) {
-  const std::string unit = path.empty() ? "the root FSDP unit" : "FSDP unit '" + path + "'";
+  unit_label_ = path.empty() ? "the root FSDP unit" : "FSDP unit '" + path + "'";
   for (size_t i = 0; i < placeholders_.size(); ++i) {
-    detail::rename_placeholder(placeholders_[i], "parameter '" + slots_[i].name + "' of " + unit);
+    detail::rename_placeholder(placeholders_[i],
+                               "parameter '" + slots_[i].name + "' of " + unit_label_);
   }
+}
+
+void FlatParameter::point_at_views() {
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
+}
+
+void FlatParameter::point_at_placeholders() {
+  // See Note [Sharded placeholders]; same dtype as the views, so set_data
+  // keeps each parameter's grad accumulator.
+  if (placeholders_.empty() || placeholders_[0].scalar_type() != unsharded_.scalar_type()) {
+    for (const auto& p : placeholders_) detail::release_placeholder(p);
+    placeholders_.clear();
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      placeholders_.push_back(
+          detail::make_placeholder(views_[i], detail::PlaceholderKind::kParameter,
+                                   "parameter '" + slots_[i].name + "' of " + unit_label_));
+    }
+  }
+  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
+}
+
+void FlatParameter::bind(FlatParamSlot& slot) {
+  at::Tensor view = storage_view(unsharded_, slot.offset, slot.shape);
+  views_.resize(slots_.size());
+  views_[&slot - slots_.data()] = view;
+  if (slot.param.is_meta()) {
+    // set_data refuses meta -> CPU; on a meta parameter no autograd state
+    // (grad accumulator) exists yet, so swapping the TensorImpl's metadata
+    // is all set_data would do. Keeps the TensorImpl, so every handle to the
+    // parameter (typed members, registered entries) sees the new storage.
+    slot.param.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
+  } else {
+    // Same TensorImpl, grad accumulator (same dtype) and requires_grad; new storage.
+    slot.param.set_data(view);
+  }
+}
+
+void FlatParameter::build_shard_directly() {
+  // Each rank copies only its piece of each parameter; the original storages
+  // are released as the parameters are rebound, one by one.
+  shard_ = at::zeros({shard_numel_}, unsharded_.options());
+  const int64_t begin = shard_offset(), end = begin + shard_numel_;
+  for (auto& slot : slots_) {
+    const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
+    if (lo < hi) {
+      shard_.narrow(0, lo - begin, hi - lo)
+          .copy_(slot.param.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
+    }
+    bind(slot);
+  }
+}
+
+void FlatParameter::build_through_unsharded(const FlatParamConfig& config) {
+  resize_unsharded_storage(true);
+  state_ = State::kUnsharded;
+  unsharded_.narrow(0, numel_, padded_numel_ - numel_).zero_();  // padding stays zero
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    auto& slot = slots_[i];
+    if (!slot.param.is_meta()) slot_view(unsharded_, i).copy_(slot.param.reshape({-1}));
+    bind(slot);
+  }
+  if (config.fill()) config.fill()(unsharded_);
+  if (keep_unsharded_) {
+    shard_ = unsharded_.detach();
+  } else {
+    shard_ = unsharded_.narrow(0, shard_offset(), shard_numel_).clone();
+  }
+}
+
+void FlatParameter::use_low_precision(at::ScalarType dtype) {
+  // See Note [Mixed precision]. The full-precision values live on in the
+  // shard (for NO_SHARD, the shard keeps the old buffer's storage).
+  TORCH_INTERNAL_ASSERT(state_ == State::kSharded || keep_unsharded_);
+  low_precision_ = true;
+  unsharded_ = freed_buffer(padded_numel_, unsharded_.options().dtype(dtype));
+  state_ = State::kSharded;
+  // A new dtype drops the parameters' grad accumulators: the unit registers
+  // its gradient hooks after this.
+  for (auto& slot : slots_) bind(slot);
 }
 
 at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
@@ -82,14 +193,14 @@ at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParameter::copy_unsharded_into_shard() {
-  if (keep_unsharded_ || state_ != State::kUnsharded) return;
+  if (!frees_unsharded() || state_ != State::kUnsharded) return;
   unshard();  // a pending all-gather must land first
   at::NoGradGuard no_grad;
   shard_.detach().copy_(unsharded_.narrow(0, shard_offset(), shard_numel_));
 }
 
 at::Tensor FlatParameter::new_flat_grad() const {
-  return at::zeros({padded_numel_}, shard_.options().requires_grad(false));
+  return at::zeros({padded_numel_}, shard_.options().dtype(grad_dtype_).requires_grad(false));
 }
 
 void FlatParameter::resize_unsharded_storage(bool allocate) {
@@ -102,9 +213,17 @@ void FlatParameter::resize_unsharded_storage(bool allocate) {
 void FlatParameter::unshard_async() {
   if (state_ == State::kUnsharded) return;
   resize_unsharded_storage(true);
-  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
+  if (frees_unsharded()) point_at_views();
   state_ = State::kUnsharded;
-  pending_unshard_ = group_->all_gather_into_tensor(unsharded_, shard_.detach());
+  at::Tensor input = shard_.detach();
+  // The low-precision shard: what is all-gathered (the Work keeps it alive).
+  if (low_precision_) input = input.to(unsharded_.scalar_type());
+  if (keep_unsharded_) {
+    at::NoGradGuard no_grad;
+    unsharded_.copy_(input);
+    return;
+  }
+  pending_unshard_ = group_->all_gather_into_tensor(unsharded_, input);
 }
 
 void FlatParameter::unshard() {
@@ -118,9 +237,9 @@ void FlatParameter::unshard() {
 
 void FlatParameter::reshard() {
   if (pending_unshard_) unshard();
-  if (keep_unsharded_ || state_ == State::kSharded) return;
+  if (!frees_unsharded() || state_ == State::kSharded) return;
   resize_unsharded_storage(false);
-  for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
+  point_at_placeholders();
   state_ = State::kSharded;
 }
 

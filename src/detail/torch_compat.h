@@ -16,8 +16,8 @@
 #include <chrono>
 #include <sstream>
 #include <string>
-#include <vector>
 #include <type_traits>
+#include <vector>
 
 #define FSDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||       \
@@ -54,18 +54,21 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_c10d_gloo_group(
 /// expected on the thread that runs the model.
 class WarningCollector : public c10::WarningHandler {
  public:
-  WarningCollector() : guard_(this) {}
+  /// Collects into `messages`, or into `*sink` when given.
+  explicit WarningCollector(std::vector<std::string>* sink = nullptr)
+      : sink_(sink != nullptr ? sink : &messages), guard_(this) {}
 #if FSDP_TORCH_AT_LEAST(2, 0)
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  void process(const c10::Warning& warning) override { sink_->push_back(warning.msg()); }
 #else
   void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
-    messages.push_back(msg);
+    sink_->push_back(msg);
   }
 #endif
-  /// Every message seen, in order.
+  /// Every message seen, in order (unless a sink was given).
   std::vector<std::string> messages;
 
  private:
+  std::vector<std::string>* sink_;
 #if FSDP_TORCH_AT_LEAST(2, 0)
   c10::WarningUtils::WarningHandlerGuard guard_;
 #else

@@ -15,6 +15,7 @@
 #include <fsdp/comm/init.h>
 
 #include "core/sharded_placeholder.h"
+#include "runtime/unit_init.h"
 
 namespace fsdp {
 
@@ -54,17 +55,21 @@ namespace {
 
 // Parameters of `m` and its children, skipping the subtrees of other units
 // (they manage their own) and parameters shared with one seen before.
+// Ignored modules (FSDPOptions::ignored_modules) keep their parameters.
 void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const std::string& prefix,
-                     std::unordered_set<const void*>& seen,
+                     const detail::ModuleSet& ignored, std::unordered_set<const void*>& seen,
                      std::vector<std::pair<std::string, at::Tensor>>& out) {
   const auto* unit = dynamic_cast<const Unit*>(&m);
   if (&m != &self && unit != nullptr && unit->is_active()) return;
+  if (ignored.count(&m) != 0 || (unit != nullptr && ignored.count(unit->wrapped_module()) != 0)) {
+    return;
+  }
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second)
       out.emplace_back(prefix + p.key(), p.value());
   }
   for (const auto& c : m.named_children()) {
-    collect_managed(*c.value(), self, prefix + c.key() + ".", seen, out);
+    collect_managed(*c.value(), self, prefix + c.key() + ".", ignored, seen, out);
   }
 }
 
@@ -84,13 +89,15 @@ std::unordered_map<const void*, std::string> owned_by_nested_units(torch::nn::Mo
 
 }  // namespace
 
-void Unit::init_unit(torch::nn::Module& self) {
+void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   TORCH_CHECK(self_ == nullptr, "fsdp: a unit was initialised twice");
   self_ = &self;
+  wrapped_ = wrapped;
   if (!options_.process_group()) options_.process_group(default_process_group());
+  detail::check_param_init_fn(options_, wrapped != nullptr ? wrapped->name() : self.name());
   std::unordered_set<const void*> seen;
   std::vector<std::pair<std::string, at::Tensor>> params;
-  collect_managed(self, self, "", seen, params);
+  collect_managed(self, self, "", detail::ignored_module_set(options_), seen, params);
   // A parameter shared with a nested unit would be flattened twice; PyTorch
   // FSDP's answer (the outer unit skips it) breaks as soon as the outer
   // forward uses it while the inner unit is sharded.
@@ -103,10 +110,16 @@ void Unit::init_unit(torch::nn::Module& self) {
                 "(e.g. tied embedding weights) must belong to one unit: wrap the modules that "
                 "share it in the same unit (or leave the nested module unwrapped).");
   }
-  if (params.empty()) return;
-  flat_ =
-      std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
-                                      options_.sharding_strategy() == ShardingStrategy::kNoShard);
+  // See Note [Deferred initialisation] and Note [Mixed precision].
+  detail::UnitInit init(wrapped != nullptr ? *wrapped : self, options_);
+  if (params.empty()) {
+    if (init.needs_fill()) init.fill(at::Tensor());
+    init.cast_buffers();
+    return;
+  }
+  flat_ = std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
+                                          flat_param_config(init));
+  init.cast_buffers();
   register_grad_hooks();
   make_optim_params();
 }
@@ -139,6 +152,7 @@ void Unit::assign_reduced_grad() {
       param.mutable_grad() = grad.is_view() ? grad.clone() : grad;
     }
   };
+  grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
   if (!options_.use_orig_params()) {
     accumulate(optim_params_[0], grad_shard_);
     return;
@@ -327,8 +341,7 @@ void Unit::launch_grad_reduction() {
     grad_shard_ = flat_grad_;
     grad_work_ = group.all_reduce(grad_shard_, ReduceOp::kAvg);
   } else {
-    grad_shard_ =
-        at::empty({flat_->shard().numel()}, flat_->shard().options().requires_grad(false));
+    grad_shard_ = at::empty({flat_->shard().numel()}, flat_grad_.options());
     grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
   }
   flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced

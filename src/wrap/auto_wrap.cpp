@@ -137,21 +137,43 @@ struct Slot {
   std::string reason;
 };
 
-// A unit to make: entry `index` of `parent`, at `path`.
+// A unit to make: entry `index` of `parent`, at `path`. `full_precision`:
+// a module of MixedPrecision::module_classes_to_ignore, wrapped with mixed
+// precision off.
 struct Planned {
   std::string path;
   std::shared_ptr<SequentialImpl> parent;
   size_t index;
+  const Module* module = nullptr;
+  bool full_precision = false;
 };
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+  return out + "]";
+}
 
 // Decides every unit before any is made, so a refusal changes nothing.
 class Planner {
  public:
-  Planner(const AutoWrapPolicy& policy, int rank) : policy_(policy), rank_(rank) {}
+  Planner(const AutoWrapPolicy& policy, const FSDPOptions& options, int rank)
+      : policy_(policy), options_(options), rank_(rank) {
+    for (const auto& m : options.ignored_modules()) {
+      if (m == nullptr) continue;
+      for (const auto& sub : m->modules(/*include_self=*/true)) ignored_.insert(sub.get());
+      for (const auto& p : m->parameters()) owned_.insert(p.unsafeGetTensorImpl());
+    }
+    ignored_params_ = owned_;
+    if (options.mixed_precision())
+      mp_classes_ = options.mixed_precision()->module_classes_to_ignore();
+  }
 
   std::vector<Planned> plan(const std::shared_ptr<SequentialImpl>& root) {
     survey(root, "");
     visit(root, "", Slot{});
+    validate_frozen(*root);
+    warn_full_precision();
     return std::move(planned_);
   }
 
@@ -174,7 +196,10 @@ class Planner {
   // Post-order: the children in registration order, then the module.
   void visit(const std::shared_ptr<Module>& m, const std::string& path, const Slot& slot) {
     if (!visited_.insert(m.get()).second) return;  // decided at its first path
-    if (!policy_.should_recurse(*m, path, unwrapped_numel(*m))) return;
+    if (ignored_.count(m.get()) != 0) return;      // FSDPOptions::ignored_modules
+    const bool recurse =
+        policy_.should_recurse(*m, path, unwrapped_numel(*m)) || holds_full_precision_class(*m);
+    if (!recurse) return;
     const auto seq = std::dynamic_pointer_cast<SequentialImpl>(m);
     const auto children = m->named_children();
     for (size_t i = 0; i < children.size(); ++i) {
@@ -182,9 +207,11 @@ class Planner {
     }
     if (path.empty()) return;  // the root: the caller wraps it
     const int64_t numel = unwrapped_numel(*m);
-    if (!policy_.should_wrap(*m, path, numel)) return;
+    const ModuleClass* fp_class = full_precision_class(*m);
+    if (!policy_.should_wrap(*m, path, numel) && fp_class == nullptr) return;
     TORCH_CHECK(slot.parent != nullptr, "[rank ", rank_, "] fsdp(", path,
                 "): expected the modules that ", policy_.description(),
+                fp_class != nullptr ? " (or mixed precision's module_classes_to_ignore)" : "",
                 " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
                 ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
                 "called through a Sequential's type-erased slot. Make it an entry of a "
@@ -200,7 +227,87 @@ class Planner {
                 "parameters sharded. Give each place its own module, or keep it out of the "
                 "policy.");
     own(*m);
-    planned_.push_back(Planned{path, slot.parent, slot.index});
+    planned_.push_back(Planned{path, slot.parent, slot.index, m.get(), fp_class != nullptr});
+    if (fp_class != nullptr) full_precision_found_.push_back(fp_class->name + " at " + path);
+  }
+
+  // The first of MixedPrecision::module_classes_to_ignore `m` belongs to.
+  const ModuleClass* full_precision_class(const Module& m) const {
+    for (const auto& c : mp_classes_) {
+      if (c.matches(m)) return &c;
+    }
+    return nullptr;
+  }
+
+  bool holds_full_precision_class(const Module& m) const {
+    if (mp_classes_.empty()) return false;
+    for (const auto& sub : m.modules(/*include_self=*/true)) {
+      if (full_precision_class(*sub) != nullptr) return true;
+    }
+    return false;
+  }
+
+  void warn_full_precision() const {
+    if (full_precision_found_.empty()) return;
+    TORCH_WARN("[rank ", rank_,
+               "] fsdp auto_wrap: both mixed precision and an auto-wrap policy were given, and the "
+               "model has modules of classes that must compute in full precision: ",
+               join_names(full_precision_found_),
+               ". These modules are wrapped as separate FSDP units with mixed precision disabled "
+               "(their inputs are cast to their parameters' dtype and their outputs back). "
+               "Change MixedPrecision::module_classes_to_ignore to choose these classes.");
+  }
+
+  // PyTorch's _validate_frozen_params: each unit's managed parameters (in
+  // post-order, so a unit manages what the units planned before it do not;
+  // the root last) must be uniformly trainable or frozen.
+  void validate_frozen(const Module& root) const {
+    std::unordered_set<const void*> seen = ignored_params_;
+    for (const auto& p : planned_) check_uniform(*p.module, p.path, seen);
+    check_uniform(root, "", seen);
+  }
+
+  void check_uniform(const Module& m, const std::string& path,
+                     std::unordered_set<const void*>& seen) const {
+    std::vector<std::string> trainable, frozen;
+    int64_t trainable_numel = 0, frozen_numel = 0;
+    for (const auto& p : m.named_parameters()) {
+      if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
+      const std::string name = join(path, p.key());
+      if (p.value().requires_grad()) {
+        trainable.push_back(name);
+        trainable_numel += p.value().numel();
+      } else {
+        frozen.push_back(name);
+        frozen_numel += p.value().numel();
+      }
+    }
+    if (trainable.empty() || frozen.empty()) return;
+    std::string msg = "[rank " + std::to_string(rank_) + "] fsdp(" + shown(path) +
+                      "): " + shown(path) +
+                      " has both parameters with requires_grad=true and requires_grad=false.";
+    if (options_.use_orig_params()) {
+      msg +=
+          " We do not recommend wrapping such modules since the gradient memory usage will be "
+          "higher than expected (" +
+          std::to_string(trainable_numel + frozen_numel) + " numel instead of " +
+          std::to_string(trainable_numel) + " numel before sharding via reduce-scatter).";
+    } else {
+      msg +=
+          " FSDP does not support wrapping such modules when use_orig_params=false (a unit's "
+          "flat parameter has a single requires_grad).";
+    }
+    msg +=
+        " If possible, wrap the frozen parameters with FSDP separately (a policy that selects "
+        "the frozen modules as units of their own).\nThe following parameters have "
+        "requires_grad=true:\n" +
+        join_names(trainable) + "\nThe following parameters have requires_grad=false:\n" +
+        join_names(frozen);
+    if (options_.use_orig_params()) {
+      TORCH_WARN(msg);
+    } else {
+      TORCH_CHECK(false, msg);
+    }
   }
 
   // Where the parent `m` calls child i.
@@ -238,7 +345,12 @@ class Planner {
   }
 
   const AutoWrapPolicy& policy_;
+  const FSDPOptions& options_;
   const int rank_;
+  std::unordered_set<const Module*> ignored_;
+  std::unordered_set<const void*> ignored_params_;
+  std::vector<ModuleClass> mp_classes_;
+  std::vector<std::string> full_precision_found_;
   std::unordered_map<const Module*, std::vector<std::string>> paths_;
   std::unordered_set<const Module*> visited_;
   std::unordered_set<const void*> owned_;  // TensorImpls of parameters of planned units
@@ -246,24 +358,38 @@ class Planner {
 };
 
 std::vector<Planned> plan(const torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
-                          int rank) {
+                          const FSDPOptions& options, int rank) {
   TORCH_CHECK(!seq.is_empty(), "[rank ", rank,
               "] fsdp(<root>): expected a Sequential to auto-wrap, got an empty holder "
               "(torch::nn::Sequential(nullptr)). Nothing was constructed. Pass a constructed "
               "Sequential.");
-  return Planner(policy, rank).plan(seq.ptr());
+  const auto& init_fn = options.param_init_fn();
+  TORCH_CHECK(!init_fn.has_value() || static_cast<bool>(*init_fn), "[rank ", rank,
+              "] fsdp(<root>): expected param_init_fn to be callable, got an empty "
+              "std::function. Pass a function that initialises a module's parameters and buffers "
+              "in place, or leave param_init_fn unset (nullopt) to use fsdp::reset_parameters().");
+  return Planner(policy, options, rank).plan(seq.ptr());
 }
 
 }  // namespace
 
 std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
                                        FSDPOptions options) {
-  const auto planned = plan(seq, policy, message_rank(options.process_group()));
+  const auto planned = plan(seq, policy, options, message_rank(options.process_group()));
   std::vector<AutoWrappedUnit> units;
   units.reserve(planned.size());
   for (const auto& p : planned) {
     torch::nn::Sequential parent(p.parent);
-    units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, options)});
+    if (!p.full_precision) {
+      units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, options)});
+      continue;
+    }
+    // Mixed precision off for this unit; see Planner::warn_full_precision.
+    FSDPOptions full = options;
+    full.mixed_precision(c10::nullopt);
+    AnyUnit unit = wrap_sequential_entry(parent, p.index, full);
+    unit->keep_full_precision();
+    units.push_back(AutoWrappedUnit{p.path, unit});
   }
   return units;
 }
@@ -271,7 +397,9 @@ std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWra
 std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
                                          const AutoWrapPolicy& policy) {
   std::vector<std::string> paths;
-  for (auto& p : plan(seq, policy, message_rank(nullptr))) paths.push_back(std::move(p.path));
+  for (auto& p : plan(seq, policy, FSDPOptions(), message_rank(nullptr))) {
+    paths.push_back(std::move(p.path));
+  }
   return paths;
 }
 

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <fsdp/wrap/fully_sharded.h>
+
 namespace fsdp {
 
 namespace detail {
@@ -23,7 +25,7 @@ AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)
   TORCH_CHECK(dynamic_cast<Unit*>(module_.ptr().get()) == nullptr, "fsdp: the module ",
               module_.ptr()->name(), " is already an FSDP unit; wrap each module once.");
   detail::adopt_module_contents(*this, *module_.ptr());
-  init_unit(*this);
+  init_unit(*this, module_.ptr().get());
 }
 
 void AnyUnitImpl::train(bool on) {
@@ -33,7 +35,14 @@ void AnyUnitImpl::train(bool on) {
 
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
-  at::Tensor out = module_.forward(std::move(input));
+  // See Note [Mixed precision]: inputs in the compute dtype.
+  const c10::optional<at::ScalarType> input_dtype =
+      input.defined() && input.is_floating_point()
+          ? c10::optional<at::ScalarType>(input.scalar_type())
+          : c10::nullopt;
+  at::Tensor out = module_.forward(
+      detail::cast_forward_arg<at::Tensor>(std::move(input), forward_input_dtype()));
+  if (casts_output_back() && input_dtype && out.is_floating_point()) out = out.to(*input_dtype);
   post_forward(out);
   return out;
 }

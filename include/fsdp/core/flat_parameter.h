@@ -1,8 +1,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +21,23 @@ struct FlatParamSlot {
   std::vector<int64_t> shape;  ///< its shape
   int64_t offset = 0;          ///< element offset in the unsharded flat buffer
   int64_t numel = 0;           ///< its number of elements
+};
+
+/// How a FlatParameter is built, beyond its parameters and group.
+struct FlatParamConfig {
+  /// Never shard (NO_SHARD): the shard is the whole buffer.
+  TORCH_ARG(bool, keep_unsharded) = false;
+  /// Dtype of the unsharded flat buffer (see Note [Mixed precision] in
+  /// fsdp/core/mixed_precision.h); nullopt: the parameters' dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
+  /// Dtype of the flat gradient buffer; nullopt: param_dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  /// Called once, after the original parameters became views of the
+  /// (allocated, full-precision) unsharded flat buffer and before it is
+  /// sharded, with that buffer: deferred initialisation fills meta
+  /// parameters here and sync_module_states broadcasts it. Required when a
+  /// parameter is on the meta device (it has no values to copy).
+  TORCH_ARG(std::function<void(const at::Tensor& unsharded)>, fill) = nullptr;
 };
 
 /// A unit's parameters as one flat buffer, sharded over a process group.
@@ -47,6 +67,12 @@ class FlatParameter {
   /// shards them and frees the unsharded buffer.
   FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
                 std::shared_ptr<ProcessGroup> group, bool keep_unsharded);
+  /// Flattens `params` (all one dtype, on CPU or on the meta device) as
+  /// `config` says. Without a fill, the shard is copied straight from the
+  /// parameters and the unsharded buffer is never allocated, so building
+  /// needs the parameters' bytes plus one shard.
+  FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
+                std::shared_ptr<ProcessGroup> group, FlatParamConfig config);
   ~FlatParameter();
   FlatParameter(const FlatParameter&) = delete;
   FlatParameter& operator=(const FlatParameter&) = delete;
@@ -86,13 +112,29 @@ class FlatParameter {
   /// the full parameters were modified in place). No-op for NO_SHARD, whose
   /// shard is the buffer.
   void copy_unsharded_into_shard();
-  /// A zeroed buffer of padded_numel() for gradients, in the shard's dtype.
+  /// Dtype of the unsharded buffer and of the original parameters.
+  at::ScalarType param_dtype() const { return unsharded_.scalar_type(); }
+  /// Dtype of new_flat_grad() (the reduction's dtype).
+  at::ScalarType grad_dtype() const { return grad_dtype_; }
+  /// True when the unsharded buffer has another dtype than the shard.
+  bool low_precision() const { return low_precision_; }
+
+  /// A zeroed buffer of padded_numel() for gradients, in grad_dtype().
   at::Tensor new_flat_grad() const;
   /// The view of `flat` that belongs to slot i.
   at::Tensor slot_view(const at::Tensor& flat, size_t i) const;
 
  private:
   void resize_unsharded_storage(bool allocate);
+  void build_shard_directly();
+  void build_through_unsharded(const FlatParamConfig& config);
+  void bind(FlatParamSlot& slot);
+  void use_low_precision(at::ScalarType dtype);
+  bool frees_unsharded() const { return !keep_unsharded_ || low_precision_; }
+  // Point the original parameters at their views of unsharded_, or at their
+  // placeholders (made on first use, in unsharded_'s dtype).
+  void point_at_views();
+  void point_at_placeholders();
 
   // Constant after construction.
   std::shared_ptr<ProcessGroup> group_;
@@ -101,10 +143,13 @@ class FlatParameter {
   int64_t numel_ = 0;
   int64_t padded_numel_ = 0;
   int64_t shard_numel_ = 0;
-  at::Tensor unsharded_;                  // its StorageImpl is resized, never replaced
-  std::vector<at::Tensor> views_;         // per slot: its view of unsharded_
-  std::vector<at::Tensor> placeholders_;  // per slot, while sharded
+  at::Tensor unsharded_;                     // its StorageImpl is resized, never replaced
+  std::vector<at::Tensor> views_;            // per slot: its view of unsharded_
+  std::vector<at::Tensor> placeholders_;     // per slot, while sharded
+  std::string unit_label_ = "an FSDP unit";  // in placeholder messages
   at::Tensor shard_;
+  bool low_precision_ = false;
+  at::ScalarType grad_dtype_ = at::kFloat;
 
   State state_ = State::kUnsharded;
   Work pending_unshard_;  // the all-gather started by unshard_async()

@@ -14,6 +14,10 @@
 
 namespace fsdp {
 
+namespace detail {
+class UnitInit;
+}  // namespace detail
+
 /// The runtime of one FSDP unit: its FlatParameter and the hooks around its
 /// module's forward and backward. The typed wrapper
 /// (fsdp::FullyShardedDataParallel<Impl>) derives from it.
@@ -59,6 +63,22 @@ class Unit {
   TrainingState training_state() const { return state_; }
   /// The unit's options.
   const FSDPOptions& fsdp_options() const { return options_; }
+  /// The module this unit (or pass-through wrapper) wraps, when known.
+  torch::nn::Module* wrapped_module() const { return wrapped_; }
+
+  /// The dtype the floating-point tensor arguments of this unit's forward are
+  /// cast to (see MixedPrecision's cast_forward_inputs and
+  /// cast_root_forward_inputs, and keep_full_precision()), or nullopt. Valid
+  /// from pre_forward() on (the root is known then).
+  c10::optional<at::ScalarType> forward_input_dtype() const;
+  /// True when the wrapper casts its output back to its inputs' dtype (a
+  /// unit kept in full precision inside a mixed-precision model).
+  bool casts_output_back() const { return full_precision_override_; }
+  /// Makes this unit compute in its parameters' own dtype inside a
+  /// mixed-precision model: inputs are cast to it, outputs back (auto_wrap
+  /// does this for MixedPrecision::module_classes_to_ignore). Before the
+  /// first forward.
+  void keep_full_precision() { full_precision_override_ = true; }
 
   /// Clips the gradients of every shard in this unit's tree so that their
   /// global norm (over all ranks) is at most max_norm; returns that norm
@@ -89,10 +109,15 @@ class Unit {
   explicit Unit(FSDPOptions options);
 
   /// Flattens the parameters of `self` (the wrapper module, whose parameters
-  /// and children are the wrapped module's) that no nested unit owns.
-  void init_unit(torch::nn::Module& self);
-  /// Makes this a pass-through (see is_active()); before init_unit().
-  void deactivate() { active_ = false; }
+  /// and children are the wrapped module's, `wrapped`) that no nested unit
+  /// owns, initialising meta ones first (see Note [Deferred initialisation]).
+  void init_unit(torch::nn::Module& self, torch::nn::Module* wrapped = nullptr);
+  /// Makes this a pass-through (see is_active()) around `wrapped`; instead of
+  /// init_unit().
+  void deactivate(torch::nn::Module* wrapped = nullptr) {
+    active_ = false;
+    wrapped_ = wrapped;
+  }
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
   /// Called by the wrapper after the wrapped forward with its output.
@@ -111,6 +136,9 @@ class Unit {
   void register_grad_hooks();
   void make_optim_params();
   void assign_reduced_grad();
+  // Defined in unit_precision.cpp (mixed precision and deferred init).
+  FlatParamConfig flat_param_config(detail::UnitInit& init) const;
+  at::Tensor full_precision_grad(const at::Tensor& reduced) const;
   std::vector<Unit*> units_in_tree() const;
 
   // Constant after init_unit().
@@ -118,6 +146,8 @@ class Unit {
   bool active_ = true;
   std::unique_ptr<FlatParameter> flat_;
   torch::nn::Module* self_ = nullptr;
+  torch::nn::Module* wrapped_ = nullptr;
+  bool full_precision_override_ = false;  // see keep_full_precision()
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::vector<bool> slot_trainable_;
   // Per slot: what the original parameter's .grad points at once its

@@ -138,9 +138,24 @@ struct AutoWrappedUnit {
 /// the root, e.g. with fsdp::FullyShardedDataParallel<torch::nn::SequentialImpl>.
 ///
 /// Every decision is made before any unit is: it fails, changing nothing,
-/// when the tree already holds an FSDP unit, when the policy selects a module
-/// that is no Sequential entry (a typed member), or one reached at more than
-/// one place. Every rank must call it alike (units are made collectively).
+/// when the tree already holds an FSDP unit (naming the first found), when
+/// the policy selects a module that is no Sequential entry (a typed member),
+/// or one reached at more than one place.
+///
+/// Rules from PyTorch's _wrap_utils (seed 003):
+/// - frozen and trainable parameters: the parameters each unit would manage
+///   (the planned units in post-order, then what is left for the root) must
+///   be all trainable or all frozen. With use_orig_params(false) a mix is an
+///   error, with use_orig_params(true) a warning giving the numel the
+///   gradients will take instead of the trainable numel; both list the
+///   parameter names on each side.
+/// - options.ignored_modules(): never wrapped nor looked into; their
+///   parameters are counted by no policy and managed by no unit.
+/// - options.mixed_precision(): modules of its module_classes_to_ignore
+///   (the BatchNorm family by default) become units of their own with mixed
+///   precision off (see Unit::keep_full_precision), with a warning naming them.
+/// - an empty param_init_fn is rejected before anything is wrapped.
+/// Every rank must call it alike (units are made collectively).
 std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
                                        FSDPOptions options = {});
 

@@ -24,6 +24,37 @@ template <typename Impl>
 struct ForwardSignature {
   using type = decltype(&Impl::forward);
 };
+/// A forward argument as the unit passes it on: a floating-point Tensor cast
+/// to `dtype` when one is given (see Unit::forward_input_dtype), anything
+/// else unchanged. Arg is the declared parameter type; a non-const Tensor&
+/// is passed unchanged (a cast copy could not bind to it).
+template <typename Arg, typename T>
+decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dtype) {
+  using Declared = std::remove_reference_t<Arg>;
+  constexpr bool mutable_ref = std::is_lvalue_reference_v<Arg> && !std::is_const_v<Declared>;
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor> && !mutable_ref) {
+    if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) {
+      return at::Tensor(arg.to(*dtype));
+    }
+    return at::Tensor(std::forward<T>(arg));
+  } else {
+    return std::forward<T>(arg);
+  }
+}
+
+/// The dtype of the first floating-point Tensor among `args`, if any.
+template <typename... T>
+c10::optional<at::ScalarType> first_floating_dtype(const T&... args) {
+  c10::optional<at::ScalarType> out;
+  auto look = [&out](const auto& a) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, at::Tensor>) {
+      if (!out && a.defined() && a.is_floating_point()) out = a.scalar_type();
+    }
+  };
+  (look(args), ...);
+  return out;
+}
+
 /// Sequential's forward is a template: its wrapper takes and returns a Tensor.
 template <>
 struct ForwardSignature<torch::nn::SequentialImpl> {
@@ -62,9 +93,9 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
                 " is already an FSDP unit; wrap each module once.");
     detail::adopt_module_contents(*this, *module_);
     if (enabled_) {
-      init_unit(*this);
+      init_unit(*this, module_.get());
     } else {
-      deactivate();
+      deactivate(module_.get());
     }
   }
 
@@ -72,8 +103,13 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
   R forward(Args... args) {
     if (!enabled_) return module_->forward(std::forward<Args>(args)...);
     pre_forward();
-    R out = module_->forward(std::forward<Args>(args)...);
+    // See Note [Mixed precision]: inputs in the compute dtype.
+    const c10::optional<at::ScalarType> dtype = forward_input_dtype();
+    c10::optional<at::ScalarType> input_dtype;
+    if (casts_output_back()) input_dtype = detail::first_floating_dtype(args...);
+    R out = module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
     if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
+      if (input_dtype && out.defined() && out.is_floating_point()) out = out.to(*input_dtype);
       post_forward(out);
     } else {
       post_forward(at::Tensor());

@@ -2,10 +2,15 @@
 
 #include <torch/arg.h>
 
+#include <torch/nn/module.h>
+
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include <fsdp/comm/process_group.h>
+#include <fsdp/core/mixed_precision.h>
 
 namespace fsdp {
 
@@ -55,6 +60,23 @@ struct FSDPOptions {
   /// (an error on every rank when they differ); later iterations warn once
   /// when a rank's order changes. See Note [Forward order].
   TORCH_ARG(bool, check_forward_order) = true;
+  /// See MixedPrecision; nullopt: every unit computes in the model's dtype.
+  TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision) = c10::nullopt;
+  /// Deferred initialisation (see Note [Deferred initialisation] in
+  /// fsdp/core/reset_parameters.h): when a unit is made, it is called once on
+  /// each module the unit manages that has parameters or buffers of its own
+  /// on the meta device, after libfsdp gave them real (uninitialised) CPU
+  /// storage and before sharding; it must fill them in place. nullopt: such
+  /// modules are reset with fsdp::reset_parameters(). An empty function is
+  /// rejected ("expected param_init_fn to be callable").
+  TORCH_ARG(c10::optional<std::function<void(torch::nn::Module&)>>, param_init_fn) = c10::nullopt;
+  /// Broadcast rank 0's parameters and buffers when each unit is made, so
+  /// every rank starts from rank 0's model.
+  TORCH_ARG(bool, sync_module_states) = false;
+  /// Modules (and their subtrees) whose parameters and buffers no unit
+  /// manages: they keep their own full tensors on every rank, are neither
+  /// sharded nor reduced, and are not returned by parameters() of a unit.
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
 };
 
 }  // namespace fsdp

@@ -1,0 +1,80 @@
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include <c10/util/Type.h>
+
+namespace fsdp {
+
+/// A class of modules, tested with dynamic_cast (isinstance semantics): what
+/// MixedPrecision::module_classes_to_ignore lists. Made with module_class<Impl>().
+struct ModuleClass {
+  /// The class name, for messages ("torch::nn::BatchNorm1dImpl").
+  std::string name;
+  /// True when a module is of the class or derives from it.
+  std::function<bool(const torch::nn::Module&)> matches;
+};
+
+/// The ModuleClass of Impl (an Impl class such as torch::nn::BatchNorm2dImpl).
+template <typename Impl>
+ModuleClass module_class() {
+  return ModuleClass{c10::demangle(typeid(Impl).name()), [](const torch::nn::Module& m) {
+                       return dynamic_cast<const Impl*>(&m) != nullptr;
+                     }};
+}
+
+/// The BatchNorm family (1d, 2d, 3d): the default of module_classes_to_ignore.
+std::vector<ModuleClass> default_module_classes_to_ignore();
+
+/// Mixed-precision training of a unit (PyTorch's MixedPrecision):
+/// `fsdp::FSDPOptions().mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16))`.
+///
+/// Note [Mixed precision]
+/// The sharded parameter (the flat shard the optimizer steps) keeps the
+/// dtype the model was built in. To unshard, the shard is cast to
+/// param_dtype (the low-precision shard) and that is all-gathered into an
+/// unsharded flat buffer of param_dtype, so the all-gather moves
+/// sizeof(param_dtype) bytes per element; the original parameters are views
+/// of that buffer, so forward and backward compute in param_dtype. Gradients
+/// are flattened into a buffer of reduce_dtype, reduce-scattered in it, and
+/// cast back to the shard's dtype (unless keep_low_precision_grads) before
+/// they become the shard's .grad. SummonFullParams therefore shows the
+/// param_dtype values of the parameters; the full-precision values are the
+/// shards.
+struct MixedPrecision {
+  /// Dtype of the unsharded parameters: forward and backward compute and the
+  /// all-gather. nullopt: the model's dtype.
+  TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
+  /// Dtype of the gradient reduction. nullopt: param_dtype (or the model's dtype).
+  TORCH_ARG(c10::optional<at::ScalarType>, reduce_dtype) = c10::nullopt;
+  /// Dtype floating-point buffers are cast to when the unit is made.
+  /// nullopt: unchanged.
+  TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
+  /// Keep the reduced gradient in reduce_dtype on the shard instead of
+  /// casting it to the shard's dtype.
+  TORCH_ARG(bool, keep_low_precision_grads) = false;
+  /// Cast the floating-point tensor arguments of every non-root unit's
+  /// forward to param_dtype.
+  TORCH_ARG(bool, cast_forward_inputs) = false;
+  /// Cast the floating-point tensor arguments of the root unit's forward to
+  /// param_dtype.
+  TORCH_ARG(bool, cast_root_forward_inputs) = true;
+  /// Modules of these classes must compute in full precision: auto_wrap makes
+  /// each its own unit with mixed precision off (inputs cast to the module's
+  /// dtype, outputs back to the inputs' dtype), with a warning.
+  TORCH_ARG(std::vector<ModuleClass>,
+            module_classes_to_ignore) = default_module_classes_to_ignore();
+};
+
+/// "MixedPrecision(param_dtype=BFloat16, reduce_dtype=-, ...)", for messages.
+std::string to_string(const MixedPrecision& mp);
+
+}  // namespace fsdp

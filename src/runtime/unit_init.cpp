@@ -1,0 +1,133 @@
+#include "runtime/unit_init.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <deque>
+
+#include <fsdp/core/reset_parameters.h>
+#include <fsdp/runtime/unit.h>
+
+namespace fsdp::detail {
+
+ModuleSet ignored_module_set(const FSDPOptions& options) {
+  ModuleSet out;
+  for (const auto& m : options.ignored_modules()) {
+    TORCH_CHECK(m != nullptr, "fsdp: expected ignored_modules to hold modules, got a nullptr");
+    for (const auto& sub : m->modules(/*include_self=*/true)) out.insert(sub.get());
+  }
+  return out;
+}
+
+void check_param_init_fn(const FSDPOptions& options, const std::string& where) {
+  const auto& fn = options.param_init_fn();
+  TORCH_CHECK(!fn.has_value() || static_cast<bool>(*fn), "fsdp(", where,
+              "): expected param_init_fn to be callable, got an empty std::function. Pass a "
+              "function that initialises a module's parameters and buffers in place, or leave "
+              "param_init_fn unset (nullopt) to initialise meta modules with "
+              "fsdp::reset_parameters().");
+}
+
+namespace {
+
+bool has_meta_state(const torch::nn::Module& m) {
+  for (const auto& p : m.parameters(/*recurse=*/false)) {
+    if (p.defined() && p.is_meta()) return true;
+  }
+  for (const auto& b : m.buffers(/*recurse=*/false)) {
+    if (b.defined() && b.is_meta()) return true;
+  }
+  return false;
+}
+
+// A module as initialisation sees it: a pass-through wrapper stands for the
+// module it wraps (its own state is that module's).
+torch::nn::Module* unwrap(torch::nn::Module* m) {
+  const auto* unit = dynamic_cast<const Unit*>(m);
+  if (unit != nullptr && !unit->is_active() && unit->wrapped_module() != nullptr) {
+    return unit->wrapped_module();
+  }
+  return m;
+}
+
+bool is_broadcastable(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void broadcast_in_place(ProcessGroup& group, const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  if (is_broadcastable(t.scalar_type()) && t.is_contiguous()) {
+    group.broadcast(t, 0).wait();
+    return;
+  }
+  // Integer and bool buffers (num_batches_tracked, masks) travel as doubles:
+  // exact for integers below 2^53.
+  at::Tensor tmp = t.to(at::kDouble).contiguous();
+  group.broadcast(tmp, 0).wait();
+  t.copy_(tmp);
+}
+
+}  // namespace
+
+UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options) : options_(options) {
+  const ModuleSet ignored = ignored_module_set(options);
+  std::unordered_set<const torch::nn::Module*> seen{&root};
+  std::deque<torch::nn::Module*> queue{&root};
+  while (!queue.empty()) {
+    torch::nn::Module* m = queue.front();
+    queue.pop_front();
+    managed_.push_back(m);
+    for (const auto& c : m->children()) {
+      const auto* unit = dynamic_cast<const Unit*>(c.get());
+      if (unit != nullptr && unit->is_active()) continue;  // manages its own
+      torch::nn::Module* child = unwrap(c.get());
+      if (ignored.count(c.get()) != 0 || ignored.count(child) != 0) continue;
+      if (seen.insert(child).second) queue.push_back(child);
+    }
+  }
+  at::NoGradGuard no_grad;
+  for (torch::nn::Module* m : managed_) {
+    if (has_meta_state(*m)) deferred_.push_back(m);
+    for (const auto& b : m->buffers(/*recurse=*/false)) {
+      if (!b.defined()) continue;
+      if (b.is_meta()) {
+        // Storage of its own (buffers are not flattened). See FlatParameter::bind.
+        at::Tensor real = at::empty(b.sizes(), b.options().device(at::kCPU));
+        b.unsafeGetTensorImpl()->shallow_copy_from(real.getIntrusivePtr());
+      }
+      buffers_.push_back(b);
+    }
+  }
+}
+
+void UnitInit::fill(const at::Tensor& unsharded) {
+  {
+    at::NoGradGuard no_grad;
+    for (torch::nn::Module* m : deferred_) {
+      if (options_.param_init_fn()) {
+        (*options_.param_init_fn())(*m);
+      } else {
+        reset_parameters(*m);
+      }
+    }
+  }
+  if (!options_.sync_module_states()) return;
+  ProcessGroup& group = *options_.process_group();
+  at::NoGradGuard no_grad;
+  if (unsharded.defined()) broadcast_in_place(group, unsharded);
+  for (const auto& b : buffers_) broadcast_in_place(group, b);
+}
+
+void UnitInit::cast_buffers() {
+  const auto& mp = options_.mixed_precision();
+  if (!mp || !mp->buffer_dtype()) return;
+  at::NoGradGuard no_grad;
+  for (const auto& b : buffers_) {
+    if (b.is_floating_point() && b.scalar_type() != *mp->buffer_dtype()) {
+      const_cast<at::Tensor&>(b).set_data(b.to(*mp->buffer_dtype()));
+    }
+  }
+}
+
+}  // namespace fsdp::detail

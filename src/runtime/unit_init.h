@@ -1,0 +1,50 @@
+#pragma once
+
+// Making a unit beyond flattening: deferred (meta-device) initialisation,
+// sync_module_states and mixed-precision buffers. See Note [Deferred
+// initialisation] in fsdp/core/reset_parameters.h.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <fsdp/wrap/options.h>
+
+namespace fsdp::detail {
+
+/// The modules of options.ignored_modules(), for lookups.
+using ModuleSet = std::unordered_set<const torch::nn::Module*>;
+ModuleSet ignored_module_set(const FSDPOptions& options);
+
+/// Rejects an empty param_init_fn ("expected param_init_fn to be callable").
+void check_param_init_fn(const FSDPOptions& options, const std::string& where);
+
+/// What a unit does to its modules' state when it is made, in three steps:
+/// the constructor finds the modules the unit manages and gives their meta
+/// buffers storage; fill() (inside the FlatParameter's construction, with the
+/// unsharded buffer, or alone when the unit has no parameters) initialises
+/// the modules that had meta state and broadcasts rank 0's values;
+/// cast_buffers() applies MixedPrecision::buffer_dtype.
+class UnitInit {
+ public:
+  /// `root` is the unit's wrapped module (its own parameters are the unit's).
+  UnitInit(torch::nn::Module& root, const FSDPOptions& options);
+
+  /// True when fill() has work: deferred modules, or sync_module_states.
+  bool needs_fill() const { return !deferred_.empty() || options_.sync_module_states(); }
+  /// See the class comment; `unsharded` may be undefined (no parameters).
+  void fill(const at::Tensor& unsharded);
+  /// Casts the managed floating-point buffers to buffer_dtype, if set.
+  void cast_buffers();
+
+ private:
+  const FSDPOptions& options_;
+  std::vector<torch::nn::Module*> managed_;   // breadth first from the root
+  std::vector<torch::nn::Module*> deferred_;  // those with meta state of their own
+  std::vector<at::Tensor> buffers_;           // managed buffers, in managed_ order
+};
+
+}  // namespace fsdp::detail

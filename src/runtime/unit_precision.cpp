@@ -1,0 +1,43 @@
+// Unit methods for mixed precision and deferred initialisation, kept apart
+// from the forward/backward runtime in unit.cpp.
+
+#include <ATen/ATen.h>
+
+#include <fsdp/runtime/unit.h>
+
+#include "runtime/unit_init.h"
+
+namespace fsdp {
+
+FlatParamConfig Unit::flat_param_config(detail::UnitInit& init) const {
+  FlatParamConfig config;
+  config.keep_unsharded(options_.sharding_strategy() == ShardingStrategy::kNoShard);
+  if (const auto& mp = options_.mixed_precision()) {
+    config.param_dtype(mp->param_dtype()).reduce_dtype(mp->reduce_dtype());
+  }
+  if (init.needs_fill()) {
+    config.fill([&init](const at::Tensor& unsharded) { init.fill(unsharded); });
+  }
+  return config;
+}
+
+at::Tensor Unit::full_precision_grad(const at::Tensor& reduced) const {
+  const auto& mp = options_.mixed_precision();
+  if ((mp && mp->keep_low_precision_grads()) ||
+      reduced.scalar_type() == flat_->shard().scalar_type()) {
+    return reduced;
+  }
+  return reduced.to(flat_->shard().scalar_type());
+}
+
+c10::optional<at::ScalarType> Unit::forward_input_dtype() const {
+  if (full_precision_override_) {
+    return flat_ ? flat_->param_dtype() : at::kFloat;
+  }
+  const auto& mp = options_.mixed_precision();
+  if (!mp || !mp->param_dtype()) return c10::nullopt;
+  const bool cast = is_root() ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs();
+  return cast ? mp->param_dtype() : c10::nullopt;
+}
+
+}  // namespace fsdp
