@@ -52,6 +52,8 @@
 
 #include <fsdp/fsdp.h>
 
+#include <CLI/CLI.hpp>
+
 #include "bench_util.h"
 
 #include "gpt_mini.h"
@@ -96,46 +98,27 @@ struct Args {
   std::string precision = "fp32";
 };
 
-[[noreturn]] void usage() {
-  std::fprintf(stderr,
-               "usage: bench_step --mode local|no_shard|shard_grad_op|full_shard [--steps N] "
-               "[--warmup W] [--blocks 8] [--d-model 512] [--heads 8] [--seq 128] [--batch 8] "
-               "[--vocab 256] [--forward-prefetch 0|1] [--mixed-precision fp32|bf16]\n");
-  std::exit(2);
-}
-
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; i += 2) {
-    if (i + 1 >= argc) usage();
-    const std::string k = argv[i];
-    const char* v = argv[i + 1];
-    if (k == "--mode")
-      a.mode = v;
-    else if (k == "--steps")
-      a.steps = std::atoi(v);
-    else if (k == "--warmup")
-      a.warmup = std::atoi(v);
-    else if (k == "--blocks")
-      a.blocks = std::atoll(v);
-    else if (k == "--d-model")
-      a.d_model = std::atoll(v);
-    else if (k == "--heads")
-      a.heads = std::atoll(v);
-    else if (k == "--seq")
-      a.seq = std::atoll(v);
-    else if (k == "--batch")
-      a.batch = std::atoll(v);
-    else if (k == "--vocab")
-      a.vocab = std::atoll(v);
-    else if (k == "--forward-prefetch")
-      a.forward_prefetch = std::atoi(v) != 0;
-    else if (k == "--mixed-precision")
-      a.precision = v;
-    else
-      usage();
+  CLI::App app("GPT-mini training step: local or FSDP, time and memory per rank");
+  std::vector<std::string> modes = {"local"};
+  for (const auto& kv : bench::strategy_names()) modes.push_back(kv.first);
+  app.add_option("--mode", a.mode)->check(CLI::IsMember(modes));
+  app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--blocks", a.blocks)->check(CLI::PositiveNumber);
+  app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
+  app.add_option("--seq", a.seq)->check(CLI::PositiveNumber);
+  app.add_option("--batch", a.batch)->check(CLI::PositiveNumber);
+  app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
+  app.add_option("--forward-prefetch", a.forward_prefetch, "0 or 1");
+  app.add_option("--mixed-precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
-  if (a.steps < 1 || a.warmup < 0 || (a.precision != "fp32" && a.precision != "bf16")) usage();
   return a;
 }
 
@@ -144,14 +127,7 @@ Args parse(int argc, char** argv) {
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   std::optional<fsdp::ShardingStrategy> strategy;
-  if (args.mode == "full_shard")
-    strategy = fsdp::ShardingStrategy::kFullShard;
-  else if (args.mode == "shard_grad_op")
-    strategy = fsdp::ShardingStrategy::kShardGradOp;
-  else if (args.mode == "no_shard")
-    strategy = fsdp::ShardingStrategy::kNoShard;
-  else if (args.mode != "local")
-    usage();
+  if (args.mode != "local") strategy = bench::strategy_names().at(args.mode);
 
   // Before any tensor exists, so every storage of the model is counted.
   fsdp::enable_memory_tracking();
