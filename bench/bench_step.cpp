@@ -150,9 +150,9 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> params;
   gpt_mini::GPT local{nullptr};
   fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
-  std::shared_ptr<bench::ByteCountingGroup> counting;
+  std::shared_ptr<fsdp::CountingProcessGroup> counting;
   if (strategy) {
-    counting = std::make_shared<bench::ByteCountingGroup>(pg);
+    counting = std::make_shared<fsdp::CountingProcessGroup>(pg);
     auto opts =
         fsdp::FSDPOptions().process_group(counting).sharding_strategy(*strategy).forward_prefetch(
             args.forward_prefetch);

@@ -62,40 +62,4 @@ inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
   return names;
 }
 
-/// Forwards every collective to `inner` and counts the bytes all-gathered
-/// (the size of each unsharded buffer filled), so a benchmark can report the
-/// communication volume of a step.
-class ByteCountingGroup : public fsdp::ProcessGroup {
- public:
-  explicit ByteCountingGroup(std::shared_ptr<fsdp::ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size(), inner->timeout()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
-  fsdp::Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override {
-    gathered_bytes += flat.numel() * static_cast<int64_t>(flat.element_size());
-    return inner_->all_gather_into_tensor(flat, shard);
-  }
-  fsdp::Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
-                                   fsdp::ReduceOp op) override {
-    reduced_bytes += flat.numel() * static_cast<int64_t>(flat.element_size());
-    return inner_->reduce_scatter_tensor(shard, flat, op);
-  }
-  fsdp::Work all_reduce(const at::Tensor& t, fsdp::ReduceOp op) override {
-    return inner_->all_reduce(t, op);
-  }
-  fsdp::Work broadcast(const at::Tensor& t, int root) override {
-    return inner_->broadcast(t, root);
-  }
-  fsdp::Work barrier() override { return inner_->barrier(); }
-  std::shared_ptr<fsdp::ProcessGroup> new_subgroup(const std::vector<int>& ranks) override {
-    return inner_->new_subgroup(ranks);
-  }
-  /// Bytes of the unsharded buffers all-gathered so far.
-  std::atomic<int64_t> gathered_bytes{0};
-  /// Bytes of the gradient buffers reduce-scattered so far.
-  std::atomic<int64_t> reduced_bytes{0};
-
- private:
-  std::shared_ptr<fsdp::ProcessGroup> inner_;
-};
-
 }  // namespace bench

@@ -4,6 +4,7 @@
 /// This umbrella header includes the whole public API.
 
 #include <fsdp/comm/c10d_process_group.h>
+#include <fsdp/comm/counting_process_group.h>
 #include <fsdp/comm/init.h>
 #include <fsdp/comm/process_group.h>
 #include <fsdp/comm/tcp_store.h>

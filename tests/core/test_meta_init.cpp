@@ -16,6 +16,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -237,15 +238,6 @@ TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
     }
     group->barrier().wait();
   });
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
 }
 
 TEST(MetaInit, EmptyParamInitFnIsRejected) {

@@ -20,33 +20,7 @@ namespace {
 
 namespace nn = torch::nn;
 
-// Forwards to a real group and counts the bytes all-gathered.
-class CountingGroup : public ProcessGroup {
- public:
-  explicit CountingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size(), inner->timeout()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return "counting:" + inner_->backend_name(); }
-  Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override {
-    gathered_bytes += flat.numel() * static_cast<int64_t>(flat.element_size());
-    return inner_->all_gather_into_tensor(flat, shard);
-  }
-  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
-                             ReduceOp op) override {
-    reduced_dtypes.push_back(flat.scalar_type());
-    return inner_->reduce_scatter_tensor(shard, flat, op);
-  }
-  Work all_reduce(const at::Tensor& t, ReduceOp op) override { return inner_->all_reduce(t, op); }
-  Work broadcast(const at::Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  Work barrier() override { return inner_->barrier(); }
-  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override {
-    return inner_->new_subgroup(ranks);
-  }
-  int64_t gathered_bytes = 0;
-  std::vector<at::ScalarType> reduced_dtypes;
-
- private:
-  std::shared_ptr<ProcessGroup> inner_;
-};
+using CountingGroup = CountingProcessGroup;
 
 nn::Sequential make_model() {
   torch::manual_seed(0);
@@ -153,7 +127,7 @@ TEST(MixedPrecision, Bf16TrainingMatchesPlainBf16Computation) {
       }
       EXPECT_GT((units[0].unit->flat_param()->shard() - init0).abs().max().item<double>(), 1e-2)
           << "training moved the weights beyond the tolerance";
-      for (at::ScalarType t : counting->reduced_dtypes) EXPECT_EQ(t, torch::kBFloat16);
+      for (at::ScalarType t : counting->reduced_dtypes()) EXPECT_EQ(t, torch::kBFloat16);
       EXPECT_EQ(model->named_parameters()["0.weight"].scalar_type(), torch::kBFloat16);
       if (strategy == ShardingStrategy::kFullShard) bf16_bytes = counting->gathered_bytes;
     }
@@ -185,8 +159,8 @@ TEST(MixedPrecision, KeepLowPrecisionGradsAndReduceDtype) {
               .keep_low_precision_grads(keep));
       FullyShardedDataParallel<nn::SequentialImpl> root(model, o);
       loss_of(root->forward(batch(0, rank))).backward();
-      ASSERT_EQ(counting->reduced_dtypes.size(), 1u);
-      EXPECT_EQ(counting->reduced_dtypes[0], torch::kFloat32);
+      ASSERT_EQ(counting->reduced_dtypes().size(), 1u);
+      EXPECT_EQ(counting->reduced_dtypes()[0], torch::kFloat32);
       EXPECT_EQ(root->flat_param()->shard().grad().scalar_type(), torch::kFloat32);
     }
     // reduce_dtype bf16 with keep_low_precision_grads: the shard's gradient stays bf16.

@@ -15,35 +15,7 @@
 namespace fsdp::testing {
 namespace {
 
-// Forwards to a real group and counts what each unit issues.
-class CountingGroup : public ProcessGroup {
- public:
-  explicit CountingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size(), inner->timeout()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return "counting:" + inner_->backend_name(); }
-  Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override {
-    ++all_gathers;
-    return inner_->all_gather_into_tensor(flat, shard);
-  }
-  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
-                             ReduceOp op) override {
-    ++reduce_scatters;
-    return inner_->reduce_scatter_tensor(shard, flat, op);
-  }
-  Work all_reduce(const at::Tensor& t, ReduceOp op) override {
-    ++all_reduces;
-    return inner_->all_reduce(t, op);
-  }
-  Work broadcast(const at::Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  Work barrier() override { return inner_->barrier(); }
-  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override {
-    return inner_->new_subgroup(ranks);
-  }
-  int all_gathers = 0, reduce_scatters = 0, all_reduces = 0;
-
- private:
-  std::shared_ptr<ProcessGroup> inner_;
-};
+using CountingGroup = CountingProcessGroup;
 
 // A root without parameters around four big units, one counting group each.
 struct WideImpl : torch::nn::Module {

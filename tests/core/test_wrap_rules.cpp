@@ -16,6 +16,7 @@
 #include <fsdp/fsdp.h>
 
 #include "detail/torch_compat.h"
+#include "error_of.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -31,15 +32,6 @@ struct BlockImpl : nn::SequentialImpl {
   torch::Tensor forward(torch::Tensor x) { return nn::SequentialImpl::forward(x); }
 };
 TORCH_MODULE(Block);
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
