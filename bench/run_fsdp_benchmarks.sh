@@ -5,7 +5,7 @@
 #   bench/run_fsdp_benchmarks.sh [BUILD_DIR]        # default: build
 #
 # Runs bench_step for local (one process), then NO_SHARD, SHARD_GRAD_OP and
-# FULL_SHARD at 2 ranks with fsdprun, then bench_overhead at world size 1 and
+# FULL_SHARD at 2 ranks with fsdprun (and FULL_SHARD in bf16), then bench_overhead at world size 1 and
 # 2. Every JSON line is echoed as it comes; the last line is a summary with the
 # ratios to local and the issue's targets. Roughly 4 minutes on 2 cores.
 #
@@ -13,6 +13,8 @@
 #   STEPS (10), WARMUP (2)       timed and untimed steps of bench_step
 #   STEP_ARGS                    more bench_step flags, e.g. "--blocks 4 --seq 64"
 #   NPROC (2)                    ranks of the sharded runs
+#   BF16 (1)                     also FULL_SHARD with bf16 mixed precision
+#                                (step time and all-gathered bytes vs fp32); 0 skips it
 #   OVERHEAD_ARGS                bench_overhead flags, e.g. "--rounds 10"
 #   LOCAL_CONCURRENT (1)         also run `local` on NPROC ranks side by side
 #                                (no communication): what NPROC busy processes
@@ -76,6 +78,11 @@ fi
 for mode in no_shard shard_grad_op full_shard; do
   run "${launch[@]}" "${step[@]}" --mode "$mode"
 done
+# Mixed precision (issue: deferred init, auto-wrap and mixed precision):
+# FULL_SHARD in bf16 against the fp32 run above.
+if [[ ${BF16:-1} != 0 ]]; then
+  run "${launch[@]}" "${step[@]}" --mode full_shard --mixed-precision bf16
+fi
 # shellcheck disable=SC2086
 run "$BIN/bench_overhead" $OVERHEAD_ARGS
 # shellcheck disable=SC2086
@@ -91,6 +98,8 @@ step = {}
 for r in lines:
     if r["bench"] == "step":
         key = r["mode"] if r["mode"] != "local" or r["world"] == 1 else "local_concurrent"
+        if r.get("precision") == "bf16":
+            key += "_bf16"
         step[key] = r
 over = {r["world"]: r for r in lines if r["bench"] == "overhead_summary"}
 
@@ -137,6 +146,17 @@ for world, target in ((1, 25.0), (2, 400.0)):
         for mode in ("shard_grad_op", "no_shard"):
             if f"{mode}_us_per_unit" in over[world]:
                 out[f"overhead_{mode}_us_per_unit_world{world}"] = over[world][f"{mode}_us_per_unit"]
-out["loss0_agrees"] = len({round(r["loss0"], 4) for r in step.values()}) == 1
+if "full_shard_bf16" in step:
+    bf = step["full_shard_bf16"]
+    out["bf16_full_shard_ms"] = bf["median_ms"]
+    out["bf16_over_fp32_full_shard"] = round(bf["median_ms"] / fs["median_ms"], 3)
+    out["bf16_over_local"] = round(bf["median_ms"] / local["median_ms"], 3)
+    out["bf16_all_gather_bytes_per_step"] = bf["all_gather_bytes_per_step"]
+    out["fp32_all_gather_bytes_per_step"] = fs["all_gather_bytes_per_step"]
+    out["bf16_gather_bytes_ratio"] = round(
+        bf["all_gather_bytes_per_step"] / fs["all_gather_bytes_per_step"], 3)
+    out["bf16_gathers_half"] = out["bf16_gather_bytes_ratio"] <= 0.5
+fp32 = [r for k, r in step.items() if not k.endswith("_bf16")]
+out["loss0_agrees"] = len({round(r["loss0"], 4) for r in fp32}) == 1
 print(json.dumps(out))
 EOF

@@ -194,9 +194,10 @@ class GPTImpl : public torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-/// Next-token cross-entropy of `logits` [batch, time, vocab] against `targets` [batch, time].
+/// Next-token cross-entropy of `logits` [batch, time, vocab] against `targets`
+/// [batch, time], in fp32 whatever the logits' dtype (bf16 under mixed precision).
 inline at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
                                               targets.reshape({-1}));
 }
 

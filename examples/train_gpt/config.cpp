@@ -24,6 +24,20 @@ void check_combinations(TrainConfig& c) {
   if (c.min_lr > c.lr) {
     throw CLI::ValidationError("--min-lr", "--min-lr must not exceed --lr");
   }
+  if (c.checkpoint_dir.empty()) {
+    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--resume", c.resume},
+                                      {"--checkpoint-every", c.checkpoint_every > 0}}) {
+      if (given) {
+        throw CLI::ValidationError(flag, std::string(flag) +
+                                             " needs --checkpoint-dir DIR (where checkpoints "
+                                             "are written and looked for)");
+      }
+    }
+  }
+  if (c.stop_after > c.steps) {
+    throw CLI::ValidationError("--stop-after", "--stop-after " + std::to_string(c.stop_after) +
+                                                   " exceeds --steps " + std::to_string(c.steps));
+  }
 }
 
 }  // namespace
@@ -88,6 +102,34 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
       ->transform(CLI::CheckedTransformer(strategies, CLI::ignore_case))
       ->group("FSDP")
       ->default_str("full_shard");
+  app.add_flag("--bf16", c.bf16,
+               "bfloat16 mixed precision: compute and all-gather in bf16, keep fp32 shards "
+               "for AdamW and reduce gradients in fp32")
+      ->group("FSDP");
+
+  const char* ckpt = "Checkpoints";
+  app.add_option("--checkpoint-dir", c.checkpoint_dir,
+                 "Directory of checkpoints (step-<N> subdirectories), created if missing")
+      ->group(ckpt);
+  add("--checkpoint-every", c.checkpoint_every,
+      "Save a checkpoint every K steps and after the last (0: only after the last)", count(0),
+      ckpt);
+  app.add_flag("--resume", c.resume,
+               "Continue from the latest complete checkpoint in --checkpoint-dir (start from "
+               "step 0 when there is none, so a restarted job can always pass it)")
+      ->group(ckpt);
+  const std::map<std::string, fsdp::StateDictType> types = {
+      {"sharded", fsdp::StateDictType::kSharded}, {"full", fsdp::StateDictType::kFull}};
+  app.add_option("--checkpoint-type", c.checkpoint_type,
+                 "sharded: each rank writes its shards; full: rank 0 writes whole tensors "
+                 "(one safetensors file any reader opens)")
+      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
+      ->group(ckpt)
+      ->default_str("sharded");
+  add("--stop-after", c.stop_after,
+      "Stop after this step as if the job were interrupted (0: run all --steps); the learning-"
+      "rate schedule still spans --steps, so a later --resume continues the same run",
+      count(0), ckpt);
 
   const char* eval = "Evaluation and sampling";
   add("--eval-interval", c.eval_interval, "Held-out loss every N steps (and after the last)",

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/state/checkpoint.h>
 #include <fsdp/wrap/options.h>
 
 namespace train_gpt {
@@ -43,8 +44,9 @@ struct TrainConfig {
   double beta2 = 0.95;
   double grad_clip = 1.0;  ///< Max global gradient norm; 0 disables clipping.
 
-  // FSDP. (--bf16, issue 4, goes here.)
+  // FSDP.
   fsdp::ShardingStrategy sharding = fsdp::ShardingStrategy::kFullShard;
+  bool bf16 = false;  ///< Compute and all-gather in bfloat16; fp32 shards and reduction.
 
   // Evaluation and sampling.
   int64_t eval_interval = 100;  ///< Evaluate every N steps (and after the last).
@@ -53,8 +55,12 @@ struct TrainConfig {
   double temperature = 0.8;     ///< 0: greedy.
   std::string prompt = "The ";
 
-  // Checkpoints (issue 6) go here: --checkpoint-dir, --checkpoint-every K,
-  // --resume; main.cpp marks where they save and load (see Note [Training state]).
+  // Checkpoints (see Note [Training state]).
+  std::string checkpoint_dir;    ///< Empty: no checkpoints.
+  int64_t checkpoint_every = 0;  ///< Save every K steps (and after the last); 0: only the last.
+  bool resume = false;           ///< Continue from the latest checkpoint in checkpoint_dir.
+  fsdp::StateDictType checkpoint_type = fsdp::StateDictType::kSharded;
+  int64_t stop_after = 0;  ///< Stop after this step as if interrupted; 0: run to the end.
 
   // Output and run time.
   std::string metrics_dir;  ///< Empty: no JSONL files.

@@ -7,6 +7,7 @@
 //   trainer.*      model, AdamW groups, step, eval, generation
 //   progress.*     rank 0's bar / log lines, per-rank JSONL metrics
 //   train_state.h  what a checkpoint saves besides model and optimizer
+//                  (fsdp::Checkpointer: --checkpoint-dir, --checkpoint-every, --resume)
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -85,6 +86,7 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"steps", c.steps},
           {"lr", c.lr},
           {"sharding", fsdp::to_string(c.sharding)},
+          {"bf16", c.bf16},
           {"data", corpus.source},
           {"chars", corpus.chars},
           {"vocab", corpus.vocab.size()},
@@ -119,8 +121,25 @@ int train(const TrainConfig& c, const Corpus& corpus) {
   Trainer trainer(c, corpus, pg);
   TrainState state;
   state.seed = c.seed;
-  // Checkpoints (issue 6) plug in here: with --resume, load the model,
-  // optimizer and `state` (see Note [Training state]) before the loop.
+  // The checkpoint holds the model, AdamW and `state` (see Note [Training state]).
+  fsdp::Checkpointer checkpointer(*trainer.model().ptr(), &trainer.optimizer());
+  checkpointer.register_state(
+      "train_state", [&state] { return nlohmann::json(state).dump(); },
+      [&state](const std::string& text) { state = nlohmann::json::parse(text).get<TrainState>(); });
+  if (c.resume) {
+    const int64_t step = checkpointer.resume(c.checkpoint_dir);
+    if (step < 0) {
+      progress.message("no checkpoint in " + c.checkpoint_dir + " yet; starting from step 0");
+    } else {
+      if (state.seed != c.seed) {
+        return fail("the checkpoint in " + c.checkpoint_dir + " was made with --seed " +
+                    std::to_string(state.seed) + ", not " + std::to_string(c.seed) +
+                    "; pass the same --seed to resume (or another --checkpoint-dir)");
+      }
+      progress.message("resumed from " + fsdp::checkpoint_path(c.checkpoint_dir, step) +
+                       " at step " + std::to_string(state.step));
+    }
+  }
   const BatchSampler sampler(corpus.train, c.seq_len, c.batch_size, rank, world, c.seed);
   const std::vector<Batch> held_out = eval_batches(corpus, c, rank, world);
   const LrSchedule schedule{c.lr, c.min_lr, c.warmup_steps, c.steps};
@@ -141,6 +160,7 @@ int train(const TrainConfig& c, const Corpus& corpus) {
   double train_seconds = 0;  // excludes evaluation
   double ema_step_s = 0;     // recent seconds per step, for tokens/s and ETA
   double last_loss = 0;
+  int64_t steps_this_run = 0;
   while (state.step < c.steps) {
     const double lr = schedule.at(state.step);
     const Batch batch = sampler.batch(state.batches_drawn++);
@@ -150,7 +170,7 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     ++state.step;
     state.tokens_seen += tokens_per_step;
     train_seconds += dt;
-    ema_step_s = state.step == 1 ? dt : 0.9 * ema_step_s + 0.1 * dt;
+    ema_step_s = ++steps_this_run == 1 ? dt : 0.9 * ema_step_s + 0.1 * dt;
     last_loss = r.loss;
 
     StepReport report;
@@ -183,8 +203,23 @@ int train(const TrainConfig& c, const Corpus& corpus) {
       progress.message(s.str());
       metrics.write({{"type", "eval"}, {"step", state.step}, {"val_loss", state.last_val_loss}});
     }
-    // Checkpoints (issue 6) plug in here: every --checkpoint-every steps,
-    // save the model, optimizer and `state`.
+    if (!c.checkpoint_dir.empty() &&
+        ((c.checkpoint_every > 0 && state.step % c.checkpoint_every == 0) ||
+         state.step == c.steps)) {
+      const auto t_save = Clock::now();
+      const std::string dir =
+          checkpointer.save_step(c.checkpoint_dir, state.step, c.checkpoint_type);
+      const double save_s = seconds_since(t_save);
+      progress.message("saved checkpoint " + dir + " (" + format_duration(save_s) + ")");
+      metrics.write(
+          {{"type", "checkpoint"}, {"step", state.step}, {"path", dir}, {"save_s", save_s}});
+    }
+    if (state.step == c.stop_after && state.step < c.steps) {
+      progress.message("stopping after step " + std::to_string(state.step) +
+                       " (--stop-after); continue with --resume");
+      pg->barrier().wait();
+      return 0;
+    }
   }
 
   const double wall = seconds_since(run_start);

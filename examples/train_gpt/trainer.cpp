@@ -37,13 +37,17 @@ Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
     : config_(config), corpus_(corpus), pg_(std::move(pg)) {
   // use_orig_params: the optimizer sees one piece of the shard per original
   // parameter, with its name, so it can have parameter groups.
-  const auto options = fsdp::FSDPOptions()
-                           .process_group(pg_)
-                           .sharding_strategy(config.sharding)
-                           .forward_prefetch(true)
-                           .use_orig_params(true);
-  // Mixed precision (issue 4) plugs in here: a --bf16 flag (config.cpp, group
-  // "FSDP") sets the options' mixed-precision policy; nothing else changes.
+  auto options = fsdp::FSDPOptions()
+                     .process_group(pg_)
+                     .sharding_strategy(config.sharding)
+                     .forward_prefetch(true)
+                     .use_orig_params(true);
+  if (config.bf16) {
+    // bf16 halves the all-gathered bytes; gradients are reduced in fp32 and
+    // AdamW steps the fp32 shards (see Note [Mixed precision]).
+    options.mixed_precision(
+        fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
+  }
   torch::manual_seed(config.seed);  // the same initial weights on every rank
   model_ = ShardedGPT(
       std::make_shared<gpt_mini::GPTImpl>(model_config(config, corpus.vocab.size()), options),

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -47,8 +48,34 @@ const char* to_string(Unit::TrainingState state) {
 
 Unit::Unit(FSDPOptions options) : options_(std::move(options)) {}
 
+namespace {
+
+/// Note [One unit per parameter]
+/// Every parameter a unit flattens is registered here (by its TensorImpl,
+/// which set_data keeps) until the unit is destroyed. Wrapping a module that
+/// another unit already manages (the same torch::nn::Linear handed to two
+/// wrappers) then fails at once, naming the module, instead of two
+/// FlatParameters pointing one parameter at their own buffers.
+struct ParamRegistry {
+  std::mutex mutex;
+  std::unordered_map<const void*, const Unit*> owner;
+};
+ParamRegistry& param_registry() {
+  static ParamRegistry* registry = new ParamRegistry();  // outlives static units
+  return *registry;
+}
+
+}  // namespace
+
 Unit::~Unit() {
   for (const auto& p : grad_placeholders_) detail::release_placeholder(p);
+  if (flat_ == nullptr) return;
+  ParamRegistry& r = param_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& slot : flat_->slots()) {
+    auto it = r.owner.find(slot.param.unsafeGetTensorImpl());
+    if (it != r.owner.end() && it->second == this) r.owner.erase(it);
+  }
 }
 
 namespace {
@@ -89,6 +116,14 @@ std::unordered_map<const void*, std::string> owned_by_nested_units(torch::nn::Mo
 
 }  // namespace
 
+void Unit::check_not_a_unit(const torch::nn::Module& module) {
+  const auto* unit = dynamic_cast<const Unit*>(&module);
+  TORCH_CHECK(unit == nullptr, "fsdp: cannot wrap a module that is already an FSDP unit (",
+              module.name(), " around a ",
+              unit->wrapped_ != nullptr ? unit->wrapped_->name() : "module",
+              "); wrap each module once and use that unit where the module is needed.");
+}
+
 void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   TORCH_CHECK(self_ == nullptr, "fsdp: a unit was initialised twice");
   self_ = &self;
@@ -110,6 +145,23 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
                 "(e.g. tied embedding weights) must belong to one unit: wrap the modules that "
                 "share it in the same unit (or leave the nested module unwrapped).");
   }
+  {
+    // See Note [One unit per parameter].
+    ParamRegistry& r = param_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& [name, p] : params) {
+      auto it = r.owner.find(p.unsafeGetTensorImpl());
+      if (it == r.owner.end()) continue;
+      const Unit& other = *it->second;
+      const torch::nn::Module* other_module =
+          other.wrapped_ != nullptr ? other.wrapped_ : other.self_;
+      TORCH_CHECK(false, "fsdp: cannot wrap ", wrapped != nullptr ? wrapped->name() : self.name(),
+                  ": its parameter '", name, "' already belongs to another FSDP unit (around a ",
+                  other_module != nullptr ? other_module->name() : "module",
+                  "). A module is wrapped once: keep the first FullyShardedDataParallel and use "
+                  "it (its module() is the wrapped module) instead of wrapping the module again.");
+    }
+  }
   // See Note [Deferred initialisation] and Note [Mixed precision].
   detail::UnitInit init(wrapped != nullptr ? *wrapped : self, options_);
   if (params.empty()) {
@@ -119,6 +171,11 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   }
   flat_ = std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
                                           flat_param_config(init));
+  {
+    ParamRegistry& r = param_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& slot : flat_->slots()) r.owner[slot.param.unsafeGetTensorImpl()] = this;
+  }
   init.cast_buffers();
   register_grad_hooks();
   make_optim_params();
@@ -286,16 +343,27 @@ void Unit::prefetch_forward() {
   if (Unit* next = root_->exec_order_->next(*this)) next->flat_->unshard_async();
 }
 
-void Unit::post_forward(const at::Tensor& output) {
+void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type) {
   if (is_root()) exec_order_->end_forward();
   transition(TrainingState::kForward, TrainingState::kIdle);
   const bool grad_enabled = at::GradMode::is_enabled();
+  TORCH_CHECK(
+      unknown_output_type == nullptr || !grad_enabled || !flat_ || !flat_->shard().requires_grad(),
+      "fsdp: the forward of ", flat_ ? flat_->unit_label() : "an FSDP unit", " (",
+      wrapped_ != nullptr ? wrapped_->name() : self_->name(), ") returns ",
+      c10::demangle(unknown_output_type),
+      ", in which libfsdp cannot find the tensors that backward starts from, so it "
+      "cannot gather the unit's parameters for backward. Return at::Tensor, "
+      "std::vector<at::Tensor>, or a std::tuple / std::pair of these.");
   if (flat_ && (!grad_enabled ||
                 (!is_root() && options_.sharding_strategy() == ShardingStrategy::kFullShard))) {
     flat_->reshard();
   }
-  if (grad_enabled && output.defined() && output.requires_grad()) {
-    // See Note [FSDP and autograd].
+  if (!grad_enabled) return;
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    // See Note [FSDP and autograd]. The first of the outputs whose gradient
+    // arrives runs pre_backward; it is idempotent per backward.
     const_cast<at::Tensor&>(output).register_hook([this](const at::Tensor&) { pre_backward(); });
   }
 }

@@ -6,6 +6,7 @@
 
 #include <mutex>
 
+#include "state/agreement.h"
 #include "state/checkpoint_writer.h"
 #include "state/local_state.h"
 #include "state/piece_io.h"
@@ -47,6 +48,15 @@ void set_cpu_rng_state(const std::string& hex, const std::string& file) {
   gen.set_state(state);
 }
 
+/// Note [Collective load]
+/// Each rank reads its own files, so one rank can fail where the others
+/// succeed (a node that does not see the directory, a piece corrupted on its
+/// disk). Left alone, the others would go on and hang at the next collective.
+/// load() therefore agrees twice over the state group (detail::agree): after
+/// verifying the directory, before anything changes, and after applying it.
+/// A failure on any rank becomes an error on every rank. Two small
+/// all-reduces; no tensor data moves.
+
 }  // namespace
 
 const char* to_string(StateDictType type) {
@@ -69,8 +79,15 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   request.dir = dir;
   request.full = type == StateDictType::kFull;
   request.step = step;
-  request.rng_state = cpu_rng_state();
-  for (const auto& kv : registered_) request.extra[kv.first] = kv.second.save();
+  std::exception_ptr error;
+  try {
+    request.rng_state = cpu_rng_state();
+    for (const auto& kv : registered_) request.extra[kv.first] = kv.second.save();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  detail::agree(detail::state_group(model_), error, dir, "collecting its registered state",
+                "nothing was written");
   detail::write_checkpoint(model_, optimizer_, request);
 }
 
@@ -81,17 +98,37 @@ std::string Checkpointer::save_step(const std::string& parent, int64_t step, Sta
 }
 
 int64_t Checkpointer::load(const std::string& dir) {
-  CheckpointReader reader(dir);
+  // See Note [Collective load].
+  ProcessGroup* group = detail::state_group(model_);
+  std::unique_ptr<CheckpointReader> reader;
+  std::exception_ptr error;
+  try {
+    reader = std::make_unique<CheckpointReader>(dir);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  detail::agree(group, error, dir, "verifying it",
+                "nothing was loaded; make it readable there or load another checkpoint");
+  try {
+    apply(*reader, group);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  detail::agree(group, error, dir, "loading it",
+                "this rank's state is loaded but the job's is not; load again");
+  return reader->marker().step;
+}
+
+void Checkpointer::apply(const CheckpointReader& reader, ProcessGroup* group) {
   detail::FileSource source(reader);
   detail::load_model_pieces(model_, source);
   if (optimizer_ != nullptr) detail::load_optim_pieces(model_, *optimizer_, source);
   // Resume state is per rank; at another world size rank r takes what rank
   // r (or, beyond the saved ranks, rank 0) saved.
-  ProcessGroup* group = detail::state_group(model_);
   const int rank = group != nullptr ? group->rank() : 0;
   const int saved = reader.marker().world_size;
   const RankManifest& m = reader.manifest(rank < saved ? rank : 0);
-  const std::string file = dir + "/" + manifest_name(m.rank);
+  const std::string file = reader.dir() + "/" + manifest_name(m.rank);
   if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file);
   for (const auto& kv : registered_) {
     const auto it = m.extra.find(kv.first);
@@ -99,12 +136,21 @@ int64_t Checkpointer::load(const std::string& dir) {
                 "'; it was saved without register_state(\"", kv.first, "\", ...)");
     kv.second.load(it->second);
   }
-  return reader.marker().step;
 }
 
 int64_t Checkpointer::resume(const std::string& parent) {
-  const std::string dir = latest_checkpoint(parent);
-  return dir.empty() ? -1 : load(dir);
+  // Rank 0 chooses the step, so that ranks whose view of `parent` differs (a
+  // save still appearing on another node) cannot load different steps.
+  ProcessGroup* group = detail::state_group(model_);
+  const bool root = group == nullptr || group->rank() == 0;
+  at::Tensor step = at::full({1}, -1.0, at::kDouble);
+  if (root) {
+    const std::string dir = latest_checkpoint(parent);
+    if (!dir.empty()) step.fill_(static_cast<double>(std::stoll(dir.substr(dir.size() - 10))));
+  }
+  if (group != nullptr && group->size() > 1) group->broadcast(step, /*root=*/0).wait();
+  const auto chosen = static_cast<int64_t>(step.item<double>());
+  return chosen < 0 ? -1 : load(checkpoint_path(parent, chosen));
 }
 
 }  // namespace fsdp

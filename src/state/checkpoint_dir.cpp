@@ -149,7 +149,11 @@ std::string latest_checkpoint(const std::string& parent) {
   std::string best;
   while (const dirent* ent = ::readdir(d)) {
     const std::string name = ent->d_name;
-    if (name.rfind("step-", 0) != 0) continue;
+    // Only names checkpoint_path() makes, so that a step number names the
+    // directory (Checkpointer::resume broadcasts the step, not the name).
+    if (name.size() != 15 || name.rfind("step-", 0) != 0 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
     struct stat st {};
     if (::stat(join(join(parent, name), kCompletionMarker).c_str(), &st) != 0) continue;
     if (name > best) best = name;

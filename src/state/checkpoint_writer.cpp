@@ -15,11 +15,14 @@
 #include <fsdp/state/manifest.h>
 #include <fsdp/state/safetensors.h>
 
+#include "state/agreement.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
 namespace {
+
+constexpr const char* kIncomplete = "this checkpoint is incomplete and will not load";
 
 // A tensor to write: its header entry, its bytes, and its manifest record.
 struct Item {
@@ -34,24 +37,6 @@ void make_dirs(const std::string& dir) {
     const std::string part = dir.substr(0, at);
     if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
       throw CheckpointError(part, std::string("cannot create directory: ") + std::strerror(errno));
-  }
-}
-
-// Every rank learns whether every rank got through `phase`: a failure on one
-// rank becomes an error on all, not a hang at the next collective.
-void agree(ProcessGroup* group, const std::exception_ptr& error, const std::string& dir,
-           const char* phase) {
-  double ok = error ? 0.0 : 1.0;
-  if (group != nullptr && group->size() > 1) {
-    at::Tensor t = at::full({1}, ok, at::kDouble);
-    group->all_reduce(t, ReduceOp::kMin).wait();
-    ok = t.item<double>();
-  }
-  if (error) std::rethrow_exception(error);
-  if (ok <= 0.0) {
-    throw CheckpointError(dir, std::string("another rank failed while ") + phase +
-                                   " (see its error); this checkpoint is incomplete and will "
-                                   "not load");
   }
 }
 
@@ -212,7 +197,7 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
       error = std::current_exception();
     }
   }
-  agree(group, error, dir, "preparing the directory");
+  agree(group, error, dir, "preparing the directory", kIncomplete);
   // 2. Every rank writes its files and then its manifest.
   RankManifest manifest;
   manifest.rank = rank;
@@ -231,7 +216,7 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   } catch (...) {
     error = std::current_exception();
   }
-  agree(group, error, dir, "writing its files");
+  agree(group, error, dir, "writing its files", kIncomplete);
   // 3. Every rank's files are durable: rank 0 seals the checkpoint.
   if (rank == 0) {
     try {
@@ -241,7 +226,7 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
       error = std::current_exception();
     }
   }
-  agree(group, error, dir, "writing the completion marker");
+  agree(group, error, dir, "writing the completion marker", kIncomplete);
 }
 
 }  // namespace fsdp::detail

@@ -29,6 +29,15 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
   return out;
 }
 
+// The padded full buffer of a shard-sized tensor (the shard itself when the
+// unit keeps everything unsharded, NO_SHARD).
+at::Tensor gather_shard(const FlatParameter& flat, const at::Tensor& local) {
+  if (flat.keeps_unsharded()) return local;
+  at::Tensor full = at::empty({flat.padded_numel()}, local.options());
+  flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
+  return full;
+}
+
 }  // namespace
 
 FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model)
@@ -82,7 +91,17 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     std::vector<LocalPiece*> group;
     while (j < pieces.size() && pieces[j].unit == unit) group.push_back(&pieces[j++]);
     FlatParameter& flat = *unit->flat_param();
-    if (model_) {
+    if (model_ && flat.low_precision()) {
+      // Under mixed precision the unsharded parameters are the param_dtype
+      // copies; what is saved is the full-precision shard, gathered as is.
+      at::Tensor full;
+      if (!dry) full = gather_shard(flat, flat.shard().detach());
+      for (LocalPiece* p : group) {
+        const FlatParamSlot& slot = flat.slots()[p->slot];
+        emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
+             dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
+      }
+    } else if (model_) {
       const bool gathered = !dry && flat.state() == FlatParameter::State::kSharded;
       if (gathered) flat.unshard();
       for (LocalPiece* p : group) {
@@ -97,15 +116,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
         bool any = false;
         for (size_t k = i; k < j; ++k) any = any || has_state(k);
         if (!any) continue;
-        if (!dry) {
-          at::Tensor local = local_state_shard(group, *access, flat, name);
-          if (flat.keeps_unsharded()) {
-            full = local;
-          } else {
-            full = at::empty({flat.padded_numel()}, local.options());
-            flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
-          }
-        }
+        if (!dry) full = gather_shard(flat, local_state_shard(group, *access, flat, name));
         for (size_t k = i; k < j; ++k) {
           if (!has_state(k)) continue;
           const FlatParamSlot& slot = flat.slots()[pieces[k].slot];

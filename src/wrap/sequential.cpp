@@ -22,8 +22,7 @@ void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner) {
 AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)
     : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
   TORCH_CHECK(!module_.is_empty(), "fsdp: cannot wrap an empty AnyModule");
-  TORCH_CHECK(dynamic_cast<Unit*>(module_.ptr().get()) == nullptr, "fsdp: the module ",
-              module_.ptr()->name(), " is already an FSDP unit; wrap each module once.");
+  check_not_a_unit(*module_.ptr());
   detail::adopt_module_contents(*this, *module_.ptr());
   init_unit(*this, module_.ptr().get());
 }
@@ -43,7 +42,7 @@ at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   at::Tensor out = module_.forward(
       detail::cast_forward_arg<at::Tensor>(std::move(input), forward_input_dtype()));
   if (casts_output_back() && input_dtype && out.is_floating_point()) out = out.to(*input_dtype);
-  post_forward(out);
+  post_forward({out});
   return out;
 }
 

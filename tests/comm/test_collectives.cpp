@@ -21,12 +21,10 @@ at::Tensor pattern(int64_t n, int64_t offset, int64_t modulus, at::ScalarType dt
 
 // Shard sizes (elements per rank): tiny, uneven against the 1 MiB ring
 // segment, several segments, and the one that makes the flat buffer 64 MiB.
-std::vector<int64_t> shard_sizes(at::ScalarType dtype, int world, Backend backend) {
+/// Shard sizes from one element up to a flat buffer of `max_bytes`.
+std::vector<int64_t> shard_sizes(at::ScalarType dtype, int world, int64_t max_bytes) {
   const int64_t elem = c10::elementSize(dtype);
-  std::vector<int64_t> sizes = {1, 7, 1000, (1 << 20) / elem + 3};
-  const int64_t max_bytes = backend == Backend::kGloo ? (64 << 20) : (4 << 20);
-  sizes.push_back(max_bytes / elem / world);
-  return sizes;
+  return {1, 7, 1000, (1 << 20) / elem + 3, max_bytes / elem / world};
 }
 
 void check_all_gather(ProcessGroup& pg, at::ScalarType dtype, int64_t shard_numel, bool in_place) {
@@ -94,28 +92,44 @@ void check_broadcast(ProcessGroup& pg, at::ScalarType dtype, int64_t numel) {
 
 class Collectives : public ::testing::TestWithParam<Backend> {};
 
-TEST_P(Collectives, ClosedFormAllDtypesAllSizes) {
+/// Every collective at world sizes 1-4, all dtypes, flat buffers up to
+/// `max_bytes`, against closed-form results.
+void closed_form_sweep(Backend backend, int64_t max_bytes) {
   for (int world : {1, 2, 3, 4}) {
-    run_ranks_ok(world, [](int, int) {
-      auto pg = join(GetParam());
-      for (at::ScalarType dtype : kDtypes) {
-        for (int64_t s : shard_sizes(dtype, pg->size(), GetParam())) {
-          check_all_gather(*pg, dtype, s, /*in_place=*/false);
-          check_reduce_scatter(*pg, dtype, s, ReduceOp::kSum);
-        }
-        check_all_gather(*pg, dtype, 1000, /*in_place=*/true);
-        check_reduce_scatter(*pg, dtype, 1000, ReduceOp::kAvg);
-        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
-          check_all_reduce(*pg, dtype, 1, op);
-          check_all_reduce(*pg, dtype, 100003, op);
-        }
-        check_broadcast(*pg, dtype, 1);
-        check_broadcast(*pg, dtype, 300001);
-      }
-      pg->barrier().wait();
-    });
+    // 64 MiB at 4 ranks takes about a minute on 2 cores; more when loaded.
+    MultiRankOptions options;
+    options.deadline = std::chrono::seconds(180);
+    run_ranks_ok(
+        world,
+        [backend, max_bytes](int, int) {
+          auto pg = join(backend);
+          for (at::ScalarType dtype : kDtypes) {
+            for (int64_t s : shard_sizes(dtype, pg->size(), max_bytes)) {
+              check_all_gather(*pg, dtype, s, /*in_place=*/false);
+              check_reduce_scatter(*pg, dtype, s, ReduceOp::kSum);
+            }
+            check_all_gather(*pg, dtype, 1000, /*in_place=*/true);
+            check_reduce_scatter(*pg, dtype, 1000, ReduceOp::kAvg);
+            for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+              check_all_reduce(*pg, dtype, 1, op);
+              check_all_reduce(*pg, dtype, 100003, op);
+            }
+            check_broadcast(*pg, dtype, 1);
+            check_broadcast(*pg, dtype, 300001);
+          }
+          pg->barrier().wait();
+        },
+        options);
   }
 }
+
+TEST_P(Collectives, ClosedFormAllDtypesAllSizes) {
+  closed_form_sweep(GetParam(), GetParam() == Backend::kGloo ? (64 << 20) : (4 << 20));
+}
+
+// Up to 2 MiB: every path below and just above the direct-link threshold,
+// cheap enough to run again with direct links off (see CMakeLists.txt).
+TEST_P(Collectives, ClosedFormUpTo2MiB) { closed_form_sweep(GetParam(), 2 << 20); }
 
 TEST_P(Collectives, HandlesWaitedInAnotherOrderThanIssued) {
   run_ranks_ok(3, [](int rank, int world) {

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <vector>
 
 #include <fsdp/fsdp.h>
 
@@ -27,6 +28,31 @@ inline void expect_same_params(torch::nn::Module& actual, torch::nn::Module& exp
         << what << " " << p.key() << " max diff " << (*a - p.value()).abs().max().item<double>();
     EXPECT_EQ(a->requires_grad(), p.value().requires_grad()) << what << " " << p.key();
   }
+}
+
+/// Trains `reference` (plain LibTorch) and `model` (its FSDP twin, same
+/// initial weights) side by side: `steps` SGD steps (lr 0.1, `momentum`) on
+/// the loss sum(out^2) of the same random inputs of `input_shape` (seeded by
+/// the step), then compares the full parameters (expect_same_params).
+template <typename Reference, typename Wrapped>
+void expect_same_training(Reference& reference, Wrapped& model,
+                          const std::vector<int64_t>& input_shape, int steps, double momentum,
+                          const std::string& what) {
+  torch::optim::SGD ref_opt(reference.parameters(),
+                            torch::optim::SGDOptions(0.1).momentum(momentum));
+  torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1).momentum(momentum));
+  for (int step = 0; step < steps; ++step) {
+    torch::manual_seed(step);
+    const torch::Tensor x = torch::randn(input_shape);
+    ref_opt.zero_grad();
+    reference.forward(x).pow(2).sum().backward();
+    ref_opt.step();
+    opt.zero_grad();
+    model.forward(x).pow(2).sum().backward();
+    opt.step();
+  }
+  SummonFullParams full(model);
+  expect_same_params(model, reference, what);
 }
 
 // fc1 and block are units when wrapped; head and the one-element `scale` are

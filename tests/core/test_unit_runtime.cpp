@@ -5,10 +5,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <functional>
 #include <map>
+#include <tuple>
 
 #include <fsdp/fsdp.h>
 
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -101,16 +105,211 @@ TEST(UnitRuntime, FullShardHoldsOnlyShardsAfterForward) {
   });
 }
 
-TEST(UnitRuntime, WrappingTwiceIsAnError) {
-  run_ranks_ok(1, [](int, int) {
-    init_process_group();
-    FullyShardedDataParallel<torch::nn::LinearImpl> unit(torch::nn::Linear(4, 4));
-    try {
-      AnyUnit again{torch::nn::AnyModule(unit)};
-      ADD_FAILURE() << "a unit was wrapped again";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("already an FSDP unit"), std::string::npos) << e.what();
+// Every all-gather of one unit's group, in program order, into a shared log.
+class LoggingGroup : public CountingProcessGroup {
+ public:
+  LoggingGroup(std::shared_ptr<ProcessGroup> inner, std::string name, std::vector<std::string>* log)
+      : CountingProcessGroup(std::move(inner)), name_(std::move(name)), log_(log) {}
+  Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override {
+    log_->push_back("gather " + name_);
+    return CountingProcessGroup::all_gather_into_tensor(flat, shard);
+  }
+
+ private:
+  std::string name_;
+  std::vector<std::string>* log_;
+};
+
+// A Linear that logs its forward ("forward uN") and, when its output's
+// gradient arrives, its backward ("backward uN"), before FSDP's own hook.
+struct LoggedLinearImpl : torch::nn::Module {
+  LoggedLinearImpl(std::string name, std::function<void(const std::string&)> log)
+      : name(std::move(name)), log(std::move(log)) {
+    fc = register_module("fc", torch::nn::Linear(64, 64));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    log("forward " + name);
+    torch::Tensor out = torch::relu(fc(x));
+    out.register_hook([this](const torch::Tensor&) { log("backward " + name); });
+    return out;
+  }
+  std::string name;
+  std::function<void(const std::string&)> log;
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(LoggedLinear);
+
+// Four units registered u0..u3 but run u2, u0, u1, u3: the recorded order
+// differs from the registration order.
+struct ShuffledImpl : torch::nn::Module {
+  ShuffledImpl(const std::shared_ptr<ProcessGroup>& world, const FSDPOptions& o,
+               std::vector<std::string>* log, const std::function<void(const std::string&)>& on) {
+    for (int i = 0; i < 4; ++i) {
+      const std::string name = "u" + std::to_string(i);
+      auto unit_options =
+          FSDPOptions(o).process_group(std::make_shared<LoggingGroup>(world, name, log));
+      units.push_back(register_module(
+          name, FullyShardedDataParallel<LoggedLinearImpl>(LoggedLinear(name, on), unit_options)));
     }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (int i : {2, 0, 1, 3}) x = units[i]->forward(x);
+    return x;
+  }
+  std::vector<FullyShardedDataParallel<LoggedLinearImpl>> units;
+};
+
+// Note [Forward order] and prefetch: from the second iteration on, forward
+// prefetch gathers the next unit of the recorded order before the current
+// unit computes, and BACKWARD_PRE gathers the recorded predecessor before the
+// current unit's backward; never more than two units are unsharded at once,
+// three while a prefetch is in flight.
+TEST(UnitRuntime, PrefetchFollowsTheRecordedOrderAndBoundsUnshardedUnits) {
+  run_ranks_ok(2, [](int, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (bool prefetch : {false, true}) {
+      SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
+      std::vector<std::string> log;
+      std::vector<Unit*> units;
+      int max_unsharded = 0;
+      auto on = [&](const std::string& event) {
+        int n = 0;
+        for (Unit* u : units) {
+          n += u->flat_param()->state() == FlatParameter::State::kUnsharded ? 1 : 0;
+        }
+        max_unsharded = std::max(max_unsharded, n);
+        log.push_back(event);
+      };
+      const auto o = FSDPOptions().forward_prefetch(prefetch).backward_prefetch(
+          prefetch ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone);
+      FullyShardedDataParallel<ShuffledImpl> model(
+          std::make_shared<ShuffledImpl>(world, o, &log, on), o);
+      for (auto& u : model->module().units) units.push_back(u.get());
+      for (int iteration = 0; iteration < 2; ++iteration) {
+        log.clear();
+        max_unsharded = 0;
+        model->forward(torch::randn({2, 64})).sum().backward();
+      }
+      const std::vector<std::string> expected =
+          prefetch
+              ? std::vector<std::string>{"gather u2",   "gather u0",   "forward u2", "gather u1",
+                                         "forward u0",  "gather u3",   "forward u1", "forward u3",
+                                         "backward u3", "gather u3",   "gather u1",  "backward u1",
+                                         "gather u0",   "backward u0", "gather u2",  "backward u2"}
+              : std::vector<std::string>{"gather u2",   "forward u2", "gather u0",   "forward u0",
+                                         "gather u1",   "forward u1", "gather u3",   "forward u3",
+                                         "backward u3", "gather u3",  "backward u1", "gather u1",
+                                         "backward u0", "gather u0",  "backward u2", "gather u2"};
+      EXPECT_EQ(log, expected);
+      EXPECT_LE(max_unsharded, prefetch ? 3 : 2);
+      if (prefetch) EXPECT_GE(max_unsharded, 2) << "prefetch never overlapped two units";
+    }
+  });
+}
+
+TEST(UnitRuntime, WrappingTwiceIsAnErrorOnEveryRank) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::nn::Linear plain(4, 4);
+    FullyShardedDataParallel<torch::nn::LinearImpl> unit(plain);
+    // The wrapper itself, wrapped again (by either wrapper type).
+    using Wrapped = FullyShardedDataParallelImpl<torch::nn::LinearImpl>;
+    for (const std::string& msg :
+         {error_of([&] { AnyUnit again{torch::nn::AnyModule(unit)}; }),
+          error_of([&] { FullyShardedDataParallel<Wrapped> again(unit); })}) {
+      EXPECT_NE(msg.find("already an FSDP unit (FullyShardedDataParallel around a "
+                         "torch::nn::Linear"),
+                std::string::npos)
+          << msg;
+    }
+    // The same plain module handed to a second wrapper.
+    const std::string msg =
+        error_of([&] { FullyShardedDataParallel<torch::nn::LinearImpl> second(plain); });
+    EXPECT_NE(msg.find("cannot wrap torch::nn::Linear"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("its parameter 'weight' already belongs to another FSDP unit (around a "
+                       "torch::nn::Linear"),
+              std::string::npos)
+        << msg;
+    // The refused wrapper changed nothing: the first unit still trains.
+    unit->forward(torch::randn({2, 4})).sum().backward();
+  });
+}
+
+// A unit whose forward returns two tensors (a tuple): backward must gather its
+// parameters again (FULL_SHARD resharded them after forward) whichever output
+// the gradient arrives through.
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    a = register_module("a", torch::nn::Linear(6, 5));
+    b = register_module("b", torch::nn::Linear(6, 5));
+  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
+    return {torch::tanh(a(x)), b(x)};
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+// A forward returning a type whose tensors libfsdp cannot see.
+struct OpaqueOutput {
+  torch::Tensor value;
+};
+struct OpaqueImpl : torch::nn::Module {
+  OpaqueImpl() { fc = register_module("fc", torch::nn::Linear(6, 6)); }
+  OpaqueOutput forward(torch::Tensor x) { return {fc(x)}; }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Opaque);
+
+template <typename Heads>
+struct TupleNetImpl : torch::nn::Module {
+  explicit TupleNetImpl(Heads h) : heads(register_module("heads", h)) {
+    head = register_module("head", torch::nn::Linear(5, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto [p, q] = heads->forward(x);
+    // Only the second output carries some of the gradient into `head`.
+    return head(p) + q.sum(-1, /*keepdim=*/true);
+  }
+  Heads heads;
+  torch::nn::Linear head{nullptr};
+};
+
+struct OpaqueNetImpl : torch::nn::Module {
+  explicit OpaqueNetImpl(const FSDPOptions& o) {
+    unit = register_module("unit", FullyShardedDataParallel<OpaqueImpl>(Opaque(), o));
+  }
+  torch::Tensor forward(torch::Tensor x) { return unit->forward(x).value; }
+  FullyShardedDataParallel<OpaqueImpl> unit{nullptr};
+};
+
+TEST(UnitRuntime, TupleOutputsGatherForBackwardAndOpaqueOutputsAreRefused) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      SCOPED_TRACE(to_string(strategy));
+      const auto o = FSDPOptions().sharding_strategy(strategy);
+      torch::manual_seed(0);
+      auto reference = std::make_shared<TupleNetImpl<TwoHeads>>(TwoHeads());
+      torch::manual_seed(0);
+      using Wrapped = FullyShardedDataParallel<TwoHeadsImpl>;
+      auto inner = std::make_shared<TupleNetImpl<Wrapped>>(Wrapped(TwoHeads(), o));
+      FullyShardedDataParallel<TupleNetImpl<Wrapped>> model(inner, o);
+      expect_same_training(*reference, *model.ptr(), {4, 6}, 3, 0.0, "tuple outputs");
+    }
+    // An output type that hides its tensors: refused at forward, naming it.
+    const auto o = FSDPOptions();
+    FullyShardedDataParallel<OpaqueNetImpl> model(std::make_shared<OpaqueNetImpl>(o), o);
+    const std::string msg = error_of([&] { model->forward(torch::randn({2, 6})); });
+    EXPECT_NE(msg.find("the forward of FSDP unit 'unit' ("), std::string::npos) << msg;
+    EXPECT_NE(msg.find("OpaqueImpl) returns "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Return at::Tensor, std::vector<at::Tensor>, or a std::tuple"),
+              std::string::npos)
+        << msg;
+    // Without gradients (evaluation) the type does not matter.
+    FullyShardedDataParallel<OpaqueNetImpl> eval_model(std::make_shared<OpaqueNetImpl>(o), o);
+    torch::NoGradGuard no_grad;
+    EXPECT_EQ(eval_model->forward(torch::randn({2, 6})).sizes(), torch::IntArrayRef({2, 6}));
   });
 }
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,97 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
   fs::remove_all(two);
 }
 
+// Losses by step from a metrics file.
+std::map<int64_t, double> losses_by_step(const fs::path& path) {
+  std::map<int64_t, double> out;
+  for (const auto& r : read_jsonl(path, "train")) {
+    out[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
+  }
+  return out;
+}
+
+// A run stopped after step 10 (its last checkpoint at step 8) and resumed
+// with --resume logs, for steps 9..20, exactly the losses of the run that was
+// never stopped: the checkpoint holds model, AdamW moments, RNG and the data
+// position. Once in fp32 with sharded checkpoints, once in bf16 with full ones.
+struct ResumeCase {
+  const char* precision;
+  const char* type;  // --checkpoint-type
+};
+// Names the case in ctest's listing (instead of two pointers).
+void PrintTo(const ResumeCase& c, std::ostream* os) { *os << c.precision << "_" << c.type; }
+
+class TrainGptResume : public ::testing::TestWithParam<ResumeCase> {};
+
+TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
+  const auto [precision, type] = GetParam();
+  const std::string tag = std::string(precision) + "_" + type;
+  const fs::path whole = fresh_dir("whole_" + tag), part = fresh_dir("part_" + tag),
+                 resumed = fresh_dir("resumed_" + tag), ckpt = fresh_dir("ckpt_" + tag),
+                 ckpt_whole = fresh_dir("ckpt_whole_" + tag);
+  auto args = [&](const fs::path& metrics, const fs::path& ckpt_dir) {
+    auto a = tiny_run(metrics.string());
+    for (const char* x :
+         {"--steps", "20", "--warmup-steps", "3", "--lr", "1e-2", "--eval-interval", "5",
+          "--sample-tokens", "20", "--checkpoint-every", "8", "--checkpoint-type", type}) {
+      a.push_back(x);
+    }
+    a.push_back("--checkpoint-dir");
+    a.push_back(ckpt_dir.string());
+    if (std::string(precision) == "bf16") a.push_back("--bf16");
+    return a;
+  };
+  expect_success(run_launcher(launch(2, args(whole, ckpt_whole)), {}, std::chrono::seconds(120)));
+  auto stopped = args(part, ckpt);
+  stopped.insert(stopped.end(), {"--stop-after", "10"});
+  const RunResult first = run_launcher(launch(2, stopped), {}, std::chrono::seconds(120));
+  expect_success(first);
+  EXPECT_NE(first.out.find("stopping after step 10"), std::string::npos) << first.out;
+  EXPECT_TRUE(fs::exists(ckpt / "step-0000000008")) << "no checkpoint at step 8";
+  EXPECT_FALSE(fs::exists(ckpt / "step-0000000010")) << "a checkpoint at step 10 (not every 8)";
+  auto again = args(resumed, ckpt);
+  again.push_back("--resume");
+  const RunResult second = run_launcher(launch(2, again), {}, std::chrono::seconds(120));
+  expect_success(second);
+  EXPECT_NE(second.out.find("at step 8"), std::string::npos) << second.out;
+
+  const auto expected = losses_by_step(whole / "rank0.jsonl");
+  ASSERT_EQ(expected.size(), 20u);
+  EXPECT_LT(expected.at(20), 0.8 * expected.at(1)) << precision << " training did not learn";
+  const auto before = losses_by_step(part / "rank0.jsonl");
+  ASSERT_EQ(before.size(), 10u);
+  for (const auto& [step, loss] : before) EXPECT_EQ(loss, expected.at(step)) << "step " << step;
+  for (const char* rank : {"rank0.jsonl", "rank1.jsonl"}) {
+    const auto after = losses_by_step(resumed / rank);
+    ASSERT_EQ(after.size(), 12u) << rank;
+    EXPECT_EQ(after.begin()->first, 9);
+    // Bitwise: the same floating-point operations on the same values.
+    for (const auto& [step, loss] : after) {
+      EXPECT_EQ(loss, expected.at(step)) << rank << " step " << step;
+    }
+  }
+  const auto sample_of = [](const fs::path& f) {
+    return read_jsonl(f, "summary").at(0).at("sample").get<std::string>();
+  };
+  EXPECT_EQ(sample_of(resumed / "rank0.jsonl"), sample_of(whole / "rank0.jsonl"));
+  EXPECT_EQ(read_jsonl(resumed / "rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"),
+            read_jsonl(whole / "rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"));
+
+  // Resuming with another seed would silently continue a different run.
+  auto other_seed = args(resumed, ckpt);
+  other_seed.insert(other_seed.end(), {"--resume", "--seed", "7"});
+  const RunResult refused = run_launcher(launch(2, other_seed), {}, std::chrono::seconds(120));
+  ASSERT_FALSE(refused.timed_out) << refused.out << refused.err;
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("was made with --seed 1337, not 7"), std::string::npos) << refused.err;
+  for (const auto& d : {whole, part, resumed, ckpt, ckpt_whole}) fs::remove_all(d);
+}
+
+INSTANTIATE_TEST_SUITE_P(TrainGpt, TrainGptResume,
+                         ::testing::Values(ResumeCase{"fp32", "sharded"},
+                                           ResumeCase{"bf16", "full"}),
+                         [](const auto& info) { return ::testing::PrintToString(info.param); });
+
 TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
   const fs::path dir = fresh_dir("progress");
   auto args = tiny_run(dir.string());
@@ -201,6 +293,10 @@ TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
       {"--val-fraction 2", "--val-fraction"},
       {"--prompt '~~~'", "--prompt"},
       {"--metrics-dir /proc/no/such/dir", "cannot write metrics file"},
+      {"--resume", "--resume needs --checkpoint-dir"},
+      {"--checkpoint-every 5", "--checkpoint-every needs --checkpoint-dir"},
+      {"--checkpoint-dir " + (dir / "c").string() + " --checkpoint-type zip", "--checkpoint-type"},
+      {"--stop-after 5", "--stop-after 5 exceeds --steps 1"},
   };
   for (const auto& [args, message] : cases) {
     const Outcome o = run_direct(tiny + args);

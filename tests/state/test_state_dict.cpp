@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fsdp/comm/counting_process_group.h>
 #include <fsdp/fsdp.h>
+
+#include <filesystem>
 
 #include "state_test_util.h"
 
@@ -131,6 +134,121 @@ TEST(StateDict, CheckpointRoundTripsAndTrainingContinues) {
           const auto after = full_state_dict(*model);
           expect_bitwise_equal(full_state_dict(*other), after, c.name() + " after training");
           expect_bitwise_equal(full_state_dict(*third), after, c.name() + " in memory");
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// Loading at the same world size moves no tensor data: only the two
+// agreements of Note [Collective load]. A rank that cannot load (here it sees
+// a damaged copy) fails every rank, naming it, within the timeout.
+TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        auto pg = std::make_shared<CountingProcessGroup>(
+            init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30))));
+        const auto o = FSDPOptions().process_group(pg);
+        auto model = make_model(o);
+        auto opt = make_optimizer("adamw", model->parameters());
+        torch::manual_seed(3);
+        train(*model, *opt, 2);
+        Checkpointer(*model, opt.get()).save(dir + "/good", 2, StateDictType::kSharded);
+        auto other = make_model(o, /*seed=*/11);
+        auto other_opt = make_optimizer("adamw", other->parameters());
+        const int64_t gathers = pg->all_gathers, scatters = pg->reduce_scatters,
+                      broadcasts = pg->broadcasts, reduces = pg->all_reduces;
+        EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(dir + "/good"), 2);
+        EXPECT_EQ(pg->all_gathers - gathers, 0);
+        EXPECT_EQ(pg->reduce_scatters - scatters, 0);
+        EXPECT_EQ(pg->broadcasts - broadcasts, 0);
+        EXPECT_EQ(pg->all_reduces - reduces, 2) << "the two agreements, nothing else";
+
+        if (rank == 0) {
+          std::filesystem::copy(dir + "/good", dir + "/bad",
+                                std::filesystem::copy_options::recursive);
+          std::string bytes = file_bytes(dir + "/bad/model-rank1.safetensors");
+          bytes[bytes.size() - 3] ^= 0x5a;
+          put_file_bytes(dir + "/bad/model-rank1.safetensors", bytes);
+        }
+        pg->barrier().wait();
+        const std::string mine = dir + (rank == 0 ? "/good" : "/bad");
+        try {
+          Checkpointer(*other, other_opt.get()).load(mine);
+          ADD_FAILURE() << "rank " << rank << " loaded although rank 1 could not";
+        } catch (const std::exception& e) {
+          const std::string what = e.what();
+          EXPECT_NE(what.find(rank == 0 ? "rank(s) 1 failed while verifying it"
+                                        : "bad/model-rank1.safetensors"),
+                    std::string::npos)
+              << what;
+        }
+        // Nothing changed: the model still holds what the good load gave.
+        expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after refusal");
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// Under bf16 mixed precision the unsharded parameters are bf16 copies; the
+// state (in memory and on disk) is the fp32 shards, and it round-trips.
+TEST(StateDict, MixedPrecisionSavesTheFullPrecisionShards) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        auto mp_train = [](auto& model, torch::optim::Optimizer& opt, int steps) {
+          for (int s = 0; s < steps; ++s) {
+            torch::Tensor x = torch::randn({4, 7});
+            opt.zero_grad();
+            torch::mse_loss(model.forward(x).to(torch::kFloat), torch::ones({4, 3})).backward();
+            opt.step();
+          }
+        };
+        for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+          for (auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+            const std::string name =
+                std::string(to_string(strategy)) + "-bf16-" + fsdp::to_string(type);
+            const auto o = FSDPOptions().sharding_strategy(strategy).mixed_precision(
+                MixedPrecision().param_dtype(torch::kBFloat16).reduce_dtype(torch::kFloat));
+            auto model = make_model(o);
+            auto opt = make_optimizer("adamw", model->parameters());
+            torch::manual_seed(3);
+            mp_train(*model, *opt, 2);
+            const auto sd = full_state_dict(*model);
+            bool beyond_bf16 = false;
+            for (const auto& item : sd) {
+              ASSERT_EQ(item.value().scalar_type(), torch::kFloat) << name << " " << item.key();
+              beyond_bf16 =
+                  beyond_bf16 ||
+                  !torch::equal(item.value(), item.value().to(torch::kBFloat16).to(torch::kFloat));
+            }
+            EXPECT_TRUE(beyond_bf16) << name << ": the state holds only bf16 values";
+            {
+              // What the model computes with is the bf16 rounding of the state.
+              SummonFullParams full(*model);
+              for (const auto& p : model->named_parameters()) {
+                EXPECT_TRUE(torch::equal(p.value(), sd[p.key()].to(torch::kBFloat16)))
+                    << name << " " << p.key();
+              }
+            }
+            Checkpointer(*model, opt.get()).save(dir + "/" + name, 2, type);
+            auto other = make_model(o, /*seed=*/11);
+            auto other_opt = make_optimizer("adamw", other->parameters());
+            EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(dir + "/" + name), 2);
+            expect_bitwise_equal(full_state_dict(*other), sd, name);
+            expect_bitwise_equal(full_optim_state_dict(*other, *other_opt),
+                                 full_optim_state_dict(*model, *opt), name);
+            torch::manual_seed(4);
+            mp_train(*model, *opt, 2);
+            torch::manual_seed(4);
+            mp_train(*other, *other_opt, 2);
+            expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model),
+                                 name + " after training");
+          }
         }
       },
       with_dir(dir));

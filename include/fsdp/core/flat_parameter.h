@@ -80,6 +80,8 @@ class FlatParameter {
   /// Names the unit in error messages about its sharded parameters (its
   /// module path from the root, "" for the root).
   void set_unit_path(const std::string& path);
+  /// "FSDP unit '<path>'" (or "the root FSDP unit"), for messages.
+  const std::string& unit_label() const { return unit_label_; }
 
   /// Current state.
   State state() const { return state_; }

@@ -65,6 +65,9 @@ class Unit {
   const FSDPOptions& fsdp_options() const { return options_; }
   /// The module this unit (or pass-through wrapper) wraps, when known.
   torch::nn::Module* wrapped_module() const { return wrapped_; }
+  /// Refuses to wrap `module` when it is an FSDP unit itself, naming what
+  /// that unit wraps (see Note [One unit per parameter]).
+  static void check_not_a_unit(const torch::nn::Module& module);
 
   /// The dtype the floating-point tensor arguments of this unit's forward are
   /// cast to (see MixedPrecision's cast_forward_inputs and
@@ -120,8 +123,11 @@ class Unit {
   }
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
-  /// Called by the wrapper after the wrapped forward with its output.
-  void post_forward(const at::Tensor& output);
+  /// Called by the wrapper after the wrapped forward with the tensors of its
+  /// output. `unknown_output_type` (a mangled type name) when the output's
+  /// type hides its tensors: then a unit that trains is refused.
+  void post_forward(const std::vector<at::Tensor>& outputs,
+                    const char* unknown_output_type = nullptr);
 
  private:
   void lazy_init_root();

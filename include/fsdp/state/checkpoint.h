@@ -12,6 +12,7 @@
 #include <map>
 #include <string>
 
+#include <fsdp/comm/process_group.h>
 #include <fsdp/state/checkpoint_dir.h>
 #include <fsdp/state/error.h>
 
@@ -62,13 +63,17 @@ class Checkpointer {
 
   /// Loads `dir` (after verifying all of it) into the model, the optimizer,
   /// this rank's RNG and the registered state; returns the saved step.
-  /// Throws CheckpointError for an incomplete or damaged checkpoint.
+  /// Throws CheckpointError for an incomplete or damaged checkpoint, on every
+  /// rank when any rank fails (see Note [Collective load]).
   int64_t load(const std::string& dir);
-  /// Loads latest_checkpoint(parent) and returns its step, or returns -1 and
-  /// changes nothing when there is none.
+  /// Loads the latest complete checkpoint under `parent` as rank 0 sees it
+  /// (latest_checkpoint) and returns its step, or returns -1 and changes
+  /// nothing when there is none.
   int64_t resume(const std::string& parent);
 
  private:
+  void apply(const CheckpointReader& reader, ProcessGroup* group);
+
   struct Registered {
     std::function<std::string()> save;
     std::function<void(const std::string&)> load;

@@ -64,7 +64,8 @@ class CheckpointReader {
 void verify_checkpoint(const std::string& dir);
 
 /// The complete checkpoint directory under `parent` with the highest step
-/// (directories named "step-<N>" that hold a marker), or "" if none.
+/// (directories named as checkpoint_path() names them, "step-<10 digits>",
+/// that hold a marker), or "" if none.
 std::string latest_checkpoint(const std::string& parent);
 
 /// "parent/step-<step>" with the step zero-padded, so names sort by step.

@@ -5,7 +5,9 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <tuple>
 #include <type_traits>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -55,6 +57,36 @@ c10::optional<at::ScalarType> first_floating_dtype(const T&... args) {
   return out;
 }
 
+template <typename T>
+struct IsTensorVector : std::false_type {};
+template <>
+struct IsTensorVector<std::vector<at::Tensor>> : std::true_type {};
+template <typename T>
+struct IsTuple : std::false_type {};
+template <typename... T>
+struct IsTuple<std::tuple<T...>> : std::true_type {};
+template <typename A, typename B>
+struct IsTuple<std::pair<A, B>> : std::true_type {};
+
+/// Appends the Tensors of a forward's output to `into`: a Tensor, a
+/// std::vector of Tensors, or a std::tuple / std::pair of these (nested).
+/// Returns false for any other type, whose tensors cannot be found.
+template <typename T>
+bool output_tensors(const T& out, std::vector<at::Tensor>& into) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
+    into.push_back(out);
+    return true;
+  } else if constexpr (IsTensorVector<D>::value) {
+    into.insert(into.end(), out.begin(), out.end());
+    return true;
+  } else if constexpr (IsTuple<D>::value) {
+    return std::apply([&into](const auto&... e) { return (output_tensors(e, into) && ...); }, out);
+  } else {
+    return false;
+  }
+}
+
 /// Sequential's forward is a template: its wrapper takes and returns a Tensor.
 template <>
 struct ForwardSignature<torch::nn::SequentialImpl> {
@@ -89,8 +121,7 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
         module_(std::move(module)),
         enabled_(enabled) {
     TORCH_CHECK(module_, "fsdp: cannot wrap a null module");
-    TORCH_CHECK(dynamic_cast<Unit*>(module_.get()) == nullptr, "fsdp: the module ", module_->name(),
-                " is already an FSDP unit; wrap each module once.");
+    check_not_a_unit(*module_);
     detail::adopt_module_contents(*this, *module_);
     if (enabled_) {
       init_unit(*this, module_.get());
@@ -110,10 +141,11 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
     R out = module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
     if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
       if (input_dtype && out.defined() && out.is_floating_point()) out = out.to(*input_dtype);
-      post_forward(out);
-    } else {
-      post_forward(at::Tensor());
     }
+    // See Note [FSDP and autograd]: backward starts at the output's tensors.
+    std::vector<at::Tensor> tensors;
+    const bool found = detail::output_tensors(out, tensors);
+    post_forward(tensors, found ? nullptr : typeid(R).name());
     return out;
   }
 

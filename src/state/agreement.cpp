@@ -1,0 +1,28 @@
+#include "state/agreement.h"
+
+#include <ATen/ATen.h>
+
+#include <fsdp/state/error.h>
+
+namespace fsdp::detail {
+
+void agree(ProcessGroup* group, const std::exception_ptr& error, const std::string& dir,
+           const std::string& phase, const std::string& consequence) {
+  std::string failed;
+  if (group != nullptr && group->size() > 1) {
+    at::Tensor flags = at::zeros({group->size()}, at::kFloat);
+    if (error) flags[group->rank()] = 1.0f;
+    group->all_reduce(flags, ReduceOp::kSum).wait();
+    const float* f = flags.data_ptr<float>();
+    for (int r = 0; r < group->size(); ++r) {
+      if (f[r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+  if (!failed.empty()) {
+    throw CheckpointError(dir, "rank(s) " + failed + " failed while " + phase +
+                                   " (see that rank's error); " + consequence);
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,20 @@
+#pragma once
+
+// Turning one rank's failure in a checkpoint phase into an error on every
+// rank, instead of a hang at the next collective.
+
+#include <exception>
+#include <string>
+
+#include <fsdp/comm/process_group.h>
+
+namespace fsdp::detail {
+
+/// Collective over `group` (nothing when it is null or of size 1): every rank
+/// learns which ranks failed `phase`. A rank whose `error` is set rethrows
+/// it; if any other rank failed, the rest throw CheckpointError(dir, "rank(s)
+/// R failed while <phase> (see that rank's error); <consequence>").
+void agree(ProcessGroup* group, const std::exception_ptr& error, const std::string& dir,
+           const std::string& phase, const std::string& consequence);
+
+}  // namespace fsdp::detail
