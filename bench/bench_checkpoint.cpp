@@ -70,8 +70,7 @@ Result measure(fsdp::ProcessGroup& pg, int repeats, Op op) {
 
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
-  bench::single_threaded_blas();
-  at::set_num_threads(1);
+  bench::setup_process();
   fsdp::enable_memory_tracking();
   auto pg = fsdp::init_process_group();
   const auto config = gpt_mini::GPTConfig().n_layer(args.blocks).d_model(args.d_model);

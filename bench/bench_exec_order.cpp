@@ -122,8 +122,7 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   const fsdp::ShardingStrategy strategy = bench::strategy_names().at(a.strategy);
 
-  at::set_num_threads(1);
-  bench::single_threaded_blas();
+  bench::setup_process();
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
   const auto base = fsdp::FSDPOptions().sharding_strategy(strategy);

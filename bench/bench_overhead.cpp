@@ -41,7 +41,6 @@ namespace {
 using bench::Clock;
 using bench::max_over_ranks;
 using bench::median;
-using bench::single_threaded_blas;
 using bench::strategy_names;
 using bench::us_since;
 
@@ -77,8 +76,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
 
-  at::set_num_threads(1);
-  single_threaded_blas();
+  bench::setup_process();
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
 
@@ -146,9 +144,10 @@ int main(int argc, char** argv) {
           "{\"bench\":\"overhead\",\"mode\":\"%s\",\"world\":%d,\"units\":%lld,\"width\":%lld,"
           "\"batch\":%lld,\"step\":\"zero_grad+forward+backward+sgd\",\"samples\":%zu,"
           "\"median_step_us\":%.1f,\"median_fwd_bwd_us\":%.1f,\"overhead_us_per_unit\":%.2f,"
-          "\"fwd_bwd_overhead_us_per_unit\":%.2f}\n",
+          "\"fwd_bwd_overhead_us_per_unit\":%.2f,\"malloc\":\"%s\"}\n",
           c.mode.c_str(), world, static_cast<long long>(units), static_cast<long long>(width),
-          static_cast<long long>(batch), c.step_us.size(), step, fb, per_unit, fb_per_unit);
+          static_cast<long long>(batch), c.step_us.size(), step, fb, per_unit, fb_per_unit,
+          bench::malloc_mode());
       if (c.mode != "local") {
         char buf[128];
         std::snprintf(buf, sizeof(buf), ",\"%s_us_per_unit\":%.2f", c.mode.c_str(), per_unit);

@@ -64,7 +64,6 @@ using bench::Clock;
 using bench::max_over_ranks;
 using bench::median;
 using bench::ms_since;
-using bench::single_threaded_blas;
 
 int64_t bytes_of(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
@@ -131,8 +130,7 @@ int main(int argc, char** argv) {
 
   // Before any tensor exists, so every storage of the model is counted.
   fsdp::enable_memory_tracking();
-  at::set_num_threads(1);
-  single_threaded_blas();
+  bench::setup_process();
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
 
@@ -246,7 +244,7 @@ int main(int argc, char** argv) {
         "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
         "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f,"
         "\"precision\":\"%s\",\"all_gather_bytes_per_step\":%lld,"
-        "\"reduce_scatter_bytes_per_step\":%lld}\n",
+        "\"reduce_scatter_bytes_per_step\":%lld,\"malloc\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(total_params),
@@ -256,7 +254,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(gpt_mini::block_param_count(config) *
                                static_cast<int64_t>(sizeof(float))),
         loss0, args.precision.c_str(), static_cast<long long>(gathered_per_step),
-        static_cast<long long>(reduced_per_step));
+        static_cast<long long>(reduced_per_step), bench::malloc_mode());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include <fsdp/comm/process_group.h>
+#include <fsdp/memory.h>
 #include <fsdp/wrap/options.h>
 
 namespace bench {
@@ -27,6 +30,23 @@ inline void single_threaded_blas() {
   using SetThreads = void (*)(int);
   if (auto fn = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads")))
     fn(1);
+}
+
+/// Every benchmark's process set-up, for all modes alike: one intra-op thread
+/// and one BLAS thread, and freed CPU memory kept for reuse
+/// (fsdp::keep_freed_cpu_memory) unless BENCH_DEFAULT_MALLOC=1 asks for the C
+/// library's defaults. Prints nothing; the JSON lines say "malloc".
+inline void setup_process() {
+  at::set_num_threads(1);
+  single_threaded_blas();
+  const char* env = std::getenv("BENCH_DEFAULT_MALLOC");
+  if (env == nullptr || std::string(env) != "1") fsdp::keep_freed_cpu_memory();
+}
+
+/// "kept" or "default": the malloc setting this process runs with.
+inline const char* malloc_mode() {
+  const char* env = std::getenv("BENCH_DEFAULT_MALLOC");
+  return env != nullptr && std::string(env) == "1" ? "default" : "kept";
 }
 
 /// The benchmarks' clock.

@@ -5,9 +5,11 @@
 #   bench/run_fsdp_benchmarks.sh [BUILD_DIR]        # default: build
 #
 # Runs bench_step for local (one process), then NO_SHARD, SHARD_GRAD_OP and
-# FULL_SHARD at 2 ranks with fsdprun (and FULL_SHARD in bf16), then bench_overhead at world size 1 and
-# 2. Every JSON line is echoed as it comes; the last line is a summary with the
-# ratios to local and the targets. Roughly 4 minutes on 2 cores.
+# FULL_SHARD at 2 ranks with fsdprun (and FULL_SHARD in bf16), then
+# bench_overhead at world size 1 and 2. Every JSON line is echoed as it comes;
+# the last line is a summary with the ratios to local and the targets.
+# Roughly 4 minutes on 2 cores. Every process, local ones too, keeps freed
+# memory for reuse (fsdp::keep_freed_cpu_memory; the lines say "malloc").
 #
 # Environment overrides:
 #   STEPS (10), WARMUP (2)       timed and untimed steps of bench_step
@@ -16,6 +18,7 @@
 #   BF16 (1)                     also FULL_SHARD with bf16 mixed precision
 #                                (step time and all-gathered bytes vs fp32); 0 skips it
 #   OVERHEAD_ARGS                bench_overhead flags, e.g. "--rounds 10"
+#   BENCH_DEFAULT_MALLOC (0)     1: glibc's default malloc policy instead
 #   LOCAL_CONCURRENT (1)         also run `local` on NPROC ranks side by side
 #                                (no communication): what NPROC busy processes
 #                                cost the machine by itself, to tell it apart

@@ -261,6 +261,8 @@ int main(int argc, char** argv) {
   using namespace train_gpt;
   // Before any tensor exists, so the memory figures count the whole model.
   fsdp::enable_memory_tracking();
+  // Steps cycle block-sized buffers; reuse them rather than fault them in.
+  fsdp::keep_freed_cpu_memory();
   TrainConfig config;
   if (auto code = parse_command_line(argc, argv, &config)) return *code;
   at::set_num_threads(config.threads);
