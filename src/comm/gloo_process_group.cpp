@@ -21,6 +21,7 @@
 #include "comm/comm_thread.h"
 #include "comm/direct_links.h"
 #include "comm/ring.h"
+#include "comm/shm_links.h"
 
 namespace fsdp::detail {
 
@@ -211,6 +212,8 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
       c10d::PrefixStore links_store(prefix_, store_);
       links_ = std::make_unique<DirectLinks>(links_store, rank, size, listen_addr_, timeout);
     }
+    c10d::PrefixStore shm_store(prefix_, store_);
+    shm_ = ShmLinks::connect(shm_store, rank, size, timeout);
   }
   thread_ = std::make_unique<CommThread>(rank, timeout);
   thread_->set_fingerprint_exchange(
@@ -243,6 +246,10 @@ PointToPoint& GlooProcessGroup::transport_for(const at::Tensor& shard, PointToPo
   return links_ && small ? static_cast<PointToPoint&>(*links_) : gloo;
 }
 
+bool GlooProcessGroup::use_shm(int64_t chunk_bytes) const {
+  return shm_ && (!links_ || chunk_bytes > DirectLinks::max_message_bytes());
+}
+
 at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
   const int64_t bytes = static_cast<int64_t>(shard.nbytes());
   if (!scratch_.defined() || scratch_.numel() < bytes) scratch_ = at::empty({bytes}, at::kByte);
@@ -258,6 +265,7 @@ Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
                     if (f.data_ptr() != s.data_ptr()) f.copy_(s);
                     return;
                   }
+                  if (use_shm(static_cast<int64_t>(s.nbytes()))) return shm_->all_gather(f, s);
                   GlooPointToPoint gloo(*context_, timeout());
                   ring_all_gather(transport_for(s, gloo), rank(), size(), f, s,
                                   ring_slot_base(seq));
@@ -273,6 +281,9 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                   if (size() == 1) {
                     s.copy_(f);
                     return;
+                  }
+                  if (use_shm(static_cast<int64_t>(s.nbytes()))) {
+                    return shm_->reduce_scatter(f, s, op);
                   }
                   at::Tensor scratch = size() >= 3 ? scratch_like(s) : at::Tensor();
                   GlooPointToPoint gloo(*context_, timeout());
@@ -292,6 +303,7 @@ Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
           ring_all_reduce_small(tensor, op, seq);
           return;
         }
+        if (shm_) return shm_->all_reduce(tensor, op);
         dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
           using T = decltype(tag_value);
           gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq), timeout());

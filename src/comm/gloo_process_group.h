@@ -19,6 +19,7 @@ class CommThread;
 /// buffers (Note [Ring collectives]), on one communication thread per group.
 class DirectLinks;
 class PointToPoint;
+class ShmLinks;
 
 class GlooProcessGroup final : public ProcessGroup {
  public:
@@ -49,6 +50,9 @@ class GlooProcessGroup final : public ProcessGroup {
   PointToPoint& transport_for(const at::Tensor& shard, PointToPoint& gloo);
   // all_reduce of a small tensor over the direct links (sequence `seq`).
   void ring_all_reduce_small(const at::Tensor& tensor, ReduceOp op, uint64_t seq);
+  // True when a collective whose per-rank chunk is `chunk_bytes` goes
+  // through shared memory (larger than what direct links carry).
+  bool use_shm(int64_t chunk_bytes) const;
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;
@@ -58,6 +62,9 @@ class GlooProcessGroup final : public ProcessGroup {
   // Small collectives' transport (Note [Direct links for small collectives]);
   // null when size() == 1 or turned off.
   std::unique_ptr<DirectLinks> links_;
+  // Larger collectives' transport when every rank is on this host (Note
+  // [Shared memory for same-host ranks]); null otherwise or when turned off.
+  std::unique_ptr<ShmLinks> shm_;
 
   int subgroups_made_ = 0;  // caller thread only
   at::Tensor scratch_;      // communication thread only

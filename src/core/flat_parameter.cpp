@@ -200,7 +200,11 @@ void FlatParameter::copy_unsharded_into_shard() {
 }
 
 at::Tensor FlatParameter::new_flat_grad() const {
-  return at::zeros({padded_numel_}, shard_.options().dtype(grad_dtype_).requires_grad(false));
+  return at::empty({padded_numel_}, shard_.options().dtype(grad_dtype_).requires_grad(false));
+}
+
+void FlatParameter::zero_padding(const at::Tensor& flat) const {
+  if (padded_numel_ > numel_) flat.narrow(0, numel_, padded_numel_ - numel_).zero_();
 }
 
 void FlatParameter::resize_unsharded_storage(bool allocate) {

@@ -54,4 +54,48 @@ inline ::testing::AssertionResult tensors_equal(const at::Tensor& actual,
          << ": got " << actual[i].item<double>() << ", expected " << expected[i].item<double>();
 }
 
+/// Issues an all-gather of `shard_numel`-element shards that the other ranks
+/// issue with other sizes; expects, within 2 s (not a timeout), an error
+/// saying the ranks issued different collectives and containing `names_sizes`.
+inline void expect_mismatched_all_gather_error(ProcessGroup& pg, int64_t shard_numel,
+                                               const std::string& names_sizes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    pg.all_gather_into_tensor(at::zeros({pg.size() * shard_numel}), at::ones({shard_numel})).wait();
+    ADD_FAILURE() << "mismatched all-gathers completed";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    std::cout << "got the expected error: " << msg << std::endl;
+    EXPECT_NE(msg.find("issued different collectives"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(names_sizes), std::string::npos) << msg;
+  }
+  EXPECT_LE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2))
+      << "the mismatch waited for a timeout";
+}
+
+/// Alternates all-gathers and reduce-scatters of `shard_numel`-element shards
+/// until one throws (a peer is gone), at most `rounds` pairs; prints "got the
+/// expected error after N ms: ..." and returns how long the failing collective
+/// took. A run where all succeed adds a gtest failure.
+inline std::chrono::milliseconds collectives_until_error(ProcessGroup& pg, int64_t shard_numel,
+                                                         int rounds) {
+  at::Tensor flat = at::zeros({pg.size() * shard_numel});
+  at::Tensor shard = at::ones({shard_numel});
+  for (int i = 0; i < rounds; ++i) {
+    const auto since = std::chrono::steady_clock::now();
+    try {
+      pg.all_gather_into_tensor(flat, shard).wait();
+      pg.reduce_scatter_tensor(shard, flat).wait();
+    } catch (const c10::Error& e) {
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - since);
+      std::cout << "[rank " << pg.rank() << "] got the expected error after " << waited.count()
+                << " ms: " << e.what() << std::endl;
+      return waited;
+    }
+  }
+  ADD_FAILURE() << rounds << " rounds of collectives succeeded although a peer is gone";
+  return std::chrono::milliseconds(0);
+}
+
 }  // namespace fsdp::testing

@@ -121,8 +121,11 @@ class FlatParameter {
   /// True when the unsharded buffer has another dtype than the shard.
   bool low_precision() const { return low_precision_; }
 
-  /// A zeroed buffer of padded_numel() for gradients, in grad_dtype().
+  /// An uninitialised buffer of padded_numel() for gradients, in grad_dtype():
+  /// the caller fills every slot and calls zero_padding() before reducing it.
   at::Tensor new_flat_grad() const;
+  /// Zeroes the elements of `flat` past the last slot (the padding).
+  void zero_padding(const at::Tensor& flat) const;
   /// The view of `flat` that belongs to slot i.
   at::Tensor slot_view(const at::Tensor& flat, size_t i) const;
 

@@ -177,7 +177,9 @@ class Unit {
   bool require_sync_ = true;      // false inside no_sync()
   bool callback_queued_ = false;  // root only
   size_t grads_ready_ = 0;
-  at::Tensor flat_grad_;   // unsharded gradient buffer while accumulating
+  at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
+  // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
+  std::vector<bool> slot_filled_;
   at::Tensor grad_shard_;  // reduce-scatter output
   Work grad_work_;         // pending reduce-scatter / all-reduce
 };

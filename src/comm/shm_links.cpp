@@ -1,0 +1,415 @@
+#include "comm/shm_links.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+// See Note [Shared memory for same-host ranks].
+
+namespace fsdp::detail {
+
+namespace {
+
+constexpr int kPosted = 0;
+constexpr int kDone = 1;
+constexpr size_t kHeaderBytes = 256;
+constexpr size_t kControlBytes = 256;  // per rank: posted, done, pid, descriptors
+constexpr size_t kWordStride = 64;     // posted and done on cache lines of their own
+constexpr int kSpins = 200;
+constexpr auto kSleepSlice = std::chrono::milliseconds(50);
+
+struct Header {
+  uint32_t aborted;  // 0, or 1 + the rank that failed first
+};
+
+struct Descriptor {
+  uint32_t op;
+  uint32_t unused;
+  uint64_t total;
+};
+
+struct Control {
+  uint32_t words[2 * kWordStride / sizeof(uint32_t)];  // posted at [0], done at [16]
+  int32_t pid;
+  uint32_t unused[15];
+  Descriptor descriptors[2];  // one per slot
+};
+static_assert(sizeof(Control) <= kControlBytes, "control block overflows its space");
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+size_t data_offset(int size) {
+  return round_up(kHeaderBytes + static_cast<size_t>(size) * kControlBytes, 4096);
+}
+
+size_t segment_bytes(int size) {
+  return data_offset(size) + static_cast<size_t>(size) * 2 * ShmLinks::slot_bytes();
+}
+
+uint32_t load_acquire(const uint32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+
+void futex_wake_all(uint32_t* w) {
+  syscall(SYS_futex, w, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void futex_wait(uint32_t* w, uint32_t seen, std::chrono::milliseconds limit) {
+  timespec ts{};
+  ts.tv_sec = static_cast<time_t>(limit.count() / 1000);
+  ts.tv_nsec = static_cast<long>((limit.count() % 1000) * 1000000);
+  syscall(SYS_futex, w, FUTEX_WAIT, seen, &ts, nullptr, 0);
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Gone, or a zombie nobody reaped yet: either way it will never post again.
+bool process_gone(int32_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) == -1 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  return paren != std::string::npos && paren + 2 < text.size() &&
+         (text[paren + 2] == 'Z' || text[paren + 2] == 'X');
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string read_link(const char* path) {
+  char buf[256];
+  const ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+// Ranks may share memory when they run on the same boot of the same machine,
+// in the same IPC namespace (same /dev/shm) and PID namespace (pids checked
+// for liveness mean the same process), with the same slot size. Empty: off.
+std::string host_key() {
+  const char* env = std::getenv("FSDP_SHM");
+  if (env != nullptr && std::string(env) == "0") return "";
+  const std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
+  const std::string ipc = read_link("/proc/self/ns/ipc"), pid = read_link("/proc/self/ns/pid");
+  if (boot.empty() || ipc.empty() || pid.empty()) return "";
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return std::string(host) + "/" + boot + "/" + ipc + "/" + pid + "/" +
+         std::to_string(ShmLinks::slot_bytes());
+}
+
+std::string get_string(c10d::Store& store, const std::string& key) {
+  const auto v = store.get(key);
+  return std::string(v.begin(), v.end());
+}
+
+void set_string(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// Every rank posts `mine` under `key`/rank; true when all posted `expected`.
+bool all_posted(c10d::Store& store, const std::string& key, int rank, int size,
+                const std::string& mine, const std::string& expected) {
+  set_string(store, key + "/" + std::to_string(rank), mine);
+  bool all = true;
+  for (int p = 0; p < size; ++p) {
+    all = get_string(store, key + "/" + std::to_string(p)) == expected && all;
+  }
+  return all;
+}
+
+// Rank 0's segment: created exclusively, sized with its pages reserved (so a
+// full /dev/shm is a clean "no" here, never a SIGBUS later). "" on failure.
+std::string create_segment(size_t bytes) {
+  std::random_device rd;
+  std::ostringstream name;
+  name << "/fsdp-" << ::getpid() << "-" << std::hex << rd() << rd();
+  const int fd = ::shm_open(name.str().c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return "";
+  const bool ok = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
+                  ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+  ::close(fd);
+  if (!ok) {
+    ::shm_unlink(name.str().c_str());
+    return "";
+  }
+  return name.str();
+}
+
+void* map_segment(const std::string& name, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) return nullptr;
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  return base == MAP_FAILED ? nullptr : base;
+}
+
+at::Tensor view_of(char* p, int64_t numel, at::ScalarType dtype) {
+  return at::from_blob(p, {numel}, at::TensorOptions().dtype(dtype));
+}
+
+// out = a (op) b, elementwise; kAvg sums (the caller divides at the end).
+void combine_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      at::add_out(out, a, b);
+      return;
+    case ReduceOp::kMax:
+      at::maximum_out(out, a, b);
+      return;
+    case ReduceOp::kMin:
+      at::minimum_out(out, a, b);
+      return;
+  }
+}
+
+int64_t rounds_for(int64_t numel, int64_t per_round) {
+  return std::max<int64_t>(1, (numel + per_round - 1) / per_round);
+}
+
+}  // namespace
+
+int64_t ShmLinks::slot_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("FSDP_SHM_SLOT_BYTES");
+    const long long v = env ? std::atoll(env) : 0;
+    return v >= 4096 ? static_cast<int64_t>(v / 64 * 64) : int64_t{2} << 20;
+  }();
+  return bytes;
+}
+
+std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int size,
+                                            std::chrono::milliseconds timeout) {
+  const std::string key = host_key();
+  const std::string mine = key.empty() ? "off/" + std::to_string(rank) : key;
+  if (!all_posted(store, "shm/host", rank, size, mine, mine)) return nullptr;
+
+  const size_t bytes = segment_bytes(size);
+  std::string name;
+  if (rank == 0) {
+    name = create_segment(bytes);
+    set_string(store, "shm/name", name);
+  } else {
+    name = get_string(store, "shm/name");
+  }
+  void* base = name.empty() ? nullptr : map_segment(name, bytes);
+  if (base != nullptr) {
+    auto* control = reinterpret_cast<Control*>(static_cast<char*>(base) + kHeaderBytes +
+                                               static_cast<size_t>(rank) * kControlBytes);
+    control->pid = static_cast<int32_t>(::getpid());
+  }
+  const bool all_mapped = all_posted(store, "shm/mapped", rank, size, base ? "1" : "0", "1");
+  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // everyone opened it by now
+  if (!all_mapped) {
+    if (base != nullptr) ::munmap(base, bytes);
+    return nullptr;
+  }
+  return std::unique_ptr<ShmLinks>(new ShmLinks(rank, size, timeout, base, bytes));
+}
+
+ShmLinks::ShmLinks(int rank, int size, std::chrono::milliseconds timeout, void* base, size_t bytes)
+    : rank_(rank), size_(size), timeout_(timeout), base_(base), bytes_(bytes) {}
+
+ShmLinks::~ShmLinks() { ::munmap(base_, bytes_); }
+
+char* ShmLinks::slot(int rank, uint32_t round) const {
+  const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
+  return static_cast<char*>(base_) + data_offset(size_) + index * static_cast<size_t>(slot_bytes());
+}
+
+uint32_t* ShmLinks::word(int rank, int which) const {
+  auto* control = reinterpret_cast<Control*>(static_cast<char*>(base_) + kHeaderBytes +
+                                             static_cast<size_t>(rank) * kControlBytes);
+  return &control->words[which * kWordStride / sizeof(uint32_t)];
+}
+
+void ShmLinks::publish(int which, uint32_t value) {
+  uint32_t* w = word(rank_, which);
+  __atomic_store_n(w, value, __ATOMIC_RELEASE);
+  futex_wake_all(w);
+}
+
+void ShmLinks::fail(const std::string& message) {
+  auto* header = static_cast<Header*>(base_);
+  uint32_t none = 0;
+  __atomic_compare_exchange_n(&header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
+                              __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  for (int p = 0; p < size_; ++p) {
+    futex_wake_all(word(p, kPosted));
+    futex_wake_all(word(p, kDone));
+  }
+  TORCH_CHECK(false, "[rank ", rank_, "] fsdp: ", message);
+}
+
+void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what) {
+  uint32_t* w = word(peer, which);
+  auto reached = [target](uint32_t v) { return static_cast<int32_t>(v - target) >= 0; };
+  for (int i = 0; i < kSpins; ++i) {
+    if (reached(load_acquire(w))) return;
+    cpu_relax();
+  }
+  const auto* header = static_cast<const Header*>(base_);
+  const int32_t pid =
+      reinterpret_cast<const Control*>(static_cast<const char*>(base_) + kHeaderBytes +
+                                       static_cast<size_t>(peer) * kControlBytes)
+          ->pid;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const uint32_t seen = load_acquire(w);
+    if (reached(seen)) return;
+    const uint32_t aborted = load_acquire(&header->aborted);
+    TORCH_CHECK(aborted == 0, "[rank ", rank_, "] fsdp: rank ", aborted - 1,
+                " failed a collective over shared memory (see its error), so this rank stops too.");
+    if (process_gone(pid)) {
+      fail("rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
+           ") exited or was killed while this rank waited for it to " + what +
+           " (shared-memory collective). Check that rank's output for the cause.");
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      fail("rank " + std::to_string(peer) + " did not " + what + " within " +
+           std::to_string(timeout_.count()) +
+           " ms (shared-memory collective): it is stuck, or it issued fewer collectives than "
+           "this rank.");
+    }
+    futex_wait(w, seen, std::min(left, std::chrono::milliseconds(kSleepSlice)));
+  }
+}
+
+void ShmLinks::check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total) const {
+  const auto* control = reinterpret_cast<const Control*>(
+      static_cast<const char*>(base_) + kHeaderBytes + static_cast<size_t>(peer) * kControlBytes);
+  const Descriptor& theirs = control->descriptors[round & 1u];
+  if (theirs.op == static_cast<uint32_t>(op) && theirs.total == total) return;
+  std::ostringstream os;
+  os << "rank " << peer << " issued " << to_string(static_cast<CollectiveKind>(theirs.op)) << " of "
+     << theirs.total << " bytes where this rank issued " << to_string(op) << " of " << total
+     << " bytes: the ranks issued different collectives. Make every rank issue the "
+     << "same collectives in the same order (FSDP_DEBUG=detail names the first difference).";
+  const_cast<ShmLinks*>(this)->fail(os.str());
+}
+
+template <typename Write, typename Read>
+void ShmLinks::run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Write&& write,
+                          Read&& read) {
+  auto* control = reinterpret_cast<Control*>(static_cast<char*>(base_) + kHeaderBytes +
+                                             static_cast<size_t>(rank_) * kControlBytes);
+  for (int64_t i = 0; i < rounds; ++i) {
+    const uint32_t k = next_round_++;
+    // Slot k % 2 was last read in round k - 2: every peer must be past it.
+    for (int p = 0; p < size_; ++p) {
+      if (p != rank_) wait_until(p, kDone, k - 1, "finish reading the previous round");
+    }
+    write(i, slot(rank_, k));
+    control->descriptors[k & 1u] = Descriptor{static_cast<uint32_t>(op), 0, total};
+    publish(kPosted, k + 1);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      wait_until(p, kPosted, k + 1, "post its part");
+      check_descriptor(p, k, op, total);
+    }
+    read(i, k);
+    publish(kDone, k + 1);
+  }
+}
+
+void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
+  const size_t bytes = shard.nbytes();
+  char* out = static_cast<char*>(flat.data_ptr());
+  const char* own = static_cast<const char*>(shard.data_ptr());
+  char* own_in_flat = out + static_cast<size_t>(rank_) * bytes;
+  if (own_in_flat != own && bytes > 0) std::memcpy(own_in_flat, own, bytes);
+  const size_t per_round = static_cast<size_t>(slot_bytes());
+  auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
+  run_rounds(
+      CollectiveKind::kAllGather, flat.nbytes(),
+      rounds_for(static_cast<int64_t>(bytes), static_cast<int64_t>(per_round)),
+      [&](int64_t i, char* dst) {
+        if (bytes > 0) std::memcpy(dst, own + i * per_round, len(i));
+      },
+      [&](int64_t i, uint32_t k) {
+        if (bytes == 0) return;
+        for (int p = 0; p < size_; ++p) {
+          if (p != rank_) std::memcpy(out + p * bytes + i * per_round, slot(p, k), len(i));
+        }
+      });
+}
+
+void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, ReduceOp op) {
+  const int64_t n = shard.numel(), es = static_cast<int64_t>(shard.element_size());
+  // Each round, a rank's slot holds one piece per destination rank.
+  const int64_t piece = std::max<int64_t>(1, slot_bytes() / size_ / es / 16 * 16);
+  const char* in = static_cast<const char*>(flat.data_ptr());
+  auto len = [&](int64_t i) { return std::min(piece, n - i * piece); };
+  run_rounds(
+      CollectiveKind::kReduceScatter, flat.nbytes(), rounds_for(n, piece),
+      [&](int64_t i, char* dst) {
+        if (n == 0) return;
+        for (int q = 0; q < size_; ++q) {
+          if (q != rank_)
+            std::memcpy(dst + q * piece * es, in + (q * n + i * piece) * es, len(i) * es);
+        }
+      },
+      [&](int64_t i, uint32_t k) {
+        if (n == 0) return;
+        at::Tensor out = shard.narrow(0, i * piece, len(i));
+        const at::Tensor own = flat.narrow(0, rank_ * n + i * piece, len(i));
+        bool first = true;
+        for (int p = 0; p < size_; ++p) {
+          if (p == rank_) continue;
+          const at::Tensor theirs =
+              view_of(slot(p, k) + rank_ * piece * es, len(i), shard.scalar_type());
+          combine_out(out, first ? own : out, theirs, op);
+          first = false;
+        }
+        if (op == ReduceOp::kAvg) out.div_(size_);  // while the piece is in cache
+      });
+}
+
+void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  at::Tensor t = tensor.view({-1});
+  const int64_t n = t.numel(), es = static_cast<int64_t>(t.element_size());
+  const int64_t per_round = slot_bytes() / es;
+  const char* in = static_cast<const char*>(t.data_ptr());
+  auto len = [&](int64_t i) { return std::min(per_round, n - i * per_round); };
+  run_rounds(
+      CollectiveKind::kAllReduce, t.nbytes(), rounds_for(n, per_round),
+      [&](int64_t i, char* dst) {
+        if (n > 0) std::memcpy(dst, in + i * per_round * es, len(i) * es);
+      },
+      [&](int64_t i, uint32_t k) {
+        if (n == 0) return;
+        // Every rank sums the slots in rank order, so all get the same bits.
+        at::Tensor out = t.narrow(0, i * per_round, len(i));
+        combine_out(out, view_of(slot(0, k), len(i), t.scalar_type()),
+                    view_of(slot(1, k), len(i), t.scalar_type()), op);
+        for (int p = 2; p < size_; ++p) {
+          combine_out(out, out, view_of(slot(p, k), len(i), t.scalar_type()), op);
+        }
+        if (op == ReduceOp::kAvg) out.div_(size_);  // while the piece is in cache
+      });
+}
+
+}  // namespace fsdp::detail
