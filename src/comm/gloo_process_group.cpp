@@ -208,12 +208,11 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
                   ". Check that every rank started and can reach the others' addresses.");
     }
     context_ = ctx;
+    c10d::PrefixStore group_store(prefix_, store_);
     if (DirectLinks::max_message_bytes() > 0) {
-      c10d::PrefixStore links_store(prefix_, store_);
-      links_ = std::make_unique<DirectLinks>(links_store, rank, size, listen_addr_, timeout);
+      links_ = std::make_unique<DirectLinks>(group_store, rank, size, listen_addr_, timeout);
     }
-    c10d::PrefixStore shm_store(prefix_, store_);
-    shm_ = ShmLinks::connect(shm_store, rank, size, timeout);
+    shm_ = ShmLinks::connect(group_store, rank, size, timeout);
   }
   thread_ = std::make_unique<CommThread>(rank, timeout);
   thread_->set_fingerprint_exchange(

@@ -15,12 +15,14 @@ namespace fsdp::detail {
 
 class CommThread;
 
-/// The CPU engine: Gloo called directly, ring collectives on Gloo's unbound
-/// buffers (Note [Ring collectives]), on one communication thread per group.
 class DirectLinks;
 class PointToPoint;
 class ShmLinks;
 
+/// The CPU engine: Gloo called directly, ring collectives on Gloo's unbound
+/// buffers (Note [Ring collectives]), on one communication thread per group;
+/// small collectives over direct links, large ones over shared memory when
+/// every rank is on this host (Note [Shared memory for same-host ranks]).
 class GlooProcessGroup final : public ProcessGroup {
  public:
   /// Connects a full mesh of `size` ranks through `store` (keys under

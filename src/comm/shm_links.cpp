@@ -50,6 +50,12 @@ struct Control {
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block overflows its space");
 
+// Rank `rank`'s control block in the segment at `base`.
+Control* control_of(void* base, int rank) {
+  return reinterpret_cast<Control*>(static_cast<char*>(base) + kHeaderBytes +
+                                    static_cast<size_t>(rank) * kControlBytes);
+}
+
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 size_t data_offset(int size) {
@@ -215,9 +221,7 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
   }
   void* base = name.empty() ? nullptr : map_segment(name, bytes);
   if (base != nullptr) {
-    auto* control = reinterpret_cast<Control*>(static_cast<char*>(base) + kHeaderBytes +
-                                               static_cast<size_t>(rank) * kControlBytes);
-    control->pid = static_cast<int32_t>(::getpid());
+    control_of(base, rank)->pid = static_cast<int32_t>(::getpid());
   }
   const bool all_mapped = all_posted(store, "shm/mapped", rank, size, base ? "1" : "0", "1");
   if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // everyone opened it by now
@@ -239,9 +243,7 @@ char* ShmLinks::slot(int rank, uint32_t round) const {
 }
 
 uint32_t* ShmLinks::word(int rank, int which) const {
-  auto* control = reinterpret_cast<Control*>(static_cast<char*>(base_) + kHeaderBytes +
-                                             static_cast<size_t>(rank) * kControlBytes);
-  return &control->words[which * kWordStride / sizeof(uint32_t)];
+  return &control_of(base_, rank)->words[which * kWordStride / sizeof(uint32_t)];
 }
 
 void ShmLinks::publish(int which, uint32_t value) {
@@ -270,10 +272,7 @@ void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what
     cpu_relax();
   }
   const auto* header = static_cast<const Header*>(base_);
-  const int32_t pid =
-      reinterpret_cast<const Control*>(static_cast<const char*>(base_) + kHeaderBytes +
-                                       static_cast<size_t>(peer) * kControlBytes)
-          ->pid;
+  const int32_t pid = control_of(base_, peer)->pid;
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
     const uint32_t seen = load_acquire(w);
@@ -298,24 +297,21 @@ void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what
   }
 }
 
-void ShmLinks::check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total) const {
-  const auto* control = reinterpret_cast<const Control*>(
-      static_cast<const char*>(base_) + kHeaderBytes + static_cast<size_t>(peer) * kControlBytes);
-  const Descriptor& theirs = control->descriptors[round & 1u];
+void ShmLinks::check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total) {
+  const Descriptor& theirs = control_of(base_, peer)->descriptors[round & 1u];
   if (theirs.op == static_cast<uint32_t>(op) && theirs.total == total) return;
   std::ostringstream os;
   os << "rank " << peer << " issued " << to_string(static_cast<CollectiveKind>(theirs.op)) << " of "
      << theirs.total << " bytes where this rank issued " << to_string(op) << " of " << total
      << " bytes: the ranks issued different collectives. Make every rank issue the "
      << "same collectives in the same order (FSDP_DEBUG=detail names the first difference).";
-  const_cast<ShmLinks*>(this)->fail(os.str());
+  fail(os.str());
 }
 
 template <typename Write, typename Read>
 void ShmLinks::run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Write&& write,
                           Read&& read) {
-  auto* control = reinterpret_cast<Control*>(static_cast<char*>(base_) + kHeaderBytes +
-                                             static_cast<size_t>(rank_) * kControlBytes);
+  Control* control = control_of(base_, rank_);
   for (int64_t i = 0; i < rounds; ++i) {
     const uint32_t k = next_round_++;
     // Slot k % 2 was last read in round k - 2: every peer must be past it.

@@ -69,7 +69,7 @@ class ShmLinks {
   template <typename Write, typename Read>
   void run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Write&& write, Read&& read);
   void wait_until(int peer, int which, uint32_t target, const char* what);
-  void check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total) const;
+  void check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total);
   [[noreturn]] void fail(const std::string& message);
   void publish(int which, uint32_t value);
 

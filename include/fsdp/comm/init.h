@@ -14,7 +14,9 @@ namespace fsdp {
 /// Which engine carries the collectives of a group made by init_process_group.
 enum class Backend : uint8_t {
   /// The Gloo library called directly: all-gather into the caller's buffer,
-  /// a ring reduce-scatter, a dedicated communication thread. The default.
+  /// a ring reduce-scatter, a dedicated communication thread; large
+  /// collectives between ranks on one host go through shared memory instead
+  /// (FSDP_SHM=0 turns that off). The default.
   kGloo,
   /// c10d's ProcessGroupGloo behind the same interface (reference path; the
   /// same adapter carries NCCL on CUDA builds of LibTorch).
