@@ -12,6 +12,10 @@
 //   --mixed-precision fp32|bf16 (fp32): bf16 sets MixedPrecision(param_dtype
 //   bf16) on every unit (compute, all-gather and reduce-scatter in bf16,
 //   fp32 shards for AdamW); the loss is computed on fp32 logits either way.
+// median_ms is the larger of the ranks' median step times;
+// slowest_rank_median_ms the median over steps of each step's slowest rank.
+// Under FSDP the two agree (every step waits for the slowest rank); for
+// `local` on N ranks the second adds what the ranks' drift alone would cost.
 // Each sharded run also reports all_gather_bytes_per_step and
 // reduce_scatter_bytes_per_step (per rank, the unsharded buffers' bytes),
 // counted by a forwarding process group.
@@ -229,6 +233,13 @@ int main(int argc, char** argv) {
   if (strategy && *strategy != fsdp::ShardingStrategy::kNoShard) total_params *= world;
 
   const double med = max_over_ranks(*pg, median(step_ms));
+  // Each step's slowest rank: what a step of synchronous training costs when
+  // the ranks' compute drifts apart (for `local` on N ranks, the host's part of
+  // data parallelism, with no communication at all).
+  at::Tensor slowest = torch::tensor(step_ms, torch::kDouble);
+  pg->all_reduce(slowest, fsdp::ReduceOp::kMax).wait();
+  const double med_synced = median(std::vector<double>(
+      slowest.data_ptr<double>(), slowest.data_ptr<double>() + slowest.numel()));
   const double med_f = max_over_ranks(*pg, median(fwd_ms));
   const double med_b = max_over_ranks(*pg, median(bwd_ms));
   const double med_o = max_over_ranks(*pg, median(opt_ms));
@@ -240,7 +251,8 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"bench\":\"step\",\"mode\":\"%s\",\"world\":%d,\"blocks\":%lld,\"d_model\":%lld,"
         "\"seq\":%lld,\"batch\":%lld,\"params\":%lld,\"forward_prefetch\":%s,\"steps\":%d,"
-        "\"warmup\":%d,\"median_ms\":%.1f,\"forward_ms\":%.1f,\"backward_ms\":%.1f,"
+        "\"warmup\":%d,\"median_ms\":%.1f,\"slowest_rank_median_ms\":%.1f,\"forward_ms\":%.1f,"
+        "\"backward_ms\":%.1f,"
         "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
         "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f,"
         "\"precision\":\"%s\",\"all_gather_bytes_per_step\":%lld,"
@@ -248,9 +260,9 @@ int main(int argc, char** argv) {
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(total_params),
-        strategy && args.forward_prefetch ? "true" : "false", args.steps, args.warmup, med, med_f,
-        med_b, med_o, static_cast<long long>(peak_max), static_cast<long long>(state_max),
-        static_cast<long long>(param_peak_max),
+        strategy && args.forward_prefetch ? "true" : "false", args.steps, args.warmup, med,
+        med_synced, med_f, med_b, med_o, static_cast<long long>(peak_max),
+        static_cast<long long>(state_max), static_cast<long long>(param_peak_max),
         static_cast<long long>(gpt_mini::block_param_count(config) *
                                static_cast<int64_t>(sizeof(float))),
         loss0, args.precision.c_str(), static_cast<long long>(gathered_per_step),

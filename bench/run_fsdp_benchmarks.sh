@@ -26,7 +26,10 @@
 #   LOCAL_CONCURRENT (1)         also run `local` on NPROC ranks side by side
 #                                (no communication): what NPROC busy processes
 #                                cost the machine by itself, to tell it apart
-#                                from FSDP's own cost. 0 skips it (~35 s).
+#                                from FSDP's own cost, and at the pace of each
+#                                step's slowest rank (local_concurrent_slowest):
+#                                what the ranks' drift costs a synchronous step.
+#                                0 skips it (~35 s).
 set -euo pipefail
 
 BUILD=${1:-build}
@@ -113,6 +116,8 @@ for r in lines:
             key += "_bf16"
         step.setdefault(key, r)
         rounds.setdefault(key, []).append(r["median_ms"])
+        if key == "local_concurrent":
+            rounds.setdefault("local_concurrent_slowest", []).append(r["slowest_rank_median_ms"])
 over = {r["world"]: r for r in lines if r["bench"] == "overhead_summary"}
 
 
@@ -136,6 +141,11 @@ if "local_concurrent" in step:
     out["local_concurrent_over_local"] = round(ratio("local_concurrent", "local"), 3)
     out["full_shard_over_local_concurrent"] = round(ratio("full_shard", "local_concurrent"), 3)
     out["no_shard_over_local_concurrent"] = round(ratio("no_shard", "local_concurrent"), 3)
+    # Each step at the pace of its slowest rank, as synchronous training runs.
+    base = "local_concurrent_slowest"
+    out[f"{base}_over_local"] = round(ratio(base, "local"), 3)
+    out[f"full_shard_over_{base}"] = round(ratio("full_shard", base), 3)
+    out[f"no_shard_over_{base}"] = round(ratio("no_shard", base), 3)
 
 # Memory: half of local's parameters + gradients + AdamW state, plus two
 # blocks' full parameters (the gathered block and the prefetched one), +10%.

@@ -16,6 +16,7 @@
 #include <fsdp/comm/init.h>
 
 #include "core/sharded_placeholder.h"
+#include "runtime/reduced_grad.h"
 #include "runtime/unit_init.h"
 
 namespace fsdp {
@@ -201,17 +202,9 @@ void Unit::make_optim_params() {
 }
 
 void Unit::assign_reduced_grad() {
-  auto accumulate = [](at::Tensor& param, const at::Tensor& grad) {
-    if (param.grad().defined()) {
-      param.mutable_grad().add_(grad);
-    } else {
-      // A copy, not a view: LibTorch 1.13's zero_grad() cannot detach views.
-      param.mutable_grad() = grad.is_view() ? grad.clone() : grad;
-    }
-  };
   grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
   if (!options_.use_orig_params()) {
-    accumulate(optim_params_[0], grad_shard_);
+    detail::accumulate_reduced_grad(optim_params_[0], grad_shard_);
     return;
   }
   const int64_t begin = flat_->shard_offset();
@@ -220,7 +213,8 @@ void Unit::assign_reduced_grad() {
     if (!piece.requires_grad()) continue;
     const auto& slot = flat_->slots()[i];
     const int64_t lo = std::max(begin, slot.offset);
-    accumulate(piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
+    detail::accumulate_reduced_grad(
+        piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
   }
 }
 
