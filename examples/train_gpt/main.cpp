@@ -109,7 +109,7 @@ int train(const TrainConfig& c, const Corpus& corpus) {
   try {
     metrics_file = std::make_unique<MetricsLog>(c.metrics_dir, rank);
   } catch (const std::exception& e) {
-    metrics_error = e.what();
+    metrics_error = fsdp::error_message(e);
   }
   if (!all_ranks_ok(*pg, metrics_error.empty())) {
     return fail(metrics_error.empty() ? "another rank could not open its metrics file"
@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
     corpus = load_corpus(config.data_path, config.corpus_chars, config.val_fraction, config.seq_len,
                          config.seed);
   } catch (const std::exception& e) {
-    return fail(e.what());
+    return fail(fsdp::error_message(e));
   }
   if (config.sample_tokens > 0) {
     if (config.prompt.empty())
@@ -281,14 +281,14 @@ int main(int argc, char** argv) {
     try {
       corpus.vocab.encode(config.prompt);
     } catch (const std::exception& e) {
-      return fail(std::string("--prompt: ") + e.what() + "; use characters of the text");
+      return fail(std::string("--prompt: ") + fsdp::error_message(e) + "; use characters of the text");
     }
   }
   try {
     return train(config, corpus);
   } catch (const std::exception& e) {
     // A collective error or a bug: name the rank, since fsdprun interleaves output.
-    std::cerr << "train_gpt [rank " << env_int("RANK", 0) << "]: " << e.what() << std::endl;
+    std::cerr << "train_gpt [rank " << env_int("RANK", 0) << "]: " << fsdp::error_message(e) << std::endl;
     return 1;
   }
 }

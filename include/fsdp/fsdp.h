@@ -13,6 +13,7 @@
 #include <fsdp/core/flat_parameter.h>
 #include <fsdp/core/mixed_precision.h>
 #include <fsdp/core/reset_parameters.h>
+#include <fsdp/error_message.h>
 #include <fsdp/memory.h>
 #include <fsdp/runtime/unit.h>
 #include <fsdp/wrap/auto_wrap.h>

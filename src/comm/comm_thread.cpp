@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <sstream>
 
+#include <fsdp/error_message.h>
+
 #include "comm/work_state.h"
 
 // Note [Collective fingerprints]
@@ -282,11 +284,12 @@ void CommThread::Core::execute(Item& item) {
     item.state->finish(nullptr);
   } catch (const std::exception& e) {
     health = Health::kBroken;
-    broken_cause = item.state->description + ": " + e.what();
+    // The cause without its backtrace: this message is one sentence.
+    broken_cause = item.state->description + ": " + error_message(e);
     item.state->finish(std::make_exception_ptr(c10::Error(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
         "[rank " + std::to_string(rank) + "] fsdp: " + item.state->description +
-            " failed: " + e.what() +
+            " failed: " + error_message(e) +
             ". A peer rank has probably died or timed out; look at the other ranks' output.")));
   }
 }

@@ -18,6 +18,8 @@
 #include <mutex>
 #include <sstream>
 
+#include <fsdp/error_message.h>
+
 #include "comm/comm_thread.h"
 #include "comm/direct_links.h"
 #include "comm/ring.h"
@@ -204,7 +206,7 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
       ctx->connectFullMesh(gstore, dev);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "[rank ", rank, "] fsdp: connecting the ", size, " ranks of group '",
-                  prefix_, "' over Gloo (listening on ", listen_addr_, ") failed: ", e.what(),
+                  prefix_, "' over Gloo (listening on ", listen_addr_, ") failed: ", error_message(e),
                   ". Check that every rank started and can reach the others' addresses.");
     }
     context_ = ctx;

@@ -4,7 +4,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <mutex>
 
@@ -50,6 +52,55 @@ void ignore_sigpipe() {
   }
 }
 
+// Note [Agreeing on the world size]
+// Hand-launched ranks can disagree on WORLD_SIZE; Gloo would then fail deep in
+// its rendezvous ("sizeof(impl_) == bytes.size(). 136 vs 272") or wait for
+// ranks that never come. So the ranks compare world sizes through the store
+// first: every rank posts its own and reads rank 0's; rank 0 reads every
+// other rank's and posts a verdict that the others wait for. A rank that
+// disagrees with rank 0 fails at once, rank 0 fails on the first one it finds,
+// and every other rank fails with rank 0's verdict, all naming both sizes.
+// Each rank acknowledges what it learnt, and a failing rank 0 keeps serving the
+// store (a few seconds at most) until the ranks that arrived have: its store
+// going away would otherwise turn their message into "lost the connection".
+void agree_on_world_size(c10d::Store& store, const RankInfo& info,
+                         std::chrono::milliseconds timeout) {
+  const std::string prefix = "fsdp/init/world_size/";
+  auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  auto mismatch = [](int r, int a, int s, const std::string& b) {
+    return "rank " + std::to_string(r) + " has WORLD_SIZE " + std::to_string(a) + ", rank " +
+           std::to_string(s) + " has " + b +
+           ". Every rank must be started with the same WORLD_SIZE (fsdprun sets it for you).";
+  };
+  const std::string mine = std::to_string(info.world_size);
+  store.set(prefix + std::to_string(info.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::string verdict;
+  if (info.rank == 0) {
+    for (int p = 1; p < info.world_size && verdict.empty(); ++p) {
+      const std::string theirs = text(store.get(prefix + std::to_string(p)));
+      if (theirs != mine) verdict = mismatch(0, info.world_size, p, theirs);
+    }
+    store.set(prefix + "verdict", std::vector<uint8_t>(verdict.begin(), verdict.end()));
+    if (!verdict.empty()) {
+      std::vector<std::string> acks;
+      for (int p = 1; p < info.world_size; ++p) {
+        if (store.check({prefix + std::to_string(p)}))
+          acks.push_back(prefix + "ack/" + std::to_string(p));
+      }
+      try {
+        store.wait(acks, std::min(timeout, std::chrono::milliseconds(5000)));
+      } catch (const std::exception&) {  // a rank that does not acknowledge fails on its own
+      }
+    }
+  } else {
+    const std::string root = text(store.get(prefix + "0"));
+    if (root != mine) verdict = mismatch(info.rank, info.world_size, 0, root);
+    if (verdict.empty()) verdict = text(store.get(prefix + "verdict"));
+    store.set(prefix + "ack/" + std::to_string(info.rank), {});
+  }
+  TORCH_CHECK(verdict.empty(), "[rank ", info.rank, "] fsdp::init_process_group: ", verdict);
+}
+
 std::string string_setting(const std::string& option, const char* env, const char* fallback) {
   if (!option.empty()) return option;
   const char* text = std::getenv(env);
@@ -79,22 +130,21 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   TORCH_CHECK(master_port > 0 && master_port <= 65535, "fsdp::init_process_group: master port ",
               master_port, " is not in [1, 65535]");
   std::string listen_addr = options.listen_addr();
-  if (listen_addr.empty()) {
-    listen_addr = detail::is_loopback_host(master_addr) ? "127.0.0.1"
-                                                        : detail::local_address_toward(master_addr);
+  if (listen_addr.empty() && !detail::is_loopback_host(master_addr)) {
+    listen_addr = detail::local_address_toward(master_addr);
+  } else if (listen_addr.empty()) {
+    listen_addr = master_addr.find(':') != std::string::npos ? "::1" : "127.0.0.1";
   }
 
   c10::intrusive_ptr<c10d::Store> store;
   if (info.world_size > 1) {
     ignore_sigpipe();
-    // Rank 0 serves the store on the master address when it is one of its
-    // own (single node, or the master node), else on its listen address.
-    const std::string server_addr =
-        options.listen_addr().empty() && detail::is_loopback_host(master_addr) ? "127.0.0.1"
-        : options.listen_addr().empty()                                        ? master_addr
-                                                                               : listen_addr;
+    // Rank 0 serves the store on the address the others dial (any loopback
+    // address, or the master node's), unless told to listen elsewhere.
+    const std::string server_addr = options.listen_addr().empty() ? master_addr : listen_addr;
     store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
                                           info.rank == 0, options.timeout(), server_addr);
+    agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
   }
 
   std::shared_ptr<ProcessGroup> group;

@@ -15,8 +15,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <sstream>
+
+#include "comm/socket.h"
 
 // See Note [Shared memory for same-host ranks].
 
@@ -144,29 +145,56 @@ bool all_posted(c10d::Store& store, const std::string& key, int rank, int size,
   return all;
 }
 
-// Rank 0's segment: created exclusively, sized with its pages reserved (so a
-// full /dev/shm is a clean "no" here, never a SIGBUS later). "" on failure.
-std::string create_segment(size_t bytes) {
-  std::random_device rd;
-  std::ostringstream name;
-  name << "/fsdp-" << ::getpid() << "-" << std::hex << rd() << rd();
-  const int fd = ::shm_open(name.str().c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return "";
-  const bool ok = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 &&
-                  ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
-  ::close(fd);
-  if (!ok) {
-    ::shm_unlink(name.str().c_str());
-    return "";
+// Note [Shared memory without a name]
+// A segment under a name in /dev/shm outlives every process that dies before
+// unlinking it: a rank SIGKILLed between shm_open(O_CREAT) and the unlink
+// left an 8 MiB file behind (4 of 24 start-up kills). So the segment never
+// gets a name: rank 0 makes it with memfd_create and keeps that descriptor
+// open until every rank mapped it; the others open the same file through
+// /proc/<rank 0's pid>/fd/<fd> (same PID namespace and user, see host_key()).
+// The kernel frees it when the last descriptor and mapping go, whoever dies
+// and whenever. Passing the descriptor over a unix socket would work as well
+// but needs a socket path (a name again) or an abstract one (same network
+// namespace); this needs nothing. A memfd is not bound by /dev/shm's size
+// (64 MiB in a default Docker container) but by the memory of the cgroup;
+// its pages are still reserved up front, so a shortage is a clean "no".
+// FSDP_FAULT_SHM_SETUP=<rank>:<step> makes that rank SIGKILL itself at step
+// 1..kSetupSteps of the set-up, for the tests of this Note.
+
+constexpr int kSetupSteps = 6;
+
+void fault_point(int rank, int step) {
+  static const std::string target = [] {
+    const char* env = std::getenv("FSDP_FAULT_SHM_SETUP");
+    return std::string(env != nullptr ? env : "");
+  }();
+  if (!target.empty() && target == std::to_string(rank) + ":" + std::to_string(step)) {
+    ::raise(SIGKILL);
   }
-  return name.str();
 }
 
-void* map_segment(const std::string& name, size_t bytes) {
-  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) return nullptr;
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
+// Rank 0's segment, its pages reserved (a shortage is a clean "no" here,
+// never a SIGBUS later). An invalid UniqueFd on failure.
+UniqueFd create_segment(size_t bytes) {
+  UniqueFd fd(::memfd_create("fsdp-shm", MFD_CLOEXEC));
+  if (fd.get() < 0 || ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0 ||
+      ::posix_fallocate(fd.get(), 0, static_cast<off_t>(bytes)) != 0) {
+    return UniqueFd();
+  }
+  return fd;
+}
+
+// Another rank's open of rank 0's segment, named "<pid>/<fd>".
+UniqueFd open_segment(const std::string& where) {
+  const size_t slash = where.find('/');
+  if (slash == std::string::npos) return UniqueFd();
+  const std::string path = "/proc/" + where.substr(0, slash) + "/fd/" + where.substr(slash + 1);
+  return UniqueFd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+}
+
+void* map_segment(const UniqueFd& fd, size_t bytes) {
+  if (fd.get() < 0) return nullptr;
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   return base == MAP_FAILED ? nullptr : base;
 }
 
@@ -211,20 +239,31 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
   const std::string mine = key.empty() ? "off/" + std::to_string(rank) : key;
   if (!all_posted(store, "shm/host", rank, size, mine, mine)) return nullptr;
 
+  fault_point(rank, 1);
+
+  // See Note [Shared memory without a name].
   const size_t bytes = segment_bytes(size);
-  std::string name;
+  UniqueFd segment;
   if (rank == 0) {
-    name = create_segment(bytes);
-    set_string(store, "shm/name", name);
+    segment = create_segment(bytes);
+    fault_point(rank, 2);
+    set_string(
+        store, "shm/segment",
+        segment.get() < 0 ? "" : std::to_string(::getpid()) + "/" + std::to_string(segment.get()));
   } else {
-    name = get_string(store, "shm/name");
+    segment = open_segment(get_string(store, "shm/segment"));
+    fault_point(rank, 2);
   }
-  void* base = name.empty() ? nullptr : map_segment(name, bytes);
+  fault_point(rank, 3);
+  void* base = map_segment(segment, bytes);
+  fault_point(rank, 4);
   if (base != nullptr) {
     control_of(base, rank)->pid = static_cast<int32_t>(::getpid());
   }
   const bool all_mapped = all_posted(store, "shm/mapped", rank, size, base ? "1" : "0", "1");
-  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());  // everyone opened it by now
+  fault_point(rank, 5);
+  segment.reset();  // every rank opened it by now; the mappings keep it alive
+  fault_point(rank, kSetupSteps);
   if (!all_mapped) {
     if (base != nullptr) ::munmap(base, bytes);
     return nullptr;

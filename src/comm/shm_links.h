@@ -35,8 +35,9 @@ namespace fsdp::detail {
 ///   and wakes everyone, so the others fail at once naming it.
 /// - Set-up is collective and all-or-nothing (through the store): any rank
 ///   elsewhere, FSDP_SHM=0 on any rank, or a segment that cannot be created
-///   gives every rank nullptr, and the group keeps Gloo. Rank 0 unlinks the
-///   segment as soon as every rank mapped it, so nothing is left in /dev/shm.
+///   gives every rank nullptr, and the group keeps Gloo. The segment has no
+///   name at any time, so nothing is ever left in /dev/shm, whoever dies when
+///   (Note [Shared memory without a name]).
 class ShmLinks {
  public:
   /// Collective over the group (keys under `store`, the group's own prefix).

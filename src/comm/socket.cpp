@@ -1,14 +1,17 @@
 #include "comm/socket.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -64,6 +67,37 @@ void set_nodelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+using Clock = std::chrono::steady_clock;
+
+// Waits until `fd` has one of `events` (or an error/hang-up, which the next
+// call reports); false when `deadline` passes first.
+bool wait_ready(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30)));
+    if (rc > 0) return true;
+    if (rc < 0 && errno != EINTR) return true;  // let the caller's send/recv report it
+  }
+}
+
+// Connects `fd` to `ai` unless `deadline` passes first; "" on success, else why not.
+std::string connect_until(int fd, const addrinfo* ai, Clock::time_point deadline) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int err = ::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    if (!wait_ready(fd, POLLOUT, deadline)) return "connect timed out";
+    socklen_t len = sizeof(err);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+  }
+  if (err != 0) return std::strerror(err);
+  ::fcntl(fd, F_SETFL, flags);
+  return "";
+}
+
 }  // namespace
 
 UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port) {
@@ -102,11 +136,11 @@ UniqueFd connect_tcp(const std::string& host, int port, std::chrono::millisecond
     for (addrinfo* ai = list.head; ai != nullptr; ai = ai->ai_next) {
       UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
       if (fd.get() < 0) continue;
-      if (::connect(fd.get(), ai->ai_addr, ai->ai_addrlen) == 0) {
+      last_error = connect_until(fd.get(), ai, deadline);
+      if (last_error.empty()) {
         set_nodelay(fd.get());
         return fd;
       }
-      last_error = std::strerror(errno);
     }
     TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "fsdp: cannot reach the rendezvous ",
                 "store at ", host, ":", port, " within ", timeout.count(), " ms (", last_error,
@@ -141,11 +175,42 @@ bool read_all(int fd, void* data, size_t n) {
   return true;
 }
 
+IoResult write_all_until(int fd, const void* data, size_t n, Clock::time_point deadline) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (!wait_ready(fd, POLLOUT, deadline)) return IoResult::kTimedOut;
+      continue;
+    }
+    if (w <= 0) return IoResult::kClosed;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return IoResult::kOk;
+}
+
+IoResult read_all_until(int fd, void* data, size_t n, Clock::time_point deadline) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (!wait_ready(fd, POLLIN, deadline)) return IoResult::kTimedOut;
+      continue;
+    }
+    if (r <= 0) return IoResult::kClosed;
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return IoResult::kOk;
+}
+
 bool is_loopback_host(const std::string& host) {
-  if (host == "localhost" || host == "::1") return true;
+  if (host == "localhost") return true;
   in_addr a4{};
   if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
-  return false;
+  in6_addr a6{};
+  return inet_pton(AF_INET6, host.c_str(), &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6);
 }
 
 std::string local_address_toward(const std::string& host) {

@@ -35,8 +35,21 @@ class UniqueFd {
 /// `bound_port`. Throws a c10::Error naming the address on failure.
 UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port);
 
-/// Connects to host:port, retrying until `timeout` (the server may not be up yet).
+/// Connects to host:port, retrying until `timeout` (the server may not be up
+/// yet). Every address the host resolves to is tried; no attempt outlives the
+/// deadline (a silently dropped SYN cannot stall it).
 UniqueFd connect_tcp(const std::string& host, int port, std::chrono::milliseconds timeout);
+
+/// Outcome of an I/O with a deadline.
+enum class IoResult { kOk, kClosed, kTimedOut };
+
+/// Writes all `n` bytes of a blocking socket unless `deadline` passes first.
+IoResult write_all_until(int fd, const void* data, size_t n,
+                         std::chrono::steady_clock::time_point deadline);
+
+/// Reads exactly `n` bytes of a blocking socket unless `deadline` passes first.
+IoResult read_all_until(int fd, void* data, size_t n,
+                        std::chrono::steady_clock::time_point deadline);
 
 /// Writes all `n` bytes; false if the peer is gone.
 bool write_all(int fd, const void* data, size_t n);
@@ -44,7 +57,7 @@ bool write_all(int fd, const void* data, size_t n);
 /// Reads exactly `n` bytes; false on EOF or error.
 bool read_all(int fd, void* data, size_t n);
 
-/// True for 127.0.0.0/8, ::1 and "localhost".
+/// True for 127.0.0.0/8, ::1 (in any spelling) and "localhost".
 bool is_loopback_host(const std::string& host);
 
 /// The local address of the interface the kernel would route to `host` through

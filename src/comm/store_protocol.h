@@ -109,10 +109,4 @@ class MessageReader {
   size_t pos_ = 0;
 };
 
-/// Sends one framed message; false if the peer is gone.
-bool send_message(int fd, const std::vector<uint8_t>& message);
-
-/// Receives one framed message; false on EOF, error or an oversized frame.
-bool recv_message(int fd, std::vector<uint8_t>* message);
-
 }  // namespace fsdp::detail

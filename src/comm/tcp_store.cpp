@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "comm/socket.h"
@@ -15,8 +16,14 @@
 // one client connection. c10d's TCPStore in LibTorch 1.13 listens on the
 // wildcard address (measured: `ss -ltn` shows `*:PORT`), so a job started on a
 // laptop would accept connections from the network. TcpStore binds exactly the
-// address it is given, loopback unless the job spans nodes. It derives from
-// c10d::Store, so c10d's own classes (PrefixStore, ProcessGroupGloo) use it.
+// address it is given, by default the one clients dial (MASTER_ADDR: any
+// loopback address, IPv6 too). It derives from c10d::Store, so c10d's own
+// classes (PrefixStore, ProcessGroupGloo) use it.
+// Every request has a deadline (the store's timeout, plus the server-side wait
+// of a get or wait), so a server that accepts but never answers, or a rank 0
+// that stopped, is an error naming the store's address, not a hang. A request
+// that failed leaves the stream out of step, so the connection is closed and
+// later requests fail at once with the first cause.
 
 namespace fsdp {
 
@@ -33,6 +40,27 @@ std::string join_keys(const std::vector<std::string>& keys) {
   return os.str();
 }
 
+using Clock = std::chrono::steady_clock;
+constexpr auto kForever = std::chrono::milliseconds::max();
+
+detail::IoResult send_message(int fd, const std::vector<uint8_t>& message,
+                              Clock::time_point deadline) {
+  const auto len = static_cast<uint32_t>(message.size());
+  auto r = detail::write_all_until(fd, &len, sizeof(len), deadline);
+  return r == detail::IoResult::kOk
+             ? detail::write_all_until(fd, message.data(), message.size(), deadline)
+             : r;
+}
+
+detail::IoResult recv_message(int fd, std::vector<uint8_t>* message, Clock::time_point deadline) {
+  uint32_t len = 0;
+  auto r = detail::read_all_until(fd, &len, sizeof(len), deadline);
+  if (r != detail::IoResult::kOk) return r;
+  if (len > detail::kMaxStoreMessage) return detail::IoResult::kClosed;
+  message->resize(len);
+  return detail::read_all_until(fd, message->data(), len, deadline);
+}
+
 }  // namespace
 
 TcpStore::TcpStore(const std::string& host, int port, bool is_server,
@@ -40,7 +68,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server,
     : c10d::Store(timeout), host_(host), port_(port) {
   TORCH_CHECK(port >= 0 && port <= 65535, "fsdp::TcpStore: port must be in [0, 65535], got ", port);
   if (is_server) {
-    server_ = std::make_unique<detail::StoreServer>(listen_addr, port);
+    server_ = std::make_unique<detail::StoreServer>(listen_addr.empty() ? host : listen_addr, port);
     port_ = server_->port();
   } else {
     TORCH_CHECK(port > 0, "fsdp::TcpStore: a client needs the server's port, got 0");
@@ -53,14 +81,43 @@ TcpStore::~TcpStore() {
   server_.reset();
 }
 
-std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message) {
+std::string TcpStore::address() const {
+  const bool v6 = host_.find(':') != std::string::npos;
+  return (v6 ? "[" + host_ + "]" : host_) + ":" + std::to_string(port_);
+}
+
+std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
+                                       std::chrono::milliseconds server_wait) {
   std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(fd_ >= 0, "fsdp::TcpStore: the connection to the rendezvous store at ", address(),
+              " was closed after an earlier request failed: ", broken_);
+  // No limit when the store's timeout is c10d's kNoTimeout (zero), or the
+  // server may hold the request forever. A request the server holds gets a
+  // little more than the server's wait, so that its own "timed out waiting
+  // for key" reply (which names the key) arrives first.
+  const bool unlimited = timeout_.count() <= 0 || server_wait == kForever;
+  const auto limit = server_wait.count() > 0
+                         ? server_wait + std::min(timeout_, std::chrono::milliseconds(2000))
+                         : timeout_;
+  const auto deadline = unlimited ? Clock::time_point::max() : Clock::now() + limit;
   std::vector<uint8_t> reply;
-  TORCH_CHECK(detail::send_message(fd_, message) && detail::recv_message(fd_, &reply),
-              "fsdp::TcpStore: lost the connection to the rendezvous store at ", host_, ":", port_,
-              ". Rank 0 (which serves it) has probably exited or crashed; look at its output.");
+  auto result = send_message(fd_, message, deadline);
+  if (result == detail::IoResult::kOk) result = recv_message(fd_, &reply, deadline);
+  if (result != detail::IoResult::kOk) {
+    broken_ = result == detail::IoResult::kTimedOut
+                  ? "the store at " + address() + " did not answer within " +
+                        std::to_string(limit.count()) +
+                        " ms. Rank 0 (which serves it) is stuck, or MASTER_ADDR/MASTER_PORT "
+                        "name something that is not this job's rendezvous store."
+                  : "lost the connection to the rendezvous store at " + address() +
+                        ". Rank 0 (which serves it) has probably exited or crashed; look at its "
+                        "output.";
+    ::close(fd_);
+    fd_ = -1;
+    TORCH_CHECK(false, "fsdp::TcpStore: ", broken_);
+  }
   TORCH_CHECK(!reply.empty() && reply[0] != static_cast<uint8_t>(StoreStatus::kBadRequest),
-              "fsdp::TcpStore: the store at ", host_, ":", port_, " rejected a request");
+              "fsdp::TcpStore: the store at ", address(), " rejected a request");
   return reply;
 }
 
@@ -84,10 +141,10 @@ std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
   MessageWriter w;
   w.u8(static_cast<uint8_t>(StoreCommand::kGet)).str(key).i64(timeout_.count());
-  auto reply = request(w.get());
+  auto reply = request(w.get(), timeout_.count() > 0 ? timeout_ : kForever);
   MessageReader r(reply);
   TORCH_CHECK(r.u8() == static_cast<uint8_t>(StoreStatus::kOk), "fsdp::TcpStore: timed out after ",
-              timeout_.count(), " ms waiting for key '", key, "' at ", host_, ":", port_,
+              timeout_.count(), " ms waiting for key '", key, "' at ", address(),
               ". Some rank has not reached this point: is every one of the WORLD_SIZE ranks "
               "started, and do they all run the same program?");
   return r.vec();
@@ -139,11 +196,10 @@ void TcpStore::wait(const std::vector<std::string>& keys,
       .i64(timeout.count())
       .i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
-  auto reply = request(w.get());
+  auto reply = request(w.get(), timeout.count() > 0 ? timeout : kForever);
   TORCH_CHECK(reply[0] == static_cast<uint8_t>(StoreStatus::kOk),
               "fsdp::TcpStore: timed out after ", timeout.count(), " ms waiting for keys [",
-              join_keys(keys), "] at ", host_, ":", port_,
-              ". Some rank has not reached this point.");
+              join_keys(keys), "] at ", address(), ". Some rank has not reached this point.");
 }
 
 }  // namespace fsdp

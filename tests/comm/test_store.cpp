@@ -1,20 +1,53 @@
 // TcpStore: the c10d::Store contract, timeouts with clear errors, and
-// concurrent clients, in one process (server and clients on threads).
+// concurrent clients, in one process (server and clients on threads); the
+// server on the address clients dial, bounded requests, and a server that
+// shrugs off silent, garbage and many connections (Note [Store server]).
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <fsdp/comm/tcp_store.h>
 
+#include "comm/socket.h"
+
 namespace fsdp {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// True when this kernel has an IPv6 loopback to bind.
+bool have_ipv6_loopback() {
+  detail::UniqueFd fd(::socket(AF_INET6, SOCK_STREAM, 0));
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  return fd.get() >= 0 && ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+}
+
+int threads_of_this_process() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// A connected socket to 127.0.0.1:port.
+detail::UniqueFd raw_connection(int port) {
+  return detail::connect_tcp("127.0.0.1", port, std::chrono::seconds(5));
+}
 
 TEST(TcpStore, SetGetAddCheckDeleteCompareSet) {
   TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(5));
@@ -101,6 +134,103 @@ TEST(TcpStore, LostServerIsAClearError) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("lost the connection"), std::string::npos) << e.what();
   }
+}
+
+TEST(TcpStore, ServerListensOnTheLoopbackAddressClientsDial) {
+  std::vector<std::string> hosts = {"127.0.0.2", "localhost"};
+  if (have_ipv6_loopback()) hosts.push_back("::1");
+  for (const auto& host : hosts) {
+    TcpStore server(host, 0, true, std::chrono::seconds(5));
+    TcpStore client(host, server.port(), false, std::chrono::seconds(2));
+    client.set("k", bytes(host));
+    EXPECT_EQ(server.get("k"), bytes(host)) << host;
+  }
+  if (!have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback: ::1 not tested";
+}
+
+TEST(TcpStore, SilentServerIsAnErrorNamingItWithinTheTimeout) {
+  // Accepts (the kernel completes connections in its backlog) but never answers.
+  int port = 0;
+  detail::UniqueFd silent = detail::listen_tcp("127.0.0.1", 0, &port);
+  TcpStore client("127.0.0.1", port, false, std::chrono::milliseconds(500));
+  const auto t0 = Clock::now();
+  try {
+    client.set("k", bytes("v"));
+    FAIL() << "a request to a silent server returned";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("127.0.0.1:" + std::to_string(port)), std::string::npos) << msg;
+    EXPECT_NE(msg.find("did not answer within 500 ms"), std::string::npos) << msg;
+  }
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3));
+  // The stream is out of step now: later requests fail at once, with the cause.
+  const auto t1 = Clock::now();
+  try {
+    client.get("k");
+    FAIL() << "a request after a failed one returned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("did not answer"), std::string::npos);
+  }
+  EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(200));
+  // get() may wait for its key up to the timeout, so it is bounded by twice that.
+  TcpStore waiter("127.0.0.1", port, false, std::chrono::milliseconds(500));
+  const auto t2 = Clock::now();
+  EXPECT_THROW(waiter.get("k"), c10::Error);
+  EXPECT_LT(Clock::now() - t2, std::chrono::seconds(3));
+}
+
+TEST(TcpStore, SilentGarbageAndManyConnectionsLeaveTheServerServingWithOneThread) {
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(10));
+  const int port = server.port();
+  const int threads_before = threads_of_this_process();
+  std::vector<detail::UniqueFd> held;
+  for (int i = 0; i < 300; ++i) held.push_back(raw_connection(port));  // silent
+  std::mt19937 rng(7);
+  for (int i = 0; i < 50; ++i) {  // random bytes, often an absurd length
+    detail::UniqueFd fd = raw_connection(port);
+    std::vector<uint8_t> junk(1 + rng() % 300);
+    for (auto& b : junk) b = static_cast<uint8_t>(rng());
+    detail::write_all(fd.get(), junk.data(), junk.size());
+    if (i % 2 == 0) held.push_back(std::move(fd));
+  }
+  {  // a well-framed request that does not parse: answered kBadRequest
+    detail::UniqueFd fd = raw_connection(port);
+    const uint8_t frame[] = {3, 0, 0, 0, 0 /* kSet */, 9, 9};
+    detail::write_all(fd.get(), frame, sizeof(frame));
+    uint8_t reply[5] = {};
+    ASSERT_TRUE(detail::read_all(fd.get(), reply, sizeof(reply)));
+    EXPECT_EQ(reply[0], 1);  // length 1
+    EXPECT_EQ(reply[4], 2);  // StoreStatus::kBadRequest
+  }
+  {  // a frame longer than any message: closed
+    detail::UniqueFd fd = raw_connection(port);
+    const uint8_t frame[] = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
+    detail::write_all(fd.get(), frame, sizeof(frame));
+    uint8_t b = 0;
+    EXPECT_FALSE(detail::read_all(fd.get(), &b, 1));
+  }
+  for (int i = 0; i < 2000; ++i) raw_connection(port);  // connect and close at once
+  // A real client is served while all that is held open.
+  TcpStore client("127.0.0.1", port, false, std::chrono::seconds(5));
+  client.set("k", bytes("v"));
+  EXPECT_EQ(client.get("k"), bytes("v"));
+  EXPECT_EQ(threads_of_this_process(), threads_before) << "the server made threads per connection";
+}
+
+TEST(TcpStore, ParkedRequestsOfManyClientsAreAnsweredByOneSet) {
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(10));
+  std::vector<std::thread> waiters;
+  std::atomic<int> got{0};
+  for (int t = 0; t < 16; ++t) {
+    waiters.emplace_back([&, port = server.port()] {
+      TcpStore c("127.0.0.1", port, false, std::chrono::seconds(10));
+      if (c.get("go") == bytes("now")) ++got;
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  server.set("go", bytes("now"));
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(got.load(), 16);
 }
 
 }  // namespace

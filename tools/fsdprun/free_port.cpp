@@ -1,6 +1,6 @@
 #include "free_port.h"
 
-#include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,26 +10,39 @@
 
 namespace fsdp::launch {
 
-int pick_free_port(std::string* error) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) {
-    *error = std::string("socket: ") + std::strerror(errno);
+int pick_free_port(const std::string& addr, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* list = nullptr;
+  const int rc = ::getaddrinfo(addr.c_str(), "0", &hints, &list);
+  if (rc != 0) {
+    *error = "cannot resolve " + addr + ": " + gai_strerror(rc);
     return -1;
   }
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
   int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    *error = std::string("bind 127.0.0.1:0: ") + std::strerror(errno);
-  } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    *error = std::string("getsockname: ") + std::strerror(errno);
-  } else {
-    port = ntohs(addr.sin_port);
+  *error = "no address for " + addr;
+  for (addrinfo* ai = list; ai != nullptr && port < 0; ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      *error = std::string("socket: ") + std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+      *error = "bind " + addr + ":0: " + std::strerror(errno);
+    } else if (::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) != 0) {
+      *error = std::string("getsockname: ") + std::strerror(errno);
+    } else {
+      port = ntohs(bound.ss_family == AF_INET6
+                       ? reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port
+                       : reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+    }
+    ::close(fd);
   }
-  ::close(fd);
+  ::freeaddrinfo(list);
   return port;
 }
 

@@ -49,7 +49,7 @@ int launch(const LaunchOptions& options) {
   int port = options.master_port.value_or(0);
   if (!options.master_port) {
     std::string error;
-    port = pick_free_port(&error);
+    port = pick_free_port(options.master_addr, &error);
     if (port < 0) {
       err.write("fsdprun: cannot pick a free port (" + error + "); pass --master-port\n");
       return 1;

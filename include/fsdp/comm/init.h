@@ -41,9 +41,11 @@ struct ProcessGroupOptions {
   /// Port of rank 0's rendezvous store; -1: from MASTER_PORT (default 29500).
   TORCH_ARG(int64_t, master_port) = -1;
   /// Address this rank listens on, for the store (rank 0) and for Gloo's
-  /// connections. "": loopback when master_addr is a loopback address, else
-  /// the local address of the interface that routes to master_addr. Nothing
-  /// ever listens on the wildcard address unless "0.0.0.0" is given here.
+  /// connections. "": the store listens on master_addr itself (any loopback
+  /// address, IPv6 too); Gloo on loopback when master_addr is a loopback
+  /// address, else on the local address of the interface that routes to
+  /// master_addr. Nothing ever listens on the wildcard address unless
+  /// "0.0.0.0" is given here.
   TORCH_ARG(std::string, listen_addr) = "";
   /// Limit for rendezvous and for every collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);

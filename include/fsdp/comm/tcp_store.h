@@ -22,10 +22,13 @@ class StoreServer;
 class TcpStore : public c10d::Store {
  public:
   /// Connects to host:port; when `is_server`, first starts the server on
-  /// listen_addr:port (port 0 picks a free one, see port()).
+  /// listen_addr:port ("": on `host`, the address clients dial; port 0 picks
+  /// a free one, see port()). Every request fails (naming host:port) when the
+  /// server does not answer within `timeout`, plus the request's own wait for
+  /// get() and wait().
   TcpStore(const std::string& host, int port, bool is_server,
            std::chrono::milliseconds timeout = std::chrono::minutes(5),
-           const std::string& listen_addr = "127.0.0.1");
+           const std::string& listen_addr = "");
   ~TcpStore() override;
 
   /// The port the store is reached on (useful after asking for port 0).
@@ -54,13 +57,19 @@ class TcpStore : public c10d::Store {
             const std::chrono::milliseconds& timeout) override;
 
  private:
-  std::vector<uint8_t> request(const std::vector<uint8_t>& message);
+  // Sends `message` and returns the reply; `server_wait` is how long the
+  // server may hold it (a get's or wait's timeout), on top of timeout_.
+  std::vector<uint8_t> request(const std::vector<uint8_t>& message,
+                               std::chrono::milliseconds server_wait = {});
+  std::string address() const;
 
   std::unique_ptr<detail::StoreServer> server_;  // only on the server rank
   std::string host_;
   int port_ = 0;
-  int fd_ = -1;
   std::mutex mutex_;  // one request at a time on fd_
+  // State below is protected by mutex_.
+  int fd_ = -1;         // -1 once a request failed: the stream is out of step
+  std::string broken_;  // why fd_ was closed
 };
 
 }  // namespace fsdp
