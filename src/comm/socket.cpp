@@ -175,34 +175,38 @@ bool read_all(int fd, void* data, size_t n) {
   return true;
 }
 
-IoResult write_all_until(int fd, const void* data, size_t n, Clock::time_point deadline) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      if (!wait_ready(fd, POLLOUT, deadline)) return IoResult::kTimedOut;
+namespace {
+
+// Moves `n` bytes with `io` (one non-blocking send or recv returning its
+// count), waiting for `events` in between, unless `deadline` passes first.
+template <typename Io>
+IoResult transfer_until(int fd, size_t n, short events, Clock::time_point deadline, Io&& io) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t r = io(done);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+      if (!wait_ready(fd, events, deadline)) return IoResult::kTimedOut;
       continue;
     }
-    if (w <= 0) return IoResult::kClosed;
-    p += w;
-    n -= static_cast<size_t>(w);
+    if (r <= 0) return IoResult::kClosed;
+    done += static_cast<size_t>(r);
   }
   return IoResult::kOk;
 }
 
+}  // namespace
+
+IoResult write_all_until(int fd, const void* data, size_t n, Clock::time_point deadline) {
+  const char* p = static_cast<const char*>(data);
+  return transfer_until(fd, n, POLLOUT, deadline, [&](size_t done) {
+    return ::send(fd, p + done, n - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+  });
+}
+
 IoResult read_all_until(int fd, void* data, size_t n, Clock::time_point deadline) {
   char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-      if (!wait_ready(fd, POLLIN, deadline)) return IoResult::kTimedOut;
-      continue;
-    }
-    if (r <= 0) return IoResult::kClosed;
-    p += r;
-    n -= static_cast<size_t>(r);
-  }
-  return IoResult::kOk;
+  return transfer_until(fd, n, POLLIN, deadline,
+                        [&](size_t done) { return ::recv(fd, p + done, n - done, MSG_DONTWAIT); });
 }
 
 bool is_loopback_host(const std::string& host) {

@@ -11,12 +11,26 @@
 
 #include <fsdp/comm/init.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "comm/socket.h"
+
 namespace fsdp::testing {
 
 /// Joins the group that run_ranks' environment describes.
 inline std::shared_ptr<ProcessGroup> join(
     Backend backend, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
   return init_process_group(ProcessGroupOptions().backend(backend).timeout(timeout));
+}
+
+/// True when this kernel has an IPv6 loopback to bind (tests of ::1 skip otherwise).
+inline bool have_ipv6_loopback() {
+  detail::UniqueFd fd(::socket(AF_INET6, SOCK_STREAM, 0));
+  sockaddr_in6 a{};
+  a.sin6_family = AF_INET6;
+  a.sin6_addr = in6addr_loopback;
+  return fd.get() >= 0 && ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
 }
 
 /// Names a backend for parameterised test names.

@@ -21,6 +21,7 @@
 #include <fsdp/comm/tcp_store.h>
 
 #include "comm/socket.h"
+#include "comm_test_util.h"
 
 namespace fsdp {
 namespace {
@@ -28,15 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
-// True when this kernel has an IPv6 loopback to bind.
-bool have_ipv6_loopback() {
-  detail::UniqueFd fd(::socket(AF_INET6, SOCK_STREAM, 0));
-  sockaddr_in6 a{};
-  a.sin6_family = AF_INET6;
-  a.sin6_addr = in6addr_loopback;
-  return fd.get() >= 0 && ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-}
 
 int threads_of_this_process() {
   int n = 0;
@@ -138,14 +130,14 @@ TEST(TcpStore, LostServerIsAClearError) {
 
 TEST(TcpStore, ServerListensOnTheLoopbackAddressClientsDial) {
   std::vector<std::string> hosts = {"127.0.0.2", "localhost"};
-  if (have_ipv6_loopback()) hosts.push_back("::1");
+  if (testing::have_ipv6_loopback()) hosts.push_back("::1");
   for (const auto& host : hosts) {
     TcpStore server(host, 0, true, std::chrono::seconds(5));
     TcpStore client(host, server.port(), false, std::chrono::seconds(2));
     client.set("k", bytes(host));
     EXPECT_EQ(server.get("k"), bytes(host)) << host;
   }
-  if (!have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback: ::1 not tested";
+  if (!testing::have_ipv6_loopback()) GTEST_SKIP() << "no IPv6 loopback: ::1 not tested";
 }
 
 TEST(TcpStore, SilentServerIsAnErrorNamingItWithinTheTimeout) {

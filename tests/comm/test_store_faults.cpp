@@ -34,14 +34,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-bool have_ipv6_loopback() {
-  detail::UniqueFd fd(::socket(AF_INET6, SOCK_STREAM, 0));
-  sockaddr_in6 a{};
-  a.sin6_family = AF_INET6;
-  a.sin6_addr = in6addr_loopback;
-  return fd.get() >= 0 && ::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-}
-
 long vm_rss_kb() {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
@@ -186,39 +178,35 @@ TEST(StoreFaults, FiveThousandProbesDuringTrainingLeaveRankZeroFlat) {
   }
 }
 
-TEST(StoreFaults, DifferentWorldSizesAreNamedOnEveryRank) {
-  auto outcomes = run_ranks(
-      2,
-      [](int rank, int) {
-        if (rank == 1) setenv("WORLD_SIZE", "3", 1);
+// Starts `world` ranks, rank `odd` with WORLD_SIZE `its`; every rank must fail
+// init within 10 s (no timeout) with the message `expected(rank)` names.
+void expect_world_size_errors(int world, int odd, int its, std::string (*expected)(int rank)) {
+  run_ranks_ok(
+      world,
+      [odd, its, expected](int rank, int) {
+        if (rank == odd) setenv("WORLD_SIZE", std::to_string(its).c_str(), 1);
+        const auto t0 = Clock::now();
         const std::string msg = message_of([] { join(Backend::kGloo, std::chrono::seconds(20)); });
         std::cout << "got: " << msg << std::endl;
-        EXPECT_NE(msg.find(rank == 0 ? "rank 0 has WORLD_SIZE 2, rank 1 has 3"
-                                     : "rank 1 has WORLD_SIZE 3, rank 0 has 2"),
-                  std::string::npos)
-            << msg;
+        EXPECT_NE(msg.find(expected(rank)), std::string::npos) << msg;
+        EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "waited for a timeout";
       },
       MultiRankOptions{std::chrono::seconds(40), std::chrono::seconds(15), {}});
-  expect_all_succeeded(outcomes);
+}
+
+TEST(StoreFaults, DifferentWorldSizesAreNamedOnEveryRank) {
+  expect_world_size_errors(2, 1, 3, [](int rank) -> std::string {
+    return rank == 0 ? "rank 0 has WORLD_SIZE 2, rank 1 has 3"
+                     : "rank 1 has WORLD_SIZE 3, rank 0 has 2";
+  });
 }
 
 TEST(StoreFaults, AgreeingRanksHearRankZerosVerdictOnAnother) {
   // Ranks 0 and 1 agree on 3; rank 2 says 4: rank 1 learns it from rank 0.
-  auto outcomes = run_ranks(
-      3,
-      [](int rank, int) {
-        if (rank == 2) setenv("WORLD_SIZE", "4", 1);
-        const auto t0 = Clock::now();
-        const std::string msg = message_of([] { join(Backend::kGloo, std::chrono::seconds(20)); });
-        std::cout << "got: " << msg << std::endl;
-        EXPECT_NE(msg.find(rank == 2 ? "rank 2 has WORLD_SIZE 4, rank 0 has 3"
-                                     : "rank 0 has WORLD_SIZE 3, rank 2 has 4"),
-                  std::string::npos)
-            << msg;
-        EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "waited for a timeout";
-      },
-      MultiRankOptions{std::chrono::seconds(40), std::chrono::seconds(15), {}});
-  expect_all_succeeded(outcomes);
+  expect_world_size_errors(3, 2, 4, [](int rank) -> std::string {
+    return rank == 2 ? "rank 2 has WORLD_SIZE 4, rank 0 has 3"
+                     : "rank 0 has WORLD_SIZE 3, rank 2 has 4";
+  });
 }
 
 TEST(StoreFaults, ErrorsOfADeadPeerPrintWithoutBacktraces) {
