@@ -20,7 +20,7 @@ std::string list(const at::Tensor& t) {
 }
 }  // namespace
 
-int main() {
+int run() {
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
   const int64_t shard_numel = 4;
@@ -47,4 +47,15 @@ int main() {
   pg->barrier().wait();
   if (rank == 0) std::cout << "all_reduce counted " << count.item<float>() << " ranks" << std::endl;
   return at::equal(reduced, expected) ? 0 : 1;
+}
+
+// Errors in one line: a c10::Error's what() carries a C++ backtrace
+// (TORCH_SHOW_CPP_STACKTRACES=1 shows it).
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::cerr << fsdp::error_message(e) << std::endl;
+    return 1;
+  }
 }

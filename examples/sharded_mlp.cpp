@@ -22,7 +22,7 @@ struct NetImpl : nn::Module {
 };
 TORCH_MODULE(Net);
 
-int main() {
+int run() {
   torch::set_num_threads(1);
   fsdp::init_process_group();
   auto o = fsdp::FSDPOptions()
@@ -49,4 +49,15 @@ int main() {
   }
   std::cout << "loss " << first << " -> " << last << std::endl;
   return last < 0.5 * first ? 0 : 1;
+}
+
+// Errors in one line: a c10::Error's what() carries a C++ backtrace
+// (TORCH_SHOW_CPP_STACKTRACES=1 shows it).
+int main() {
+  try {
+    return run();
+  } catch (const std::exception& e) {
+    std::cerr << fsdp::error_message(e) << std::endl;
+    return 1;
+  }
 }

@@ -83,5 +83,15 @@ TEST(FsdprunFaults, RankKilledAtStartUpGivesErrorsWithoutBacktraces) {
   for (std::string line; std::getline(lines, line);) std::cout << "stderr: " << line << "\n";
 }
 
+TEST(FsdprunFaults, RankZeroKilledAtStartUpGivesTheOthersOneLine) {
+  // Rank 0 (which serves the store) dies; rank 1's store request fails.
+  const RunResult r = run_launcher({"--nproc-per-node", "2", COMM_DEMO_PATH},
+                                   {{"FSDP_FAULT_SHM_SETUP", "0:3"}}, std::chrono::seconds(50));
+  ASSERT_FALSE(r.timed_out) << r.out << r.err;
+  EXPECT_NE(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("lost the connection to the rendezvous store"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("frame #"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace fsdp::launch::testing
