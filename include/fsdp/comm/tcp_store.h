@@ -52,6 +52,9 @@ class TcpStore : public c10d::Store {
   /// Waits for every key, up to `timeout`.
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override;
+  /// A new client connection to the same store (LibTorch 2.x's c10d::Store
+  /// requires it; it overrides there and is a plain member with 1.13).
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   std::vector<uint8_t> request(const std::vector<uint8_t>& message);
