@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +36,14 @@ double median_ms(int iters, const std::function<void()>& fn, fsdp::ProcessGroup&
   at::Tensor m = at::full({1}, times[times.size() / 2], at::kDouble);
   pg.all_reduce(m, fsdp::ReduceOp::kMax).wait();
   return m.item<double>();
+}
+
+// A ratio as JSON: null when a side was not measured (NaN).
+std::string json_number(double v) {
+  if (std::isnan(v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", v);
+  return buf;
 }
 
 void emit(int rank, const std::string& op, const std::string& impl, int world, int64_t bytes,
@@ -65,15 +74,19 @@ int main(int argc, char** argv) {
   }
   at::set_num_threads(1);
   auto pg = fsdp::init_process_group();
-  // A second group on the next port: c10d's ProcessGroupGloo, the baseline.
-  const char* port_env = std::getenv("MASTER_PORT");
-  const int64_t c10d_port = (port_env ? std::atoll(port_env) : 29500) + 1;
-  auto c10d_wrapper = std::dynamic_pointer_cast<fsdp::C10dProcessGroup>(
-      fsdp::init_process_group(fsdp::ProcessGroupOptions()
-                                   .backend(fsdp::Backend::kC10dGloo)
-                                   .master_port(c10d_port)
-                                   .set_default(false)));
-  auto c10d = c10d_wrapper->c10d_group();
+  // A second group on the next port: c10d's ProcessGroupGloo, the baseline,
+  // where this build has it (not against pip's wheel: no Gloo headers).
+  c10::intrusive_ptr<c10d::ProcessGroup> c10d;
+  std::shared_ptr<fsdp::ProcessGroup> c10d_wrapper;
+  if (fsdp::backend_available(fsdp::Backend::kC10dGloo)) {
+    const char* port_env = std::getenv("MASTER_PORT");
+    const int64_t c10d_port = (port_env ? std::atoll(port_env) : 29500) + 1;
+    c10d_wrapper = fsdp::init_process_group(fsdp::ProcessGroupOptions()
+                                                .backend(fsdp::Backend::kC10dGloo)
+                                                .master_port(c10d_port)
+                                                .set_default(false));
+    c10d = std::dynamic_pointer_cast<fsdp::C10dProcessGroup>(c10d_wrapper)->c10d_group();
+  }
 
   const int rank = pg->rank(), world = pg->size();
   const int64_t numel = mib * (1 << 20) / 4;
@@ -95,30 +108,36 @@ int main(int argc, char** argv) {
 
   std::vector<at::Tensor> outputs;
   for (int k = 0; k < world; ++k) outputs.push_back(flat.narrow(0, k * s, s));
-  const double c10d_ag_ms = median_ms(
-      iters,
-      [&] {
-        std::vector<std::vector<at::Tensor>> out{outputs};
-        std::vector<at::Tensor> in{shard};
-        c10d->allgather(out, in)->wait();
-      },
-      *pg);
-  emit(rank, "all_gather", "c10d_gloo_list", world, bytes, c10d_ag_ms, moved);
+  double c10d_ag_ms = std::nan("");
+  if (c10d) {
+    c10d_ag_ms = median_ms(
+        iters,
+        [&] {
+          std::vector<std::vector<at::Tensor>> out{outputs};
+          std::vector<at::Tensor> in{shard};
+          c10d->allgather(out, in)->wait();
+        },
+        *pg);
+    emit(rank, "all_gather", "c10d_gloo_list", world, bytes, c10d_ag_ms, moved);
+  }
 
   at::Tensor grads = at::ones({numel});
   const double rs_ms = median_ms(
       iters, [&] { pg->reduce_scatter_tensor(shard, grads, fsdp::ReduceOp::kSum).wait(); }, *pg);
   emit(rank, "reduce_scatter", "fsdp", world, bytes, rs_ms, moved);
 
-  const double c10d_rs_ms = median_ms(
-      iters,
-      [&] {
-        std::vector<at::Tensor> t{flat2};
-        c10d->allreduce(t)->wait();
-        shard.copy_(flat2.narrow(0, rank * s, s));
-      },
-      *pg);
-  emit(rank, "reduce_scatter", "c10d_allreduce_slice", world, bytes, c10d_rs_ms, moved);
+  double c10d_rs_ms = std::nan("");
+  if (c10d) {
+    c10d_rs_ms = median_ms(
+        iters,
+        [&] {
+          std::vector<at::Tensor> t{flat2};
+          c10d->allreduce(t)->wait();
+          shard.copy_(flat2.narrow(0, rank * s, s));
+        },
+        *pg);
+    emit(rank, "reduce_scatter", "c10d_allreduce_slice", world, bytes, c10d_rs_ms, moved);
+  }
 
   at::Tensor tiny = at::ones({1});
   const double ar_ms = median_ms(
@@ -128,10 +147,11 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     std::printf(
         "{\"bench\":\"comm_ratios\",\"world\":%d,\"bytes\":%lld,"
-        "\"all_gather_speedup_vs_c10d\":%.2f,\"reduce_scatter_speedup_vs_allreduce_slice\":%.2f,"
+        "\"all_gather_speedup_vs_c10d\":%s,\"reduce_scatter_speedup_vs_allreduce_slice\":%s,"
         "\"all_gather_over_memcpy\":%.2f,\"reduce_scatter_over_memcpy\":%.2f,"
         "\"all_reduce_4B_latency_ms\":%.4f}\n",
-        world, static_cast<long long>(bytes), c10d_ag_ms / ag_ms, c10d_rs_ms / rs_ms,
+        world, static_cast<long long>(bytes), json_number(c10d_ag_ms / ag_ms).c_str(),
+        json_number(c10d_rs_ms / rs_ms).c_str(),
         ag_ms / memcpy_ms, rs_ms / memcpy_ms, ar_ms);
   }
   pg->barrier().wait();

@@ -42,6 +42,7 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <torch/version.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -256,7 +257,8 @@ int main(int argc, char** argv) {
         "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
         "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f,"
         "\"precision\":\"%s\",\"all_gather_bytes_per_step\":%lld,"
-        "\"reduce_scatter_bytes_per_step\":%lld,\"malloc\":\"%s\"}\n",
+        "\"reduce_scatter_bytes_per_step\":%lld,\"malloc\":\"%s\",\"torch\":\"%s\","
+        "\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(total_params),
@@ -266,7 +268,8 @@ int main(int argc, char** argv) {
         static_cast<long long>(gpt_mini::block_param_count(config) *
                                static_cast<int64_t>(sizeof(float))),
         loss0, args.precision.c_str(), static_cast<long long>(gathered_per_step),
-        static_cast<long long>(reduced_per_step), bench::malloc_mode());
+        static_cast<long long>(reduced_per_step), bench::malloc_mode(), TORCH_VERSION,
+        bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -32,6 +32,18 @@ inline void single_threaded_blas() {
     fn(1);
 }
 
+/// The BLAS this process runs LibTorch's matmuls on: "openblas <core>"
+/// (Debian's LibTorch 1.13 calls the system OpenBLAS, whose core detection
+/// can fall back to a generic core; see scripts/check_blas.sh), else "mkl"
+/// (pip's wheel), else "other".
+inline std::string blas_description() {
+  using CoreName = char* (*)();
+  if (auto fn = reinterpret_cast<CoreName>(dlsym(RTLD_DEFAULT, "openblas_get_corename"))) {
+    return std::string("openblas ") + fn();
+  }
+  return at::hasMKL() ? "mkl" : "other";
+}
+
 /// Every benchmark's process set-up, for all modes alike: one intra-op thread
 /// and one BLAS thread, and freed CPU memory kept for reuse
 /// (fsdp::keep_freed_cpu_memory) unless BENCH_DEFAULT_MALLOC=1 asks for the C

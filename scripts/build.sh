@@ -1,8 +1,39 @@
 #!/usr/bin/env bash
-# Configures and builds libfsdp (Release) into ${FSDP_BUILD_DIR:-build}.
+# Configures and builds libfsdp (Release) with its tests, tools, examples and
+# benchmarks.
+#   scripts/build.sh                 against pip's torch 2.15 in .venv/, into build/
+#   scripts/build.sh --torch 1.13    against Debian's LibTorch 1.13, into build-1.13/
+# FSDP_TORCH (2.15 or 1.13) may stand for --torch, FSDP_BUILD_DIR for the
+# folder, FSDP_VENV for the virtual environment. ccache is used when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD_DIR="${FSDP_BUILD_DIR:-build}"
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_TOOLS=ON -DFSDP_BUILD_EXAMPLES=ON -DFSDP_BUILD_BENCH=ON
+
+TORCH="${FSDP_TORCH:-2.15}"
+if [[ ${1:-} == --torch ]]; then TORCH="$2"; fi
+VENV="${FSDP_VENV:-.venv}"
+
+args=(-DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_TOOLS=ON
+      -DFSDP_BUILD_EXAMPLES=ON -DFSDP_BUILD_BENCH=ON)
+case "$TORCH" in
+  2.15)
+    BUILD_DIR="${FSDP_BUILD_DIR:-build}"
+    torch_dir=$("$VENV/bin/python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+    # torch/ first: its lib/ must win over Debian's libtorch in /usr/lib when
+    # TorchConfig.cmake looks for libtorch.so and libc10.so.
+    args+=("-DCMAKE_PREFIX_PATH=$torch_dir;$torch_dir/share/cmake"
+           "-DFSDP_PYTHON=$(cd "$VENV" && pwd)/bin/python")
+    ;;
+  1.13)
+    BUILD_DIR="${FSDP_BUILD_DIR:-build-1.13}"
+    # The interop tests need PyTorch: the venv's, where set up.
+    if [ -x "$VENV/bin/python" ]; then args+=("-DFSDP_PYTHON=$(cd "$VENV" && pwd)/bin/python"); fi
+    ;;
+  *)
+    echo "build.sh: unknown LibTorch '$TORCH': use --torch 2.15 (pip's wheel in $VENV) or --torch 1.13 (Debian's)" >&2
+    exit 2
+    ;;
+esac
+if command -v ccache >/dev/null; then args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+
+cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}"
 cmake --build "$BUILD_DIR" -j "$(nproc)"

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Installs what libfsdp needs to build, test and run, from Debian's archive
-# only. Safe to run any number of times: it installs just what is missing.
+# Installs what libfsdp needs to build, test and run. Safe to run any number
+# of times: it installs just what is missing.
+#   - Debian's packages (build tools, Gloo, LibTorch 1.13 for the small set-up,
+#     googletest, json, CLI11);
+#   - a project-local virtual environment, .venv/ (FSDP_VENV overrides), with
+#     pip's torch 2.15.0 (the primary LibTorch: its torch/lib, torch/include
+#     and torch/share/cmake, and PyTorch itself for the interop tests and the
+#     side-by-side benchmark), numpy and safetensors.
 #   scripts/setup.sh           what the build, the tests and the demo need
 #   scripts/setup.sh --bench   also gnuplot (bench/report.sh draws its chart)
 set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.15.0
+PIP_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors")
 
 PACKAGES=(
-  cmake ninja-build g++ pkg-config python3
-  libtorch-dev          # LibTorch 1.13 (tensors, autograd, c10d)
-  libgloo-dev           # Gloo, called directly for collectives
-  libopenblas0-pthread  # without it LibTorch's matmuls use the reference BLAS (~13x slower)
+  cmake ninja-build g++ pkg-config python3 ccache
+  libtorch-dev          # LibTorch 1.13 (the small, quick set-up; scripts/build.sh --torch 1.13)
+  libgloo-dev           # Gloo, called directly for collectives with LibTorch 1.13
+  libopenblas0-pthread  # without it LibTorch 1.13's matmuls use the reference BLAS (~13x slower)
   googletest libgtest-dev
   nlohmann-json3-dev libcli11-dev
   clang-14 libclang-rt-14-dev  # libFuzzer + ASan for the checkpoint loader's fuzz target
@@ -25,13 +35,31 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
-if ((${#missing[@]} == 0)); then
-  echo "setup: all ${#PACKAGES[@]} packages are installed"
-  exit 0
-fi
-
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "setup: installing ${missing[*]}"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+if ((${#missing[@]} == 0)); then
+  echo "setup: all ${#PACKAGES[@]} Debian packages are installed"
+else
+  echo "setup: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The virtual environment with pip's torch (what C++ users of LibTorch 2.x
+# have: its CMake package is found through torch.utils.cmake_prefix_path).
+VENV="${FSDP_VENV:-.venv}"
+if "$VENV/bin/python" - "$TORCH_VERSION" 2>/dev/null <<'PY'; then
+import sys, torch, numpy, safetensors
+sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
+PY
+  echo "setup: $VENV has torch $TORCH_VERSION"
+else
+  echo "setup: installing torch $TORCH_VERSION, numpy and safetensors into $VENV (a few GiB: the wheel is a CUDA build)"
+  if ! python3 -m venv "$VENV" 2>/dev/null; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
+    python3 -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PIP_PACKAGES[@]}"
+fi
+
+./scripts/check_blas.sh || true

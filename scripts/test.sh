@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, build, run every ctest test.
+# The whole test suite: set up, build, run every ctest test, against pip's
+# torch 2.15 (build/, the primary target) and then Debian's LibTorch 1.13
+# (build-1.13/). Arguments go to both ctest runs (`-L comm`, `-R name`).
+#   FSDP_TEST_TORCH=2.15 (or 1.13) runs one LibTorch only.
 # Tests run one at a time: the multi-rank ones already use both cores, and
 # their failure tests measure timeouts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-./scripts/build.sh
-BUILD_DIR="${FSDP_BUILD_DIR:-build}"
-ctest --test-dir "$BUILD_DIR" --output-on-failure "$@"
+which_torch="${FSDP_TEST_TORCH:-all}"
+status=0
+for torch in 2.15 1.13; do
+  [[ $which_torch == all || $which_torch == "$torch" ]] || continue
+  if [[ $torch == 2.15 ]]; then dir="${FSDP_BUILD_DIR:-build}"; else dir="build-1.13"; fi
+  echo "=== LibTorch $torch: build into $dir/"
+  FSDP_BUILD_DIR="$dir" ./scripts/build.sh --torch "$torch"
+  echo "=== LibTorch $torch: tests"
+  ctest --test-dir "$dir" --output-on-failure "$@" || status=1
+done
+exit $status

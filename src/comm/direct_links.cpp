@@ -11,7 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 
-// See Note [Direct links for small collectives].
+// See Note [Direct links for small collectives] and Note [Direct links for
+// large collectives].
 
 namespace fsdp::detail {
 
@@ -66,6 +67,37 @@ void send_message(int fd, const Header& h, const void* data, int rank, int peer)
 class DoneTransfer : public PendingTransfer {
  public:
   void wait() override {}
+};
+
+}  // namespace
+
+struct DirectLinks::Outgoing {
+  Header header;
+  at::Tensor src;  // keeps the bytes alive until written
+  bool done = false;
+  std::string error;  // set with done when the send failed
+};
+
+namespace {
+
+// Waits for a send queued to the sender thread.
+class QueuedSend : public PendingTransfer {
+ public:
+  QueuedSend(std::mutex& mutex, std::condition_variable& cv,
+             std::shared_ptr<DirectLinks::Outgoing> out)
+      : mutex_(mutex), cv_(cv), out_(std::move(out)) {}
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    // The socket's send timeout bounds each write, so the sender thread
+    // always finishes or fails a message.
+    cv_.wait(lock, [&] { return out_->done; });
+    TORCH_CHECK(out_->error.empty(), out_->error);
+  }
+
+ private:
+  std::mutex& mutex_;
+  std::condition_variable& cv_;
+  std::shared_ptr<DirectLinks::Outgoing> out_;
 };
 
 class LazyReceive : public PendingTransfer {
@@ -127,14 +159,73 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
               ". Is another job using the same MASTER_PORT?");
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
+  sender_ = std::thread([this] { sender_loop(); });
+}
+
+DirectLinks::~DirectLinks() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  // A write blocked on a peer that stopped reading ends now, not at the timeout.
+  ::shutdown(to_next_.get(), SHUT_RDWR);
+  sender_.join();
+}
+
+void DirectLinks::sender_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    // A message stays at the front of queue_ until written, so isend()
+    // never writes past it.
+    wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+    if (stopping_) break;
+    auto out = queue_.front();
+    lock.unlock();
+    std::string error;
+    if (failure_.empty()) {  // written only by this thread
+      try {
+        send_message(to_next_.get(), out->header, out->src.data_ptr(), rank_, next_);
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+      }
+    } else {
+      error = failure_;
+    }
+    lock.lock();
+    if (!error.empty() && failure_.empty()) failure_ = error;
+    out->done = true;
+    out->error = std::move(error);
+    out->src = at::Tensor();
+    queue_.pop_front();
+    wake_.notify_all();
+  }
+  for (auto& out : queue_) {
+    out->done = true;
+    out->error = "[rank " + std::to_string(rank_) + "] fsdp: the direct link to rank " +
+                 std::to_string(next_) + " was closed before this message was sent";
+  }
+  queue_.clear();
+  wake_.notify_all();
 }
 
 std::unique_ptr<PendingTransfer> DirectLinks::isend(const at::Tensor& src, int peer,
                                                     uint64_t slot) {
   TORCH_INTERNAL_ASSERT(peer == next_, "direct links send only to the next rank");
-  send_message(to_next_.get(), Header{slot, static_cast<uint64_t>(src.nbytes())}, src.data_ptr(),
-               rank_, next_);
-  return std::make_unique<DoneTransfer>();
+  const Header header{slot, static_cast<uint64_t>(src.nbytes())};
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Only this thread queues, so an empty queue stays empty while it writes.
+  if (queue_.empty() && static_cast<int64_t>(header.bytes) <= max_message_bytes()) {
+    lock.unlock();
+    send_message(to_next_.get(), header, src.data_ptr(), rank_, next_);
+    return std::make_unique<DoneTransfer>();
+  }
+  auto out = std::make_shared<Outgoing>();
+  out->header = header;
+  out->src = src;
+  queue_.push_back(out);
+  wake_.notify_all();
+  return std::make_unique<QueuedSend>(mutex_, wake_, std::move(out));
 }
 
 std::unique_ptr<PendingTransfer> DirectLinks::irecv(const at::Tensor& dst, int peer,

@@ -3,9 +3,13 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "comm/ring.h"
 #include "comm/socket.h"
@@ -19,19 +23,33 @@ namespace fsdp::detail {
 /// TCP connection to the ring neighbours (one to `next` for sending, one from
 /// `prev` for receiving) on which a message is one writev() and one or two
 /// recv()s in the thread that runs the collective. Messages carry a header
-/// (slot, bytes) checked on arrival, so a mismatch fails loudly. Sends happen
-/// at once (isend blocks until written), which cannot deadlock because a
-/// message is at most max_message_bytes(), well below the socket buffers set
-/// here; larger collectives keep using Gloo's pipelined transfers.
+/// (slot, bytes) checked on arrival, so a mismatch fails loudly. A small
+/// message (at most max_message_bytes(), well below the socket buffers set
+/// here) is sent at once by the calling thread, which cannot deadlock.
+///
+/// Note [Direct links for large collectives]
+/// Builds without Gloo (pip's LibTorch wheel ships no Gloo headers; see
+/// Note [Gloo or not]) carry every collective between hosts over the same
+/// links. A ring step posts all its sends before its receives, so blocking
+/// sends of messages larger than the socket buffers would deadlock: every
+/// rank writing, none reading. Larger messages (and any message queued behind
+/// one) therefore go to a sender thread per group that writes them in order
+/// while the calling thread receives, so each link carries data both ways at
+/// once. Receives stay in the calling thread, in the order they were posted,
+/// which is the order the peer sent them.
 class DirectLinks : public PointToPoint {
  public:
   /// Connects rank `rank` of `size` (>= 2) to its ring neighbours through
   /// `store` (keys are this group's own). Collective over the group.
   DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
               std::chrono::milliseconds timeout);
+  /// Stops the sender thread (a send in progress fails) and closes the links.
+  ~DirectLinks() override;
 
-  /// Largest message sent over the links (FSDP_DIRECT_LINK_BYTES overrides
-  /// the default 64 KiB; 0 turns direct links off).
+  /// Largest message the calling thread sends itself, and the size up to
+  /// which collectives prefer the links to shared memory or Gloo
+  /// (FSDP_DIRECT_LINK_BYTES overrides the default 64 KiB; 0 turns that off,
+  /// and with Gloo turns direct links off altogether).
   static int64_t max_message_bytes();
 
   std::unique_ptr<PendingTransfer> isend(const at::Tensor& src, int peer, uint64_t slot) override;
@@ -40,10 +58,24 @@ class DirectLinks : public PointToPoint {
   /// Receives the next message from `prev`, which must be `slot` of `bytes`.
   void receive(void* dst, size_t bytes, uint64_t slot);
 
+  /// A queued send and its completion, shared with its waiter.
+  struct Outgoing;
+
  private:
+  void sender_loop();
+
   const int rank_, next_, prev_;
   const std::chrono::milliseconds timeout_;
   UniqueFd to_next_, from_prev_;
+
+  // State below is protected by mutex_ (see Note [Direct links for large collectives]).
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<Outgoing>> queue_;  // queued and in-flight sends, in order
+  bool stopping_ = false;
+  std::string failure_;  // the first send error; every later send fails with it
+
+  std::thread sender_;  // last: started after everything it uses
 };
 
 }  // namespace fsdp::detail

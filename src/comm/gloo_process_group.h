@@ -7,22 +7,20 @@
 
 #include <fsdp/comm/process_group.h>
 
-namespace gloo {
-class Context;
-}  // namespace gloo
-
 namespace fsdp::detail {
 
 class CommThread;
 
 class DirectLinks;
+class GlooEngine;
 class PointToPoint;
 class ShmLinks;
 
-/// The CPU engine: Gloo called directly, ring collectives on Gloo's unbound
-/// buffers (Note [Ring collectives]), on one communication thread per group;
-/// small collectives over direct links, large ones over shared memory when
-/// every rank is on this host (Note [Shared memory for same-host ranks]).
+/// The CPU engine, on one communication thread per group: small collectives
+/// over direct links, large ones over shared memory when every rank is on
+/// this host (Note [Shared memory for same-host ranks]), the rest over Gloo
+/// where built with it, else over the direct links (Note [Gloo or not],
+/// Note [Routes of collectives]).
 class GlooProcessGroup final : public ProcessGroup {
  public:
   /// Connects a full mesh of `size` ranks through `store` (keys under
@@ -32,7 +30,7 @@ class GlooProcessGroup final : public ProcessGroup {
                    int size, std::chrono::milliseconds timeout, std::string listen_addr);
   ~GlooProcessGroup() override;
 
-  std::string backend_name() const override { return size() == 1 ? "local" : "gloo"; }
+  std::string backend_name() const override;
   Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override;
   Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat, ReduceOp op) override;
   Work all_reduce(const at::Tensor& tensor, ReduceOp op) override;
@@ -47,22 +45,25 @@ class GlooProcessGroup final : public ProcessGroup {
               int64_t detail, std::function<void(uint64_t seq)> body);
   at::Tensor exchange_fingerprints(const at::Tensor& mine, uint64_t seq);
   at::Tensor scratch_like(const at::Tensor& shard);
-  // The direct links for a collective whose per-rank chunk is `shard`, when
-  // small enough; otherwise `gloo`.
-  PointToPoint& transport_for(const at::Tensor& shard, PointToPoint& gloo);
-  // all_reduce of a small tensor over the direct links (sequence `seq`).
-  void ring_all_reduce_small(const at::Tensor& tensor, ReduceOp op, uint64_t seq);
-  // True when a collective whose per-rank chunk is `chunk_bytes` goes
-  // through shared memory (larger than what direct links carry).
-  bool use_shm(int64_t chunk_bytes) const;
+  enum class Route : uint8_t { kLinks, kShm, kGloo };
+  // The route of a collective of `kind` over `bytes` (per-rank chunk for
+  // all-gather and reduce-scatter, the whole tensor for all-reduce). See Note
+  // [Routes of collectives].
+  Route route(CollectiveKind kind, int64_t bytes) const;
+  // What a ring collective with per-rank chunks of `chunk_bytes` runs on.
+  PointToPoint& ring_transport(size_t chunk_bytes);
+  // all_reduce as reduce-scatter + all-gather rings over the direct links.
+  void ring_all_reduce_over_links(const at::Tensor& tensor, ReduceOp op, uint64_t seq);
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;
   std::string prefix_;
   std::string listen_addr_;
-  std::shared_ptr<gloo::Context> context_;  // null when size() == 1
-  // Small collectives' transport (Note [Direct links for small collectives]);
-  // null when size() == 1 or turned off.
+  // Gloo's mesh; null when size() == 1 or built without Gloo.
+  std::unique_ptr<GlooEngine> gloo_;
+  // Small collectives' transport (Note [Direct links for small collectives]),
+  // and without Gloo every one shared memory does not carry; null when
+  // size() == 1, or turned off with Gloo there.
   std::unique_ptr<DirectLinks> links_;
   // Larger collectives' transport when every rank is on this host (Note
   // [Shared memory for same-host ranks]); null otherwise or when turned off.

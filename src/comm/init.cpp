@@ -154,6 +154,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
           store, "fsdp/world", info.rank, info.world_size, options.timeout(), listen_addr);
       break;
     case Backend::kC10dGloo: {
+#if FSDP_WITH_GLOO
       const auto timeout = options.timeout();
       C10dGroupFactory factory = [timeout, listen_addr](const c10::intrusive_ptr<c10d::Store>& s,
                                                         int rank, int size) {
@@ -165,6 +166,13 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
       group = std::make_shared<C10dProcessGroup>(factory(world, info.rank, info.world_size),
                                                  timeout, world, factory);
       break;
+#else
+      TORCH_CHECK(false, "[rank ", info.rank,
+                  "] fsdp: Backend::kC10dGloo is not in this build of libfsdp: it was built "
+                  "against a LibTorch without Gloo's headers (pip's torch wheel). Use "
+                  "Backend::kGloo (the default), or wrap a c10d::ProcessGroup you made in "
+                  "fsdp::C10dProcessGroup.");
+#endif
     }
   }
 
@@ -180,6 +188,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     g_info = info;
   }
   return group;
+}
+
+bool backend_available(Backend backend) {
+  return backend == Backend::kGloo || FSDP_WITH_GLOO;
 }
 
 std::shared_ptr<ProcessGroup> default_process_group() {

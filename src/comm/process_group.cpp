@@ -109,9 +109,10 @@ void ProcessGroup::check_subgroup_ranks(const std::vector<int>& ranks) const {
   TORCH_CHECK(!ranks.empty(), "[rank ", rank_, "] fsdp new_subgroup: the rank list is empty");
   TORCH_CHECK(std::is_sorted(ranks.begin(), ranks.end()) &&
                   std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end(),
-              "[rank ", rank_, "] fsdp new_subgroup: ranks must be sorted and unique, got ", ranks);
+              "[rank ", rank_, "] fsdp new_subgroup: ranks must be sorted and unique, got ", c10::Join(", ", ranks));
   TORCH_CHECK(ranks.front() >= 0 && ranks.back() < size_, "[rank ", rank_,
-              "] fsdp new_subgroup: ranks must be in [0, ", size_, "), got ", ranks);
+              "] fsdp new_subgroup: ranks must be in [0, ", size_, "), got ",
+              c10::Join(", ", ranks));
 }
 
 std::shared_ptr<ProcessGroup> new_node_subgroup(ProcessGroup& group, int local_world_size) {

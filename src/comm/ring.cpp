@@ -19,6 +19,9 @@
 //   contribution; the last step's chunk is r itself. Partial sums alternate
 //   between `shard` and `scratch`, arranged so the last lands in `shard`.
 //   Step 0 sends straight from `flat`, which is never written.
+// Neither waits for a send before it has read every receive it posted
+// earlier, so they also run on transports whose receives progress only
+// while waited for (Note [Direct links for large collectives]).
 
 namespace fsdp::detail {
 
@@ -130,13 +133,15 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
     return (size - 2 - s) % 2 == 0 ? shard : scratch;
   };
 
+  // Step s reads what step s - 1 received, adds its own contribution and
+  // sends it on; only then does it wait for step s - 1's sends, because
+  // recv_buf(s) is what they were sent from. Waiting for sends only after
+  // reading keeps transports whose receives progress only when waited for
+  // (the direct links) from deadlocking: every rank's peer has read, or
+  // will read without waiting, what it was sent.
   std::vector<std::unique_ptr<PendingTransfer>> sends, recvs;
   for (int s = 0; s < size - 1; ++s) {
-    wait_all(sends);  // recv_buf(s) is what step s - 1 sent from
-    std::vector<std::unique_ptr<PendingTransfer>> step_recvs;
-    for (int64_t k = 0; k < segs.count; ++k) {
-      step_recvs.push_back(p2p.irecv(segs.of(recv_buf(s), k), prev, slot(s, k)));
-    }
+    std::vector<std::unique_ptr<PendingTransfer>> step_sends;
     for (int64_t k = 0; k < segs.count; ++k) {
       at::Tensor src;
       if (s == 0) {
@@ -146,9 +151,14 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
         src = segs.of(recv_buf(s - 1), k);
         combine(src, segs.of(chunk(mod(rank - s - 1, size)), k), op);
       }
-      sends.push_back(p2p.isend(src, next, slot(s, k)));
+      step_sends.push_back(p2p.isend(src, next, slot(s, k)));
     }
-    recvs = std::move(step_recvs);
+    wait_all(sends);  // step s - 1's: recv_buf(s) is what they were sent from
+    sends = std::move(step_sends);
+    recvs.clear();
+    for (int64_t k = 0; k < segs.count; ++k) {
+      recvs.push_back(p2p.irecv(segs.of(recv_buf(s), k), prev, slot(s, k)));
+    }
   }
   for (int64_t k = 0; k < segs.count; ++k) {
     recvs[k]->wait();
@@ -156,6 +166,20 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
   }
   wait_all(sends);
   if (op == ReduceOp::kAvg) shard.div_(size);
+}
+
+void ring_broadcast(PointToPoint& p2p, int rank, int size, const at::Tensor& flat, int root,
+                    uint64_t slot_base) {
+  if (size == 1 || flat.numel() == 0) return;
+  const Segments segs = segments_of(flat);
+  const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
+  std::vector<std::unique_ptr<PendingTransfer>> sends;
+  for (int64_t k = 0; k < segs.count; ++k) {
+    const at::Tensor seg = segs.of(flat, k);
+    if (rank != root) p2p.irecv(seg, prev, slot_base + k)->wait();
+    if (next != root) sends.push_back(p2p.isend(seg, next, slot_base + k));
+  }
+  wait_all(sends);
 }
 
 }  // namespace fsdp::detail

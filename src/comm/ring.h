@@ -46,4 +46,9 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
                          const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
                          uint64_t slot_base);
 
+/// Ring broadcast of `flat` from `root`: a chain root -> root + 1 -> ... whose
+/// segments are forwarded as soon as they arrive. Uses slots [slot_base, slot_base + segments).
+void ring_broadcast(PointToPoint& p2p, int rank, int size, const at::Tensor& flat, int root,
+                    uint64_t slot_base);
+
 }  // namespace fsdp::detail

@@ -76,6 +76,10 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server,
   fd_ = detail::connect_tcp(host_, port_, timeout).release();
 }
 
+c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
+  return c10::make_intrusive<TcpStore>(host_, port_, false, timeout_);
+}
+
 TcpStore::~TcpStore() {
   if (fd_ >= 0) ::close(fd_);
   server_.reset();

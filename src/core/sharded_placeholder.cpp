@@ -83,6 +83,14 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   if (name == "aten::zero_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
     return;  // Module::zero_grad(): the moved gradient is zero here already
   }
+  // Optimizer::zero_grad() detaches each gradient in place before zeroing it
+  // (LibTorch 1.13) or dropping it (2.x's default, after which step() would
+  // skip the parameter without a word); Module::zero_grad() uses an
+  // out-of-place detach. So an in-place detach of a moved gradient means an
+  // optimizer was built on the unwrapped parameters: say so now.
+  if (name == "aten::detach_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
+    TORCH_CHECK(false, message("Optimizer::zero_grad()", copy));
+  }
   if (passes_through(name) || found == nullptr) {
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
     return;

@@ -3,13 +3,19 @@
 // Every difference between LibTorch 1.13 and 2.x that libfsdp meets lives here.
 // 1.13: c10d::ProcessGroupGloo derives from c10d::ProcessGroup.
 // 2.x:  it derives from c10d::Backend and is wrapped in a c10d::ProcessGroup.
+// Builds without Gloo (FSDP_WITH_GLOO=0, pip's wheel: Note [Gloo or not] in
+// src/comm/gloo_engine.h) cannot include c10d's ProcessGroupGloo.hpp, which
+// includes Gloo's headers.
 
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#if FSDP_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
 #include <gloo/transport/tcp/device.h>
+#endif
 
 #include <c10/util/Exception.h>
 
@@ -28,8 +34,24 @@
 // registers nothing for (it exists for torchdistX's deferred init).
 #define FSDP_PLACEHOLDER_DISPATCH_KEY DeferredInit
 
+// c10::Allocator::allocate is const in 1.13 and not in 2.x; 2.x adds a pure
+// copy_data(). Use as `c10::DataPtr allocate(size_t n) FSDP_ALLOCATE_CONST override`.
+#if FSDP_TORCH_AT_LEAST(2, 0)
+#define FSDP_ALLOCATE_CONST
+#define FSDP_ALLOCATOR_COPY_DATA                                                  \
+  void copy_data(void* dest, const void* src, std::size_t count) const override { \
+    default_copy_data(dest, src, count);                                          \
+  }
+#else
+#define FSDP_ALLOCATE_CONST const
+#define FSDP_ALLOCATOR_COPY_DATA
+#endif
+
 namespace fsdp::compat {
 
+
+
+#if FSDP_WITH_GLOO
 /// A c10d Gloo process group listening on `listen_addr`.
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_c10d_gloo_group(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -48,6 +70,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_c10d_gloo_group(
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 #endif
 }
+#endif  // FSDP_WITH_GLOO
 
 /// Collects the messages of TORCH_WARN while alive (the handler interface
 /// and the guard's namespace changed in 2.x). Not thread-safe: warnings are
@@ -75,6 +98,17 @@ class WarningCollector : public c10::WarningHandler {
   c10::Warning::WarningHandlerGuard guard_;
 #endif
 };
+
+/// Zeroes an optimizer's gradients in place, keeping the tensors, as 1.13's
+/// Optimizer::zero_grad() always does (2.x drops them unless told not to).
+template <typename Optimizer>
+void zero_grad_in_place(Optimizer& optimizer) {
+#if FSDP_TORCH_AT_LEAST(2, 0)
+  optimizer.zero_grad(/*set_to_none=*/false);
+#else
+  optimizer.zero_grad();
+#endif
+}
 
 /// Waits for a c10d collective with a limit (the Work type moved in 2.x).
 template <typename WorkPtr>

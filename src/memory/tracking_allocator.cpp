@@ -3,6 +3,8 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include "detail/torch_compat.h"
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -105,7 +107,9 @@ class TrackingAllocator final : public c10::Allocator {
     raw_sizes().inner_deleter = inner_->raw_deleter();
   }
 
-  c10::DataPtr allocate(size_t nbytes) const override {
+  FSDP_ALLOCATOR_COPY_DATA
+
+  c10::DataPtr allocate(size_t nbytes) FSDP_ALLOCATE_CONST override {
     c10::DataPtr inner = inner_->allocate(nbytes);
     // Empty storages hold no memory; passing them through untouched keeps
     // allocations/frees about real memory and saves a context allocation.

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <fsdp/comm/init.h>
 
@@ -17,6 +18,16 @@
 #include "comm/socket.h"
 
 namespace fsdp::testing {
+
+/// The collective engines this build has, for parameterised tests
+/// (Backend::kC10dGloo needs Gloo's headers, absent from pip's torch wheel).
+inline std::vector<Backend> available_engines() {
+  std::vector<Backend> out;
+  for (Backend b : {Backend::kGloo, Backend::kC10dGloo}) {
+    if (backend_available(b)) out.push_back(b);
+  }
+  return out;
+}
 
 /// Joins the group that run_ranks' environment describes.
 inline std::shared_ptr<ProcessGroup> join(

@@ -186,7 +186,7 @@ TEST_P(Collectives, BadSizesAreErrorsNamingTheSizes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, Collectives,
-                         ::testing::Values(Backend::kGloo, Backend::kC10dGloo), backend_label);
+                         ::testing::ValuesIn(available_engines()), backend_label);
 
 }  // namespace
 }  // namespace fsdp::testing

@@ -123,7 +123,7 @@ TEST_P(DebugMode, EnvironmentTurnsItOnAndCorrectCollectivesAreUnchanged) {
       options);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, DebugMode, ::testing::Values(Backend::kGloo, Backend::kC10dGloo),
+INSTANTIATE_TEST_SUITE_P(Engines, DebugMode, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
 }  // namespace

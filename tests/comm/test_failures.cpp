@@ -73,7 +73,7 @@ TEST_P(Failures, StuckRankMakesOthersTimeOut) {
       << describe(outcomes[0]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Failures, ::testing::Values(Backend::kGloo, Backend::kC10dGloo),
+INSTANTIATE_TEST_SUITE_P(Engines, Failures, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
 }  // namespace

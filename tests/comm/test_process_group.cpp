@@ -175,7 +175,7 @@ TEST_P(Subgroups, SubgroupsAndNodeGroups) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Subgroups, ::testing::Values(Backend::kGloo, Backend::kC10dGloo),
+INSTANTIATE_TEST_SUITE_P(Engines, Subgroups, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
 }  // namespace

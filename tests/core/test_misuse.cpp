@@ -84,8 +84,14 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
       torch::optim::Adam also_wrong(inner->fc->module().parameters(), torch::optim::AdamOptions());
       torch::Tensor x = torch::randn({3, 6});
       model->forward(x).sum().backward();
-      wrong.zero_grad();  // harmless, like Module::zero_grad() below
-      std::string msg = error_of([&] { wrong.step(); });
+      // zero_grad() fails at once (LibTorch 2.x's default would otherwise
+      // drop the moved gradients, and step() would skip them silently) ...
+      std::string msg = error_of([&] { wrong.zero_grad(); });
+      EXPECT_CONTAINS(msg, "Optimizer::zero_grad() read the gradient of '");
+      EXPECT_CONTAINS(msg, "built on the unwrapped module's parameters");
+      EXPECT_CONTAINS(msg, "wrapped model's parameters()");
+      // ... and so does a step without it.
+      msg = error_of([&] { wrong.step(); });
       EXPECT_CONTAINS(msg, "read the gradient of '");
       EXPECT_CONTAINS(msg, "built on the unwrapped module's parameters");
       EXPECT_CONTAINS(msg, "wrapped model's parameters()");

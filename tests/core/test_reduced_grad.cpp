@@ -7,6 +7,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "detail/torch_compat.h"
 #include "multi_rank.h"
 #include "runtime/reduced_grad.h"
 #include "test_models.h"
@@ -85,7 +86,7 @@ TEST(ReducedGrad, NonZeroGradientsAndViewsAreAddedTo) {
   EXPECT_TRUE(torch::equal(param.grad(), whole.narrow(0, 0, 1000)));
 }
 
-// FSDP with LibTorch 1.13's zero_grad() (zeroing) and with gradients kept
+// FSDP with zeroing zero_grad() (1.13's default, zero_grad(false) in 2.x) and with gradients kept
 // across two steps (accumulation): the same parameters as plain training, in
 // every strategy, and the optimizer's gradient tensors stay the same objects.
 TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
@@ -110,8 +111,8 @@ TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
           const torch::Tensor x = torch::randn({8, 7});
           // Steps 0 and 2 zero the gradients; 1 and 3 add to the previous ones.
           if (step % 2 == 0) {
-            ref_opt.zero_grad();
-            opt.zero_grad();
+            compat::zero_grad_in_place(ref_opt);
+            compat::zero_grad_in_place(opt);
           }
           reference->forward(x).pow(2).sum().backward();
           ref_opt.step();

@@ -13,13 +13,16 @@ namespace fsdp {
 
 /// Which engine carries the collectives of a group made by init_process_group.
 enum class Backend : uint8_t {
-  /// The Gloo library called directly: all-gather into the caller's buffer,
-  /// a ring reduce-scatter, a dedicated communication thread; large
-  /// collectives between ranks on one host go through shared memory instead
-  /// (FSDP_SHM=0 turns that off). The default.
+  /// libfsdp's CPU engine, the default: all-gather into the caller's buffer,
+  /// a ring reduce-scatter, a dedicated communication thread; small
+  /// collectives over direct TCP links, large ones between ranks on one host
+  /// through shared memory (FSDP_SHM=0 turns that off), the rest over Gloo
+  /// called directly (LibTorch 1.13 builds) or over the direct links (builds
+  /// against pip's torch wheel, which ships no Gloo headers).
   kGloo,
   /// c10d's ProcessGroupGloo behind the same interface (reference path; the
-  /// same adapter carries NCCL on CUDA builds of LibTorch).
+  /// same adapter carries NCCL on CUDA builds of LibTorch). Only in builds
+  /// with Gloo's headers: see backend_available().
   kC10dGloo,
 };
 
@@ -75,6 +78,10 @@ struct RankInfo {
 /// Joins (or, on rank 0, opens) the rendezvous and returns the group of all
 /// ranks. World size 1 needs no store and opens no socket.
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
+
+/// Whether this build of libfsdp has `backend` (kC10dGloo needs Gloo's
+/// headers, which pip's torch wheel does not ship).
+bool backend_available(Backend backend);
 
 /// The group made by the last init_process_group with set_default(true).
 /// Throws when there is none.

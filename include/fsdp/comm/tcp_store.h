@@ -55,6 +55,9 @@ class TcpStore : public c10d::Store {
   /// Waits for every key, up to `timeout`.
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override;
+  /// A new client connection to the same store (LibTorch 2.x's c10d::Store
+  /// requires it; it overrides there and is a plain member with 1.13).
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   // Sends `message` and returns the reply; `server_wait` is how long the

@@ -1,11 +1,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/core/flat_parameter.h>
@@ -154,7 +156,9 @@ class Unit {
   torch::nn::Module* self_ = nullptr;
   torch::nn::Module* wrapped_ = nullptr;
   bool full_precision_override_ = false;  // see keep_full_precision()
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
+      grad_accumulators_;
   std::vector<bool> slot_trainable_;
   // Per slot: what the original parameter's .grad points at once its
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).

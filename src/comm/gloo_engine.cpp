@@ -1,0 +1,245 @@
+#include "comm/gloo_engine.h"
+
+#if FSDP_WITH_GLOO
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <fsdp/error_message.h>
+
+#include <map>
+#include <mutex>
+
+// See Note [Gloo or not].
+
+namespace fsdp::detail {
+
+namespace {
+
+// Gloo's rendezvous over any c10d::Store (ours, or a user's).
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  explicit GlooStoreAdapter(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, std::vector<uint8_t>(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    store_->wait(keys, timeout);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// One Gloo device (a listening socket and an event loop thread) per address,
+// shared by every group of the process.
+std::shared_ptr<gloo::transport::Device> device_for(const std::string& addr) {
+  static std::mutex mutex;
+  static std::map<std::string, std::shared_ptr<gloo::transport::Device>> devices;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& dev = devices[addr];
+  if (!dev) {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = addr;
+    dev = gloo::transport::tcp::CreateDevice(attr);
+  }
+  return dev;
+}
+
+class GlooTransfer : public PendingTransfer {
+ public:
+  GlooTransfer(std::unique_ptr<gloo::transport::UnboundBuffer> buf, bool is_send,
+               std::chrono::milliseconds timeout)
+      : buf_(std::move(buf)), is_send_(is_send), timeout_(timeout) {}
+  void wait() override {
+    const bool ok = is_send_ ? buf_->waitSend(timeout_) : buf_->waitRecv(timeout_);
+    TORCH_CHECK(ok, "gloo ", is_send_ ? "send" : "receive", " was aborted");
+  }
+
+ private:
+  std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
+  bool is_send_;
+  std::chrono::milliseconds timeout_;
+};
+
+class GlooPointToPoint : public PointToPoint {
+ public:
+  GlooPointToPoint(gloo::Context& ctx, std::chrono::milliseconds timeout)
+      : ctx_(ctx), timeout_(timeout) {}
+  std::unique_ptr<PendingTransfer> isend(const at::Tensor& src, int peer, uint64_t slot) override {
+    auto buf = ctx_.createUnboundBuffer(src.data_ptr(), src.nbytes());
+    buf->send(peer, slot);
+    return std::make_unique<GlooTransfer>(std::move(buf), true, timeout_);
+  }
+  std::unique_ptr<PendingTransfer> irecv(const at::Tensor& dst, int peer, uint64_t slot) override {
+    auto buf = ctx_.createUnboundBuffer(dst.data_ptr(), dst.nbytes());
+    buf->recv(peer, slot);
+    return std::make_unique<GlooTransfer>(std::move(buf), false, timeout_);
+  }
+
+ private:
+  gloo::Context& ctx_;
+  std::chrono::milliseconds timeout_;
+};
+
+template <typename T>
+void reduce_sum(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<T*>(c);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i] + y[i]);
+}
+
+template <typename T>
+void reduce_max(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<T*>(c);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = x[i] < y[i] ? y[i] : x[i];
+}
+
+template <typename T>
+void reduce_min(void* c, const void* a, const void* b, size_t n) {
+  auto* out = static_cast<T*>(c);
+  const auto* x = static_cast<const T*>(a);
+  const auto* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = y[i] < x[i] ? y[i] : x[i];
+}
+
+template <typename T>
+void gloo_all_reduce_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t,
+                           ReduceOp op, uint32_t tag, std::chrono::milliseconds timeout) {
+  gloo::AllreduceOptions opts(ctx);
+  opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      opts.setReduceFunction(&reduce_sum<T>);
+      break;
+    case ReduceOp::kMax:
+      opts.setReduceFunction(&reduce_max<T>);
+      break;
+    case ReduceOp::kMin:
+      opts.setReduceFunction(&reduce_min<T>);
+      break;
+  }
+  opts.setTag(tag);
+  opts.setTimeout(timeout);
+  gloo::allreduce(opts);
+}
+
+template <typename T>
+void gloo_broadcast_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t, int root,
+                          uint32_t tag, std::chrono::milliseconds timeout) {
+  gloo::BroadcastOptions opts(ctx);
+  opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+  opts.setRoot(root);
+  opts.setTag(tag);
+  opts.setTimeout(timeout);
+  gloo::broadcast(opts);
+}
+
+// Calls fn.template operator()<T>() for the C++ type of `dtype`.
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kDouble:
+      return fn(double{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    case at::kHalf:
+      return fn(c10::Half{});
+    default:
+      TORCH_INTERNAL_ASSERT(false, "unchecked dtype ", dtype);
+  }
+}
+
+class Engine final : public GlooEngine {
+ public:
+  Engine(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout)
+      : context_(std::move(context)), timeout_(timeout), p2p_(*context_, timeout) {}
+  PointToPoint& p2p() override { return p2p_; }
+  void all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t seq) override {
+    dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
+      using T = decltype(tag_value);
+      gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq), timeout_);
+    });
+    if (op == ReduceOp::kAvg) tensor.div_(context_->size);
+  }
+  void broadcast(const at::Tensor& tensor, int root, uint64_t seq) override {
+    dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
+      using T = decltype(tag_value);
+      gloo_broadcast_typed<T>(context_, tensor, root, static_cast<uint32_t>(seq), timeout_);
+    });
+  }
+  void barrier(uint64_t seq) override {
+    gloo::BarrierOptions opts(context_);
+    opts.setTag(static_cast<uint32_t>(seq));
+    opts.setTimeout(timeout_);
+    gloo::barrier(opts);
+  }
+
+ private:
+  std::shared_ptr<gloo::Context> context_;
+  std::chrono::milliseconds timeout_;
+  GlooPointToPoint p2p_;
+};
+
+}  // namespace
+
+std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                         const std::string& prefix, int rank, int size,
+                                         std::chrono::milliseconds timeout,
+                                         const std::string& listen_addr) {
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
+  ctx->setTimeout(timeout);
+  GlooStoreAdapter gstore(c10::make_intrusive<c10d::PrefixStore>(prefix, store));
+  auto dev = device_for(listen_addr);
+  try {
+    ctx->connectFullMesh(gstore, dev);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[rank ", rank, "] fsdp: connecting the ", size, " ranks of group '",
+                prefix, "' over Gloo (listening on ", listen_addr, ") failed: ", error_message(e),
+                ". Check that every rank started and can reach the others' addresses.");
+  }
+  return std::make_unique<Engine>(std::move(ctx), timeout);
+}
+
+bool built_with_gloo() { return true; }
+
+}  // namespace fsdp::detail
+
+#else  // !FSDP_WITH_GLOO
+
+namespace fsdp::detail {
+
+std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>&,
+                                         const std::string&, int, int, std::chrono::milliseconds,
+                                         const std::string&) {
+  return nullptr;
+}
+
+bool built_with_gloo() { return false; }
+
+}  // namespace fsdp::detail
+
+#endif  // FSDP_WITH_GLOO

@@ -1,0 +1,52 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "comm/ring.h"
+
+namespace fsdp::detail {
+
+/// Note [Gloo or not]
+/// With Debian's LibTorch 1.13 libfsdp calls Debian's Gloo (libgloo-dev)
+/// directly: a full mesh of Gloo pairs carries the ring collectives between
+/// hosts, and Gloo's own all-reduce, broadcast and barrier. pip's torch wheel
+/// (LibTorch 2.x) links its own, newer Gloo into libtorch_cpu.so and exports
+/// its symbols but ships none of its headers; Debian's headers describe
+/// another version of the same classes, so calling either copy through them
+/// would mix two layouts under one set of symbol names. Builds against the
+/// wheel are therefore made without Gloo (FSDP_WITH_GLOO=OFF): the direct
+/// links carry every collective that shared memory does not (Note [Direct
+/// links for large collectives]), and broadcast and barrier run as rings
+/// over them. c10d's ProcessGroupGloo (Backend::kC10dGloo) needs the same
+/// headers and is absent from such builds.
+class GlooEngine {
+ public:
+  virtual ~GlooEngine() = default;
+  /// Gloo's unbound buffers, for the ring collectives.
+  virtual PointToPoint& p2p() = 0;
+  /// Gloo's all-reduce of `tensor` in place (kAvg divides afterwards).
+  virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t seq) = 0;
+  /// Gloo's broadcast of `tensor` from `root`.
+  virtual void broadcast(const at::Tensor& tensor, int root, uint64_t seq) = 0;
+  /// Gloo's barrier.
+  virtual void barrier(uint64_t seq) = 0;
+};
+
+/// Connects a full mesh of Gloo pairs for rank `rank` of `size` through
+/// `store` (keys under `prefix`), listening on `listen_addr`. Returns null
+/// when libfsdp was built without Gloo (see Note [Gloo or not]).
+std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                         const std::string& prefix, int rank, int size,
+                                         std::chrono::milliseconds timeout,
+                                         const std::string& listen_addr);
+
+/// True when libfsdp was built with Gloo.
+bool built_with_gloo();
+
+}  // namespace fsdp::detail
