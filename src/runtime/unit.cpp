@@ -168,7 +168,9 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
     }
   }
   const std::string* path = detail::UnitPathScope::current();
-  const std::string where = path != nullptr ? *path : wrapped != nullptr ? wrapped->name() : self.name();
+  const std::string where = path != nullptr      ? *path
+                            : wrapped != nullptr ? wrapped->name()
+                                                 : self.name();
   const int rank = options_.process_group()->rank();
   if (path != nullptr && !path->empty()) {
     auto named = params;  // as the user knows them, from the root
@@ -216,7 +218,8 @@ void Unit::keep_full_precision_classes(
   for (const auto& [path, m] : modules) {
     for (const auto& c : classes) {
       if (c.matches(*m)) {
-        found.push_back(c.name + " at " + (path.empty() ? "<root>" : path.substr(0, path.size() - 1)));
+        found.push_back(c.name + " at " +
+                        (path.empty() ? "<root>" : path.substr(0, path.size() - 1)));
         break;
       }
     }
@@ -226,8 +229,8 @@ void Unit::keep_full_precision_classes(
   for (size_t i = 0; i < found.size(); ++i) list += (i ? ", " : "") + found[i];
   TORCH_CHECK(false, "[rank ", rank, "] fsdp(", where,
               "): expected the modules of MixedPrecision::module_classes_to_ignore to be FSDP "
-              "units of their own, got [", list, "] inside this unit, which computes in ",
-              c10::toString(*mp->param_dtype()),
+              "units of their own, got [",
+              list, "] inside this unit, which computes in ", c10::toString(*mp->param_dtype()),
               ". They must compute in full precision, which a unit computing in low precision "
               "cannot do. Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent "
               "calls it (such a unit is kept in full precision), or make it a Sequential entry "
@@ -506,8 +509,8 @@ void Unit::warn_unused_slots() {
   }
   if (names.empty()) return;
   warned_unused_ = true;
-  TORCH_WARN("[rank ", flat_->group().rank(), "] fsdp(", flat_->unit_label(),
-             "): parameters [", names,
+  TORCH_WARN("[rank ", flat_->group().rank(), "] fsdp(", flat_->unit_label(), "): parameters [",
+             names,
              "] received no gradient in this backward on this rank (not used in the forward). "
              "With flat shards (use_orig_params=false) one gradient tensor holds the whole "
              "unit, so they get a zero gradient: plain SGD leaves them, but weight decay and "

@@ -102,10 +102,10 @@ void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
           const FlatParamSlot& slot = flat_->slots()[it->second];
           at::Tensor value;
           in.read(p.key(), value);
-          TORCH_CHECK(value.sizes() == at::IntArrayRef(slot.shape), "[rank ",
-                      flat_->group().rank(), "] fsdp(", flat_->unit_label(),
-                      "): expected parameter '", prefix + p.key(), "' of shape ",
-                      at::IntArrayRef(slot.shape), " in the archive, got ", value.sizes(),
+          TORCH_CHECK(value.sizes() == at::IntArrayRef(slot.shape), "[rank ", flat_->group().rank(),
+                      "] fsdp(", flat_->unit_label(), "): expected parameter '", prefix + p.key(),
+                      "' of shape ", at::IntArrayRef(slot.shape), " in the archive, got ",
+                      value.sizes(),
                       ". The file was saved from a different model; load it into the model "
                       "that saved it.");
           // This rank's part: the slot's intersection with the shard.
@@ -114,8 +114,9 @@ void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
           const int64_t lo = std::max(begin, slot.offset);
           const int64_t hi = std::min(end, slot.offset + slot.numel);
           if (lo >= hi) continue;
-          shard.detach().narrow(0, lo - begin, hi - lo).copy_(
-              value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
+          shard.detach()
+              .narrow(0, lo - begin, hi - lo)
+              .copy_(value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
         }
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
           in.read(b.key(), b.value(), /*is_buffer=*/true);

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.h>
@@ -41,6 +42,15 @@ void init() {
 std::unique_ptr<torch::optim::AdamW> adamw(std::vector<torch::Tensor> params) {
   return std::make_unique<torch::optim::AdamW>(params,
                                                torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+// A plain Net and its FSDP twin with the same initial weights.
+std::pair<Net, FullyShardedDataParallel<NetImpl>> twins(const FSDPOptions& options) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+  return {reference, model};
 }
 
 // `used` is a unit the forward calls; `spare` a unit it never calls; the root
@@ -148,10 +158,9 @@ TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
       EXPECT_TRUE(contains(msg, "requires_grad=false:\n" + frozen)) << how << msg;
       EXPECT_TRUE(contains(msg, "use_orig_params(true)")) << how << msg;
     };
-    expect_refused(error_of([&] {
-                     FullyShardedDataParallel<nn::SequentialImpl> unit(partly_frozen());
-                   }),
-                   "typed wrapper: ", "[0.weight, 0.bias]", "[1.weight, 1.bias]");
+    expect_refused(
+        error_of([&] { FullyShardedDataParallel<nn::SequentialImpl> unit(partly_frozen()); }),
+        "typed wrapper: ", "[0.weight, 0.bias]", "[1.weight, 1.bias]");
     expect_refused(error_of([&] {
                      EnableWrap scope{FSDPOptions()};
                      wrap(partly_frozen());
@@ -181,11 +190,7 @@ TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
     run_ranks_ok(world, [](int, int world) {
       init();
       for (bool orig : {false, true}) {
-        torch::manual_seed(0);
-        Net reference(false, FSDPOptions());
-        torch::manual_seed(0);
-        auto options = FSDPOptions().use_orig_params(orig);
-        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
         auto ref_opt = adamw(reference->parameters());
         auto opt = adamw(model->parameters());
         for (int step = 0; step < 4; ++step) {
@@ -198,8 +203,8 @@ TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
           model->zero_grad(set_to_none);
           torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
           opt->step();
-          expect_same_after_step(*model.ptr(), *reference.ptr(),
-                                 orig ? "use_orig_params" : "flat", step);
+          expect_same_after_step(*model.ptr(), *reference.ptr(), orig ? "use_orig_params" : "flat",
+                                 step);
         }
         model->zero_grad(/*set_to_none=*/false);
         for (const auto& p : model->parameters()) {
@@ -232,8 +237,8 @@ std::string file_bytes(const std::string& path) {
 TEST(UserHabits, TorchSaveAndLoadWriteWhatThePlainModelWrites) {
   run_ranks_ok(2, [](int rank, int) {
     init();
-    const std::string base = "/tmp/fsdp_user_habits_" + std::to_string(getppid()) + "_" +
-                             std::to_string(rank);
+    const std::string base =
+        "/tmp/fsdp_user_habits_" + std::to_string(getppid()) + "_" + std::to_string(rank);
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
       torch::manual_seed(0);
       auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(
@@ -321,11 +326,7 @@ TEST(UserHabits, SecondBackwardWithRetainGraphAccumulates) {
     run_ranks_ok(world, [](int, int world) {
       init();
       for (bool orig : {false, true}) {
-        torch::manual_seed(0);
-        Net reference(false, FSDPOptions());
-        torch::manual_seed(0);
-        auto options = FSDPOptions().use_orig_params(orig);
-        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
         auto ref_opt = adamw(reference->parameters());
         auto opt = adamw(model->parameters());
         for (int step = 0; step < 3; ++step) {
@@ -386,11 +387,7 @@ TEST(UserHabits, DefaultForwardArgumentsAreForwarded) {
 TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
   run_ranks_ok(2, [](int, int world) {
     init();
-    torch::manual_seed(0);
-    Net reference(false, FSDPOptions());
-    torch::manual_seed(0);
-    FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, FSDPOptions()),
-                                            FSDPOptions());
+    auto [reference, model] = twins(FSDPOptions());
     torch::manual_seed(1);
     torch::Tensor x = torch::randn({4 * world, 7}) * 10, y = torch::zeros({4 * world, 3});
     torch::mse_loss(reference->forward(x), y).backward();

@@ -99,8 +99,8 @@ struct ForwardHasDefaultArgs<Impl, false> {
   struct Probe : Impl {
     using Impl::_forward_has_default_args;  // protected in Module
   };
-  static constexpr bool value = !std::is_same_v<decltype(&Probe::_forward_has_default_args),
-                                                bool (torch::nn::Module::*)()>;
+  static constexpr bool value =
+      !std::is_same_v<decltype(&Probe::_forward_has_default_args), bool (torch::nn::Module::*)()>;
 };
 
 /// Reaches Module's protected default-argument hooks (the ones
@@ -252,8 +252,8 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), true>
   template <typename... Given, typename = std::enable_if_t<(sizeof...(Given) < sizeof...(Args))>>
   R forward(Given&&... given) {
     const unsigned required = detail::DefaultArgsAccess::required(this->module());
-    TORCH_CHECK(sizeof...(Given) >= required, "fsdp(", this->module().name(), "): expected at least ",
-                required, " forward arguments, got ", sizeof...(Given),
+    TORCH_CHECK(sizeof...(Given) >= required, "fsdp(", this->module().name(),
+                "): expected at least ", required, " forward arguments, got ", sizeof...(Given),
                 ". The others have no default. Pass them.");
     std::vector<torch::nn::AnyValue> values;
     values.reserve(sizeof...(Args));
