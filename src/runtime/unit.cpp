@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include <fsdp/comm/init.h>
+#include <fsdp/core/mixed_precision.h>
 
 #include "core/sharded_placeholder.h"
 #include "runtime/reduced_grad.h"
@@ -86,18 +87,20 @@ namespace {
 // Ignored modules (FSDPOptions::ignored_modules) keep their parameters.
 void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const std::string& prefix,
                      const detail::ModuleSet& ignored, std::unordered_set<const void*>& seen,
-                     std::vector<std::pair<std::string, at::Tensor>>& out) {
+                     std::vector<std::pair<std::string, at::Tensor>>& out,
+                     std::vector<std::pair<std::string, const torch::nn::Module*>>* modules) {
   const auto* unit = dynamic_cast<const Unit*>(&m);
   if (&m != &self && unit != nullptr && unit->is_active()) return;
   if (ignored.count(&m) != 0 || (unit != nullptr && ignored.count(unit->wrapped_module()) != 0)) {
     return;
   }
+  if (modules != nullptr) modules->emplace_back(prefix, &m);
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
     if (seen.insert(p.value().unsafeGetTensorImpl()).second)
       out.emplace_back(prefix + p.key(), p.value());
   }
   for (const auto& c : m.named_children()) {
-    collect_managed(*c.value(), self, prefix + c.key() + ".", ignored, seen, out);
+    collect_managed(*c.value(), self, prefix + c.key() + ".", ignored, seen, out, modules);
   }
 }
 
@@ -133,7 +136,8 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   detail::check_param_init_fn(options_, wrapped != nullptr ? wrapped->name() : self.name());
   std::unordered_set<const void*> seen;
   std::vector<std::pair<std::string, at::Tensor>> params;
-  collect_managed(self, self, "", detail::ignored_module_set(options_), seen, params);
+  std::vector<std::pair<std::string, const torch::nn::Module*>> modules;
+  collect_managed(self, self, "", detail::ignored_module_set(options_), seen, params, &modules);
   // A parameter shared with a nested unit would be flattened twice; PyTorch
   // FSDP's answer (the outer unit skips it) breaks as soon as the outer
   // forward uses it while the inner unit is sharded.
@@ -163,6 +167,19 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
                   "it (its module() is the wrapped module) instead of wrapping the module again.");
     }
   }
+  const std::string* path = detail::UnitPathScope::current();
+  const std::string where = path != nullptr      ? *path
+                            : wrapped != nullptr ? wrapped->name()
+                                                 : self.name();
+  const int rank = options_.process_group()->rank();
+  if (path != nullptr && !path->empty()) {
+    auto named = params;  // as the user knows them, from the root
+    for (auto& [name, p] : named) name = *path + "." + name;
+    detail::check_uniform_requires_grad(named, where, options_.use_orig_params(), rank, true);
+  } else {
+    detail::check_uniform_requires_grad(params, where, options_.use_orig_params(), rank, true);
+  }
+  keep_full_precision_classes(modules, where, rank);
   // See Note [Deferred initialisation] and Note [Mixed precision].
   detail::UnitInit init(wrapped != nullptr ? *wrapped : self, options_);
   if (params.empty()) {
@@ -180,6 +197,44 @@ void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   init.cast_buffers();
   register_grad_hooks();
   make_optim_params();
+}
+
+void Unit::keep_full_precision_classes(
+    const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
+    const std::string& where, int rank) {
+  const auto& mp = options_.mixed_precision();
+  if (!mp || !mp->param_dtype()) return;
+  const auto& classes = mp->module_classes_to_ignore();
+  // A unit around one module of these classes computes in full precision,
+  // as auto_wrap makes it (see Planner::warn_full_precision in auto_wrap.cpp).
+  const torch::nn::Module& target = wrapped_ != nullptr ? *wrapped_ : *self_;
+  for (const auto& c : classes) {
+    if (!c.matches(target)) continue;
+    options_.mixed_precision(c10::nullopt);
+    keep_full_precision();
+    return;
+  }
+  std::vector<std::string> found;
+  for (const auto& [path, m] : modules) {
+    for (const auto& c : classes) {
+      if (c.matches(*m)) {
+        found.push_back(c.name + " at " +
+                        (path.empty() ? "<root>" : path.substr(0, path.size() - 1)));
+        break;
+      }
+    }
+  }
+  if (found.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < found.size(); ++i) list += (i ? ", " : "") + found[i];
+  TORCH_CHECK(false, "[rank ", rank, "] fsdp(", where,
+              "): expected the modules of MixedPrecision::module_classes_to_ignore to be FSDP "
+              "units of their own, got [",
+              list, "] inside this unit, which computes in ", c10::toString(*mp->param_dtype()),
+              ". They must compute in full precision, which a unit computing in low precision "
+              "cannot do. Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent "
+              "calls it (such a unit is kept in full precision), or make it a Sequential entry "
+              "and use fsdp::auto_wrap, or remove its class from module_classes_to_ignore.");
 }
 
 void Unit::make_optim_params() {
@@ -201,7 +256,7 @@ void Unit::make_optim_params() {
   }
 }
 
-void Unit::assign_reduced_grad() {
+void Unit::assign_reduced_grad(const std::vector<bool>* received) {
   grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
   if (!options_.use_orig_params()) {
     detail::accumulate_reduced_grad(optim_params_[0], grad_shard_);
@@ -210,7 +265,8 @@ void Unit::assign_reduced_grad() {
   const int64_t begin = flat_->shard_offset();
   for (size_t i = 0; i < optim_params_.size(); ++i) {
     at::Tensor& piece = optim_params_[i];
-    if (!piece.requires_grad()) continue;
+    // See Note [Parameters without gradients].
+    if (!piece.requires_grad() || (received != nullptr && !(*received)[i])) continue;
     const auto& slot = flat_->slots()[i];
     const int64_t lo = std::max(begin, slot.offset);
     detail::accumulate_reduced_grad(
@@ -313,11 +369,8 @@ void Unit::pre_forward() {
   const bool per_param = options_.use_orig_params();
   trainable_slots_ = 0;
   const auto& slots = flat_->slots();
+  clear_moved_grads();
   for (size_t i = 0; i < slots.size(); ++i) {
-    // The last backward's moved gradient must not meet AccumulateGrad.
-    if (detail::is_placeholder(slots[i].param.grad())) {
-      const_cast<at::Tensor&>(slots[i].param).mutable_grad().reset();
-    }
     const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
                                                              slots[i].param.requires_grad()
                                                        : trainable);
@@ -328,6 +381,16 @@ void Unit::pre_forward() {
   }
   flat_->unshard();
   prefetch_forward();
+}
+
+void Unit::clear_moved_grads() {
+  // The last backward's moved gradient (a placeholder) must not meet
+  // AccumulateGrad: the next backward's gradient starts afresh.
+  for (const auto& slot : flat_->slots()) {
+    if (detail::is_placeholder(slot.param.grad())) {
+      const_cast<at::Tensor&>(slot.param).mutable_grad().reset();
+    }
+  }
 }
 
 void Unit::prefetch_forward() {
@@ -372,7 +435,12 @@ void Unit::pre_backward() {
   if (backward_seen_) return;
   backward_seen_ = true;
   transition(TrainingState::kIdle, TrainingState::kPreBackward);
-  if (flat_) flat_->unshard();
+  if (flat_) {
+    // A second backward through the same graph (retain_graph) accumulates
+    // into the shards' gradients as plain LibTorch accumulates into .grad.
+    clear_moved_grads();
+    flat_->unshard();
+  }
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
 }
 
@@ -416,6 +484,7 @@ void Unit::launch_grad_reduction() {
   for (size_t i = 0; i < slot_filled_.size(); ++i) {
     if (!slot_filled_[i]) flat_->slot_view(flat_grad_, i).zero_();
   }
+  warn_unused_slots();
   flat_->zero_padding(flat_grad_);
   if (flat_->keeps_unsharded()) {
     grad_shard_ = flat_grad_;
@@ -430,7 +499,36 @@ void Unit::launch_grad_reduction() {
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
 }
 
-void Unit::finish_backward() {
+void Unit::warn_unused_slots() {
+  if (options_.use_orig_params() || warned_unused_) return;
+  std::string names;
+  for (size_t i = 0; i < slot_filled_.size(); ++i) {
+    const auto& slot = flat_->slots()[i];
+    if (slot_filled_[i] || !slot.param.requires_grad()) continue;
+    names += (names.empty() ? "" : ", ") + slot.name;
+  }
+  if (names.empty()) return;
+  warned_unused_ = true;
+  TORCH_WARN("[rank ", flat_->group().rank(), "] fsdp(", flat_->unit_label(), "): parameters [",
+             names,
+             "] received no gradient in this backward on this rank (not used in the forward). "
+             "With flat shards (use_orig_params=false) one gradient tensor holds the whole "
+             "unit, so they get a zero gradient: plain SGD leaves them, but weight decay and "
+             "momentum (AdamW, SGD with momentum) still move them, unlike plain LibTorch, "
+             "where their .grad stays undefined. Pass FSDPOptions().use_orig_params(true) "
+             "(they then keep an undefined .grad), or put them in a unit of their own. "
+             "(Warned once per unit.)");
+}
+
+void Unit::finish_reduction() {
+  if (!require_sync_) return;  // no_sync(): the unsharded gradient waits for later
+  // Gradients that arrived only in part (unused parameters), or only inside
+  // no_sync(), are reduced now.
+  if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
+  if (grad_work_) grad_work_.wait();
+}
+
+void Unit::finish_backward(const std::vector<bool>* received) {
   if (!require_sync_) {  // no_sync(): keep the unsharded gradient for later
     grads_ready_ = 0;
     backward_seen_ = false;
@@ -438,13 +536,7 @@ void Unit::finish_backward() {
     state_ = TrainingState::kIdle;
     return;
   }
-  // Gradients that arrived only in part (unused parameters), or only inside
-  // no_sync(), are reduced now.
-  if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
-  if (grad_work_) {
-    grad_work_.wait();
-    assign_reduced_grad();
-  }
+  if (grad_work_) assign_reduced_grad(received);
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
   flat_grad_ = at::Tensor();
@@ -452,6 +544,47 @@ void Unit::finish_backward() {
   backward_seen_ = false;
   if (flat_) flat_->reshard();
   state_ = TrainingState::kIdle;
+}
+
+// Note [Parameters without gradients]
+// In plain LibTorch a parameter the forward did not use keeps its .grad
+// (undefined, if never set), so optimizers skip it: no weight decay, no
+// momentum. A unit's gradient is one flat buffer, reduced whole, in which
+// such a parameter's part is zero. With use_orig_params each parameter has
+// its own piece of the shard, so a piece whose parameter got no gradient on
+// any rank is left alone. "Any rank" needs agreement: the end-of-backward
+// callback all-reduces (max) one flag per slot of every use_orig_params unit,
+// after every unit's reduction was launched and waited for, so every rank
+// issues the same collectives in the same order (one small all-reduce per
+// backward, only when some unit uses use_orig_params). With flat shards the
+// whole shard gets the gradient; a warning names the parameters once per
+// unit. A unit that got no gradient on any rank launches no reduction and
+// its shard's .grad is left as it was (undefined if never set).
+std::vector<std::vector<bool>> Unit::agree_received_grads() const {
+  std::vector<std::vector<bool>> out(units_.size());
+  int64_t total = 0;
+  ProcessGroup* group = nullptr;
+  for (const Unit* unit : units_) {
+    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
+    total += static_cast<int64_t>(unit->flat_->slots().size());
+    group = &unit->flat_->group();
+  }
+  if (total == 0 || !require_sync_) return out;
+  at::Tensor flags = at::zeros({total}, at::kFloat);
+  float* f = flags.data_ptr<float>();
+  for (const Unit* unit : units_) {
+    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
+    const size_t n = unit->flat_->slots().size();
+    for (size_t i = 0; i < n; ++i) *f++ = unit->grad_work_ && unit->slot_filled_[i] ? 1.f : 0.f;
+  }
+  if (group->size() > 1) group->all_reduce(flags, ReduceOp::kMax).wait();
+  f = flags.data_ptr<float>();
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const Unit* unit = units_[u];
+    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
+    for (size_t i = 0; i < unit->flat_->slots().size(); ++i) out[u].push_back(*f++ > 0.f);
+  }
+  return out;
 }
 
 std::vector<Unit*> Unit::units_in_tree() const {
@@ -510,7 +643,24 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
 
 void Unit::end_of_backward() {
   callback_queued_ = false;
-  for (Unit* unit : units_) unit->finish_backward();
+  for (Unit* unit : units_) unit->finish_reduction();
+  const auto received = agree_received_grads();  // See Note [Parameters without gradients].
+  for (size_t i = 0; i < units_.size(); ++i) {
+    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
+  }
+}
+
+void Unit::zero_optim_grads(bool set_to_none) {
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : optim_params_) {
+    at::Tensor& grad = p.mutable_grad();
+    if (!grad.defined()) continue;
+    if (set_to_none) {
+      grad.reset();
+    } else {
+      grad.zero_();
+    }
+  }
 }
 
 }  // namespace fsdp

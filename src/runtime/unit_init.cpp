@@ -20,6 +20,66 @@ ModuleSet ignored_module_set(const FSDPOptions& options) {
   return out;
 }
 
+namespace {
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out = "[";
+  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
+  return out + "]";
+}
+
+}  // namespace
+
+namespace {
+thread_local const std::string* t_unit_path = nullptr;
+}  // namespace
+
+UnitPathScope::UnitPathScope(std::string path) : path_(std::move(path)), previous_(t_unit_path) {
+  t_unit_path = &path_;
+}
+
+UnitPathScope::~UnitPathScope() { t_unit_path = previous_; }
+
+const std::string* UnitPathScope::current() { return t_unit_path; }
+
+void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                 const std::string& where, bool use_orig_params, int rank,
+                                 bool warn) {
+  std::vector<std::string> trainable, frozen;
+  int64_t trainable_numel = 0, frozen_numel = 0;
+  for (const auto& [name, p] : params) {
+    (p.requires_grad() ? trainable : frozen).push_back(name);
+    (p.requires_grad() ? trainable_numel : frozen_numel) += p.numel();
+  }
+  if (trainable.empty() || frozen.empty() || (use_orig_params && !warn)) return;
+  const std::string shown = where.empty() ? "<root>" : where;
+  std::string msg = "[rank " + std::to_string(rank) + "] fsdp(" + shown + "): " + shown +
+                    " has both parameters with requires_grad=true and requires_grad=false.";
+  if (use_orig_params) {
+    msg +=
+        " We do not recommend wrapping such modules since the gradient memory usage will be "
+        "higher than expected (" +
+        std::to_string(trainable_numel + frozen_numel) + " numel instead of " +
+        std::to_string(trainable_numel) + " numel before sharding via reduce-scatter).";
+  } else {
+    msg +=
+        " FSDP does not support wrapping such modules when use_orig_params=false (a unit's "
+        "flat parameter has a single requires_grad, and the frozen parameters would be "
+        "stepped).";
+  }
+  msg +=
+      " If possible, wrap the frozen parameters with FSDP separately (units of their own, or a "
+      "policy that selects the frozen modules), or pass FSDPOptions().use_orig_params(true)."
+      "\nThe following parameters have requires_grad=true:\n" +
+      join_names(trainable) + "\nThe following parameters have requires_grad=false:\n" +
+      join_names(frozen);
+  if (use_orig_params) {
+    TORCH_WARN(msg);
+  } else {
+    TORCH_CHECK(false, msg);
+  }
+}
+
 void check_param_init_fn(const FSDPOptions& options, const std::string& where) {
   const auto& fn = options.param_init_fn();
   TORCH_CHECK(!fn.has_value() || static_cast<bool>(*fn), "fsdp(", where,

@@ -9,6 +9,7 @@
 
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <fsdp/wrap/options.h>
@@ -21,6 +22,34 @@ ModuleSet ignored_module_set(const FSDPOptions& options);
 
 /// Rejects an empty param_init_fn ("expected param_init_fn to be callable").
 void check_param_init_fn(const FSDPOptions& options, const std::string& where);
+
+/// PyTorch's _validate_frozen_params for one unit, however it is made (typed
+/// wrapper, wrap(), Sequential entry, auto_wrap): the parameters it manages,
+/// `params` (named as the user knows them), must be all trainable or all
+/// frozen. Without use_orig_params a mix is an error (a flat parameter has
+/// one requires_grad); with it a warning (gradient memory as if all
+/// trained), given only when `warn`. Both list the parameters on each side.
+/// `where` names the unit ("" for the root).
+void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                 const std::string& where, bool use_orig_params, int rank,
+                                 bool warn);
+
+/// While alive, a unit made on this thread is named `path` (its place from
+/// the root) in messages: auto_wrap knows it; a unit made by hand is named by
+/// its module's type.
+class UnitPathScope {
+ public:
+  explicit UnitPathScope(std::string path);
+  ~UnitPathScope();
+  UnitPathScope(const UnitPathScope&) = delete;
+  UnitPathScope& operator=(const UnitPathScope&) = delete;
+  /// The innermost live scope's path, or nullptr.
+  static const std::string* current();
+
+ private:
+  std::string path_;
+  const std::string* previous_;
+};
 
 /// What a unit does to its modules' state when it is made, in three steps:
 /// the constructor finds the modules the unit manages and gives their meta

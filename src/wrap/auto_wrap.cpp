@@ -13,6 +13,8 @@
 #include <fsdp/comm/init.h>
 #include <fsdp/runtime/unit.h>
 
+#include "runtime/unit_init.h"
+
 namespace fsdp {
 
 using torch::nn::Module;
@@ -267,47 +269,17 @@ class Planner {
     check_uniform(root, "", seen);
   }
 
+  // Errors before any unit is made, so a refusal changes nothing; the
+  // use_orig_params warning comes from each unit as it is made.
   void check_uniform(const Module& m, const std::string& path,
                      std::unordered_set<const void*>& seen) const {
-    std::vector<std::string> trainable, frozen;
-    int64_t trainable_numel = 0, frozen_numel = 0;
+    std::vector<std::pair<std::string, at::Tensor>> params;
     for (const auto& p : m.named_parameters()) {
-      if (!seen.insert(p.value().unsafeGetTensorImpl()).second) continue;
-      const std::string name = join(path, p.key());
-      if (p.value().requires_grad()) {
-        trainable.push_back(name);
-        trainable_numel += p.value().numel();
-      } else {
-        frozen.push_back(name);
-        frozen_numel += p.value().numel();
-      }
+      if (seen.insert(p.value().unsafeGetTensorImpl()).second)
+        params.emplace_back(join(path, p.key()), p.value());
     }
-    if (trainable.empty() || frozen.empty()) return;
-    std::string msg = "[rank " + std::to_string(rank_) + "] fsdp(" + shown(path) +
-                      "): " + shown(path) +
-                      " has both parameters with requires_grad=true and requires_grad=false.";
-    if (options_.use_orig_params()) {
-      msg +=
-          " We do not recommend wrapping such modules since the gradient memory usage will be "
-          "higher than expected (" +
-          std::to_string(trainable_numel + frozen_numel) + " numel instead of " +
-          std::to_string(trainable_numel) + " numel before sharding via reduce-scatter).";
-    } else {
-      msg +=
-          " FSDP does not support wrapping such modules when use_orig_params=false (a unit's "
-          "flat parameter has a single requires_grad).";
-    }
-    msg +=
-        " If possible, wrap the frozen parameters with FSDP separately (a policy that selects "
-        "the frozen modules as units of their own).\nThe following parameters have "
-        "requires_grad=true:\n" +
-        join_names(trainable) + "\nThe following parameters have requires_grad=false:\n" +
-        join_names(frozen);
-    if (options_.use_orig_params()) {
-      TORCH_WARN(msg);
-    } else {
-      TORCH_CHECK(false, msg);
-    }
+    detail::check_uniform_requires_grad(params, path, options_.use_orig_params(), rank_,
+                                        /*warn=*/false);
   }
 
   // Where the parent `m` calls child i.
@@ -379,6 +351,7 @@ std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWra
   std::vector<AutoWrappedUnit> units;
   units.reserve(planned.size());
   for (const auto& p : planned) {
+    detail::UnitPathScope named(p.path);  // messages name the unit by its path
     torch::nn::Sequential parent(p.parent);
     if (!p.full_precision) {
       units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, options)});

@@ -32,6 +32,17 @@ void AnyUnitImpl::train(bool on) {
   module_.ptr()->train(on);
 }
 
+void AnyUnitImpl::zero_grad(bool set_to_none) {
+  torch::nn::Module::zero_grad(set_to_none);
+  zero_optim_grads(set_to_none);
+}
+
+void AnyUnitImpl::save(torch::serialize::OutputArchive& archive) const {
+  save_unit(*this, archive);
+}
+
+void AnyUnitImpl::load(torch::serialize::InputArchive& archive) { load_unit(*this, archive); }
+
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
   // See Note [Mixed precision]: inputs in the compute dtype.

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.h>
@@ -30,29 +31,59 @@ inline void expect_same_params(torch::nn::Module& actual, torch::nn::Module& exp
   }
 }
 
+/// This process's rank and the world size of the default process group
+/// (0 and 1 when none is initialised).
+inline std::pair<int, int> rank_and_world() {
+  if (!is_initialized()) return {0, 1};
+  return {default_process_group()->rank(), default_process_group()->size()};
+}
+
+/// Data parallelism as parity tests check it: `global` is the batch of all
+/// ranks (world blocks along dim 0, the same tensor on every rank, which plain
+/// LibTorch trains on); each rank trains on its own block. Different data per
+/// rank, so a missing or wrong gradient reduction changes the result.
+inline torch::Tensor local_block(const torch::Tensor& global) {
+  const auto [rank, world] = rank_and_world();
+  TORCH_CHECK(global.size(0) % world == 0, "global batch not divisible by the world size");
+  return global.chunk(world, 0)[rank];
+}
+
+/// Parity after one step: gathers `model`'s full parameters and compares
+/// them with `reference`'s (expect_same_params). Collective.
+template <typename Wrapped>
+void expect_same_after_step(Wrapped& model, torch::nn::Module& reference, const std::string& what,
+                            int step) {
+  SummonFullParams full(model);
+  expect_same_params(model, reference, what + " step " + std::to_string(step));
+}
+
 /// Trains `reference` (plain LibTorch) and `model` (its FSDP twin, same
-/// initial weights) side by side: `steps` SGD steps (lr 0.1, `momentum`) on
-/// the loss sum(out^2) of the same random inputs of `input_shape` (seeded by
-/// the step), then compares the full parameters (expect_same_params).
+/// initial weights) side by side: `steps` SGD steps (lr 0.1, `momentum`).
+/// Each step draws a global batch of world x `input_shape` (seeded by the
+/// step); each rank trains on its block with the loss sum(out^2), the
+/// reference on the whole batch with sum(out^2) / world (what averaging the
+/// ranks' gradients computes). The full parameters are compared every step.
 template <typename Reference, typename Wrapped>
 void expect_same_training(Reference& reference, Wrapped& model,
                           const std::vector<int64_t>& input_shape, int steps, double momentum,
                           const std::string& what) {
+  const int world = rank_and_world().second;
   torch::optim::SGD ref_opt(reference.parameters(),
                             torch::optim::SGDOptions(0.1).momentum(momentum));
   torch::optim::SGD opt(model.parameters(), torch::optim::SGDOptions(0.1).momentum(momentum));
+  std::vector<int64_t> global_shape = input_shape;
+  global_shape[0] *= world;
   for (int step = 0; step < steps; ++step) {
     torch::manual_seed(step);
-    const torch::Tensor x = torch::randn(input_shape);
+    const torch::Tensor global = torch::randn(global_shape);
     ref_opt.zero_grad();
-    reference.forward(x).pow(2).sum().backward();
+    (reference.forward(global).pow(2).sum() / world).backward();
     ref_opt.step();
     opt.zero_grad();
-    model.forward(x).pow(2).sum().backward();
+    model.forward(local_block(global)).pow(2).sum().backward();
     opt.step();
+    expect_same_after_step(model, reference, what, step);
   }
-  SummonFullParams full(model);
-  expect_same_params(model, reference, what);
 }
 
 // fc1 and block are units when wrapped; head and the one-element `scale` are

@@ -90,7 +90,7 @@ TEST(ReducedGrad, NonZeroGradientsAndViewsAreAddedTo) {
 // across two steps (accumulation): the same parameters as plain training, in
 // every strategy, and the optimizer's gradient tensors stay the same objects.
 TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
-  run_ranks_ok(2, [](int, int) {
+  run_ranks_ok(2, [](int, int world) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
@@ -108,15 +108,15 @@ TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
         std::vector<const void*> storage;
         for (int step = 0; step < 4; ++step) {
           torch::manual_seed(step);
-          const torch::Tensor x = torch::randn({8, 7});
+          const torch::Tensor x = torch::randn({8 * world, 7});  // each rank: its block
           // Steps 0 and 2 zero the gradients; 1 and 3 add to the previous ones.
           if (step % 2 == 0) {
             compat::zero_grad_in_place(ref_opt);
             compat::zero_grad_in_place(opt);
           }
-          reference->forward(x).pow(2).sum().backward();
+          (reference->forward(x).pow(2).sum() / world).backward();
           ref_opt.step();
-          model->forward(x).pow(2).sum().backward();
+          model->forward(local_block(x)).pow(2).sum().backward();
           opt.step();
           const auto params = model->parameters();
           if (step == 1) {

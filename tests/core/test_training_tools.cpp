@@ -25,11 +25,14 @@ TEST(TrainingTools, NoSyncOverFourMicroBatchesEqualsOneStep) {
       FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
       torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      // Each rank's 16 rows are its block of the global batch the reference trains on.
       torch::manual_seed(7);
-      torch::Tensor x = torch::randn({16, 7});
-      torch::Tensor target = torch::randn({16, 3});
-      torch::mse_loss(reference->forward(x), target).backward();
+      const int world = rank_and_world().second;
+      torch::Tensor global_x = torch::randn({16 * world, 7});
+      torch::Tensor global_target = torch::randn({16 * world, 3});
+      torch::mse_loss(reference->forward(global_x), global_target).backward();
       ref_opt.step();
+      torch::Tensor x = local_block(global_x), target = local_block(global_target);
       {
         auto guard = model->no_sync();
         for (int m = 0; m < 3; ++m) {
@@ -58,10 +61,13 @@ TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
         torch::manual_seed(0);
         auto options = FSDPOptions().sharding_strategy(strategy);
         FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        // Different rows per rank: a norm taken over one rank's shard or
+        // one rank's gradient differs from the global one.
         torch::manual_seed(3);
-        torch::Tensor x = torch::randn({6, 7}) * 10;
-        torch::mse_loss(reference->forward(x), torch::zeros({6, 3})).backward();
-        torch::mse_loss(model->forward(x), torch::zeros({6, 3})).backward();
+        const int world = rank_and_world().second;
+        torch::Tensor x = torch::randn({6 * world, 7}) * 10;
+        torch::mse_loss(reference->forward(x), torch::zeros({6 * world, 3})).backward();
+        torch::mse_loss(model->forward(local_block(x)), torch::zeros({6, 3})).backward();
         const double expected =
             torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5, norm_type);
         const double actual = model->clip_grad_norm_(0.5, norm_type);

@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
+#include <torch/serialize/archive.h>
+#include <torch/version.h>
 
 #include <memory>
 #include <string>
@@ -19,6 +21,11 @@ namespace fsdp {
 namespace detail {
 class UnitInit;
 }  // namespace detail
+
+/// The default of Module::zero_grad's set_to_none in this LibTorch (false in
+/// 1.13, true from 2.0), which the wrappers' zero_grad overrides repeat.
+/// (Public headers cannot include src/detail/torch_compat.h.)
+inline constexpr bool kModuleZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
 
 /// The runtime of one FSDP unit: its FlatParameter and the hooks around its
 /// module's forward and backward. The typed wrapper
@@ -89,7 +96,20 @@ class Unit {
   /// global norm (over all ranks) is at most max_norm; returns that norm
   /// before clipping, the same on every rank. Collective; call on the root
   /// between backward and the optimizer step.
+  ///
+  /// Use this, not LibTorch's torch::nn::utils::clip_grad_norm_(
+  /// model->parameters(), ...): that one sees only this rank's shards, so it
+  /// computes a local norm and each rank clips by a different factor (no
+  /// error; parameters drift apart from plain training).
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  /// Clears the gradients of what the optimizer steps for this unit (its flat
+  /// shard, or with use_orig_params its per-parameter views of the shard), as
+  /// Module::zero_grad does for parameters: set_to_none drops them (they
+  /// become undefined), otherwise they are zeroed in place. The wrappers'
+  /// zero_grad() call it; units nested in a unit are reached through
+  /// Module::zero_grad's recursion, so model->zero_grad() clears them all.
+  void zero_optim_grads(bool set_to_none);
 
   /// While the returned guard lives, backward passes accumulate gradients
   /// locally (unsharded) and communicate nothing; the first backward after it
@@ -123,6 +143,15 @@ class Unit {
     active_ = false;
     wrapped_ = wrapped;
   }
+  /// Module::save for the wrapper `self`: writes what the unwrapped module
+  /// would write (full parameters under their own names, buffers, children),
+  /// gathering this unit's full-precision parameters; nested units gather
+  /// their own. Collective: every rank saves (see Note [Saving a unit]).
+  void save_unit(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const;
+  /// Module::load for the wrapper `self`: reads full parameters as the
+  /// unwrapped module would and keeps this rank's part in the shard. Every
+  /// rank loads the whole file; no communication.
+  void load_unit(torch::nn::Module& self, torch::serialize::InputArchive& archive);
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
   /// Called by the wrapper after the wrapped forward with the tensors of its
@@ -138,12 +167,19 @@ class Unit {
   void pre_backward();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
-  void finish_backward();
+  void finish_reduction();
+  void finish_backward(const std::vector<bool>* received);
   void end_of_backward();
+  std::vector<std::vector<bool>> agree_received_grads() const;
+  void warn_unused_slots();
+  void clear_moved_grads();
+  void keep_full_precision_classes(
+      const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
+      const std::string& where, int rank);
   void transition(TrainingState from, TrainingState to);
   void register_grad_hooks();
   void make_optim_params();
-  void assign_reduced_grad();
+  void assign_reduced_grad(const std::vector<bool>* received);
   // Defined in unit_precision.cpp (mixed precision and deferred init).
   FlatParamConfig flat_param_config(detail::UnitInit& init) const;
   at::Tensor full_precision_grad(const at::Tensor& reduced) const;
@@ -167,6 +203,9 @@ class Unit {
   // the shard per slot (see Note [FlatParameter vocabulary]).
   std::vector<at::Tensor> optim_params_;
   size_t trainable_slots_ = 0;
+  // Whether the warning about parameters without gradients (flat shards)
+  // was given; see Note [Parameters without gradients].
+  bool warned_unused_ = false;
 
   // Set at the root's first forward.
   Unit* root_ = nullptr;

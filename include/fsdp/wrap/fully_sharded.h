@@ -1,8 +1,10 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
+#include <torch/serialize/archive.h>
 
 #include <memory>
 #include <tuple>
@@ -87,6 +89,34 @@ bool output_tensors(const T& out, std::vector<at::Tensor>& into) {
   }
 }
 
+/// Whether Impl declares its forward's default arguments with LibTorch's
+/// FORWARD_HAS_DEFAULT_ARGS (LSTM, GRUCell, MultiheadAttention, ...): the
+/// macro overrides Module::_forward_has_default_args in Impl itself.
+template <typename Impl, bool = std::is_final_v<Impl>>
+struct ForwardHasDefaultArgs : std::false_type {};
+template <typename Impl>
+struct ForwardHasDefaultArgs<Impl, false> {
+  struct Probe : Impl {
+    using Impl::_forward_has_default_args;  // protected in Module
+  };
+  static constexpr bool value =
+      !std::is_same_v<decltype(&Probe::_forward_has_default_args), bool (torch::nn::Module::*)()>;
+};
+
+/// Reaches Module's protected default-argument hooks (the ones
+/// FORWARD_HAS_DEFAULT_ARGS defines) of any module.
+struct DefaultArgsAccess : torch::nn::Module {
+  /// How many leading forward arguments have no default.
+  static unsigned required(torch::nn::Module& m) {
+    return (m.*&DefaultArgsAccess::_forward_num_required_args)();
+  }
+  /// The given leading arguments followed by the defaults of the others.
+  static std::vector<torch::nn::AnyValue> populate(torch::nn::Module& m,
+                                                   std::vector<torch::nn::AnyValue>&& given) {
+    return (m.*&DefaultArgsAccess::_forward_populate_default_args)(std::move(given));
+  }
+};
+
 /// Sequential's forward is a template: its wrapper takes and returns a Tensor.
 template <>
 struct ForwardSignature<torch::nn::SequentialImpl> {
@@ -99,12 +129,19 @@ struct ForwardSignature<torch::nn::SequentialImpl> {
 /// wrapped module's parameters, buffers and children under their own names,
 /// so named_parameters() and state dicts keep the original names, and its
 /// forward has the wrapped forward's signature. See Note [FSDP and autograd].
-template <typename Impl, typename Sig = typename detail::ForwardSignature<Impl>::type>
+///
+/// Called with fewer arguments than the wrapped forward declares, it passes
+/// the defaults the module declares with FORWARD_HAS_DEFAULT_ARGS (as
+/// `lstm(x)` does for torch::nn::LSTM).
+template <typename Impl, typename Sig = typename detail::ForwardSignature<Impl>::type,
+          bool DefaultArgs = detail::ForwardHasDefaultArgs<Impl>::value>
 class FullyShardedDataParallelImpl;
 
-template <typename Impl, typename R, typename... Args>
-class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::nn::Module,
-                                                                 public Unit {
+// C: the class that declares forward (Impl or a base, as BatchNormImplBase
+// for BatchNorm1dImpl).
+template <typename Impl, typename C, typename R, typename... Args>
+class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torch::nn::Module,
+                                                                     public Unit {
  public:
   /// Wraps the module held by `module` (flattening and sharding its
   /// parameters now). With enabled == false the wrapper is a pass-through:
@@ -155,6 +192,34 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
     module_->train(on);
   }
 
+  /// Module::zero_grad, and the gradients the optimizer steps (this unit's
+  /// shard or per-parameter views; nested units through the recursion).
+  /// The default of set_to_none is LibTorch's (false in 1.13, true in 2.x).
+  void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override {
+    torch::nn::Module::zero_grad(set_to_none);
+    if (enabled_) zero_optim_grads(set_to_none);
+  }
+
+  /// What the unwrapped module's save() writes: full parameters, gathered.
+  /// Collective: torch::save(model, path) on every rank. See Note [Saving a unit].
+  void save(torch::serialize::OutputArchive& archive) const override {
+    if (enabled_) {
+      save_unit(*this, archive);
+    } else {
+      torch::nn::Module::save(archive);
+    }
+  }
+
+  /// Reads what the unwrapped module's save() wrote (torch::load(model,
+  /// path) on every rank); each rank keeps its shard.
+  void load(torch::serialize::InputArchive& archive) override {
+    if (enabled_) {
+      load_unit(*this, archive);
+    } else {
+      torch::nn::Module::load(archive);
+    }
+  }
+
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool recurse = true) const {
@@ -172,6 +237,46 @@ class FullyShardedDataParallelImpl<Impl, R (Impl::*)(Args...)> : public torch::n
   bool enabled_;
 };
 
+/// A wrapper around a module whose forward has default arguments: also
+/// callable with only the leading arguments.
+template <typename Impl, typename C, typename R, typename... Args>
+class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), true>
+    : public FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> {
+  using Base = FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>;
+
+ public:
+  using Base::Base;
+  using Base::forward;
+
+  /// The wrapped forward with the module's defaults for the missing arguments.
+  template <typename... Given, typename = std::enable_if_t<(sizeof...(Given) < sizeof...(Args))>>
+  R forward(Given&&... given) {
+    const unsigned required = detail::DefaultArgsAccess::required(this->module());
+    TORCH_CHECK(sizeof...(Given) >= required, "fsdp(", this->module().name(),
+                "): expected at least ", required, " forward arguments, got ", sizeof...(Given),
+                ". The others have no default. Pass them.");
+    std::vector<torch::nn::AnyValue> values;
+    values.reserve(sizeof...(Args));
+    push_given(values, std::index_sequence_for<Given...>{}, std::forward<Given>(given)...);
+    values = detail::DefaultArgsAccess::populate(this->module(), std::move(values));
+    return call_with(values, std::index_sequence_for<Args...>{});
+  }
+
+ private:
+  template <size_t... I, typename... Given>
+  static void push_given(std::vector<torch::nn::AnyValue>& values, std::index_sequence<I...>,
+                         Given&&... given) {
+    // As the declared types, which the defaults' AnyValues hold too.
+    (values.emplace_back(
+         std::decay_t<std::tuple_element_t<I, std::tuple<Args...>>>(std::forward<Given>(given))),
+     ...);
+  }
+  template <size_t... I>
+  R call_with(std::vector<torch::nn::AnyValue>& values, std::index_sequence<I...>) {
+    return Base::forward(values[I].template get<std::decay_t<Args>>()...);
+  }
+};
+
 /// Holder for FullyShardedDataParallelImpl, like torch::nn::Linear for LinearImpl:
 /// `fsdp::FullyShardedDataParallel<torch::nn::LinearImpl> fc(torch::nn::Linear(4, 4));`
 template <typename Impl>
@@ -179,6 +284,14 @@ class FullyShardedDataParallel
     : public torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Impl>> {
  public:
   using torch::nn::ModuleHolder<FullyShardedDataParallelImpl<Impl>>::ModuleHolder;
+
+  /// Calls forward, like ModuleHolder's operator(), also with a module's
+  /// default arguments left out (whose overloaded forward ModuleHolder's
+  /// return-type deduction cannot see).
+  template <typename... A>
+  decltype(auto) operator()(A&&... args) {
+    return this->get()->forward(std::forward<A>(args)...);
+  }
 };
 
 }  // namespace fsdp

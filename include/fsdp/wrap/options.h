@@ -54,6 +54,16 @@ struct FSDPOptions {
   /// The optimizer steps one view of the shard per original parameter
   /// (possibly empty on ranks that hold none of it) instead of one flat
   /// shard, so parameter groups (e.g. no weight decay on biases) work.
+  ///
+  /// Parameters that receive no gradient (unused in the forward on every
+  /// rank): with use_orig_params their views keep an undefined .grad, so
+  /// optimizers skip them as in plain LibTorch (one small all-reduce per
+  /// backward agrees on which got one). With flat shards (false) the unit's
+  /// gradient is one tensor: they get zeros, so weight decay and momentum
+  /// still move them; a warning names them once per unit. A unit none of
+  /// whose parameters got a gradient on any rank keeps its shard's .grad as
+  /// it was. A unit's parameters must all require gradients or none, unless
+  /// use_orig_params (then a warning).
   TORCH_ARG(bool, use_orig_params) = false;
   /// Check the forward order of units (the root's option counts): in the
   /// first training iteration ranks agree on each unit before gathering it

@@ -23,6 +23,13 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   at::Tensor forward(at::Tensor input);
   /// Sets training mode on the wrapper, the wrapped module and their children.
   void train(bool on = true) override;
+  /// Module::zero_grad, and the gradients the optimizer steps (see
+  /// FullyShardedDataParallelImpl::zero_grad).
+  void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override;
+  /// See FullyShardedDataParallelImpl::save: collective, full parameters.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// See FullyShardedDataParallelImpl::load.
+  void load(torch::serialize::InputArchive& archive) override;
   /// The flat shards of this unit and the units nested in it.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
 

@@ -1,0 +1,138 @@
+// torch::save / torch::load of FSDP-wrapped modules (Unit::save_unit and
+// Unit::load_unit, called by the wrappers' virtual Module::save / load).
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <algorithm>
+#include <functional>
+#include <unordered_map>
+
+#include <fsdp/runtime/unit.h>
+
+namespace fsdp {
+
+namespace {
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+// A nested unit saves and loads its own parameters; a pass-through wrapper's
+// parameters belong to the enclosing unit.
+bool is_own_unit(const torch::nn::Module& m) {
+  const auto* unit = dynamic_cast<const Unit*>(&m);
+  return unit != nullptr && unit->is_active();
+}
+
+// Module::save, with each parameter in `full` written as its full copy.
+void save_tree(const torch::nn::Module& m, OutputArchive& archive,
+               const std::unordered_map<const void*, at::Tensor>& full) {
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    auto it = full.find(p.value().unsafeGetTensorImpl());
+    archive.write(p.key(), it != full.end() ? it->second : p.value());
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), b.value(), /*is_buffer=*/true);
+  }
+  for (const auto& c : m.named_children()) {
+    if (!c.value()->is_serializable()) continue;
+    OutputArchive child(archive.compilation_unit());
+    if (is_own_unit(*c.value())) {
+      c.value()->save(child);
+    } else {
+      save_tree(*c.value(), child, full);
+    }
+    archive.write(c.key(), child);
+  }
+}
+
+}  // namespace
+
+// Note [Saving a unit]
+// torch::save(model, path) calls the virtual Module::save, which puts each
+// parameter tensor into the archive by reference; the archive is written to
+// the file after save() returns. A sharded unit's original parameters are
+// placeholders without data (Note [Sharded placeholders]) and its unsharded
+// buffer is freed as soon as the unit reshards, so Module::save wrote empty
+// storages. save_unit instead gathers the unit's full-precision shard (one
+// all-gather; units are visited in the module tree's pre-order, the same on
+// every rank) and writes a copy of each parameter, under the same names and
+// archive layout as the unwrapped module's Module::save: the file loads into
+// the plain model and back. Every rank must call torch::save, and every rank
+// writes the (identical) file. load_unit needs no communication: each rank
+// reads every full parameter and keeps the part its shard holds.
+void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) const {
+  std::unordered_map<const void*, at::Tensor> full;
+  if (flat_) {
+    const at::Tensor shard = flat_->shard().detach();
+    at::Tensor all = shard;
+    if (!flat_->keeps_unsharded()) {
+      all = at::empty({flat_->padded_numel()}, shard.options());
+      flat_->group().all_gather_into_tensor(all, shard.contiguous()).wait();
+    }
+    for (const auto& slot : flat_->slots()) {
+      // Each its own storage, as the unwrapped module's parameters are.
+      full.emplace(slot.param.unsafeGetTensorImpl(),
+                   all.narrow(0, slot.offset, slot.numel).view(slot.shape).clone());
+    }
+  }
+  save_tree(self, archive, full);
+}
+
+void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
+  std::unordered_map<const void*, size_t> slot_of;
+  if (flat_) {
+    flat_->reshard();  // the shard is what is written; unsharded values are refilled from it
+    for (size_t i = 0; i < flat_->slots().size(); ++i) {
+      slot_of.emplace(flat_->slots()[i].param.unsafeGetTensorImpl(), i);
+    }
+  }
+  at::NoGradGuard no_grad;
+  std::function<void(torch::nn::Module&, InputArchive&, const std::string&)> load_tree =
+      [&](torch::nn::Module& m, InputArchive& in, const std::string& prefix) {
+        for (auto& p : m.named_parameters(/*recurse=*/false)) {
+          auto it = slot_of.find(p.value().unsafeGetTensorImpl());
+          if (it == slot_of.end()) {
+            in.read(p.key(), p.value());
+            continue;
+          }
+          const FlatParamSlot& slot = flat_->slots()[it->second];
+          at::Tensor value;
+          in.read(p.key(), value);
+          TORCH_CHECK(value.sizes() == at::IntArrayRef(slot.shape), "[rank ", flat_->group().rank(),
+                      "] fsdp(", flat_->unit_label(), "): expected parameter '", prefix + p.key(),
+                      "' of shape ", at::IntArrayRef(slot.shape), " in the archive, got ",
+                      value.sizes(),
+                      ". The file was saved from a different model; load it into the model "
+                      "that saved it.");
+          // This rank's part: the slot's intersection with the shard.
+          const at::Tensor& shard = flat_->shard();
+          const int64_t begin = flat_->shard_offset(), end = begin + shard.numel();
+          const int64_t lo = std::max(begin, slot.offset);
+          const int64_t hi = std::min(end, slot.offset + slot.numel);
+          if (lo >= hi) continue;
+          shard.detach()
+              .narrow(0, lo - begin, hi - lo)
+              .copy_(value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
+        }
+        for (auto& b : m.named_buffers(/*recurse=*/false)) {
+          in.read(b.key(), b.value(), /*is_buffer=*/true);
+        }
+        for (const auto& c : m.named_children()) {
+          if (!c.value()->is_serializable()) continue;
+          InputArchive child;
+          in.read(c.key(), child);
+          if (is_own_unit(*c.value())) {
+            c.value()->load(child);
+          } else {
+            load_tree(*c.value(), child, prefix + c.key() + ".");
+          }
+        }
+      };
+  load_tree(self, archive, "");
+}
+
+}  // namespace fsdp

@@ -1,0 +1,404 @@
+// A LibTorch user's own habits on an FSDP model train as plain LibTorch does,
+// or fail at once with an error that says what to do (issue 16): parameters
+// that get no gradient, partly frozen units however made, model->zero_grad(),
+// torch::save / torch::load, BatchNorm under bf16, a second backward through
+// the same graph, forwards with default arguments, and LibTorch's own
+// clip_grad_norm_. Data differs per rank; the reference trains on all of it.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "detail/torch_compat.h"
+#include "error_of.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace nn = torch::nn;
+using compat::WarningCollector;
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+void init() {
+  torch::set_num_threads(1);
+  init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+}
+
+std::unique_ptr<torch::optim::AdamW> adamw(std::vector<torch::Tensor> params) {
+  return std::make_unique<torch::optim::AdamW>(params,
+                                               torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+// A plain Net and its FSDP twin with the same initial weights.
+std::pair<Net, FullyShardedDataParallel<NetImpl>> twins(const FSDPOptions& options) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+  return {reference, model};
+}
+
+// `used` is a unit the forward calls; `spare` a unit it never calls; the root
+// manages `head` and `extra`, which the forward never uses.
+struct HabitNetImpl : nn::Module {
+  HabitNetImpl(bool wrap, const FSDPOptions& o) {
+    nn::Linear a(6, 8), b(8, 8);
+    if (wrap) {
+      used = nn::AnyModule(FullyShardedDataParallel<nn::LinearImpl>(a, o));
+      spare = nn::AnyModule(FullyShardedDataParallel<nn::LinearImpl>(b, o));
+    } else {
+      used = nn::AnyModule(a);
+      spare = nn::AnyModule(b);
+    }
+    register_module("used", used.ptr());
+    register_module("spare", spare.ptr());
+    head = register_module("head", nn::Linear(8, 2));
+    extra = register_parameter("extra", torch::ones({3}));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(used.forward(x))); }
+  nn::AnyModule used, spare;
+  nn::Linear head{nullptr};
+  torch::Tensor extra;
+};
+TORCH_MODULE(HabitNet);
+
+// Item 1. use_orig_params: parameters without a gradient keep an undefined
+// .grad, so AdamW's weight decay leaves them, as in plain LibTorch. Flat
+// shards: the unused unit's shard keeps no gradient; the root warns, once,
+// naming `extra`, whose flat gradient is zero (so AdamW moves it).
+TEST(UserHabits, ParametersWithoutGradientsAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (bool orig : {true, false}) {
+        const std::string what = orig ? "use_orig_params" : "flat";
+        torch::manual_seed(0);
+        HabitNet reference(false, FSDPOptions());
+        torch::manual_seed(0);
+        auto options = FSDPOptions().use_orig_params(orig);
+        FullyShardedDataParallel<HabitNetImpl> model(std::make_shared<HabitNetImpl>(true, options),
+                                                     options);
+        auto ref_opt = adamw(reference->parameters());
+        auto opt = adamw(model->parameters());
+        std::vector<std::string> warnings;
+        for (int step = 0; step < 4; ++step) {
+          torch::manual_seed(step);
+          torch::Tensor x = torch::randn({3 * world, 6}), y = torch::randn({3 * world, 2});
+          ref_opt->zero_grad();
+          torch::mse_loss(reference->forward(x), y).backward();
+          ref_opt->step();
+          opt->zero_grad();
+          {
+            WarningCollector guard(&warnings);
+            torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+          }
+          opt->step();
+          SummonFullParams full(*model.ptr());
+          for (const auto& p : reference->named_parameters()) {
+            if (!orig && p.key() == "extra") continue;  // checked below
+            const torch::Tensor& a = model->named_parameters()[p.key()];
+            EXPECT_TRUE(torch::allclose(a, p.value(), 1.3e-6, 1e-5))
+                << what << " step " << step << " " << p.key();
+          }
+        }
+        if (orig) {
+          const auto named = model->named_flat_parameters();
+          for (const char* name : {"extra", "spare.weight", "spare.bias"}) {
+            EXPECT_FALSE(named[name].grad().defined()) << name << " got a gradient";
+          }
+          EXPECT_TRUE(named["head.weight"].grad().defined());
+          EXPECT_TRUE(warnings.empty()) << warnings.front();
+        } else {
+          ASSERT_EQ(warnings.size(), 1u) << "one warning for the root unit";
+          EXPECT_TRUE(contains(warnings[0], "[extra]")) << warnings[0];
+          EXPECT_TRUE(contains(warnings[0], "use_orig_params(true)")) << warnings[0];
+          for (const auto& m : model->named_modules()) {
+            auto* unit = dynamic_cast<Unit*>(m.value().get());
+            if (unit == nullptr || m.key() != "spare") continue;
+            EXPECT_FALSE(unit->flat_param()->shard().grad().defined()) << "unused unit";
+          }
+          SummonFullParams full(*model.ptr());
+          // Plain LibTorch leaves `extra` at 1; the flat zero gradient decays it.
+          EXPECT_TRUE(reference->extra.eq(1).all().item<bool>());
+          EXPECT_TRUE(model->named_parameters()["extra"].lt(1).all().item<bool>());
+        }
+      }
+    });
+  }
+}
+
+// Item 2: the uniform requires_grad rule for units made by hand.
+TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
+  run_ranks_ok(1, [](int, int) {
+    init();
+    auto partly_frozen = [] {
+      nn::Sequential seq(nn::Linear(4, 4), nn::Linear(4, 4));
+      for (auto& p : seq[1]->parameters()) p.set_requires_grad(false);
+      return seq;
+    };
+    auto expect_refused = [](const std::string& msg, const std::string& how,
+                             const std::string& trainable, const std::string& frozen) {
+      EXPECT_TRUE(contains(msg, "requires_grad=true and requires_grad=false")) << how << msg;
+      EXPECT_TRUE(contains(msg, "requires_grad=true:\n" + trainable)) << how << msg;
+      EXPECT_TRUE(contains(msg, "requires_grad=false:\n" + frozen)) << how << msg;
+      EXPECT_TRUE(contains(msg, "use_orig_params(true)")) << how << msg;
+    };
+    expect_refused(
+        error_of([&] { FullyShardedDataParallel<nn::SequentialImpl> unit(partly_frozen()); }),
+        "typed wrapper: ", "[0.weight, 0.bias]", "[1.weight, 1.bias]");
+    expect_refused(error_of([&] {
+                     EnableWrap scope{FSDPOptions()};
+                     wrap(partly_frozen());
+                   }),
+                   "wrap(): ", "[0.weight, 0.bias]", "[1.weight, 1.bias]");
+    expect_refused(error_of([&] {
+                     nn::Sequential outer(nn::Linear(4, 4), nn::Linear(4, 4));
+                     outer[1]->as<nn::Linear>()->weight.set_requires_grad(false);
+                     wrap_sequential_entry(outer, 1);
+                   }),
+                   "Sequential entry: ", "[bias]", "[weight]");
+    // use_orig_params(true): accepted with one warning naming both sides.
+    std::vector<std::string> warnings;
+    {
+      WarningCollector guard(&warnings);
+      FullyShardedDataParallel<nn::SequentialImpl> unit(partly_frozen(),
+                                                        FSDPOptions().use_orig_params(true));
+    }
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_TRUE(contains(warnings[0], "[1.weight, 1.bias]")) << warnings[0];
+  });
+}
+
+// Item 3: model->zero_grad() (root or any unit) clears what the optimizer steps.
+TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (bool orig : {false, true}) {
+        auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
+        auto ref_opt = adamw(reference->parameters());
+        auto opt = adamw(model->parameters());
+        for (int step = 0; step < 4; ++step) {
+          torch::manual_seed(step);
+          torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+          const bool set_to_none = step % 2 == 1;  // both meanings, alternating
+          reference->zero_grad(set_to_none);
+          torch::mse_loss(reference->forward(x), y).backward();
+          ref_opt->step();
+          model->zero_grad(set_to_none);
+          torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+          opt->step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(), orig ? "use_orig_params" : "flat",
+                                 step);
+        }
+        model->zero_grad(/*set_to_none=*/false);
+        for (const auto& p : model->parameters()) {
+          ASSERT_TRUE(p.grad().defined());
+          EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+        }
+        model->zero_grad(/*set_to_none=*/true);
+        for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined());
+        // On one unit: its gradients only.
+        torch::mse_loss(model->forward(torch::randn({4, 7})), torch::randn({4, 3})).backward();
+        Unit* block = nullptr;
+        for (const auto& m : model->named_modules()) {
+          if (m.key() == "block") block = dynamic_cast<Unit*>(m.value().get());
+        }
+        ASSERT_NE(block, nullptr);
+        dynamic_cast<nn::Module*>(block)->zero_grad(true);
+        for (const auto& p : block->flat_parameters()) EXPECT_FALSE(p.grad().defined());
+        EXPECT_TRUE(model->parameters().front().grad().defined()) << "the root's was cleared";
+      }
+    });
+  }
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Item 4: torch::save / torch::load of a wrapped model, every rank calling.
+TEST(UserHabits, TorchSaveAndLoadWriteWhatThePlainModelWrites) {
+  run_ranks_ok(2, [](int rank, int) {
+    init();
+    const std::string base =
+        "/tmp/fsdp_user_habits_" + std::to_string(getppid()) + "_" + std::to_string(rank);
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      torch::manual_seed(0);
+      auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(
+          strategy == ShardingStrategy::kNoShard);
+      FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+      auto opt = adamw(model->parameters());
+      torch::mse_loss(model->forward(torch::randn({4, 7})), torch::randn({4, 3})).backward();
+      opt->step();
+      torch::save(model, base + "_fsdp.pt");
+      // Into a plain model: the same values, and the same file.
+      Net plain(false, FSDPOptions());
+      torch::load(plain, base + "_fsdp.pt");
+      {
+        SummonFullParams full(*model.ptr());
+        expect_same_params(*model.ptr(), *plain.ptr(), "loaded into a plain model");
+      }
+      // Every tensor written in full (a broken file had empty storages): the
+      // same size as the plain model's file, up to the archive's names.
+      torch::save(plain, base + "_plain.pt");
+      const auto fsdp_size = static_cast<double>(file_bytes(base + "_fsdp.pt").size());
+      EXPECT_NEAR(fsdp_size, static_cast<double>(file_bytes(base + "_plain.pt").size()), 200.0);
+      // And back: a plain model's file loads into the wrapped model.
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : plain->parameters()) p.mul_(-2);
+      }
+      torch::save(plain, base + "_plain.pt");
+      torch::load(model, base + "_plain.pt");
+      SummonFullParams full(*model.ptr());
+      expect_same_params(*model.ptr(), *plain.ptr(), "loaded from a plain model's file");
+    }
+    std::remove((base + "_fsdp.pt").c_str());
+    std::remove((base + "_plain.pt").c_str());
+  });
+}
+
+struct NormNetImpl : nn::Module {
+  NormNetImpl(bool bn_unit, const FSDPOptions& o) {
+    fc = register_module("fc", nn::Linear(4, 6));
+    if (bn_unit) {
+      bn_wrapped = register_module(
+          "bn", FullyShardedDataParallel<nn::BatchNorm1dImpl>(nn::BatchNorm1d(6), o));
+    } else {
+      bn = register_module("bn", nn::BatchNorm1d(6));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = fc(x);
+    if (bn) return bn(x);
+    return bn_wrapped(x);
+  }
+  nn::Linear fc{nullptr};
+  nn::BatchNorm1d bn{nullptr};
+  FullyShardedDataParallel<nn::BatchNorm1dImpl> bn_wrapped{nullptr};
+};
+
+// Item 5: BatchNorm under bf16 in typed units: a unit of its own is kept in
+// full precision; inside a bf16 unit it is refused with the fix.
+TEST(UserHabits, BatchNormInTypedUnitsUnderBf16) {
+  run_ranks_ok(2, [](int, int) {
+    init();
+    auto options = FSDPOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+    const std::string msg = error_of([&] {
+      FullyShardedDataParallel<NormNetImpl> model(std::make_shared<NormNetImpl>(false, options),
+                                                  options);
+    });
+    EXPECT_TRUE(contains(msg, "BatchNorm")) << msg;
+    EXPECT_TRUE(contains(msg, "module_classes_to_ignore")) << msg;
+    EXPECT_TRUE(contains(msg, "fsdp::FullyShardedDataParallel<Impl>")) << msg;
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NormNetImpl> model(std::make_shared<NormNetImpl>(true, options),
+                                                options);
+    torch::Tensor out = model->forward(torch::randn({5, 4}));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);  // back to its input's dtype
+    out.to(at::kFloat).pow(2).sum().backward();
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined());
+    EXPECT_EQ(model->module().bn_wrapped->module().running_mean.scalar_type(), at::kFloat);
+  });
+}
+
+// Item 6: a second backward through the same graph accumulates, as in
+// plain LibTorch.
+TEST(UserHabits, SecondBackwardWithRetainGraphAccumulates) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (bool orig : {false, true}) {
+        auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
+        auto ref_opt = adamw(reference->parameters());
+        auto opt = adamw(model->parameters());
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(step);
+          torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+          ref_opt->zero_grad();
+          torch::Tensor ref_loss = torch::mse_loss(reference->forward(x), y);
+          ref_loss.backward({}, /*retain_graph=*/true);
+          (ref_loss * 0.5).backward();
+          ref_opt->step();
+          opt->zero_grad();
+          torch::Tensor loss = torch::mse_loss(model->forward(local_block(x)), local_block(y));
+          loss.backward({}, /*retain_graph=*/true);
+          (loss * 0.5).backward();
+          opt->step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(), orig ? "orig" : "flat", step);
+        }
+      }
+    });
+  }
+}
+
+// Item 7: forwards with default arguments (FORWARD_HAS_DEFAULT_ARGS).
+TEST(UserHabits, DefaultForwardArgumentsAreForwarded) {
+  run_ranks_ok(2, [](int, int) {
+    init();
+    torch::manual_seed(0);
+    const torch::Tensor seq = torch::randn({5, 2, 4});
+    nn::LSTM lstm(nn::LSTMOptions(4, 3));
+    const auto lstm_expected = lstm(seq);
+    FullyShardedDataParallel<nn::LSTMImpl> lstm_unit(lstm);
+    const auto lstm_out = lstm_unit(seq);
+    EXPECT_TRUE(torch::allclose(std::get<0>(lstm_out), std::get<0>(lstm_expected)));
+    EXPECT_TRUE(torch::allclose(std::get<0>(lstm_unit->forward(seq)), std::get<0>(lstm_expected)));
+
+    const torch::Tensor x = torch::randn({2, 4});
+    nn::GRUCell cell(4, 3);
+    const torch::Tensor cell_expected = cell(x);
+    FullyShardedDataParallel<nn::GRUCellImpl> cell_unit(cell);
+    EXPECT_TRUE(torch::allclose(cell_unit(x), cell_expected));
+
+    nn::MultiheadAttention mha(nn::MultiheadAttentionOptions(4, 2));
+    const auto mha_expected = mha(seq, seq, seq);
+    FullyShardedDataParallel<nn::MultiheadAttentionImpl> mha_unit(mha);
+    const auto mha_out = mha_unit(seq, seq, seq);
+    EXPECT_TRUE(torch::allclose(std::get<0>(mha_out), std::get<0>(mha_expected)));
+    EXPECT_TRUE(torch::allclose(std::get<1>(mha_out), std::get<1>(mha_expected)));
+    // Given arguments still count: need_weights=false returns no weights.
+    EXPECT_FALSE(std::get<1>(mha_unit(seq, seq, seq, torch::Tensor(), false)).defined());
+    std::get<0>(mha_out).sum().backward();
+    for (const auto& p : mha_unit->parameters()) EXPECT_TRUE(p.grad().defined());
+  });
+}
+
+// Item 8: LibTorch's clip_grad_norm_ on the shards sees one rank's shard: a
+// local norm, smaller than the global one that the root's clip_grad_norm_
+// (and plain LibTorch) computes. README and the root's docs say so.
+TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    auto [reference, model] = twins(FSDPOptions());
+    torch::manual_seed(1);
+    torch::Tensor x = torch::randn({4 * world, 7}) * 10, y = torch::zeros({4 * world, 3});
+    torch::mse_loss(reference->forward(x), y).backward();
+    torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+    const double expected = torch::nn::utils::clip_grad_norm_(reference->parameters(), 1e9);
+    const double local = torch::nn::utils::clip_grad_norm_(model->parameters(), 1e9);
+    const double global = model->clip_grad_norm_(1e9);
+    EXPECT_NEAR(global, expected, 1e-5 * expected);
+    EXPECT_LT(local, global * 0.999) << "a shard's norm is a part of the global norm";
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
