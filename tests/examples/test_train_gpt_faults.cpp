@@ -18,6 +18,7 @@
 
 #include "launch_test_util.h"
 #include "small_disk.h"
+#include "train_gpt_test_util.h"
 
 namespace {
 
@@ -26,6 +27,9 @@ using fsdp::launch::testing::LauncherProcess;
 using fsdp::launch::testing::run_launcher;
 using fsdp::launch::testing::RunResult;
 using fsdp::testing::SmallDisk;
+using train_gpt_test::fresh_dir;
+using train_gpt_test::Outcome;
+using train_gpt_test::run_direct;
 
 // A tiny model: a few milliseconds a step.
 std::vector<std::string> tiny(std::vector<std::string> more) {
@@ -58,34 +62,8 @@ std::vector<std::string> launch(int ranks, const std::vector<std::string>& train
   return args;
 }
 
-fs::path fresh_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("train_gpt_faults_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
-}
-
-struct Direct {
-  int code = -1;  // -1: killed by a signal
-  std::string output;
-};
-
-// train_gpt alone (one rank, no launcher), stdout and stderr together.
-Direct run_direct(const std::string& args) {
-  const std::string cmd = "timeout 60 " + std::string(TRAIN_GPT_PATH) + " " + args + " 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  Direct out;
-  if (pipe == nullptr) return out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  out.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return out;
-}
-
 TEST(TrainGptFaults, HelpPrintsChoiceNamesNotRawBytes) {
-  const Direct help = run_direct("--help");
+  const Outcome help = run_direct("--help");
   ASSERT_EQ(help.code, 0) << help.output;
   for (size_t i = 0; i < help.output.size(); ++i) {
     const auto c = static_cast<unsigned char>(help.output[i]);
@@ -101,7 +79,7 @@ TEST(TrainGptFaults, HelpPrintsChoiceNamesNotRawBytes) {
   for (const char* flag : {"--keep-last", "--timeout"})
     EXPECT_NE(help.output.find(flag), std::string::npos) << flag;
   // A wrong choice is named with the choices, still without raw bytes.
-  const Direct bad = run_direct("--sharding half");
+  const Outcome bad = run_direct("--sharding half");
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.output.find("shard_grad_op"), std::string::npos) << bad.output;
   EXPECT_EQ(bad.output.find('\x01'), std::string::npos) << bad.output;
@@ -113,7 +91,7 @@ TEST(TrainGptFaults, NonFiniteNumbersAreRefusedForEveryFlag) {
                                           "--val-fraction", "--temperature", "--timeout"};
   for (const std::string& flag : flags) {
     for (const char* value : {"nan", "inf"}) {
-      const Direct o = run_direct("--steps 1 " + flag + " " + value);
+      const Outcome o = run_direct("--steps 1 " + flag + " " + value);
       EXPECT_NE(o.code, 0) << flag << " " << value << "\n" << o.output;
       EXPECT_NE(o.code, 124) << flag << " " << value << ": timed out";
       EXPECT_NE(o.output.find(flag), std::string::npos) << flag << " " << value << "\n" << o.output;
@@ -122,12 +100,12 @@ TEST(TrainGptFaults, NonFiniteNumbersAreRefusedForEveryFlag) {
     }
   }
   for (const char* flag : {"--lr -inf", "--steps nan", "--keep-last nan", "--warmup-steps inf"}) {
-    const Direct o = run_direct(flag);
+    const Outcome o = run_direct(flag);
     EXPECT_NE(o.code, 0) << flag << "\n" << o.output;
     const std::string name = std::string(flag).substr(0, std::string(flag).find(' '));
     EXPECT_NE(o.output.find(name + ": "), std::string::npos) << flag << "\n" << o.output;
   }
-  const Direct o = run_direct("--keep-last 2");
+  const Outcome o = run_direct("--keep-last 2");
   EXPECT_NE(o.output.find("--keep-last needs --checkpoint-dir"), std::string::npos) << o.output;
 }
 
@@ -145,7 +123,7 @@ std::vector<int64_t> checkpoint_steps(const fs::path& dir) {
 TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
   // Decoupled weight decay of lr * wd = 100 multiplies every weight by -99
   // each step: an overflow within about twenty steps.
-  const fs::path dir = fresh_dir("diverge");
+  const fs::path dir = fresh_dir("faults_diverge");
   const RunResult r = run_launcher(
       launch(2, tiny({"--steps", "200", "--lr", "10", "--min-lr", "10", "--warmup-steps", "0",
                       "--weight-decay", "10", "--grad-clip", "0", "--checkpoint-every", "1",
@@ -253,7 +231,7 @@ pid_t rank_pid(pid_t launcher, int rank) {
 }
 
 TEST(TrainGptFaults, TimeoutBoundsTheWaitForAStoppedRank) {
-  const fs::path dir = fresh_dir("timeout");
+  const fs::path dir = fresh_dir("faults_timeout");
   LauncherProcess launcher(
       launch(2, tiny({"--steps", "1000000", "--timeout", "3", "--metrics-dir", dir.string()})));
   const fs::path metrics = dir / "rank0.jsonl";

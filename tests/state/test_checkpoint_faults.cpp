@@ -8,16 +8,14 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <filesystem>
 #include <functional>
 #include <set>
 
 #include <fsdp/fsdp.h>
-#include <fsdp/state/crc32.h>
 
 #include "detail/torch_compat.h"
+#include "marker_edit.h"
 #include "small_disk.h"
 #include "state_test_util.h"
 
@@ -64,17 +62,6 @@ std::string saved_full(const std::string& dir, int64_t step = 2) {
 void load_fresh(const std::string& dir) {
   Trained t(7);
   Checkpointer(*t.model, t.opt.get()).load(dir);
-}
-
-// Rewrites the marker's own checksum after an edit (a deliberate edit, not
-// corruption), as encode_marker computes it. See Note [Marker checksum].
-void reseal_marker(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
-  auto j = nlohmann::json::parse(file_bytes(dir + "/COMPLETE"));
-  edit(j);
-  j.erase("crc32");
-  const std::string canonical = j.dump(1);
-  j["crc32"] = crc32(canonical.data(), canonical.size());
-  put_file_bytes(dir + "/COMPLETE", j.dump(1));
 }
 
 TEST(CheckpointFaults, NonRegularFilesAreRefusedNotWaitedOn) {
