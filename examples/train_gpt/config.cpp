@@ -2,11 +2,47 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <iostream>
 #include <map>
+#include <vector>
 
 namespace train_gpt {
 namespace {
+
+// CLI11's Range and NonNegativeNumber let NaN through (every comparison with
+// it is false), and NonNegativeNumber lets infinity through: every numeric
+// flag checks this first. A value that is not a number at all is left to the
+// option's own conversion, which names it.
+const CLI::Validator kFinite(
+    [](std::string& text) {
+      double v = 0;
+      if (!CLI::detail::lexical_cast(text, v) || std::isfinite(v)) return std::string();
+      return "expected a finite number, got " + text;
+    },
+    "");
+
+// An option that names one of `choices`, and where its choice goes once
+// parsed (see add_choice).
+template <typename E>
+struct Choice {
+  std::string name;
+  std::map<std::string, E> values;
+};
+
+// CLI11 shows a mapped enum's values in --help and in its errors, as raw
+// bytes for a uint8_t enum (ShardingStrategy): the option holds the name
+// instead, checked against the names, and the caller maps it after parsing.
+template <typename E>
+CLI::Option* add_choice(CLI::App& app, const char* flag, Choice<E>& choice, const char* help,
+                        const char* group) {
+  std::vector<std::string> names;
+  for (const auto& kv : choice.values) names.push_back(kv.first);
+  return app.add_option(flag, choice.name, help)
+      ->check(CLI::IsMember(names, CLI::ignore_case))
+      ->group(group)
+      ->capture_default_str();
+}
 
 // Checks that involve several flags; CLI11's validators see one value each.
 void check_combinations(TrainConfig& c) {
@@ -26,7 +62,8 @@ void check_combinations(TrainConfig& c) {
   }
   if (c.checkpoint_dir.empty()) {
     for (const auto& [flag, given] : {std::pair<const char*, bool>{"--resume", c.resume},
-                                      {"--checkpoint-every", c.checkpoint_every > 0}}) {
+                                      {"--checkpoint-every", c.checkpoint_every > 0},
+                                      {"--keep-last", c.keep_last > 0}}) {
       if (given) {
         throw CLI::ValidationError(flag, std::string(flag) +
                                              " needs --checkpoint-dir DIR (where checkpoints "
@@ -55,7 +92,11 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   // name, variable, help, check, group; the default shows in --help.
   auto add = [&app](const char* name, auto& value, const char* help, const CLI::Validator& check,
                     const char* group) {
-    return app.add_option(name, value, help)->check(check)->group(group)->capture_default_str();
+    return app.add_option(name, value, help)
+        ->check(kFinite)
+        ->check(check)
+        ->group(group)
+        ->capture_default_str();
   };
   const auto count = [](int64_t lo) { return CLI::Range(lo, int64_t{1} << 40); };
 
@@ -82,6 +123,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   add("--steps", c.steps, "Optimizer steps", count(1), optim);
   app.add_option("--warmup-steps", c.warmup_steps,
                  "Linear warm-up steps before the cosine decay (default: steps / 10)")
+      ->check(kFinite)
       ->check(CLI::NonNegativeNumber)
       ->group(optim);
   add("--lr", c.lr, "Peak learning rate", CLI::Range(1e-12, 10.0), optim);
@@ -94,14 +136,11 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   add("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)",
       CLI::NonNegativeNumber, optim);
 
-  const std::map<std::string, fsdp::ShardingStrategy> strategies = {
-      {"full_shard", fsdp::ShardingStrategy::kFullShard},
-      {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
-      {"no_shard", fsdp::ShardingStrategy::kNoShard}};
-  app.add_option("--sharding", c.sharding, "FSDP sharding strategy")
-      ->transform(CLI::CheckedTransformer(strategies, CLI::ignore_case))
-      ->group("FSDP")
-      ->default_str("full_shard");
+  Choice<fsdp::ShardingStrategy> sharding{"full_shard",
+                                          {{"full_shard", fsdp::ShardingStrategy::kFullShard},
+                                           {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
+                                           {"no_shard", fsdp::ShardingStrategy::kNoShard}}};
+  add_choice(app, "--sharding", sharding, "FSDP sharding strategy", "FSDP");
   app.add_flag("--bf16", c.bf16,
                "bfloat16 mixed precision: compute and all-gather in bf16, keep fp32 shards "
                "for AdamW and reduce gradients in fp32")
@@ -118,14 +157,17 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
                "Continue from the latest complete checkpoint in --checkpoint-dir (start from "
                "step 0 when there is none, so a restarted job can always pass it)")
       ->group(ckpt);
-  const std::map<std::string, fsdp::StateDictType> types = {
-      {"sharded", fsdp::StateDictType::kSharded}, {"full", fsdp::StateDictType::kFull}};
-  app.add_option("--checkpoint-type", c.checkpoint_type,
-                 "sharded: each rank writes its shards; full: rank 0 writes whole tensors "
-                 "(one safetensors file any reader opens)")
-      ->transform(CLI::CheckedTransformer(types, CLI::ignore_case))
-      ->group(ckpt)
-      ->default_str("sharded");
+  Choice<fsdp::StateDictType> type{
+      "sharded",
+      {{"sharded", fsdp::StateDictType::kSharded}, {"full", fsdp::StateDictType::kFull}}};
+  add_choice(app, "--checkpoint-type", type,
+             "sharded: each rank writes its shards; full: rank 0 writes whole tensors "
+             "(one safetensors file any reader opens)",
+             ckpt);
+  add("--keep-last", c.keep_last,
+      "Keep only the newest N checkpoints, removing older ones after each save (never the "
+      "one resumed from; 0: keep all)",
+      count(0), ckpt);
   add("--stop-after", c.stop_after,
       "Stop after this step as if the job were interrupted (0: run all --steps); the learning-"
       "rate schedule still spans --steps, so a later --resume continues the same run",
@@ -148,22 +190,27 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
                  "Directory for per-rank metrics (rank<R>.jsonl), created if missing")
       ->group(out);
   add("--log-interval", c.log_interval, "Steps between log lines (when not a bar)", count(1), out);
-  const std::map<std::string, ProgressMode> modes = {{"auto", ProgressMode::kAuto},
-                                                     {"bar", ProgressMode::kBar},
-                                                     {"log", ProgressMode::kLog},
-                                                     {"none", ProgressMode::kNone}};
-  app.add_option("--progress", c.progress,
-                 "auto: a bar on a terminal, log lines otherwise; bar; log; none")
-      ->transform(CLI::CheckedTransformer(modes, CLI::ignore_case))
-      ->group(out)
-      ->default_str("auto");
+  Choice<ProgressMode> progress{"auto",
+                                {{"auto", ProgressMode::kAuto},
+                                 {"bar", ProgressMode::kBar},
+                                 {"log", ProgressMode::kLog},
+                                 {"none", ProgressMode::kNone}}};
+  add_choice(app, "--progress", progress,
+             "auto: a bar on a terminal, log lines otherwise; bar; log; none", out);
   app.add_option("--seed", c.seed, "Seed of the initial weights, the batches and the sample")
       ->group(out)
       ->capture_default_str();
   add("--threads", c.threads, "Intra-op threads per rank", CLI::Range(1, 1024), out);
+  add("--timeout", c.timeout_s,
+      "Seconds a collective may wait for the other ranks before the run fails (a stopped or "
+      "lost rank)",
+      CLI::Range(1e-3, 1e7), out);
 
   try {
     app.parse(argc, argv);
+    c.sharding = sharding.values.at(sharding.name);
+    c.checkpoint_type = type.values.at(type.name);
+    c.progress = progress.values.at(progress.name);
     check_combinations(c);
   } catch (const CLI::ParseError& e) {
     // CLI11 prints --help to stdout (exit 0) and errors to stderr, the latter

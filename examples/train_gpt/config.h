@@ -61,13 +61,15 @@ struct TrainConfig {
   bool resume = false;           ///< Continue from the latest checkpoint in checkpoint_dir.
   fsdp::StateDictType checkpoint_type = fsdp::StateDictType::kSharded;
   int64_t stop_after = 0;  ///< Stop after this step as if interrupted; 0: run to the end.
+  int64_t keep_last = 0;   ///< Keep the newest N checkpoints (fsdp::CheckpointerOptions); 0: all.
 
   // Output and run time.
   std::string metrics_dir;  ///< Empty: no JSONL files.
   int64_t log_interval = 20;
   ProgressMode progress = ProgressMode::kAuto;
   uint64_t seed = 1337;
-  int threads = 1;  ///< Intra-op (and BLAS) threads per rank.
+  int threads = 1;         ///< Intra-op (and BLAS) threads per rank.
+  double timeout_s = 300;  ///< Collective timeout (fsdp::ProcessGroupOptions::timeout).
 };
 
 /// Parses argv into a config. Returns the exit code when the program should

@@ -94,8 +94,20 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"seed", c.seed}};
 }
 
+// Stops the run when a step diverged (see Note [Stopping on divergence]).
+void check_finite_step(int64_t step, const StepResult& r) {
+  if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) return;
+  std::ostringstream s;
+  s << "step " << step << ": the loss is " << r.loss << " and the gradient norm " << r.grad_norm
+    << ": training diverged, stopping before this step is checkpointed. Lower --lr, raise "
+       "--warmup-steps or --grad-clip, then --resume from the last checkpoint";
+  throw std::runtime_error(s.str());
+}
+
 int train(const TrainConfig& c, const Corpus& corpus) {
-  auto pg = fsdp::init_process_group();
+  auto pg = fsdp::init_process_group(
+      fsdp::ProcessGroupOptions().timeout(std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::duration<double>(c.timeout_s))));
   const int rank = pg->rank(), world = pg->size();
   if (c.batch_size % world != 0) {
     // The same on every rank: all stop here, before any collective.
@@ -122,7 +134,8 @@ int train(const TrainConfig& c, const Corpus& corpus) {
   TrainState state;
   state.seed = c.seed;
   // The checkpoint holds the model, AdamW and `state` (see Note [Training state]).
-  fsdp::Checkpointer checkpointer(*trainer.model().ptr(), &trainer.optimizer());
+  fsdp::Checkpointer checkpointer(*trainer.model().ptr(), &trainer.optimizer(),
+                                  fsdp::CheckpointerOptions().keep_last(c.keep_last));
   checkpointer.register_state(
       "train_state", [&state] { return nlohmann::json(state).dump(); },
       [&state](const std::string& text) { state = nlohmann::json::parse(text).get<TrainState>(); });
@@ -172,6 +185,14 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     train_seconds += dt;
     ema_step_s = ++steps_this_run == 1 ? dt : 0.9 * ema_step_s + 0.1 * dt;
     last_loss = r.loss;
+    // Note [Stopping on divergence]
+    // NaN or infinity in the loss or the gradient norm never recovers: stop
+    // at once, before the step's metrics and checkpoint. Both values are the
+    // same on every rank (all-gathered, all-reduced), so every rank stops at
+    // the same step, with no collective left waiting. A loss computed before
+    // the update cannot see an update that poisoned the parameters, so a
+    // save first checks them too (Trainer::parameters_finite).
+    check_finite_step(state.step, r);
 
     StepReport report;
     report.step = state.step;
@@ -206,6 +227,12 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     if (!c.checkpoint_dir.empty() &&
         ((c.checkpoint_every > 0 && state.step % c.checkpoint_every == 0) ||
          state.step == c.steps)) {
+      if (!trainer.parameters_finite()) {
+        throw std::runtime_error("step " + std::to_string(state.step) +
+                                 ": the parameters hold NaN or infinity after the optimizer step: "
+                                 "training diverged, stopping before they are checkpointed. Lower "
+                                 "--lr or --weight-decay, then --resume from the last checkpoint");
+      }
       const auto t_save = Clock::now();
       const std::string dir =
           checkpointer.save_step(c.checkpoint_dir, state.step, c.checkpoint_type);

@@ -1,10 +1,13 @@
 #include "progress.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -123,16 +126,33 @@ MetricsLog::MetricsLog(const std::string& dir, int rank) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   path_ = (std::filesystem::path(dir) / ("rank" + std::to_string(rank) + ".jsonl")).string();
-  out_.open(path_, std::ios::trunc);
-  if (!out_) {
-    throw std::runtime_error("cannot write metrics file '" + path_ +
-                             "' (--metrics-dir): check that the directory is writable");
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw std::runtime_error("cannot write metrics file '" + path_ + "' (--metrics-dir): " +
+                             std::strerror(errno) + "; check that the directory is writable");
   }
 }
 
+MetricsLog::~MetricsLog() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 void MetricsLog::write(const nlohmann::json& record) {
-  if (!out_.is_open()) return;
-  out_ << record.dump() << "\n" << std::flush;
+  if (fd_ < 0) return;
+  const std::string line = record.dump() + "\n";
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t n = ::write(fd_, line.data() + done, line.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string why = n < 0 ? std::strerror(errno) : "nothing written";
+      // Keep the file whole lines (a reader parses every line).
+      if (::ftruncate(fd_, size_) == 0) ::lseek(fd_, size_, SEEK_SET);
+      throw std::runtime_error("cannot write metrics file '" + path_ + "' (--metrics-dir): " + why +
+                               "; free space there or pass another --metrics-dir");
+    }
+    done += static_cast<size_t>(n);
+  }
+  size_ += static_cast<int64_t>(line.size());
 }
 
 }  // namespace train_gpt

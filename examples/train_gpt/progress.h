@@ -6,7 +6,6 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -67,15 +66,20 @@ class ProgressDisplay {
   std::string last_bar_;    // redrawn below a message
 };
 
-/// One JSON object per line in <dir>/rank<R>.jsonl, flushed at once, so a
+/// One JSON object per line in <dir>/rank<R>.jsonl, written at once, so a
 /// crashed run still leaves its metrics. A no-op without a directory.
 class MetricsLog {
  public:
   /// Creates `dir` if needed and truncates this rank's file. Throws
   /// std::runtime_error naming the path when it cannot be written.
   MetricsLog(const std::string& dir, int rank);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
 
-  /// Appends `record` as one line.
+  /// Appends `record` as one line. Throws std::runtime_error naming the file
+  /// when the write fails (a full disk), after cutting off the part of the
+  /// line that was written: the file keeps whole lines only.
   void write(const nlohmann::json& record);
 
   /// The file written, or "" without a directory.
@@ -83,7 +87,8 @@ class MetricsLog {
 
  private:
   std::string path_;
-  std::ofstream out_;
+  int fd_ = -1;
+  int64_t size_ = 0;  // bytes of the whole lines written
 };
 
 }  // namespace train_gpt

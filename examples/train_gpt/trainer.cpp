@@ -109,6 +109,16 @@ StepResult Trainer::train_step(const Batch& batch, double lr) {
   return out;
 }
 
+bool Trainer::parameters_finite() {
+  bool finite = true;
+  for (const at::Tensor& p : model_->parameters()) {
+    finite = finite && at::isfinite(p.detach()).all().item<bool>();
+  }
+  at::Tensor flag = at::full({1}, finite ? 1.0 : 0.0, at::kFloat);
+  pg_->all_reduce(flag, fsdp::ReduceOp::kMin).wait();
+  return flag.item<float>() > 0.5f;
+}
+
 double Trainer::evaluate(const std::vector<Batch>& batches) {
   torch::NoGradGuard no_grad;
   model_->eval();

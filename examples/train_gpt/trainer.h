@@ -42,6 +42,11 @@ class Trainer {
   /// Forward, backward, gradient clipping and an optimizer step at rate `lr`.
   StepResult train_step(const Batch& batch, double lr);
 
+  /// True when every rank's shards hold only finite values (collective): a
+  /// diverged step can leave NaN in the parameters while its loss, computed
+  /// before the update, was finite.
+  bool parameters_finite();
+
   /// Mean loss on the held-out batches (each rank evaluates its rows).
   double evaluate(const std::vector<Batch>& batches);
 

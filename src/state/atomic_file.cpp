@@ -23,9 +23,45 @@ std::string parent_dir(const std::string& path) {
 
 }  // namespace
 
+std::string temporary_name(const std::string& path) {
+  return path + kTemporarySuffix + std::to_string(::getpid());
+}
+
+bool is_temporary_name(const std::string& name) {
+  const auto at = name.rfind(kTemporarySuffix);
+  if (at == std::string::npos || at == 0) return false;
+  const std::string pid = name.substr(at + std::strlen(kTemporarySuffix));
+  return !pid.empty() && pid.find_first_not_of("0123456789") == std::string::npos;
+}
+
+const char* file_type_name(unsigned mode) {
+  switch (mode & S_IFMT) {
+    case S_IFREG:
+      return "a regular file";
+    case S_IFDIR:
+      return "a directory";
+    case S_IFIFO:
+      return "a FIFO";
+    case S_IFCHR:
+      return "a character device";
+    case S_IFBLK:
+      return "a block device";
+    case S_IFSOCK:
+      return "a socket";
+    case S_IFLNK:
+      return "a symbolic link";
+    default:
+      return "a file of unknown type";
+  }
+}
+
 AtomicFileWriter::AtomicFileWriter(std::string path)
-    : path_(std::move(path)), tmp_path_(path_ + ".tmp." + std::to_string(::getpid())) {
-  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    : path_(std::move(path)), tmp_path_(temporary_name(path_)) {
+  // A leftover of an earlier process with our pid is not in progress. O_EXCL
+  // and O_NOFOLLOW then refuse whatever else is there (a FIFO would block an
+  // O_WRONLY open until a reader came).
+  ::unlink(tmp_path_.c_str());
+  fd_ = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd_ < 0) throw CheckpointError(tmp_path_, "cannot create: " + errno_text());
 }
 
@@ -79,10 +115,22 @@ void fsync_directory(const std::string& dir) {
 }
 
 FileReader::FileReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+  // forever. It changes nothing for the regular files accepted below.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd_ < 0) throw CheckpointError(path, "cannot open: " + errno_text());
   struct stat st {};
-  if (::fstat(fd_, &st) != 0) throw CheckpointError(path, "cannot stat: " + errno_text());
+  if (::fstat(fd_, &st) != 0) {
+    const std::string why = errno_text();
+    ::close(fd_);
+    throw CheckpointError(path, "cannot stat: " + why);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw CheckpointError(path, std::string("is ") + file_type_name(st.st_mode) +
+                                    ", not a regular file; a checkpoint holds only regular "
+                                    "files: remove it or load another checkpoint");
+  }
   size_ = static_cast<uint64_t>(st.st_size);
 }
 

@@ -10,6 +10,7 @@
 #include "state/checkpoint_writer.h"
 #include "state/local_state.h"
 #include "state/piece_io.h"
+#include "state/retention.h"
 
 namespace fsdp {
 namespace {
@@ -57,14 +58,48 @@ void set_cpu_rng_state(const std::string& hex, const std::string& file) {
 /// A failure on any rank becomes an error on every rank. Two small
 /// all-reduces; no tensor data moves.
 
+/// Note [Resume fallback]
+/// A damaged newest checkpoint (a disk error, a file edited by hand) must not
+/// stop a job that fsdprun restarts: every restart would fail the same way.
+/// Rank 0 verifies the complete checkpoints newest first, warns about each
+/// one it skips and why, and broadcasts the step of the first that
+/// verifies; load() then verifies it on every rank (rank 0 reuses its
+/// reader). If complete checkpoints exist but none verifies, resume() throws
+/// on every rank rather than start over: starting from step 0 would hide
+/// the damage and, with retention, remove the evidence.
+std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent) {
+  std::string skipped;
+  int64_t complete = 0;
+  for (const StepDirectory& s : step_directories(parent)) {
+    if (!s.marked) continue;
+    ++complete;
+    try {
+      auto reader = std::make_unique<CheckpointReader>(s.path);
+      return reader;
+    } catch (const std::exception& e) {
+      TORCH_WARN("fsdp resume: skipping ", s.path, ", it does not verify: ", e.what(),
+                 "; trying an earlier checkpoint");
+      skipped += "; skipped " + s.path + " (" + e.what() + ")";
+    }
+  }
+  if (complete == 0) return nullptr;
+  throw CheckpointError(parent, "none of its " + std::to_string(complete) +
+                                    " complete checkpoints verifies" + skipped +
+                                    ". Repair or remove them to start over.");
+}
+
 }  // namespace
 
 const char* to_string(StateDictType type) {
   return type == StateDictType::kFull ? "full" : "sharded";
 }
 
-Checkpointer::Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer)
-    : model_(model), optimizer_(optimizer) {}
+Checkpointer::Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                           CheckpointerOptions options)
+    : model_(model), optimizer_(optimizer), options_(options) {
+  TORCH_CHECK(options_.keep_last() >= 0, "fsdp Checkpointer: expected keep_last >= 0, got ",
+              options_.keep_last(), ". Pass 0 to keep every checkpoint.");
+}
 
 void Checkpointer::register_state(const std::string& name, std::function<std::string()> save,
                                   std::function<void(const std::string&)> load) {
@@ -93,17 +128,33 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
 
 std::string Checkpointer::save_step(const std::string& parent, int64_t step, StateDictType type) {
   const std::string dir = checkpoint_path(parent, step);
-  save(dir, step, type);
+  ProcessGroup* group = detail::state_group(model_);
+  const bool root = group == nullptr || group->rank() == 0;
+  // See Note [Removing leftovers]: every exit below is after an agreement.
+  try {
+    save(dir, step, type);
+  } catch (...) {
+    // A torn directory only takes space (a full disk is the likely cause).
+    if (root) detail::remove_if_torn(dir);
+    throw;
+  }
+  if (root) {
+    std::vector<std::string> keep = {dir};
+    if (!resumed_from_.empty()) keep.push_back(resumed_from_);
+    detail::tidy_checkpoints(parent, options_.keep_last(), keep);
+  }
   return dir;
 }
 
-int64_t Checkpointer::load(const std::string& dir) {
+int64_t Checkpointer::load(const std::string& dir) { return load_verified(dir, nullptr); }
+
+int64_t Checkpointer::load_verified(const std::string& dir,
+                                    std::unique_ptr<CheckpointReader> reader) {
   // See Note [Collective load].
   ProcessGroup* group = detail::state_group(model_);
-  std::unique_ptr<CheckpointReader> reader;
   std::exception_ptr error;
   try {
-    reader = std::make_unique<CheckpointReader>(dir);
+    if (!reader) reader = std::make_unique<CheckpointReader>(dir);
   } catch (...) {
     error = std::current_exception();
   }
@@ -141,16 +192,42 @@ void Checkpointer::apply(const CheckpointReader& reader, ProcessGroup* group) {
 int64_t Checkpointer::resume(const std::string& parent) {
   // Rank 0 chooses the step, so that ranks whose view of `parent` differs (a
   // save still appearing on another node) cannot load different steps.
+  // See Note [Resume fallback].
   ProcessGroup* group = detail::state_group(model_);
   const bool root = group == nullptr || group->rank() == 0;
-  at::Tensor step = at::full({1}, -1.0, at::kDouble);
+  constexpr double kNone = -1, kFailed = -2;
+  at::Tensor step = at::full({1}, kNone, at::kDouble);
+  std::unique_ptr<CheckpointReader> verified;
+  std::exception_ptr error;
   if (root) {
-    const std::string dir = latest_checkpoint(parent);
-    if (!dir.empty()) step.fill_(static_cast<double>(std::stoll(dir.substr(dir.size() - 10))));
+    try {
+      verified = newest_verified(parent);
+      std::vector<std::string> keep;
+      if (verified) {
+        step.fill_(static_cast<double>(verified->marker().step));
+        keep.push_back(verified->dir());
+      }
+      // See Note [Removing leftovers]: every rank is in resume(). Retention
+      // applies now too, so that a full disk has room for the next save.
+      detail::tidy_checkpoints(parent, options_.keep_last(), keep);
+    } catch (...) {
+      error = std::current_exception();
+      step.fill_(kFailed);
+    }
   }
   if (group != nullptr && group->size() > 1) group->broadcast(step, /*root=*/0).wait();
-  const auto chosen = static_cast<int64_t>(step.item<double>());
-  return chosen < 0 ? -1 : load(checkpoint_path(parent, chosen));
+  const double chosen = step.item<double>();
+  if (chosen == kFailed) {
+    if (error) std::rethrow_exception(error);
+    throw CheckpointError(parent,
+                          "rank 0 found no checkpoint to resume from (see rank 0's "
+                          "error); nothing was loaded");
+  }
+  if (chosen == kNone) return -1;
+  const std::string dir = checkpoint_path(parent, static_cast<int64_t>(chosen));
+  const int64_t loaded = load_verified(dir, std::move(verified));
+  resumed_from_ = dir;
+  return loaded;
 }
 
 }  // namespace fsdp

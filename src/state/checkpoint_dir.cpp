@@ -3,7 +3,10 @@
 #include <dirent.h>
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include <fsdp/state/error.h>
 
@@ -50,13 +53,27 @@ std::string manifest_name(int rank) { return "rank" + std::to_string(rank) + ".j
 CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
   const std::string marker_path = join(dir_, kCompletionMarker);
   struct stat st {};
-  if (::stat(marker_path.c_str(), &st) != 0) {
+  if (::lstat(marker_path.c_str(), &st) != 0) {
     throw CheckpointError(marker_path,
                           "missing completion marker: the save did not finish (or "
                           "this is not a checkpoint directory); use an earlier "
                           "checkpoint");
   }
   marker_ = parse_marker(read_small_file(marker_path, kMaxManifestBytes), marker_path);
+  // The step is in three places: the marker, every manifest, and the name
+  // that resume() chose the directory by. A disagreement is the marker's
+  // fault (it is written last, from the manifests).
+  const auto slash = dir_.find_last_not_of('/');
+  const std::string trimmed = dir_.substr(0, slash == std::string::npos ? 0 : slash + 1);
+  const std::string base = trimmed.substr(trimmed.rfind('/') + 1);
+  const int64_t named = step_of_name(base);
+  if (named >= 0 && named != marker_.step) {
+    throw CheckpointError(marker_path, "says step " + std::to_string(marker_.step) +
+                                           ", but its directory is " + base + " (step " +
+                                           std::to_string(named) +
+                                           "): the marker was edited or copied from another "
+                                           "checkpoint; use an earlier checkpoint");
+  }
   for (int r = 0; r < marker_.world_size; ++r) {
     const FileRecord& rec = marker_.manifests[r];
     const std::string path = join(dir_, rec.name);
@@ -72,6 +89,13 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
                                       "), the marker expects rank " + std::to_string(r) + " of " +
                                       std::to_string(marker_.world_size) + " (" + marker_.kind +
                                       ")");
+    }
+    if (m.step != marker_.step) {
+      throw CheckpointError(marker_path, "says step " + std::to_string(marker_.step) + ", but " +
+                                             rec.name + " was saved at step " +
+                                             std::to_string(m.step) +
+                                             ": the marker was edited or copied from another "
+                                             "checkpoint; use an earlier checkpoint");
     }
     manifests_.push_back(std::move(m));
   }
@@ -143,23 +167,46 @@ std::string checkpoint_path(const std::string& parent, int64_t step) {
   return join(parent, name);
 }
 
-std::string latest_checkpoint(const std::string& parent) {
+int64_t step_of_name(const std::string& name) {
+  // Only names checkpoint_path() makes, so that a step number names the
+  // directory (Checkpointer::resume broadcasts the step, not the name).
+  if (name.size() != 15 || name.rfind("step-", 0) != 0 ||
+      name.find_first_not_of("0123456789", 5) != std::string::npos)
+    return -1;
+  return std::stoll(name.substr(5));
+}
+
+std::vector<StepDirectory> step_directories(const std::string& parent) {
+  std::vector<StepDirectory> out;
   DIR* d = ::opendir(parent.c_str());
-  if (d == nullptr) return "";
-  std::string best;
+  if (d == nullptr) {
+    if (errno == ENOENT) return out;
+    throw CheckpointError(
+        parent, std::string("cannot list the checkpoint directory: ") + std::strerror(errno));
+  }
   while (const dirent* ent = ::readdir(d)) {
-    const std::string name = ent->d_name;
-    // Only names checkpoint_path() makes, so that a step number names the
-    // directory (Checkpointer::resume broadcasts the step, not the name).
-    if (name.size() != 15 || name.rfind("step-", 0) != 0 ||
-        name.find_first_not_of("0123456789", 5) != std::string::npos)
-      continue;
+    const int64_t step = step_of_name(ent->d_name);
+    if (step < 0) continue;
+    StepDirectory s;
+    s.step = step;
+    s.path = join(parent, ent->d_name);
+    // lstat: a marker that is not a regular file is found (and refused when
+    // verified); one in a "step-" entry that is not a directory is not.
     struct stat st {};
-    if (::stat(join(join(parent, name), kCompletionMarker).c_str(), &st) != 0) continue;
-    if (name > best) best = name;
+    s.marked = ::lstat(join(s.path, kCompletionMarker).c_str(), &st) == 0;
+    out.push_back(std::move(s));
   }
   ::closedir(d);
-  return best.empty() ? "" : join(parent, best);
+  std::sort(out.begin(), out.end(),
+            [](const StepDirectory& a, const StepDirectory& b) { return a.step > b.step; });
+  return out;
+}
+
+std::string latest_checkpoint(const std::string& parent) {
+  for (const StepDirectory& s : step_directories(parent)) {
+    if (s.marked) return s.path;
+  }
+  return "";
 }
 
 }  // namespace fsdp

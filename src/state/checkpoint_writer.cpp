@@ -18,6 +18,7 @@
 #include "state/agreement.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
+#include "state/retention.h"
 
 namespace fsdp::detail {
 namespace {
@@ -185,10 +186,12 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   const std::string& dir = request.dir;
   std::exception_ptr error;
   // 1. Rank 0 prepares the directory; an old marker goes first, so that a
-  //    half-overwritten checkpoint can never look complete.
+  //    half-overwritten checkpoint can never look complete. Temporaries of
+  //    an interrupted save go too (see Note [Removing leftovers]).
   if (rank == 0) {
     try {
       make_dirs(dir);
+      remove_temporaries(dir);
       const std::string marker = dir + "/" + kCompletionMarker;
       if (::unlink(marker.c_str()) != 0 && errno != ENOENT)
         throw CheckpointError(marker, std::string("cannot remove: ") + std::strerror(errno));

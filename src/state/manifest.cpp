@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fsdp/state/crc32.h>
 #include <fsdp/state/error.h>
 #include <fsdp/state/safetensors.h>
 
@@ -145,6 +146,24 @@ RankManifest parse_manifest(const std::string& text, const std::string& file) {
   return m;
 }
 
+namespace {
+
+// Note [Marker checksum]
+// Every manifest and data file is checked against a checksum one level up;
+// the marker is the top of that chain, so it carries its own: "crc32" is the
+// CRC-32 of the marker's JSON without that field, as encode_marker dumps it.
+// A flipped digit in a size or checksum then blames the marker, not the
+// healthy file it describes. Hashing the re-dumped JSON rather than the raw
+// bytes keeps the field inside the JSON; every change of a value is caught,
+// only a change of white space is not (and it changes nothing).
+uint32_t marker_checksum(json j) {
+  j.erase("crc32");
+  const std::string canonical = j.dump(1);
+  return crc32(canonical.data(), canonical.size());
+}
+
+}  // namespace
+
 std::string encode_marker(const CompletionMarker& m) {
   json manifests = json::array();
   for (const auto& f : m.manifests) manifests.push_back(file_json(f));
@@ -154,11 +173,25 @@ std::string encode_marker(const CompletionMarker& m) {
             {"kind", m.kind},
             {"step", m.step},
             {"manifests", manifests}};
+  j["crc32"] = marker_checksum(j);
   return j.dump(1);
 }
 
 CompletionMarker parse_marker(const std::string& text, const std::string& file) {
   const json j = parse_json(text, file);
+  // See Note [Marker checksum].
+  if (j.find("crc32") == j.end()) {
+    throw CheckpointError(file,
+                          "has no checksum (field 'crc32'): it was written by an older libfsdp "
+                          "or edited; save the checkpoint again");
+  }
+  const auto stored = field<uint32_t>(j, "crc32", file);
+  const uint32_t actual = marker_checksum(j);
+  if (stored != actual) {
+    throw CheckpointError(file, "checksum mismatch: the marker's contents have CRC-32 " +
+                                    std::to_string(actual) + ", its field 'crc32' says " +
+                                    std::to_string(stored) + " (the marker is corrupted)");
+  }
   CompletionMarker m;
   m.world_size = field<int>(j, "world_size", file);
   m.kind = field<std::string>(j, "kind", file);

@@ -14,12 +14,16 @@
 #include <vector>
 
 #include "launch_test_util.h"
+#include "train_gpt_test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using fsdp::launch::testing::run_launcher;
 using fsdp::launch::testing::RunResult;
+using train_gpt_test::fresh_dir;
+using train_gpt_test::Outcome;
+using train_gpt_test::run_direct;
 
 // A tiny model: a few seconds for a few dozen steps at 2 ranks.
 std::vector<std::string> tiny_run(const std::string& metrics_dir) {
@@ -50,14 +54,6 @@ std::vector<double> losses(const fs::path& path) {
   std::vector<double> out;
   for (const auto& r : read_jsonl(path, "train")) out.push_back(r.at("loss").get<double>());
   return out;
-}
-
-fs::path fresh_dir(const std::string& name) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("train_gpt_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir;
 }
 
 void expect_success(const RunResult& r) {
@@ -246,26 +242,6 @@ TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
       << tty.out;
   EXPECT_NE(tty.out.find("tok/s | ETA"), std::string::npos) << tty.out;
   fs::remove_all(dir);
-}
-
-// Runs train_gpt directly (one rank, no launcher) with a deadline.
-struct Outcome {
-  bool exited = false;  // false: killed by a signal (a crash)
-  int code = -1;
-  std::string output;
-};
-
-Outcome run_direct(const std::string& args) {
-  const std::string cmd = "timeout 60 " + std::string(TRAIN_GPT_PATH) + " " + args + " 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  Outcome out;
-  if (pipe == nullptr) return out;
-  char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  out.exited = WIFEXITED(status);
-  out.code = out.exited ? WEXITSTATUS(status) : -1;
-  return out;
 }
 
 TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {

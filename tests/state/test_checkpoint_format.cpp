@@ -14,6 +14,7 @@
 #include <fsdp/state/crc32.h>
 #include <fsdp/state/safetensors.h>
 
+#include "marker_edit.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -129,23 +130,27 @@ TEST(CheckpointDir, PlainModelRoundTripBothTypes) {
   }
 }
 
-// Rewrites the CRC-32 and size of `name` in `record_file` ("files" or
-// "manifests"), so that a deliberately inconsistent file passes the checksums
-// and reaches the header validation.
-void reseal(const std::string& dir, const std::string& name) {
-  auto fix = [&](const std::string& json_file, const char* list, const std::string& target) {
-    auto j = nlohmann::json::parse(file_bytes(dir + "/" + json_file));
-    const std::string bytes = file_bytes(dir + "/" + target);
-    for (auto& f : j[list]) {
-      if (f["name"] == target) {
-        f["size"] = bytes.size();
-        f["crc32"] = crc32(bytes.data(), bytes.size());
-      }
+// Rewrites the CRC-32 and size of `target` in the "files" or "manifests"
+// list of `j`.
+void fix_record(nlohmann::json& j, const char* list, const std::string& dir,
+                const std::string& target) {
+  const std::string bytes = file_bytes(dir + "/" + target);
+  for (auto& f : j[list]) {
+    if (f["name"] == target) {
+      f["size"] = bytes.size();
+      f["crc32"] = crc32(bytes.data(), bytes.size());
     }
-    put_file_bytes(dir + "/" + json_file, j.dump(1));
-  };
-  fix("rank0.json", "files", name);
-  fix("COMPLETE", "manifests", "rank0.json");
+  }
+}
+
+// Rewrites the checksums that cover data file `name` (in rank0.json, in the
+// marker, and the marker's own), so that a deliberately inconsistent file
+// passes them and reaches the header validation.
+void reseal(const std::string& dir, const std::string& name) {
+  auto manifest = nlohmann::json::parse(file_bytes(dir + "/rank0.json"));
+  fix_record(manifest, "files", dir, name);
+  put_file_bytes(dir + "/rank0.json", manifest.dump(1));
+  reseal_marker(dir, [&](nlohmann::json& j) { fix_record(j, "manifests", dir, "rank0.json"); });
 }
 
 TEST(CheckpointDir, RefusesDamage) {

@@ -10,6 +10,16 @@
 
 namespace fsdp {
 
+/// What AtomicFileWriter appends to a path for its temporary file, before
+/// the writer's pid: "<path>.tmp.<pid>".
+constexpr const char* kTemporarySuffix = ".tmp.";
+/// The temporary name this process uses for `path`.
+std::string temporary_name(const std::string& path);
+/// True for a name AtomicFileWriter makes ("<name>.tmp.<digits>").
+bool is_temporary_name(const std::string& name);
+/// "a FIFO", "a directory", ... for a st_mode, for messages.
+const char* file_type_name(unsigned mode);
+
 /// Writes `path` atomically: the bytes go to a temporary name in the same
 /// directory; commit() fsyncs it, renames it to `path` and fsyncs the
 /// directory, so a crash leaves either the old state or the whole new file.
@@ -48,7 +58,8 @@ void fsync_directory(const std::string& dir);
 /// A file opened for reading at offsets; every read is checked.
 class FileReader {
  public:
-  /// Opens `path`; throws CheckpointError if it does not exist.
+  /// Opens `path`; throws CheckpointError if it does not exist or is not a
+  /// regular file (a FIFO, a device, a directory: refused, never waited on).
   explicit FileReader(const std::string& path);
   ~FileReader();
   FileReader(const FileReader&) = delete;

@@ -4,12 +4,14 @@
 // model, the optimizer, the step, every rank's RNG state and whatever the
 // training loop registers. See Note [Checkpoint directory].
 
+#include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 
 #include <fsdp/comm/process_group.h>
@@ -31,6 +33,14 @@ enum class StateDictType {
 /// The name of a state dict type, for messages ("full", "sharded").
 const char* to_string(StateDictType type);
 
+/// Options of a Checkpointer.
+struct CheckpointerOptions {
+  /// save_step() keeps the newest `keep_last` complete checkpoints under its
+  /// parent and removes the older ones, never the one it just wrote nor the
+  /// one resume() loaded; 0 keeps them all.
+  TORCH_ARG(int64_t, keep_last) = 0;
+};
+
 /// Saves and restores a training job's state. Both are collective: every rank
 /// calls them with the same arguments. Loading accepts a checkpoint of either
 /// type saved at any world size (resharding from the files, no communication).
@@ -46,7 +56,8 @@ const char* to_string(StateDictType type);
 class Checkpointer {
  public:
   /// `model` is the FSDP root (or any module); `optimizer` may be null.
-  explicit Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer = nullptr);
+  explicit Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer = nullptr,
+                        CheckpointerOptions options = {});
 
   /// Registers per-rank state of the training loop (e.g. the data position):
   /// `save` returns it as text when saving, `load` receives it when loading.
@@ -57,7 +68,11 @@ class Checkpointer {
   /// there is invalidated first). Returns once the completion marker is
   /// durable on every rank.
   void save(const std::string& dir, int64_t step, StateDictType type = StateDictType::kSharded);
-  /// save() into checkpoint_path(parent, step); returns that path.
+  /// save() into checkpoint_path(parent, step); returns that path. Then rank
+  /// 0 removes what interrupted saves left under `parent` (torn step
+  /// directories, temporary files) and the checkpoints beyond keep_last; if
+  /// the save fails, the directory it was writing. `parent` must belong to
+  /// this job alone.
   std::string save_step(const std::string& parent, int64_t step,
                         StateDictType type = StateDictType::kSharded);
 
@@ -66,12 +81,16 @@ class Checkpointer {
   /// Throws CheckpointError for an incomplete or damaged checkpoint, on every
   /// rank when any rank fails (see Note [Collective load]).
   int64_t load(const std::string& dir);
-  /// Loads the latest complete checkpoint under `parent` as rank 0 sees it
-  /// (latest_checkpoint) and returns its step, or returns -1 and changes
-  /// nothing when there is none.
+  /// Loads the newest complete checkpoint under `parent` that verifies, as
+  /// rank 0 sees it, and returns its step; returns -1 and changes nothing
+  /// when there is none. Rank 0 warns about each newer one it skipped and
+  /// why, and removes what interrupted saves left and the checkpoints beyond
+  /// keep_last, as save_step does (never the one loaded). Throws
+  /// on every rank when checkpoints exist but none verifies.
   int64_t resume(const std::string& parent);
 
  private:
+  int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader);
   void apply(const CheckpointReader& reader, ProcessGroup* group);
 
   struct Registered {
@@ -80,7 +99,10 @@ class Checkpointer {
   };
   torch::nn::Module& model_;
   torch::optim::Optimizer* optimizer_;
+  CheckpointerOptions options_;
   std::map<std::string, Registered> registered_;
+  /// The directory resume() loaded (retention keeps it); "" before.
+  std::string resumed_from_;
 };
 
 }  // namespace fsdp

@@ -26,9 +26,12 @@ constexpr uint64_t kMaxManifestBytes = 256u << 20;
 /// A complete checkpoint directory opened for reading.
 class CheckpointReader {
  public:
-  /// Verifies the marker, every manifest (size and CRC-32) and every data file
-  /// (size, CRC-32, header, and that each piece a manifest lists is in it with
-  /// its dtype and size); throws CheckpointError naming the file otherwise.
+  /// Verifies the marker (its own checksum, and that its step is the
+  /// manifests' and, for a "step-<N>" directory, N), every manifest (size and
+  /// CRC-32) and every data file (size, CRC-32, header, and that each piece a
+  /// manifest lists is in it with its dtype and size); throws CheckpointError
+  /// naming the file otherwise. A file that is not a regular file (a FIFO, a
+  /// device, a directory) is refused, never waited on.
   explicit CheckpointReader(std::string dir);
 
   /// The directory.
@@ -63,10 +66,25 @@ class CheckpointReader {
 /// incomplete or damaged.
 void verify_checkpoint(const std::string& dir);
 
+/// A directory under a checkpoint parent named as checkpoint_path() names them.
+struct StepDirectory {
+  int64_t step = 0;     ///< the step its name says
+  std::string path;     ///< parent/step-<10 digits>
+  bool marked = false;  ///< it holds a completion marker (else: torn or in progress)
+};
+
+/// Every "step-<10 digits>" entry under `parent`, highest step first; empty
+/// when `parent` does not exist. Throws CheckpointError if it cannot be read.
+std::vector<StepDirectory> step_directories(const std::string& parent);
+
 /// The complete checkpoint directory under `parent` with the highest step
 /// (directories named as checkpoint_path() names them, "step-<10 digits>",
-/// that hold a marker), or "" if none.
+/// that hold a marker), or "" if none. Nothing is verified.
 std::string latest_checkpoint(const std::string& parent);
+
+/// The step a checkpoint_path() directory name says ("step-0000000020" -> 20),
+/// or -1 for another name.
+int64_t step_of_name(const std::string& name);
 
 /// "parent/step-<step>" with the step zero-padded, so names sort by step.
 std::string checkpoint_path(const std::string& parent, int64_t step);

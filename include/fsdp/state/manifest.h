@@ -4,7 +4,7 @@
 //   rank<R>.json  one manifest per rank: its data files (size, CRC-32), the
 //                 pieces of original tensors they hold, and its resume state;
 //   COMPLETE      the completion marker, written last by rank 0: every
-//                 manifest with its size and CRC-32.
+//                 manifest with its size and CRC-32, and its own CRC-32.
 // See Note [Checkpoint directory] in src/state/checkpoint_dir.cpp.
 
 #include <cstdint>
@@ -60,7 +60,8 @@ std::string encode_manifest(const RankManifest& m);
 RankManifest parse_manifest(const std::string& text, const std::string& file);
 /// JSON text of a marker.
 std::string encode_marker(const CompletionMarker& m);
-/// Parses and validates a marker; errors name `file`.
+/// Parses and validates a marker, its own checksum first (see Note [Marker
+/// checksum] in manifest.cpp); errors name `file`.
 CompletionMarker parse_marker(const std::string& text, const std::string& file);
 
 }  // namespace fsdp

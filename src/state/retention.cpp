@@ -1,0 +1,88 @@
+#include "state/retention.h"
+
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <fsdp/state/atomic_file.h>
+#include <fsdp/state/checkpoint_dir.h>
+
+namespace fsdp::detail {
+
+// Note [Removing leftovers]
+// A rank killed while saving leaves "*.tmp.<pid>" files and a step directory
+// without a marker; on a full disk they make every retry fail sooner. They
+// are removed by rank 0 only where no writer can be in progress:
+//   - write_checkpoint, step 1: temporaries inside the directory it is about
+//     to write (every rank has passed an agreement, none has begun writing);
+//   - save_step, after the save's last agreement (every rank's files are
+//     durable), and resume(), which every rank calls at once: torn step
+//     directories and temporaries anywhere under the parent.
+// A save is collective and ends only when every rank's writes are durable,
+// so when rank 0 is in one of those places no rank of the job is writing;
+// an earlier incarnation of the job is dead (fsdprun restarts ranks only
+// after all of them exited). Only the parent given to save_step/resume is
+// touched, so it must belong to one job (as resume() already assumes).
+
+namespace {
+
+void remove_path(const std::string& path, bool tree) {
+  std::error_code ec;
+  if (tree) {
+    std::filesystem::remove_all(path, ec);
+  } else {
+    std::filesystem::remove(path, ec);
+  }
+  if (ec) TORCH_WARN("fsdp checkpoint: cannot remove ", path, ": ", ec.message());
+}
+
+}  // namespace
+
+void remove_temporaries(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return;  // nothing there yet, or not a directory: nothing of ours
+  std::vector<std::string> doomed;
+  while (const dirent* ent = ::readdir(d)) {
+    if (is_temporary_name(ent->d_name)) doomed.push_back(dir + "/" + ent->d_name);
+  }
+  ::closedir(d);
+  for (const std::string& path : doomed) remove_path(path, /*tree=*/false);
+}
+
+void remove_if_torn(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(dir + "/" + kCompletionMarker, ec)))
+    if (std::filesystem::exists(dir, ec)) remove_path(dir, /*tree=*/true);
+}
+
+void tidy_checkpoints(const std::string& parent, int64_t keep_last,
+                      const std::vector<std::string>& keep) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> kept_paths;
+  for (const std::string& k : keep) kept_paths.push_back(fs::path(k).lexically_normal());
+  std::vector<StepDirectory> dirs;
+  try {
+    dirs = step_directories(parent);
+  } catch (const std::exception& e) {
+    TORCH_WARN("fsdp checkpoint: not tidying ", parent, ": ", e.what());
+    return;
+  }
+  int64_t complete = 0;  // complete ones seen so far, newest first
+  for (const StepDirectory& s : dirs) {
+    const bool kept = std::find(kept_paths.begin(), kept_paths.end(),
+                                fs::path(s.path).lexically_normal()) != kept_paths.end();
+    if (s.marked) ++complete;
+    if (kept || (s.marked && (keep_last == 0 || complete <= keep_last))) {
+      remove_temporaries(s.path);
+    } else {
+      remove_path(s.path, /*tree=*/true);
+    }
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,29 @@
+#pragma once
+
+// Removing what interrupted saves leave behind, and old checkpoints beyond a
+// retention limit. See Note [Removing leftovers].
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp::detail {
+
+/// Removes AtomicFileWriter temporaries ("<name>.tmp.<pid>") in `dir`.
+/// REQUIRES: no rank of the job is writing into `dir` (see Note [Removing
+/// leftovers]). A file that cannot be removed is a warning.
+void remove_temporaries(const std::string& dir);
+
+/// Under a checkpoint parent: removes torn step directories (no marker) and
+/// the temporaries inside the others and, when keep_last > 0, the complete
+/// ones beyond the newest keep_last. Never removes the directories in `keep`.
+/// REQUIRES: as remove_temporaries, for the whole of `parent`. Failures are
+/// warnings (nothing a later save needs is at stake).
+void tidy_checkpoints(const std::string& parent, int64_t keep_last,
+                      const std::vector<std::string>& keep);
+
+/// Removes `dir` if it holds no completion marker (a save that failed).
+/// REQUIRES: as remove_temporaries.
+void remove_if_torn(const std::string& dir);
+
+}  // namespace fsdp::detail

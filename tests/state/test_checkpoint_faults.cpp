@@ -1,0 +1,323 @@
+// Checkpoints under faults and hostile input (issue 17): non-regular files
+// are refused, not waited on; the completion marker checks itself and its
+// step; resume() falls back to the newest checkpoint that verifies; what
+// interrupted saves leave is removed; keep_last retention; a full disk.
+
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <functional>
+#include <set>
+
+#include <fsdp/fsdp.h>
+
+#include "detail/torch_compat.h"
+#include "marker_edit.h"
+#include "small_disk.h"
+#include "state_test_util.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Expects `fn` to throw an exception whose message contains every needle and
+// none of the `absent` ones.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& needles,
+                  const std::vector<std::string>& absent = {}) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning " << needles.front();
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    for (const auto& n : needles)
+      EXPECT_NE(what.find(n), std::string::npos) << "\"" << what << "\" lacks \"" << n << "\"";
+    for (const auto& n : absent)
+      EXPECT_EQ(what.find(n), std::string::npos) << "\"" << what << "\" has \"" << n << "\"";
+  }
+}
+
+// A plain model and Adam after two steps; save() and save_step() write it.
+struct Trained {
+  Net model{false, FSDPOptions()};
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  explicit Trained(uint64_t seed = 1) {
+    torch::manual_seed(seed);
+    model = Net(false, FSDPOptions());
+    opt = make_optimizer("adam", model->parameters());
+    train(*model, *opt, 2);
+  }
+};
+
+std::string saved_full(const std::string& dir, int64_t step = 2) {
+  Trained t;
+  Checkpointer(*t.model, t.opt.get()).save(dir, step, StateDictType::kFull);
+  return dir;
+}
+
+// Loads `dir` into a fresh plain model (what resume and load do).
+void load_fresh(const std::string& dir) {
+  Trained t(7);
+  Checkpointer(*t.model, t.opt.get()).load(dir);
+}
+
+TEST(CheckpointFaults, NonRegularFilesAreRefusedNotWaitedOn) {
+  const std::string root = test_dir();
+  int n = 0;
+  // Each case replaces one file of a fresh checkpoint; loading must fail at
+  // once (a FIFO used to block the open forever) with an error naming it.
+  auto check = [&](const std::string& file, const std::function<void(const std::string&)>& make,
+                   const std::vector<std::string>& needles) {
+    const std::string dir = saved_full(root + "/c" + std::to_string(n++));
+    const std::string path = dir + "/" + file;
+    fs::remove(path);
+    make(path);
+    std::vector<std::string> all = needles;
+    all.insert(all.begin(), path);
+    expect_error([&] { verify_checkpoint(dir); }, all);
+    expect_error([&] { load_fresh(dir); }, all);
+  };
+  const auto fifo = [](const std::string& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0644), 0); };
+  check("model.safetensors", fifo, {"is a FIFO, not a regular file"});
+  check("rank0.json", fifo, {"is a FIFO"});
+  check("COMPLETE", fifo, {"is a FIFO"});
+  check("optim.safetensors", [](const std::string& p) { fs::create_directory(p); },
+        {"is a directory, not a regular file"});
+  check("model.safetensors", [](const std::string& p) { fs::create_symlink("/dev/zero", p); },
+        {"is a character device"});
+  check("COMPLETE", [](const std::string& p) { fs::create_symlink(p, p); },
+        {"cannot open", "symbolic links"});
+  remove_test_dir(root);
+}
+
+TEST(CheckpointFaults, FlippedDigitInTheMarkerBlamesTheMarker) {
+  const std::string root = test_dir();
+  const std::string dir = saved_full(root + "/c");
+  std::string marker = file_bytes(dir + "/COMPLETE");
+  const std::string size = std::to_string(fs::file_size(dir + "/rank0.json"));
+  const auto at = marker.find("\"size\": " + size);
+  ASSERT_NE(at, std::string::npos) << marker;
+  char& digit = marker[at + 8];
+  digit = digit == '9' ? '8' : static_cast<char>(digit + 1);
+  put_file_bytes(dir + "/COMPLETE", marker);
+  // Used to be "rank0.json: is N bytes, the manifest says M".
+  expect_error([&] { verify_checkpoint(dir); }, {dir + "/COMPLETE", "checksum mismatch"},
+               {"rank0.json"});
+  remove_test_dir(root);
+}
+
+TEST(CheckpointFaults, MarkerStepMustMatchManifestsAndDirectoryName) {
+  const std::string root = test_dir();
+  // A step-<N> directory whose marker was edited (checksum and all) from 20 to 29.
+  const std::string named = saved_full(checkpoint_path(root, 20), 20);
+  reseal_marker(named, [](nlohmann::json& j) { j["step"] = 29; });
+  expect_error([&] { verify_checkpoint(named); },
+               {named + "/COMPLETE", "says step 29", "step-0000000020"});
+  // Resume must not load it as step 29 (it used to report "resumed from
+  // step-0000000029 at step 20"); it is the only one, so nothing loads.
+  Trained t(7);
+  expect_error([&] { Checkpointer(*t.model, t.opt.get()).resume(root); },
+               {"none of its 1 complete checkpoints verifies", "says step 29"});
+  // Another name: the manifests still disagree.
+  const std::string other = saved_full(root + "/final", 20);
+  reseal_marker(other, [](nlohmann::json& j) { j["step"] = 29; });
+  expect_error([&] { verify_checkpoint(other); },
+               {other + "/COMPLETE", "says step 29", "rank0.json was saved at step 20"});
+  remove_test_dir(root);
+}
+
+// Three complete checkpoints 10, 20, 30 under root, the plain model's.
+void save_steps(const std::string& root, const std::vector<int64_t>& steps,
+                CheckpointerOptions options = {}) {
+  Trained t;
+  Checkpointer ckpt(*t.model, t.opt.get(), options);
+  for (int64_t s : steps) ckpt.save_step(root, s);
+}
+
+std::set<std::string> entries(const std::string& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+
+TEST(CheckpointFaults, ResumeFallsBackToTheNewestThatVerifies) {
+  const std::string root = test_dir();
+  save_steps(root, {10, 20, 30});
+  const std::string newest = checkpoint_path(root, 30);
+  std::string b = file_bytes(newest + "/model-rank0.safetensors");
+  b[b.size() - 2] ^= 0x04;
+  put_file_bytes(newest + "/model-rank0.safetensors", b);
+  Trained t(7);
+  std::vector<std::string> warnings;
+  {
+    compat::WarningCollector collect(&warnings);
+    EXPECT_EQ(Checkpointer(*t.model, t.opt.get()).resume(root), 20);
+  }
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("skipping " + newest), std::string::npos) << warnings[0];
+  EXPECT_NE(warnings[0].find("checksum mismatch"), std::string::npos) << warnings[0];
+  // The damaged one is kept for inspection.
+  EXPECT_TRUE(fs::exists(newest + "/COMPLETE"));
+  // Nothing verifies: an error, not a silent start from step 0.
+  for (int64_t s : {10, 20}) fs::remove(checkpoint_path(root, s) + "/rank0.json");
+  expect_error(
+      [&] {
+        compat::WarningCollector quiet;
+        Checkpointer(*t.model, t.opt.get()).resume(root);
+      },
+      {root, "none of its 3 complete checkpoints verifies", "step-0000000010"});
+  remove_test_dir(root);
+}
+
+TEST(CheckpointFaults, LeftoversOfInterruptedSavesAreRemoved) {
+  const std::string root = test_dir();
+  save_steps(root, {10});
+  const std::string ten = checkpoint_path(root, 10);
+  // What a rank killed while re-saving step 10, then while saving 40, leaves.
+  put_file_bytes(ten + "/model-rank1.safetensors.tmp.123456", "partial");
+  fs::create_directories(checkpoint_path(root, 40));
+  put_file_bytes(checkpoint_path(root, 40) + "/rank0.json", "{}");
+  put_file_bytes(checkpoint_path(root, 40) + "/optim-rank0.safetensors.tmp.99", "partial");
+  put_file_bytes(root + "/notes.tmp.1", "not under a step directory: not ours");
+  {
+    Trained t(7);
+    EXPECT_EQ(Checkpointer(*t.model, t.opt.get()).resume(root), 10);
+  }
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000010", "notes.tmp.1"}));
+  EXPECT_EQ(entries(ten),
+            (std::set<std::string>{"COMPLETE", "rank0.json", "model-rank0.safetensors",
+                                   "optim-rank0.safetensors"}));
+  verify_checkpoint(ten);
+  // The next save removes them too, and a save into a directory first clears
+  // the temporaries in it.
+  put_file_bytes(ten + "/model-rank0.safetensors.tmp.77", "partial");
+  fs::create_directories(checkpoint_path(root, 60));
+  fs::create_directories(checkpoint_path(root, 20));
+  put_file_bytes(checkpoint_path(root, 20) + "/rank3.json.tmp.5", "partial");
+  save_steps(root, {20});
+  EXPECT_EQ(entries(root),
+            (std::set<std::string>{"step-0000000010", "step-0000000020", "notes.tmp.1"}));
+  EXPECT_EQ(entries(ten).count("model-rank0.safetensors.tmp.77"), 0u);
+  EXPECT_EQ(entries(checkpoint_path(root, 20)).count("rank3.json.tmp.5"), 0u);
+  remove_test_dir(root);
+}
+
+TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
+  const std::string root = test_dir();
+  save_steps(root, {10, 20, 30, 40, 50}, CheckpointerOptions().keep_last(2));
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000040", "step-0000000050"}));
+  {
+    Trained t(7);
+    Checkpointer ckpt(*t.model, t.opt.get(), CheckpointerOptions().keep_last(1));
+    EXPECT_EQ(ckpt.resume(root), 50);  // applies keep_last too
+    EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000050"}));
+    ckpt.save_step(root, 60);
+    ckpt.save_step(root + "/", 70);  // another spelling of the same parent
+    EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000050", "step-0000000070"}));
+  }
+  Trained t(7);
+  EXPECT_THROW(Checkpointer(*t.model, t.opt.get(), CheckpointerOptions().keep_last(-1)),
+               c10::Error);
+  remove_test_dir(root);
+}
+
+TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoints) {
+  SmallDisk disk("2m");
+  if (!disk.ok()) GTEST_SKIP() << disk.why_not();
+  // 256x256 weights and Adam's two moments: ~0.8 MB a checkpoint.
+  torch::manual_seed(0);
+  torch::nn::Linear model(256, 256);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  auto step = [&] {
+    opt.zero_grad();
+    model->forward(torch::randn({4, 256})).sum().backward();
+    opt.step();
+  };
+  step();
+  Checkpointer ckpt(*model, &opt);
+  std::string error;
+  int64_t saved = 0;
+  for (int64_t s = 1; s <= 5 && error.empty(); ++s) {
+    try {
+      ckpt.save_step(disk.path(), s);
+      saved = s;
+    } catch (const CheckpointError& e) {
+      error = e.what();
+    }
+  }
+  ASSERT_FALSE(error.empty()) << "five checkpoints fit in 2 MiB?";
+  ASSERT_GE(saved, 1);
+  const std::string failed = checkpoint_path(disk.path(), saved + 1);
+  EXPECT_NE(error.find(failed + "/"), std::string::npos) << error;
+  EXPECT_NE(error.find("No space left on device"), std::string::npos) << error;
+  // The failed directory and every temporary are gone; the earlier ones load.
+  for (const auto& e : fs::recursive_directory_iterator(disk.path())) {
+    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  }
+  EXPECT_FALSE(fs::exists(failed));
+  for (int64_t s = 1; s <= saved; ++s) verify_checkpoint(checkpoint_path(disk.path(), s));
+  torch::nn::Linear other(256, 256);
+  torch::optim::Adam other_opt(other->parameters(), torch::optim::AdamOptions(1e-3));
+  EXPECT_EQ(Checkpointer(*other, &other_opt).resume(disk.path()), saved);
+  EXPECT_TRUE(torch::equal(other->weight, model->weight));
+  // With retention the same disk holds a checkpoint every step (room for
+  // two: the new one is complete before the old one goes).
+  for (int64_t s = 1; s < saved; ++s) fs::remove_all(checkpoint_path(disk.path(), s));
+  Checkpointer kept(*model, &opt, CheckpointerOptions().keep_last(1));
+  for (int64_t s = saved + 1; s <= saved + 6; ++s) {
+    step();
+    kept.save_step(disk.path(), s);
+  }
+  EXPECT_EQ(entries(disk.path()).size(), 1u);
+}
+
+// Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,
+// and only rank 0 says what it skipped.
+TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
+  const std::string dir = test_dir();
+  const auto env = with_dir(dir);
+  auto body = [&](const std::function<void(Checkpointer&, int)>& fn) {
+    run_ranks_ok(
+        2,
+        [&](int rank, int) {
+          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+          auto model = make_model(FSDPOptions());
+          auto opt = make_optimizer("adam", model->parameters());
+          torch::manual_seed(3 + rank);
+          train(*model, *opt, 2);
+          Checkpointer ckpt(*model, opt.get());
+          fn(ckpt, rank);
+        },
+        env);
+  };
+  body([&](Checkpointer& ckpt, int) {
+    ckpt.save_step(dir, 6);
+    ckpt.save_step(dir, 12);
+  });
+  if (!is_rank_process()) {
+    // Damage a file only rank 1 wrote: rank 0 still verifies every rank's files.
+    const std::string f = checkpoint_path(dir, 12) + "/optim-rank1.safetensors";
+    std::string b = file_bytes(f);
+    b[b.size() - 1] ^= 0x01;
+    put_file_bytes(f, b);
+  }
+  body([&](Checkpointer& ckpt, int rank) {
+    std::vector<std::string> warnings;
+    {
+      compat::WarningCollector collect(&warnings);
+      EXPECT_EQ(ckpt.resume(dir), 6);
+    }
+    EXPECT_EQ(warnings.size(), rank == 0 ? 1u : 0u);
+    if (rank == 0 && !warnings.empty()) {
+      EXPECT_NE(warnings[0].find("optim-rank1.safetensors: checksum mismatch"), std::string::npos)
+          << warnings[0];
+    }
+  });
+  remove_test_dir(dir);
+}
+
+}  // namespace
+}  // namespace fsdp::testing
