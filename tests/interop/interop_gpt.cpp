@@ -35,8 +35,8 @@ namespace {
 struct Args {
   std::string command;
   std::vector<std::string> paths;
-  gpt_mini::GPTConfig config = gpt_mini::GPTConfig().vocab_size(64).block_size(16).d_model(32).n_head(
-      4).n_layer(2);
+  gpt_mini::GPTConfig config =
+      gpt_mini::GPTConfig().vocab_size(64).block_size(16).d_model(32).n_head(4).n_layer(2);
   int steps = 3;
 };
 
