@@ -293,6 +293,10 @@ def cmd_summary(argv):
     # Both sides draw the same initial weights and batches (the same generator
     # and draws in LibTorch and PyTorch), so every first loss must agree: the
     # same model and data on both sides, whatever BLAS rounds differently.
+    for side, prefix in (("libfsdp", "libfsdp_"), ("pytorch", "pytorch_")):
+        sides = [r for r in runs if r["config"].startswith(prefix)]
+        out[f"{side}_torch"] = sorted({r.get("torch", "?") for r in sides})
+    out["libfsdp_blas"] = sorted({r["blas"] for r in runs if "blas" in r})
     losses = [r["loss0"] for r in runs if "loss0" in r]
     out["loss0_agrees"] = bool(losses) and max(losses) - min(losses) <= 1e-3 * abs(losses[0])
     # Peak RSS: the larger rank, median over rounds, against FSDP1's faster

@@ -94,12 +94,6 @@ launch=("$BIN/fsdprun" --nproc-per-node 2)
 rss=("$PYTHON" "$PY_STEP" rss --)
 pystep=("$PYTHON" "$PY_STEP" step "${common[@]}")
 
-torch_dir=$(sed -n 's/^Torch_DIR:PATH=//p' "$BUILD/CMakeCache.txt" 2>/dev/null || true)
-libtorch=$(sed -n 's/.*set(PACKAGE_VERSION "\(.*\)").*/\1/p' "$torch_dir/TorchConfigVersion.cmake" \
-  2>/dev/null || true)
-echo "# libfsdp built against LibTorch ${libtorch:-?} ($torch_dir);" \
-  "PyTorch $("$PYTHON" -c 'import torch; print(torch.__version__)') ($PYTHON)" >&2
-
 for ((round = 0; round < ROUNDS; ++round)); do
   run libfsdp_local "$round" "${rss[@]}" "${step[@]}" --mode local
   run libfsdp_local_2proc "$round" "${launch[@]}" "${rss[@]}" "${step[@]}" --mode local
@@ -120,6 +114,4 @@ for ((round = 0; round < ROUNDS; ++round)); do
   done
 done
 
-summary=$("$PYTHON" "$PY_STEP" summary "$results")
-summary=${summary%\}}
-echo "$summary,\"libtorch\":\"${libtorch:-unknown}\"}"
+"$PYTHON" "$PY_STEP" summary "$results"
