@@ -96,7 +96,7 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
     const std::string root = text(store.get(prefix + "0"));
     if (root != mine) verdict = mismatch(info.rank, info.world_size, 0, root);
     if (verdict.empty()) verdict = text(store.get(prefix + "verdict"));
-    store.set(prefix + "ack/" + std::to_string(info.rank), {});
+    store.set(prefix + "ack/" + std::to_string(info.rank), std::vector<uint8_t>{});
   }
   TORCH_CHECK(verdict.empty(), "[rank ", info.rank, "] fsdp::init_process_group: ", verdict);
 }
