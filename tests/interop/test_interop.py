@@ -18,6 +18,7 @@ Exits non-zero with a message naming what differs.
 """
 
 import argparse
+import datetime
 import json
 import os
 import shutil
@@ -167,7 +168,9 @@ def fsdp_worker(rank, world, port, out):
 
     warnings.filterwarnings("ignore", category=UserWarning)  # FSDP1's deprecation notices
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    # A stuck collective fails the rank (and the test) instead of hanging it.
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world,
+                                         timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = FSDP(gpt_mini.GPT(CONFIG), auto_wrap_policy=ModuleWrapPolicy({gpt_mini.Block}),
