@@ -108,8 +108,12 @@ def write_full_checkpoint(directory, state_dict, step=0):
     manifest_file = os.path.join(directory, "rank0.json")
     with open(manifest_file, "w") as f:
         json.dump(manifest, f, indent=1)
+    # The marker carries the CRC-32 of its own JSON without that field, as
+    # libfsdp dumps it (sorted keys, indent 1): Note [Marker checksum].
+    marker = dict(header, manifests=[record(manifest_file)])
+    marker["crc32"] = zlib.crc32(json.dumps(marker, indent=1, sort_keys=True).encode())
     with open(os.path.join(directory, "COMPLETE"), "w") as f:
-        json.dump(dict(header, manifests=[record(manifest_file)]), f, indent=1)
+        json.dump(marker, f, indent=1, sort_keys=True)
 
 
 def libfsdp_checkpoint(args):
