@@ -174,6 +174,7 @@ DirectLinks::~DirectLinks() {
 }
 
 void DirectLinks::sender_loop() {
+  std::string failure;  // the first send error; every later send fails with it
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     // A message stays at the front of queue_ until written, so isend()
@@ -182,18 +183,15 @@ void DirectLinks::sender_loop() {
     if (stopping_) break;
     auto out = queue_.front();
     lock.unlock();
-    std::string error;
-    if (failure_.empty()) {  // written only by this thread
+    std::string error = failure;
+    if (error.empty()) {
       try {
         send_message(to_next_.get(), out->header, out->src.data_ptr(), rank_, next_);
       } catch (const c10::Error& e) {
-        error = e.what_without_backtrace();
+        error = failure = e.what_without_backtrace();
       }
-    } else {
-      error = failure_;
     }
     lock.lock();
-    if (!error.empty() && failure_.empty()) failure_ = error;
     out->done = true;
     out->error = std::move(error);
     out->src = at::Tensor();

@@ -73,7 +73,6 @@ class DirectLinks : public PointToPoint {
   std::condition_variable wake_;
   std::deque<std::shared_ptr<Outgoing>> queue_;  // queued and in-flight sends, in order
   bool stopping_ = false;
-  std::string failure_;  // the first send error; every later send fails with it
 
   std::thread sender_;  // last: started after everything it uses
 };
