@@ -23,50 +23,60 @@ struct TwoLayerImpl : torch::nn::Module {
 TORCH_MODULE(TwoLayer);
 
 TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    torch::manual_seed(0);
-    TwoLayer plain;  // outside any scope: pass-through wrappers
-    EXPECT_EQ(EnableWrap::current(), nullptr);
-    EXPECT_FALSE(plain->a->enabled());
-    EXPECT_EQ(plain->a->flat_param(), nullptr);
-    EXPECT_EQ(plain->a->parameters().size(), 2u);  // the Linear's own weight and bias
-    torch::manual_seed(0);
-    TwoLayer wrapped = [] {
-      EnableWrap scope(FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
-      {
-        EnableWrap inner(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard));
-        EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kNoShard);
-      }
-      EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kShardGradOp);
-      return TwoLayer();
-    }();
-    EXPECT_EQ(EnableWrap::current(), nullptr);
-    ASSERT_NE(wrapped->a->flat_param(), nullptr);
-    EXPECT_EQ(wrapped->a->fsdp_options().sharding_strategy(), ShardingStrategy::kShardGradOp);
-    EXPECT_EQ(wrapped->a->flat_param()->state(), FlatParameter::State::kSharded);
+  for (const int world : parity_world_sizes()) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int, int) {
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      torch::manual_seed(0);
+      TwoLayer plain;  // outside any scope: pass-through wrappers
+      torch::manual_seed(0);
+      TwoLayer reference;  // the same, never wrapped: plain LibTorch on every rank's data
+      EXPECT_EQ(EnableWrap::current(), nullptr);
+      EXPECT_FALSE(plain->a->enabled());
+      EXPECT_EQ(plain->a->flat_param(), nullptr);
+      EXPECT_EQ(plain->a->parameters().size(), 2u);  // the Linear's own weight and bias
+      torch::manual_seed(0);
+      TwoLayer wrapped = [] {
+        EnableWrap scope(FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
+        {
+          EnableWrap inner(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard));
+          EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kNoShard);
+        }
+        EXPECT_EQ(EnableWrap::current()->sharding_strategy(), ShardingStrategy::kShardGradOp);
+        return TwoLayer();
+      }();
+      EXPECT_EQ(EnableWrap::current(), nullptr);
+      ASSERT_NE(wrapped->a->flat_param(), nullptr);
+      EXPECT_EQ(wrapped->a->fsdp_options().sharding_strategy(), ShardingStrategy::kShardGradOp);
+      EXPECT_EQ(wrapped->a->flat_param()->state(), FlatParameter::State::kSharded);
 
-    // Same names either way, and the same training.
-    EXPECT_EQ(plain->named_parameters().keys(), wrapped->named_parameters().keys());
-    FullyShardedDataParallel<TwoLayerImpl> root(wrapped);
-    FullyShardedDataParallel<TwoLayerImpl> plain_root(plain);  // its pass-throughs are not units
-    ASSERT_NE(plain_root->flat_param(), nullptr);
-    EXPECT_EQ(plain_root->flat_param()->slots().size(), 4u) << "the root manages all four";
-    torch::optim::SGD opt_a(root->parameters(), torch::optim::SGDOptions(0.1));
-    torch::optim::SGD opt_b(plain_root->parameters(), torch::optim::SGDOptions(0.1));
-    for (int step = 0; step < 3; ++step) {
-      torch::Tensor x = torch::randn({4, 6});
-      opt_a.zero_grad();
-      root->forward(x).pow(2).sum().backward();
-      opt_a.step();
-      opt_b.zero_grad();
-      plain_root->forward(x).pow(2).sum().backward();
-      opt_b.step();
-    }
-    SummonFullParams full_a(*root.ptr());
-    SummonFullParams full_b(*plain_root.ptr());
-    expect_same_params(*root.ptr(), *plain_root.ptr(), "wrap() inside vs outside a scope");
-  });
+      // Same names either way, and the same training.
+      EXPECT_EQ(plain->named_parameters().keys(), wrapped->named_parameters().keys());
+      FullyShardedDataParallel<TwoLayerImpl> root(wrapped);
+      FullyShardedDataParallel<TwoLayerImpl> plain_root(plain);  // its pass-throughs are not units
+      ASSERT_NE(plain_root->flat_param(), nullptr);
+      EXPECT_EQ(plain_root->flat_param()->slots().size(), 4u) << "the root manages all four";
+      torch::optim::SGD opt_a(root->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt_b(plain_root->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt_ref(reference->parameters(), torch::optim::SGDOptions(0.1));
+      const int world = rank_and_world().second;
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(10 + step);
+        const torch::Tensor global = torch::randn({4 * world, 6});
+        opt_a.zero_grad();
+        root->forward(local_block(global)).pow(2).sum().backward();
+        opt_a.step();
+        opt_b.zero_grad();
+        plain_root->forward(local_block(global)).pow(2).sum().backward();
+        opt_b.step();
+        opt_ref.zero_grad();
+        (reference->forward(global).pow(2).sum() / world).backward();
+        opt_ref.step();
+        expect_same_after_step(*root.ptr(), *reference, "wrap() inside a scope", step);
+        expect_same_after_step(*plain_root.ptr(), *reference, "wrap() outside a scope", step);
+      }
+    });
+  }
 }
 
 }  // namespace

@@ -133,8 +133,10 @@ void expect_same_buffers(nn::Module& actual, nn::Module& expected, const std::st
   }
 }
 
-// The seed's comparison: full parameters (and buffers) before training, one
-// forward/backward/SGD step on the same input on both, full parameters again.
+// The seed's comparison: full parameters (and buffers) before training; then
+// 3 SGD steps, the FSDP model on this rank's block of a global batch and the
+// regular one on all of it (sum loss / world: what averaging the ranks'
+// gradients computes), full parameters compared after each.
 template <typename Root>
 void compare_train_compare(Root& fsdp_model, nn::Module& regular,
                            const std::function<torch::Tensor(torch::Tensor)>& regular_forward,
@@ -146,14 +148,18 @@ void compare_train_compare(Root& fsdp_model, nn::Module& regular,
   }
   torch::optim::SGD meta_opt(fsdp_model->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD regular_opt(regular.parameters(), torch::optim::SGDOptions(0.1));
-  torch::manual_seed(5);  // the same input on every rank and for the reference
-  torch::Tensor inp = torch::randn({10, 2});
-  fsdp_model->forward(inp).sum().backward();
-  regular_forward(inp).sum().backward();
-  meta_opt.step();
-  regular_opt.step();
-  SummonFullParams full(*fsdp_model.ptr());
-  expect_same_params(*fsdp_model.ptr(), regular, what + " after one step");
+  const int world = rank_and_world().second;
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(5 + step);  // the same global batch on every rank
+    const torch::Tensor global = torch::randn({4 * world, 2});
+    meta_opt.zero_grad();
+    regular_opt.zero_grad();
+    fsdp_model->forward(local_block(global)).sum().backward();
+    (regular_forward(global).sum() / world).backward();
+    meta_opt.step();
+    regular_opt.step();
+    expect_same_after_step(*fsdp_model.ptr(), regular, what, step);
+  }
 }
 
 std::shared_ptr<ProcessGroup> start_rank() {
@@ -167,77 +173,83 @@ torch::nn::Sequential as_sequential(const std::shared_ptr<nn::SequentialImpl>& i
 }
 
 TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) {
-  run_ranks_ok(2, [](int, int) {
-    const auto group = start_rank();
-    for (const bool with_fn : {false, true}) {
-      const std::string label = with_fn ? "param_init_fn" : "default init";
-      InitFn init;
-      FSDPOptions o;
-      if (with_fn) o.param_init_fn(init.fn());
-
-      // Every module a unit (always_wrap).
-      MyModel meta(torch::kMeta);
-      ASSERT_TRUE(any_meta(*meta));
-      auto seq = as_sequential(meta.ptr());
-      auto units = auto_wrap(seq, AlwaysWrapPolicy(), o);
-      EXPECT_EQ(units.size(), 3u);
-      FullyShardedDataParallel<MyModelImpl> fsdp_meta(meta, o);
-      EXPECT_FALSE(any_meta(*fsdp_meta)) << label;
-      if (with_fn) EXPECT_EQ(*init.calls, 3) << "once per module with meta state";
-      MyModel regular(torch::kCPU);
-      reset_all(*regular);
-      compare_train_compare(
-          fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); },
-          label + ", always_wrap");
-
-      // One unit holding every module.
-      *init.calls = 0;
-      MyModel meta2(torch::kMeta);
-      FullyShardedDataParallel<MyModelImpl> fsdp_meta2(meta2, o);
-      if (with_fn) EXPECT_EQ(*init.calls, 3);
-      MyModel regular2(torch::kCPU);
-      reset_all(*regular2);
-      compare_train_compare(
-          fsdp_meta2, *regular2, [&](torch::Tensor x) { return regular2->forward(x); },
-          label + ", single unit");
-    }
-    group->barrier().wait();
-  });
-}
-
-TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
-  run_ranks_ok(2, [](int, int) {
-    const auto group = start_rank();
-    for (const bool with_fn : {false, true}) {
-      for (const bool auto_wrapped : {true, false}) {
-        const std::string label = std::string(with_fn ? "param_init_fn" : "default init") +
-                                  (auto_wrapped ? ", auto_wrap" : ", enable_wrap");
+  for (const int world : parity_world_sizes()) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int, int) {
+      const auto group = start_rank();
+      for (const bool with_fn : {false, true}) {
+        const std::string label = with_fn ? "param_init_fn" : "default init";
         InitFn init;
         FSDPOptions o;
         if (with_fn) o.param_init_fn(init.fn());
-        FullyShardedDataParallel<NestedModelImpl> fsdp_meta{nullptr};
-        if (auto_wrapped) {
-          NestedModel meta(torch::kMeta, /*use_wrap=*/false);
-          auto seq = as_sequential(meta.ptr());
-          auto_wrap(seq, AlwaysWrapPolicy(), o);
-          fsdp_meta = FullyShardedDataParallel<NestedModelImpl>(meta, o);
-        } else {
-          EnableWrap scope(o);
-          // The units are made (and materialised) while the model is built.
-          NestedModel meta(torch::kMeta, /*use_wrap=*/true);
-          fsdp_meta = wrap(meta);
-          ASSERT_TRUE(fsdp_meta->enabled());
-        }
+
+        // Every module a unit (always_wrap).
+        MyModel meta(torch::kMeta);
+        ASSERT_TRUE(any_meta(*meta));
+        auto seq = as_sequential(meta.ptr());
+        auto units = auto_wrap(seq, AlwaysWrapPolicy(), o);
+        EXPECT_EQ(units.size(), 3u);
+        FullyShardedDataParallel<MyModelImpl> fsdp_meta(meta, o);
         EXPECT_FALSE(any_meta(*fsdp_meta)) << label;
-        if (with_fn) EXPECT_EQ(*init.calls, 5) << label;
-        NestedModel regular(torch::kCPU, /*use_wrap=*/false);
+        if (with_fn) EXPECT_EQ(*init.calls, 3) << "once per module with meta state";
+        MyModel regular(torch::kCPU);
         reset_all(*regular);
         compare_train_compare(
-            fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); }, label);
+            fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); },
+            label + ", always_wrap");
+
+        // One unit holding every module.
+        *init.calls = 0;
+        MyModel meta2(torch::kMeta);
+        FullyShardedDataParallel<MyModelImpl> fsdp_meta2(meta2, o);
+        if (with_fn) EXPECT_EQ(*init.calls, 3);
+        MyModel regular2(torch::kCPU);
+        reset_all(*regular2);
+        compare_train_compare(
+            fsdp_meta2, *regular2, [&](torch::Tensor x) { return regular2->forward(x); },
+            label + ", single unit");
       }
-    }
-    group->barrier().wait();
-  });
+      group->barrier().wait();
+    });
+  }
+}
+
+TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
+  for (const int world : parity_world_sizes()) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int, int) {
+      const auto group = start_rank();
+      for (const bool with_fn : {false, true}) {
+        for (const bool auto_wrapped : {true, false}) {
+          const std::string label = std::string(with_fn ? "param_init_fn" : "default init") +
+                                    (auto_wrapped ? ", auto_wrap" : ", enable_wrap");
+          InitFn init;
+          FSDPOptions o;
+          if (with_fn) o.param_init_fn(init.fn());
+          FullyShardedDataParallel<NestedModelImpl> fsdp_meta{nullptr};
+          if (auto_wrapped) {
+            NestedModel meta(torch::kMeta, /*use_wrap=*/false);
+            auto seq = as_sequential(meta.ptr());
+            auto_wrap(seq, AlwaysWrapPolicy(), o);
+            fsdp_meta = FullyShardedDataParallel<NestedModelImpl>(meta, o);
+          } else {
+            EnableWrap scope(o);
+            // The units are made (and materialised) while the model is built.
+            NestedModel meta(torch::kMeta, /*use_wrap=*/true);
+            fsdp_meta = wrap(meta);
+            ASSERT_TRUE(fsdp_meta->enabled());
+          }
+          EXPECT_FALSE(any_meta(*fsdp_meta)) << label;
+          if (with_fn) EXPECT_EQ(*init.calls, 5) << label;
+          NestedModel regular(torch::kCPU, /*use_wrap=*/false);
+          reset_all(*regular);
+          compare_train_compare(
+              fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); }, label);
+        }
+      }
+      group->barrier().wait();
+    });
+  }
 }
 
 TEST(MetaInit, EmptyParamInitFnIsRejected) {

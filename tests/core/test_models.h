@@ -48,6 +48,52 @@ inline torch::Tensor local_block(const torch::Tensor& global) {
   return global.chunk(world, 0)[rank];
 }
 
+/// The parameters of `module` by name: detached copies that keep requires_grad.
+using ParamSnapshot = std::vector<std::pair<std::string, torch::Tensor>>;
+inline ParamSnapshot snapshot_params(torch::nn::Module& module) {
+  ParamSnapshot out;
+  for (const auto& p : module.named_parameters()) {
+    torch::Tensor copy = p.value().detach().clone();
+    copy.set_requires_grad(p.value().requires_grad());
+    out.emplace_back(p.key(), copy);
+  }
+  return out;
+}
+
+/// Two trainings compared step by step: the same names in the same order and
+/// values within the seeds' tolerance (atol 1e-5, rtol 1.3e-6), and the same
+/// requires_grad when `check_requires_grad`. `what` labels failures.
+inline void expect_same_history(const std::vector<ParamSnapshot>& actual,
+                                const std::vector<ParamSnapshot>& expected, const std::string& what,
+                                bool check_requires_grad = true) {
+  ASSERT_EQ(actual.size(), expected.size()) << what << ": steps";
+  for (size_t step = 0; step < expected.size(); ++step) {
+    const std::string at = what + " step " + std::to_string(step);
+    ASSERT_EQ(actual[step].size(), expected[step].size()) << at;
+    for (size_t i = 0; i < expected[step].size(); ++i) {
+      const auto& [name, want] = expected[step][i];
+      const torch::Tensor& got = actual[step][i].second;
+      EXPECT_EQ(actual[step][i].first, name) << at;
+      EXPECT_TRUE(torch::allclose(got, want, /*rtol=*/1.3e-6, /*atol=*/1e-5))
+          << at << " " << name << " max diff " << (got - want).abs().max().item<double>();
+      if (check_requires_grad)
+        EXPECT_EQ(got.requires_grad(), want.requires_grad()) << at << " " << name;
+    }
+  }
+}
+
+/// `global` when training plain LibTorch on every rank's data, this rank's
+/// block of it (local_block) when training with FSDP.
+inline torch::Tensor batch_for(const torch::Tensor& global, bool sharded) {
+  return sharded ? local_block(global) : global;
+}
+
+/// The world sizes every parity test runs at.
+inline const std::vector<int>& parity_world_sizes() {
+  static const std::vector<int> sizes = {1, 2, 3};
+  return sizes;
+}
+
 /// Parity after one step: gathers `model`'s full parameters and compares
 /// them with `reference`'s (expect_same_params). Collective.
 template <typename Wrapped>
