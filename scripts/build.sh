@@ -3,13 +3,19 @@
 # benchmarks.
 #   scripts/build.sh                 against pip's torch 2.15 in .venv/, into build/
 #   scripts/build.sh --torch 1.13    against Debian's LibTorch 1.13, into build-1.13/
+#   scripts/build.sh [--torch V] TARGET...   only those targets (and what they need)
 # FSDP_TORCH (2.15 or 1.13) may stand for --torch, FSDP_BUILD_DIR for the
 # folder, FSDP_VENV for the virtual environment. ccache is used when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH="${FSDP_TORCH:-2.15}"
-if [[ ${1:-} == --torch ]]; then TORCH="$2"; fi
+if [[ ${1:-} == --torch ]]; then
+  TORCH="$2"
+  shift 2
+fi
+targets=()
+for target in "$@"; do targets+=(--target "$target"); done
 VENV="${FSDP_VENV:-.venv}"
 
 args=(-DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_TOOLS=ON
@@ -36,4 +42,4 @@ esac
 if command -v ccache >/dev/null; then args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 
 cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}"
-cmake --build "$BUILD_DIR" -j "$(nproc)"
+cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}"

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-./scripts/build.sh
+./scripts/build.sh fsdprun train_gpt   # only what the demo runs
 BUILD_DIR="${FSDP_BUILD_DIR:-build}"
 exec "$BUILD_DIR/bin/fsdprun" --nproc-per-node 2 "$BUILD_DIR/bin/train_gpt" \
   --metrics-dir "$BUILD_DIR/train_gpt_metrics" "$@"

@@ -17,6 +17,7 @@
 #include <fsdp/core/mixed_precision.h>
 
 #include "core/sharded_placeholder.h"
+#include "detail/error.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/unit_init.h"
 
@@ -259,7 +260,10 @@ void Unit::make_optim_params() {
 void Unit::assign_reduced_grad(const std::vector<bool>* received) {
   grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
   if (!options_.use_orig_params()) {
-    detail::accumulate_reduced_grad(optim_params_[0], grad_shard_);
+    // No rank got a gradient: the shard's .grad stays as it was.
+    if (received == nullptr || (*received)[0]) {
+      detail::accumulate_reduced_grad(optim_params_[0], grad_shard_);
+    }
     return;
   }
   const int64_t begin = flat_->shard_offset();
@@ -417,11 +421,61 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unkn
     flat_->reshard();
   }
   if (!grad_enabled) return;
+  bool backward_reaches = false;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
+    backward_reaches = true;
     // See Note [FSDP and autograd]. The first of the outputs whose gradient
     // arrives runs pre_backward; it is idempotent per backward.
     const_cast<at::Tensor&>(output).register_hook([this](const at::Tensor&) { pre_backward(); });
+  }
+  if (backward_reaches) join_reduction_order();
+}
+
+// Note [Reduction order]
+// Ranks pair their collectives by order, so every rank must launch the same
+// reductions in the same order. Launching each unit's reduction as soon as
+// its gradients are complete does that only while every rank's backward
+// gives the same units their gradients: a unit whose parameters get
+// gradients on some ranks and not on others (a branch taken on some ranks'
+// data, a head whose output only some ranks' losses use) would launch on
+// those ranks alone and pair with another unit's reduction elsewhere: a hang,
+// or, at equal sizes, gradients silently exchanged between units. Plain
+// LibTorch on the ranks' concatenated data gives such parameters the mean
+// of what the ranks that used them computed, the others adding zeros.
+// So every unit whose forward this iteration returned a tensor that needs a
+// gradient (the same on every rank, which runs the same forward order:
+// Note [Forward order]) joins the root's reduction order, and reductions are
+// launched in the reverse of that order only: a unit whose gradients are
+// complete launches together with every complete unit after it, up to the
+// first incomplete one. Backward completes units in about that order, so
+// nothing waits in the usual case. At the end of backward the rest launch in
+// the same order, with zeros for what this rank did not get; then the ranks
+// agree which units and parameters got a gradient anywhere (Note
+// [Parameters without gradients]), and those that got none on any rank keep
+// their .grad as it was. That is the whole story for SHARD_GRAD_OP and
+// NO_SHARD, which gather nothing in backward. FULL_SHARD gathers a unit's
+// parameters again where backward reaches its outputs (or prefetches them),
+// so its all-gathers differ too, interleaved with the reductions by local
+// timing: no local rule orders them alike. The same all-reduce therefore
+// counts, per FULL_SHARD unit, the ranks whose backward reached it, and a
+// count between 0 and the world size is an error on every rank naming the
+// units (when mismatched collectives did not fail first), never a silent
+// exchange of parameters. Separate process groups for gathers and reductions
+// would lift this; PyTorch's FSDP does not support it either.
+void Unit::join_reduction_order() {
+  if (!flat_ || trainable_slots_ == 0) return;
+  auto& order = root_->reduction_order_;
+  if (std::find(order.begin(), order.end(), this) == order.end()) order.push_back(this);
+}
+
+void Unit::launch_ready_reductions() {
+  auto& order = reduction_order_;
+  while (reductions_launched_ < order.size()) {
+    Unit* unit = order[order.size() - 1 - reductions_launched_];
+    if (!unit->require_sync_ || unit->grads_ready_ < unit->trainable_slots_) return;
+    if (!unit->grad_work_) unit->launch_grad_reduction();
+    ++reductions_launched_;
   }
 }
 
@@ -475,12 +529,22 @@ void Unit::on_grad_ready(size_t slot) {
     slot_filled_[slot] = true;
   }
   const_cast<at::Tensor&>(param).mutable_grad() = grad_placeholders_[slot];
-  if (++grads_ready_ == trainable_slots_ && require_sync_) launch_grad_reduction();
+  if (++grads_ready_ != trainable_slots_ || !require_sync_) return;
+  const auto& order = root_->reduction_order_;
+  if (std::find(order.begin(), order.end(), this) == order.end()) {
+    launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
+  } else {
+    root_->launch_ready_reductions();  // See Note [Reduction order].
+  }
 }
 
 void Unit::launch_grad_reduction() {
   TORCH_INTERNAL_ASSERT(!grad_work_, "fsdp: gradient reduction launched twice");
   ProcessGroup& group = flat_->group();
+  if (!flat_grad_.defined()) {  // no gradient on this rank: zeros (Note [Reduction order])
+    flat_grad_ = flat_->new_flat_grad();
+    slot_filled_.assign(flat_->slots().size(), false);
+  }
   for (size_t i = 0; i < slot_filled_.size(); ++i) {
     if (!slot_filled_[i]) flat_->slot_view(flat_grad_, i).zero_();
   }
@@ -501,6 +565,9 @@ void Unit::launch_grad_reduction() {
 
 void Unit::warn_unused_slots() {
   if (options_.use_orig_params() || warned_unused_) return;
+  // Only a unit that got some gradient here: one that got none may keep its
+  // .grad (if no rank got one; Note [Reduction order]).
+  if (std::find(slot_filled_.begin(), slot_filled_.end(), true) == slot_filled_.end()) return;
   std::string names;
   for (size_t i = 0; i < slot_filled_.size(); ++i) {
     const auto& slot = flat_->slots()[i];
@@ -556,34 +623,74 @@ void Unit::finish_backward(const std::vector<bool>* received) {
 // callback all-reduces (max) one flag per slot of every use_orig_params unit,
 // after every unit's reduction was launched and waited for, so every rank
 // issues the same collectives in the same order (one small all-reduce per
-// backward, only when some unit uses use_orig_params). With flat shards the
-// whole shard gets the gradient; a warning names the parameters once per
-// unit. A unit that got no gradient on any rank launches no reduction and
-// its shard's .grad is left as it was (undefined if never set).
+// backward). With flat shards the whole shard gets the gradient; a warning
+// names the parameters once per unit. A unit that got no gradient on any
+// rank (one flag per flat-shard unit in the same all-reduce) leaves its
+// shard's .grad as it was (undefined if never set); see also Note
+// [Reduction order].
 std::vector<std::vector<bool>> Unit::agree_received_grads() const {
+  // Per unit: one flag per slot with use_orig_params, else one; then, for a
+  // FULL_SHARD unit that is not the root, whether backward reached its
+  // outputs here. Summed over the ranks.
+  const auto grad_flags = [](const Unit& unit) -> size_t {
+    if (!unit.flat_) return 0;
+    return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
+  };
+  const auto regathers = [this](const Unit& unit) {
+    return unit.flat_ && &unit != this &&
+           unit.options_.sharding_strategy() == ShardingStrategy::kFullShard;
+  };
   std::vector<std::vector<bool>> out(units_.size());
   int64_t total = 0;
-  ProcessGroup* group = nullptr;
+  ProcessGroup* group = options_.process_group() ? options_.process_group().get() : nullptr;
   for (const Unit* unit : units_) {
-    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
-    total += static_cast<int64_t>(unit->flat_->slots().size());
-    group = &unit->flat_->group();
+    if (!unit->flat_) continue;
+    total += static_cast<int64_t>(grad_flags(*unit)) + (regathers(*unit) ? 1 : 0);
+    if (group == nullptr) group = &unit->flat_->group();
   }
   if (total == 0 || !require_sync_) return out;
-  at::Tensor flags = at::zeros({total}, at::kFloat);
+  // Last: whether this rank's forward order ever left the first iteration's
+  // (already warned: collectives unchecked, as PyTorch's FSDP has it).
+  at::Tensor flags = at::zeros({total + 1}, at::kFloat);
   float* f = flags.data_ptr<float>();
+  flags.data_ptr<float>()[total] = exec_order_ && exec_order_->warned() ? 1.f : 0.f;
   for (const Unit* unit : units_) {
-    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
-    const size_t n = unit->flat_->slots().size();
-    for (size_t i = 0; i < n; ++i) *f++ = unit->grad_work_ && unit->slot_filled_[i] ? 1.f : 0.f;
+    if (!unit->flat_) continue;
+    const auto& filled = unit->slot_filled_;
+    const bool reduced = static_cast<bool>(unit->grad_work_);
+    if (unit->options_.use_orig_params()) {
+      for (size_t i = 0; i < filled.size(); ++i) *f++ = reduced && filled[i] ? 1.f : 0.f;
+    } else {
+      const bool any = std::find(filled.begin(), filled.end(), true) != filled.end();
+      *f++ = reduced && any ? 1.f : 0.f;
+    }
+    if (regathers(*unit)) *f++ = unit->backward_seen_ ? 1.f : 0.f;
   }
-  if (group->size() > 1) group->all_reduce(flags, ReduceOp::kMax).wait();
+  const int world = group->size();
+  if (world > 1) group->all_reduce(flags, ReduceOp::kSum).wait();
   f = flags.data_ptr<float>();
+  std::string uneven;
   for (size_t u = 0; u < units_.size(); ++u) {
-    const Unit* unit = units_[u];
-    if (!unit->flat_ || !unit->options_.use_orig_params()) continue;
-    for (size_t i = 0; i < unit->flat_->slots().size(); ++i) out[u].push_back(*f++ > 0.f);
+    const Unit& unit = *units_[u];
+    if (!unit.flat_) continue;
+    for (size_t i = 0; i < grad_flags(unit); ++i) out[u].push_back(*f++ > 0.5f);
+    if (!regathers(unit)) continue;
+    const float reached = *f++;
+    if (reached > 0.5f && reached < world - 0.5f) {
+      uneven += (uneven.empty() ? "" : ", ") + unit.flat_->unit_label();
+    }
   }
+  // See Note [Reduction order]: under FULL_SHARD a unit's parameters are
+  // gathered again where backward reaches its outputs, so ranks that differ
+  // there gather different units; whatever the collectives did, say why.
+  const bool order_changed = *f > 0.5f;
+  FSDP_CHECK(uneven.empty() || order_changed, group->rank(), "backward",
+             "backward reached the outputs of ", uneven,
+             " on some ranks but not on others (their loss did not use them). Under "
+             "FULL_SHARD every rank must then gather the same parameters in backward, "
+             "which it cannot know. Let every rank's loss use those outputs (add 0 * the "
+             "unused term), or make those units SHARD_GRAD_OP or NO_SHARD, which gather "
+             "nothing in backward and train like plain LibTorch here");
   return out;
 }
 
@@ -643,6 +750,14 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
 
 void Unit::end_of_backward() {
   callback_queued_ = false;
+  // What did not launch during backward launches now, in the same order on
+  // every rank (Note [Reduction order]).
+  for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
+    Unit* unit = reduction_order_[reduction_order_.size() - 1 - i];
+    if (unit->require_sync_ && !unit->grad_work_) unit->launch_grad_reduction();
+  }
+  reduction_order_.clear();
+  reductions_launched_ = 0;
   for (Unit* unit : units_) unit->finish_reduction();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
   for (size_t i = 0; i < units_.size(); ++i) {

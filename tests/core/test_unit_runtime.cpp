@@ -70,10 +70,12 @@ TEST(UnitRuntime, CollectivesPerUnitPerStep) {
         }
       }
       // A root without parameters communicates only the first iteration's
-      // forward-order agreement: one tiny all-gather per unit and one at the
-      // end of forward (Note [Forward order]).
+      // forward-order agreement (one tiny all-gather per unit and one at the
+      // end of forward, Note [Forward order]) and, once per backward, the
+      // small all-reduce of which units got gradients (Note [Reduction order]).
       EXPECT_EQ(root_group->all_gathers, 4 + 1) << to_string(strategy);
-      EXPECT_EQ(root_group->reduce_scatters + root_group->all_reduces, 0)
+      EXPECT_EQ(root_group->all_reduces, steps) << to_string(strategy);
+      EXPECT_EQ(root_group->reduce_scatters, 0)
           << "a root without parameters communicates nothing else";
     }
   });

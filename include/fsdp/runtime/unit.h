@@ -166,6 +166,8 @@ class Unit {
   void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);
+  void join_reduction_order();
+  void launch_ready_reductions();
   void launch_grad_reduction();
   void finish_reduction();
   void finish_backward(const std::vector<bool>* received);
@@ -219,6 +221,11 @@ class Unit {
   bool backward_seen_ = false;    // pre-backward hook fired this iteration
   bool require_sync_ = true;      // false inside no_sync()
   bool callback_queued_ = false;  // root only
+  // Root only: the units whose forward this iteration can bring gradients,
+  // in forward order; their reductions are launched in reverse, the first
+  // `reductions_launched_` of them already. See Note [Reduction order].
+  std::vector<Unit*> reduction_order_;
+  size_t reductions_launched_ = 0;
   size_t grads_ready_ = 0;
   at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).

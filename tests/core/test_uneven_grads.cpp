@@ -1,0 +1,177 @@
+// Units whose parameters get gradients on some ranks and not on others
+// (Note [Reduction order]): an auxiliary head whose loss only some ranks'
+// data uses, and (with use_orig_params) a unit with a layer only those ranks
+// run. Every rank must still launch the same reductions in the same order,
+// and the result must be plain LibTorch's on all ranks' data: the parameters
+// get the mean over ranks, zeros from the ranks that did not use them, and
+// keep no gradient in a step where no rank used them. AdamW with weight
+// decay, so a zero gradient where plain LibTorch has none would show.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+namespace nn = torch::nn;
+
+// A layer that runs its second Linear only when asked: with use_orig_params
+// one unit whose parameters get gradients in part.
+struct PairImpl : nn::Module {
+  PairImpl() {
+    p = register_module("p", nn::Linear(8, 8));
+    q = register_module("q", nn::Linear(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor use_q) {
+    x = torch::relu(p(x));
+    return use_q.item<bool>() ? q(x) : x;
+  }
+  nn::Linear p{nullptr}, q{nullptr};
+};
+TORCH_MODULE(Pair);
+
+// trunk, aux, other and pair are units inside an EnableWrap scope (plain
+// modules outside one); head belongs to the root. aux and other have the
+// same size, so reductions paired with the wrong unit would not fail by size.
+struct BranchyImpl : nn::Module {
+  explicit BranchyImpl(bool with_pair) {
+    trunk = register_module("trunk", wrap(nn::Linear(6, 8)));
+    aux = register_module("aux", wrap(nn::Linear(8, 8)));
+    other = register_module("other", wrap(nn::Linear(8, 8)));
+    if (with_pair) pair = register_module("pair", wrap(Pair()));
+    head = register_module("head", nn::Linear(8, 2));
+  }
+  // The main output and the auxiliary one (computed on every rank, as every
+  // rank runs every unit; only some ranks' losses use it).
+  std::pair<torch::Tensor, torch::Tensor> forward(torch::Tensor x, bool use) {
+    torch::Tensor h = torch::relu(trunk(x));
+    torch::Tensor side = aux(h);
+    h = torch::relu(other(h));
+    if (pair) h = pair(h, torch::tensor(use));
+    return {head(h), side};
+  }
+  FullyShardedDataParallel<nn::LinearImpl> trunk{nullptr}, aux{nullptr}, other{nullptr};
+  FullyShardedDataParallel<PairImpl> pair{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+// Which ranks use the auxiliary loss (and the pair's q) at each step: some,
+// none, another one, all.
+bool uses(int rank, int step) {
+  switch (step % 4) {
+    case 0:
+      return rank == 1;
+    case 1:
+      return false;
+    case 2:
+      return rank == 0;
+    default:
+      return true;
+  }
+}
+
+torch::Tensor loss_of(const std::pair<torch::Tensor, torch::Tensor>& out, const torch::Tensor& y,
+                      bool use) {
+  torch::Tensor loss = torch::mse_loss(out.first, y.slice(1, 0, 2));
+  return use ? loss + torch::mse_loss(out.second, y) : loss;
+}
+
+void train_and_compare(ShardingStrategy strategy, bool orig_params) {
+  const auto [rank, world] = rank_and_world();
+  const std::string what =
+      std::string(to_string(strategy)) + (orig_params ? " use_orig_params" : " flat shards");
+  const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+  torch::manual_seed(0);
+  Branchy reference(orig_params);  // outside a scope: plain modules
+  torch::manual_seed(0);
+  Branchy inner = [&] {
+    EnableWrap scope(options);
+    return Branchy(orig_params);
+  }();
+  FullyShardedDataParallel<BranchyImpl> model(inner, options);
+  using torch::optim::AdamWOptions;
+  torch::optim::AdamW ref_opt(reference->parameters(), AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::AdamW opt(model->parameters(), AdamWOptions(1e-2).weight_decay(0.1));
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(100 + step);
+    const torch::Tensor x = torch::randn({4 * world, 6});
+    const torch::Tensor y = torch::randn({4 * world, 8});
+    // Plain LibTorch on every rank's block: the mean of the ranks' losses.
+    ref_opt.zero_grad();
+    torch::Tensor ref_loss = torch::zeros({});
+    for (int r = 0; r < world; ++r) {
+      const torch::Tensor xr = x.chunk(world, 0)[r], yr = y.chunk(world, 0)[r];
+      ref_loss = ref_loss + loss_of(reference->forward(xr, uses(r, step)), yr, uses(r, step));
+    }
+    (ref_loss / world).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    loss_of(model->forward(local_block(x), uses(rank, step)), local_block(y), uses(rank, step))
+        .backward();
+    opt.step();
+    expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+  }
+}
+
+// SHARD_GRAD_OP and NO_SHARD gather no parameters in backward, so ordering
+// the reductions (Note [Reduction order]) is all it takes.
+TEST(UnevenGradients, ShardGradOpAndNoShardTrainLikePlainLibTorch) {
+  for (const int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int, int) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (const bool orig_params : {false, true}) {
+        for (const auto strategy : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+          train_and_compare(strategy, orig_params);
+        }
+      }
+    });
+  }
+}
+
+// FULL_SHARD gathers a unit's parameters again when backward reaches its
+// outputs, and only there: a rank whose loss does not use a unit's output
+// issues one all-gather fewer. Not supported (nor by PyTorch's FSDP); it
+// must fail at once on every rank, never hang or train on swapped data.
+TEST(UnevenGradients, FullShardFailsAtOnceOnEveryRank) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto outcomes = run_ranks(2, [](int, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    for (const bool orig_params : {false, true}) {
+      try {
+        train_and_compare(ShardingStrategy::kFullShard, orig_params);
+      } catch (const std::exception& e) {
+        std::cerr << error_message(e) << std::endl;
+        std::exit(3);
+      }
+    }
+  });
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, std::chrono::seconds(30)) << "not at once: the collective timeout is 60 s";
+  for (const auto& outcome : outcomes) {
+    EXPECT_FALSE(outcome.killed_at_deadline) << describe(outcome);
+    EXPECT_NE(outcome.exit_code, 0) << describe(outcome);
+    // The check at the end of backward, or the collectives' own, whichever fails first.
+    const bool named = outcome.output.find("on some ranks but not on others") != std::string::npos;
+    const bool mismatch = outcome.output.find("issued different collectives") != std::string::npos;
+    EXPECT_TRUE(named || mismatch) << describe(outcome);
+  }
+}
+
+}  // namespace
+}  // namespace fsdp::testing
