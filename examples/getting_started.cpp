@@ -46,7 +46,7 @@ struct ModelImpl : nn::Module {
 };
 TORCH_MODULE(Model);
 
-int main() {
+int main() try {
   // 2. Join the job: fsdprun (or torchrun) sets RANK, WORLD_SIZE, MASTER_ADDR, ...
   auto pg = fsdp::init_process_group();
   torch::set_num_threads(1);
@@ -87,4 +87,7 @@ int main() {
   }
   if (pg->rank() == 0) std::cout << "loss " << first << " -> " << last << std::endl;
   return last < 0.5 * first ? 0 : 1;
+} catch (const std::exception& e) {  // e.g. a rank that died: one line on every rank
+  std::cerr << fsdp::error_message(e) << std::endl;
+  return 1;
 }

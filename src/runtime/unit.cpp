@@ -620,7 +620,7 @@ void Unit::finish_backward(const std::vector<bool>* received) {
 // such a parameter's part is zero. With use_orig_params each parameter has
 // its own piece of the shard, so a piece whose parameter got no gradient on
 // any rank is left alone. "Any rank" needs agreement: the end-of-backward
-// callback all-reduces (max) one flag per slot of every use_orig_params unit,
+// callback all-reduces (sums) one flag per slot of every use_orig_params unit,
 // after every unit's reduction was launched and waited for, so every rank
 // issues the same collectives in the same order (one small all-reduce per
 // backward). With flat shards the whole shard gets the gradient; a warning
