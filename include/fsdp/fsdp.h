@@ -10,7 +10,6 @@
 #include <fsdp/comm/tcp_store.h>
 #include <fsdp/comm/types.h>
 #include <fsdp/comm/work.h>
-#include <fsdp/core/flat_parameter.h>
 #include <fsdp/core/mixed_precision.h>
 #include <fsdp/core/reset_parameters.h>
 #include <fsdp/error_message.h>
@@ -18,6 +17,7 @@
 #include <fsdp/runtime/unit.h>
 #include <fsdp/wrap/auto_wrap.h>
 #include <fsdp/wrap/fully_sharded.h>
+#include <fsdp/runtime/options.h>
 #include <fsdp/wrap/options.h>
 #include <fsdp/wrap/sequential.h>
 #include <fsdp/wrap/summon_full_params.h>

@@ -1,4 +1,6 @@
-#include <fsdp/core/flat_parameter.h>
+#include "core/flat_parameter.h"
+
+#include "detail/error.h"
 
 #include <ATen/ATen.h>
 #include <ATen/native/Resize.h>
@@ -12,7 +14,15 @@
 namespace fsdp {
 
 const char* to_string(FlatParameter::State state) {
-  return state == FlatParameter::State::kSharded ? "sharded" : "unsharded";
+  switch (state) {
+    case FlatParameter::State::kSharded:
+      return "sharded";
+    case FlatParameter::State::kUnsharding:
+      return "unsharding";
+    case FlatParameter::State::kUnsharded:
+      return "unsharded";
+  }
+  return "?";
 }
 
 namespace {
@@ -50,17 +60,17 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
 FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
                              std::shared_ptr<ProcessGroup> group, FlatParamConfig config)
     : group_(std::move(group)), keep_unsharded_(config.keep_unsharded()) {
-  TORCH_CHECK(!params.empty(), "fsdp: a FlatParameter needs at least one parameter");
-  TORCH_CHECK(group_, "fsdp: a FlatParameter needs a process group");
+  TORCH_INTERNAL_ASSERT(!params.empty(), "fsdp: a FlatParameter needs at least one parameter");
+  TORCH_INTERNAL_ASSERT(group_, "fsdp: a FlatParameter needs a process group");
   const at::ScalarType dtype = params.front().second.scalar_type();
   bool any_meta = false;
   for (auto& [name, p] : params) {
-    TORCH_CHECK(p.device().is_cpu() || p.is_meta(), "fsdp(", name,
-                "): expected a CPU (or meta) parameter, got one on ", p.device(),
-                ". libfsdp's CPU engine shards CPU parameters.");
-    TORCH_CHECK(p.scalar_type() == dtype, "fsdp(", name,
-                "): all parameters of a unit must share one dtype; expected ", dtype, ", got ",
-                p.scalar_type(), ". Convert the module with ->to(dtype) before wrapping.");
+    FSDP_CHECK(p.device().is_cpu() || p.is_meta(), group_->rank(), name,
+               "expected a CPU (or meta) parameter, got one on ", p.device(),
+               ". libfsdp's CPU engine shards CPU parameters: build the model on the CPU");
+    FSDP_CHECK(p.scalar_type() == dtype, group_->rank(), name,
+               "all parameters of a unit must share one dtype; expected ", dtype, ", got ",
+               p.scalar_type(), ". Convert the module with ->to(dtype) before wrapping");
     any_meta = any_meta || p.is_meta();
     FlatParamSlot slot;
     slot.name = name;
@@ -71,8 +81,8 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
     numel_ += slot.numel;
     slots_.push_back(std::move(slot));
   }
-  TORCH_CHECK(!any_meta || config.fill(), "fsdp(", slots_.front().name,
-              "): parameters on the meta device need a fill function to initialise them");
+  TORCH_INTERNAL_ASSERT(!any_meta || config.fill(), "fsdp(", slots_.front().name,
+                        "): parameters on the meta device need a fill function");
   const int64_t world = group_->size();
   shard_numel_ = keep_unsharded_ ? numel_ : (numel_ + world - 1) / world;
   padded_numel_ = keep_unsharded_ ? numel_ : shard_numel_ * world;
@@ -88,7 +98,8 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
     build_shard_directly();
   }
   shard_.set_requires_grad(any_trainable);
-  reshard();
+  // Built through the unsharded buffer: free it, unless it is the shard.
+  if (frees_unsharded() && state_ == State::kUnsharded) reshard();
   if (config.param_dtype() && *config.param_dtype() != dtype) {
     use_low_precision(*config.param_dtype());
   }
@@ -102,6 +113,7 @@ FlatParameter::~FlatParameter() {
 }
 
 void FlatParameter::set_unit_path(const std::string& path) {
+  unit_path_ = path;
   unit_label_ = path.empty() ? "the root FSDP unit" : "FSDP unit '" + path + "'";
   for (size_t i = 0; i < placeholders_.size(); ++i) {
     detail::rename_placeholder(placeholders_[i],
@@ -193,8 +205,9 @@ at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParameter::copy_unsharded_into_shard() {
-  if (!frees_unsharded() || state_ != State::kUnsharded) return;
-  unshard();  // a pending all-gather must land first
+  TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ == State::kUnsharded, unit_label_,
+                        ": write-back expected an unsharded buffer apart from the shard, state ",
+                        to_string(state_));
   at::NoGradGuard no_grad;
   shard_.detach().copy_(unsharded_.narrow(0, shard_offset(), shard_numel_));
 }
@@ -215,33 +228,39 @@ void FlatParameter::resize_unsharded_storage(bool allocate) {
 }
 
 void FlatParameter::unshard_async() {
-  if (state_ == State::kUnsharded) return;
+  TORCH_INTERNAL_ASSERT(state_ == State::kSharded, unit_label_, ": unshard_async in state ",
+                        to_string(state_));
   resize_unsharded_storage(true);
-  if (frees_unsharded()) point_at_views();
-  state_ = State::kUnsharded;
+  point_at_views();
   at::Tensor input = shard_.detach();
   // The low-precision shard: what is all-gathered (the Work keeps it alive).
   if (low_precision_) input = input.to(unsharded_.scalar_type());
   if (keep_unsharded_) {
     at::NoGradGuard no_grad;
     unsharded_.copy_(input);
+    state_ = State::kUnsharded;
     return;
   }
   pending_unshard_ = group_->all_gather_into_tensor(unsharded_, input);
+  state_ = State::kUnsharding;
 }
 
 void FlatParameter::unshard() {
-  unshard_async();
-  if (pending_unshard_) {
+  TORCH_INTERNAL_ASSERT(state_ != State::kUnsharded, unit_label_, ": unshard while unsharded");
+  if (state_ == State::kSharded) unshard_async();
+  if (state_ == State::kUnsharding) {
     Work work = std::move(pending_unshard_);
     pending_unshard_ = Work();
     work.wait();
+    state_ = State::kUnsharded;
   }
 }
 
 void FlatParameter::reshard() {
-  if (pending_unshard_) unshard();
-  if (!frees_unsharded() || state_ == State::kSharded) return;
+  TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ != State::kSharded, unit_label_,
+                        ": reshard in state ", to_string(state_),
+                        frees_unsharded() ? "" : " (its buffer is the shard)");
+  if (state_ == State::kUnsharding) unshard();  // the all-gather writes into the buffer
   resize_unsharded_storage(false);
   point_at_placeholders();
   state_ = State::kSharded;

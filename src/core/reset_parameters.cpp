@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "detail/error.h"
+
 namespace fsdp {
 
 namespace {
@@ -79,8 +81,9 @@ const ResetParametersFn* find(const torch::nn::Module& module, Registry& r) {
 }  // namespace
 
 void register_reset_parameters(ModuleClass cls, ResetParametersFn fn) {
-  TORCH_CHECK(fn, "fsdp register_reset_parameters(", cls.name,
-              "): expected a callable reset function, got an empty one.");
+  FSDP_CHECK(fn, -1, "register_reset_parameters " + cls.name,
+             "expected a callable reset function, got an empty one. Pass a function that "
+             "resets a module of that class in place");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.entries.push_back(Entry{std::move(cls), std::move(fn)});
@@ -99,11 +102,11 @@ void reset_parameters(torch::nn::Module& module) {
     std::lock_guard<std::mutex> lock(r.mutex);
     if (const ResetParametersFn* found = find(module, r)) fn = *found;
   }
-  TORCH_CHECK(fn, "fsdp reset_parameters: expected a known way to reset a module of class ",
-              module.name(),
-              ", found none: it is no torch::nn class with reset_parameters() and none was "
-              "registered. Call fsdp::register_reset_parameters<YourImpl>() (or pass a function), "
-              "or give FSDPOptions::param_init_fn.");
+  FSDP_CHECK(fn, -1, "reset_parameters", "expected a known way to reset a module of class ",
+             module.name(),
+             ", found none: it is no torch::nn class with reset_parameters() and none was "
+             "registered. Call fsdp::register_reset_parameters<YourImpl>() (or pass a function), "
+             "or give FSDPOptions::param_init_fn.");
   torch::NoGradGuard no_grad;
   fn(module);
 }

@@ -1,4 +1,6 @@
-#include <fsdp/runtime/exec_order.h>
+#include "runtime/exec_order.h"
+
+#include "detail/error.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -144,7 +146,7 @@ void ExecOrder::agree(Mark mark, int64_t value, size_t position) {
         "Look for control flow that depends on the rank or on its data (e.g. a branch that "
         "calls one unit on some ranks and another elsewhere) and make it the same on every "
         "rank.";
-  TORCH_CHECK(false, os.str());
+  FSDP_FAIL(group_->rank(), "forward order", os.str());
 }
 
 void ExecOrder::warn_changed(const std::string& recorded, const std::string& actual) {

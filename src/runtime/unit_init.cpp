@@ -1,5 +1,7 @@
 #include "runtime/unit_init.h"
 
+#include "detail/error.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -14,7 +16,9 @@ namespace fsdp::detail {
 ModuleSet ignored_module_set(const FSDPOptions& options) {
   ModuleSet out;
   for (const auto& m : options.ignored_modules()) {
-    TORCH_CHECK(m != nullptr, "fsdp: expected ignored_modules to hold modules, got a nullptr");
+    FSDP_CHECK(m != nullptr, -1, "options",
+               "expected ignored_modules to hold modules, got a "
+               "nullptr. Pass the modules themselves (shared_ptr<Module>)");
     for (const auto& sub : m->modules(/*include_self=*/true)) out.insert(sub.get());
   }
   return out;
@@ -82,11 +86,11 @@ void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Te
 
 void check_param_init_fn(const FSDPOptions& options, const std::string& where) {
   const auto& fn = options.param_init_fn();
-  TORCH_CHECK(!fn.has_value() || static_cast<bool>(*fn), "fsdp(", where,
-              "): expected param_init_fn to be callable, got an empty std::function. Pass a "
-              "function that initialises a module's parameters and buffers in place, or leave "
-              "param_init_fn unset (nullopt) to initialise meta modules with "
-              "fsdp::reset_parameters().");
+  FSDP_CHECK(!fn.has_value() || static_cast<bool>(*fn), -1, where,
+             "expected param_init_fn to be callable, got an empty std::function. Pass a "
+             "function that initialises a module's parameters and buffers in place, or leave "
+             "param_init_fn unset (nullopt) to initialise meta modules with "
+             "fsdp::reset_parameters()");
 }
 
 namespace {
@@ -185,7 +189,7 @@ void UnitInit::cast_buffers() {
   at::NoGradGuard no_grad;
   for (const auto& b : buffers_) {
     if (b.is_floating_point() && b.scalar_type() != *mp->buffer_dtype()) {
-      const_cast<at::Tensor&>(b).set_data(b.to(*mp->buffer_dtype()));
+      at::Tensor(b).set_data(b.to(*mp->buffer_dtype()));  // the module's own buffer object
     }
   }
 }

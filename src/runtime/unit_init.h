@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/wrap/options.h>
+#include <fsdp/runtime/options.h>
 
 namespace fsdp::detail {
 

@@ -3,13 +3,13 @@
 
 #include <ATen/ATen.h>
 
-#include <fsdp/runtime/unit.h>
-
+#include "runtime/root_state.h"
 #include "runtime/unit_init.h"
+#include "runtime/unit_runtime.h"
 
-namespace fsdp {
+namespace fsdp::detail {
 
-FlatParamConfig Unit::flat_param_config(detail::UnitInit& init) const {
+FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) const {
   FlatParamConfig config;
   config.keep_unsharded(options_.sharding_strategy() == ShardingStrategy::kNoShard);
   if (const auto& mp = options_.mixed_precision()) {
@@ -21,7 +21,7 @@ FlatParamConfig Unit::flat_param_config(detail::UnitInit& init) const {
   return config;
 }
 
-at::Tensor Unit::full_precision_grad(const at::Tensor& reduced) const {
+at::Tensor UnitRuntime::full_precision_grad(const at::Tensor& reduced) const {
   const auto& mp = options_.mixed_precision();
   if ((mp && mp->keep_low_precision_grads()) ||
       reduced.scalar_type() == flat_->shard().scalar_type()) {
@@ -30,7 +30,7 @@ at::Tensor Unit::full_precision_grad(const at::Tensor& reduced) const {
   return reduced.to(flat_->shard().scalar_type());
 }
 
-c10::optional<at::ScalarType> Unit::forward_input_dtype() const {
+c10::optional<at::ScalarType> UnitRuntime::forward_input_dtype() const {
   if (full_precision_override_) {
     return flat_ ? flat_->param_dtype() : at::kFloat;
   }
@@ -40,4 +40,4 @@ c10::optional<at::ScalarType> Unit::forward_input_dtype() const {
   return cast ? mp->param_dtype() : c10::nullopt;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -13,6 +13,9 @@
 
 #include <fsdp/runtime/unit.h>
 
+#include "core/flat_parameter.h"
+#include "detail/error.h"
+
 namespace fsdp {
 
 namespace {
@@ -65,15 +68,16 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 // writes the (identical) file. load_unit needs no communication: each rank
 // reads every full parameter and keeps the part its shard holds.
 void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) const {
+  const FlatParameter* flat = flat_param();
   std::unordered_map<const void*, at::Tensor> full;
-  if (flat_) {
-    const at::Tensor shard = flat_->shard().detach();
+  if (flat != nullptr) {
+    const at::Tensor shard = flat->shard().detach();
     at::Tensor all = shard;
-    if (!flat_->keeps_unsharded()) {
-      all = at::empty({flat_->padded_numel()}, shard.options());
-      flat_->group().all_gather_into_tensor(all, shard.contiguous()).wait();
+    if (!flat->keeps_unsharded()) {
+      all = at::empty({flat->padded_numel()}, shard.options());
+      flat->group().all_gather_into_tensor(all, shard.contiguous()).wait();
     }
-    for (const auto& slot : flat_->slots()) {
+    for (const auto& slot : flat->slots()) {
       // Each its own storage, as the unwrapped module's parameters are.
       full.emplace(slot.param.unsafeGetTensorImpl(),
                    all.narrow(0, slot.offset, slot.numel).view(slot.shape).clone());
@@ -83,11 +87,12 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
 }
 
 void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
+  FlatParameter* flat = flat_param();
   std::unordered_map<const void*, size_t> slot_of;
-  if (flat_) {
-    flat_->reshard();  // the shard is what is written; unsharded values are refilled from it
-    for (size_t i = 0; i < flat_->slots().size(); ++i) {
-      slot_of.emplace(flat_->slots()[i].param.unsafeGetTensorImpl(), i);
+  if (flat != nullptr) {
+    release_full_params();  // the shard is what is written; unsharded values are refilled from it
+    for (size_t i = 0; i < flat->slots().size(); ++i) {
+      slot_of.emplace(flat->slots()[i].param.unsafeGetTensorImpl(), i);
     }
   }
   at::NoGradGuard no_grad;
@@ -99,18 +104,17 @@ void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
             in.read(p.key(), p.value());
             continue;
           }
-          const FlatParamSlot& slot = flat_->slots()[it->second];
+          const FlatParamSlot& slot = flat->slots()[it->second];
           at::Tensor value;
           in.read(p.key(), value);
-          TORCH_CHECK(value.sizes() == at::IntArrayRef(slot.shape), "[rank ", flat_->group().rank(),
-                      "] fsdp(", flat_->unit_label(), "): expected parameter '", prefix + p.key(),
-                      "' of shape ", at::IntArrayRef(slot.shape), " in the archive, got ",
-                      value.sizes(),
-                      ". The file was saved from a different model; load it into the model "
-                      "that saved it.");
+          FSDP_CHECK(value.sizes() == at::IntArrayRef(slot.shape), flat->group().rank(),
+                     flat->unit_path(), "expected parameter '", prefix + p.key(), "' of shape ",
+                     at::IntArrayRef(slot.shape), " in the archive, got ", value.sizes(),
+                     ". The file was saved from a different model; load it into the model "
+                     "that saved it");
           // This rank's part: the slot's intersection with the shard.
-          const at::Tensor& shard = flat_->shard();
-          const int64_t begin = flat_->shard_offset(), end = begin + shard.numel();
+          const at::Tensor& shard = flat->shard();
+          const int64_t begin = flat->shard_offset(), end = begin + shard.numel();
           const int64_t lo = std::max(begin, slot.offset);
           const int64_t hi = std::min(end, slot.offset + slot.numel);
           if (lo >= hi) continue;

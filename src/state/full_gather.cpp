@@ -102,13 +102,12 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
              dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
       }
     } else if (model_) {
-      const bool gathered = !dry && flat.state() == FlatParameter::State::kSharded;
-      if (gathered) flat.unshard();
+      const bool gathered = !dry && unit->gather_full_params();
       for (LocalPiece* p : group) {
         emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
              dry ? at::Tensor() : flat.slots()[p->slot].param.detach());
       }
-      if (gathered) flat.reshard();
+      if (gathered) unit->release_full_params();
     }
     if (opt_ != nullptr) {
       for (const std::string& name : access->state_names()) {

@@ -14,6 +14,8 @@
 #include <fsdp/comm/process_group.h>
 #include <fsdp/runtime/unit.h>
 
+#include "core/flat_parameter.h"
+
 namespace fsdp::detail {
 
 /// Elements [begin, end) of an original parameter or buffer, flattened, that

@@ -74,7 +74,7 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
 void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   // A unit left unsharded would keep stale full values: free them first; the
   // next forward gathers the loaded shards.
-  for (const UnitEntry& e : units_with_params(root)) e.unit->flat_param()->reshard();
+  for (const UnitEntry& e : units_with_params(root)) e.unit->release_full_params();
   at::NoGradGuard no_grad;
   std::set<std::string> expected;
   for (LocalPiece& p : local_pieces(root)) {

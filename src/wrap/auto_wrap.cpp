@@ -13,6 +13,7 @@
 #include <fsdp/comm/init.h>
 #include <fsdp/runtime/unit.h>
 
+#include "detail/error.h"
 #include "runtime/unit_init.h"
 
 namespace fsdp {
@@ -60,9 +61,9 @@ MinParamsPolicy::MinParamsPolicy(int64_t min_num_params)
             return numel >= min_num_params &&
                    dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(&m) == nullptr;
           }) {
-  TORCH_CHECK(min_num_params >= 0, "fsdp MinParamsPolicy: expected min_num_params >= 0, got ",
-              min_num_params, ". A parameter count cannot be negative. Pass 0 to select every ",
-              "module.");
+  FSDP_CHECK(min_num_params >= 0, -1, "MinParamsPolicy", "expected min_num_params >= 0, got ",
+             min_num_params, ". A parameter count cannot be negative. Pass 0 to select every ",
+             "module.");
 }
 
 LambdaPolicy::LambdaPolicy(Fn fn, std::string description)
@@ -183,12 +184,11 @@ class Planner {
   // Pre-order, registration order, like named_modules(): rejects existing
   // units (the first found is named) and records every path of every module.
   void survey(const std::shared_ptr<Module>& m, const std::string& path) {
-    TORCH_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr, "[rank ", rank_, "] fsdp(",
-                shown(path), "): expected a module tree without FSDP units, got ", m->name(),
-                " at ", shown(path),
-                ". auto_wrap decides every unit itself and does not nest new units around units "
-                "made before (as PyTorch's auto wrapping). Call auto_wrap once, on the unwrapped "
-                "model, or wrap the whole model by hand.");
+    FSDP_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr, rank_, shown(path),
+               "expected a module tree without FSDP units, got ", m->name(), " at ", shown(path),
+               ". auto_wrap decides every unit itself and does not nest new units around units "
+               "made before (as PyTorch's auto wrapping). Call auto_wrap once, on the unwrapped "
+               "model, or wrap the whole model by hand.");
     auto& paths = paths_[m.get()];
     paths.push_back(path);
     if (paths.size() > 1) return;  // its subtree was surveyed at its first path
@@ -211,23 +211,23 @@ class Planner {
     const int64_t numel = unwrapped_numel(*m);
     const ModuleClass* fp_class = full_precision_class(*m);
     if (!policy_.should_wrap(*m, path, numel) && fp_class == nullptr) return;
-    TORCH_CHECK(slot.parent != nullptr, "[rank ", rank_, "] fsdp(", path,
-                "): expected the modules that ", policy_.description(),
-                fp_class != nullptr ? " (or mixed precision's module_classes_to_ignore)" : "",
-                " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
-                ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
-                "called through a Sequential's type-erased slot. Make it an entry of a "
-                "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
-                "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
-                "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
-                "it.");
+    FSDP_CHECK(slot.parent != nullptr, rank_, path, "expected the modules that ",
+               policy_.description(),
+               fp_class != nullptr ? " (or mixed precision's module_classes_to_ignore)" : "",
+               " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
+               ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
+               "called through a Sequential's type-erased slot. Make it an entry of a "
+               "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
+               "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
+               "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
+               "it.");
     const auto& paths = paths_.at(m.get());
-    TORCH_CHECK(paths.size() == 1, "[rank ", rank_, "] fsdp(", path, "): expected the modules ",
-                "that ", policy_.description(), " selects to be reached at one place, got ",
-                m->name(), " also at ", shown(paths[1]),
-                ". A unit in one slot would leave the other place calling the module with its "
-                "parameters sharded. Give each place its own module, or keep it out of the "
-                "policy.");
+    FSDP_CHECK(paths.size() == 1, rank_, path, "expected the modules ", "that ",
+               policy_.description(), " selects to be reached at one place, got ", m->name(),
+               " also at ", shown(paths[1]),
+               ". A unit in one slot would leave the other place calling the module with its "
+               "parameters sharded. Give each place its own module, or keep it out of the "
+               "policy.");
     own(*m);
     planned_.push_back(Planned{path, slot.parent, slot.index, m.get(), fp_class != nullptr});
     if (fp_class != nullptr) full_precision_found_.push_back(fp_class->name + " at " + path);
@@ -251,8 +251,8 @@ class Planner {
 
   void warn_full_precision() const {
     if (full_precision_found_.empty()) return;
-    TORCH_WARN("[rank ", rank_,
-               "] fsdp auto_wrap: both mixed precision and an auto-wrap policy were given, and the "
+    TORCH_WARN(detail::error_prefix(rank_, "auto_wrap"),
+               "both mixed precision and an auto-wrap policy were given, and the "
                "model has modules of classes that must compute in full precision: ",
                join_names(full_precision_found_),
                ". These modules are wrapped as separate FSDP units with mixed precision disabled "
@@ -331,15 +331,15 @@ class Planner {
 
 std::vector<Planned> plan(const torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
                           const FSDPOptions& options, int rank) {
-  TORCH_CHECK(!seq.is_empty(), "[rank ", rank,
-              "] fsdp(<root>): expected a Sequential to auto-wrap, got an empty holder "
-              "(torch::nn::Sequential(nullptr)). Nothing was constructed. Pass a constructed "
-              "Sequential.");
+  FSDP_CHECK(!seq.is_empty(), rank, "",
+             "expected a Sequential to auto-wrap, got an empty holder "
+             "(torch::nn::Sequential(nullptr)). Nothing was constructed. Pass a constructed "
+             "Sequential.");
   const auto& init_fn = options.param_init_fn();
-  TORCH_CHECK(!init_fn.has_value() || static_cast<bool>(*init_fn), "[rank ", rank,
-              "] fsdp(<root>): expected param_init_fn to be callable, got an empty "
-              "std::function. Pass a function that initialises a module's parameters and buffers "
-              "in place, or leave param_init_fn unset (nullopt) to use fsdp::reset_parameters().");
+  FSDP_CHECK(!init_fn.has_value() || static_cast<bool>(*init_fn), rank, "",
+             "expected param_init_fn to be callable, got an empty "
+             "std::function. Pass a function that initialises a module's parameters and buffers "
+             "in place, or leave param_init_fn unset (nullopt) to use fsdp::reset_parameters().");
   return Planner(policy, options, rank).plan(seq.ptr());
 }
 

@@ -4,6 +4,8 @@
 
 #include <fsdp/wrap/fully_sharded.h>
 
+#include "detail/error.h"
+
 namespace fsdp {
 
 namespace detail {
@@ -21,7 +23,9 @@ void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner) {
 
 AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)
     : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
-  TORCH_CHECK(!module_.is_empty(), "fsdp: cannot wrap an empty AnyModule");
+  FSDP_CHECK(!module_.is_empty(), -1, "wrap",
+             "cannot wrap an empty AnyModule. Pass one that "
+             "holds a module");
   check_not_a_unit(*module_.ptr());
   detail::adopt_module_contents(*this, *module_.ptr());
   init_unit(*this, module_.ptr().get());
@@ -58,8 +62,8 @@ at::Tensor AnyUnitImpl::forward(at::Tensor input) {
 }
 
 AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOptions options) {
-  TORCH_CHECK(index < seq->size(), "fsdp: Sequential has ", seq->size(),
-              " entries, cannot wrap entry ", index);
+  FSDP_CHECK(index < seq->size(), -1, "wrap_sequential_entry", "expected an entry index below ",
+             seq->size(), " (the Sequential's size), got ", index, ". Pass an existing entry");
   auto it = seq->begin() + static_cast<std::ptrdiff_t>(index);
   // The child registered for this entry, found by identity: a Sequential
   // subclass may register other children before its entries.
@@ -67,8 +71,9 @@ AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOpti
   for (const auto& child : seq->named_children()) {
     if (child.value().get() == it->ptr().get()) name = child.key();
   }
-  TORCH_CHECK(!name.empty(), "fsdp: entry ", index, " of the Sequential is not one of its ",
-              "registered children; cannot wrap it in place");
+  FSDP_CHECK(!name.empty(), -1, "wrap_sequential_entry", "entry ", index,
+             " of the Sequential is not one of its registered children, so it cannot be wrapped "
+             "in place. Register it with push_back, or wrap it by hand");
   AnyUnit unit(*it, std::move(options));
   *it = torch::nn::AnyModule(unit);       // what Sequential::forward calls
   seq->replace_module(name, unit.ptr());  // what children() and parameters() see

@@ -7,6 +7,7 @@
 
 #include "multi_rank.h"
 #include "test_models.h"
+#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

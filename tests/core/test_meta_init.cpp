@@ -19,6 +19,7 @@
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
+#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

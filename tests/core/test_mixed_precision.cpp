@@ -14,6 +14,7 @@
 #include <fsdp/fsdp.h>
 
 #include "multi_rank.h"
+#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

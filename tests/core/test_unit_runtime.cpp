@@ -8,13 +8,19 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <mutex>
+#include <set>
+#include <string>
 #include <tuple>
+
+#include <ATen/record_function.h>
 
 #include <fsdp/fsdp.h>
 
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
+#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {
@@ -325,6 +331,83 @@ TEST(UnitRuntime, TrainAndEvalReachWrappedModules) {
     EXPECT_TRUE(torch::equal(dropout->forward(x), x)) << "dropout still active in eval()";
     dropout->train();
     EXPECT_TRUE(dropout->module().is_training());
+  });
+}
+
+// Profiler labels: a user's profile (anything listening to RecordFunction,
+// as torch::autograd::profiler does) shows each unit's all-gathers,
+// reductions and hooks under its module path.
+std::mutex g_labels_mutex;
+std::set<std::string> g_labels;
+std::unique_ptr<at::ObserverContext> record_label(const at::RecordFunction& fn) {
+  const std::string name = fn.name();
+  if (name.rfind("fsdp::", 0) == 0) {
+    std::lock_guard<std::mutex> lock(g_labels_mutex);
+    g_labels.insert(name);
+  }
+  return nullptr;
+}
+
+TEST(UnitRuntime, ProfilerLabelsNameEachUnitsCollectivesAndHooks) {
+  run_ranks_ok(2, [](int, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      std::vector<std::shared_ptr<CountingGroup>> groups;
+      for (int i = 0; i < 2; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+      FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
+                                               FSDPOptions().sharding_strategy(strategy));
+      {
+        std::lock_guard<std::mutex> lock(g_labels_mutex);
+        g_labels.clear();
+      }
+      const auto handle = at::addGlobalCallback(
+          at::RecordFunctionCallback(record_label).scopes({at::RecordScope::USER_SCOPE}));
+      model->forward(torch::randn({2, 512})).sum().backward();
+      at::removeCallback(handle);
+      std::set<std::string> want = {"fsdp::pre_forward (root)", "fsdp::pre_forward (u1)",
+                                    "fsdp::post_forward (u1)",  "fsdp::pre_backward (u0)",
+                                    "fsdp::pre_backward (u1)",  "fsdp::end_of_backward"};
+      if (strategy == ShardingStrategy::kFullShard) {
+        want.insert({"fsdp::all_gather (u0)", "fsdp::all_gather (u1)", "fsdp::reduce_scatter (u0)",
+                     "fsdp::reduce_scatter (u1)"});
+      } else {
+        want.insert({"fsdp::all_reduce (u0)", "fsdp::all_reduce (u1)"});
+      }
+      std::lock_guard<std::mutex> lock(g_labels_mutex);
+      for (const auto& label : want) EXPECT_EQ(g_labels.count(label), 1u) << label;
+    }
+  });
+}
+
+// Another layer reaches a unit's parameters only through the unit, which
+// refuses while it is inside its forward or backward.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    if (during) during();
+    return fc(x);
+  }
+  torch::nn::Linear fc;
+  std::function<void()> during;
+};
+TORCH_MODULE(Probe);
+
+TEST(UnitRuntime, FullParametersAreRefusedInsideForwardOnEveryRank) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    Probe probe;
+    FullyShardedDataParallel<ProbeImpl> unit(probe);
+    probe->during = [&] { SummonFullParams full(*unit); };
+    const std::string msg = error_of([&] { unit->forward(torch::randn({2, 4})); });
+    EXPECT_NE(msg.find("fsdp(root): cannot gather the full parameters while the unit is in "
+                       "its forward state"),
+              std::string::npos)
+        << msg;
+    // Outside forward and backward the same guard works.
+    probe->during = nullptr;
+    unit->forward(torch::randn({2, 4})).sum().backward();
+    SummonFullParams full(*unit);
+    EXPECT_EQ(probe->fc->weight.numel(), 16);
   });
 }
 

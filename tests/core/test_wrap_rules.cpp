@@ -18,6 +18,7 @@
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
+#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

@@ -1,7 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/variable.h>
+#include <c10/util/Optional.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 #include <torch/serialize/archive.h>
@@ -12,14 +12,15 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/core/flat_parameter.h>
-#include <fsdp/runtime/exec_order.h>
-#include <fsdp/wrap/options.h>
+#include <fsdp/runtime/options.h>
 
 namespace fsdp {
 
+class FlatParameter;  // src/core/flat_parameter.h (internal)
+
 namespace detail {
-class UnitInit;
+class UnitRuntime;
+class RootState;
 }  // namespace detail
 
 /// The default of Module::zero_grad's set_to_none in this LibTorch (false in
@@ -27,9 +28,12 @@ class UnitInit;
 /// (Public headers cannot include src/detail/torch_compat.h.)
 inline constexpr bool kModuleZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
 
-/// The runtime of one FSDP unit: its FlatParameter and the hooks around its
-/// module's forward and backward. The typed wrapper
-/// (fsdp::FullyShardedDataParallel<Impl>) derives from it.
+/// An FSDP unit as its wrapper and its users see it: the handle. The typed
+/// wrapper (fsdp::FullyShardedDataParallel<Impl>) and the Sequential entry
+/// wrapper derive from it. The unit's training state, its FlatParameter and
+/// its hooks live in detail::UnitRuntime, the root's state (all units, the
+/// forward order, the reduction order) in detail::RootState; see Note [Unit,
+/// runtime and root] in src/runtime/unit_runtime.h.
 ///
 /// Note [FSDP and autograd]
 /// C++ modules have no forward hooks, so the wrapper's forward calls
@@ -43,12 +47,16 @@ inline constexpr bool kModuleZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
 /// - the end-of-backward callback finishes what hooks could not: units whose
 ///   gradients arrived only in part (unused parameters), waiting for the
 ///   reduce-scatters, setting the shards' .grad, resharding what is left.
-/// The AccumulateGrad nodes are held here: autograd keeps only weak pointers.
+/// The AccumulateGrad nodes are held by the runtime: autograd keeps only weak
+/// pointers.
 class Unit {
  public:
   virtual ~Unit();
+  Unit(const Unit&) = delete;
+  Unit& operator=(const Unit&) = delete;
 
-  /// Lifecycle of a unit within one iteration (checked transitions).
+  /// Lifecycle of a unit within one iteration (checked transitions):
+  /// kIdle -> kForward -> kIdle -> kPreBackward -> kPostBackward -> kIdle.
   enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
   /// The flat shards of this unit and of every unit nested in it: what an
@@ -61,17 +69,19 @@ class Unit {
   /// path followed by "_flat_param" ("block._flat_param").
   torch::OrderedDict<std::string, at::Tensor> named_flat_parameters() const;
 
-  /// This unit's FlatParameter, or nullptr when it manages no parameter.
-  FlatParameter* flat_param() const { return flat_.get(); }
+  /// Internal (libfsdp's own layers and tests, which include
+  /// src/core/flat_parameter.h): this unit's FlatParameter, or nullptr when
+  /// it manages no parameter or is a pass-through.
+  FlatParameter* flat_param() const;
   /// True for the outermost unit (decided at the first forward).
-  bool is_root() const { return root_ == this; }
+  bool is_root() const;
   /// False for a pass-through wrapper (fsdp::wrap() outside a scope): it is
   /// no unit, and its parameters belong to the enclosing unit.
-  bool is_active() const { return active_; }
-  /// This unit's state.
-  TrainingState training_state() const { return state_; }
-  /// The unit's options.
-  const FSDPOptions& fsdp_options() const { return options_; }
+  bool is_active() const { return runtime_ != nullptr; }
+  /// This unit's state (kIdle for a pass-through).
+  TrainingState training_state() const;
+  /// The unit's options. Not for a pass-through (is_active() false).
+  const FSDPOptions& fsdp_options() const;
   /// The module this unit (or pass-through wrapper) wraps, when known.
   torch::nn::Module* wrapped_module() const { return wrapped_; }
   /// Refuses to wrap `module` when it is an FSDP unit itself, naming what
@@ -85,12 +95,12 @@ class Unit {
   c10::optional<at::ScalarType> forward_input_dtype() const;
   /// True when the wrapper casts its output back to its inputs' dtype (a
   /// unit kept in full precision inside a mixed-precision model).
-  bool casts_output_back() const { return full_precision_override_; }
+  bool casts_output_back() const;
   /// Makes this unit compute in its parameters' own dtype inside a
   /// mixed-precision model: inputs are cast to it, outputs back (auto_wrap
   /// does this for MixedPrecision::module_classes_to_ignore). Before the
   /// first forward.
-  void keep_full_precision() { full_precision_override_ = true; }
+  void keep_full_precision();
 
   /// Clips the gradients of every shard in this unit's tree so that their
   /// global norm (over all ranks) is at most max_norm; returns that norm
@@ -110,6 +120,19 @@ class Unit {
   /// zero_grad() call it; units nested in a unit are reached through
   /// Module::zero_grad's recursion, so model->zero_grad() clears them all.
   void zero_optim_grads(bool set_to_none);
+
+  /// Outside forward and backward (checked: an error names the unit and its
+  /// state): makes the original parameters hold the full values, gathering
+  /// them when sharded. Returns whether it gathered (then release_full_params()
+  /// frees them again). Collective when it gathers. Used by SummonFullParams
+  /// and the state dicts.
+  bool gather_full_params();
+  /// Outside forward and backward (checked): frees the full values again,
+  /// when this unit frees them at all (not NO_SHARD in full precision).
+  void release_full_params();
+  /// Outside forward and backward (checked): copies this rank's part of the
+  /// full parameters (modified in place while gathered) into its shard.
+  void write_back_full_params();
 
   /// While the returned guard lives, backward passes accumulate gradients
   /// locally (unsharded) and communicate nothing; the first backward after it
@@ -139,10 +162,7 @@ class Unit {
   void init_unit(torch::nn::Module& self, torch::nn::Module* wrapped = nullptr);
   /// Makes this a pass-through (see is_active()) around `wrapped`; instead of
   /// init_unit().
-  void deactivate(torch::nn::Module* wrapped = nullptr) {
-    active_ = false;
-    wrapped_ = wrapped;
-  }
+  void deactivate(torch::nn::Module* wrapped = nullptr);
   /// Module::save for the wrapper `self`: writes what the unwrapped module
   /// would write (full parameters under their own names, buffers, children),
   /// gathering this unit's full-precision parameters; nested units gather
@@ -161,77 +181,16 @@ class Unit {
                     const char* unknown_output_type = nullptr);
 
  private:
-  void lazy_init_root();
-  void prefetch_forward();
-  void prefetch_backward();
-  void pre_backward();
-  void on_grad_ready(size_t slot);
-  void join_reduction_order();
-  void launch_ready_reductions();
-  void launch_grad_reduction();
-  void finish_reduction();
-  void finish_backward(const std::vector<bool>* received);
-  void end_of_backward();
-  std::vector<std::vector<bool>> agree_received_grads() const;
-  void warn_unused_slots();
-  void clear_moved_grads();
-  void keep_full_precision_classes(
-      const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
-      const std::string& where, int rank);
-  void transition(TrainingState from, TrainingState to);
-  void register_grad_hooks();
-  void make_optim_params();
-  void assign_reduced_grad(const std::vector<bool>* received);
-  // Defined in unit_precision.cpp (mixed precision and deferred init).
-  FlatParamConfig flat_param_config(detail::UnitInit& init) const;
-  at::Tensor full_precision_grad(const at::Tensor& reduced) const;
+  friend class detail::UnitRuntime;
+  friend class detail::RootState;
+  // Units (active, with a runtime) of this unit's module tree, pre-order.
   std::vector<Unit*> units_in_tree() const;
+  // The runtime, checked to exist (an active unit).
+  detail::UnitRuntime& runtime() const;
 
-  // Constant after init_unit().
-  FSDPOptions options_;
-  bool active_ = true;
-  std::unique_ptr<FlatParameter> flat_;
-  torch::nn::Module* self_ = nullptr;
-  torch::nn::Module* wrapped_ = nullptr;
-  bool full_precision_override_ = false;  // see keep_full_precision()
-  // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
-  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
-      grad_accumulators_;
-  std::vector<bool> slot_trainable_;
-  // Per slot: what the original parameter's .grad points at once its
-  // gradient moved into flat_grad_ (Note [Sharded placeholders]).
-  std::vector<at::Tensor> grad_placeholders_;
-  // What the optimizer steps: {shard} or, with use_orig_params, one view of
-  // the shard per slot (see Note [FlatParameter vocabulary]).
-  std::vector<at::Tensor> optim_params_;
-  size_t trainable_slots_ = 0;
-  // Whether the warning about parameters without gradients (flat shards)
-  // was given; see Note [Parameters without gradients].
-  bool warned_unused_ = false;
-
-  // Set at the root's first forward.
-  Unit* root_ = nullptr;
-  std::vector<Unit*> units_;  // root only: every unit of the tree, pre-order
-  // Root only: the first iteration's forward order (units with parameters),
-  // agreed across ranks; drives prefetch. See Note [Forward order].
-  std::unique_ptr<ExecOrder> exec_order_;
-
-  // Per-iteration state.
-  TrainingState state_ = TrainingState::kIdle;
-  bool backward_seen_ = false;    // pre-backward hook fired this iteration
-  bool require_sync_ = true;      // false inside no_sync()
-  bool callback_queued_ = false;  // root only
-  // Root only: the units whose forward this iteration can bring gradients,
-  // in forward order; their reductions are launched in reverse, the first
-  // `reductions_launched_` of them already. See Note [Reduction order].
-  std::vector<Unit*> reduction_order_;
-  size_t reductions_launched_ = 0;
-  size_t grads_ready_ = 0;
-  at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
-  // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
-  std::vector<bool> slot_filled_;
-  at::Tensor grad_shard_;  // reduce-scatter output
-  Work grad_work_;         // pending reduce-scatter / all-reduce
+  // nullptr for a pass-through wrapper (see is_active()).
+  std::unique_ptr<detail::UnitRuntime> runtime_;
+  torch::nn::Module* wrapped_ = nullptr;  // constant after init_unit / deactivate
 };
 
 /// The name of a training state, for messages.

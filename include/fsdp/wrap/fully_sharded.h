@@ -153,14 +153,11 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   /// See the constructor above.
   explicit FullyShardedDataParallelImpl(std::shared_ptr<Impl> module, FSDPOptions options = {},
                                         bool enabled = true)
-      : Module("FullyShardedDataParallel"),
-        Unit(std::move(options)),
-        module_(std::move(module)),
-        enabled_(enabled) {
+      : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
     TORCH_CHECK(module_, "fsdp: cannot wrap a null module");
     check_not_a_unit(*module_);
     detail::adopt_module_contents(*this, *module_);
-    if (enabled_) {
+    if (enabled) {
       init_unit(*this, module_.get());
     } else {
       deactivate(module_.get());
@@ -169,7 +166,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
 
   /// Gathers the parameters, runs the wrapped forward, and arranges backward.
   R forward(Args... args) {
-    if (!enabled_) return module_->forward(std::forward<Args>(args)...);
+    if (!is_active()) return module_->forward(std::forward<Args>(args)...);
     pre_forward();
     // See Note [Mixed precision]: inputs in the compute dtype.
     const c10::optional<at::ScalarType> dtype = forward_input_dtype();
@@ -197,13 +194,13 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   /// The default of set_to_none is LibTorch's (false in 1.13, true in 2.x).
   void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override {
     torch::nn::Module::zero_grad(set_to_none);
-    if (enabled_) zero_optim_grads(set_to_none);
+    zero_optim_grads(set_to_none);  // nothing for a pass-through
   }
 
   /// What the unwrapped module's save() writes: full parameters, gathered.
   /// Collective: torch::save(model, path) on every rank. See Note [Saving a unit].
   void save(torch::serialize::OutputArchive& archive) const override {
-    if (enabled_) {
+    if (is_active()) {
       save_unit(*this, archive);
     } else {
       torch::nn::Module::save(archive);
@@ -213,7 +210,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   /// Reads what the unwrapped module's save() wrote (torch::load(model,
   /// path) on every rank); each rank keeps its shard.
   void load(torch::serialize::InputArchive& archive) override {
-    if (enabled_) {
+    if (is_active()) {
       load_unit(*this, archive);
     } else {
       torch::nn::Module::load(archive);
@@ -223,18 +220,17 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool recurse = true) const {
-    return enabled_ ? flat_parameters() : torch::nn::Module::parameters(recurse);
+    return is_active() ? flat_parameters() : torch::nn::Module::parameters(recurse);
   }
 
   /// False for a pass-through wrapper made by fsdp::wrap() outside a scope.
-  bool enabled() const { return enabled_; }
+  bool enabled() const { return is_active(); }
 
   /// The wrapped module.
   Impl& module() const { return *module_; }
 
  private:
   std::shared_ptr<Impl> module_;
-  bool enabled_;
 };
 
 /// A wrapper around a module whose forward has default arguments: also

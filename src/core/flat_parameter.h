@@ -59,9 +59,12 @@ struct FlatParamConfig {
 ///   turns any use into an error naming it (Note [Sharded placeholders]).
 class FlatParameter {
  public:
-  /// kSharded: only shard() holds data. kUnsharded: the original parameters
-  /// hold the full values.
-  enum class State { kSharded, kUnsharded };
+  /// kSharded: only shard() holds data. kUnsharding: an all-gather into the
+  /// unsharded buffer is in flight (unshard_async). kUnsharded: the original
+  /// parameters hold the full values. A FlatParameter that never frees its
+  /// buffer (NO_SHARD in full precision) is always kUnsharded. Transitions
+  /// assert the state they start from: the unit decides when to call them.
+  enum class State { kSharded, kUnsharding, kUnsharded };
 
   /// Flattens `params` (all one dtype, on CPU) and, unless keep_unsharded,
   /// shards them and frees the unsharded buffer.
@@ -82,6 +85,8 @@ class FlatParameter {
   void set_unit_path(const std::string& path);
   /// "FSDP unit '<path>'" (or "the root FSDP unit"), for messages.
   const std::string& unit_label() const { return unit_label_; }
+  /// The unit's module path from the root ("" for the root), once set.
+  const std::string& unit_path() const { return unit_path_; }
 
   /// Current state.
   State state() const { return state_; }
@@ -100,19 +105,23 @@ class FlatParameter {
   /// True when the buffer is never sharded (NO_SHARD).
   bool keeps_unsharded() const { return keep_unsharded_; }
 
-  /// kSharded -> kUnsharded: allocates the unsharded buffer and starts the
+  /// kSharded -> kUnsharding: allocates the unsharded buffer and starts the
   /// all-gather into it (a prefetch); unshard() or reshard() waits for it.
   void unshard_async();
-  /// Makes the original parameters hold the full values (waits for a pending
-  /// all-gather, or gathers now).
+  /// kSharded or kUnsharding -> kUnsharded: the original parameters hold the
+  /// full values (waits for the pending all-gather, or gathers now).
   void unshard();
-  /// kUnsharded -> kSharded: frees the unsharded buffer (no-op for NO_SHARD).
-  /// A pending all-gather is waited for first: it writes into that buffer.
+  /// kUnsharded or kUnsharding -> kSharded: frees the unsharded buffer. A
+  /// pending all-gather is waited for first: it writes into that buffer.
+  /// Only where frees_unsharded().
   void reshard();
+  /// False when the unsharded buffer is the shard itself (NO_SHARD in full
+  /// precision): then the FlatParameter stays kUnsharded.
+  bool frees_unsharded() const { return !keep_unsharded_ || low_precision_; }
 
-  /// Copies this rank's part of the unsharded buffer into the shard (after
-  /// the full parameters were modified in place). No-op for NO_SHARD, whose
-  /// shard is the buffer.
+  /// In kUnsharded, where frees_unsharded(): copies this rank's part of the
+  /// unsharded buffer into the shard (after the full parameters were
+  /// modified in place).
   void copy_unsharded_into_shard();
   /// Dtype of the unsharded buffer and of the original parameters.
   at::ScalarType param_dtype() const { return unsharded_.scalar_type(); }
@@ -135,7 +144,6 @@ class FlatParameter {
   void build_through_unsharded(const FlatParamConfig& config);
   void bind(FlatParamSlot& slot);
   void use_low_precision(at::ScalarType dtype);
-  bool frees_unsharded() const { return !keep_unsharded_ || low_precision_; }
   // Point the original parameters at their views of unsharded_, or at their
   // placeholders (made on first use, in unsharded_'s dtype).
   void point_at_views();
@@ -152,6 +160,7 @@ class FlatParameter {
   std::vector<at::Tensor> views_;            // per slot: its view of unsharded_
   std::vector<at::Tensor> placeholders_;     // per slot, while sharded
   std::string unit_label_ = "an FSDP unit";  // in placeholder messages
+  std::string unit_path_;
   at::Tensor shard_;
   bool low_precision_ = false;
   at::ScalarType grad_dtype_ = at::kFloat;

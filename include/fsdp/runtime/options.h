@@ -1,0 +1,92 @@
+#pragma once
+
+#include <torch/arg.h>
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <fsdp/comm/process_group.h>
+#include <fsdp/core/mixed_precision.h>
+
+namespace fsdp {
+
+/// How a unit's parameters are sharded between uses (PyTorch's names).
+enum class ShardingStrategy : uint8_t {
+  /// Parameters, gradients and optimizer state sharded; parameters are
+  /// gathered before forward, freed after it, gathered again for backward.
+  kFullShard,
+  /// Like kFullShard, but parameters stay gathered from forward through backward.
+  kShardGradOp,
+  /// Nothing sharded; gradients are all-reduced (data parallelism, DDP).
+  kNoShard,
+};
+
+/// Which all-gather is issued early during backward (PyTorch's names).
+enum class BackwardPrefetch : uint8_t {
+  /// Gather each unit only when its own backward starts.
+  kNone,
+  /// When a unit's backward starts, also start gathering the unit whose
+  /// backward comes next (more overlap, one more unit's memory).
+  kBackwardPre,
+  /// Start gathering the next unit once this unit's gradients are reduced.
+  kBackwardPost,
+};
+
+/// The name of a strategy, for messages.
+const char* to_string(ShardingStrategy strategy);
+
+/// Options of an FSDP unit, in LibTorch's style:
+/// `fsdp::FSDPOptions().sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)`.
+struct FSDPOptions {
+  /// The group to shard over; nullptr: fsdp::default_process_group().
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
+  /// See ShardingStrategy.
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  /// Issue the next unit's all-gather (in the first iteration's forward
+  /// order) before this unit computes, so communication overlaps compute.
+  TORCH_ARG(bool, forward_prefetch) = false;
+  /// See BackwardPrefetch; it matters for kFullShard only.
+  TORCH_ARG(BackwardPrefetch, backward_prefetch) = BackwardPrefetch::kBackwardPre;
+  /// The optimizer steps one view of the shard per original parameter
+  /// (possibly empty on ranks that hold none of it) instead of one flat
+  /// shard, so parameter groups (e.g. no weight decay on biases) work.
+  ///
+  /// Parameters that receive no gradient (unused in the forward on every
+  /// rank): with use_orig_params their views keep an undefined .grad, so
+  /// optimizers skip them as in plain LibTorch (one small all-reduce per
+  /// backward agrees on which got one). With flat shards (false) the unit's
+  /// gradient is one tensor: they get zeros, so weight decay and momentum
+  /// still move them; a warning names them once per unit. A unit none of
+  /// whose parameters got a gradient on any rank keeps its shard's .grad as
+  /// it was. A unit's parameters must all require gradients or none, unless
+  /// use_orig_params (then a warning).
+  TORCH_ARG(bool, use_orig_params) = false;
+  /// Check the forward order of units (the root's option counts): in the
+  /// first training iteration ranks agree on each unit before gathering it
+  /// (an error on every rank when they differ); later iterations warn once
+  /// when a rank's order changes. See Note [Forward order].
+  TORCH_ARG(bool, check_forward_order) = true;
+  /// See MixedPrecision; nullopt: every unit computes in the model's dtype.
+  TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision) = c10::nullopt;
+  /// Deferred initialisation (see Note [Deferred initialisation] in
+  /// fsdp/core/reset_parameters.h): when a unit is made, it is called once on
+  /// each module the unit manages that has parameters or buffers of its own
+  /// on the meta device, after libfsdp gave them real (uninitialised) CPU
+  /// storage and before sharding; it must fill them in place. nullopt: such
+  /// modules are reset with fsdp::reset_parameters(). An empty function is
+  /// rejected ("expected param_init_fn to be callable").
+  TORCH_ARG(c10::optional<std::function<void(torch::nn::Module&)>>, param_init_fn) = c10::nullopt;
+  /// Broadcast rank 0's parameters and buffers when each unit is made, so
+  /// every rank starts from rank 0's model.
+  TORCH_ARG(bool, sync_module_states) = false;
+  /// Modules (and their subtrees) whose parameters and buffers no unit
+  /// manages: they keep their own full tensors on every rank, are neither
+  /// sharded nor reduced, and are not returned by parameters() of a unit.
+  TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+};
+
+}  // namespace fsdp

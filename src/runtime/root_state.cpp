@@ -1,0 +1,197 @@
+// detail::RootState: the root's share of the runtime (see Note [Unit,
+// runtime and root]): the units of the tree, the reduction order and the
+// end-of-backward callback.
+
+#include "runtime/root_state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+
+#include "core/sharded_placeholder.h"
+#include "detail/error.h"
+#include "runtime/unit_runtime.h"
+
+namespace fsdp::detail {
+
+RootState::RootState(UnitRuntime& root) : root_(root) {
+  for (Unit* unit : root.handle().units_in_tree()) {
+    UnitRuntime* runtime = unit->runtime_.get();
+    units_.push_back(runtime);
+    runtime->root_ = this;
+  }
+  // Error messages about sharded parameters name each unit by its path.
+  for (const auto& item : root.self()->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    UnitRuntime* unit = UnitRuntime::of(*item.value());
+    if (unit == nullptr) continue;
+    unit->path_ = item.key();
+    if (!unit->flat_) continue;
+    unit->flat_->set_unit_path(item.key());
+    const auto& slots = unit->flat_->slots();
+    const std::string where = item.key().empty() ? "" : item.key() + ".";
+    for (size_t i = 0; i < slots.size(); ++i) {
+      rename_placeholder(unit->grad_placeholders_[i], "'" + where + slots[i].name + "'");
+    }
+  }
+  exec_order_ = std::make_unique<ExecOrder>(*root.self(), root.options().process_group(),
+                                            root.options().check_forward_order());
+}
+
+void RootState::queue_end_of_backward() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+}
+
+// Note [Reduction order]
+// Ranks pair their collectives by order, so every rank must launch the same
+// reductions in the same order. Launching each unit's reduction as soon as
+// its gradients are complete does that only while every rank's backward
+// gives the same units their gradients: a unit whose parameters get
+// gradients on some ranks and not on others (a branch taken on some ranks'
+// data, a head whose output only some ranks' losses use) would launch on
+// those ranks alone and pair with another unit's reduction elsewhere: a hang,
+// or, at equal sizes, gradients silently exchanged between units. Plain
+// LibTorch on the ranks' concatenated data gives such parameters the mean
+// of what the ranks that used them computed, the others adding zeros.
+// So every unit whose forward this iteration returned a tensor that needs a
+// gradient (the same on every rank, which runs the same forward order:
+// Note [Forward order]) joins the root's reduction order, and reductions are
+// launched in the reverse of that order only: a unit whose gradients are
+// complete launches together with every complete unit after it, up to the
+// first incomplete one. Backward completes units in about that order, so
+// nothing waits in the usual case. At the end of backward the rest launch in
+// the same order, with zeros for what this rank did not get; then the ranks
+// agree which units and parameters got a gradient anywhere (Note
+// [Parameters without gradients]), and those that got none on any rank keep
+// their .grad as it was. That is the whole story for SHARD_GRAD_OP and
+// NO_SHARD, which gather nothing in backward. FULL_SHARD gathers a unit's
+// parameters again where backward reaches its outputs (or prefetches them),
+// so its all-gathers differ too, interleaved with the reductions by local
+// timing: no local rule orders them alike. The same all-reduce therefore
+// counts, per FULL_SHARD unit, the ranks whose backward reached it, and a
+// count between 0 and the world size is an error on every rank naming the
+// units (when mismatched collectives did not fail first), never a silent
+// exchange of parameters. Separate process groups for gathers and reductions
+// would lift this; PyTorch's FSDP does not support it either.
+void RootState::join_reduction_order(UnitRuntime& unit) {
+  if (!in_reduction_order(unit)) reduction_order_.push_back(&unit);
+}
+
+bool RootState::in_reduction_order(const UnitRuntime& unit) const {
+  return std::find(reduction_order_.begin(), reduction_order_.end(), &unit) !=
+         reduction_order_.end();
+}
+
+void RootState::launch_ready_reductions() {
+  auto& order = reduction_order_;
+  while (reductions_launched_ < order.size()) {
+    UnitRuntime* unit = order[order.size() - 1 - reductions_launched_];
+    if (!unit->require_sync_ || unit->grads_ready_ < unit->trainable_slots_) return;
+    if (!unit->grad_work_) unit->launch_grad_reduction();
+    ++reductions_launched_;
+  }
+}
+
+void RootState::end_of_backward() {
+  RECORD_USER_SCOPE("fsdp::end_of_backward");
+  callback_queued_ = false;
+  // What did not launch during backward launches now, in the same order on
+  // every rank (Note [Reduction order]).
+  for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
+    UnitRuntime* unit = reduction_order_[reduction_order_.size() - 1 - i];
+    if (unit->require_sync_ && !unit->grad_work_) unit->launch_grad_reduction();
+  }
+  reduction_order_.clear();
+  reductions_launched_ = 0;
+  for (UnitRuntime* unit : units_) unit->finish_reduction();
+  const auto received = agree_received_grads();  // See Note [Parameters without gradients].
+  for (size_t i = 0; i < units_.size(); ++i) {
+    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
+  }
+}
+
+// Note [Parameters without gradients]
+// In plain LibTorch a parameter the forward did not use keeps its .grad
+// (undefined, if never set), so optimizers skip it: no weight decay, no
+// momentum. A unit's gradient is one flat buffer, reduced whole, in which
+// such a parameter's part is zero. With use_orig_params each parameter has
+// its own piece of the shard, so a piece whose parameter got no gradient on
+// any rank is left alone. "Any rank" needs agreement: the end-of-backward
+// callback all-reduces (sums) one flag per slot of every use_orig_params unit,
+// after every unit's reduction was launched and waited for, so every rank
+// issues the same collectives in the same order (one small all-reduce per
+// backward). With flat shards the whole shard gets the gradient; a warning
+// names the parameters once per unit. A unit that got no gradient on any
+// rank (one flag per flat-shard unit in the same all-reduce) leaves its
+// shard's .grad as it was (undefined if never set); see also Note
+// [Reduction order].
+std::vector<std::vector<bool>> RootState::agree_received_grads() const {
+  // Per unit: one flag per slot with use_orig_params, else one; then, for a
+  // FULL_SHARD unit that is not the root, whether backward reached its
+  // outputs here. Summed over the ranks.
+  const auto grad_flags = [](const UnitRuntime& unit) -> size_t {
+    if (!unit.flat_) return 0;
+    return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
+  };
+  const auto regathers = [this](const UnitRuntime& unit) {
+    return unit.flat_ && &unit != &root_ &&
+           unit.options_.sharding_strategy() == ShardingStrategy::kFullShard;
+  };
+  std::vector<std::vector<bool>> out(units_.size());
+  int64_t total = 0;
+  ProcessGroup* group = root_.options_.process_group().get();
+  for (const UnitRuntime* unit : units_) {
+    if (!unit->flat_) continue;
+    total += static_cast<int64_t>(grad_flags(*unit)) + (regathers(*unit) ? 1 : 0);
+    if (group == nullptr) group = &unit->flat_->group();
+  }
+  if (total == 0 || !root_.require_sync_) return out;
+  // Last: whether this rank's forward order ever left the first iteration's
+  // (already warned: collectives unchecked, as PyTorch's FSDP has it).
+  at::Tensor flags = at::zeros({total + 1}, at::kFloat);
+  float* f = flags.data_ptr<float>();
+  flags.data_ptr<float>()[total] = exec_order_->warned() ? 1.f : 0.f;
+  for (const UnitRuntime* unit : units_) {
+    if (!unit->flat_) continue;
+    const auto& filled = unit->slot_filled_;
+    const bool reduced = static_cast<bool>(unit->grad_work_);
+    if (unit->options_.use_orig_params()) {
+      for (size_t i = 0; i < filled.size(); ++i) *f++ = reduced && filled[i] ? 1.f : 0.f;
+    } else {
+      const bool any = std::find(filled.begin(), filled.end(), true) != filled.end();
+      *f++ = reduced && any ? 1.f : 0.f;
+    }
+    if (regathers(*unit)) *f++ = unit->state_ != Unit::TrainingState::kIdle ? 1.f : 0.f;
+  }
+  const int world = group->size();
+  if (world > 1) group->all_reduce(flags, ReduceOp::kSum).wait();
+  f = flags.data_ptr<float>();
+  std::string uneven;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const UnitRuntime& unit = *units_[u];
+    if (!unit.flat_) continue;
+    for (size_t i = 0; i < grad_flags(unit); ++i) out[u].push_back(*f++ > 0.5f);
+    if (!regathers(unit)) continue;
+    const float reached = *f++;
+    if (reached > 0.5f && reached < world - 0.5f) {
+      uneven += (uneven.empty() ? "" : ", ") + unit.flat_->unit_label();
+    }
+  }
+  // See Note [Reduction order]: under FULL_SHARD a unit's parameters are
+  // gathered again where backward reaches its outputs, so ranks that differ
+  // there gather different units; whatever the collectives did, say why.
+  const bool order_changed = *f > 0.5f;
+  FSDP_CHECK(uneven.empty() || order_changed, group->rank(), "backward",
+             "backward reached the outputs of ", uneven,
+             " on some ranks but not on others (their loss did not use them). Under "
+             "FULL_SHARD every rank must then gather the same parameters in backward, "
+             "which it cannot know. Let every rank's loss use those outputs (add 0 * the "
+             "unused term), or make those units SHARD_GRAD_OP or NO_SHARD, which gather "
+             "nothing in backward and train like plain LibTorch here");
+  return out;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,51 @@
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "runtime/exec_order.h"
+
+namespace fsdp::detail {
+
+class UnitRuntime;
+
+// The root's state (see Note [Unit, runtime and root]), made at the root's
+// first forward: every unit of its tree, the first iteration's forward order,
+// this iteration's reduction order and the end-of-backward callback.
+class RootState {
+ public:
+  /// Makes `root` the root of every unit in its tree.
+  explicit RootState(UnitRuntime& root);
+
+  UnitRuntime& root() const { return root_; }
+  /// Every unit of the tree, pre-order.
+  const std::vector<UnitRuntime*>& units() const { return units_; }
+  /// See Note [Forward order].
+  ExecOrder& exec_order() const { return *exec_order_; }
+
+  /// Queues end_of_backward() with autograd's engine, once per backward.
+  void queue_end_of_backward();
+  /// `unit`'s forward this iteration can bring gradients: it joins the
+  /// reduction order (see Note [Reduction order]).
+  void join_reduction_order(UnitRuntime& unit);
+  bool in_reduction_order(const UnitRuntime& unit) const;
+  /// Launches the reductions whose turn it is (see Note [Reduction order]).
+  void launch_ready_reductions();
+
+ private:
+  void end_of_backward();
+  std::vector<std::vector<bool>> agree_received_grads() const;
+
+  UnitRuntime& root_;
+  std::vector<UnitRuntime*> units_;
+  std::unique_ptr<ExecOrder> exec_order_;
+  bool callback_queued_ = false;
+  // The units whose forward this iteration can bring gradients, in forward
+  // order; their reductions are launched in reverse, the first
+  // `reductions_launched_` of them already.
+  std::vector<UnitRuntime*> reduction_order_;
+  size_t reductions_launched_ = 0;
+};
+
+}  // namespace fsdp::detail

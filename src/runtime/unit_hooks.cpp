@@ -1,0 +1,297 @@
+// detail::UnitRuntime's forward and backward hooks: the unit's TrainingState
+// machine (see Note [FSDP and autograd] and Note [Unit, runtime and root]).
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <algorithm>
+
+#include "core/sharded_placeholder.h"
+#include "detail/error.h"
+#include "runtime/reduced_grad.h"
+#include "runtime/root_state.h"
+#include "runtime/unit_runtime.h"
+
+// A profiler label naming the unit by its module path, built only while a
+// profiler listens: "fsdp::all_gather (blocks.0)".
+#define FSDP_RECORD(what, path)                       \
+  RECORD_USER_SCOPE(std::string("fsdp::" what " (") + \
+                    ((path).empty() ? std::string("root") : std::string(path)) + ")")
+
+namespace fsdp::detail {
+
+using State = Unit::TrainingState;
+
+// The transitions of one iteration; anything else is a bug in libfsdp.
+void UnitRuntime::transition(State to) {
+  const State from = state_;
+  const bool allowed = (from == State::kIdle && to == State::kForward) ||
+                       (from == State::kForward && to == State::kIdle) ||
+                       (from == State::kIdle && to == State::kPreBackward) ||
+                       (from == State::kPreBackward && to == State::kPostBackward) ||
+                       (from == State::kPreBackward && to == State::kIdle) ||
+                       (from == State::kPostBackward && to == State::kIdle);
+  TORCH_INTERNAL_ASSERT(allowed, "fsdp: ", label(), " cannot go from ", to_string(from), " to ",
+                        to_string(to));
+  state_ = to;
+}
+
+// A forward began while the last iteration was unfinished: its forward threw,
+// or its backward never ran (evaluation after training without backward) or
+// stopped part-way. Nothing of it completes: the state returns to idle and
+// this backward's arrival count restarts. Gradients already moved into the
+// flat buffer stay, as a partial backward leaves .grad in plain LibTorch.
+void UnitRuntime::abandon_iteration() {
+  TORCH_INTERNAL_ASSERT(state_ != State::kIdle);
+  state_ = State::kIdle;
+  grads_ready_ = 0;
+}
+
+void UnitRuntime::unshard() {
+  if (flat_->state() == FlatParameter::State::kUnsharded) return;  // never freed, or already
+  FSDP_RECORD("all_gather", path_);
+  flat_->unshard();
+}
+
+void UnitRuntime::reshard() {
+  if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
+  flat_->reshard();
+}
+
+void UnitRuntime::pre_forward() {
+  FSDP_RECORD("pre_forward", path_);
+  if (root_ == nullptr) {  // the first forward of the outermost unit: it is the root
+    owned_root_ = std::make_unique<RootState>(*this);
+  }
+  if (state_ != State::kIdle) abandon_iteration();
+  transition(State::kForward);
+  if (is_root()) root().exec_order().begin_forward(self_->is_training());
+  if (!flat_) return;
+  root().exec_order().before_unshard(handle_);  // See Note [Forward order].
+  // requires_grad(false) set on the shard after wrapping freezes the unit's
+  // original parameters too, so autograd computes no gradient for them.
+  // (With use_orig_params, per parameter: its piece, or the original itself.)
+  const bool trainable = flat_->shard().requires_grad();
+  const bool per_param = options_.use_orig_params();
+  trainable_slots_ = 0;
+  const auto& slots = flat_->slots();
+  clear_moved_grads();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
+                                                             slots[i].param.requires_grad()
+                                                       : trainable);
+    // The module's own parameter object: only its flag changes.
+    at::Tensor param = slots[i].param;
+    if (param.requires_grad() != want) param.set_requires_grad(want);
+    trainable_slots_ += want ? 1 : 0;
+  }
+  unshard();
+  prefetch_forward();
+}
+
+void UnitRuntime::clear_moved_grads() {
+  // The last backward's moved gradient (a placeholder) must not meet
+  // AccumulateGrad: the next backward's gradient starts afresh.
+  for (const auto& slot : flat_->slots()) {
+    at::Tensor param = slot.param;
+    if (is_placeholder(param.grad())) param.mutable_grad().reset();
+  }
+}
+
+void UnitRuntime::prefetch_forward() {
+  if (!options_.forward_prefetch()) return;
+  // The next unit of the first iteration's order starts gathering now; its
+  // own pre_forward waits for it.
+  Unit* next = root().exec_order().next(handle_);
+  if (next == nullptr) return;
+  FlatParameter* flat = next->flat_param();
+  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
+  FSDP_RECORD("all_gather", next->runtime_->path());
+  flat->unshard_async();
+}
+
+void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
+                               const char* unknown_output_type) {
+  FSDP_RECORD("post_forward", path_);
+  if (is_root()) root().exec_order().end_forward();
+  transition(State::kIdle);
+  const bool grad_enabled = at::GradMode::is_enabled();
+  FSDP_CHECK(
+      unknown_output_type == nullptr || !grad_enabled || !flat_ || !flat_->shard().requires_grad(),
+      flat_ ? flat_->group().rank() : -1, path_, "the forward of ", module_name(), " returns ",
+      c10::demangle(unknown_output_type),
+      ", in which libfsdp cannot find the tensors that backward starts from, so it "
+      "cannot gather the unit's parameters for backward. Return at::Tensor, "
+      "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
+  if (flat_ && (!grad_enabled ||
+                (!is_root() && options_.sharding_strategy() == ShardingStrategy::kFullShard))) {
+    reshard();
+  }
+  if (!grad_enabled) return;
+  bool backward_reaches = false;
+  for (const at::Tensor& output : outputs) {
+    if (!output.defined() || !output.requires_grad()) continue;
+    backward_reaches = true;
+    // See Note [FSDP and autograd]. The first of the outputs whose gradient
+    // arrives runs pre_backward; it is idempotent per backward. (A hook is
+    // registered on the output's autograd meta, shared by every copy of it.)
+    at::Tensor out = output;
+    out.register_hook([this](const at::Tensor&) { pre_backward(); });
+  }
+  if (backward_reaches && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
+}
+
+void UnitRuntime::pre_backward() {
+  RootState& root_state = root_ != nullptr ? *root_ : *owned_root_;
+  root_state.queue_end_of_backward();
+  if (state_ != State::kIdle) return;  // another of its outputs got there first
+  FSDP_RECORD("pre_backward", path_);
+  transition(State::kPreBackward);
+  if (flat_) {
+    // A second backward through the same graph (retain_graph) accumulates
+    // into the shards' gradients as plain LibTorch accumulates into .grad.
+    clear_moved_grads();
+    unshard();
+  }
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
+}
+
+void UnitRuntime::prefetch_backward() {
+  // Backward runs the first iteration's forward order in reverse: the unit
+  // recorded before this one is the next to need its parameters.
+  if (root_ == nullptr) return;
+  Unit* next = root_->exec_order().previous(handle_);
+  if (next == nullptr || next->training_state() != State::kIdle) return;
+  FlatParameter* flat = next->flat_param();
+  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
+  FSDP_RECORD("all_gather", next->runtime_->path());
+  flat->unshard_async();
+}
+
+void UnitRuntime::on_grad_ready(size_t slot) {
+  const auto& param = flat_->slots()[slot].param;
+  if (!param.grad().defined()) return;
+  // Note [Filling the flat gradient]
+  // The buffer starts uninitialised: a slot's first gradient is copied in,
+  // later ones (inside no_sync(), the buffer lives across backwards) are
+  // added; slots that got none and the padding are zeroed just before the
+  // reduction. Zero-filling up front and adding cost a unit-sized memset and
+  // a third more memory traffic per backward.
+  if (!flat_grad_.defined()) {
+    flat_grad_ = flat_->new_flat_grad();
+    slot_filled_.assign(flat_->slots().size(), false);
+  }
+  at::Tensor dst = flat_->slot_view(flat_grad_, slot);
+  if (slot_filled_[slot]) {
+    dst.add_(param.grad().reshape({-1}));
+  } else {
+    dst.copy_(param.grad().reshape({-1}));
+    slot_filled_[slot] = true;
+  }
+  at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
+  if (++grads_ready_ != trainable_slots_ || !require_sync_) return;
+  if (root_ == nullptr || !root_->in_reduction_order(*this)) {
+    launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
+  } else {
+    root_->launch_ready_reductions();  // See Note [Reduction order].
+  }
+}
+
+void UnitRuntime::launch_grad_reduction() {
+  TORCH_INTERNAL_ASSERT(!grad_work_, "fsdp: gradient reduction launched twice");
+  ProcessGroup& group = flat_->group();
+  if (!flat_grad_.defined()) {  // no gradient on this rank: zeros (Note [Reduction order])
+    flat_grad_ = flat_->new_flat_grad();
+    slot_filled_.assign(flat_->slots().size(), false);
+  }
+  for (size_t i = 0; i < slot_filled_.size(); ++i) {
+    if (!slot_filled_[i]) flat_->slot_view(flat_grad_, i).zero_();
+  }
+  warn_unused_slots();
+  flat_->zero_padding(flat_grad_);
+  if (flat_->keeps_unsharded()) {
+    FSDP_RECORD("all_reduce", path_);
+    grad_shard_ = flat_grad_;
+    grad_work_ = group.all_reduce(grad_shard_, ReduceOp::kAvg);
+  } else {
+    FSDP_RECORD("reduce_scatter", path_);
+    grad_shard_ = at::empty({flat_->shard().numel()}, flat_grad_.options());
+    grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
+  }
+  flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
+  // From kIdle when backward never reached this unit here (it reduces zeros).
+  if (state_ == State::kPreBackward) transition(State::kPostBackward);
+  reshard();
+  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
+}
+
+void UnitRuntime::warn_unused_slots() {
+  if (options_.use_orig_params() || warned_unused_) return;
+  // Only a unit that got some gradient here: one that got none may keep its
+  // .grad (if no rank got one; Note [Reduction order]).
+  if (std::find(slot_filled_.begin(), slot_filled_.end(), true) == slot_filled_.end()) return;
+  std::string names;
+  for (size_t i = 0; i < slot_filled_.size(); ++i) {
+    const auto& slot = flat_->slots()[i];
+    if (slot_filled_[i] || !slot.param.requires_grad()) continue;
+    names += (names.empty() ? "" : ", ") + slot.name;
+  }
+  if (names.empty()) return;
+  warned_unused_ = true;
+  TORCH_WARN(error_prefix(flat_->group().rank(), path_), "parameters [", names,
+             "] received no gradient in this backward on this rank (not used in the forward). "
+             "With flat shards (use_orig_params=false) one gradient tensor holds the whole "
+             "unit, so they get a zero gradient: plain SGD leaves them, but weight decay and "
+             "momentum (AdamW, SGD with momentum) still move them, unlike plain LibTorch, "
+             "where their .grad stays undefined. Pass FSDPOptions().use_orig_params(true) "
+             "(they then keep an undefined .grad), or put them in a unit of their own. "
+             "(Warned once per unit.)");
+}
+
+void UnitRuntime::finish_reduction() {
+  if (!require_sync_) return;  // no_sync(): the unsharded gradient waits for later
+  // Gradients that arrived only in part (unused parameters), or only inside
+  // no_sync(), are reduced now.
+  if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
+  if (grad_work_) {
+    FSDP_RECORD("wait_reduction", path_);
+    grad_work_.wait();
+  }
+}
+
+void UnitRuntime::finish_backward(const std::vector<bool>* received) {
+  if (require_sync_) {
+    if (grad_work_) assign_reduced_grad(received);
+    grad_work_ = Work();
+    grad_shard_ = at::Tensor();
+    flat_grad_ = at::Tensor();
+  }  // else no_sync(): the unsharded gradient stays for the next backward
+  grads_ready_ = 0;
+  if (flat_) reshard();
+  if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
+}
+
+void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
+  grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
+  if (!options_.use_orig_params()) {
+    // No rank got a gradient: the shard's .grad stays as it was.
+    if (received == nullptr || (*received)[0]) {
+      accumulate_reduced_grad(optim_params_[0], grad_shard_);
+    }
+    return;
+  }
+  const int64_t begin = flat_->shard_offset();
+  for (size_t i = 0; i < optim_params_.size(); ++i) {
+    at::Tensor& piece = optim_params_[i];
+    // See Note [Parameters without gradients].
+    if (!piece.requires_grad() || (received != nullptr && !(*received)[i])) continue;
+    const auto& slot = flat_->slots()[i];
+    const int64_t lo = std::max(begin, slot.offset);
+    accumulate_reduced_grad(
+        piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
+  }
+}
+
+}  // namespace fsdp::detail

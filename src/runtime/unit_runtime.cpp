@@ -1,0 +1,314 @@
+// detail::UnitRuntime: construction, the parameters it owns, what the
+// optimizer steps, and gathering outside forward and backward. The forward
+// and backward hooks are in unit_hooks.cpp. See Note [Unit, runtime and root].
+
+#include "runtime/unit_runtime.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fsdp/comm/init.h>
+
+#include "core/sharded_placeholder.h"
+#include "detail/error.h"
+#include "runtime/root_state.h"
+#include "runtime/unit_init.h"
+
+namespace fsdp::detail {
+
+namespace {
+
+/// Note [One unit per parameter]
+/// Every parameter a unit flattens is registered here (by its TensorImpl,
+/// which set_data keeps) until the unit is destroyed. Wrapping a module that
+/// another unit already manages (the same torch::nn::Linear handed to two
+/// wrappers) then fails at once, naming the module, instead of two
+/// FlatParameters pointing one parameter at their own buffers.
+struct ParamRegistry {
+  std::mutex mutex;
+  std::unordered_map<const void*, const UnitRuntime*> owner;
+};
+ParamRegistry& param_registry() {
+  static ParamRegistry* registry = new ParamRegistry();  // outlives static units
+  return *registry;
+}
+
+// Parameters of `m` and its children, skipping the subtrees of other units
+// (they manage their own) and parameters shared with one seen before.
+// Ignored modules (FSDPOptions::ignored_modules) keep their parameters.
+void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const std::string& prefix,
+                     const ModuleSet& ignored, std::unordered_set<const void*>& seen,
+                     std::vector<std::pair<std::string, at::Tensor>>& out,
+                     std::vector<std::pair<std::string, const torch::nn::Module*>>* modules) {
+  const auto* unit = dynamic_cast<const Unit*>(&m);
+  if (&m != &self && unit != nullptr && unit->is_active()) return;
+  if (ignored.count(&m) != 0 || (unit != nullptr && ignored.count(unit->wrapped_module()) != 0)) {
+    return;
+  }
+  if (modules != nullptr) modules->emplace_back(prefix, &m);
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second)
+      out.emplace_back(prefix + p.key(), p.value());
+  }
+  for (const auto& c : m.named_children()) {
+    collect_managed(*c.value(), self, prefix + c.key() + ".", ignored, seen, out, modules);
+  }
+}
+
+// Parameters already flattened by units nested in `self`, with where they
+// live ("block.0.weight"), keyed by TensorImpl.
+std::unordered_map<const void*, std::string> owned_by_nested_units(torch::nn::Module& self) {
+  std::unordered_map<const void*, std::string> owned;
+  for (const auto& item : self.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const UnitRuntime* unit = UnitRuntime::of(*item.value());
+    if (unit == nullptr || unit->flat() == nullptr) continue;
+    for (const auto& slot : unit->flat()->slots()) {
+      owned.emplace(slot.param.unsafeGetTensorImpl(), item.key() + "." + slot.name);
+    }
+  }
+  return owned;
+}
+
+// The module a unit stands for in messages: what it wraps, else itself.
+const torch::nn::Module* shown_module(const UnitRuntime& unit) {
+  const torch::nn::Module* wrapped = unit.handle().wrapped_module();
+  return wrapped != nullptr ? wrapped : unit.self();
+}
+
+}  // namespace
+
+UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
+    : handle_(handle), options_(std::move(options)) {}
+
+UnitRuntime::~UnitRuntime() {
+  for (const auto& p : grad_placeholders_) release_placeholder(p);
+  if (flat_ == nullptr) return;
+  ParamRegistry& r = param_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& slot : flat_->slots()) {
+    auto it = r.owner.find(slot.param.unsafeGetTensorImpl());
+    if (it != r.owner.end() && it->second == this) r.owner.erase(it);
+  }
+}
+
+UnitRuntime* UnitRuntime::of(const torch::nn::Module& module) {
+  const auto* unit = dynamic_cast<const Unit*>(&module);
+  return unit != nullptr ? unit->runtime_.get() : nullptr;
+}
+
+bool UnitRuntime::is_root() const { return root_ != nullptr && &root_->root() == this; }
+
+RootState& UnitRuntime::root() const {
+  TORCH_INTERNAL_ASSERT(root_ != nullptr, "fsdp: unit used before its root's first forward");
+  return *root_;
+}
+
+std::string UnitRuntime::label() const {
+  return flat_ ? flat_->unit_label() : std::string("an FSDP unit");
+}
+
+std::string UnitRuntime::module_name() const {
+  const torch::nn::Module* m = shown_module(*this);
+  return m != nullptr ? m->name() : std::string("module");
+}
+
+void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
+  TORCH_INTERNAL_ASSERT(self_ == nullptr, "fsdp: a unit was initialised twice");
+  self_ = &self;
+  if (!options_.process_group()) options_.process_group(default_process_group());
+  check_param_init_fn(options_, wrapped != nullptr ? wrapped->name() : self.name());
+  std::unordered_set<const void*> seen;
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  std::vector<std::pair<std::string, const torch::nn::Module*>> modules;
+  collect_managed(self, self, "", ignored_module_set(options_), seen, params, &modules);
+  const std::string* path = UnitPathScope::current();
+  const std::string where = path != nullptr      ? *path
+                            : wrapped != nullptr ? wrapped->name()
+                                                 : self.name();
+  const int rank = options_.process_group()->rank();
+  // A parameter shared with a nested unit would be flattened twice; PyTorch
+  // FSDP's answer (the outer unit skips it) breaks as soon as the outer
+  // forward uses it while the inner unit is sharded.
+  const auto owned = owned_by_nested_units(self);
+  for (const auto& [name, p] : params) {
+    auto it = owned.find(p.unsafeGetTensorImpl());
+    FSDP_CHECK(it == owned.end(), rank, where, "parameter '", name, "' is the same tensor as '",
+               it->second,
+               "', which a nested FSDP unit already manages. A parameter shared between units "
+               "(e.g. tied embedding weights) must belong to one unit: wrap the modules that "
+               "share it in the same unit (or leave the nested module unwrapped)");
+  }
+  {
+    // See Note [One unit per parameter].
+    ParamRegistry& r = param_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& [name, p] : params) {
+      auto it = r.owner.find(p.unsafeGetTensorImpl());
+      if (it == r.owner.end()) continue;
+      const torch::nn::Module* other = shown_module(*it->second);
+      FSDP_FAIL(rank, where, "cannot wrap ", wrapped != nullptr ? wrapped->name() : self.name(),
+                ": its parameter '", name, "' already belongs to another FSDP unit (around a ",
+                other != nullptr ? other->name() : "module",
+                "). A module is wrapped once: keep the first FullyShardedDataParallel and use "
+                "it (its module() is the wrapped module) instead of wrapping the module again");
+    }
+  }
+  if (path != nullptr && !path->empty()) {
+    auto named = params;  // as the user knows them, from the root
+    for (auto& [name, p] : named) name = *path + "." + name;
+    check_uniform_requires_grad(named, where, options_.use_orig_params(), rank, true);
+  } else {
+    check_uniform_requires_grad(params, where, options_.use_orig_params(), rank, true);
+  }
+  keep_full_precision_classes(modules, where, rank);
+  // See Note [Deferred initialisation] and Note [Mixed precision].
+  UnitInit init(wrapped != nullptr ? *wrapped : self, options_);
+  if (params.empty()) {
+    if (init.needs_fill()) init.fill(at::Tensor());
+    init.cast_buffers();
+    return;
+  }
+  flat_ = std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
+                                          flat_param_config(init));
+  {
+    ParamRegistry& r = param_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& slot : flat_->slots()) r.owner[slot.param.unsafeGetTensorImpl()] = this;
+  }
+  init.cast_buffers();
+  register_grad_hooks();
+  make_optim_params();
+}
+
+void UnitRuntime::keep_full_precision_classes(
+    const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
+    const std::string& where, int rank) {
+  const auto& mp = options_.mixed_precision();
+  if (!mp || !mp->param_dtype()) return;
+  const auto& classes = mp->module_classes_to_ignore();
+  // A unit around one module of these classes computes in full precision,
+  // as auto_wrap makes it (see Planner::warn_full_precision in auto_wrap.cpp).
+  const torch::nn::Module& target = *shown_module(*this);
+  for (const auto& c : classes) {
+    if (!c.matches(target)) continue;
+    options_.mixed_precision(c10::nullopt);
+    keep_full_precision();
+    return;
+  }
+  std::vector<std::string> found;
+  for (const auto& [path, m] : modules) {
+    for (const auto& c : classes) {
+      if (c.matches(*m)) {
+        found.push_back(c.name + " at " +
+                        (path.empty() ? "<root>" : path.substr(0, path.size() - 1)));
+        break;
+      }
+    }
+  }
+  if (found.empty()) return;
+  std::string list;
+  for (size_t i = 0; i < found.size(); ++i) list += (i ? ", " : "") + found[i];
+  FSDP_FAIL(rank, where,
+            "expected the modules of MixedPrecision::module_classes_to_ignore to be FSDP "
+            "units of their own, got [",
+            list, "] inside this unit, which computes in ", c10::toString(*mp->param_dtype()),
+            ". They must compute in full precision, which a unit computing in low precision "
+            "cannot do. Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent "
+            "calls it (such a unit is kept in full precision), or make it a Sequential entry "
+            "and use fsdp::auto_wrap, or remove its class from module_classes_to_ignore.");
+}
+
+void UnitRuntime::make_optim_params() {
+  const at::Tensor& shard = flat_->shard();
+  if (!options_.use_orig_params()) {
+    optim_params_ = {shard};
+    return;
+  }
+  // Each slot's piece is its intersection with this rank's shard: a view of
+  // the shard (so an optimizer step updates the shard in place), and a leaf.
+  const int64_t begin = flat_->shard_offset(), end = begin + shard.numel();
+  const at::Tensor base = shard.detach();
+  for (size_t i = 0; i < flat_->slots().size(); ++i) {
+    const auto& slot = flat_->slots()[i];
+    const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
+    at::Tensor piece = base.narrow(0, lo < hi ? lo - begin : 0, lo < hi ? hi - lo : 0);
+    piece.set_requires_grad(slot.param.requires_grad());  // as when wrapped
+    optim_params_.push_back(piece);
+  }
+}
+
+void UnitRuntime::register_grad_hooks() {
+  const auto& slots = flat_->slots();
+  slot_trainable_.assign(slots.size(), false);
+  // A unit frozen entirely when wrapped can be unfrozen later through its
+  // shard (as PyTorch's FlatParameter can; seed 004 does it): every slot gets
+  // its hook, made while requires_grad is briefly on.
+  const bool all_frozen = !flat_->shard().requires_grad();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    grad_placeholders_.push_back(
+        make_placeholder(slots[i].param, PlaceholderKind::kGradient, "'" + slots[i].name + "'"));
+    // The slot's tensor object is the module's own parameter: only its
+    // autograd flags change here, never what it refers to.
+    at::Tensor param = slots[i].param;
+    if (!param.requires_grad() && !all_frozen) continue;
+    slot_trainable_[i] = true;
+    if (all_frozen) param.set_requires_grad(true);
+    auto acc = torch::autograd::impl::grad_accumulator(param);
+    if (all_frozen) param.set_requires_grad(false);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list&) {
+          on_grad_ready(i);
+          return outputs;
+        }));
+    grad_accumulators_.push_back(std::move(acc));  // autograd holds only a weak_ptr
+  }
+}
+
+void UnitRuntime::check_idle(const char* what) const {
+  FSDP_CHECK(state_ == Unit::TrainingState::kIdle, flat_ ? flat_->group().rank() : -1, path_,
+             "cannot ", what, " while the unit is in its ", to_string(state_),
+             " state. Call it outside the forward and backward passes (after backward, or "
+             "before the next forward)");
+}
+
+bool UnitRuntime::gather_full_params() {
+  check_idle("gather the full parameters");
+  if (!flat_ || flat_->state() == FlatParameter::State::kUnsharded) return false;
+  unshard();
+  return true;
+}
+
+void UnitRuntime::release_full_params() {
+  check_idle("free the full parameters");
+  if (flat_) reshard();
+}
+
+void UnitRuntime::write_back_full_params() {
+  check_idle("write the full parameters back into the shard");
+  if (flat_ && flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded) {
+    flat_->copy_unsharded_into_shard();
+  }
+}
+
+void UnitRuntime::zero_optim_grads(bool set_to_none) {
+  at::NoGradGuard no_grad;
+  for (at::Tensor& p : optim_params_) {
+    at::Tensor& grad = p.mutable_grad();
+    if (!grad.defined()) continue;
+    if (set_to_none) {
+      grad.reset();
+    } else {
+      grad.zero_();
+    }
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,144 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/comm/work.h>
+#include <fsdp/runtime/unit.h>
+
+#include "core/flat_parameter.h"
+
+namespace fsdp::detail {
+
+class RootState;
+class UnitInit;
+
+// Note [Unit, runtime and root]
+// A unit has three jobs, each in its own class:
+// - fsdp::Unit (include/fsdp/runtime/unit.h), the handle: what users and the
+//   wrappers call (flat_parameters, clip_grad_norm_, no_sync, pre_forward,
+//   ...). A pass-through wrapper is a handle without a runtime.
+// - UnitRuntime (here), one per active unit: its FlatParameter, its
+//   TrainingState with checked transitions, and the hooks that move it
+//   through forward and backward (gather, reshard, gradient hooks, the
+//   reduction of its gradient).
+// - RootState (runtime/root_state.h), owned by the root's runtime from the
+//   root's first forward: every unit of the tree, the forward order, the
+//   reduction order, the end-of-backward callback.
+// Other layers reach the FlatParameter only through the handle, which checks
+// that the unit is idle (gather_full_params and friends).
+class UnitRuntime {
+ public:
+  UnitRuntime(Unit& handle, FSDPOptions options);
+  ~UnitRuntime();
+  UnitRuntime(const UnitRuntime&) = delete;
+  UnitRuntime& operator=(const UnitRuntime&) = delete;
+
+  /// The runtime of `unit`, nullptr for a pass-through (or a non-unit module).
+  static UnitRuntime* of(const torch::nn::Module& module);
+
+  /// Flattens the parameters of `self` that no nested unit owns.
+  void init(torch::nn::Module& self, torch::nn::Module* wrapped);
+
+  Unit& handle() const { return handle_; }
+  const FSDPOptions& options() const { return options_; }
+  FlatParameter* flat() const { return flat_.get(); }
+  torch::nn::Module* self() const { return self_; }
+  Unit::TrainingState state() const { return state_; }
+  /// Module path from the root ("" for the root), known from the root's
+  /// first forward.
+  const std::string& path() const { return path_; }
+  bool is_root() const;
+  const std::vector<at::Tensor>& optim_params() const { return optim_params_; }
+  bool full_precision_override() const { return full_precision_override_; }
+  void keep_full_precision() { full_precision_override_ = true; }
+  void set_require_sync(bool on) { require_sync_ = on; }
+  /// "FSDP unit '<path>'", for messages.
+  std::string label() const;
+  /// The name of the module it wraps (else of the wrapper), for messages.
+  std::string module_name() const;
+
+  // Forward and backward (see Note [FSDP and autograd]).
+  void pre_forward();
+  void post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type);
+
+  // Outside forward and backward (see Unit::gather_full_params).
+  bool gather_full_params();
+  void release_full_params();
+  void write_back_full_params();
+
+  void zero_optim_grads(bool set_to_none);
+  c10::optional<at::ScalarType> forward_input_dtype() const;
+
+ private:
+  friend class RootState;
+  void transition(Unit::TrainingState to);
+  void abandon_iteration();
+  void check_idle(const char* what) const;
+  void unshard();
+  void reshard();
+  void prefetch_forward();
+  void prefetch_backward();
+  void pre_backward();
+  void on_grad_ready(size_t slot);
+  void launch_grad_reduction();
+  void finish_reduction();
+  void finish_backward(const std::vector<bool>* received);
+  void warn_unused_slots();
+  void clear_moved_grads();
+  void keep_full_precision_classes(
+      const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
+      const std::string& where, int rank);
+  void register_grad_hooks();
+  void make_optim_params();
+  void assign_reduced_grad(const std::vector<bool>* received);
+  // Defined in unit_precision.cpp (mixed precision and deferred init).
+  FlatParamConfig flat_param_config(UnitInit& init) const;
+  at::Tensor full_precision_grad(const at::Tensor& reduced) const;
+  RootState& root() const;
+
+  // Constant after init().
+  Unit& handle_;
+  FSDPOptions options_;
+  std::unique_ptr<FlatParameter> flat_;
+  torch::nn::Module* self_ = nullptr;
+  bool full_precision_override_ = false;  // see Unit::keep_full_precision()
+  // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
+      grad_accumulators_;
+  std::vector<bool> slot_trainable_;
+  // Per slot: what the original parameter's .grad points at once its
+  // gradient moved into flat_grad_ (Note [Sharded placeholders]).
+  std::vector<at::Tensor> grad_placeholders_;
+  // What the optimizer steps: {shard} or, with use_orig_params, one view of
+  // the shard per slot (see Note [FlatParameter vocabulary]).
+  std::vector<at::Tensor> optim_params_;
+  // Whether the warning about parameters without gradients (flat shards)
+  // was given; see Note [Parameters without gradients].
+  bool warned_unused_ = false;
+
+  // Set at the root's first forward: the root's state (owned by the root)
+  // and this unit's path from the root.
+  RootState* root_ = nullptr;
+  std::string path_;
+  std::unique_ptr<RootState> owned_root_;
+
+  // Per-iteration state.
+  Unit::TrainingState state_ = Unit::TrainingState::kIdle;
+  bool require_sync_ = true;  // false inside no_sync()
+  size_t trainable_slots_ = 0;
+  size_t grads_ready_ = 0;  // gradients arrived in this backward
+  at::Tensor flat_grad_;    // unsharded gradient buffer while accumulating
+  // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
+  std::vector<bool> slot_filled_;
+  at::Tensor grad_shard_;  // reduce-scatter output
+  Work grad_work_;         // pending reduce-scatter / all-reduce
+};
+
+}  // namespace fsdp::detail
