@@ -25,8 +25,10 @@ constexpr int64_t kMinSegmentBytes = 4096;
 /// are read once, by init_process_group, where the options are resolved, and
 /// a field set explicitly wins over its variable. The resolved values travel
 /// down as this struct to the group, its links, shared memory and rings;
-/// nothing below init_process_group reads the environment for them (only the
-/// test-only fault hook FSDP_FAULT_SHM_SETUP is read where it acts).
+/// nothing below init_process_group reads the environment for them. Two
+/// exceptions: the test-only fault hook FSDP_FAULT_SHM_SETUP is read where it
+/// acts, and a C10dProcessGroup that a user constructs directly still starts
+/// in debug mode under FSDP_DEBUG=detail (its documented contract).
 struct CommConfig {
   /// Largest per-rank chunk that takes the direct links in preference to
   /// shared memory or Gloo, and the largest message the calling thread sends

@@ -101,18 +101,18 @@ Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
 // all-gather or reduce-scatter; ceil(numel / size) elements of an
 // all-reduce (the chunk its rings move). L is CommConfig::direct_link_bytes.
 //
-// | collective                 | first that holds       | route  | how |
-// |----------------------------|------------------------|--------|-------------------------------------|
-// | all-gather, reduce-scatter | links open and C <= L  | kLinks | ring over the direct links | |
-// and all-reduce             | shared memory open     | kShm   | rounds through the segment | | |
-// Gloo built             | kGloo  | ring over Gloo's pairs; all-reduce: | | | |        |
-// gloo::allreduce (Gloo's default)    | |                            | otherwise              |
-// kLinks | ring over the direct links          | | broadcast                  | Gloo built | kGloo
-// | gloo::broadcast                     | |                            | otherwise              |
-// kLinks | chain over the direct links         | | barrier                    | Gloo built | kGloo
-// | gloo::barrier                       | |                            | otherwise              |
-// kLinks | 1-element all-reduce over the links | | fingerprints (debug mode)  | as an all-gather of
-// their size, not counted in route_count()   |
+// | collective      | first that holds      | route  | how                              |
+// |-----------------|-----------------------|--------|----------------------------------|
+// | all-gather,     | links open and C <= L | kLinks | ring over the direct links       |
+// | reduce-scatter, | shared memory open    | kShm   | rounds through the segment       |
+// | all-reduce      | Gloo built            | kGloo  | ring over Gloo's pairs;          |
+// |                 |                       |        | all-reduce: gloo::allreduce      |
+// |                 | otherwise             | kLinks | ring over the direct links       |
+// | broadcast       | Gloo built            | kGloo  | gloo::broadcast                  |
+// |                 | otherwise             | kLinks | chain over the direct links      |
+// | barrier         | Gloo built            | kGloo  | gloo::barrier                    |
+// |                 | otherwise             | kLinks | 1-element all-reduce, links      |
+// | fingerprints    | routed as an all-gather of their size; not in route_count()     |
 //
 // All-reduce over the links is a reduce-scatter ring then an all-gather ring
 // on a copy padded to a multiple of the group size; over shared memory every

@@ -11,9 +11,10 @@
 // Both collectives walk a ring (rank r sends to r + 1 and receives from r - 1)
 // in size - 1 steps, so each rank sends and receives exactly (size - 1)/size
 // of the flat buffer: the bandwidth optimum. Every chunk is cut into segments
-// of CommConfig::ring_segment_bytes (1 MiB unless set), and segment k of step s is forwarded
-// (all-gather) or reduced and forwarded (reduce-scatter) as soon as it arrived, while later
-// segments are still on the wire. Nothing full-sized is allocated:
+// of CommConfig::ring_segment_bytes (1 MiB unless set), and segment k of step
+// s is forwarded (all-gather) or reduced and forwarded (reduce-scatter) as
+// soon as it arrived, while later segments are still on the wire. Nothing
+// full-sized is allocated:
 // - all-gather receives every chunk straight into its place in `flat`; all
 //   receives are posted up front since their destinations never overlap.
 // - reduce-scatter at step s sends the partial sum of chunk (r - s - 1) and

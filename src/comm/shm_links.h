@@ -34,11 +34,12 @@ namespace fsdp::detail {
 ///   the timeout fails the wait; the failing rank sets the segment's abort word
 ///   and wakes everyone, so the others fail at once naming it.
 /// - Set-up is collective and all-or-nothing (through the store): any rank
-///   elsewhere, shared memory turned off on any rank (CommConfig::
-///   shared_memory), slot sizes that differ, or a segment that cannot be
-///   created gives every rank nullptr, and the group keeps its other routes. The segment has no
-///   name at any time, so nothing is ever left in /dev/shm, whoever dies when
-///   (Note [Shared memory without a name]).
+///   elsewhere, shared memory turned off on any rank
+///   (CommConfig::shared_memory), slot sizes that differ, or a segment that
+///   cannot be created gives every rank nullptr, and the group keeps its
+///   other routes. The segment has no name at any time, so nothing is ever
+///   left in /dev/shm, whoever dies when (Note [Shared memory without a
+///   name]).
 class ShmLinks {
  public:
   /// Collective over the group (keys under `store`, the group's own prefix),
