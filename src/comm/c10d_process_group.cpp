@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <sstream>
 
+#include "comm/comm_config.h"
 #include "comm/comm_thread.h"
+#include "comm/reduce.h"
 #include "comm/ring.h"
+#include "detail/error.h"
 #include "detail/torch_compat.h"
 
 namespace fsdp {
@@ -93,7 +96,8 @@ at::Tensor C10dProcessGroup::exchange_fingerprints(const at::Tensor& mine, uint6
   at::Tensor all = at::empty({size() * mine.numel()}, mine.options());
   C10dPointToPoint p2p(*group_, timeout());
   detail::ring_all_gather(p2p, rank(), size(), all, mine,
-                          C10dPointToPoint::fingerprint_slot_base(seq));
+                          C10dPointToPoint::fingerprint_slot_base(seq),
+                          detail::kDefaultRingSegmentBytes);
   return all.view({size(), mine.numel()});
 }
 
@@ -106,31 +110,32 @@ Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
   return thread_->enqueue(CollectiveKind::kAllGather, detail::describe_tensor(flat), {flat, shard},
                           -1, [this, flat, shard](uint64_t seq) {
                             C10dPointToPoint p2p(*group_, timeout());
-                            detail::ring_all_gather(p2p, rank(), size(), flat.view({-1}),
-                                                    shard.view({-1}),
-                                                    C10dPointToPoint::slot_base(seq));
+                            detail::ring_all_gather(
+                                p2p, rank(), size(), flat.view({-1}), shard.view({-1}),
+                                C10dPointToPoint::slot_base(seq), detail::kDefaultRingSegmentBytes);
                           });
 }
 
 Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
                                              ReduceOp op) {
   check_reduce_scatter(shard, flat, op);
-  return thread_->enqueue(
-      CollectiveKind::kReduceScatter, detail::describe_tensor(flat) + ", " + to_string(op),
-      {flat, shard}, static_cast<int64_t>(op), [this, flat, shard, op](uint64_t seq) {
-        const at::Tensor s = shard.view({-1});
-        at::Tensor scratch;
-        if (size() >= 3) {
-          if (!scratch_.defined() || scratch_.numel() < s.numel() ||
-              scratch_.scalar_type() != s.scalar_type()) {
-            scratch_ = at::empty({s.numel()}, s.options());
-          }
-          scratch = scratch_.narrow(0, 0, s.numel());
-        }
-        C10dPointToPoint p2p(*group_, timeout());
-        detail::ring_reduce_scatter(p2p, rank(), size(), flat.view({-1}), s, scratch, op,
-                                    C10dPointToPoint::slot_base(seq));
-      });
+  return thread_->enqueue(CollectiveKind::kReduceScatter,
+                          detail::describe_tensor(flat) + ", " + to_string(op), {flat, shard},
+                          static_cast<int64_t>(op), [this, flat, shard, op](uint64_t seq) {
+                            const at::Tensor s = shard.view({-1});
+                            at::Tensor scratch;
+                            if (size() >= 3) {
+                              if (!scratch_.defined() || scratch_.numel() < s.numel() ||
+                                  scratch_.scalar_type() != s.scalar_type()) {
+                                scratch_ = at::empty({s.numel()}, s.options());
+                              }
+                              scratch = scratch_.narrow(0, 0, s.numel());
+                            }
+                            C10dPointToPoint p2p(*group_, timeout());
+                            detail::ring_reduce_scatter(
+                                p2p, rank(), size(), flat.view({-1}), s, scratch, op,
+                                C10dPointToPoint::slot_base(seq), detail::kDefaultRingSegmentBytes);
+                          });
 }
 
 Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
@@ -144,7 +149,7 @@ Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
         opts.reduceOp = to_c10d(op);
         compat::wait_work(group_->allreduce(tensors, opts), timeout());
         if (detour) tensor.copy_(tensors[0]);
-        if (op == ReduceOp::kAvg) tensor.div_(size());
+        detail::finish_reduction(tensor, op, size());  // c10d's combining, our avg
       });
 }
 
@@ -171,9 +176,9 @@ Work C10dProcessGroup::barrier() {
 
 std::shared_ptr<ProcessGroup> C10dProcessGroup::new_subgroup(const std::vector<int>& ranks) {
   check_subgroup_ranks(ranks);
-  TORCH_CHECK(store_ && factory_, "[rank ", rank(),
-              "] fsdp new_subgroup: this C10dProcessGroup was built without a store and a "
-              "group factory; pass both to its constructor to make sub-groups");
+  FSDP_CHECK(store_ && factory_, rank(), "process group",
+             "new_subgroup: this C10dProcessGroup was built without a store and a "
+             "group factory; pass both to its constructor to make sub-groups");
   const std::string prefix = "c10d_sub" + std::to_string(subgroups_made_++);
   auto it = std::find(ranks.begin(), ranks.end(), rank());
   if (it == ranks.end()) return nullptr;

@@ -5,13 +5,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cctype>
-#include <cstdlib>
 #include <sstream>
 
 #include <fsdp/error_message.h>
 
 #include "comm/work_state.h"
+#include "detail/error.h"
 
 // Note [Collective fingerprints]
 // Ranks that issue different collectives (another operation, size or dtype)
@@ -35,15 +34,6 @@ std::string describe_tensor(const at::Tensor& t) {
   std::ostringstream os;
   os << t.numel() << " x " << t.scalar_type();
   return os.str();
-}
-
-bool debug_requested_by_env() {
-  const char* env = std::getenv("FSDP_DEBUG");
-  if (env == nullptr) return false;
-  std::string value(env);
-  std::transform(value.begin(), value.end(), value.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return value == "detail";
 }
 
 at::Tensor Fingerprint::to_tensor() const {
@@ -245,8 +235,8 @@ std::string CommThread::Core::check_fingerprints(const Item& item) {
   }
   if (groups.size() == 1) return "";
   std::ostringstream os;
-  os << "[rank " << rank << "] fsdp: collective mismatch (debug mode) at collective #" << mine.seq
-     << " of the group: ";
+  os << error_prefix(rank, "process group") << "collective mismatch (debug mode) at collective #"
+     << mine.seq << " of the group: ";
   for (size_t i = 0; i < groups.size(); ++i) {
     const auto& ranks = groups[i].second;
     os << (i > 0 ? "; " : "") << (ranks.size() > 1 ? "ranks " : "rank ");
@@ -264,7 +254,7 @@ void CommThread::Core::execute(Item& item) {
   if (health == Health::kBroken) {
     item.state->finish(std::make_exception_ptr(
         c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                   "[rank " + std::to_string(rank) + "] fsdp: " + item.state->description +
+                   error_prefix(rank, "process group") + item.state->description +
                        " not run: the process group broke earlier (" + broken_cause +
                        "). Restart the job; fsdprun --max-restarts does it automatically.")));
     return;
@@ -288,7 +278,7 @@ void CommThread::Core::execute(Item& item) {
     broken_cause = item.state->description + ": " + error_message(e);
     item.state->finish(std::make_exception_ptr(c10::Error(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "[rank " + std::to_string(rank) + "] fsdp: " + item.state->description +
+        error_prefix(rank, "process group") + item.state->description +
             " failed: " + error_message(e) +
             ". A peer rank has probably died or timed out; look at the other ranks' output.")));
   }

@@ -44,9 +44,6 @@ struct Fingerprint {
   bool operator==(const Fingerprint& other) const;
 };
 
-/// True when FSDP_DEBUG is "detail" (any case): debug mode by default.
-bool debug_requested_by_env();
-
 /// All-gathers every rank's fingerprint (`mine`, Fingerprint::kFields int64
 /// values) for collective `seq` into a [size, kFields] tensor, over a channel
 /// that cannot collide with the collectives themselves.

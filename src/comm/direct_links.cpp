@@ -8,8 +8,9 @@
 #include <sys/uio.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
+
+#include "detail/error.h"
 
 // See Note [Direct links for small collectives] and Note [Direct links for
 // large collectives].
@@ -53,8 +54,8 @@ void send_message(int fd, const Header& h, const void* data, int rank, int peer)
     msg.msg_iovlen = static_cast<size_t>(2 - first);
     ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
     if (w < 0 && errno == EINTR) continue;
-    TORCH_CHECK(w > 0, "[rank ", rank, "] fsdp: sending to rank ", peer,
-                " over its direct link failed: ", errno_text(w));
+    FSDP_CHECK(w > 0, rank, "process group", "sending to rank ", peer,
+               " over its direct link failed: ", errno_text(w));
     size_t n = static_cast<size_t>(w);
     while (first < 2 && n >= iov[first].iov_len) n -= iov[first++].iov_len;
     if (first < 2) {
@@ -119,17 +120,13 @@ class LazyReceive : public PendingTransfer {
 
 }  // namespace
 
-int64_t DirectLinks::max_message_bytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("FSDP_DIRECT_LINK_BYTES");
-    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t{64} << 10;
-  }();
-  return bytes;
-}
-
 DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-                         std::chrono::milliseconds timeout)
-    : rank_(rank), next_((rank + 1) % size), prev_((rank + size - 1) % size), timeout_(timeout) {
+                         std::chrono::milliseconds timeout, int64_t inline_bytes)
+    : rank_(rank),
+      next_((rank + 1) % size),
+      prev_((rank + size - 1) % size),
+      timeout_(timeout),
+      inline_bytes_(inline_bytes) {
   int port = 0;
   UniqueFd listener = listen_tcp(listen_addr, 0, &port);
   const std::string mine = listen_addr + " " + std::to_string(port);
@@ -140,23 +137,22 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
   try {
     to_next_ = connect_tcp(addr.substr(0, space), std::stoi(addr.substr(space + 1)), timeout);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "[rank ", rank, "] fsdp: cannot open the direct link to rank ", next_,
-                " at ", addr, ": ", e.what_without_backtrace());
+    FSDP_FAIL(rank, "process group", "cannot open the direct link to rank ", next_, " at ", addr,
+              ": ", e.what_without_backtrace());
   }
   const int32_t hello = rank;
-  TORCH_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), "[rank ", rank,
-              "] fsdp: the direct link to rank ", next_, " closed during set-up");
+  FSDP_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), rank, "process group",
+             "the direct link to rank ", next_, " closed during set-up");
   pollfd pfd{listener.get(), POLLIN, 0};
-  TORCH_CHECK(::poll(&pfd, 1, static_cast<int>(timeout.count())) == 1, "[rank ", rank,
-              "] fsdp: rank ", prev_, " did not open its direct link within ", timeout.count(),
-              " ms");
+  FSDP_CHECK(::poll(&pfd, 1, static_cast<int>(timeout.count())) == 1, rank, "process group",
+             "rank ", prev_, " did not open its direct link within ", timeout.count(), " ms");
   from_prev_ = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  TORCH_CHECK(from_prev_.get() >= 0, "[rank ", rank, "] fsdp: accepting the direct link from rank ",
-              prev_, " failed: ", std::strerror(errno));
+  FSDP_CHECK(from_prev_.get() >= 0, rank, "process group", "accepting the direct link from rank ",
+             prev_, " failed: ", std::strerror(errno));
   int32_t peer = -1;
-  TORCH_CHECK(read_all(from_prev_.get(), &peer, sizeof(peer)) && peer == prev_, "[rank ", rank,
-              "] fsdp: expected the direct link from rank ", prev_, ", got one from rank ", peer,
-              ". Is another job using the same MASTER_PORT?");
+  FSDP_CHECK(read_all(from_prev_.get(), &peer, sizeof(peer)) && peer == prev_, rank,
+             "process group", "expected the direct link from rank ", prev_, ", got one from rank ",
+             peer, ". Is another job using the same MASTER_PORT?");
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
   sender_ = std::thread([this] { sender_loop(); });
@@ -200,7 +196,7 @@ void DirectLinks::sender_loop() {
   }
   for (auto& out : queue_) {
     out->done = true;
-    out->error = "[rank " + std::to_string(rank_) + "] fsdp: the direct link to rank " +
+    out->error = error_prefix(rank_, "process group") + "the direct link to rank " +
                  std::to_string(next_) + " was closed before this message was sent";
   }
   queue_.clear();
@@ -213,7 +209,7 @@ std::unique_ptr<PendingTransfer> DirectLinks::isend(const at::Tensor& src, int p
   const Header header{slot, static_cast<uint64_t>(src.nbytes())};
   std::unique_lock<std::mutex> lock(mutex_);
   // Only this thread queues, so an empty queue stays empty while it writes.
-  if (queue_.empty() && static_cast<int64_t>(header.bytes) <= max_message_bytes()) {
+  if (queue_.empty() && static_cast<int64_t>(header.bytes) <= inline_bytes_) {
     lock.unlock();
     send_message(to_next_.get(), header, src.data_ptr(), rank_, next_);
     return std::make_unique<DoneTransfer>();
@@ -257,13 +253,13 @@ void DirectLinks::receive(void* dst, size_t bytes, uint64_t slot) {
     msg.msg_iovlen = static_cast<size_t>(count);
     ssize_t r = ::recvmsg(from_prev_.get(), &msg, 0);
     if (r < 0 && errno == EINTR) continue;
-    TORCH_CHECK(r > 0, "[rank ", rank_, "] fsdp: receiving from rank ", prev_,
-                " over its direct link failed: ", errno_text(r));
+    FSDP_CHECK(r > 0, rank_, "process group", "receiving from rank ", prev_,
+               " over its direct link failed: ", errno_text(r));
     got += static_cast<size_t>(r);
     if (!header_done && got >= sizeof(h)) {
-      TORCH_CHECK(h.slot == slot && h.bytes == bytes, "[rank ", rank_, "] fsdp: rank ", prev_,
-                  " sent message slot ", h.slot, " of ", h.bytes, " bytes where slot ", slot,
-                  " of ", bytes, " bytes was expected: the ranks issued different collectives.");
+      FSDP_CHECK(h.slot == slot && h.bytes == bytes, rank_, "process group", "rank ", prev_,
+                 " sent message slot ", h.slot, " of ", h.bytes, " bytes where slot ", slot, " of ",
+                 bytes, " bytes was expected: the ranks issued different collectives.");
     }
   }
 }

@@ -24,8 +24,9 @@ namespace fsdp::detail {
 /// `prev` for receiving) on which a message is one writev() and one or two
 /// recv()s in the thread that runs the collective. Messages carry a header
 /// (slot, bytes) checked on arrival, so a mismatch fails loudly. A small
-/// message (at most max_message_bytes(), well below the socket buffers set
-/// here) is sent at once by the calling thread, which cannot deadlock.
+/// message (at most CommConfig::direct_link_bytes, well below the socket
+/// buffers set here) is sent at once by the calling thread, which cannot
+/// deadlock.
 ///
 /// Note [Direct links for large collectives]
 /// Builds without Gloo (pip's LibTorch wheel ships no Gloo headers; see
@@ -40,17 +41,13 @@ namespace fsdp::detail {
 class DirectLinks : public PointToPoint {
  public:
   /// Connects rank `rank` of `size` (>= 2) to its ring neighbours through
-  /// `store` (keys are this group's own). Collective over the group.
+  /// `store` (keys are this group's own). Collective over the group. Messages
+  /// of at most `inline_bytes` (CommConfig::direct_link_bytes) are sent by the
+  /// calling thread when nothing is queued before them.
   DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, int64_t inline_bytes);
   /// Stops the sender thread (a send in progress fails) and closes the links.
   ~DirectLinks() override;
-
-  /// Largest message the calling thread sends itself, and the size up to
-  /// which collectives prefer the links to shared memory or Gloo
-  /// (FSDP_DIRECT_LINK_BYTES overrides the default 64 KiB; 0 turns that off,
-  /// and with Gloo turns direct links off altogether).
-  static int64_t max_message_bytes();
 
   std::unique_ptr<PendingTransfer> isend(const at::Tensor& src, int peer, uint64_t slot) override;
   std::unique_ptr<PendingTransfer> irecv(const at::Tensor& dst, int peer, uint64_t slot) override;
@@ -66,6 +63,7 @@ class DirectLinks : public PointToPoint {
 
   const int rank_, next_, prev_;
   const std::chrono::milliseconds timeout_;
+  const int64_t inline_bytes_;  // largest message the calling thread sends itself
   UniqueFd to_next_, from_prev_;
 
   // State below is protected by mutex_ (see Note [Direct links for large collectives]).

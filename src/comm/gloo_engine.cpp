@@ -21,6 +21,9 @@
 #include <map>
 #include <mutex>
 
+#include "comm/reduce.h"
+#include "detail/error.h"
+
 // See Note [Gloo or not].
 
 namespace fsdp::detail {
@@ -70,7 +73,7 @@ class GlooTransfer : public PendingTransfer {
       : buf_(std::move(buf)), is_send_(is_send), timeout_(timeout) {}
   void wait() override {
     const bool ok = is_send_ ? buf_->waitSend(timeout_) : buf_->waitRecv(timeout_);
-    TORCH_CHECK(ok, "gloo ", is_send_ ? "send" : "receive", " was aborted");
+    FSDP_CHECK(ok, -1, "process group", "gloo ", is_send_ ? "send" : "receive", " was aborted");
   }
 
  private:
@@ -99,28 +102,16 @@ class GlooPointToPoint : public PointToPoint {
   std::chrono::milliseconds timeout_;
 };
 
-template <typename T>
-void reduce_sum(void* c, const void* a, const void* b, size_t n) {
-  auto* out = static_cast<T*>(c);
-  const auto* x = static_cast<const T*>(a);
-  const auto* y = static_cast<const T*>(b);
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i] + y[i]);
-}
-
-template <typename T>
-void reduce_max(void* c, const void* a, const void* b, size_t n) {
-  auto* out = static_cast<T*>(c);
-  const auto* x = static_cast<const T*>(a);
-  const auto* y = static_cast<const T*>(b);
-  for (size_t i = 0; i < n; ++i) out[i] = x[i] < y[i] ? y[i] : x[i];
-}
-
-template <typename T>
-void reduce_min(void* c, const void* a, const void* b, size_t n) {
-  auto* out = static_cast<T*>(c);
-  const auto* x = static_cast<const T*>(a);
-  const auto* y = static_cast<const T*>(b);
-  for (size_t i = 0; i < n; ++i) out[i] = y[i] < x[i] ? y[i] : x[i];
+// Gloo's reduce callback: Note [One reduction] on views of Gloo's buffers
+// (`out` is one of the inputs in Gloo's ring).
+gloo::AllreduceOptions::Func reduce_function(at::ScalarType dtype, ReduceOp op) {
+  return [dtype, op](void* out, const void* a, const void* b, size_t n) {
+    auto view = [&](const void* p) {
+      return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)},
+                           at::TensorOptions().dtype(dtype));
+    };
+    reduce_into(view(out), view(a), view(b), op);
+  };
 }
 
 template <typename T>
@@ -128,18 +119,7 @@ void gloo_all_reduce_typed(const std::shared_ptr<gloo::Context>& ctx, const at::
                            ReduceOp op, uint32_t tag, std::chrono::milliseconds timeout) {
   gloo::AllreduceOptions opts(ctx);
   opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      opts.setReduceFunction(&reduce_sum<T>);
-      break;
-    case ReduceOp::kMax:
-      opts.setReduceFunction(&reduce_max<T>);
-      break;
-    case ReduceOp::kMin:
-      opts.setReduceFunction(&reduce_min<T>);
-      break;
-  }
+  opts.setReduceFunction(reduce_function(t.scalar_type(), op));
   opts.setTag(tag);
   opts.setTimeout(timeout);
   gloo::allreduce(opts);
@@ -183,7 +163,7 @@ class Engine final : public GlooEngine {
       using T = decltype(tag_value);
       gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq), timeout_);
     });
-    if (op == ReduceOp::kAvg) tensor.div_(context_->size);
+    finish_reduction(tensor, op, context_->size);
   }
   void broadcast(const at::Tensor& tensor, int root, uint64_t seq) override {
     dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
@@ -217,9 +197,9 @@ std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>& 
   try {
     ctx->connectFullMesh(gstore, dev);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[rank ", rank, "] fsdp: connecting the ", size, " ranks of group '",
-                prefix, "' over Gloo (listening on ", listen_addr, ") failed: ", error_message(e),
-                ". Check that every rank started and can reach the others' addresses.");
+    FSDP_FAIL(rank, "process group", "connecting the ", size, " ranks of group '", prefix,
+              "' over Gloo (listening on ", listen_addr, ") failed: ", error_message(e),
+              ". Check that every rank started and can reach the others' addresses.");
   }
   return std::make_unique<Engine>(std::move(ctx), timeout);
 }
@@ -232,9 +212,8 @@ bool built_with_gloo() { return true; }
 
 namespace fsdp::detail {
 
-std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>&,
-                                         const std::string&, int, int, std::chrono::milliseconds,
-                                         const std::string&) {
+std::unique_ptr<GlooEngine> connect_gloo(const c10::intrusive_ptr<c10d::Store>&, const std::string&,
+                                         int, int, std::chrono::milliseconds, const std::string&) {
   return nullptr;
 }
 

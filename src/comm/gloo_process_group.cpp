@@ -11,6 +11,7 @@
 #include "comm/gloo_engine.h"
 #include "comm/ring.h"
 #include "comm/shm_links.h"
+#include "detail/error.h"
 
 namespace fsdp::detail {
 
@@ -30,27 +31,41 @@ uint64_t fingerprint_slot_base(uint64_t seq) {
 
 }  // namespace
 
+const char* to_string(Route route) {
+  switch (route) {
+    case Route::kLinks:
+      return "links";
+    case Route::kShm:
+      return "shm";
+    case Route::kGloo:
+      return "gloo";
+  }
+  return "?";
+}
+
 GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix,
                                    int rank, int size, std::chrono::milliseconds timeout,
-                                   std::string listen_addr)
+                                   std::string listen_addr, const CommConfig& config)
     : ProcessGroup(rank, size, timeout),
       store_(std::move(store)),
       prefix_(prefix),
-      listen_addr_(std::move(listen_addr)) {
+      listen_addr_(std::move(listen_addr)),
+      config_(config) {
   if (size > 1) {
-    TORCH_CHECK(store_, "fsdp: a process group of ", size, " ranks needs a store");
+    FSDP_CHECK(store_, rank, "process group", "a process group of ", size, " ranks needs a store");
+    // What the group opens decides which routes it has: see Note [Routes of collectives].
     gloo_ = connect_gloo(store_, prefix_, rank, size, timeout, listen_addr_);
     c10d::PrefixStore group_store(prefix_, store_);
-    // Without Gloo the links carry every collective shared memory does not.
-    if (!gloo_ || DirectLinks::max_message_bytes() > 0) {
-      links_ = std::make_unique<DirectLinks>(group_store, rank, size, listen_addr_, timeout);
+    if (!gloo_ || config_.direct_link_bytes > 0) {
+      links_ = std::make_unique<DirectLinks>(group_store, rank, size, listen_addr_, timeout,
+                                             config_.direct_link_bytes);
     }
-    shm_ = ShmLinks::connect(group_store, rank, size, timeout);
+    shm_ = ShmLinks::connect(group_store, rank, size, timeout, config_.shared_memory,
+                             config_.shm_slot_bytes);
   }
   thread_ = std::make_unique<CommThread>(rank, timeout);
   thread_->set_fingerprint_exchange(
       [this](const at::Tensor& mine, uint64_t seq) { return exchange_fingerprints(mine, seq); });
-  set_debug_collectives(debug_requested_by_env());
 }
 
 void GlooProcessGroup::set_debug_collectives(bool on) { thread_->set_debug(on && size() > 1); }
@@ -58,8 +73,9 @@ void GlooProcessGroup::set_debug_collectives(bool on) { thread_->set_debug(on &&
 bool GlooProcessGroup::debug_collectives() const { return thread_->debug(); }
 
 at::Tensor GlooProcessGroup::exchange_fingerprints(const at::Tensor& mine, uint64_t seq) {
+  // Routed like any all-gather of its size, but not counted in route_count().
   at::Tensor all = at::empty({size() * mine.numel()}, mine.options());
-  ring_all_gather(ring_transport(mine.nbytes()), rank(), size(), all, mine,
+  all_gather_over(route(CollectiveKind::kAllGather, static_cast<int64_t>(mine.nbytes())), all, mine,
                   fingerprint_slot_base(seq));
   return all.view({size(), mine.numel()});
 }
@@ -79,35 +95,64 @@ Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
 }
 
 // Note [Routes of collectives]
-// Every collective of a group of two or more ranks takes one route, chosen
-// here and nowhere else:
-// | collective                  | route                                         |
-// |-----------------------------|-----------------------------------------------|
-// | all-gather, reduce-scatter  | per-rank chunk <= small: direct links (ring)  |
-// |                             | else all ranks on this host: shared memory    |
-// |                             | else Gloo's pairs (ring), or without Gloo the |
-// |                             | direct links (ring, sender thread)            |
-// | all-reduce                  | whole tensor <= small x size: direct links    |
-// |                             | (reduce-scatter + all-gather rings)           |
-// |                             | else shared memory, else Gloo's all-reduce,   |
-// |                             | else direct links as for small                |
-// | broadcast, barrier          | Gloo, or without Gloo direct links (rings)    |
-// "small" is DirectLinks::max_message_bytes() (FSDP_DIRECT_LINK_BYTES; 0 sends
-// nothing small over the links), shared memory is on unless FSDP_SHM=0 or a
-// rank is elsewhere (Note [Shared memory for same-host ranks]), and Gloo is
-// there with LibTorch 1.13 only (Note [Gloo or not]).
-GlooProcessGroup::Route GlooProcessGroup::route(CollectiveKind kind, int64_t bytes) const {
-  const int64_t small = DirectLinks::max_message_bytes();
+// A collective of a group of two or more ranks takes one of three routes
+// (Route), decided by route() and nowhere else, from what the group opened
+// when it was made and the collective's per-rank chunk C: the shard of an
+// all-gather or reduce-scatter; ceil(numel / size) elements of an
+// all-reduce (the chunk its rings move). L is CommConfig::direct_link_bytes.
+//
+// | collective      | first that holds      | route  | how                              |
+// |-----------------|-----------------------|--------|----------------------------------|
+// | all-gather,     | links open and C <= L | kLinks | ring over the direct links       |
+// | reduce-scatter, | shared memory open    | kShm   | rounds through the segment       |
+// | all-reduce      | Gloo built            | kGloo  | ring over Gloo's pairs;          |
+// |                 |                       |        | all-reduce: gloo::allreduce      |
+// |                 | otherwise             | kLinks | ring over the direct links       |
+// | broadcast       | Gloo built            | kGloo  | gloo::broadcast                  |
+// |                 | otherwise             | kLinks | chain over the direct links      |
+// | barrier         | Gloo built            | kGloo  | gloo::barrier                    |
+// |                 | otherwise             | kLinks | 1-element all-reduce, links      |
+// | fingerprints    | routed as an all-gather of their size; not in route_count()     |
+//
+// All-reduce over the links is a reduce-scatter ring then an all-gather ring
+// on a copy padded to a multiple of the group size; over shared memory every
+// rank sums all slots in rank order (the same bits everywhere).
+//
+// What a group opens (its constructor):
+// | transport     | opened when                                                    |
+// |---------------|----------------------------------------------------------------|
+// | Gloo          | built with Gloo: LibTorch 1.13 builds (Note [Gloo or not])     |
+// | direct links  | Gloo absent, or L > 0                                          |
+// | shared memory | every rank on this host and CommConfig::shared_memory on every |
+// |               | rank (Note [Shared memory for same-host ranks])                |
+//
+// Sizes below the routes (none of them changes a route):
+// | knob (default)                    | where it acts                                     |
+// |-----------------------------------|---------------------------------------------------|
+// | direct_link_bytes L (64 KiB)      | inside the links: messages <= L are written by    |
+// |                                   | the calling thread, larger ones (and any queued   |
+// |                                   | behind one) by the sender thread (Note [Direct    |
+// |                                   | links for large collectives])                     |
+// | ring_segment_bytes (1 MiB)        | segment of every ring, over links or Gloo's pairs |
+// | shm_slot_bytes (2 MiB)            | bytes per rank and round through shared memory    |
+// Gloo's all-reduce, broadcast and barrier segment as Gloo does.
+//
+// So by default a build with Gloo (1.13) sends C <= 64 KiB over the links,
+// larger chunks through shared memory on one host and over Gloo across
+// hosts, and broadcast and barrier over Gloo; a build without (2.15) sends
+// what shared memory does not carry, broadcast and barrier too, over the
+// links. ProcessGroupOptions forces each route (tests/comm/test_routes.cpp):
+// direct_link_bytes(0) sends every size through shared memory on one host;
+// shared_memory(false) with direct_link_bytes(0) sends everything over Gloo
+// (1.13) or over the links' sender thread (2.15).
+Route GlooProcessGroup::route(CollectiveKind kind, int64_t chunk_bytes) const {
   switch (kind) {
     case CollectiveKind::kAllGather:
     case CollectiveKind::kReduceScatter:
-      if (links_ && bytes <= small) return Route::kLinks;
-      if (shm_) return Route::kShm;
-      return gloo_ ? Route::kGloo : Route::kLinks;
     case CollectiveKind::kAllReduce:
-      if (links_ && bytes <= small * size()) return Route::kLinks;
+      if (links_ && chunk_bytes <= config_.direct_link_bytes) return Route::kLinks;
       if (shm_) return Route::kShm;
-      return gloo_ ? Route::kGloo : Route::kLinks;
+      break;
     case CollectiveKind::kBroadcast:
     case CollectiveKind::kBarrier:
       break;
@@ -115,9 +160,34 @@ GlooProcessGroup::Route GlooProcessGroup::route(CollectiveKind kind, int64_t byt
   return gloo_ ? Route::kGloo : Route::kLinks;
 }
 
-PointToPoint& GlooProcessGroup::ring_transport(size_t chunk_bytes) {
-  const auto r = route(CollectiveKind::kAllGather, static_cast<int64_t>(chunk_bytes));
-  return r == Route::kLinks || !gloo_ ? static_cast<PointToPoint&>(*links_) : gloo_->p2p();
+namespace {
+size_t route_index(CollectiveKind kind, Route route) {
+  return static_cast<size_t>(kind) * kRouteCount + static_cast<size_t>(route);
+}
+}  // namespace
+
+Route GlooProcessGroup::take_route(CollectiveKind kind, int64_t chunk_bytes) {
+  const Route r = route(kind, chunk_bytes);
+  route_counts_[route_index(kind, r)].fetch_add(1, std::memory_order_relaxed);
+  return r;
+}
+
+uint64_t GlooProcessGroup::route_count(CollectiveKind kind, Route route) const {
+  return route_counts_[route_index(kind, route)].load(std::memory_order_relaxed);
+}
+
+PointToPoint& GlooProcessGroup::ring_transport(Route route) {
+  TORCH_INTERNAL_ASSERT(
+      route == Route::kLinks ? links_ != nullptr : route == Route::kGloo && gloo_ != nullptr,
+      "no ring transport for route ", to_string(route));
+  return route == Route::kLinks ? static_cast<PointToPoint&>(*links_) : gloo_->p2p();
+}
+
+void GlooProcessGroup::all_gather_over(Route route, const at::Tensor& flat, const at::Tensor& shard,
+                                       uint64_t base) {
+  if (route == Route::kShm) return shm_->all_gather(flat, shard);
+  ring_all_gather(ring_transport(route), rank(), size(), flat, shard, base,
+                  config_.ring_segment_bytes);
 }
 
 at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
@@ -135,12 +205,9 @@ Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
                     if (f.data_ptr() != s.data_ptr()) f.copy_(s);
                     return;
                   }
-                  const int64_t bytes = static_cast<int64_t>(s.nbytes());
-                  if (route(CollectiveKind::kAllGather, bytes) == Route::kShm) {
-                    return shm_->all_gather(f, s);
-                  }
-                  ring_all_gather(ring_transport(s.nbytes()), rank(), size(), f, s,
-                                  ring_slot_base(seq));
+                  const Route r =
+                      take_route(CollectiveKind::kAllGather, static_cast<int64_t>(s.nbytes()));
+                  all_gather_over(r, f, s, ring_slot_base(seq));
                 });
 }
 
@@ -154,34 +221,35 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                     s.copy_(f);
                     return;
                   }
-                  const int64_t bytes = static_cast<int64_t>(s.nbytes());
-                  if (route(CollectiveKind::kReduceScatter, bytes) == Route::kShm) {
-                    return shm_->reduce_scatter(f, s, op);
-                  }
+                  const Route r =
+                      take_route(CollectiveKind::kReduceScatter, static_cast<int64_t>(s.nbytes()));
+                  if (r == Route::kShm) return shm_->reduce_scatter(f, s, op);
                   at::Tensor scratch = size() >= 3 ? scratch_like(s) : at::Tensor();
-                  ring_reduce_scatter(ring_transport(s.nbytes()), rank(), size(), f, s, scratch,
-                                      op, ring_slot_base(seq));
+                  ring_reduce_scatter(ring_transport(r), rank(), size(), f, s, scratch, op,
+                                      ring_slot_base(seq), config_.ring_segment_bytes);
                 });
 }
 
 Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
-  return submit(
-      CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op), {tensor},
-      static_cast<int64_t>(op), [this, tensor, op](uint64_t seq) {
-        if (size() == 1 || tensor.numel() == 0) return;
-        switch (route(CollectiveKind::kAllReduce, static_cast<int64_t>(tensor.nbytes()))) {
-          case Route::kLinks:
-            return ring_all_reduce_over_links(tensor, op, seq);
-          case Route::kShm:
-            return shm_->all_reduce(tensor, op);
-          case Route::kGloo:
-            return gloo_->all_reduce(tensor, op, seq);
-        }
-      });
+  return submit(CollectiveKind::kAllReduce, describe_tensor(tensor) + ", " + to_string(op),
+                {tensor}, static_cast<int64_t>(op), [this, tensor, op](uint64_t seq) {
+                  if (size() == 1 || tensor.numel() == 0) return;
+                  const int64_t chunk = (tensor.numel() + size() - 1) / size() *
+                                        static_cast<int64_t>(tensor.element_size());
+                  switch (take_route(CollectiveKind::kAllReduce, chunk)) {
+                    case Route::kLinks:
+                      return ring_all_reduce_over_links(tensor, op, seq);
+                    case Route::kShm:
+                      return shm_->all_reduce(tensor, op);
+                    case Route::kGloo:
+                      return gloo_->all_reduce(tensor, op, seq);
+                  }
+                });
 }
 
-void GlooProcessGroup::ring_all_reduce_over_links(const at::Tensor& tensor, ReduceOp op, uint64_t seq) {
+void GlooProcessGroup::ring_all_reduce_over_links(const at::Tensor& tensor, ReduceOp op,
+                                                  uint64_t seq) {
   // A reduce-scatter then an all-gather over the direct links, on a copy
   // padded to a multiple of the group size (the padding is never read back).
   const int64_t numel = tensor.numel(), per = (numel + size() - 1) / size();
@@ -190,29 +258,32 @@ void GlooProcessGroup::ring_all_reduce_over_links(const at::Tensor& tensor, Redu
   at::Tensor shard = at::empty({per}, tensor.options());
   at::Tensor scratch = size() >= 3 ? scratch_like(shard) : at::Tensor();
   const uint64_t base = ring_slot_base(seq);
-  ring_reduce_scatter(*links_, rank(), size(), flat, shard, scratch, op, base);
-  ring_all_gather(*links_, rank(), size(), flat, shard, base + (uint64_t{1} << 20));
+  const int64_t segment = config_.ring_segment_bytes;
+  ring_reduce_scatter(*links_, rank(), size(), flat, shard, scratch, op, base, segment);
+  ring_all_gather(*links_, rank(), size(), flat, shard, base + (uint64_t{1} << 20), segment);
   tensor.view({-1}).copy_(flat.narrow(0, 0, numel));
 }
 
 Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_single("broadcast", tensor);
   check_root(root);
-  return submit(
-      CollectiveKind::kBroadcast, describe_tensor(tensor) + ", root " + std::to_string(root),
-      {tensor}, root, [this, tensor, root](uint64_t seq) {
-        if (size() == 1 || tensor.numel() == 0) return;
-        if (route(CollectiveKind::kBroadcast, 0) == Route::kGloo) {
-          return gloo_->broadcast(tensor, root, seq);
-        }
-        ring_broadcast(*links_, rank(), size(), tensor.view({-1}), root, ring_slot_base(seq));
-      });
+  return submit(CollectiveKind::kBroadcast,
+                describe_tensor(tensor) + ", root " + std::to_string(root), {tensor}, root,
+                [this, tensor, root](uint64_t seq) {
+                  if (size() == 1 || tensor.numel() == 0) return;
+                  const auto bytes = static_cast<int64_t>(tensor.nbytes());
+                  if (take_route(CollectiveKind::kBroadcast, bytes) == Route::kGloo) {
+                    return gloo_->broadcast(tensor, root, seq);
+                  }
+                  ring_broadcast(*links_, rank(), size(), tensor.view({-1}), root,
+                                 ring_slot_base(seq), config_.ring_segment_bytes);
+                });
 }
 
 Work GlooProcessGroup::barrier() {
   return submit(CollectiveKind::kBarrier, "", {}, -1, [this](uint64_t seq) {
     if (size() == 1) return;
-    if (route(CollectiveKind::kBarrier, 0) == Route::kGloo) return gloo_->barrier(seq);
+    if (take_route(CollectiveKind::kBarrier, 0) == Route::kGloo) return gloo_->barrier(seq);
     at::Tensor token = at::zeros({1}, at::kFloat);
     ring_all_reduce_over_links(token, ReduceOp::kSum, seq);
   });
@@ -225,7 +296,7 @@ std::shared_ptr<ProcessGroup> GlooProcessGroup::new_subgroup(const std::vector<i
   if (it == ranks.end()) return nullptr;
   const int sub_rank = static_cast<int>(it - ranks.begin());
   auto sub = std::make_shared<GlooProcessGroup>(
-      store_, prefix, sub_rank, static_cast<int>(ranks.size()), timeout(), listen_addr_);
+      store_, prefix, sub_rank, static_cast<int>(ranks.size()), timeout(), listen_addr_, config_);
   sub->set_debug_collectives(debug_collectives());
   if (sub->size() > 1) sub->barrier().wait();  // everyone connected before use
   return sub;

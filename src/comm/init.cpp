@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -14,8 +15,10 @@
 #include <fsdp/comm/tcp_store.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
 #include "comm/socket.h"
+#include "detail/error.h"
 #include "detail/torch_compat.h"
 
 namespace fsdp {
@@ -35,9 +38,8 @@ int64_t int_setting(int64_t option, const char* env, int64_t fallback) {
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(text, &end, 10);
-  TORCH_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0,
-              "fsdp::init_process_group: ", env, "='", text,
-              "' is not a non-negative integer. Unset it or fix the launcher.");
+  FSDP_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0, -1, "init_process_group", env,
+             "='", text, "' is not a non-negative integer. Unset it or fix the launcher.");
   return v;
 }
 
@@ -98,7 +100,7 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
     if (verdict.empty()) verdict = text(store.get(prefix + "verdict"));
     store.set(prefix + "ack/" + std::to_string(info.rank), std::vector<uint8_t>{});
   }
-  TORCH_CHECK(verdict.empty(), "[rank ", info.rank, "] fsdp::init_process_group: ", verdict);
+  FSDP_CHECK(verdict.empty(), info.rank, "init_process_group", verdict);
 }
 
 std::string string_setting(const std::string& option, const char* env, const char* fallback) {
@@ -107,7 +109,60 @@ std::string string_setting(const std::string& option, const char* env, const cha
   return (text != nullptr && *text != '\0') ? text : fallback;
 }
 
+// A size knob of Note [Communication knobs]: the option when set (-1: unset),
+// else the variable when set, read as before the options existed (atoll; a
+// value below `env_min` falls back, or `env_min` 0 clamps to 0), else `fallback`.
+int64_t size_knob(int64_t option, const char* env, int64_t fallback, int64_t env_min,
+                  bool env_clamps) {
+  if (option >= 0) return option;
+  const char* text = std::getenv(env);
+  if (text == nullptr) return fallback;
+  const int64_t v = std::atoll(text);
+  if (env_clamps) return std::max(env_min, v);
+  return v >= env_min ? v : fallback;
+}
+
 }  // namespace
+
+namespace detail {
+
+bool debug_requested_by_env() {
+  const char* env = std::getenv("FSDP_DEBUG");
+  if (env == nullptr) return false;
+  std::string value(env);
+  std::transform(value.begin(), value.end(), value.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return value == "detail";
+}
+
+CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
+  FSDP_CHECK(options.direct_link_bytes() >= -1, -1, "init_process_group",
+             "direct_link_bytes must be >= 0 (or -1: from FSDP_DIRECT_LINK_BYTES), got ",
+             options.direct_link_bytes());
+  FSDP_CHECK(options.ring_segment_bytes() == -1 || options.ring_segment_bytes() >= kMinSegmentBytes,
+             -1, "init_process_group", "ring_segment_bytes must be at least ", kMinSegmentBytes,
+             " (or -1: from FSDP_RING_SEGMENT_BYTES), got ", options.ring_segment_bytes());
+  FSDP_CHECK(options.shm_slot_bytes() == -1 || options.shm_slot_bytes() >= kMinSegmentBytes, -1,
+             "init_process_group", "shm_slot_bytes must be at least ", kMinSegmentBytes,
+             " (or -1: from FSDP_SHM_SLOT_BYTES), got ", options.shm_slot_bytes());
+  CommConfig config;
+  config.direct_link_bytes = size_knob(options.direct_link_bytes(), "FSDP_DIRECT_LINK_BYTES",
+                                       kDefaultDirectLinkBytes, 0, /*env_clamps=*/true);
+  config.ring_segment_bytes = size_knob(options.ring_segment_bytes(), "FSDP_RING_SEGMENT_BYTES",
+                                        kDefaultRingSegmentBytes, kMinSegmentBytes, false);
+  config.shm_slot_bytes = size_knob(options.shm_slot_bytes(), "FSDP_SHM_SLOT_BYTES",
+                                    kDefaultShmSlotBytes, kMinSegmentBytes, false) /
+                          64 * 64;
+  if (options.shared_memory().has_value()) {
+    config.shared_memory = *options.shared_memory();
+  } else {
+    const char* env = std::getenv("FSDP_SHM");
+    config.shared_memory = env == nullptr || std::string(env) != "0";
+  }
+  return config;
+}
+
+}  // namespace detail
 
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
   RankInfo info;
@@ -116,19 +171,24 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   info.local_rank = static_cast<int>(int_setting(options.local_rank(), "LOCAL_RANK", info.rank));
   info.local_world_size = static_cast<int>(
       int_setting(options.local_world_size(), "LOCAL_WORLD_SIZE", info.world_size));
-  TORCH_CHECK(info.world_size >= 1, "fsdp::init_process_group: world size must be >= 1, got ",
-              info.world_size);
-  TORCH_CHECK(info.rank < info.world_size, "fsdp::init_process_group: rank ", info.rank,
-              " is not below the world size ", info.world_size,
-              ". RANK and WORLD_SIZE disagree; start the job with fsdprun.");
-  TORCH_CHECK(info.local_rank < info.local_world_size, "fsdp::init_process_group: local rank ",
-              info.local_rank, " is not below the local world size ", info.local_world_size);
-  TORCH_CHECK(options.timeout().count() > 0, "fsdp::init_process_group: timeout must be positive");
+  FSDP_CHECK(info.world_size >= 1, -1, "init_process_group", "world size must be >= 1, got ",
+             info.world_size);
+  FSDP_CHECK(info.rank < info.world_size, -1, "init_process_group", "rank ", info.rank,
+             " is not below the world size ", info.world_size,
+             ". RANK and WORLD_SIZE disagree; start the job with fsdprun.");
+  FSDP_CHECK(info.local_rank < info.local_world_size, info.rank, "init_process_group",
+             "local rank ", info.local_rank, " is not below the local world size ",
+             info.local_world_size);
+  FSDP_CHECK(options.timeout().count() > 0, info.rank, "init_process_group",
+             "timeout must be positive");
+  // See Note [Communication knobs].
+  const detail::CommConfig config = detail::resolve_comm_config(options);
+  const bool debug = options.debug_collectives().value_or(detail::debug_requested_by_env());
 
   const std::string master_addr = string_setting(options.master_addr(), "MASTER_ADDR", "127.0.0.1");
   const int64_t master_port = int_setting(options.master_port(), "MASTER_PORT", 29500);
-  TORCH_CHECK(master_port > 0 && master_port <= 65535, "fsdp::init_process_group: master port ",
-              master_port, " is not in [1, 65535]");
+  FSDP_CHECK(master_port > 0 && master_port <= 65535, info.rank, "init_process_group",
+             "master port ", master_port, " is not in [1, 65535]");
   std::string listen_addr = options.listen_addr();
   if (listen_addr.empty() && !detail::is_loopback_host(master_addr)) {
     listen_addr = detail::local_address_toward(master_addr);
@@ -151,7 +211,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   switch (options.backend()) {
     case Backend::kGloo:
       group = std::make_shared<detail::GlooProcessGroup>(
-          store, "fsdp/world", info.rank, info.world_size, options.timeout(), listen_addr);
+          store, "fsdp/world", info.rank, info.world_size, options.timeout(), listen_addr, config);
       break;
     case Backend::kC10dGloo: {
 #if FSDP_WITH_GLOO
@@ -167,16 +227,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
                                                  timeout, world, factory);
       break;
 #else
-      TORCH_CHECK(false, "[rank ", info.rank,
-                  "] fsdp: Backend::kC10dGloo is not in this build of libfsdp: it was built "
-                  "against a LibTorch without Gloo's headers (pip's torch wheel). Use "
-                  "Backend::kGloo (the default), or wrap a c10d::ProcessGroup you made in "
-                  "fsdp::C10dProcessGroup.");
+      FSDP_FAIL(info.rank, "init_process_group",
+                "Backend::kC10dGloo is not in this build of libfsdp: it was built "
+                "against a LibTorch without Gloo's headers (pip's torch wheel). Use "
+                "Backend::kGloo (the default), or wrap a c10d::ProcessGroup you made in "
+                "fsdp::C10dProcessGroup.");
 #endif
     }
   }
 
-  if (options.debug_collectives()) group->set_debug_collectives(true);
+  group->set_debug_collectives(debug);
 
   // Nobody leaves init before everyone has connected: a rank that returned
   // and exited at once would otherwise break a peer's connect in progress.
@@ -190,13 +250,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   return group;
 }
 
-bool backend_available(Backend backend) {
-  return backend == Backend::kGloo || FSDP_WITH_GLOO;
-}
+bool backend_available(Backend backend) { return backend == Backend::kGloo || FSDP_WITH_GLOO; }
 
 std::shared_ptr<ProcessGroup> default_process_group() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  TORCH_CHECK(g_default, "fsdp: no default process group. Call fsdp::init_process_group() first.");
+  FSDP_CHECK(g_default, -1, "process group",
+             "no default process group. Call fsdp::init_process_group() first.");
   return g_default;
 }
 
@@ -207,7 +266,8 @@ bool is_initialized() {
 
 const RankInfo& rank_info() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  TORCH_CHECK(g_default, "fsdp: no default process group. Call fsdp::init_process_group() first.");
+  FSDP_CHECK(g_default, -1, "process group",
+             "no default process group. Call fsdp::init_process_group() first.");
   return g_info;
 }
 

@@ -2,16 +2,19 @@
 
 #include <ATen/ATen.h>
 
-#include <cstdlib>
+#include <algorithm>
 #include <vector>
+
+#include "comm/reduce.h"
 
 // Note [Ring collectives]
 // Both collectives walk a ring (rank r sends to r + 1 and receives from r - 1)
 // in size - 1 steps, so each rank sends and receives exactly (size - 1)/size
 // of the flat buffer: the bandwidth optimum. Every chunk is cut into segments
-// of ~1 MiB, and segment k of step s is forwarded (all-gather) or reduced and
-// forwarded (reduce-scatter) as soon as it arrived, while later segments are
-// still on the wire. Nothing full-sized is allocated:
+// of CommConfig::ring_segment_bytes (1 MiB unless set), and segment k of step
+// s is forwarded (all-gather) or reduced and forwarded (reduce-scatter) as
+// soon as it arrived, while later segments are still on the wire. Nothing
+// full-sized is allocated:
 // - all-gather receives every chunk straight into its place in `flat`; all
 //   receives are posted up front since their destinations never overlap.
 // - reduce-scatter at step s sends the partial sum of chunk (r - s - 1) and
@@ -27,17 +30,6 @@ namespace fsdp::detail {
 
 namespace {
 
-// FSDP_RING_SEGMENT_BYTES overrides the segment size, for tuning on other
-// machines; 1 MiB was the fastest of 256 KiB-8 MiB on the 2-core reference box.
-int64_t segment_bytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("FSDP_RING_SEGMENT_BYTES");
-    const long long v = env ? std::atoll(env) : 0;
-    return v >= 4096 ? static_cast<int64_t>(v) : int64_t{1} << 20;
-  }();
-  return bytes;
-}
-
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
 struct Segments {
@@ -49,25 +41,10 @@ struct Segments {
   }
 };
 
-Segments segments_of(const at::Tensor& shard) {
-  const int64_t seg = ring_segment_numel(static_cast<int64_t>(shard.element_size()));
+Segments segments_of(const at::Tensor& shard, int64_t segment_bytes) {
+  const int64_t seg =
+      std::max<int64_t>(1, segment_bytes / static_cast<int64_t>(shard.element_size()));
   return Segments{shard.numel(), seg, std::max<int64_t>(1, (shard.numel() + seg - 1) / seg)};
-}
-
-// acc = acc (op) other, elementwise.
-void combine(const at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      acc.add_(other);
-      return;
-    case ReduceOp::kMax:
-      at::maximum_out(const_cast<at::Tensor&>(acc), acc, other);
-      return;
-    case ReduceOp::kMin:
-      at::minimum_out(const_cast<at::Tensor&>(acc), acc, other);
-      return;
-  }
 }
 
 void wait_all(std::vector<std::unique_ptr<PendingTransfer>>& transfers) {
@@ -77,10 +54,8 @@ void wait_all(std::vector<std::unique_ptr<PendingTransfer>>& transfers) {
 
 }  // namespace
 
-int64_t ring_segment_numel(int64_t element_size) { return segment_bytes() / element_size; }
-
 void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
-                     const at::Tensor& shard, uint64_t slot_base) {
+                     const at::Tensor& shard, uint64_t slot_base, int64_t segment_bytes) {
   const int64_t n = shard.numel();
   auto chunk = [&](int c) { return flat.narrow(0, c * n, n); };
   at::Tensor own = chunk(rank);
@@ -89,7 +64,7 @@ void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& fl
     if (!in_place) own.copy_(shard);
     return;
   }
-  const Segments segs = segments_of(shard);
+  const Segments segs = segments_of(shard, segment_bytes);
   const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
   auto slot = [&](int s, int64_t k) { return slot_base + s * segs.count + k; };
 
@@ -119,14 +94,14 @@ void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& fl
 
 void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
                          const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
-                         uint64_t slot_base) {
+                         uint64_t slot_base, int64_t segment_bytes) {
   const int64_t n = shard.numel();
   auto chunk = [&](int c) { return flat.narrow(0, c * n, n); };
   if (size == 1 || n == 0) {
     if (n > 0) shard.copy_(chunk(0));
     return;
   }
-  const Segments segs = segments_of(shard);
+  const Segments segs = segments_of(shard, segment_bytes);
   const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
   auto slot = [&](int s, int64_t k) { return slot_base + s * segs.count + k; };
   auto recv_buf = [&](int s) -> const at::Tensor& {
@@ -149,7 +124,7 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
       } else {
         recvs[k]->wait();
         src = segs.of(recv_buf(s - 1), k);
-        combine(src, segs.of(chunk(mod(rank - s - 1, size)), k), op);
+        reduce_into(src, src, segs.of(chunk(mod(rank - s - 1, size)), k), op);
       }
       step_sends.push_back(p2p.isend(src, next, slot(s, k)));
     }
@@ -162,16 +137,17 @@ void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor
   }
   for (int64_t k = 0; k < segs.count; ++k) {
     recvs[k]->wait();
-    combine(segs.of(shard, k), segs.of(chunk(rank), k), op);
+    const at::Tensor out = segs.of(shard, k);
+    reduce_into(out, out, segs.of(chunk(rank), k), op);
   }
   wait_all(sends);
-  if (op == ReduceOp::kAvg) shard.div_(size);
+  finish_reduction(shard, op, size);
 }
 
 void ring_broadcast(PointToPoint& p2p, int rank, int size, const at::Tensor& flat, int root,
-                    uint64_t slot_base) {
+                    uint64_t slot_base, int64_t segment_bytes) {
   if (size == 1 || flat.numel() == 0) return;
-  const Segments segs = segments_of(flat);
+  const Segments segs = segments_of(flat, segment_bytes);
   const int next = mod(rank + 1, size), prev = mod(rank - 1, size);
   std::vector<std::unique_ptr<PendingTransfer>> sends;
   for (int64_t k = 0; k < segs.count; ++k) {

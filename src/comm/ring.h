@@ -31,24 +31,25 @@ class PointToPoint {
                                                  uint64_t slot) = 0;
 };
 
-/// Elements per pipelined segment for `element_size`-byte elements: the ring
-/// adds or forwards one segment while the next one is on the wire.
-int64_t ring_segment_numel(int64_t element_size);
+// Every ring below cuts its chunks into segments of `segment_bytes`
+// (CommConfig::ring_segment_bytes): it adds or forwards one segment while the
+// next one is on the wire.
 
 /// Ring all-gather straight into `flat` (see Note [Ring collectives] in ring.cpp).
 /// Uses slots [slot_base, slot_base + (size - 1) * segments).
 void ring_all_gather(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
-                     const at::Tensor& shard, uint64_t slot_base);
+                     const at::Tensor& shard, uint64_t slot_base, int64_t segment_bytes);
 
-/// Ring reduce-scatter of `flat` into `shard` (any ReduceOp); `flat` is left untouched.
-/// `scratch` (shard-sized) is needed only when size >= 3.
+/// Ring reduce-scatter of `flat` into `shard` (any ReduceOp, Note [One
+/// reduction]); `flat` is left untouched. `scratch` (shard-sized) is needed
+/// only when size >= 3.
 void ring_reduce_scatter(PointToPoint& p2p, int rank, int size, const at::Tensor& flat,
                          const at::Tensor& shard, const at::Tensor& scratch, ReduceOp op,
-                         uint64_t slot_base);
+                         uint64_t slot_base, int64_t segment_bytes);
 
 /// Ring broadcast of `flat` from `root`: a chain root -> root + 1 -> ... whose
 /// segments are forwarded as soon as they arrive. Uses slots [slot_base, slot_base + segments).
 void ring_broadcast(PointToPoint& p2p, int rank, int size, const at::Tensor& flat, int root,
-                    uint64_t slot_base);
+                    uint64_t slot_base, int64_t segment_bytes);
 
 }  // namespace fsdp::detail

@@ -17,7 +17,9 @@
 #include <fstream>
 #include <sstream>
 
+#include "comm/reduce.h"
 #include "comm/socket.h"
+#include "detail/error.h"
 
 // See Note [Shared memory for same-host ranks].
 
@@ -63,8 +65,8 @@ size_t data_offset(int size) {
   return round_up(kHeaderBytes + static_cast<size_t>(size) * kControlBytes, 4096);
 }
 
-size_t segment_bytes(int size) {
-  return data_offset(size) + static_cast<size_t>(size) * 2 * ShmLinks::slot_bytes();
+size_t segment_bytes(int size, int64_t slot_bytes) {
+  return data_offset(size) + static_cast<size_t>(size) * 2 * static_cast<size_t>(slot_bytes);
 }
 
 uint32_t load_acquire(const uint32_t* w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
@@ -113,16 +115,14 @@ std::string read_link(const char* path) {
 // Ranks may share memory when they run on the same boot of the same machine,
 // in the same IPC namespace (same /dev/shm) and PID namespace (pids checked
 // for liveness mean the same process), with the same slot size. Empty: off.
-std::string host_key() {
-  const char* env = std::getenv("FSDP_SHM");
-  if (env != nullptr && std::string(env) == "0") return "";
+std::string host_key(bool enabled, int64_t slot_bytes) {
+  if (!enabled) return "";
   const std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
   const std::string ipc = read_link("/proc/self/ns/ipc"), pid = read_link("/proc/self/ns/pid");
   if (boot.empty() || ipc.empty() || pid.empty()) return "";
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  return std::string(host) + "/" + boot + "/" + ipc + "/" + pid + "/" +
-         std::to_string(ShmLinks::slot_bytes());
+  return std::string(host) + "/" + boot + "/" + ipc + "/" + pid + "/" + std::to_string(slot_bytes);
 }
 
 std::string get_string(c10d::Store& store, const std::string& key) {
@@ -202,47 +202,24 @@ at::Tensor view_of(char* p, int64_t numel, at::ScalarType dtype) {
   return at::from_blob(p, {numel}, at::TensorOptions().dtype(dtype));
 }
 
-// out = a (op) b, elementwise; kAvg sums (the caller divides at the end).
-void combine_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      at::add_out(out, a, b);
-      return;
-    case ReduceOp::kMax:
-      at::maximum_out(out, a, b);
-      return;
-    case ReduceOp::kMin:
-      at::minimum_out(out, a, b);
-      return;
-  }
-}
-
 int64_t rounds_for(int64_t numel, int64_t per_round) {
   return std::max<int64_t>(1, (numel + per_round - 1) / per_round);
 }
 
 }  // namespace
 
-int64_t ShmLinks::slot_bytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("FSDP_SHM_SLOT_BYTES");
-    const long long v = env ? std::atoll(env) : 0;
-    return v >= 4096 ? static_cast<int64_t>(v / 64 * 64) : int64_t{2} << 20;
-  }();
-  return bytes;
-}
-
 std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int size,
-                                            std::chrono::milliseconds timeout) {
-  const std::string key = host_key();
+                                            std::chrono::milliseconds timeout, bool enabled,
+                                            int64_t slot_bytes) {
+  TORCH_INTERNAL_ASSERT(slot_bytes > 0 && slot_bytes % 64 == 0, "bad slot size ", slot_bytes);
+  const std::string key = host_key(enabled, slot_bytes);
   const std::string mine = key.empty() ? "off/" + std::to_string(rank) : key;
   if (!all_posted(store, "shm/host", rank, size, mine, mine)) return nullptr;
 
   fault_point(rank, 1);
 
   // See Note [Shared memory without a name].
-  const size_t bytes = segment_bytes(size);
+  const size_t bytes = segment_bytes(size, slot_bytes);
   UniqueFd segment;
   if (rank == 0) {
     segment = create_segment(bytes);
@@ -268,17 +245,23 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
     if (base != nullptr) ::munmap(base, bytes);
     return nullptr;
   }
-  return std::unique_ptr<ShmLinks>(new ShmLinks(rank, size, timeout, base, bytes));
+  return std::unique_ptr<ShmLinks>(new ShmLinks(rank, size, timeout, slot_bytes, base, bytes));
 }
 
-ShmLinks::ShmLinks(int rank, int size, std::chrono::milliseconds timeout, void* base, size_t bytes)
-    : rank_(rank), size_(size), timeout_(timeout), base_(base), bytes_(bytes) {}
+ShmLinks::ShmLinks(int rank, int size, std::chrono::milliseconds timeout, int64_t slot_bytes,
+                   void* base, size_t bytes)
+    : rank_(rank),
+      size_(size),
+      timeout_(timeout),
+      slot_bytes_(slot_bytes),
+      base_(base),
+      bytes_(bytes) {}
 
 ShmLinks::~ShmLinks() { ::munmap(base_, bytes_); }
 
 char* ShmLinks::slot(int rank, uint32_t round) const {
   const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
-  return static_cast<char*>(base_) + data_offset(size_) + index * static_cast<size_t>(slot_bytes());
+  return static_cast<char*>(base_) + data_offset(size_) + index * static_cast<size_t>(slot_bytes_);
 }
 
 uint32_t* ShmLinks::word(int rank, int which) const {
@@ -300,7 +283,7 @@ void ShmLinks::fail(const std::string& message) {
     futex_wake_all(word(p, kPosted));
     futex_wake_all(word(p, kDone));
   }
-  TORCH_CHECK(false, "[rank ", rank_, "] fsdp: ", message);
+  FSDP_FAIL(rank_, "process group", "", message);
 }
 
 void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what) {
@@ -317,8 +300,8 @@ void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what
     const uint32_t seen = load_acquire(w);
     if (reached(seen)) return;
     const uint32_t aborted = load_acquire(&header->aborted);
-    TORCH_CHECK(aborted == 0, "[rank ", rank_, "] fsdp: rank ", aborted - 1,
-                " failed a collective over shared memory (see its error), so this rank stops too.");
+    FSDP_CHECK(aborted == 0, rank_, "process group", "rank ", aborted - 1,
+               " failed a collective over shared memory (see its error), so this rank stops too.");
     if (process_gone(pid)) {
       fail("rank " + std::to_string(peer) + " (pid " + std::to_string(pid) +
            ") exited or was killed while this rank waited for it to " + what +
@@ -376,7 +359,7 @@ void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
   const char* own = static_cast<const char*>(shard.data_ptr());
   char* own_in_flat = out + static_cast<size_t>(rank_) * bytes;
   if (own_in_flat != own && bytes > 0) std::memcpy(own_in_flat, own, bytes);
-  const size_t per_round = static_cast<size_t>(slot_bytes());
+  const size_t per_round = static_cast<size_t>(slot_bytes_);
   auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
   run_rounds(
       CollectiveKind::kAllGather, flat.nbytes(),
@@ -395,7 +378,7 @@ void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
 void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, ReduceOp op) {
   const int64_t n = shard.numel(), es = static_cast<int64_t>(shard.element_size());
   // Each round, a rank's slot holds one piece per destination rank.
-  const int64_t piece = std::max<int64_t>(1, slot_bytes() / size_ / es / 16 * 16);
+  const int64_t piece = std::max<int64_t>(1, slot_bytes_ / size_ / es / 16 * 16);
   const char* in = static_cast<const char*>(flat.data_ptr());
   auto len = [&](int64_t i) { return std::min(piece, n - i * piece); };
   run_rounds(
@@ -416,17 +399,17 @@ void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, R
           if (p == rank_) continue;
           const at::Tensor theirs =
               view_of(slot(p, k) + rank_ * piece * es, len(i), shard.scalar_type());
-          combine_out(out, first ? own : out, theirs, op);
+          reduce_into(out, first ? own : out, theirs, op);
           first = false;
         }
-        if (op == ReduceOp::kAvg) out.div_(size_);  // while the piece is in cache
+        finish_reduction(out, op, size_);  // while the piece is in cache
       });
 }
 
 void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   at::Tensor t = tensor.view({-1});
   const int64_t n = t.numel(), es = static_cast<int64_t>(t.element_size());
-  const int64_t per_round = slot_bytes() / es;
+  const int64_t per_round = slot_bytes_ / es;
   const char* in = static_cast<const char*>(t.data_ptr());
   auto len = [&](int64_t i) { return std::min(per_round, n - i * per_round); };
   run_rounds(
@@ -438,12 +421,12 @@ void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
         if (n == 0) return;
         // Every rank sums the slots in rank order, so all get the same bits.
         at::Tensor out = t.narrow(0, i * per_round, len(i));
-        combine_out(out, view_of(slot(0, k), len(i), t.scalar_type()),
+        reduce_into(out, view_of(slot(0, k), len(i), t.scalar_type()),
                     view_of(slot(1, k), len(i), t.scalar_type()), op);
         for (int p = 2; p < size_; ++p) {
-          combine_out(out, out, view_of(slot(p, k), len(i), t.scalar_type()), op);
+          reduce_into(out, out, view_of(slot(p, k), len(i), t.scalar_type()), op);
         }
-        if (op == ReduceOp::kAvg) out.div_(size_);  // while the piece is in cache
+        finish_reduction(out, op, size_);  // while the piece is in cache
       });
 }
 

@@ -19,7 +19,7 @@ namespace fsdp::detail {
 /// collectives took ~290 ms of a 2 s step). When every rank of a group is on
 /// this host (same boot, IPC and PID namespaces), the group maps one
 /// shared-memory segment instead: per rank a control block and two slots of
-/// slot_bytes(). A collective is a sequence of *rounds*; in round k each rank
+/// CommConfig::shm_slot_bytes. A collective is a sequence of *rounds*; in round k each rank
 /// writes its part into its slot k % 2, publishes `posted = k + 1`, reads what
 /// it needs from the others' slot k % 2, then publishes `done = k + 1`. A slot
 /// is written again (round k + 2) only after every peer's `done` passed k, so
@@ -34,22 +34,23 @@ namespace fsdp::detail {
 ///   the timeout fails the wait; the failing rank sets the segment's abort word
 ///   and wakes everyone, so the others fail at once naming it.
 /// - Set-up is collective and all-or-nothing (through the store): any rank
-///   elsewhere, FSDP_SHM=0 on any rank, or a segment that cannot be created
-///   gives every rank nullptr, and the group keeps Gloo. The segment has no
-///   name at any time, so nothing is ever left in /dev/shm, whoever dies when
-///   (Note [Shared memory without a name]).
+///   elsewhere, shared memory turned off on any rank
+///   (CommConfig::shared_memory), slot sizes that differ, or a segment that
+///   cannot be created gives every rank nullptr, and the group keeps its
+///   other routes. The segment has no name at any time, so nothing is ever
+///   left in /dev/shm, whoever dies when (Note [Shared memory without a
+///   name]).
 class ShmLinks {
  public:
-  /// Collective over the group (keys under `store`, the group's own prefix).
+  /// Collective over the group (keys under `store`, the group's own prefix),
+  /// with slots of `slot_bytes` (a multiple of 64); `enabled` false posts "off".
   /// Returns nullptr on every rank when the group cannot use shared memory.
   static std::unique_ptr<ShmLinks> connect(c10d::Store& store, int rank, int size,
-                                           std::chrono::milliseconds timeout);
+                                           std::chrono::milliseconds timeout, bool enabled,
+                                           int64_t slot_bytes);
   ~ShmLinks();
   ShmLinks(const ShmLinks&) = delete;
   ShmLinks& operator=(const ShmLinks&) = delete;
-
-  /// Bytes of one slot (FSDP_SHM_SLOT_BYTES overrides the default 2 MiB).
-  static int64_t slot_bytes();
 
   /// See ProcessGroup::all_gather_into_tensor (contiguous 1-D tensors).
   void all_gather(const at::Tensor& flat, const at::Tensor& shard);
@@ -60,7 +61,8 @@ class ShmLinks {
 
  private:
   struct Layout;
-  ShmLinks(int rank, int size, std::chrono::milliseconds timeout, void* base, size_t bytes);
+  ShmLinks(int rank, int size, std::chrono::milliseconds timeout, int64_t slot_bytes, void* base,
+           size_t bytes);
 
   char* slot(int rank, uint32_t round) const;
   uint32_t* word(int rank, int which) const;
@@ -76,6 +78,7 @@ class ShmLinks {
 
   const int rank_, size_;
   const std::chrono::milliseconds timeout_;
+  const int64_t slot_bytes_;  // bytes of one slot (CommConfig::shm_slot_bytes)
   void* base_;
   size_t bytes_;
   uint32_t next_round_ = 0;

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <thread>
 
+#include "detail/error.h"
+
 namespace fsdp::detail {
 
 UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
@@ -57,8 +59,8 @@ AddrInfoList resolve(const std::string& host, int port, int flags) {
   AddrInfoList list;
   const std::string service = std::to_string(port);
   int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &list.head);
-  TORCH_CHECK(rc == 0, "fsdp: cannot resolve address '", host, "': ", gai_strerror(rc),
-              ". Give a numeric address or a resolvable host name.");
+  FSDP_CHECK(rc == 0, -1, "network", "cannot resolve address '", host, "': ", gai_strerror(rc),
+             ". Give a numeric address or a resolvable host name.");
   return list;
 }
 
@@ -122,9 +124,9 @@ UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port) {
                                                  : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
     return fd;
   }
-  TORCH_CHECK(false, "fsdp: cannot listen on ", addr, ":", port, ": ", last_error,
-              ". If the port is taken, pick another MASTER_PORT (fsdprun picks a free one "
-              "when --master-port is not given).");
+  FSDP_FAIL(-1, "network", "cannot listen on ", addr, ":", port, ": ", last_error,
+            ". If the port is taken, pick another MASTER_PORT (fsdprun picks a free one "
+            "when --master-port is not given).");
 }
 
 UniqueFd connect_tcp(const std::string& host, int port, std::chrono::milliseconds timeout) {
@@ -142,10 +144,11 @@ UniqueFd connect_tcp(const std::string& host, int port, std::chrono::millisecond
         return fd;
       }
     }
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "fsdp: cannot reach the rendezvous ",
-                "store at ", host, ":", port, " within ", timeout.count(), " ms (", last_error,
-                "). Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are the same "
-                "on every rank.");
+    FSDP_CHECK(std::chrono::steady_clock::now() < deadline, -1, "network",
+               "cannot reach the rendezvous ", "store at ", host, ":", port, " within ",
+               timeout.count(), " ms (", last_error,
+               "). Check that rank 0 is running and that MASTER_ADDR/MASTER_PORT are the same "
+               "on every rank.");
     std::this_thread::sleep_for(backoff);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
   }
@@ -234,8 +237,8 @@ std::string local_address_toward(const std::string& host) {
             : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&ss)->sin_addr);
     if (inet_ntop(ss.ss_family, src, buf, sizeof(buf)) != nullptr) return buf;
   }
-  TORCH_CHECK(false, "fsdp: no local interface routes to ", host,
-              ". Set ProcessGroupOptions::listen_addr to this node's address.");
+  FSDP_FAIL(-1, "network", "no local interface routes to ", host,
+            ". Set ProcessGroupOptions::listen_addr to this node's address.");
 }
 
 }  // namespace fsdp::detail

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "detail/error.h"
+
 namespace fsdp::detail {
 
 /// Requests understood by the store server.
@@ -102,8 +104,8 @@ class MessageReader {
 
  private:
   void need(size_t n) const {
-    TORCH_CHECK(pos_ + n <= bytes_.size(), "fsdp::TcpStore: malformed message (needs ", n,
-                " bytes at offset ", pos_, " of ", bytes_.size(), ")");
+    FSDP_CHECK(pos_ + n <= bytes_.size(), -1, "tcp store", "malformed message (needs ", n,
+               " bytes at offset ", pos_, " of ", bytes_.size(), ")");
   }
   const std::vector<uint8_t>& bytes_;
   size_t pos_ = 0;

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "comm/store_protocol.h"
+#include "detail/error.h"
 
 // Note [Store server]
 // The rendezvous store is reachable by anything that can reach its address (a
@@ -61,7 +62,7 @@ StoreServer::StoreServer(const std::string& listen_addr, int port) {
   listen_fd_ = listen_tcp(listen_addr, port, &port_);
   ::fcntl(listen_fd_.get(), F_SETFL, ::fcntl(listen_fd_.get(), F_GETFL) | O_NONBLOCK);
   wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  TORCH_CHECK(wake_fd_.get() >= 0, "fsdp::TcpStore: eventfd failed: ", std::strerror(errno));
+  FSDP_CHECK(wake_fd_.get() >= 0, -1, "tcp store", "eventfd failed: ", std::strerror(errno));
   loop_ = std::thread([this] { run(); });
 }
 

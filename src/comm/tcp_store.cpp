@@ -10,6 +10,7 @@
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
 #include "comm/store_server.h"
+#include "detail/error.h"
 
 // Note [Rendezvous store]
 // Rank 0 runs the store's server; every rank (rank 0 too) talks to it through
@@ -66,12 +67,12 @@ detail::IoResult recv_message(int fd, std::vector<uint8_t>* message, Clock::time
 TcpStore::TcpStore(const std::string& host, int port, bool is_server,
                    std::chrono::milliseconds timeout, const std::string& listen_addr)
     : c10d::Store(timeout), host_(host), port_(port) {
-  TORCH_CHECK(port >= 0 && port <= 65535, "fsdp::TcpStore: port must be in [0, 65535], got ", port);
+  FSDP_CHECK(port >= 0 && port <= 65535, -1, "tcp store", "port must be in [0, 65535], got ", port);
   if (is_server) {
     server_ = std::make_unique<detail::StoreServer>(listen_addr.empty() ? host : listen_addr, port);
     port_ = server_->port();
   } else {
-    TORCH_CHECK(port > 0, "fsdp::TcpStore: a client needs the server's port, got 0");
+    FSDP_CHECK(port > 0, -1, "tcp store", "a client needs the server's port, got 0");
   }
   fd_ = detail::connect_tcp(host_, port_, timeout).release();
 }
@@ -93,8 +94,8 @@ std::string TcpStore::address() const {
 std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
                                        std::chrono::milliseconds server_wait) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(fd_ >= 0, "fsdp::TcpStore: the connection to the rendezvous store at ", address(),
-              " was closed after an earlier request failed: ", broken_);
+  FSDP_CHECK(fd_ >= 0, -1, "tcp store", "the connection to the rendezvous store at ", address(),
+             " was closed after an earlier request failed: ", broken_);
   // No limit when the store's timeout is c10d's kNoTimeout (zero), or the
   // server may hold the request forever. A request the server holds gets a
   // little more than the server's wait, so that its own "timed out waiting
@@ -118,10 +119,10 @@ std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
                         "output.";
     ::close(fd_);
     fd_ = -1;
-    TORCH_CHECK(false, "fsdp::TcpStore: ", broken_);
+    FSDP_FAIL(-1, "tcp store", broken_);
   }
-  TORCH_CHECK(!reply.empty() && reply[0] != static_cast<uint8_t>(StoreStatus::kBadRequest),
-              "fsdp::TcpStore: the store at ", address(), " rejected a request");
+  FSDP_CHECK(!reply.empty() && reply[0] != static_cast<uint8_t>(StoreStatus::kBadRequest), -1,
+             "tcp store", "the store at ", address(), " rejected a request");
   return reply;
 }
 
@@ -147,10 +148,10 @@ std::vector<uint8_t> TcpStore::get(const std::string& key) {
   w.u8(static_cast<uint8_t>(StoreCommand::kGet)).str(key).i64(timeout_.count());
   auto reply = request(w.get(), timeout_.count() > 0 ? timeout_ : kForever);
   MessageReader r(reply);
-  TORCH_CHECK(r.u8() == static_cast<uint8_t>(StoreStatus::kOk), "fsdp::TcpStore: timed out after ",
-              timeout_.count(), " ms waiting for key '", key, "' at ", address(),
-              ". Some rank has not reached this point: is every one of the WORLD_SIZE ranks "
-              "started, and do they all run the same program?");
+  FSDP_CHECK(r.u8() == static_cast<uint8_t>(StoreStatus::kOk), -1, "tcp store", "timed out after ",
+             timeout_.count(), " ms waiting for key '", key, "' at ", address(),
+             ". Some rank has not reached this point: is every one of the WORLD_SIZE ranks "
+             "started, and do they all run the same program?");
   return r.vec();
 }
 
@@ -201,9 +202,9 @@ void TcpStore::wait(const std::vector<std::string>& keys,
       .i64(static_cast<int64_t>(keys.size()));
   for (const auto& k : keys) w.str(k);
   auto reply = request(w.get(), timeout.count() > 0 ? timeout : kForever);
-  TORCH_CHECK(reply[0] == static_cast<uint8_t>(StoreStatus::kOk),
-              "fsdp::TcpStore: timed out after ", timeout.count(), " ms waiting for keys [",
-              join_keys(keys), "] at ", address(), ". Some rank has not reached this point.");
+  FSDP_CHECK(reply[0] == static_cast<uint8_t>(StoreStatus::kOk), -1, "tcp store",
+             "timed out after ", timeout.count(), " ms waiting for keys [", join_keys(keys),
+             "] at ", address(), ". Some rank has not reached this point.");
 }
 
 }  // namespace fsdp

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include "comm/work_state.h"
+#include "detail/error.h"
 
 namespace fsdp {
 
@@ -24,31 +25,31 @@ void WorkState::finish(std::exception_ptr err) {
 Work::Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
 
 void Work::wait() const {
-  TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
+  FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::wait() on an empty handle");
   wait(state_->wait_limit);
 }
 
 void Work::wait(std::chrono::milliseconds timeout) const {
-  TORCH_CHECK(state_ != nullptr, "fsdp::Work::wait() on an empty handle");
+  FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::wait() on an empty handle");
   if (state_->run_here) state_->run_here(state_.get());
   std::unique_lock<std::mutex> lock(state_->mutex);
   const bool finished = state_->done.wait_for(
       lock, timeout, [&] { return state_->status != detail::WorkState::Status::kPending; });
-  TORCH_CHECK(finished, "[rank ", state_->rank, "] fsdp: ", state_->description,
-              " did not complete within ", timeout.count(),
-              " ms. A peer rank has probably died, hangs, or issued a different collective; "
-              "look at the other ranks' output (set FSDP_DEBUG=detail to compare collectives).");
+  FSDP_CHECK(finished, state_->rank, "process group", state_->description,
+             " did not complete within ", timeout.count(),
+             " ms. A peer rank has probably died, hangs, or issued a different collective; "
+             "look at the other ranks' output (set FSDP_DEBUG=detail to compare collectives).");
   if (state_->error) std::rethrow_exception(state_->error);
 }
 
 bool Work::is_completed() const {
-  TORCH_CHECK(state_ != nullptr, "fsdp::Work::is_completed() on an empty handle");
+  FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::is_completed() on an empty handle");
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->status != detail::WorkState::Status::kPending;
 }
 
 bool Work::is_success() const {
-  TORCH_CHECK(state_ != nullptr, "fsdp::Work::is_success() on an empty handle");
+  FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::is_success() on an empty handle");
   std::lock_guard<std::mutex> lock(state_->mutex);
   return state_->status == detail::WorkState::Status::kSucceeded;
 }

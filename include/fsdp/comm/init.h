@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fsdp/comm/process_group.h>
@@ -16,9 +17,11 @@ enum class Backend : uint8_t {
   /// libfsdp's CPU engine, the default: all-gather into the caller's buffer,
   /// a ring reduce-scatter, a dedicated communication thread; small
   /// collectives over direct TCP links, large ones between ranks on one host
-  /// through shared memory (FSDP_SHM=0 turns that off), the rest over Gloo
-  /// called directly (LibTorch 1.13 builds) or over the direct links (builds
-  /// against pip's torch wheel, which ships no Gloo headers).
+  /// through shared memory, the rest over Gloo called directly (LibTorch 1.13
+  /// builds) or over the direct links (builds against pip's torch wheel, which
+  /// ships no Gloo headers). The ProcessGroupOptions fields from
+  /// direct_link_bytes to shm_slot_bytes tune it; docs/communication.md tables
+  /// the routes.
   kGloo,
   /// c10d's ProcessGroupGloo behind the same interface (reference path; the
   /// same adapter carries NCCL on CUDA builds of LibTorch). Only in builds
@@ -29,7 +32,9 @@ enum class Backend : uint8_t {
 /// How to join a group. A field left at its default is read from the
 /// environment torchrun and fsdprun set (RANK, WORLD_SIZE, LOCAL_RANK,
 /// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); with neither, a single-rank
-/// group is made.
+/// group is made. Likewise the engine's knobs (direct_link_bytes ...
+/// debug_collectives) come from FSDP_* variables when left unset; a field set
+/// explicitly always wins over its variable. Sub-groups inherit them all.
 struct ProcessGroupOptions {
   /// This process's rank; -1: from RANK (default 0).
   TORCH_ARG(int64_t, rank) = -1;
@@ -54,11 +59,30 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
   /// Collective engine.
   TORCH_ARG(Backend, backend) = Backend::kGloo;
+  /// Backend::kGloo: largest per-rank chunk (bytes) of an all-gather,
+  /// reduce-scatter or all-reduce sent over the direct links to the ring
+  /// neighbours rather than through shared memory or Gloo, and the largest
+  /// message a rank writes without its sender thread. 0: nothing prefers the
+  /// links (with Gloo they are then not opened). -1: from
+  /// FSDP_DIRECT_LINK_BYTES (negative counts as 0), else 64 KiB.
+  TORCH_ARG(int64_t, direct_link_bytes) = -1;
+  /// Backend::kGloo: bytes per pipelined segment of the ring collectives, at
+  /// least 4096. -1: from FSDP_RING_SEGMENT_BYTES (values below 4096 are
+  /// ignored), else 1 MiB.
+  TORCH_ARG(int64_t, ring_segment_bytes) = -1;
+  /// Backend::kGloo: whether a group whose ranks all run on this host moves
+  /// collectives above direct_link_bytes through shared memory (off on any
+  /// rank: off for the whole group). Unset: on unless FSDP_SHM=0.
+  TORCH_ARG(std::optional<bool>, shared_memory) = std::nullopt;
+  /// Backend::kGloo: bytes of each of a rank's two shared-memory slots (bytes
+  /// per rank and round), at least 4096, rounded down to a multiple of 64.
+  /// -1: from FSDP_SHM_SLOT_BYTES (values below 4096 are ignored), else 2 MiB.
+  TORCH_ARG(int64_t, shm_slot_bytes) = -1;
   /// Debug mode: every collective first exchanges a fingerprint with the
   /// other ranks, so a mismatch is an error on every rank rather than a hang
-  /// (see ProcessGroup::set_debug_collectives()). Also on when the
-  /// environment has FSDP_DEBUG=detail.
-  TORCH_ARG(bool, debug_collectives) = false;
+  /// (see ProcessGroup::set_debug_collectives()). Unset: on when
+  /// FSDP_DEBUG=detail (any case).
+  TORCH_ARG(std::optional<bool>, debug_collectives) = std::nullopt;
   /// Make the result the default group (see default_process_group()).
   TORCH_ARG(bool, set_default) = true;
 };
