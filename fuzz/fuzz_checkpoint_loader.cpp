@@ -9,12 +9,14 @@
 #include <string>
 
 #include <fsdp/state/error.h>
-#include <fsdp/state/manifest.h>
-#include <fsdp/state/safetensors.h>
+
+#include "state/manifest.h"
+#include "state/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
-    const fsdp::SafetensorsHeader h = fsdp::parse_safetensors(data, size, "fuzz.safetensors");
+    const fsdp::detail::SafetensorsHeader h =
+        fsdp::detail::parse_safetensors(data, size, "fuzz.safetensors");
     // A valid header's tensors lie inside the input: touch their bytes.
     volatile uint8_t sink = 0;
     for (const auto& e : h.entries) {
@@ -24,11 +26,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
-    fsdp::parse_manifest(text, "rank0.json");
+    fsdp::detail::parse_manifest(text, "rank0.json");
   } catch (const fsdp::CheckpointError&) {
   }
   try {
-    fsdp::parse_marker(text, "COMPLETE");
+    fsdp::detail::parse_marker(text, "COMPLETE");
   } catch (const fsdp::CheckpointError&) {
   }
   return 0;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <fsdp/error_message.h>
 #include <fsdp/state/error.h>
 
 namespace fsdp::detail {
@@ -23,6 +24,12 @@ void agree(ProcessGroup* group, const std::exception_ptr& error, const std::stri
     throw CheckpointError(dir, "rank(s) " + failed + " failed while " + phase +
                                    " (see that rank's error); " + consequence);
   }
+}
+
+std::string cause_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const CheckpointError*>(&e))
+    return c->file() + ": " + c->problem();
+  return error_message(e);
 }
 
 }  // namespace fsdp::detail

@@ -1,4 +1,4 @@
-#include <fsdp/state/atomic_file.h>
+#include "state/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -10,7 +10,7 @@
 
 #include <fsdp/state/error.h>
 
-namespace fsdp {
+namespace fsdp::detail {
 namespace {
 
 std::string errno_text() { return std::strerror(errno); }
@@ -177,4 +177,4 @@ std::string read_small_file(const std::string& path, uint64_t max_size) {
   return out;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -4,9 +4,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <map>
 #include <mutex>
 
+#include <fsdp/comm/process_group.h>
+
+#include "detail/error.h"
 #include "state/agreement.h"
+#include "state/checkpoint_dir.h"
 #include "state/checkpoint_writer.h"
 #include "state/local_state.h"
 #include "state/piece_io.h"
@@ -14,6 +19,11 @@
 
 namespace fsdp {
 namespace {
+
+using detail::CheckpointReader;
+
+// The rank for error messages: the group's, else the launcher's.
+int64_t rank_of(ProcessGroup* group) { return group != nullptr ? group->rank() : -1; }
 
 // The default CPU generator's state as hex text, and back.
 std::string cpu_rng_state() {
@@ -33,14 +43,14 @@ std::string cpu_rng_state() {
   return out;
 }
 
-void set_cpu_rng_state(const std::string& hex, const std::string& file) {
-  TORCH_CHECK(hex.size() % 2 == 0, "fsdp load: ", file, ": rng_state is not hex bytes");
+void set_cpu_rng_state(const std::string& hex, const std::string& file, int64_t rank) {
+  FSDP_CHECK(hex.size() % 2 == 0, rank, file, "rng_state is not hex bytes");
   at::Tensor state = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
   auto* p = state.data_ptr<uint8_t>();
   auto nibble = [&](char c) -> int {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    TORCH_CHECK(false, "fsdp load: ", file, ": rng_state is not hex bytes");
+    FSDP_FAIL(rank, file, "rng_state is not hex bytes");
   };
   for (size_t i = 0; i < hex.size() / 2; ++i)
     p[i] = (nibble(hex[2 * i]) << 4) | nibble(hex[2 * i + 1]);
@@ -67,19 +77,19 @@ void set_cpu_rng_state(const std::string& hex, const std::string& file) {
 /// reader). If complete checkpoints exist but none verifies, resume() throws
 /// on every rank rather than start over: starting from step 0 would hide
 /// the damage and, with retention, remove the evidence.
-std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent) {
+std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent, int64_t rank) {
   std::string skipped;
   int64_t complete = 0;
-  for (const StepDirectory& s : step_directories(parent)) {
+  for (const detail::StepDirectory& s : detail::step_directories(parent)) {
     if (!s.marked) continue;
     ++complete;
     try {
       auto reader = std::make_unique<CheckpointReader>(s.path);
       return reader;
     } catch (const std::exception& e) {
-      TORCH_WARN("fsdp resume: skipping ", s.path, ", it does not verify: ", e.what(),
-                 "; trying an earlier checkpoint");
-      skipped += "; skipped " + s.path + " (" + e.what() + ")";
+      TORCH_WARN(detail::error_prefix(rank, parent), "skipping ", s.path,
+                 ", it does not verify: ", detail::cause_of(e), "; trying an earlier checkpoint");
+      skipped += "; skipped " + s.path + " (" + detail::cause_of(e) + ")";
     }
   }
   if (complete == 0) return nullptr;
@@ -94,19 +104,58 @@ const char* to_string(StateDictType type) {
   return type == StateDictType::kFull ? "full" : "sharded";
 }
 
+std::string checkpoint_path(const std::string& parent, int64_t step) {
+  return parent + "/" + detail::step_name(step);
+}
+
+std::string latest_checkpoint(const std::string& parent) {
+  for (const detail::StepDirectory& s : detail::step_directories(parent)) {
+    if (s.marked) return s.path;
+  }
+  return "";
+}
+
+void verify_checkpoint(const std::string& dir) { CheckpointReader reader(dir); }
+
+struct Checkpointer::Impl {
+  Impl(torch::nn::Module& model, torch::optim::Optimizer* optimizer, CheckpointerOptions options)
+      : model(model), optimizer(optimizer), options(options) {}
+
+  /// load(), with `reader` already verified (or null: verify `dir` first).
+  int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader);
+  /// Copies a verified checkpoint into the model, the optimizer, this rank's
+  /// RNG and the registered state (no communication).
+  void apply(const CheckpointReader& reader, ProcessGroup* group);
+
+  struct Registered {
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> load;
+  };
+  torch::nn::Module& model;
+  torch::optim::Optimizer* optimizer;
+  CheckpointerOptions options;
+  std::map<std::string, Registered> registered;
+  /// The directory resume() loaded (retention keeps it); "" before.
+  std::string resumed_from;
+};
+
 Checkpointer::Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                            CheckpointerOptions options)
-    : model_(model), optimizer_(optimizer), options_(options) {
-  TORCH_CHECK(options_.keep_last() >= 0, "fsdp Checkpointer: expected keep_last >= 0, got ",
-              options_.keep_last(), ". Pass 0 to keep every checkpoint.");
+    : impl_(std::make_unique<Impl>(model, optimizer, options)) {
+  FSDP_CHECK(options.keep_last() >= 0, /*rank=*/-1, "checkpoint", "expected keep_last >= 0, got ",
+             options.keep_last(), ". Pass 0 to keep every checkpoint.");
 }
+
+Checkpointer::~Checkpointer() = default;
+Checkpointer::Checkpointer(Checkpointer&&) noexcept = default;
+Checkpointer& Checkpointer::operator=(Checkpointer&&) noexcept = default;
 
 void Checkpointer::register_state(const std::string& name, std::function<std::string()> save,
                                   std::function<void(const std::string&)> load) {
-  TORCH_CHECK(save && load, "fsdp Checkpointer: state ", name, " needs both save and load");
-  TORCH_CHECK(registered_.count(name) == 0, "fsdp Checkpointer: state ", name,
-              " is registered twice; use distinct names");
-  registered_[name] = {std::move(save), std::move(load)};
+  FSDP_CHECK(save && load, /*rank=*/-1, "checkpoint", "state ", name, " needs both save and load");
+  FSDP_CHECK(impl_->registered.count(name) == 0, /*rank=*/-1, "checkpoint", "state ", name,
+             " is registered twice; use distinct names");
+  impl_->registered[name] = {std::move(save), std::move(load)};
 }
 
 void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type) {
@@ -117,18 +166,18 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   std::exception_ptr error;
   try {
     request.rng_state = cpu_rng_state();
-    for (const auto& kv : registered_) request.extra[kv.first] = kv.second.save();
+    for (const auto& kv : impl_->registered) request.extra[kv.first] = kv.second.save();
   } catch (...) {
     error = std::current_exception();
   }
-  detail::agree(detail::state_group(model_), error, dir, "collecting its registered state",
+  detail::agree(detail::state_group(impl_->model), error, dir, "collecting its registered state",
                 "nothing was written");
-  detail::write_checkpoint(model_, optimizer_, request);
+  detail::write_checkpoint(impl_->model, impl_->optimizer, request);
 }
 
 std::string Checkpointer::save_step(const std::string& parent, int64_t step, StateDictType type) {
   const std::string dir = checkpoint_path(parent, step);
-  ProcessGroup* group = detail::state_group(model_);
+  ProcessGroup* group = detail::state_group(impl_->model);
   const bool root = group == nullptr || group->rank() == 0;
   // See Note [Removing leftovers]: every exit below is after an agreement.
   try {
@@ -140,18 +189,18 @@ std::string Checkpointer::save_step(const std::string& parent, int64_t step, Sta
   }
   if (root) {
     std::vector<std::string> keep = {dir};
-    if (!resumed_from_.empty()) keep.push_back(resumed_from_);
-    detail::tidy_checkpoints(parent, options_.keep_last(), keep);
+    if (!impl_->resumed_from.empty()) keep.push_back(impl_->resumed_from);
+    detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep);
   }
   return dir;
 }
 
-int64_t Checkpointer::load(const std::string& dir) { return load_verified(dir, nullptr); }
+int64_t Checkpointer::load(const std::string& dir) { return impl_->load_verified(dir, nullptr); }
 
-int64_t Checkpointer::load_verified(const std::string& dir,
-                                    std::unique_ptr<CheckpointReader> reader) {
+int64_t Checkpointer::Impl::load_verified(const std::string& dir,
+                                          std::unique_ptr<CheckpointReader> reader) {
   // See Note [Collective load].
-  ProcessGroup* group = detail::state_group(model_);
+  ProcessGroup* group = detail::state_group(model);
   std::exception_ptr error;
   try {
     if (!reader) reader = std::make_unique<CheckpointReader>(dir);
@@ -170,21 +219,21 @@ int64_t Checkpointer::load_verified(const std::string& dir,
   return reader->marker().step;
 }
 
-void Checkpointer::apply(const CheckpointReader& reader, ProcessGroup* group) {
+void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* group) {
   detail::FileSource source(reader);
-  detail::load_model_pieces(model_, source);
-  if (optimizer_ != nullptr) detail::load_optim_pieces(model_, *optimizer_, source);
+  detail::load_model_pieces(model, source);
+  if (optimizer != nullptr) detail::load_optim_pieces(model, *optimizer, source);
   // Resume state is per rank; at another world size rank r takes what rank
   // r (or, beyond the saved ranks, rank 0) saved.
   const int rank = group != nullptr ? group->rank() : 0;
   const int saved = reader.marker().world_size;
-  const RankManifest& m = reader.manifest(rank < saved ? rank : 0);
-  const std::string file = reader.dir() + "/" + manifest_name(m.rank);
-  if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file);
-  for (const auto& kv : registered_) {
+  const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
+  const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
+  if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file, rank_of(group));
+  for (const auto& kv : registered) {
     const auto it = m.extra.find(kv.first);
-    TORCH_CHECK(it != m.extra.end(), "fsdp load: ", file, " has no registered state '", kv.first,
-                "'; it was saved without register_state(\"", kv.first, "\", ...)");
+    FSDP_CHECK(it != m.extra.end(), rank_of(group), file, "has no registered state '", kv.first,
+               "'; it was saved without register_state(\"", kv.first, "\", ...)");
     kv.second.load(it->second);
   }
 }
@@ -193,7 +242,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
   // Rank 0 chooses the step, so that ranks whose view of `parent` differs (a
   // save still appearing on another node) cannot load different steps.
   // See Note [Resume fallback].
-  ProcessGroup* group = detail::state_group(model_);
+  ProcessGroup* group = detail::state_group(impl_->model);
   const bool root = group == nullptr || group->rank() == 0;
   constexpr double kNone = -1, kFailed = -2;
   at::Tensor step = at::full({1}, kNone, at::kDouble);
@@ -201,7 +250,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
   std::exception_ptr error;
   if (root) {
     try {
-      verified = newest_verified(parent);
+      verified = newest_verified(parent, rank_of(group));
       std::vector<std::string> keep;
       if (verified) {
         step.fill_(static_cast<double>(verified->marker().step));
@@ -209,7 +258,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
       }
       // See Note [Removing leftovers]: every rank is in resume(). Retention
       // applies now too, so that a full disk has room for the next save.
-      detail::tidy_checkpoints(parent, options_.keep_last(), keep);
+      detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep);
     } catch (...) {
       error = std::current_exception();
       step.fill_(kFailed);
@@ -225,8 +274,8 @@ int64_t Checkpointer::resume(const std::string& parent) {
   }
   if (chosen == kNone) return -1;
   const std::string dir = checkpoint_path(parent, static_cast<int64_t>(chosen));
-  const int64_t loaded = load_verified(dir, std::move(verified));
-  resumed_from_ = dir;
+  const int64_t loaded = impl_->load_verified(dir, std::move(verified));
+  impl_->resumed_from = dir;
   return loaded;
 }
 

@@ -1,4 +1,4 @@
-#include <fsdp/state/checkpoint_dir.h>
+#include "state/checkpoint_dir.h"
 
 #include <dirent.h>
 #include <sys/stat.h>
@@ -10,7 +10,7 @@
 
 #include <fsdp/state/error.h>
 
-namespace fsdp {
+namespace fsdp::detail {
 
 // Note [Checkpoint directory]
 // A checkpoint is a directory:
@@ -159,16 +159,14 @@ void CheckpointReader::read(const TensorRecord& piece, int64_t begin, int64_t en
       static_cast<size_t>(end - begin) * elem);
 }
 
-void verify_checkpoint(const std::string& dir) { CheckpointReader reader(dir); }
-
-std::string checkpoint_path(const std::string& parent, int64_t step) {
+std::string step_name(int64_t step) {
   char name[32];
   std::snprintf(name, sizeof(name), "step-%010lld", static_cast<long long>(step));
-  return join(parent, name);
+  return name;
 }
 
 int64_t step_of_name(const std::string& name) {
-  // Only names checkpoint_path() makes, so that a step number names the
+  // Only names step_name() makes, so that a step number names the
   // directory (Checkpointer::resume broadcasts the step, not the name).
   if (name.size() != 15 || name.rfind("step-", 0) != 0 ||
       name.find_first_not_of("0123456789", 5) != std::string::npos)
@@ -202,11 +200,4 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
   return out;
 }
 
-std::string latest_checkpoint(const std::string& parent) {
-  for (const StepDirectory& s : step_directories(parent)) {
-    if (s.marked) return s.path;
-  }
-  return "";
-}
-
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -9,16 +9,16 @@
 #include <cstring>
 #include <exception>
 
-#include <fsdp/state/atomic_file.h>
-#include <fsdp/state/checkpoint_dir.h>
 #include <fsdp/state/error.h>
-#include <fsdp/state/manifest.h>
-#include <fsdp/state/safetensors.h>
 
 #include "state/agreement.h"
+#include "state/atomic_file.h"
+#include "state/checkpoint_dir.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
+#include "state/manifest.h"
 #include "state/retention.h"
+#include "state/safetensors.h"
 
 namespace fsdp::detail {
 namespace {

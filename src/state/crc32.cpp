@@ -1,8 +1,8 @@
-#include <fsdp/state/crc32.h>
+#include "state/crc32.h"
 
 #include <array>
 
-namespace fsdp {
+namespace fsdp::detail {
 namespace {
 
 // The byte-wise table of the reflected polynomial 0xEDB88320.
@@ -32,4 +32,4 @@ uint32_t crc32(const void* data, size_t size) {
   return c.value();
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -1,5 +1,6 @@
 #include "state/local_state.h"
 
+#include "detail/error.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -80,9 +81,9 @@ LocalPiece whole_piece(const std::string& name, const at::Tensor& t, bool is_buf
   p.numel = t.numel();
   p.begin = 0;
   p.end = t.numel();
-  TORCH_CHECK(t.is_contiguous(), "fsdp checkpoint: ", name,
-              " is not contiguous; expected the "
-              "module's parameters and buffers to be contiguous tensors");
+  FSDP_CHECK(t.is_contiguous(), /*rank=*/-1, name,
+             "is not contiguous; expected the "
+             "module's parameters and buffers to be contiguous tensors");
   p.data = t.detach().view({-1});
   if (!is_buffer) p.optim_param = t;
   p.replicated = true;
@@ -163,9 +164,9 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
     for (const auto& g : opt.param_groups())
       amsgrad |= static_cast<const torch::optim::AdamOptions&>(g.options()).amsgrad();
   } else {
-    TORCH_CHECK(false,
-                "fsdp checkpoint: unsupported optimizer; expected torch::optim::SGD, Adam "
-                "or AdamW. Save other optimizers' state yourself with the registered state.");
+    FSDP_FAIL(/*rank=*/-1, "checkpoint",
+              "unsupported optimizer; expected torch::optim::SGD, Adam "
+              "or AdamW. Save other optimizers' state yourself with the registered state.");
   }
   has_step_ = true;
   names_ = {"exp_avg", "exp_avg_sq"};
@@ -233,7 +234,7 @@ std::string safetensors_dtype(at::ScalarType t) {
     default:
       break;
   }
-  TORCH_CHECK(false, "fsdp checkpoint: tensors of dtype ", t, " cannot be saved in safetensors");
+  FSDP_FAIL(/*rank=*/-1, "checkpoint", "tensors of dtype ", t, " cannot be saved in safetensors");
 }
 
 at::ScalarType scalar_type_of(const std::string& dtype) {
@@ -242,7 +243,8 @@ at::ScalarType scalar_type_of(const std::string& dtype) {
       {"I64", at::kLong},  {"I32", at::kInt},    {"I16", at::kShort}, {"I8", at::kChar},
       {"U8", at::kByte},   {"BOOL", at::kBool}};
   const auto it = types.find(dtype);
-  TORCH_CHECK(it != types.end(), "fsdp checkpoint: dtype ", dtype, " has no LibTorch equivalent");
+  FSDP_CHECK(it != types.end(), /*rank=*/-1, "checkpoint", "dtype ", dtype,
+             " has no LibTorch equivalent");
   return it->second;
 }
 

@@ -1,12 +1,13 @@
-#include <fsdp/state/manifest.h>
+#include "state/manifest.h"
 
 #include <nlohmann/json.hpp>
 
-#include <fsdp/state/crc32.h>
 #include <fsdp/state/error.h>
-#include <fsdp/state/safetensors.h>
 
-namespace fsdp {
+#include "state/crc32.h"
+#include "state/safetensors.h"
+
+namespace fsdp::detail {
 namespace {
 
 using nlohmann::json;
@@ -207,4 +208,4 @@ CompletionMarker parse_marker(const std::string& text, const std::string& file) 
   return m;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 
+#include "detail/error.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
@@ -34,12 +35,13 @@ std::vector<std::string> DictSource::keys() const {
 
 void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                       int64_t end, const at::Tensor& dst) const {
-  const at::Tensor& t = dict_[key.substr(prefix_.size())];
-  TORCH_CHECK(t.sizes().vec() == shape, "fsdp load: ", key.substr(prefix_.size()), " has shape ",
-              t.sizes(), " in the state dict, expected ", shape_text(shape),
-              " (the model's). Load a state dict saved from the same model.");
-  TORCH_CHECK(t.scalar_type() == dst.scalar_type(), "fsdp load: ", key.substr(prefix_.size()),
-              " is ", t.scalar_type(), " in the state dict, expected ", dst.scalar_type());
+  const std::string name = key.substr(prefix_.size());
+  const at::Tensor& t = dict_[name];
+  FSDP_CHECK(t.sizes().vec() == shape, /*rank=*/-1, name, "has shape ", t.sizes(),
+             " in the state dict, expected ", shape_text(shape),
+             " (the model's). Load a state dict saved from the same model.");
+  FSDP_CHECK(t.scalar_type() == dst.scalar_type(), /*rank=*/-1, name, "is ", t.scalar_type(),
+             " in the state dict, expected ", dst.scalar_type());
   dst.copy_(t.detach().reshape({-1}).narrow(0, begin, end - begin));
 }
 
@@ -50,25 +52,26 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
   auto pieces = reader_.pieces(key);
   std::sort(pieces.begin(), pieces.end(),
             [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
-  TORCH_CHECK(dst.is_contiguous(), "fsdp load: internal: destination not contiguous");
+  TORCH_INTERNAL_ASSERT(dst.is_contiguous(), "the destination of ", key, " is not contiguous");
   const std::string dtype = safetensors_dtype(dst.scalar_type());
   auto* out = static_cast<char*>(dst.data_ptr());
   const int64_t elem = static_cast<int64_t>(dst.element_size());
   int64_t cur = begin;
   for (const TensorRecord* p : pieces) {
-    TORCH_CHECK(p->shape == shape, "fsdp load: ", reader_.dir(), "/", p->file, ": ", key,
-                " has shape ", shape_text(p->shape), ", the model expects ", shape_text(shape),
-                ". Load a checkpoint saved from the same model.");
-    TORCH_CHECK(p->dtype == dtype, "fsdp load: ", reader_.dir(), "/", p->file, ": ", key, " is ",
-                p->dtype, ", the model expects ", dtype);
+    const std::string file = reader_.dir() + "/" + p->file;
+    FSDP_CHECK(p->shape == shape, /*rank=*/-1, file, key, " has shape ", shape_text(p->shape),
+               ", the model expects ", shape_text(shape),
+               ". Load a checkpoint saved from the same model.");
+    FSDP_CHECK(p->dtype == dtype, /*rank=*/-1, file, key, " is ", p->dtype, ", the model expects ",
+               dtype);
     if (cur >= end) break;
     if (p->begin > cur || p->end <= cur) continue;
     const int64_t hi = std::min(end, p->end);
     reader_.read(*p, cur, hi, out + (cur - begin) * elem);
     cur = hi;
   }
-  TORCH_CHECK(cur >= end, "fsdp load: ", reader_.dir(), ": elements [", cur, ", ", end, ") of ",
-              key, " are in no file of the checkpoint (an incomplete sharded checkpoint?)");
+  FSDP_CHECK(cur >= end, /*rank=*/-1, reader_.dir(), "elements [", cur, ", ", end, ") of ", key,
+             " are in no file of the checkpoint (an incomplete sharded checkpoint?)");
 }
 
 void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
@@ -80,17 +83,18 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   for (LocalPiece& p : local_pieces(root)) {
     const std::string key = "model/" + p.name;
     expected.insert(key);
-    TORCH_CHECK(src.has(key), "fsdp load: the checkpoint has no entry for ",
-                p.is_buffer ? "buffer " : "parameter ", p.name,
-                ". Load a checkpoint saved from the same model (names are the original "
-                "module paths).");
+    FSDP_CHECK(src.has(key), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
+               p.is_buffer ? "buffer " : "parameter ", p.name,
+               ". Load a checkpoint saved from the same model (names are the original "
+               "module paths).");
     if (p.end == p.begin) continue;
     src.read(key, p.shape, p.begin, p.end, p.data);
   }
   for (const std::string& key : src.keys()) {
     if (key.rfind("model/", 0) != 0) continue;
-    TORCH_CHECK(expected.count(key) != 0, "fsdp load: the checkpoint has ", key.substr(6),
-                ", which the model does not have. Load a checkpoint saved from the same model.");
+    FSDP_CHECK(expected.count(key) != 0, /*rank=*/-1, key.substr(6), "the checkpoint has ",
+               key.substr(6),
+               ", which the model does not have. Load a checkpoint saved from the same model.");
   }
 }
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/state/checkpoint_dir.h>
+#include "state/checkpoint_dir.h"
 
 namespace fsdp::detail {
 

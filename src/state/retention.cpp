@@ -9,8 +9,10 @@
 #include <cstring>
 #include <filesystem>
 
-#include <fsdp/state/atomic_file.h>
-#include <fsdp/state/checkpoint_dir.h>
+#include "detail/error.h"
+#include "state/agreement.h"
+#include "state/atomic_file.h"
+#include "state/checkpoint_dir.h"
 
 namespace fsdp::detail {
 
@@ -38,7 +40,7 @@ void remove_path(const std::string& path, bool tree) {
   } else {
     std::filesystem::remove(path, ec);
   }
-  if (ec) TORCH_WARN("fsdp checkpoint: cannot remove ", path, ": ", ec.message());
+  if (ec) TORCH_WARN(error_prefix(/*rank=*/-1, path), "cannot remove it: ", ec.message());
 }
 
 }  // namespace
@@ -69,7 +71,7 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
   try {
     dirs = step_directories(parent);
   } catch (const std::exception& e) {
-    TORCH_WARN("fsdp checkpoint: not tidying ", parent, ": ", e.what());
+    TORCH_WARN(error_prefix(/*rank=*/-1, parent), "not tidying it: ", cause_of(e));
     return;
   }
   int64_t complete = 0;  // complete ones seen so far, newest first

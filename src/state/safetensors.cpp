@@ -1,4 +1,4 @@
-#include <fsdp/state/safetensors.h>
+#include "state/safetensors.h"
 
 #include <nlohmann/json.hpp>
 
@@ -7,7 +7,7 @@
 
 #include <fsdp/state/error.h>
 
-namespace fsdp {
+namespace fsdp::detail {
 namespace {
 
 using nlohmann::json;
@@ -178,4 +178,4 @@ std::string encode_safetensors_header(std::vector<SafetensorsEntry>& entries,
   return out + text;
 }
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include <fsdp/fsdp.h>
-#include <fsdp/state/safetensors.h>
+#include "state/safetensors.h"  // libfsdp internals: src/ is on this target's include path
 
 #include "gpt_mini.h"
 
@@ -90,18 +90,18 @@ Model build(const gpt_mini::GPTConfig& config) {
 
 // Int64 tensors written as one safetensors file.
 void write_tensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors) {
-  std::vector<fsdp::SafetensorsEntry> entries;
+  std::vector<fsdp::detail::SafetensorsEntry> entries;
   std::vector<at::Tensor> data;
   for (const auto& kv : tensors) {
     TORCH_CHECK(kv.second.scalar_type() == at::kLong, "interop_gpt: ", kv.first, " is not int64");
-    fsdp::SafetensorsEntry e;
+    fsdp::detail::SafetensorsEntry e;
     e.name = kv.first;
     e.dtype = "I64";
     e.shape = kv.second.sizes().vec();
     entries.push_back(e);
     data.push_back(kv.second.contiguous());
   }
-  const std::string header = fsdp::encode_safetensors_header(entries);
+  const std::string header = fsdp::detail::encode_safetensors_header(entries);
   std::ofstream out(path, std::ios::binary);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   for (const auto& t : data)
@@ -115,7 +115,8 @@ std::map<std::string, at::Tensor> read_tensors(const std::string& path) {
   TORCH_CHECK(in.good(), "interop_gpt: cannot read ", path);
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
-  const fsdp::SafetensorsHeader header = fsdp::parse_safetensors(data, bytes.size(), path);
+  const fsdp::detail::SafetensorsHeader header =
+      fsdp::detail::parse_safetensors(data, bytes.size(), path);
   std::map<std::string, at::Tensor> out;
   for (const auto& e : header.entries) {
     TORCH_CHECK(e.dtype == "I64", "interop_gpt: ", path, ": ", e.name, " is ", e.dtype,

@@ -9,8 +9,7 @@
 #include <functional>
 #include <string>
 
-#include <fsdp/state/crc32.h>
-
+#include "state/crc32.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -22,7 +21,7 @@ inline void reseal_marker(const std::string& dir,
   edit(j);
   j.erase("crc32");
   const std::string canonical = j.dump(1);
-  j["crc32"] = crc32(canonical.data(), canonical.size());
+  j["crc32"] = detail::crc32(canonical.data(), canonical.size());
   put_file_bytes(dir + "/COMPLETE", j.dump(1));
 }
 

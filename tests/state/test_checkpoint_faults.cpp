@@ -312,7 +312,15 @@ TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
     }
     EXPECT_EQ(warnings.size(), rank == 0 ? 1u : 0u);
     if (rank == 0 && !warnings.empty()) {
-      EXPECT_NE(warnings[0].find("optim-rank1.safetensors: checksum mismatch"), std::string::npos)
+      // The one prefix, once: the quoted error keeps only its file and problem.
+      const std::string step12 = checkpoint_path(dir, 12);
+      EXPECT_EQ(warnings[0].rfind("[rank 0] fsdp(" + dir + "): skipping " + step12 +
+                                      ", it does not verify: " + step12 +
+                                      "/optim-rank1.safetensors: checksum mismatch",
+                                  0),
+                0u)
+          << warnings[0];
+      EXPECT_EQ(warnings[0].find("fsdp(", warnings[0].find("fsdp(") + 1), std::string::npos)
           << warnings[0];
     }
   });

@@ -8,17 +8,26 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 
 #include <fsdp/fsdp.h>
-#include <fsdp/state/crc32.h>
-#include <fsdp/state/safetensors.h>
 
+#include "error_of.h"
 #include "marker_edit.h"
+#include "state/crc32.h"
+#include "state/safetensors.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
 namespace {
+
+using detail::crc32;
+using detail::Crc32;
+using detail::encode_safetensors_header;
+using detail::parse_safetensors;
+using detail::SafetensorsEntry;
+using detail::SafetensorsHeader;
 
 TEST(Crc32, KnownValues) {
   EXPECT_EQ(crc32("123456789", 9), 0xCBF43926u);
@@ -94,6 +103,57 @@ TEST(Safetensors, RefusesInconsistentHeaders) {
   expect_error([&] { parse(edit("[2,3]", "[-2,3]")); }, {"'a'", "non-negative"});
   expect_error([&] { parse(edit("{", "[")); }, {"t.safetensors", "JSON"});
   expect_error([&] { parse(edit("[2,3]", "[99999999999,99999999999]")); }, {"too large"});
+}
+
+// The prefix of every error in this process: "[rank R] " when the launcher
+// gave it a RANK, then "fsdp(<where>): " (see Note [Error messages]).
+std::string prefix(const std::string& where) {
+  const char* rank = std::getenv("RANK");
+  return (rank != nullptr && *rank != '\0' ? "[rank " + std::string(rank) + "] " : "") + "fsdp(" +
+         where + "): ";
+}
+
+TEST(CheckpointErrors, ReadWithTheOnePrefix) {
+  // The on-disk layer: the file, then the problem.
+  try {
+    parse(tiny_file().substr(0, 5));
+    ADD_FAILURE() << "a truncated file was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(e.file(), "t.safetensors");
+    EXPECT_EQ(e.problem().rfind("truncated: 5 bytes", 0), 0u) << e.problem();
+    EXPECT_EQ(std::string(e.what()), prefix("t.safetensors") + e.problem());
+  }
+  const std::string dir = test_dir();
+  try {
+    verify_checkpoint(dir + "/none");
+    ADD_FAILURE() << "a directory without a marker verified";
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(prefix(dir + "/none/COMPLETE") +
+                                              "missing completion marker: the save did not finish",
+                                          0),
+              0u)
+        << e.what();
+  }
+  // The Checkpointer: the component; loading: the parameter.
+  Net model(false, FSDPOptions());
+  Checkpointer ckpt(*model);
+  ckpt.register_state(
+      "data", [] { return std::string(); }, [](const std::string&) {});
+  EXPECT_EQ(error_of([&] {
+              ckpt.register_state(
+                  "data", [] { return std::string(); }, [](const std::string&) {});
+            }),
+            prefix("checkpoint") + "state data is registered twice; use distinct names");
+  EXPECT_EQ(
+      error_of([&] { Checkpointer(*model, nullptr, CheckpointerOptions().keep_last(-1)); }),
+      prefix("checkpoint") + "expected keep_last >= 0, got -1. Pass 0 to keep every checkpoint.");
+  auto sd = full_state_dict(*model);
+  const std::string name = "head.weight";
+  sd[name] = torch::zeros({3, 15});
+  const std::string shape = error_of([&] { load_full_state_dict(*model, sd); });
+  EXPECT_EQ(shape.rfind(prefix(name) + "has shape [3, 15] in the state dict, expected ", 0), 0u)
+      << shape;
+  remove_test_dir(dir);
 }
 
 // A plain model and Adam after two steps, saved to `dir`.

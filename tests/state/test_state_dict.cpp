@@ -42,7 +42,9 @@ TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
       load_full_state_dict(*other, bad);
       ADD_FAILURE() << "a wrong shape was accepted";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("head.weight"), std::string::npos) << e.what();
+      const std::string what = e.what_without_backtrace();
+      const std::string prefix = "[rank " + std::to_string(rank) + "] fsdp(head.weight): ";
+      EXPECT_EQ(what.rfind(prefix + "has shape [3, 15] in the state dict", 0), 0u) << what;
     }
   });
 }
@@ -179,11 +181,12 @@ TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
           Checkpointer(*other, other_opt.get()).load(mine);
           ADD_FAILURE() << "rank " << rank << " loaded although rank 1 could not";
         } catch (const std::exception& e) {
+          // Rank 1 names the file it could not verify, rank 0 the directory.
           const std::string what = e.what();
-          EXPECT_NE(what.find(rank == 0 ? "rank(s) 1 failed while verifying it"
-                                        : "bad/model-rank1.safetensors"),
-                    std::string::npos)
-              << what;
+          const std::string expected =
+              rank == 0 ? "[rank 0] fsdp(" + mine + "): rank(s) 1 failed while verifying it"
+                        : "[rank 1] fsdp(" + mine + "/model-rank1.safetensors): checksum mismatch";
+          EXPECT_EQ(what.rfind(expected, 0), 0u) << what;
         }
         // Nothing changed: the model still holds what the good load gave.
         expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after refusal");

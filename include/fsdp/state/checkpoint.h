@@ -10,12 +10,9 @@
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <string>
 
-#include <fsdp/comm/process_group.h>
-#include <fsdp/state/checkpoint_dir.h>
 #include <fsdp/state/error.h>
 
 namespace fsdp {
@@ -32,6 +29,23 @@ enum class StateDictType {
 
 /// The name of a state dict type, for messages ("full", "sharded").
 const char* to_string(StateDictType type);
+
+/// "parent/step-<step>", the step zero-padded to 10 digits so that names sort
+/// by step: where Checkpointer::save_step() saves and resume() looks.
+std::string checkpoint_path(const std::string& parent, int64_t step);
+
+/// The complete checkpoint directory under `parent` with the highest step
+/// (directories named as checkpoint_path() names them, "step-<10 digits>",
+/// that hold a completion marker), or "" if none. Nothing is verified.
+std::string latest_checkpoint(const std::string& parent);
+
+/// Verifies the checkpoint `dir` without loading it: the completion marker
+/// (its own checksum, and that its step is the manifests' and, for a
+/// "step-<N>" directory, N), every manifest and every data file (size,
+/// CRC-32, header, and every piece a manifest lists). Throws CheckpointError
+/// naming the file and the problem if it is incomplete or damaged; a file
+/// that is not a regular file (a FIFO, a device) is refused, never waited on.
+void verify_checkpoint(const std::string& dir);
 
 /// Options of a Checkpointer.
 struct CheckpointerOptions {
@@ -58,6 +72,10 @@ class Checkpointer {
   /// `model` is the FSDP root (or any module); `optimizer` may be null.
   explicit Checkpointer(torch::nn::Module& model, torch::optim::Optimizer* optimizer = nullptr,
                         CheckpointerOptions options = {});
+  ~Checkpointer();
+  /// Movable; a moved-from Checkpointer may only be destroyed or assigned to.
+  Checkpointer(Checkpointer&&) noexcept;
+  Checkpointer& operator=(Checkpointer&&) noexcept;
 
   /// Registers per-rank state of the training loop (e.g. the data position):
   /// `save` returns it as text when saving, `load` receives it when loading.
@@ -90,19 +108,11 @@ class Checkpointer {
   int64_t resume(const std::string& parent);
 
  private:
-  int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader);
-  void apply(const CheckpointReader& reader, ProcessGroup* group);
-
-  struct Registered {
-    std::function<std::string()> save;
-    std::function<void(const std::string&)> load;
-  };
-  torch::nn::Module& model_;
-  torch::optim::Optimizer* optimizer_;
-  CheckpointerOptions options_;
-  std::map<std::string, Registered> registered_;
-  /// The directory resume() loaded (retention keeps it); "" before.
-  std::string resumed_from_;
+  /// The model, the optimizer, the options, the registered state and the
+  /// directory resume() loaded (src/state/checkpoint.cpp), so that the
+  /// checkpoint reader and the other internals stay out of this header.
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace fsdp

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include <fsdp/state/atomic_file.h>
-#include <fsdp/state/manifest.h>
-#include <fsdp/state/safetensors.h>
+#include "state/atomic_file.h"
+#include "state/manifest.h"
+#include "state/safetensors.h"
 
-namespace fsdp {
+namespace fsdp::detail {
 
 /// Name of the completion marker inside a checkpoint directory.
 constexpr const char* kCompletionMarker = "COMPLETE";
@@ -62,11 +62,7 @@ class CheckpointReader {
   std::map<std::string, std::vector<const TensorRecord*>> index_;
 };
 
-/// Opens and fully verifies `dir` (see CheckpointReader); throws if it is
-/// incomplete or damaged.
-void verify_checkpoint(const std::string& dir);
-
-/// A directory under a checkpoint parent named as checkpoint_path() names them.
+/// A directory under a checkpoint parent named as step_name() names them.
 struct StepDirectory {
   int64_t step = 0;     ///< the step its name says
   std::string path;     ///< parent/step-<10 digits>
@@ -77,16 +73,12 @@ struct StepDirectory {
 /// when `parent` does not exist. Throws CheckpointError if it cannot be read.
 std::vector<StepDirectory> step_directories(const std::string& parent);
 
-/// The complete checkpoint directory under `parent` with the highest step
-/// (directories named as checkpoint_path() names them, "step-<10 digits>",
-/// that hold a marker), or "" if none. Nothing is verified.
-std::string latest_checkpoint(const std::string& parent);
+/// The name of step `step`'s directory, "step-<10 digits>" (zero-padded, so
+/// names sort by step); fsdp::checkpoint_path() puts it under a parent.
+std::string step_name(int64_t step);
 
-/// The step a checkpoint_path() directory name says ("step-0000000020" -> 20),
-/// or -1 for another name.
+/// The step a step_name() says ("step-0000000020" -> 20), or -1 for another
+/// name.
 int64_t step_of_name(const std::string& name);
 
-/// "parent/step-<step>" with the step zero-padded, so names sort by step.
-std::string checkpoint_path(const std::string& parent, int64_t step);
-
-}  // namespace fsdp
+}  // namespace fsdp::detail

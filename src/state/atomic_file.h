@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <string>
 
-#include <fsdp/state/crc32.h>
+#include "state/crc32.h"
 
-namespace fsdp {
+namespace fsdp::detail {
 
 /// What AtomicFileWriter appends to a path for its temporary file, before
 /// the writer's pid: "<path>.tmp.<pid>".
@@ -84,4 +84,4 @@ class FileReader {
 /// allocating.
 std::string read_small_file(const std::string& path, uint64_t max_size);
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

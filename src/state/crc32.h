@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace fsdp {
+namespace fsdp::detail {
 
 /// Running CRC-32 (IEEE 802.3, the zlib/PNG polynomial), one per file.
 class Crc32 {
@@ -20,4 +20,4 @@ class Crc32 {
 /// The CRC-32 of one buffer.
 uint32_t crc32(const void* data, size_t size);
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp {
+namespace fsdp::detail {
 
 /// A file of the checkpoint with its size and checksum.
 struct FileRecord {
@@ -64,4 +64,4 @@ std::string encode_marker(const CompletionMarker& m);
 /// checksum] in manifest.cpp); errors name `file`.
 CompletionMarker parse_marker(const std::string& text, const std::string& file);
 
-}  // namespace fsdp
+}  // namespace fsdp::detail

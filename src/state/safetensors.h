@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace fsdp {
+namespace fsdp::detail {
 
 /// One tensor in a safetensors file.
 struct SafetensorsEntry {
@@ -62,4 +62,4 @@ SafetensorsHeader parse_safetensors(const unsigned char* data, size_t size,
 std::string encode_safetensors_header(std::vector<SafetensorsEntry>& entries,
                                       const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace fsdp
+}  // namespace fsdp::detail
