@@ -26,8 +26,11 @@ if(FSDP_SANITIZE)
   if(NOT FSDP_SANITIZE MATCHES "^(address|undefined|address,undefined|undefined,address|thread)$")
     message(FATAL_ERROR "FSDP_SANITIZE='${FSDP_SANITIZE}': use address,undefined or thread")
   endif()
-  # -O1 keeps the instrumented tests fast enough while the stacks stay readable.
-  add_compile_options(-fsanitize=${FSDP_SANITIZE} -fno-omit-frame-pointer -g -O1)
+  # -O1 keeps the instrumented tests fast enough while the stacks stay
+  # readable. -g1 (line tables) is all a sanitizer's stack needs for file:line;
+  # full -g doubles the compile time of a file that includes LibTorch
+  # (flat_parameter.cpp with ASan+UBSan: 29 s with -g, 15 s with -g1).
+  add_compile_options(-fsanitize=${FSDP_SANITIZE} -fno-omit-frame-pointer -g1 -O1)
   if(FSDP_SANITIZE MATCHES undefined)
     add_compile_options(-fno-sanitize-recover=undefined)
   endif()
