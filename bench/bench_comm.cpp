@@ -151,8 +151,7 @@ int main(int argc, char** argv) {
         "\"all_gather_over_memcpy\":%.2f,\"reduce_scatter_over_memcpy\":%.2f,"
         "\"all_reduce_4B_latency_ms\":%.4f}\n",
         world, static_cast<long long>(bytes), json_number(c10d_ag_ms / ag_ms).c_str(),
-        json_number(c10d_rs_ms / rs_ms).c_str(),
-        ag_ms / memcpy_ms, rs_ms / memcpy_ms, ar_ms);
+        json_number(c10d_rs_ms / rs_ms).c_str(), ag_ms / memcpy_ms, rs_ms / memcpy_ms, ar_ms);
   }
   pg->barrier().wait();
   return 0;

@@ -42,8 +42,8 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
-#include <torch/version.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <chrono>

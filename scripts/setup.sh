@@ -23,6 +23,7 @@ PACKAGES=(
   googletest libgtest-dev
   nlohmann-json3-dev libcli11-dev
   clang-14 libclang-rt-14-dev  # libFuzzer + ASan for the checkpoint loader's fuzz target
+  clang-format-14       # scripts/check_format.sh (CI checks the format first)
 )
 if [[ ${1:-} == --bench ]]; then
   PACKAGES+=(gnuplot-nox)  # bench/report.sh's PNG chart

@@ -1,25 +1,103 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, build, run every ctest test against pip's
-# torch 2.15 (build/, the primary target), then against Debian's LibTorch 1.13
-# (build-1.13/) every test but the fault-injection, interop and benchmark
-# ones (labels faults, interop, bench), which keeps CI under an hour on 2
-# cores. Arguments go to both ctest runs instead (`-L comm`, `-R name`).
-#   FSDP_TEST_TORCH=2.15 (or 1.13) runs one LibTorch only.
+# The whole test suite, as CI runs it (bash .ci/run, a fresh 2-core machine;
+# it must stay under 60 minutes there). What runs where:
+#   1. format   scripts/check_format.sh: clang-format would change no file.
+#   2. 2.15     pip's torch 2.15 (the primary target) into build/, every
+#               target with -Werror (FSDP_WERROR=ON); every ctest test.
+#   3. 1.13     Debian's LibTorch 1.13 into build-1.13/, every target with
+#               -Werror, built with ASan+UBSan (FSDP_SANITIZE=address,undefined:
+#               this build IS the ASan+UBSan run, see docs/building.md); every
+#               test but the fault-injection, interop and benchmark ones
+#               (labels faults, interop, bench), which includes the core and
+#               state tests.
+#   4. tsan     pip's torch 2.15 into build-tsan/ with ThreadSanitizer: only
+#               the library and the executables the comm tests run; the comm
+#               tests but the fault-injection ones (-L comm -LE faults).
+# Sanitizer run-time options and suppressions: scripts/sanitizers/. clang-tidy
+# (scripts/clang_tidy.sh) is not run here: ~11 minutes on 2 cores.
+# Arguments go to the 2.15 and 1.13 ctest runs instead (`-L comm`, `-R name`)
+# and skip the tsan stage.
+#   FSDP_TEST_STAGES="format 2.15 1.13 tsan" (the default) picks stages;
+#   FSDP_TEST_TORCH=2.15 (or 1.13) is the same as FSDP_TEST_STAGES=2.15.
 # Tests run one at a time: the multi-rank ones already use both cores, and
 # their failure tests measure timeouts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-which_torch="${FSDP_TEST_TORCH:-all}"
+
+stages="${FSDP_TEST_STAGES:-format 2.15 1.13 tsan}"
+if [[ -n ${FSDP_TEST_TORCH:-} ]]; then stages="$FSDP_TEST_TORCH"; fi
+if (($# > 0)); then stages="${stages//tsan/}"; fi
+# CI has no ccache configuration: these let it reuse objects across the
+# three build folders and keep the cache inside the machine's disk.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-10G}"
 status=0
-for torch in 2.15 1.13; do
-  [[ $which_torch == all || $which_torch == "$torch" ]] || continue
-  if [[ $torch == 2.15 ]]; then dir="${FSDP_BUILD_DIR:-build}"; else dir="build-1.13"; fi
-  echo "=== LibTorch $torch: build into $dir/"
-  FSDP_BUILD_DIR="$dir" ./scripts/build.sh --torch "$torch"
-  echo "=== LibTorch $torch: tests"
+failed=()
+t_start=$SECONDS
+t_last=$SECONDS
+# Records how long the stage that just ended took.
+lap() {
+  echo "=== $1: $((SECONDS - t_last)) s (total $(((SECONDS - t_start) / 60)) min)"
+  t_last=$SECONDS
+}
+fail() {
+  status=1
+  failed+=("$1")
+}
+has_stage() { [[ " $stages " == *" $1 "* ]]; }
+
+if has_stage format; then
+  echo "=== format: scripts/check_format.sh"
+  ./scripts/check_format.sh || fail format
+  lap format
+fi
+
+if has_stage 2.15; then
+  echo "=== LibTorch 2.15: build into ${FSDP_BUILD_DIR:-build}/ with -Werror"
+  FSDP_WERROR=ON FSDP_SANITIZE= ./scripts/build.sh --torch 2.15 || fail "2.15 build"
+  lap "2.15 build"
+  echo "=== LibTorch 2.15: tests"
+  ctest --test-dir "${FSDP_BUILD_DIR:-build}" --output-on-failure "$@" || fail "2.15 tests"
+  lap "2.15 tests"
+fi
+
+if has_stage 1.13; then
+  # Only what these tests run is built (the benchmarks are not).
   args=("$@")
-  if [[ $torch == 1.13 && $# -eq 0 ]]; then args=(-LE 'faults|interop|bench'); fi
-  ctest --test-dir "$dir" --output-on-failure "${args[@]}" || status=1
-done
+  if (($# == 0)); then args=(-LE 'faults|interop|bench'); fi
+  echo "=== LibTorch 1.13 + ASan+UBSan: build into build-1.13/ with -Werror"
+  (
+    export FSDP_WERROR=ON FSDP_SANITIZE=address,undefined FSDP_BUILD_DIR=build-1.13
+    ./scripts/build.sh --torch 1.13 fsdp
+    mapfile -t targets < <(./scripts/ctest_targets.sh build-1.13 "${args[@]}")
+    ./scripts/build.sh --torch 1.13 "${targets[@]}"
+  ) || fail "1.13 build"
+  lap "1.13 build"
+  echo "=== LibTorch 1.13 + ASan+UBSan: tests"
+  (
+    . scripts/sanitizers/env.sh
+    ctest --test-dir build-1.13 --output-on-failure "${args[@]}"
+  ) || fail "1.13 tests"
+  lap "1.13 tests"
+fi
+
+if has_stage tsan; then
+  tsan_args=(-L comm -LE faults)
+  echo "=== ThreadSanitizer (LibTorch 2.15): build the comm tests into build-tsan/"
+  (
+    export FSDP_WERROR=ON FSDP_SANITIZE=thread FSDP_BUILD_DIR=build-tsan
+    ./scripts/build.sh --torch 2.15 fsdp
+    mapfile -t targets < <(./scripts/ctest_targets.sh build-tsan "${tsan_args[@]}")
+    ./scripts/build.sh --torch 2.15 "${targets[@]}"
+  ) || fail "tsan build"
+  lap "tsan build"
+  echo "=== ThreadSanitizer: tests"
+  (
+    . scripts/sanitizers/env.sh
+    ctest --test-dir build-tsan --output-on-failure "${tsan_args[@]}"
+  ) || fail "tsan tests"
+  lap "tsan tests"
+fi
+
+if ((status != 0)); then echo "=== FAILED: ${failed[*]}"; fi
 exit $status

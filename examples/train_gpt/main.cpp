@@ -308,14 +308,16 @@ int main(int argc, char** argv) {
     try {
       corpus.vocab.encode(config.prompt);
     } catch (const std::exception& e) {
-      return fail(std::string("--prompt: ") + fsdp::error_message(e) + "; use characters of the text");
+      return fail(std::string("--prompt: ") + fsdp::error_message(e) +
+                  "; use characters of the text");
     }
   }
   try {
     return train(config, corpus);
   } catch (const std::exception& e) {
     // A collective error or a bug: name the rank, since fsdprun interleaves output.
-    std::cerr << "train_gpt [rank " << env_int("RANK", 0) << "]: " << fsdp::error_message(e) << std::endl;
+    std::cerr << "train_gpt [rank " << env_int("RANK", 0) << "]: " << fsdp::error_message(e)
+              << std::endl;
     return 1;
   }
 }
