@@ -62,6 +62,7 @@
 #include "bench_util.h"
 
 #include "gpt_mini.h"
+#include "comm/counting_process_group.h"
 
 namespace {
 

@@ -1,13 +1,12 @@
 #pragma once
 
 /// libfsdp: Fully Sharded Data Parallel training for LibTorch.
-/// This umbrella header includes the whole public API.
+/// This umbrella header includes the whole public API, except
+/// <fsdp/comm/c10d_process_group.h> (any c10d ProcessGroup behind libfsdp's
+/// interface), which brings in c10d's headers: include it where you use it.
 
-#include <fsdp/comm/c10d_process_group.h>
-#include <fsdp/comm/counting_process_group.h>
 #include <fsdp/comm/init.h>
 #include <fsdp/comm/process_group.h>
-#include <fsdp/comm/tcp_store.h>
 #include <fsdp/comm/types.h>
 #include <fsdp/comm/work.h>
 #include <fsdp/core/mixed_precision.h>

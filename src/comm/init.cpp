@@ -12,7 +12,7 @@
 #include <mutex>
 
 #include <fsdp/comm/c10d_process_group.h>
-#include <fsdp/comm/tcp_store.h>
+#include "comm/tcp_store.h"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/comm_config.h"

@@ -1,4 +1,4 @@
-#include <fsdp/comm/tcp_store.h>
+#include "comm/tcp_store.h"
 
 #include <c10/util/Exception.h>
 

@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include <fsdp/comm/tcp_store.h>
+#include "comm/tcp_store.h"
 
 #include "comm_test_util.h"
 #include "multi_rank.h"

@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include <fsdp/comm/tcp_store.h>
+#include "comm/tcp_store.h"
 
 #include "comm/socket.h"
 #include "comm_test_util.h"

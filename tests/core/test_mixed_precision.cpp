@@ -15,6 +15,7 @@
 
 #include "multi_rank.h"
 #include "core/flat_parameter.h"
+#include "comm/counting_process_group.h"
 
 namespace fsdp::testing {
 namespace {

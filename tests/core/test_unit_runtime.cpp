@@ -21,6 +21,7 @@
 #include "multi_rank.h"
 #include "test_models.h"
 #include "core/flat_parameter.h"
+#include "comm/counting_process_group.h"
 
 namespace fsdp::testing {
 namespace {

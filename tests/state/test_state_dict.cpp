@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/comm/counting_process_group.h>
+#include "comm/counting_process_group.h"
 #include <fsdp/fsdp.h>
 
 #include <filesystem>
