@@ -61,8 +61,8 @@
 
 #include "bench_util.h"
 
-#include "gpt_mini.h"
 #include "comm/counting_process_group.h"
+#include "gpt_mini.h"
 
 namespace {
 

@@ -12,11 +12,11 @@
 #include <mutex>
 
 #include <fsdp/comm/c10d_process_group.h>
-#include "comm/tcp_store.h"
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
+#include "comm/tcp_store.h"
 #include "comm/socket.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"

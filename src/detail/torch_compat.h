@@ -49,8 +49,6 @@
 
 namespace fsdp::compat {
 
-
-
 #if FSDP_WITH_GLOO
 /// A c10d Gloo process group listening on `listen_addr`.
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_c10d_gloo_group(

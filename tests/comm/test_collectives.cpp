@@ -185,8 +185,8 @@ TEST_P(Collectives, BadSizesAreErrorsNamingTheSizes) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Engines, Collectives,
-                         ::testing::ValuesIn(available_engines()), backend_label);
+INSTANTIATE_TEST_SUITE_P(Engines, Collectives, ::testing::ValuesIn(available_engines()),
+                         backend_label);
 
 }  // namespace
 }  // namespace fsdp::testing

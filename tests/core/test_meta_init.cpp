@@ -16,10 +16,10 @@
 
 #include <fsdp/fsdp.h>
 
+#include "core/flat_parameter.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
-#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

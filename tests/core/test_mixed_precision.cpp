@@ -13,9 +13,9 @@
 
 #include <fsdp/fsdp.h>
 
-#include "multi_rank.h"
-#include "core/flat_parameter.h"
 #include "comm/counting_process_group.h"
+#include "core/flat_parameter.h"
+#include "multi_rank.h"
 
 namespace fsdp::testing {
 namespace {

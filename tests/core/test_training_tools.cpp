@@ -7,9 +7,9 @@
 
 #include <fsdp/fsdp.h>
 
+#include "core/flat_parameter.h"
 #include "multi_rank.h"
 #include "test_models.h"
-#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

@@ -17,11 +17,11 @@
 
 #include <fsdp/fsdp.h>
 
+#include "comm/counting_process_group.h"
+#include "core/flat_parameter.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
-#include "core/flat_parameter.h"
-#include "comm/counting_process_group.h"
 
 namespace fsdp::testing {
 namespace {

@@ -19,11 +19,11 @@
 
 #include <fsdp/fsdp.h>
 
+#include "core/flat_parameter.h"
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
-#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

@@ -15,10 +15,10 @@
 
 #include <fsdp/fsdp.h>
 
+#include "core/flat_parameter.h"
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
-#include "core/flat_parameter.h"
 
 namespace fsdp::testing {
 namespace {

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "comm/counting_process_group.h"
 #include <fsdp/fsdp.h>
+#include "comm/counting_process_group.h"
 
 #include <filesystem>
 
