@@ -16,8 +16,8 @@
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
-#include "comm/tcp_store.h"
 #include "comm/socket.h"
+#include "comm/tcp_store.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 
