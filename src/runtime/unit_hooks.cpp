@@ -120,8 +120,8 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
   const bool grad_enabled = at::GradMode::is_enabled();
   FSDP_CHECK(
       unknown_output_type == nullptr || !grad_enabled || !flat_ || !flat_->shard().requires_grad(),
-      flat_ ? flat_->group().rank() : -1, path_, "the forward of ", module_name(), " returns ",
-      c10::demangle(unknown_output_type),
+      flat_ ? flat_->group().rank() : -1, path_, "the forward of ", label(), " (", module_name(),
+      ") returns ", c10::demangle(unknown_output_type),
       ", in which libfsdp cannot find the tensors that backward starts from, so it "
       "cannot gather the unit's parameters for backward. Return at::Tensor, "
       "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
