@@ -67,12 +67,8 @@ TEST(ProcessGroup, NothingListensBeyondLoopbackByDefault) {
     pg->barrier().wait();
     const auto sockets = own_listening_sockets();
     // Rank 0 serves the store (Gloo's pairs stop listening once connected).
-    if (rank == 0) {
-      EXPECT_GE(sockets.size(), 1u);
-    }
-    for (const auto& s : sockets) {
-      EXPECT_TRUE(s.loopback) << "listening on " << s.local_address;
-    }
+    if (rank == 0) EXPECT_GE(sockets.size(), 1u);
+    for (const auto& s : sockets) EXPECT_TRUE(s.loopback) << "listening on " << s.local_address;
     if (rank == 0) {
       // Control: the check does see a store that was told to listen everywhere.
       TcpStore everywhere("127.0.0.1", 0, true, std::chrono::seconds(5), "0.0.0.0");
