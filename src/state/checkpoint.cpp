@@ -176,7 +176,7 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
 }
 
 std::string Checkpointer::save_step(const std::string& parent, int64_t step, StateDictType type) {
-  const std::string dir = checkpoint_path(parent, step);
+  std::string dir = checkpoint_path(parent, step);  // not const: returned by move
   ProcessGroup* group = detail::state_group(impl_->model);
   const bool root = group == nullptr || group->rank() == 0;
   // See Note [Removing leftovers]: every exit below is after an agreement.

@@ -49,6 +49,7 @@ void write_bytes(AtomicFileWriter& w, const at::Tensor& t) {
 FileRecord write_items(const std::string& dir, const std::string& name, std::vector<Item>& items,
                        RankManifest& manifest) {
   std::vector<SafetensorsEntry> entries;
+  entries.reserve(items.size());
   for (const Item& it : items) entries.push_back(it.entry);
   const std::string header = encode_safetensors_header(entries);
   AtomicFileWriter w(dir + "/" + name);

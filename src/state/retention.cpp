@@ -40,7 +40,9 @@ void remove_path(const std::string& path, bool tree) {
   } else {
     std::filesystem::remove(path, ec);
   }
-  if (ec) TORCH_WARN(error_prefix(/*rank=*/-1, path), "cannot remove it: ", ec.message());
+  if (ec) {
+    TORCH_WARN(error_prefix(/*rank=*/-1, path), "cannot remove it: ", ec.message());
+  }
 }
 
 }  // namespace
@@ -66,6 +68,7 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
                       const std::vector<std::string>& keep) {
   namespace fs = std::filesystem;
   std::vector<fs::path> kept_paths;
+  kept_paths.reserve(keep.size());
   for (const std::string& k : keep) kept_paths.push_back(fs::path(k).lexically_normal());
   std::vector<StepDirectory> dirs;
   try {

@@ -123,4 +123,21 @@ inline std::chrono::milliseconds collectives_until_error(ProcessGroup& pg, int64
   return std::chrono::milliseconds(0);
 }
 
+/// What all_reduce(op) gives when rank r (of n) contributed
+/// (arange(numel) % 7) + r + 1 (the tests' pattern), in closed form.
+inline at::Tensor expected_all_reduce(int64_t numel, int n, ReduceOp op, at::ScalarType dtype) {
+  const at::Tensor m = at::arange(numel, at::kLong).remainder(7);
+  switch (op) {
+    case ReduceOp::kSum:
+      return (m * n + n * (n + 1) / 2).to(dtype);
+    case ReduceOp::kAvg:
+      return (m * n + n * (n + 1) / 2).to(dtype).div(n);
+    case ReduceOp::kMax:
+      return (m + n).to(dtype);
+    case ReduceOp::kMin:
+      return (m + 1).to(dtype);
+  }
+  return at::Tensor();
+}
+
 }  // namespace fsdp::testing

@@ -64,22 +64,7 @@ void check_all_reduce(ProcessGroup& pg, at::ScalarType dtype, int64_t numel, Red
   const int r = pg.rank(), n = pg.size();
   at::Tensor t = pattern(numel, r + 1, 7, dtype);
   pg.all_reduce(t, op).wait();
-  at::Tensor m = at::arange(numel, at::kLong).remainder(7);
-  at::Tensor expected;
-  switch (op) {
-    case ReduceOp::kSum:
-      expected = (m * n + n * (n + 1) / 2).to(dtype);
-      break;
-    case ReduceOp::kAvg:
-      expected = (m * n + n * (n + 1) / 2).to(dtype).div(n);
-      break;
-    case ReduceOp::kMax:
-      expected = (m + n).to(dtype);
-      break;
-    case ReduceOp::kMin:
-      expected = (m + 1).to(dtype);
-      break;
-  }
+  const at::Tensor expected = expected_all_reduce(numel, n, op, dtype);
   EXPECT_TRUE(tensors_equal(t, expected)) << "all_reduce " << to_string(op) << " " << dtype;
 }
 

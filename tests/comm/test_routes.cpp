@@ -85,22 +85,7 @@ std::array<uint64_t, 5> run_every_collective(ProcessGroup& pg, int64_t shard_num
   for (ReduceOp op : kOps) {
     at::Tensor t = pattern(n * s, r + 1, 7, dtype);
     pg.all_reduce(t, op).wait();
-    const at::Tensor m = at::arange(n * s, at::kLong).remainder(7);
-    at::Tensor expected;
-    switch (op) {
-      case ReduceOp::kSum:
-        expected = (m * n + n * (n + 1) / 2).to(dtype);
-        break;
-      case ReduceOp::kAvg:
-        expected = (m * n + n * (n + 1) / 2).to(dtype).div(n);
-        break;
-      case ReduceOp::kMax:
-        expected = (m + n).to(dtype);
-        break;
-      case ReduceOp::kMin:
-        expected = (m + 1).to(dtype);
-        break;
-    }
+    const at::Tensor expected = expected_all_reduce(n * s, n, op, dtype);
     EXPECT_TRUE(tensors_equal(t, expected)) << "all_reduce " << to_string(op);
     ++issued[2];
   }
