@@ -144,8 +144,7 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
 }
 
 void UnitRuntime::pre_backward() {
-  RootState& root_state = root_ != nullptr ? *root_ : *owned_root_;
-  root_state.queue_end_of_backward();
+  root().queue_end_of_backward();      // set at the root's first forward, before any hook
   if (state_ != State::kIdle) return;  // another of its outputs got there first
   FSDP_RECORD("pre_backward", path_);
   transition(State::kPreBackward);
