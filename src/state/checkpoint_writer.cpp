@@ -97,8 +97,7 @@ void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int ra
     }
     if (access->has_step()) {
       const std::string tensor = p.name + "/step";
-      optim.push_back(make_item("optim/" + tensor, tensor, at::scalar_tensor(st.step, at::kLong),
-                                {}, {}, 0, 1));
+      optim.push_back(make_item("optim/" + tensor, tensor, step_tensor(st.step), {}, {}, 0, 1));
     }
   }
   manifest.files.push_back(write_items(dir, "model" + suffix, model, manifest));

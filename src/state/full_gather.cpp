@@ -126,8 +126,8 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
       if (access->has_step()) {
         for (size_t k = i; k < j; ++k) {
           if (!has_state(k)) continue;
-          emit("optim/" + pieces[k].name + "/step", at::kLong, {},
-               dry ? at::Tensor() : at::scalar_tensor(step_of(k), at::kLong));
+          emit("optim/" + pieces[k].name + "/step", at::kFloat, {},
+               dry ? at::Tensor() : step_tensor(step_of(k)));
         }
       }
     }
@@ -147,8 +147,8 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
                                          : at::zeros(p.shape, p.data.options())));
     }
     if (access->has_step()) {
-      emit("optim/" + p.name + "/step", at::kLong, {},
-           dry ? at::Tensor() : at::scalar_tensor(step_of(i), at::kLong));
+      emit("optim/" + p.name + "/step", at::kFloat, {},
+           dry ? at::Tensor() : step_tensor(step_of(i)));
     }
   }
 }

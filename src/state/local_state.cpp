@@ -9,6 +9,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
 #include <sstream>
 #include <unordered_set>
 
@@ -235,6 +236,21 @@ std::string safetensors_dtype(at::ScalarType t) {
       break;
   }
   FSDP_FAIL(/*rank=*/-1, "checkpoint", "tensors of dtype ", t, " cannot be saved in safetensors");
+}
+
+at::Tensor step_tensor(int64_t step) {
+  return at::scalar_tensor(static_cast<double>(step), at::kFloat);
+}
+
+int64_t step_value(const at::Tensor& t, const std::string& where) {
+  FSDP_CHECK(t.numel() == 1 && (t.is_floating_point() || t.scalar_type() == at::kLong), -1, where,
+             "expected Adam's step as one float or int64 value, got ", t.scalar_type(), " of ",
+             t.numel(), " elements. Save the optimizer state with libfsdp or PyTorch's Adam");
+  const double value = t.item<double>();
+  FSDP_CHECK(value >= 0 && value == std::floor(value), -1, where,
+             "expected Adam's step to be a whole number of steps, got ", value,
+             ". Save the optimizer state with libfsdp or PyTorch's Adam");
+  return static_cast<int64_t>(value);
 }
 
 at::ScalarType scalar_type_of(const std::string& dtype) {

@@ -79,6 +79,15 @@ class OptimAccess {
   bool has_step_ = false;
 };
 
+/// Adam's step count as PyTorch's optimizers keep and save it: a 0-d float32
+/// tensor (so a libfsdp checkpoint's optimizer state loads into PyTorch's
+/// Adam as it is; float32 holds every count below 2^24 exactly).
+at::Tensor step_tensor(int64_t step);
+/// The step count in `t`: a 0-d or one-element tensor of integral value,
+/// float (as PyTorch and libfsdp save it) or int64 (libfsdp before 2026-11).
+/// `where` names it in the error.
+int64_t step_value(const at::Tensor& t, const std::string& where);
+
 /// The safetensors dtype of a scalar type; throws for an unsupported one.
 std::string safetensors_dtype(at::ScalarType t);
 /// The scalar type of a safetensors dtype.

@@ -33,6 +33,10 @@ std::vector<std::string> DictSource::keys() const {
   return out;
 }
 
+at::ScalarType DictSource::dtype(const std::string& key) const {
+  return dict_[key.substr(prefix_.size())].scalar_type();
+}
+
 void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                       int64_t end, const at::Tensor& dst) const {
   const std::string name = key.substr(prefix_.size());
@@ -46,6 +50,12 @@ void DictSource::read(const std::string& key, const std::vector<int64_t>& shape,
 }
 
 bool FileSource::has(const std::string& key) const { return !reader_.pieces(key).empty(); }
+
+at::ScalarType FileSource::dtype(const std::string& key) const {
+  const auto pieces = reader_.pieces(key);
+  TORCH_INTERNAL_ASSERT(!pieces.empty(), "no piece of ", key);
+  return scalar_type_of(pieces.front()->dtype);
+}
 
 void FileSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                       int64_t end, const at::Tensor& dst) const {
@@ -137,9 +147,9 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
       for (LocalPiece* p : group) {
         const std::string key = "optim/" + p->name + "/step";
         if (!src.has(key)) continue;
-        at::Tensor step = at::zeros({1}, at::kLong);
+        at::Tensor step = at::zeros({1}, src.dtype(key));
         src.read(key, {}, 0, 1, step);
-        st.step = step.item<int64_t>();
+        st.step = step_value(step, key);
         found = true;
         break;
       }

@@ -23,6 +23,8 @@ class PieceSource {
   virtual bool has(const std::string& key) const = 0;
   /// Every stored key.
   virtual std::vector<std::string> keys() const = 0;
+  /// The dtype `key` is stored in (which must be stored).
+  virtual at::ScalarType dtype(const std::string& key) const = 0;
   /// Fills `dst` (1-D, end - begin elements) with elements [begin, end) of
   /// the flattened `key`, whose full shape must be `shape`.
   virtual void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
@@ -35,6 +37,7 @@ class DictSource : public PieceSource {
   DictSource(const torch::OrderedDict<std::string, at::Tensor>& dict, std::string prefix);
   bool has(const std::string& key) const override;
   std::vector<std::string> keys() const override;
+  at::ScalarType dtype(const std::string& key) const override;
   void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
             const at::Tensor& dst) const override;
 
@@ -49,6 +52,7 @@ class FileSource : public PieceSource {
   explicit FileSource(const CheckpointReader& reader) : reader_(reader) {}
   bool has(const std::string& key) const override;
   std::vector<std::string> keys() const override { return reader_.keys(); }
+  at::ScalarType dtype(const std::string& key) const override;
   void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
             const at::Tensor& dst) const override;
 

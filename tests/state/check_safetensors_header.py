@@ -47,7 +47,7 @@ def main(d):
             t = optim[name + "/" + state]
             assert t["shape"] == shape and t["dtype"] == "F32", (name, state, t)
         step = optim[name + "/step"]
-        assert step["shape"] == [] and step["dtype"] == "I64", (name, step)
+        assert step["shape"] == [] and step["dtype"] == "F32", (name, step)
     print("ok: %d model tensors, %d optimizer tensors" % (len(got), len(optim)))
 
 

@@ -142,6 +142,62 @@ TEST(StateDict, CheckpointRoundTripsAndTrainingContinues) {
   remove_test_dir(dir);
 }
 
+// Adam's step is saved as PyTorch's Adam keeps it, a 0-d float32 tensor, so
+// the state loads into PyTorch as it is; an int64 step (as libfsdp saved it
+// before) still loads, and training goes on exactly as from the float one.
+TEST(StateDict, AdamStepIsAFloatScalarAsInPyTorchAndInt64StillLoads) {
+  run_ranks_ok(2, [&](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto o = FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard);
+    auto model = make_model(o);
+    auto opt = make_optimizer("adamw", model->parameters());
+    torch::manual_seed(3);
+    train(*model, *opt, 3);
+    const auto saved = full_optim_state_dict(*model, *opt);
+    torch::OrderedDict<std::string, at::Tensor> as_int64;
+    int steps = 0;
+    for (const auto& item : saved) {
+      at::Tensor t = item.value();
+      if (item.key().size() > 5 && item.key().substr(item.key().size() - 5) == "/step") {
+        ++steps;
+        EXPECT_EQ(t.scalar_type(), at::kFloat) << item.key();
+        EXPECT_EQ(t.dim(), 0) << item.key();
+        EXPECT_EQ(t.item<double>(), 3.0) << item.key();
+        t = t.to(at::kLong);
+      }
+      as_int64.insert(item.key(), t);
+    }
+    EXPECT_GT(steps, 0);
+
+    auto other = make_model(o, /*seed=*/11);
+    auto other_opt = make_optimizer("adamw", other->parameters());
+    load_full_state_dict(*other, full_state_dict(*model));
+    load_full_optim_state_dict(*other, *other_opt, as_int64);
+    expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), saved, "int64 step");
+    torch::manual_seed(4);
+    train(*model, *opt, 2);
+    torch::manual_seed(4);
+    train(*other, *other_opt, 2);
+    expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after training");
+
+    // A step that is no whole number of steps names the key and the fix.
+    auto bad = as_int64;
+    for (auto& item : bad) {
+      if (item.key().size() > 5 && item.key().substr(item.key().size() - 5) == "/step") {
+        item.value() = at::scalar_tensor(2.5, at::kFloat);
+      }
+    }
+    try {
+      load_full_optim_state_dict(*other, *other_opt, bad);
+      ADD_FAILURE() << "a step of 2.5 loaded";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("whole number of steps"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  });
+}
+
 // Loading at the same world size moves no tensor data: only the two
 // agreements of Note [Collective load]. A rank that cannot load (here it sees
 // a damaged copy) fails every rank, naming it, within the timeout.

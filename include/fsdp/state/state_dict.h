@@ -30,10 +30,10 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(torch::nn::Module& m
 
 /// The full optimizer state of `model`'s parameters, keyed by original name:
 /// "<name>/momentum_buffer" (SGD), "<name>/exp_avg", "<name>/exp_avg_sq",
-/// ["<name>/max_exp_avg_sq"] and "<name>/step" (a 0-d int64 tensor) for Adam
-/// and AdamW; full shapes, whether the optimizer steps flat shards or, with
-/// use_orig_params, per-parameter pieces. Parameters without state (never
-/// stepped) are absent. Collective.
+/// ["<name>/max_exp_avg_sq"] and "<name>/step" (a 0-d float32 tensor, as
+/// PyTorch's Adam keeps it) for Adam and AdamW; full shapes, whether the optimizer steps flat
+/// shards or, with use_orig_params, per-parameter pieces. Parameters without state (never stepped)
+/// are absent. Collective.
 torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
     torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     const StateDictOptions& options = {});
@@ -46,6 +46,7 @@ void load_full_state_dict(torch::nn::Module& model,
 
 /// Sets `optimizer`'s state from a full optimizer state dict (as from
 /// full_optim_state_dict()); every rank passes the whole dict; no communication.
+/// A step may also be an int64 tensor (as libfsdp saved it before 2026-11).
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 const torch::OrderedDict<std::string, at::Tensor>& state_dict);
 
