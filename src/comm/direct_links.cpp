@@ -125,7 +125,6 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
     : rank_(rank),
       next_((rank + 1) % size),
       prev_((rank + size - 1) % size),
-      timeout_(timeout),
       inline_bytes_(inline_bytes) {
   int port = 0;
   UniqueFd listener = listen_tcp(listen_addr, 0, &port);

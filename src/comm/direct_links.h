@@ -62,7 +62,6 @@ class DirectLinks : public PointToPoint {
   void sender_loop();
 
   const int rank_, next_, prev_;
-  const std::chrono::milliseconds timeout_;
   const int64_t inline_bytes_;  // largest message the calling thread sends itself
   UniqueFd to_next_, from_prev_;
 

@@ -2,6 +2,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "detail/torch_compat.h"
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -57,7 +59,7 @@ class TcpStore : public c10d::Store {
             const std::chrono::milliseconds& timeout) override;
   /// A new client connection to the same store (LibTorch 2.x's c10d::Store
   /// requires it; it overrides there and is a plain member with 1.13).
-  c10::intrusive_ptr<c10d::Store> clone();
+  c10::intrusive_ptr<c10d::Store> clone() FSDP_STORE_CLONE_OVERRIDE;
 
  private:
   // Sends `message` and returns the reply; `server_wait` is how long the

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "detail/error.h"
 #include "detail/torch_compat.h"
 
 #include <mutex>
@@ -47,13 +48,13 @@ bool passes_through(const std::string& name) {
 
 std::string message(const std::string& op, const Entry& e) {
   if (e.kind == PlaceholderKind::kGradient) {
-    return "fsdp: " + op + " read the gradient of " + e.what +
+    return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
            ", but FSDP moved it into the unit's flat gradient shard. An optimizer (or "
            "clip_grad_norm_) was built on the unwrapped module's parameters. Build it on the "
            "wrapped model's parameters() (the flat shards, or per-parameter views with "
            "FSDPOptions().use_orig_params(true)), and clip with the root's clip_grad_norm_().";
   }
-  return "fsdp: " + op + " used " + e.what +
+  return error_prefix(-1, "parameters") + op + " used " + e.what +
          ", which is sharded: its data exists only while its FSDP unit runs. Either the wrapped "
          "module was called directly (call the FullyShardedDataParallel wrapper, or the root, "
          "instead of the inner module, and read full parameters under fsdp::SummonFullParams), "

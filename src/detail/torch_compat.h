@@ -47,6 +47,14 @@
 #define FSDP_ALLOCATOR_COPY_DATA
 #endif
 
+// c10d::Store::clone() is pure in 2.x and absent in 1.13: a store declares
+// `clone() FSDP_STORE_CLONE_OVERRIDE;`.
+#if FSDP_TORCH_AT_LEAST(2, 0)
+#define FSDP_STORE_CLONE_OVERRIDE override
+#else
+#define FSDP_STORE_CLONE_OVERRIDE
+#endif
+
 namespace fsdp::compat {
 
 #if FSDP_WITH_GLOO

@@ -112,15 +112,16 @@ void ExecOrder::agree(Mark mark, int64_t value, size_t position) {
   group_->all_gather_into_tensor(all, mine).wait();
   const double* rows = all.data_ptr<double>();
   bool same = true;
+  auto row = [&](int r) { return rows + 2 * static_cast<size_t>(r); };
   for (int r = 1; r < world && same; ++r) {
-    same = rows[2 * r] == rows[0] && rows[2 * r + 1] == rows[1];
+    same = row(r)[0] == rows[0] && row(r)[1] == rows[1];
   }
   if (same) return;
   // Ranks grouped by what they were about to do, in rank order.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < world; ++r) {
-    const std::string what = describe_mark(static_cast<Mark>(static_cast<int64_t>(rows[2 * r])),
-                                           static_cast<int64_t>(rows[2 * r + 1]));
+    const std::string what = describe_mark(static_cast<Mark>(static_cast<int64_t>(row(r)[0])),
+                                           static_cast<int64_t>(row(r)[1]));
     auto it =
         std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == what; });
     if (it == groups.end()) {

@@ -57,7 +57,7 @@ void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Te
   }
   if (trainable.empty() || frozen.empty() || (use_orig_params && !warn)) return;
   const std::string shown = where.empty() ? "<root>" : where;
-  std::string msg = "[rank " + std::to_string(rank) + "] fsdp(" + shown + "): " + shown +
+  std::string msg = error_prefix(rank, where) + shown +
                     " has both parameters with requires_grad=true and requires_grad=false.";
   if (use_orig_params) {
     msg +=

@@ -19,6 +19,16 @@ void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner) {
     outer.register_buffer(b.key(), b.value());
   for (const auto& c : inner.named_children()) outer.register_module(c.key(), c.value());
 }
+
+void check_module_given(const torch::nn::Module* module) {
+  FSDP_CHECK(module != nullptr, -1, "wrap",
+             "cannot wrap a null module. Pass the module holder or shared_ptr of a built module");
+}
+
+void check_forward_arity(const torch::nn::Module& module, size_t given, size_t required) {
+  FSDP_CHECK(given >= required, -1, module.name(), "expected at least ", required,
+             " forward arguments, got ", given, ". The others have no default. Pass them");
+}
 }  // namespace detail
 
 AnyUnitImpl::AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options)

@@ -240,6 +240,13 @@ TEST(UnitRuntime, WrappingTwiceIsAnErrorOnEveryRank) {
                        "torch::nn::Linear"),
               std::string::npos)
         << msg;
+    // A null module: the error names it and the fix.
+    const std::string null_msg = error_of([] {
+      FullyShardedDataParallel<torch::nn::LinearImpl> none(
+          std::shared_ptr<torch::nn::LinearImpl>{});
+    });
+    EXPECT_NE(null_msg.find("] fsdp(wrap): cannot wrap a null module"), std::string::npos)
+        << null_msg;
     // The refused wrapper changed nothing: the first unit still trains.
     unit->forward(torch::randn({2, 4})).sum().backward();
   });

@@ -377,6 +377,12 @@ TEST(UserHabits, DefaultForwardArgumentsAreForwarded) {
     EXPECT_TRUE(torch::allclose(std::get<1>(mha_out), std::get<1>(mha_expected)));
     // Given arguments still count: need_weights=false returns no weights.
     EXPECT_FALSE(std::get<1>(mha_unit(seq, seq, seq, torch::Tensor(), false)).defined());
+    // Too few arguments: one line naming the module and the count, on every rank.
+    const std::string msg = error_of([&] { mha_unit(seq); });
+    EXPECT_NE(msg.find("] fsdp(torch::nn::MultiheadAttention): expected at least 3 forward "
+                       "arguments, got 1"),
+              std::string::npos)
+        << msg;
     std::get<0>(mha_out).sum().backward();
     for (const auto& p : mha_unit->parameters()) EXPECT_TRUE(p.grad().defined());
   });

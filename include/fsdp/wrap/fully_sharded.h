@@ -22,6 +22,10 @@ namespace detail {
 /// Registers `inner`'s direct parameters and buffers and its children on
 /// `outer`, so a wrapper is transparent to names and state dicts.
 void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner);
+/// Refuses a null module with a one-line error naming the fix.
+void check_module_given(const torch::nn::Module* module);
+/// Refuses a forward call of `module` with fewer than `required` arguments.
+void check_forward_arity(const torch::nn::Module& module, size_t given, size_t required);
 
 /// The forward signature the wrapper exposes; deduced from Impl::forward.
 template <typename Impl>
@@ -154,7 +158,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   explicit FullyShardedDataParallelImpl(std::shared_ptr<Impl> module, FSDPOptions options = {},
                                         bool enabled = true)
       : Module("FullyShardedDataParallel"), Unit(std::move(options)), module_(std::move(module)) {
-    TORCH_CHECK(module_, "fsdp: cannot wrap a null module");
+    detail::check_module_given(module_.get());
     check_not_a_unit(*module_);
     detail::adopt_module_contents(*this, *module_);
     if (enabled) {
@@ -248,9 +252,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), true>
   template <typename... Given, typename = std::enable_if_t<(sizeof...(Given) < sizeof...(Args))>>
   R forward(Given&&... given) {
     const unsigned required = detail::DefaultArgsAccess::required(this->module());
-    TORCH_CHECK(sizeof...(Given) >= required, "fsdp(", this->module().name(),
-                "): expected at least ", required, " forward arguments, got ", sizeof...(Given),
-                ". The others have no default. Pass them.");
+    detail::check_forward_arity(this->module(), sizeof...(Given), required);
     std::vector<torch::nn::AnyValue> values;
     values.reserve(sizeof...(Args));
     push_given(values, std::index_sequence_for<Given...>{}, std::forward<Given>(given)...);
