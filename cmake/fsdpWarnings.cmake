@@ -3,8 +3,9 @@
 # Note [Warnings]
 # ~~~~~~~~~~~~~~~
 # Every target of this project (the library, tests, examples, benchmarks,
-# tools) compiles with -Wall -Wextra; FSDP_WERROR=ON (scripts/test.sh with
-# FSDP_TEST_WERROR=ON; CI once a whole run is green) makes them errors. fsdp_warnings_on_all_targets() walks the directory
+# tools) compiles with -Wall -Wextra; FSDP_WERROR=ON (what scripts/test.sh,
+# and so CI, uses for every build) makes them errors.
+# fsdp_warnings_on_all_targets() walks the directory
 # tree and applies fsdp_target_warnings() to each compiled target, so a new
 # target cannot be forgotten. Not enabled, with the reason:
 #   -Wunused-parameter  LibTorch's interfaces (Module::forward overloads,
@@ -40,7 +41,7 @@
 # Clang report nothing from system headers. The fuzz target, built by a custom
 # command with clang, passes the same flags itself (fuzz/CMakeLists.txt).
 
-option(FSDP_WERROR "Treat compiler warnings as errors (scripts/test.sh: FSDP_TEST_WERROR=ON)" OFF)
+option(FSDP_WERROR "Treat compiler warnings as errors (scripts/test.sh sets it)" OFF)
 # The environment variable, when set, wins over the cache (scripts/build.sh
 # passes no options of its own for this).
 if(DEFINED ENV{FSDP_WERROR})
