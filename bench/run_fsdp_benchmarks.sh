@@ -57,25 +57,9 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 
-# Runs a command, keeps its JSON lines (fsdprun's "[rankN]: " prefix removed)
-# and echoes them; everything else goes to stderr.
-run() {
-  echo "# $*" >&2
-  local rc=0
-  "$@" | sed -u 's/^\[rank[0-9]*\]: //' | while IFS= read -r line; do
-    if [[ $line == \{* ]]; then
-      echo "$line"
-      echo "$line" >>"$results"
-    else
-      echo "$line" >&2
-    fi
-  done || rc=$?
-  # A failed benchmark fails the run rather than leaving a summary without it.
-  if ((rc != 0)); then
-    echo "run_fsdp_benchmarks.sh: '$*' failed with status $rc" >&2
-    exit "$rc"
-  fi
-}
+# shellcheck source=bench/json_lines.sh
+. "$(dirname "$0")/json_lines.sh"
+run() { json_lines "$results" "" "$@"; }
 
 step=("$BIN/bench_step" --steps "$STEPS" --warmup "$WARMUP")
 # shellcheck disable=SC2206  # word splitting of the user's flags is intended

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Two builds of libfsdp (say, main before and after a refactor) on the step and
+# overhead benchmarks, in one run with rounds interleaved, so a regression
+# shows as a ratio measured on the same machine at the same time:
+#
+#   bench/ab_builds.sh BUILD_A BUILD_B        # e.g. build-before build
+#
+# Each round runs, for A then B (B then A on odd rounds, so neither always goes
+# first): bench_step NO_SHARD and FULL_SHARD at 2 ranks, then bench_overhead at
+# 2 ranks (FULL_SHARD, SHARD_GRAD_OP and NO_SHARD against the local network).
+# Every JSON line is echoed with "build":"A"|"B" added; the last line is a
+# summary with B/A per round and their median (below 1: B is faster).
+# Builds nothing: each folder needs bin/fsdprun, bin/bench_step and
+# bin/bench_overhead. About 3 minutes per round on 2 cores.
+#
+# Environment overrides: ROUNDS (3), STEPS (6), WARMUP (2), NPROC (2),
+#   STEP_ARGS (more bench_step flags), OVERHEAD_ARGS (bench_overhead flags).
+set -euo pipefail
+
+if (($# != 2)); then
+  echo "usage: bench/ab_builds.sh BUILD_A BUILD_B" >&2
+  exit 2
+fi
+declare -A dir=([A]=$1 [B]=$2)
+for b in A B; do
+  for exe in fsdprun bench_step bench_overhead; do
+    if [[ ! -x ${dir[$b]}/bin/$exe ]]; then
+      echo "ab_builds.sh: ${dir[$b]}/bin/$exe not found; build it first:" \
+        "cmake --build ${dir[$b]} --target fsdprun bench_step bench_overhead" >&2
+      exit 1
+    fi
+  done
+done
+ROUNDS=${ROUNDS:-3}
+STEPS=${STEPS:-6}
+WARMUP=${WARMUP:-2}
+NPROC=${NPROC:-2}
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+
+# shellcheck source=bench/json_lines.sh
+. "$(dirname "$0")/json_lines.sh"
+# run BUILD CMD...: one benchmark of BUILD, its JSON lines tagged with it.
+run() {
+  local build=$1
+  shift
+  json_lines "$results" "\"build\":\"$build\"," "$@"
+}
+
+for ((round = 0; round < ROUNDS; ++round)); do
+  order=(A B)
+  if ((round % 2 == 1)); then order=(B A); fi
+  for b in "${order[@]}"; do
+    bin=${dir[$b]}/bin
+    for mode in no_shard full_shard; do
+      # shellcheck disable=SC2086  # word splitting of the user's flags is intended
+      run "$b" "$bin/fsdprun" --nproc-per-node "$NPROC" "$bin/bench_step" --steps "$STEPS" \
+        --warmup "$WARMUP" --mode "$mode" ${STEP_ARGS:-}
+    done
+    # shellcheck disable=SC2086
+    run "$b" "$bin/fsdprun" --nproc-per-node "$NPROC" "$bin/bench_overhead" ${OVERHEAD_ARGS:-}
+  done
+done
+
+python3 - "$results" "$1" "$2" <<'EOF'
+import json
+import statistics
+import sys
+
+path, dir_a, dir_b = sys.argv[1:4]
+runs = {}  # (build, metric) -> value per round, in order
+for r in map(json.loads, open(path)):
+    if r["bench"] == "step":
+        key, value = f"step_{r['mode']}_ms", r["median_ms"]
+    elif r["bench"] == "overhead" and r["mode"] != "local":
+        key, value = f"overhead_{r['mode']}_us_per_unit", r["overhead_us_per_unit"]
+    else:
+        continue
+    runs.setdefault((r["build"], key), []).append(value)
+out = {"bench": "ab_builds_summary", "A": dir_a, "B": dir_b}
+for (build, key), a in sorted(runs.items()):
+    if build != "A":
+        continue
+    b = runs[("B", key)]
+    out[f"{key}_A"] = round(statistics.median(a), 2)
+    out[f"{key}_B"] = round(statistics.median(b), 2)
+    if key.startswith("step_"):
+        per_round = [y / x for x, y in zip(a, b)]
+        out[f"{key}_B_over_A_rounds"] = [round(x, 3) for x in per_round]
+        out[f"{key}_B_over_A"] = round(statistics.median(per_round), 3)
+    else:
+        # Overheads are differences of two times, near zero at times: B - A.
+        out[f"{key}_B_minus_A"] = round(statistics.median(b) - statistics.median(a), 2)
+print(json.dumps(out))
+EOF

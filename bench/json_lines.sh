@@ -1,0 +1,27 @@
+# Sourced by the benchmark scripts: runs benchmark commands and keeps their
+# JSON lines.
+#
+# json_lines OUT TAG CMD...: runs CMD; each JSON line it prints (fsdprun's
+# "[rankN]: " prefix removed) goes to stdout and is appended to file OUT, with
+# TAG (e.g. '"build":"A",', or empty) inserted after its "{"; every other line
+# goes to stderr. A failed command ends the calling script with its status, so
+# a summary never leaves out a configuration silently.
+json_lines() {
+  local out=$1 tag=$2
+  shift 2
+  echo "# $*" >&2
+  local rc=0
+  "$@" | sed -u 's/^\[rank[0-9]*\]: //' | while IFS= read -r line; do
+    if [[ $line == \{* ]]; then
+      line="{$tag${line#\{}"
+      echo "$line"
+      echo "$line" >>"$out"
+    else
+      echo "$line" >&2
+    fi
+  done || rc=$?
+  if ((rc != 0)); then
+    echo "$(basename "$0"): '$*' failed with status $rc" >&2
+    exit "$rc"
+  fi
+}
