@@ -14,7 +14,9 @@
 # bin/bench_overhead. About 3 minutes per round on 2 cores.
 #
 # Environment overrides: ROUNDS (3), STEPS (6), WARMUP (2), NPROC (2),
-#   STEP_ARGS (more bench_step flags), OVERHEAD_ARGS (bench_overhead flags).
+#   MODES ("no_shard full_shard": the bench_step modes), OVERHEAD (1; 0 skips
+#   bench_overhead), STEP_ARGS (more bench_step flags), OVERHEAD_ARGS
+#   (bench_overhead flags).
 set -euo pipefail
 
 if (($# != 2)); then
@@ -54,13 +56,16 @@ for ((round = 0; round < ROUNDS; ++round)); do
   if ((round % 2 == 1)); then order=(B A); fi
   for b in "${order[@]}"; do
     bin=${dir[$b]}/bin
-    for mode in no_shard full_shard; do
+    # shellcheck disable=SC2086  # MODES is a list of words
+    for mode in ${MODES:-no_shard full_shard}; do
       # shellcheck disable=SC2086  # word splitting of the user's flags is intended
       run "$b" "$bin/fsdprun" --nproc-per-node "$NPROC" "$bin/bench_step" --steps "$STEPS" \
         --warmup "$WARMUP" --mode "$mode" ${STEP_ARGS:-}
     done
-    # shellcheck disable=SC2086
-    run "$b" "$bin/fsdprun" --nproc-per-node "$NPROC" "$bin/bench_overhead" ${OVERHEAD_ARGS:-}
+    if [[ ${OVERHEAD:-1} != 0 ]]; then
+      # shellcheck disable=SC2086
+      run "$b" "$bin/fsdprun" --nproc-per-node "$NPROC" "$bin/bench_overhead" ${OVERHEAD_ARGS:-}
+    fi
   done
 done
 

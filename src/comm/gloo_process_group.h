@@ -32,9 +32,9 @@ enum class Route : uint8_t {
   kGloo,
 };
 /// Number of Route values.
-constexpr int kRouteCount = 3;
+constexpr size_t kRouteCount = 3;
 /// Number of CollectiveKind values.
-constexpr int kCollectiveKindCount = static_cast<int>(CollectiveKind::kBarrier) + 1;
+constexpr size_t kCollectiveKindCount = static_cast<size_t>(CollectiveKind::kBarrier) + 1;
 
 /// "links", "shm" or "gloo", for messages.
 const char* to_string(Route route);

@@ -108,7 +108,7 @@ void ExecOrder::agree(Mark mark, int64_t value, size_t position) {
   at::Tensor mine = at::empty({2}, at::kDouble);
   mine.data_ptr<double>()[0] = static_cast<double>(static_cast<int64_t>(mark));
   mine.data_ptr<double>()[1] = static_cast<double>(value);
-  at::Tensor all = at::empty({2 * world}, at::kDouble);
+  at::Tensor all = at::empty({int64_t{2} * world}, at::kDouble);
   group_->all_gather_into_tensor(all, mine).wait();
   const double* rows = all.data_ptr<double>();
   bool same = true;

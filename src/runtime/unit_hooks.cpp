@@ -137,8 +137,7 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
     // See Note [FSDP and autograd]. The first of the outputs whose gradient
     // arrives runs pre_backward; it is idempotent per backward. (A hook is
     // registered on the output's autograd meta, shared by every copy of it.)
-    at::Tensor out = output;
-    out.register_hook([this](const at::Tensor&) { pre_backward(); });
+    output.register_hook([this](const at::Tensor&) { pre_backward(); });
   }
   if (backward_reaches && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
 }

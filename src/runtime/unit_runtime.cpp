@@ -163,7 +163,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
   }
   if (path != nullptr && !path->empty()) {
     auto named = params;  // as the user knows them, from the root
-    for (auto& [name, p] : named) name = *path + "." + name;
+    for (auto& [name, p] : named) name.insert(0, *path + ".");
     check_uniform_requires_grad(named, where, options_.use_orig_params(), rank, true);
   } else {
     check_uniform_requires_grad(params, where, options_.use_orig_params(), rank, true);

@@ -83,35 +83,49 @@ std::string describe_union(const std::vector<AutoWrapPolicy>& policies) {
   return out + ")";
 }
 
+// Built here so that the description is taken before the list moves into
+// the predicate (the parameters are sinks: no copy of the list is made).
+AutoWrapPolicy type_policy(std::vector<ModuleTypePolicy::Type> types) {
+  std::string description = describe_types(types);
+  return AutoWrapPolicy(
+      [types = std::move(types)](const Module& m, const std::string&, int64_t) {
+        for (const auto& t : types) {
+          if (t.matches(m)) return true;
+        }
+        return false;
+      },
+      std::move(description));
+}
+
+AutoWrapPolicy union_policy(std::vector<AutoWrapPolicy> policies) {
+  std::string description = describe_union(policies);
+  // Both predicates read one list.
+  auto members = std::make_shared<const std::vector<AutoWrapPolicy>>(std::move(policies));
+  return AutoWrapPolicy(
+      [members](const Module& m, const std::string& path, int64_t numel) {
+        for (const auto& p : *members) {
+          if (p.should_wrap(m, path, numel)) return true;
+        }
+        return false;
+      },
+      std::move(description),
+      // A member that would descend must see the subtree, even if the
+      // others would prune it (PyTorch's _or_policy asks with recurse=True).
+      [members](const Module& m, const std::string& path, int64_t numel) {
+        for (const auto& p : *members) {
+          if (p.should_recurse(m, path, numel)) return true;
+        }
+        return false;
+      });
+}
+
 }  // namespace
 
 ModuleTypePolicy::ModuleTypePolicy(std::vector<Type> types)
-    : AutoWrapPolicy(
-          [types](const Module& m, const std::string&, int64_t) {
-            for (const auto& t : types) {
-              if (t.matches(m)) return true;
-            }
-            return false;
-          },
-          describe_types(types)) {}
+    : AutoWrapPolicy(type_policy(std::move(types))) {}
 
 UnionPolicy::UnionPolicy(std::vector<AutoWrapPolicy> policies)
-    : AutoWrapPolicy(
-          [policies](const Module& m, const std::string& path, int64_t numel) {
-            for (const auto& p : policies) {
-              if (p.should_wrap(m, path, numel)) return true;
-            }
-            return false;
-          },
-          describe_union(policies),
-          // A member that would descend must see the subtree, even if the
-          // others would prune it (PyTorch's _or_policy asks with recurse=True).
-          [policies](const Module& m, const std::string& path, int64_t numel) {
-            for (const auto& p : policies) {
-              if (p.should_recurse(m, path, numel)) return true;
-            }
-            return false;
-          }) {}
+    : AutoWrapPolicy(union_policy(std::move(policies))) {}
 
 UnionPolicy operator|(const AutoWrapPolicy& a, const AutoWrapPolicy& b) {
   return UnionPolicy({a, b});
