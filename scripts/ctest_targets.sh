@@ -13,34 +13,13 @@ import json, pathlib, re, sys
 build = pathlib.Path(sys.argv[1])
 names = {t["name"] for t in json.load(sys.stdin)["tests"]}
 # gtest_discover_tests() lists its tests only once the executable exists;
-# before, it stands in as one unlabelled test named <target>_NOT_BUILT, so the
-# label selection is applied here, from the labels tests/CMakeLists.txt
-# recorded (fsdp_discover_tests).
-args = sys.argv[2:]
-include = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-L"]
-exclude = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-LE"]
-labels = {}
-recorded = build / "discovered_test_labels.txt"
-if recorded.exists():
-    for line in recorded.read_text().splitlines():
-        if line.strip():
-            target, label = line.split()
-            labels[target] = label
-
-
-def selected(target):
-    label = labels.get(target)
-    if label is None:
-        return True
-    return (all(re.search(r, label) for r in include)
-            and not any(re.search(r, label) for r in exclude))
-
-
+# before, it stands in as one test named <target>_NOT_BUILT, which carries the
+# label of its tests (fsdp_discover_tests in tests/CMakeLists.txt), so the label
+# selection above has already applied to it.
 targets = {n[: -len("_NOT_BUILT")] for n in names if n.endswith("_NOT_BUILT")}
-targets = {t for t in targets if selected(t)}
 for f in build.rglob("CTestTestfile.cmake"):
     for m in re.finditer(r"^add_test\(\[=\[(.*?)\]=\] (.*)$", f.read_text(), re.M):
         if m.group(1) in names:
             targets.update(re.findall(re.escape(str(build)) + r"/bin/([A-Za-z0-9_]+)", m.group(2)))
 print("\n".join(sorted(targets)))
-' "$dir" "$@"
+' "$dir"
