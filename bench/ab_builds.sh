@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Two builds of libfsdp (say, main before and after a refactor) on the step and
-# overhead benchmarks, in one run with rounds interleaved, so a regression
-# shows as a ratio measured on the same machine at the same time:
+# Two or more builds of libfsdp (say, main before and after a refactor) on the
+# step and overhead benchmarks, in one run with rounds interleaved, so a
+# regression shows as a ratio measured on the same machine at the same time:
 #
-#   bench/ab_builds.sh BUILD_A BUILD_B        # e.g. build-before build
+#   bench/ab_builds.sh BUILD_A BUILD_B [BUILD_C ...]   # e.g. build-before build
 #
-# Each round runs, for A then B (B then A on odd rounds, so neither always goes
-# first): bench_step NO_SHARD and FULL_SHARD at 2 ranks, then bench_overhead at
-# 2 ranks (FULL_SHARD, SHARD_GRAD_OP and NO_SHARD against the local network).
-# Every JSON line is echoed with "build":"A"|"B" added; the last line is a
-# summary with B/A per round and their median (below 1: B is faster).
+# Give a copy of BUILD_A as BUILD_C to measure the host's own noise: C/A is
+# then what two identical binaries differ by in the same run.
+#
+# Each round runs, for every build in turn (the order rotates by one each
+# round, so none always goes first): bench_step NO_SHARD and FULL_SHARD at 2
+# ranks, then bench_overhead at 2 ranks (FULL_SHARD, SHARD_GRAD_OP and
+# NO_SHARD against the local network). Every JSON line is echoed with
+# "build":"A"|"B"|... added; the last line is a summary with X/A per round and
+# their median for every other build X (below 1: X is faster).
 # Builds nothing: each folder needs bin/fsdprun, bin/bench_step and
-# bin/bench_overhead. About 3 minutes per round on 2 cores.
+# bin/bench_overhead. About 1.5 minutes per build and round on 2 cores.
 #
 # Environment overrides: ROUNDS (3), STEPS (6), WARMUP (2), NPROC (2),
 #   MODES ("no_shard full_shard": the bench_step modes), OVERHEAD (1; 0 skips
@@ -19,20 +23,21 @@
 #   (bench_overhead flags).
 set -euo pipefail
 
-if (($# != 2)); then
-  echo "usage: bench/ab_builds.sh BUILD_A BUILD_B" >&2
+if (($# < 2 || $# > 26)); then
+  echo "usage: bench/ab_builds.sh BUILD_A BUILD_B [BUILD_C ...]" >&2
   exit 2
 fi
-declare -A dir=([A]=$1 [B]=$2)
-for b in A B; do
-  for exe in fsdprun bench_step bench_overhead; do
-    if [[ ! -x ${dir[$b]}/bin/$exe ]]; then
-      echo "ab_builds.sh: ${dir[$b]}/bin/$exe not found; build it first:" \
-        "cmake --build ${dir[$b]} --target fsdprun bench_step bench_overhead" >&2
-      exit 1
-    fi
-  done
+declare -A dir=()
+letters=ABCDEFGHIJKLMNOPQRSTUVWXYZ
+names=()
+for build in "$@"; do
+  name=${letters:${#names[@]}:1}
+  names+=("$name")
+  dir[$name]=$build
 done
+# shellcheck source=bench/json_lines.sh
+. "$(dirname "$0")/json_lines.sh"
+for b in "${names[@]}"; do need_executables "${dir[$b]}" fsdprun bench_step bench_overhead; done
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-6}
 WARMUP=${WARMUP:-2}
@@ -42,8 +47,6 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 
-# shellcheck source=bench/json_lines.sh
-. "$(dirname "$0")/json_lines.sh"
 # run BUILD CMD...: one benchmark of BUILD, its JSON lines tagged with it.
 run() {
   local build=$1
@@ -52,8 +55,8 @@ run() {
 }
 
 for ((round = 0; round < ROUNDS; ++round)); do
-  order=(A B)
-  if ((round % 2 == 1)); then order=(B A); fi
+  shift_by=$((round % ${#names[@]}))
+  order=("${names[@]:shift_by}" "${names[@]:0:shift_by}")
   for b in "${order[@]}"; do
     bin=${dir[$b]}/bin
     # shellcheck disable=SC2086  # MODES is a list of words
@@ -69,12 +72,13 @@ for ((round = 0; round < ROUNDS; ++round)); do
   done
 done
 
-python3 - "$results" "$1" "$2" <<'EOF'
+python3 - "$results" "$@" <<'EOF'
 import json
 import statistics
 import sys
 
-path, dir_a, dir_b = sys.argv[1:4]
+path, dirs = sys.argv[1], sys.argv[2:]
+names = [chr(ord("A") + i) for i in range(len(dirs))]
 runs = {}  # (build, metric) -> value per round, in order
 for r in map(json.loads, open(path)):
     if r["bench"] == "step":
@@ -84,19 +88,20 @@ for r in map(json.loads, open(path)):
     else:
         continue
     runs.setdefault((r["build"], key), []).append(value)
-out = {"bench": "ab_builds_summary", "A": dir_a, "B": dir_b}
+out = {"bench": "ab_builds_summary", **dict(zip(names, dirs))}
 for (build, key), a in sorted(runs.items()):
     if build != "A":
         continue
-    b = runs[("B", key)]
     out[f"{key}_A"] = round(statistics.median(a), 2)
-    out[f"{key}_B"] = round(statistics.median(b), 2)
-    if key.startswith("step_"):
-        per_round = [y / x for x, y in zip(a, b)]
-        out[f"{key}_B_over_A_rounds"] = [round(x, 3) for x in per_round]
-        out[f"{key}_B_over_A"] = round(statistics.median(per_round), 3)
-    else:
-        # Overheads are differences of two times, near zero at times: B - A.
-        out[f"{key}_B_minus_A"] = round(statistics.median(b) - statistics.median(a), 2)
+    for x in names[1:]:
+        b = runs[(x, key)]
+        out[f"{key}_{x}"] = round(statistics.median(b), 2)
+        if key.startswith("step_"):
+            per_round = [y / v for v, y in zip(a, b)]
+            out[f"{key}_{x}_over_A_rounds"] = [round(v, 3) for v in per_round]
+            out[f"{key}_{x}_over_A"] = round(statistics.median(per_round), 3)
+        else:
+            # Overheads are differences of two times, near zero at times: X - A.
+            out[f"{key}_{x}_minus_A"] = round(statistics.median(b) - statistics.median(a), 2)
 print(json.dumps(out))
 EOF

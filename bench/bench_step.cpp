@@ -12,6 +12,8 @@
 //   --mixed-precision fp32|bf16 (fp32): bf16 sets MixedPrecision(param_dtype
 //   bf16) on every unit (compute, all-gather and reduce-scatter in bf16,
 //   fp32 shards for AdamW); the loss is computed on fp32 logits either way.
+//   --activation-checkpointing 0|1 (0): recompute each block's activations in
+//   backward (GPTConfig::activation_checkpointing).
 // median_ms is the larger of the ranks' median step times;
 // slowest_rank_median_ms the median over steps of each step's slowest rank.
 // Under FSDP the two agree (every step waits for the slowest rank); for
@@ -63,6 +65,7 @@
 
 #include "comm/counting_process_group.h"
 #include "gpt_mini.h"
+#include "memory/cpu_allocator.h"
 
 namespace {
 
@@ -101,6 +104,7 @@ struct Args {
   int64_t vocab = 256;
   bool forward_prefetch = true;
   std::string precision = "fp32";
+  bool activation_checkpointing = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -119,6 +123,8 @@ Args parse(int argc, char** argv) {
   app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
   app.add_option("--forward-prefetch", a.forward_prefetch, "0 or 1");
   app.add_option("--mixed-precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--activation-checkpointing", a.activation_checkpointing,
+                 "0 or 1: recompute each block's activations in backward");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -139,13 +145,18 @@ int main(int argc, char** argv) {
   bench::setup_process();
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
+  // Peaks are measured from here: what building and training the model adds.
+  const int64_t rss_before_model = fsdp::memory_stats().resident_bytes;
+  fsdp::reset_peak_memory_stats();
+  int64_t run_peak = 0;  // the tracker's peak over the whole run, across resets
 
   const auto config = gpt_mini::GPTConfig()
                           .vocab_size(args.vocab)
                           .block_size(args.seq)
                           .d_model(args.d_model)
                           .n_head(args.heads)
-                          .n_layer(args.blocks);
+                          .n_layer(args.blocks)
+                          .activation_checkpointing(args.activation_checkpointing);
 
   // The model behind one forward function: plain GPT, or an FSDP root around
   // a GPT whose blocks are units.
@@ -188,6 +199,7 @@ int main(int argc, char** argv) {
   int64_t gathered0 = 0, reduced0 = 0;
   for (int i = -args.warmup; i < args.steps; ++i) {
     if (i == 0) {
+      run_peak = std::max(run_peak, fsdp::memory_stats().peak_bytes);
       fsdp::reset_peak_memory_stats();
       if (counting) {
         gathered0 = counting->gathered_bytes;
@@ -224,11 +236,18 @@ int main(int argc, char** argv) {
   at::Tensor tiny = inputs.slice(0, 0, 1).slice(1, 0, 1).contiguous();
   at::Tensor tiny_target = targets.slice(0, 0, 1).slice(1, 0, 1).contiguous();
   pg->barrier().wait();
+  run_peak = std::max(run_peak, peak);
   fsdp::reset_peak_memory_stats();
   opt.zero_grad();
   gpt_mini::lm_loss(forward(tiny).to(at::kFloat), tiny_target).backward();
   opt.step();
   const int64_t param_peak = fsdp::memory_stats().peak_bytes;
+  run_peak = std::max(run_peak, param_peak);
+  // Issue 18's bound on what the process holds beyond what tensors need:
+  // peak RSS growth <= 1.15 x the tracker's peak + 32 MiB (ratio <= 1).
+  const int64_t rss_growth = fsdp::memory_stats().peak_resident_bytes - rss_before_model;
+  const double rss_bound_ratio =
+      static_cast<double>(rss_growth) / (1.15 * static_cast<double>(run_peak) + (32 << 20));
 
   int64_t total_params = 0;
   for (const auto& p : params) total_params += p.numel();
@@ -249,6 +268,15 @@ int main(int argc, char** argv) {
   const auto state_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(state)));
   const auto param_peak_max =
       static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(param_peak)));
+  const auto run_peak_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(run_peak)));
+  const auto peak_rss_max = static_cast<int64_t>(
+      max_over_ranks(*pg, static_cast<double>(fsdp::memory_stats().peak_resident_bytes)));
+  const auto rss_growth_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_growth)));
+  const double rss_bound_ratio_max = max_over_ranks(*pg, rss_bound_ratio);
+  const int64_t cached_end = fsdp::memory_stats().cached_bytes;
+  const fsdp::detail::BlockCache::Stats cache = fsdp::detail::block_cache_stats();
   if (rank == 0) {
     std::printf(
         "{\"bench\":\"step\",\"mode\":\"%s\",\"world\":%d,\"blocks\":%lld,\"d_model\":%lld,"
@@ -257,8 +285,12 @@ int main(int argc, char** argv) {
         "\"backward_ms\":%.1f,"
         "\"optimizer_ms\":%.1f,\"peak_bytes\":%lld,\"state_bytes\":%lld,"
         "\"param_peak_bytes\":%lld,\"block_param_bytes\":%lld,\"loss0\":%.6f,"
-        "\"precision\":\"%s\",\"all_gather_bytes_per_step\":%lld,"
-        "\"reduce_scatter_bytes_per_step\":%lld,\"malloc\":\"%s\",\"torch\":\"%s\","
+        "\"precision\":\"%s\",\"activation_checkpointing\":%s,\"all_gather_bytes_per_step\":%lld,"
+        "\"reduce_scatter_bytes_per_step\":%lld,\"run_peak_bytes\":%lld,"
+        "\"peak_rss_bytes\":%lld,\"rss_growth_bytes\":%lld,\"rss_bound_ratio\":%.3f,"
+        "\"cached_bytes_at_end\":%lld,\"cache_reused\":%lld,\"cache_split\":%lld,"
+        "\"cache_mapped\":%lld,\"cache_evicted\":%lld,\"cache_peak_in_use\":%lld,"
+        "\"cache_mapped_bytes\":%lld,\"malloc\":\"%s\",\"torch\":\"%s\","
         "\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -268,8 +300,14 @@ int main(int argc, char** argv) {
         static_cast<long long>(state_max), static_cast<long long>(param_peak_max),
         static_cast<long long>(gpt_mini::block_param_count(config) *
                                static_cast<int64_t>(sizeof(float))),
-        loss0, args.precision.c_str(), static_cast<long long>(gathered_per_step),
-        static_cast<long long>(reduced_per_step), bench::malloc_mode(), TORCH_VERSION,
+        loss0, args.precision.c_str(), args.activation_checkpointing ? "true" : "false",
+        static_cast<long long>(gathered_per_step), static_cast<long long>(reduced_per_step),
+        static_cast<long long>(run_peak_max), static_cast<long long>(peak_rss_max),
+        static_cast<long long>(rss_growth_max), rss_bound_ratio_max,
+        static_cast<long long>(cached_end), static_cast<long long>(cache.reused),
+        static_cast<long long>(cache.split), static_cast<long long>(cache.mapped),
+        static_cast<long long>(cache.evicted), static_cast<long long>(cache.peak_in_use),
+        static_cast<long long>(cache.mapped_bytes), bench::malloc_mode(), TORCH_VERSION,
         bench::blas_description().c_str());
     std::fflush(stdout);
   }

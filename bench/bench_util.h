@@ -4,7 +4,6 @@
 
 #include <ATen/ATen.h>
 #include <dlfcn.h>
-
 #include <cstdlib>
 
 #include <algorithm>
@@ -19,6 +18,8 @@
 #include <fsdp/comm/process_group.h>
 #include <fsdp/memory.h>
 #include <fsdp/wrap/options.h>
+
+#include "memory/malloc_tuning.h"
 
 namespace bench {
 
@@ -44,21 +45,36 @@ inline std::string blas_description() {
   return at::hasMKL() ? "mkl" : "other";
 }
 
+/// How this process gets its CPU memory, from BENCH_CPU_MEMORY: "cache"
+/// (the default: libfsdp's block cache, fsdp::enable_cpu_block_cache(), for
+/// every mode, `local` included), "kept" (no cache; glibc keeps freed memory,
+/// what fsdp::keep_freed_cpu_memory() did before the cache) or "default" (no
+/// cache, glibc's defaults).
+/// The JSON lines say it as "malloc".
+inline const char* malloc_mode() {
+  static const std::string mode = [] {
+    const char* env = std::getenv("BENCH_CPU_MEMORY");
+    const std::string m = env != nullptr && *env != '\0' ? env : "cache";
+    TORCH_CHECK(m == "cache" || m == "kept" || m == "default",
+                "BENCH_CPU_MEMORY must be cache, kept or default, not '", m, "'");
+    return m;
+  }();
+  return mode.c_str();
+}
+
 /// Every benchmark's process set-up, for all modes alike: one intra-op thread
-/// and one BLAS thread, and freed CPU memory kept for reuse
-/// (fsdp::keep_freed_cpu_memory) unless BENCH_DEFAULT_MALLOC=1 asks for the C
-/// library's defaults. Prints nothing; the JSON lines say "malloc".
+/// and one BLAS thread, and the CPU memory policy of malloc_mode(). Call it
+/// before any FSDP unit exists. Prints nothing.
 inline void setup_process() {
   at::set_num_threads(1);
   single_threaded_blas();
-  const char* env = std::getenv("BENCH_DEFAULT_MALLOC");
-  if (env == nullptr || std::string(env) != "1") fsdp::keep_freed_cpu_memory();
-}
-
-/// "kept" or "default": the malloc setting this process runs with.
-inline const char* malloc_mode() {
-  const char* env = std::getenv("BENCH_DEFAULT_MALLOC");
-  return env != nullptr && std::string(env) == "1" ? "default" : "kept";
+  const std::string mode = malloc_mode();
+  if (mode == "cache") {
+    fsdp::enable_cpu_block_cache();
+  } else {
+    setenv("FSDP_CPU_BLOCK_CACHE", "0", 1);  // FSDP's units would turn it on
+    if (mode == "kept") fsdp::detail::keep_freed_heap_memory();
+  }
 }
 
 /// The benchmarks' clock.

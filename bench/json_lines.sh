@@ -1,5 +1,20 @@
-# Sourced by the benchmark scripts: runs benchmark commands and keeps their
-# JSON lines.
+# Sourced by the benchmark scripts: checks their executables, runs benchmark
+# commands and keeps their JSON lines.
+#
+# need_executables BUILD EXE...: exits with a message naming the build
+# command unless every BUILD/bin/EXE exists.
+need_executables() {
+  local build=$1
+  shift
+  local exe
+  for exe in "$@"; do
+    if [[ ! -x $build/bin/$exe ]]; then
+      echo "$(basename "$0"): $build/bin/$exe not found; build it first:" \
+        "cmake --build $build --target $*" >&2
+      exit 1
+    fi
+  done
+}
 #
 # json_lines OUT TAG CMD...: runs CMD; each JSON line it prints (fsdprun's
 # "[rankN]: " prefix removed) goes to stdout and is appended to file OUT, with

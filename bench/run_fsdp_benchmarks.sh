@@ -8,8 +8,9 @@
 # FULL_SHARD at 2 ranks with fsdprun (and FULL_SHARD in bf16), then
 # bench_overhead at world size 1 and 2. Every JSON line is echoed as it comes;
 # the last line is a summary with the ratios to local and the targets.
-# Roughly 4 minutes per round on 2 cores. Every process, local ones too, keeps freed
-# memory for reuse (fsdp::keep_freed_cpu_memory; the lines say "malloc").
+# Roughly 4 minutes per round on 2 cores. Every process, local ones too, gets
+# its large CPU blocks from libfsdp's block cache (BENCH_CPU_MEMORY, below;
+# the lines say "malloc").
 #
 # Environment overrides:
 #   STEPS (10), WARMUP (2)       timed and untimed steps of bench_step
@@ -22,7 +23,9 @@
 #   BF16 (1)                     also FULL_SHARD with bf16 mixed precision
 #                                (step time and all-gathered bytes vs fp32); 0 skips it
 #   OVERHEAD_ARGS                bench_overhead flags, e.g. "--rounds 10"
-#   BENCH_DEFAULT_MALLOC (0)     1: glibc's default malloc policy instead
+#   BENCH_CPU_MEMORY (cache)     kept: glibc keeps freed memory instead (the
+#                                policy before the block cache); default: glibc's
+#                                defaults
 #   LOCAL_CONCURRENT (1)         also run `local` on NPROC ranks side by side
 #                                (no communication): what NPROC busy processes
 #                                cost the machine by itself, to tell it apart

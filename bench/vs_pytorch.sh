@@ -61,7 +61,7 @@ fi
 # One thread per process everywhere (bench_step and pytorch_step.py also set
 # it themselves); set here so fsdprun does not print its notice.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-unset MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ BENCH_DEFAULT_MALLOC
+unset MALLOC_MMAP_THRESHOLD_ MALLOC_TRIM_THRESHOLD_ BENCH_CPU_MEMORY  # libfsdp: its block cache
 KEEP_MALLOC=(MALLOC_MMAP_THRESHOLD_=$((32 << 20)) MALLOC_TRIM_THRESHOLD_=$((1 << 30)))
 
 results=$(mktemp)

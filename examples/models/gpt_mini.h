@@ -37,6 +37,10 @@ struct GPTConfig {
   TORCH_ARG(int64_t, n_head) = 8;
   /// Transformer blocks.
   TORCH_ARG(int64_t, n_layer) = 8;
+  /// Recompute each block's activations in backward instead of keeping them
+  /// (fsdp::CheckpointWrapper around plain blocks; the units' own
+  /// activation_checkpointing option for sharded ones).
+  TORCH_ARG(bool, activation_checkpointing) = false;
 };
 
 namespace detail {
@@ -155,10 +159,16 @@ class GPTImpl : public torch::nn::Module {
       const std::string name = "h" + std::to_string(i);
       Block block(config);
       if (block_options) {
-        fsdp::FullyShardedDataParallel<BlockImpl> unit(block, *block_options);
+        fsdp::FSDPOptions unit_options = *block_options;
+        if (config.activation_checkpointing()) unit_options.activation_checkpointing(true);
+        fsdp::FullyShardedDataParallel<BlockImpl> unit(block, unit_options);
         register_module(name, unit);
-        // AnyModule works for both: the wrapper's forward has Block's signature.
+        // AnyModule works for all: the wrappers' forward has Block's signature.
         blocks_.emplace_back(unit);
+      } else if (config.activation_checkpointing()) {
+        fsdp::CheckpointWrapper<BlockImpl> checkpointed(block);
+        register_module(name, checkpointed);
+        blocks_.emplace_back(checkpointed);
       } else {
         register_module(name, block);
         blocks_.emplace_back(block);

@@ -288,8 +288,9 @@ int main(int argc, char** argv) {
   using namespace train_gpt;
   // Before any tensor exists, so the memory figures count the whole model.
   fsdp::enable_memory_tracking();
-  // Steps cycle block-sized buffers; reuse them rather than fault them in.
-  fsdp::keep_freed_cpu_memory();
+  // Steps cycle block-sized buffers; reuse them rather than fault them in
+  // (FSDP's units turn the cache on too; this covers the unsharded mode).
+  fsdp::enable_cpu_block_cache();
   TrainConfig config;
   if (auto code = parse_command_line(argc, argv, &config)) return *code;
   at::set_num_threads(config.threads);

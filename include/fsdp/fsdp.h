@@ -9,6 +9,7 @@
 #include <fsdp/comm/process_group.h>
 #include <fsdp/comm/types.h>
 #include <fsdp/comm/work.h>
+#include <fsdp/core/activation_checkpoint.h>
 #include <fsdp/core/mixed_precision.h>
 #include <fsdp/core/reset_parameters.h>
 #include <fsdp/error_message.h>
@@ -17,6 +18,7 @@
 #include <fsdp/runtime/unit.h>
 #include <fsdp/state/checkpoint.h>
 #include <fsdp/state/state_dict.h>
+#include <fsdp/wrap/activation_checkpointing.h>
 #include <fsdp/wrap/auto_wrap.h>
 #include <fsdp/wrap/enable_wrap.h>
 #include <fsdp/wrap/fully_sharded.h>

@@ -22,6 +22,15 @@ struct MemoryStats {
   int64_t allocations = 0;
   /// Frees of counted allocations since tracking began.
   int64_t frees = 0;
+  /// Bytes of freed blocks that the CPU block cache keeps for reuse (resident
+  /// memory beyond current_bytes; see enable_cpu_block_cache()).
+  int64_t cached_bytes = 0;
+  /// The process's resident memory now (VmRSS), and its highest so far
+  /// (getrusage's ru_maxrss): what `top` shows, beside the tensor bytes
+  /// above. -1 where the OS does not tell.
+  int64_t resident_bytes = -1;
+  /// See resident_bytes.
+  int64_t peak_resident_bytes = -1;
   /// Whether the tracking allocator is LibTorch's CPU allocator right now; false
   /// if it could not be installed or was displaced by a later
   /// c10::SetCPUAllocator() with a higher priority.
@@ -45,14 +54,31 @@ MemoryStats memory_stats();
 /// benchmark or test can measure the peak of one phase.
 void reset_peak_memory_stats();
 
-/// Makes the C library keep freed CPU memory for reuse instead of returning it
-/// to the OS and faulting it in again page by page at the next allocation
-/// (glibc: blocks up to 32 MiB come from the heap, and up to 1 GiB of freed
-/// heap is kept). Training steps allocate and free blocks the size of a unit
-/// all the time: on GPT-mini (2 blocks, 1 rank) this made steps 28% (plain
-/// LibTorch) to 47% (FULL_SHARD) shorter. The cost is that the process's resident memory stays near
-/// its peak. Process-wide and idempotent; call it once, early. Returns false where the C library
-/// has no such setting (then nothing changed). See Note [Reusing freed CPU memory].
+/// Serves LibTorch's CPU allocations of 1 MiB and more from libfsdp's block
+/// cache: a freed block is kept and reused for the next request of its size,
+/// as PyTorch's CUDA caching allocator does for device memory, and cached
+/// blocks are returned to the OS whenever keeping them would make the cache
+/// larger than the peak of blocks in use so far (plus 1/16). Steps then fault
+/// in no fresh pages, and the process's resident memory follows what the
+/// tensors need (after sharding, FSDP's unit-sized buffers) instead of
+/// malloc's heap. FSDP turns it on when its first unit is constructed; set
+/// FSDP_CPU_BLOCK_CACHE=0 to keep LibTorch's own allocator for those. Calling
+/// it explicitly turns it on regardless (e.g. for a model without FSDP).
+/// Process-wide and idempotent. Returns whether libfsdp's allocator is
+/// LibTorch's CPU allocator now (false if a later c10::SetCPUAllocator() of
+/// higher priority displaced it). See Note [CPU block cache].
+bool enable_cpu_block_cache();
+
+/// Returns every block the CPU block cache keeps for reuse to the OS, like
+/// torch.cuda.empty_cache(); the blocks in use stay. For instance after a
+/// phase whose peak the training steps never reach again.
+void empty_cpu_block_cache();
+
+/// Kept for code written before the CPU block cache: it now calls
+/// enable_cpu_block_cache() and returns its result. It used to make glibc
+/// keep all freed memory for reuse (faster steps, but resident memory stuck at
+/// its peak); the block cache reuses large blocks as well without that cost,
+/// and FSDP units turn it on anyway. See Note [CPU block cache].
 bool keep_freed_cpu_memory();
 
 }  // namespace fsdp

@@ -81,6 +81,13 @@ c10::optional<at::ScalarType> Unit::forward_input_dtype() const {
 }
 bool Unit::casts_output_back() const { return runtime_ && runtime_->full_precision_override(); }
 void Unit::keep_full_precision() { runtime().keep_full_precision(); }
+bool Unit::checkpoints_activations() const {
+  return runtime_ && runtime_->options().activation_checkpointing();
+}
+void Unit::set_activation_checkpointing(bool on) { runtime().set_activation_checkpointing(on); }
+void Unit::refuse_activation_checkpointing(const char* output_type) const {
+  runtime().refuse_activation_checkpointing(output_type);
+}
 void Unit::pre_forward() { runtime().pre_forward(); }
 void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type) {
   runtime().post_forward(outputs, unknown_output_type);

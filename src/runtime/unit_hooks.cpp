@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include <fsdp/core/activation_checkpoint.h>
+
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/reduced_grad.h"
@@ -62,6 +64,15 @@ void UnitRuntime::reshard() {
 
 void UnitRuntime::pre_forward() {
   FSDP_RECORD("pre_forward", path_);
+  if (checkpoint_phase() == CheckpointPhase::kRecompute) {
+    // Backward recomputes this unit's forward (Note [Activation
+    // checkpointing]): the gather that pre_backward would make happens here,
+    // and the iteration's state, order and reductions stay as they are.
+    if (!flat_) return;
+    prepare_slots();
+    unshard();
+    return;
+  }
   if (root_ == nullptr) {  // the first forward of the outermost unit: it is the root
     owned_root_ = std::make_unique<RootState>(*this);
   }
@@ -70,6 +81,12 @@ void UnitRuntime::pre_forward() {
   if (is_root()) root().exec_order().begin_forward(self_->is_training());
   if (!flat_) return;
   root().exec_order().before_unshard(handle_);  // See Note [Forward order].
+  prepare_slots();
+  unshard();
+  prefetch_forward();
+}
+
+void UnitRuntime::prepare_slots() {
   // requires_grad(false) set on the shard after wrapping freezes the unit's
   // original parameters too, so autograd computes no gradient for them.
   // (With use_orig_params, per parameter: its piece, or the original itself.)
@@ -87,8 +104,6 @@ void UnitRuntime::pre_forward() {
     if (param.requires_grad() != want) param.set_requires_grad(want);
     trainable_slots_ += want ? 1 : 0;
   }
-  unshard();
-  prefetch_forward();
 }
 
 void UnitRuntime::clear_moved_grads() {
@@ -115,9 +130,23 @@ void UnitRuntime::prefetch_forward() {
 void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
                                const char* unknown_output_type) {
   FSDP_RECORD("post_forward", path_);
+  const CheckpointPhase phase = checkpoint_phase();
+  if (phase == CheckpointPhase::kRecompute) {
+    // Recomputed in backward: the parameters stay gathered for the backward
+    // that comes next, whose start these hooks mark.
+    for (const at::Tensor& output : outputs) {
+      if (output.defined() && output.requires_grad()) {
+        output.register_hook([this](const at::Tensor&) { pre_backward(); });
+      }
+    }
+    return;
+  }
   if (is_root()) root().exec_order().end_forward();
   transition(State::kIdle);
-  const bool grad_enabled = at::GradMode::is_enabled();
+  // A forward under activation checkpointing runs without grad mode, but
+  // backward will reach this unit through the recomputation: it reshards
+  // and joins the reduction order as a grad-mode forward does.
+  const bool grad_enabled = at::GradMode::is_enabled() || phase == CheckpointPhase::kForward;
   FSDP_CHECK(
       unknown_output_type == nullptr || !grad_enabled || !flat_ || !flat_->shard().requires_grad(),
       flat_ ? flat_->group().rank() : -1, path_, "the forward of ", label(), " (", module_name(),
@@ -130,7 +159,7 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
     reshard();
   }
   if (!grad_enabled) return;
-  bool backward_reaches = false;
+  bool backward_reaches = phase == CheckpointPhase::kForward;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
     backward_reaches = true;

@@ -19,6 +19,7 @@
 
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
+#include "memory/cpu_allocator.h"
 #include "runtime/root_state.h"
 #include "runtime/unit_init.h"
 
@@ -86,7 +87,11 @@ const torch::nn::Module* shown_module(const UnitRuntime& unit) {
 }  // namespace
 
 UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
-    : handle_(handle), options_(std::move(options)) {}
+    : handle_(handle), options_(std::move(options)) {
+  // Before the unit's flat buffers exist: their storages keep the allocator
+  // they are made with (Note [CPU block cache]).
+  enable_cpu_block_cache_by_default();
+}
 
 UnitRuntime::~UnitRuntime() {
   for (const auto& p : grad_placeholders_) release_placeholder(p);
@@ -271,6 +276,19 @@ void UnitRuntime::register_grad_hooks() {
         }));
     grad_accumulators_.push_back(std::move(acc));  // autograd holds only a weak_ptr
   }
+}
+
+void UnitRuntime::set_activation_checkpointing(bool on) {
+  check_idle(on ? "turn activation checkpointing on" : "turn activation checkpointing off");
+  options_.activation_checkpointing(on);
+}
+
+void UnitRuntime::refuse_activation_checkpointing(const char* output_type) const {
+  FSDP_FAIL(flat_ ? flat_->group().rank() : -1, path_, "activation checkpointing of ", label(),
+            " (", module_name(),
+            ") needs a forward that returns at::Tensor, "
+            "std::vector<at::Tensor>, or a std::tuple / std::pair of these, not ",
+            c10::demangle(output_type), ". Checkpoint a submodule that does, or turn it off");
 }
 
 void UnitRuntime::check_idle(const char* what) const {

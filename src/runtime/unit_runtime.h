@@ -58,6 +58,10 @@ class UnitRuntime {
   const std::vector<at::Tensor>& optim_params() const { return optim_params_; }
   bool full_precision_override() const { return full_precision_override_; }
   void keep_full_precision() { full_precision_override_ = true; }
+  /// See Unit::set_activation_checkpointing.
+  void set_activation_checkpointing(bool on);
+  /// See Unit::refuse_activation_checkpointing.
+  [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
   void set_require_sync(bool on) { require_sync_ = on; }
   /// "FSDP unit '<path>'", for messages.
   std::string label() const;
@@ -84,6 +88,9 @@ class UnitRuntime {
   void unshard();
   void reshard();
   void prefetch_forward();
+  /// Sets each original parameter's requires_grad for this forward and
+  /// counts the trainable ones.
+  void prepare_slots();
   void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);

@@ -4,7 +4,11 @@
 
 #include <fsdp/wrap/fully_sharded.h>
 
+#include <functional>
+#include <string>
+
 #include "detail/error.h"
+#include "wrap/sequential_entry.h"
 
 namespace fsdp {
 
@@ -64,16 +68,26 @@ at::Tensor AnyUnitImpl::forward(at::Tensor input) {
       input.defined() && input.is_floating_point()
           ? c10::optional<at::ScalarType>(input.scalar_type())
           : c10::nullopt;
-  at::Tensor out = module_.forward(
-      detail::cast_forward_arg<at::Tensor>(std::move(input), forward_input_dtype()));
+  at::Tensor x = detail::cast_forward_arg<at::Tensor>(std::move(input), forward_input_dtype());
+  at::Tensor out;
+  if (checkpoints_activations()) {
+    torch::nn::AnyModule& m = module_;
+    out = detail::call_checkpointed<at::Tensor>([&m](at::Tensor& a) { return m.forward(a); },
+                                                detail::module_parameters(*m.ptr()), std::move(x));
+  } else {
+    out = module_.forward(std::move(x));
+  }
   if (casts_output_back() && input_dtype && out.is_floating_point()) out = out.to(*input_dtype);
   post_forward({out});
   return out;
 }
 
-AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOptions options) {
-  FSDP_CHECK(index < seq->size(), -1, "wrap_sequential_entry", "expected an entry index below ",
-             seq->size(), " (the Sequential's size), got ", index, ". Pass an existing entry");
+namespace detail {
+void replace_sequential_entry(
+    torch::nn::Sequential& seq, size_t index, const char* where,
+    const std::function<torch::nn::AnyModule(torch::nn::AnyModule)>& make) {
+  FSDP_CHECK(index < seq->size(), -1, where, "expected an entry index below ", seq->size(),
+             " (the Sequential's size), got ", index, ". Pass an existing entry");
   auto it = seq->begin() + static_cast<std::ptrdiff_t>(index);
   // The child registered for this entry, found by identity: a Sequential
   // subclass may register other children before its entries.
@@ -81,12 +95,22 @@ AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOpti
   for (const auto& child : seq->named_children()) {
     if (child.value().get() == it->ptr().get()) name = child.key();
   }
-  FSDP_CHECK(!name.empty(), -1, "wrap_sequential_entry", "entry ", index,
+  FSDP_CHECK(!name.empty(), -1, where, "entry ", index,
              " of the Sequential is not one of its registered children, so it cannot be wrapped "
              "in place. Register it with push_back, or wrap it by hand");
-  AnyUnit unit(*it, std::move(options));
-  *it = torch::nn::AnyModule(unit);       // what Sequential::forward calls
-  seq->replace_module(name, unit.ptr());  // what children() and parameters() see
+  torch::nn::AnyModule replacement = make(*it);
+  *it = replacement;                             // what Sequential::forward calls
+  seq->replace_module(name, replacement.ptr());  // what children() and parameters() see
+}
+}  // namespace detail
+
+AnyUnit wrap_sequential_entry(torch::nn::Sequential& seq, size_t index, FSDPOptions options) {
+  AnyUnit unit{nullptr};
+  detail::replace_sequential_entry(seq, index, "wrap_sequential_entry",
+                                   [&](torch::nn::AnyModule entry) {
+                                     unit = AnyUnit(std::move(entry), std::move(options));
+                                     return torch::nn::AnyModule(unit);
+                                   });
   return unit;
 }
 

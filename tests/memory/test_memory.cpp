@@ -17,6 +17,8 @@
 
 #include <fsdp/memory.h>
 
+#include "memory/malloc_tuning.h"
+
 namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
@@ -207,7 +209,8 @@ TEST(MemoryTracking, RawInterfaceServesOneDnnKernels) {
   EXPECT_EQ(memory_stats().current_bytes, before);
 }
 
-/// In a fresh child process (optionally after keep_freed_cpu_memory()):
+/// In a fresh child process (optionally after detail::keep_freed_heap_memory(),
+/// what keep_freed_cpu_memory() did before the CPU block cache):
 /// three rounds of allocating, touching and freeing `blocks` blocks of
 /// `block_bytes`, the way a training step cycles unit-sized buffers. Returns
 /// the page faults of the third round, in pages of the blocks touched.
@@ -220,7 +223,7 @@ double third_round_faults_per_page(bool keep, int blocks, size_t block_bytes) {
   const pid_t pid = fork();
   if (pid == 0) {
     close(fds[0]);
-    if (keep && !keep_freed_cpu_memory()) _exit(3);
+    if (keep && !detail::keep_freed_heap_memory()) _exit(3);
     long faults = 0;
     for (int round = 0; round < 3; ++round) {
       rusage before{};
@@ -252,7 +255,7 @@ double third_round_faults_per_page(bool keep, int blocks, size_t block_bytes) {
 
 // See Note [Reusing freed CPU memory]: with glibc's defaults the freed heap
 // goes back to the OS and every round faults its pages in again; with
-// keep_freed_cpu_memory() the third round reuses the second round's memory.
+// keep_freed_heap_memory() the third round reuses the second round's memory.
 TEST(Memory, KeepFreedCpuMemoryReusesPagesInsteadOfFaultingThemIn) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "the sanitizer replaces glibc's malloc, whose tuning this tests";
@@ -263,11 +266,11 @@ TEST(Memory, KeepFreedCpuMemoryReusesPagesInsteadOfFaultingThemIn) {
   const double by_default = third_round_faults_per_page(false, blocks, block_bytes);
   const double kept = third_round_faults_per_page(true, blocks, block_bytes);
   ASSERT_GE(by_default, 0) << "the child process failed";
-  ASSERT_GE(kept, 0) << "the child process failed (or keep_freed_cpu_memory returned false)";
+  ASSERT_GE(kept, 0) << "the child process failed (or keep_freed_heap_memory returned false)";
   EXPECT_GT(by_default, 0.5) << "glibc's default no longer returns freed heap: the control fails";
   EXPECT_LT(kept, 0.05) << "freed memory was not reused";
 #else
-  EXPECT_FALSE(keep_freed_cpu_memory());
+  EXPECT_FALSE(detail::keep_freed_heap_memory());
 #endif
 }
 

@@ -87,6 +87,10 @@ struct FSDPOptions {
   /// manages: they keep their own full tensors on every rank, are neither
   /// sharded nor reduced, and are not returned by parameters() of a unit.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+  /// Run the unit's wrapped forward under fsdp::activation_checkpoint(): its
+  /// activations are recomputed in backward from the parameters that FSDP
+  /// gathers for backward anyway. See Unit::set_activation_checkpointing.
+  TORCH_ARG(bool, activation_checkpointing) = false;
 };
 
 }  // namespace fsdp

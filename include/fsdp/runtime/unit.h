@@ -102,6 +102,15 @@ class Unit {
   /// first forward.
   void keep_full_precision();
 
+  /// Whether the wrapper runs the wrapped forward under
+  /// fsdp::activation_checkpoint() (FSDPOptions::activation_checkpointing).
+  bool checkpoints_activations() const;
+  /// Turns activation checkpointing of the wrapped forward on or off: its
+  /// activations are not kept but recomputed in backward, after the unit's
+  /// pre-backward gathered its parameters (no extra all-gather). Before a
+  /// forward, not inside one. See Note [Activation checkpointing].
+  void set_activation_checkpointing(bool on);
+
   /// Clips the gradients of every shard in this unit's tree so that their
   /// global norm (over all ranks) is at most max_norm; returns that norm
   /// before clipping, the same on every rank. Collective; call on the root
@@ -177,6 +186,9 @@ class Unit {
   /// Called by the wrapper after the wrapped forward with the tensors of its
   /// output. `unknown_output_type` (a mangled type name) when the output's
   /// type hides its tensors: then a unit that trains is refused.
+  /// Raises the error for a checkpointed forward whose output type (the
+  /// mangled name) activation_checkpoint() cannot take apart.
+  [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
   void post_forward(const std::vector<at::Tensor>& outputs,
                     const char* unknown_output_type = nullptr);
 

@@ -14,24 +14,13 @@
 #include <vector>
 
 #include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/activation_checkpointing.h>
 #include <fsdp/wrap/options.h>
+#include <fsdp/wrap/wrapper_traits.h>
 
 namespace fsdp {
 
 namespace detail {
-/// Registers `inner`'s direct parameters and buffers and its children on
-/// `outer`, so a wrapper is transparent to names and state dicts.
-void adopt_module_contents(torch::nn::Module& outer, torch::nn::Module& inner);
-/// Refuses a null module with a one-line error naming the fix.
-void check_module_given(const torch::nn::Module* module);
-/// Refuses a forward call of `module` with fewer than `required` arguments.
-void check_forward_arity(const torch::nn::Module& module, size_t given, size_t required);
-
-/// The forward signature the wrapper exposes; deduced from Impl::forward.
-template <typename Impl>
-struct ForwardSignature {
-  using type = decltype(&Impl::forward);
-};
 /// A forward argument as the unit passes it on: a floating-point Tensor cast
 /// to `dtype` when one is given (see Unit::forward_input_dtype), anything
 /// else unchanged. Arg is the declared parameter type; a non-const Tensor&
@@ -63,36 +52,6 @@ c10::optional<at::ScalarType> first_floating_dtype(const T&... args) {
   return out;
 }
 
-template <typename T>
-struct IsTensorVector : std::false_type {};
-template <>
-struct IsTensorVector<std::vector<at::Tensor>> : std::true_type {};
-template <typename T>
-struct IsTuple : std::false_type {};
-template <typename... T>
-struct IsTuple<std::tuple<T...>> : std::true_type {};
-template <typename A, typename B>
-struct IsTuple<std::pair<A, B>> : std::true_type {};
-
-/// Appends the Tensors of a forward's output to `into`: a Tensor, a
-/// std::vector of Tensors, or a std::tuple / std::pair of these (nested).
-/// Returns false for any other type, whose tensors cannot be found.
-template <typename T>
-bool output_tensors(const T& out, std::vector<at::Tensor>& into) {
-  using D = std::decay_t<T>;
-  if constexpr (std::is_same_v<D, at::Tensor>) {
-    into.push_back(out);
-    return true;
-  } else if constexpr (IsTensorVector<D>::value) {
-    into.insert(into.end(), out.begin(), out.end());
-    return true;
-  } else if constexpr (IsTuple<D>::value) {
-    return std::apply([&into](const auto&... e) { return (output_tensors(e, into) && ...); }, out);
-  } else {
-    return false;
-  }
-}
-
 /// Whether Impl declares its forward's default arguments with LibTorch's
 /// FORWARD_HAS_DEFAULT_ARGS (LSTM, GRUCell, MultiheadAttention, ...): the
 /// macro overrides Module::_forward_has_default_args in Impl itself.
@@ -121,11 +80,6 @@ struct DefaultArgsAccess : torch::nn::Module {
   }
 };
 
-/// Sequential's forward is a template: its wrapper takes and returns a Tensor.
-template <>
-struct ForwardSignature<torch::nn::SequentialImpl> {
-  using type = at::Tensor (torch::nn::SequentialImpl::*)(at::Tensor);
-};
 }  // namespace detail
 
 /// An FSDP unit around a module of type Impl: use it where the parent calls
@@ -176,7 +130,11 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     const c10::optional<at::ScalarType> dtype = forward_input_dtype();
     c10::optional<at::ScalarType> input_dtype;
     if (casts_output_back()) input_dtype = detail::first_floating_dtype(args...);
-    R out = module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
+    R out =
+        checkpoints_activations()
+            ? checkpointed_forward(
+                  detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...)
+            : module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
     if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
       if (input_dtype && out.defined() && out.is_floating_point()) out = out.to(*input_dtype);
     }
@@ -234,6 +192,21 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   Impl& module() const { return *module_; }
 
  private:
+  // The wrapped forward under activation_checkpoint() (see
+  // Unit::set_activation_checkpointing).
+  template <typename... Given>
+  R checkpointed_forward(Given&&... given) {
+    if constexpr (detail::IsForwardOutput<std::decay_t<R>>::value) {
+      Impl* m = module_.get();
+      return detail::call_checkpointed<R>([m](auto&... a) -> R { return m->forward(a...); },
+                                          detail::module_parameters(*m),
+                                          std::forward<Given>(given)...);
+    } else {
+      refuse_activation_checkpointing(typeid(R).name());
+      return module_->forward(std::forward<Given>(given)...);
+    }
+  }
+
   std::shared_ptr<Impl> module_;
 };
 

@@ -1,0 +1,184 @@
+#include <fsdp/core/activation_checkpoint.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/custom_class.h>
+
+#include <mutex>
+#include <utility>
+
+#include "detail/error.h"
+
+namespace fsdp {
+namespace detail {
+namespace {
+
+// Note [Activation checkpointing]
+// A custom autograd Function whose forward runs `fn` with grad mode off (so
+// autograd keeps none of its activations) and whose backward runs `fn` again
+// with grad mode on, on detached copies of the saved inputs, then asks
+// autograd for the gradients of the recomputed outputs with respect to the
+// inputs and the params (torch::autograd::grad, a nested backward that
+// accumulates nothing) and returns them as the Function's input gradients.
+// The params are inputs of the Function for that reason: their gradients
+// then reach their AccumulateGrad nodes in the outer backward, where FSDP's
+// per-parameter hooks wait, exactly as without checkpointing; and the output
+// requires a gradient whenever a param does, even if no input does (a
+// block's first layer on raw data).
+//
+// FSDP units inside `fn` see the phase (checkpoint_phase()): in the forward
+// pass they join the reduction order as a grad-mode forward would, though
+// their outputs carry no hooks; in the recomputation they gather their
+// parameters, are not resharded after their forward (backward needs the
+// parameters next), and hook their recomputed outputs, so their pre-backward
+// finds the parameters gathered. One all-gather per unit in backward, as
+// without checkpointing. A unit whose wrapped forward is checkpointed
+// (FSDPOptions::activation_checkpointing) runs its hooks outside `fn`: its
+// pre-backward gathers, then the recomputation uses the gathered parameters.
+thread_local CheckpointPhase t_phase = CheckpointPhase::kNone;
+
+class PhaseGuard {
+ public:
+  explicit PhaseGuard(CheckpointPhase phase) : previous_(t_phase) { t_phase = phase; }
+  ~PhaseGuard() { t_phase = previous_; }
+  PhaseGuard(const PhaseGuard&) = delete;
+  PhaseGuard& operator=(const PhaseGuard&) = delete;
+
+ private:
+  CheckpointPhase previous_;
+};
+
+/// The CPU generator's state, taken and restored under its lock.
+at::Tensor cpu_rng_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void set_cpu_rng_state(const at::Tensor& state) {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+/// What backward needs besides the saved inputs; travels in the context as a
+/// capsule (an IValue that holds any CustomClassHolder).
+struct CheckpointState : torch::CustomClassHolder {
+  CheckpointedFunction fn;
+  size_t num_inputs = 0;
+  std::vector<at::Tensor> params;
+  std::vector<bool> input_requires_grad;
+  at::Tensor rng_state;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs_and_params,
+                                                c10::intrusive_ptr<CheckpointState> state) {
+    std::vector<at::Tensor> inputs(inputs_and_params.begin(),
+                                   inputs_and_params.begin() + state->num_inputs);
+    state->rng_state = cpu_rng_state();
+    std::vector<at::Tensor> outputs;
+    {
+      PhaseGuard phase(CheckpointPhase::kForward);
+      outputs = state->fn(inputs);
+    }
+    ctx->save_for_backward(inputs);
+    ctx->saved_data["state"] = at::IValue::make_capsule(state);
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto state =
+        c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
+    const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      at::Tensor x = saved[i].defined() ? saved[i].detach() : saved[i];
+      if (x.defined() && state->input_requires_grad[i]) x.requires_grad_(true);
+      inputs.push_back(std::move(x));
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      const at::Tensor now = cpu_rng_state();
+      set_cpu_rng_state(state->rng_state);
+      try {
+        at::AutoGradMode grad_on(true);
+        PhaseGuard phase(CheckpointPhase::kRecompute);
+        outputs = state->fn(inputs);
+      } catch (...) {
+        set_cpu_rng_state(now);
+        throw;
+      }
+      set_cpu_rng_state(now);
+    }
+    TORCH_CHECK(outputs.size() == grad_outputs.size(), error_prefix(-1, "activation checkpoint"),
+                "the recomputation returned ", outputs.size(), " tensors, the forward ",
+                grad_outputs.size(),
+                ". The checkpointed function must return the same tensors "
+                "every time it runs on the same inputs");
+    // Gradients of the recomputed outputs with respect to what needs one.
+    std::vector<at::Tensor> roots, root_grads, wrt;
+    std::vector<size_t> wrt_index;  // position of each of wrt among the Function's inputs
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outputs[i].defined()) {
+        continue;
+      }
+      roots.push_back(outputs[i]);
+      root_grads.push_back(grad_outputs[i]);
+    }
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        wrt.push_back(inputs[i]);
+        wrt_index.push_back(i);
+      }
+    }
+    for (size_t i = 0; i < state->params.size(); ++i) {
+      if (state->params[i].requires_grad()) {
+        wrt.push_back(state->params[i]);
+        wrt_index.push_back(inputs.size() + i);
+      }
+    }
+    // One gradient per tensor of inputs_and_params, and none for the state.
+    torch::autograd::variable_list grads(inputs.size() + state->params.size() + 1);
+    if (!roots.empty() && !wrt.empty()) {
+      const auto found = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t k = 0; k < found.size(); ++k) grads[wrt_index[k]] = found[k];
+    }
+    return grads;
+  }
+};
+
+}  // namespace
+
+CheckpointPhase checkpoint_phase() { return t_phase; }
+
+}  // namespace detail
+
+std::vector<at::Tensor> activation_checkpoint(const CheckpointedFunction& fn,
+                                              const std::vector<at::Tensor>& inputs,
+                                              const std::vector<at::Tensor>& params) {
+  bool needs_grad = false;
+  for (const auto* list : {&inputs, &params}) {
+    for (const at::Tensor& t : *list) needs_grad = needs_grad || (t.defined() && t.requires_grad());
+  }
+  if (!at::GradMode::is_enabled() || !needs_grad) return fn(inputs);
+  auto state = c10::make_intrusive<detail::CheckpointState>();
+  state->fn = fn;
+  state->num_inputs = inputs.size();
+  state->params = params;
+  for (const at::Tensor& x : inputs)
+    state->input_requires_grad.push_back(x.defined() && x.requires_grad());
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), params.begin(), params.end());
+  return detail::CheckpointFunction::apply(at::TensorList(all), state);
+}
+
+}  // namespace fsdp

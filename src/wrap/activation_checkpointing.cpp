@@ -1,0 +1,156 @@
+#include <fsdp/wrap/activation_checkpointing.h>
+
+#include <fsdp/runtime/unit.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "detail/error.h"
+#include "wrap/sequential_entry.h"
+
+namespace fsdp {
+
+namespace detail {
+void check_not_a_unit_to_checkpoint(const torch::nn::Module& m) {
+  const auto* unit = dynamic_cast<const Unit*>(&m);
+  FSDP_CHECK(unit == nullptr || !unit->is_active(), -1, "CheckpointWrapper",
+             "cannot wrap an FSDP unit itself: the wrapper takes over the wrapped module's "
+             "children and parameters, which would hide the unit. Checkpoint the unit's forward "
+             "with unit->set_activation_checkpointing(true) (or FSDPOptions().activation_"
+             "checkpointing(true), or apply_activation_checkpointing), or wrap a module that "
+             "holds the unit");
+}
+}  // namespace detail
+
+AnyCheckpointWrapperImpl::AnyCheckpointWrapperImpl(torch::nn::AnyModule module)
+    : Module("CheckpointWrapper"), module_(std::move(module)) {
+  FSDP_CHECK(!module_.is_empty(), -1, "apply_activation_checkpointing",
+             "cannot checkpoint an empty AnyModule. Pass one that holds a module");
+  detail::check_not_a_unit_to_checkpoint(*module_.ptr());
+  detail::adopt_module_contents(*this, *module_.ptr());
+}
+
+at::Tensor AnyCheckpointWrapperImpl::forward(at::Tensor input) {
+  torch::nn::AnyModule& m = module_;
+  return detail::call_checkpointed<at::Tensor>([&m](at::Tensor& x) { return m.forward(x); },
+                                               detail::module_parameters(*m.ptr()),
+                                               std::move(input));
+}
+
+void AnyCheckpointWrapperImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  module_.ptr()->train(on);
+}
+
+namespace {
+
+/// What apply_activation_checkpointing() will do, planned before anything
+/// changes so that a refused module leaves the model as it was.
+struct CheckpointPlan {
+  /// A Sequential entry to replace; when the Sequential is wrapped by a unit,
+  /// the unit's adopted child of the same name is replaced too.
+  struct Entry {
+    torch::nn::Sequential seq;
+    size_t index = 0;
+    std::shared_ptr<torch::nn::Module> wrapper;  // or nullptr
+    std::string name;                            // the child's name in `wrapper`
+  };
+  std::vector<Unit*> units;
+  std::vector<Entry> entries;
+  std::vector<std::string> refused;
+};
+
+/// The Sequential whose entry `m`, a child of `parent`, is: `parent` itself,
+/// or the Sequential an FSDP unit `parent` wraps (which adopted its entries).
+std::shared_ptr<torch::nn::SequentialImpl> sequential_of(
+    const std::shared_ptr<torch::nn::Module>& parent) {
+  if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(parent)) return seq;
+  const auto* unit = dynamic_cast<const Unit*>(parent.get());
+  if (unit == nullptr || unit->wrapped_module() == nullptr) return nullptr;
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(unit->wrapped_module());
+  if (seq == nullptr) return nullptr;
+  return std::shared_ptr<torch::nn::SequentialImpl>(parent, seq);  // kept alive by the wrapper
+}
+
+bool is_checkpoint_wrapper(const torch::nn::Module& m) { return m.name() == "CheckpointWrapper"; }
+
+void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::string& path,
+                 const std::function<bool(const torch::nn::Module&)>& check_fn,
+                 CheckpointPlan& plan);
+
+// `m` (at `path`, a child of `parent` or the root when parent is null).
+void plan_one(const std::shared_ptr<torch::nn::Module>& parent,
+              const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
+              const std::function<bool(const torch::nn::Module&)>& check_fn, CheckpointPlan& plan) {
+  if (is_checkpoint_wrapper(*m)) return;  // already checkpointed
+  auto* unit = dynamic_cast<Unit*>(m.get());
+  if (unit != nullptr && unit->is_active()) {
+    const torch::nn::Module* target =
+        unit->wrapped_module() != nullptr ? unit->wrapped_module() : m.get();
+    if (check_fn(*target)) {
+      plan.units.push_back(unit);
+      return;  // its subtree is recomputed with it
+    }
+  } else if (check_fn(*m)) {
+    auto seq = parent != nullptr ? sequential_of(parent) : nullptr;
+    if (seq != nullptr) {
+      for (size_t i = 0; i < seq->size(); ++i) {
+        if (seq->ptr(i).get() == m.get()) {
+          const bool wrapped = seq.get() != parent.get();
+          plan.entries.push_back(CheckpointPlan::Entry{
+              torch::nn::Sequential(seq), i, wrapped ? parent : nullptr,
+              wrapped ? path.substr(path.rfind('.') == std::string::npos ? 0 : path.rfind('.') + 1)
+                      : std::string()});
+          return;
+        }
+      }
+    }
+    plan.refused.push_back(path.empty() ? std::string("the root") : "'" + path + "'");
+    return;
+  }
+  plan_module(m, path, check_fn, plan);
+}
+
+void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::string& path,
+                 const std::function<bool(const torch::nn::Module&)>& check_fn,
+                 CheckpointPlan& plan) {
+  for (const auto& child : parent->named_children()) {
+    plan_one(parent, child.value(), path.empty() ? child.key() : path + "." + child.key(), check_fn,
+             plan);
+  }
+}
+
+}  // namespace
+
+int apply_activation_checkpointing(torch::nn::Module& root,
+                                   const std::function<bool(const torch::nn::Module&)>& check_fn) {
+  FSDP_CHECK(
+      static_cast<bool>(check_fn), -1, "apply_activation_checkpointing",
+      "expected check_fn to be callable. Pass a function that says which modules to "
+      "checkpoint, e.g. [](const torch::nn::Module& m) { return m.as<BlockImpl>() != nullptr; }");
+  CheckpointPlan plan;
+  // The root has no parent to replace it in: a shared_ptr that owns nothing.
+  std::shared_ptr<torch::nn::Module> root_ptr(std::shared_ptr<torch::nn::Module>(), &root);
+  plan_one(nullptr, root_ptr, "", check_fn, plan);
+  std::string refused;
+  for (const std::string& r : plan.refused) refused += (refused.empty() ? "" : ", ") + r;
+  FSDP_CHECK(refused.empty(), -1, "apply_activation_checkpointing", "cannot checkpoint ", refused,
+             ": each is a member of its parent's class (not a Sequential entry nor an FSDP "
+             "unit), whose type cannot change. Nothing was changed. Declare such a member as "
+             "fsdp::CheckpointWrapper<Impl>, make it an FSDP unit, or leave it out of check_fn");
+  for (Unit* unit : plan.units) unit->set_activation_checkpointing(true);
+  for (CheckpointPlan::Entry& e : plan.entries) {
+    std::shared_ptr<torch::nn::Module> replacement;
+    detail::replace_sequential_entry(e.seq, e.index, "apply_activation_checkpointing",
+                                     [&replacement](torch::nn::AnyModule entry) {
+                                       AnyCheckpointWrapper wrapper(std::move(entry));
+                                       replacement = wrapper.ptr();
+                                       return torch::nn::AnyModule(wrapper);
+                                     });
+    if (e.wrapper != nullptr) e.wrapper->replace_module(e.name, replacement);
+  }
+  return static_cast<int>(plan.units.size() + plan.entries.size());
+}
+
+}  // namespace fsdp
