@@ -58,8 +58,9 @@ void RootState::queue_end_of_backward() {
 // of what the ranks that used them computed, the others adding zeros.
 // So every unit whose forward this iteration returned a tensor that needs a
 // gradient (the same on every rank, which runs the same forward order:
-// Note [Forward order]) joins the root's reduction order, and reductions are
-// launched in the reverse of that order only: a unit whose gradients are
+// Note [Forward order]) joins the root's reduction order, placed by when its
+// forward began, and reductions are launched in the reverse of that order
+// only: a unit whose gradients are
 // complete launches together with every complete unit after it, up to the
 // first incomplete one. Backward completes units in about that order, so
 // nothing waits in the usual case. At the end of backward the rest launch in
@@ -77,7 +78,17 @@ void RootState::queue_end_of_backward() {
 // exchange of parameters. Separate process groups for gathers and reductions
 // would lift this; PyTorch's FSDP does not support it either.
 void RootState::join_reduction_order(UnitRuntime& unit) {
-  if (!in_reduction_order(unit)) reduction_order_.push_back(&unit);
+  if (in_reduction_order(unit)) return;
+  // By when the forward began, not when it ended: a unit's forward ends after
+  // those of the units inside it, and the outermost (the root: embeddings,
+  // whose gradients come last) would otherwise be first in the reverse order
+  // and hold back every reduction, and with them every unit's gathered
+  // parameters and unsharded gradient, until the end of backward.
+  const auto later = std::upper_bound(reduction_order_.begin(), reduction_order_.end(), &unit,
+                                      [](const UnitRuntime* a, const UnitRuntime* b) {
+                                        return a->forward_position_ < b->forward_position_;
+                                      });
+  reduction_order_.insert(later, &unit);
 }
 
 bool RootState::in_reduction_order(const UnitRuntime& unit) const {
@@ -95,9 +106,35 @@ void RootState::launch_ready_reductions() {
   }
 }
 
+// Note [Reductions in flight]
+// A launched reduction holds its unit's unsharded gradient (a unit's worth of
+// memory) until the collective finishes. When backward computes faster than
+// the reductions complete (small batches, slow links), they pile up: GPT-mini
+// with 12 blocks at batch 2 held 235 MB above its shards, params and AdamW
+// state at the peak, nearly every block's gradient at once. So at most
+// kMaxReductionsInFlight are unfinished: launching one more first waits for
+// the oldest, as PyTorch's FSDP limits its all-gathers in flight
+// (limit_all_gathers). Every rank launches the same reductions in the same
+// order (Note [Reduction order]), so the oldest is one every rank has
+// launched or will launch without waiting on this rank: no deadlock. Backward
+// then runs at most two reductions ahead of the communication, which is the
+// bottleneck whenever the limit bites.
+void RootState::limit_reductions_in_flight(const Work& work) {
+  reductions_in_flight_.push_back(work);
+  while (!reductions_in_flight_.empty() && reductions_in_flight_.front().is_completed()) {
+    reductions_in_flight_.pop_front();
+  }
+  while (reductions_in_flight_.size() > kMaxReductionsInFlight) {
+    RECORD_USER_SCOPE("fsdp::wait_reduction_in_flight");
+    reductions_in_flight_.front().wait();
+    reductions_in_flight_.pop_front();
+  }
+}
+
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
   callback_queued_ = false;
+  reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
   for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {

@@ -1,8 +1,11 @@
 #pragma once
 
 #include <cstddef>
+#include <deque>
 #include <memory>
 #include <vector>
+
+#include <fsdp/comm/work.h>
 
 #include "runtime/exec_order.h"
 
@@ -24,6 +27,10 @@ class RootState {
   /// See Note [Forward order].
   ExecOrder& exec_order() const { return *exec_order_; }
 
+  /// The root's forward starts: forward positions count from 0 again.
+  void begin_forward() { forward_positions_ = 0; }
+  /// The next unit forward of this iteration (see join_reduction_order).
+  size_t next_forward_position() { return forward_positions_++; }
   /// Queues end_of_backward() with autograd's engine, once per backward.
   void queue_end_of_backward();
   /// `unit`'s forward this iteration can bring gradients: it joins the
@@ -32,6 +39,12 @@ class RootState {
   bool in_reduction_order(const UnitRuntime& unit) const;
   /// Launches the reductions whose turn it is (see Note [Reduction order]).
   void launch_ready_reductions();
+  /// Counts a reduction just launched; waits for the oldest while more than
+  /// kMaxReductionsInFlight are unfinished (Note [Reductions in flight]).
+  void limit_reductions_in_flight(const Work& work);
+
+  /// See Note [Reductions in flight].
+  static constexpr size_t kMaxReductionsInFlight = 2;
 
  private:
   void end_of_backward();
@@ -41,11 +54,14 @@ class RootState {
   std::vector<UnitRuntime*> units_;
   std::unique_ptr<ExecOrder> exec_order_;
   bool callback_queued_ = false;
-  // The units whose forward this iteration can bring gradients, in forward
-  // order; their reductions are launched in reverse, the first
-  // `reductions_launched_` of them already.
+  size_t forward_positions_ = 0;  // unit forwards entered this iteration
+  // The units whose forward this iteration can bring gradients, in the order
+  // their forwards began; their reductions are launched in reverse, the
+  // first `reductions_launched_` of them already.
   std::vector<UnitRuntime*> reduction_order_;
   size_t reductions_launched_ = 0;
+  // Launched reductions that may be unfinished, oldest first.
+  std::deque<Work> reductions_in_flight_;
 };
 
 }  // namespace fsdp::detail

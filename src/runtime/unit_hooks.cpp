@@ -78,7 +78,11 @@ void UnitRuntime::pre_forward() {
   }
   if (state_ != State::kIdle) abandon_iteration();
   transition(State::kForward);
-  if (is_root()) root().exec_order().begin_forward(self_->is_training());
+  if (is_root()) {
+    root().exec_order().begin_forward(self_->is_training());
+    root().begin_forward();
+  }
+  forward_position_ = root().next_forward_position();
   if (!flat_) return;
   root().exec_order().before_unshard(handle_);  // See Note [Forward order].
   prepare_slots();
@@ -248,6 +252,7 @@ void UnitRuntime::launch_grad_reduction() {
     grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
   }
   flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
+  if (root_ != nullptr) root_->limit_reductions_in_flight(grad_work_);
   // From kIdle when backward never reached this unit here (it reduces zeros).
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
   reshard();

@@ -141,7 +141,10 @@ class UnitRuntime {
   bool require_sync_ = true;  // false inside no_sync()
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward
-  at::Tensor flat_grad_;    // unsharded gradient buffer while accumulating
+  // When this iteration's forward first entered the unit: its place in the
+  // reduction order (Note [Reduction order]).
+  size_t forward_position_ = 0;
+  at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
   std::vector<bool> slot_filled_;
   at::Tensor grad_shard_;  // reduce-scatter output

@@ -346,5 +346,42 @@ TEST(BlockCacheFsdp, PeakResidentMemoryFollowsTheSharding) {
   }
 }
 
+// FULL_SHARD's backward holds a few units' parameters and gradients at a
+// time, not all of them: the root (embeddings, whose gradients arrive last)
+// once held back every reduction, and with it every unit's gathered
+// parameters and unsharded gradient, until the end of backward (Note
+// [Reduction order]). Tracker bytes, at 2 ranks, 8 units of 8 MiB.
+TEST(BlockCacheFsdp, FullShardBackwardHoldsAFewUnitsAtATime) {
+  run_ranks_ok(2, [](int, int) {
+    enable_memory_tracking();
+    torch::set_num_threads(1);
+    auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const auto opts = FSDPOptions();
+    EnableWrap scope(opts);
+    Chain chain;
+    // The root's own parameters first, as embeddings are: their gradients
+    // arrive last in backward.
+    chain->push_back(nn::Linear(kWidth, kWidth));
+    for (int64_t i = 0; i < kLayers; ++i) chain->push_back(wrap(WideLinear()));
+    auto root = wrap(chain);
+    for (int step = 0; step < 2; ++step) {
+      root->zero_grad(/*set_to_none=*/true);
+      at::Tensor loss = root->forward(torch::randn({2, kWidth})).square().mean();
+      reset_peak_memory_stats();
+      loss.backward();
+      // Above what stays (the new gradient shards): what backward held only
+      // for a while.
+      const MemoryStats end = memory_stats();
+      const int64_t unit_bytes = (kWidth * kWidth + kWidth) * 4;
+      const double held = static_cast<double>(end.peak_bytes - end.current_bytes) / unit_bytes;
+      std::printf("backward's transient peak: %.1f units\n", held);
+      // A unit's gathered parameters, its parameters' gradients and its
+      // flat gradient, for the unit computing and one prefetched or reducing.
+      EXPECT_LE(held, 6.0) << "backward held most units at once";
+    }
+    group->barrier().wait();
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing
