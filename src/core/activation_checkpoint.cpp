@@ -78,7 +78,7 @@ struct CheckpointState : torch::CustomClassHolder {
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs_and_params,
-                                                c10::intrusive_ptr<CheckpointState> state) {
+                                                const c10::intrusive_ptr<CheckpointState>& state) {
     std::vector<at::Tensor> inputs(inputs_and_params.begin(),
                                    inputs_and_params.begin() + state->num_inputs);
     state->rng_state = cpu_rng_state();
