@@ -138,11 +138,7 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
   if (phase == CheckpointPhase::kRecompute) {
     // Recomputed in backward: the parameters stay gathered for the backward
     // that comes next, whose start these hooks mark.
-    for (const at::Tensor& output : outputs) {
-      if (output.defined() && output.requires_grad()) {
-        output.register_hook([this](const at::Tensor&) { pre_backward(); });
-      }
-    }
+    hook_outputs(outputs);
     return;
   }
   if (is_root()) root().exec_order().end_forward();
@@ -163,16 +159,21 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
     reshard();
   }
   if (!grad_enabled) return;
-  bool backward_reaches = phase == CheckpointPhase::kForward;
+  const bool backward_reaches = hook_outputs(outputs) || phase == CheckpointPhase::kForward;
+  if (backward_reaches && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
+}
+
+bool UnitRuntime::hook_outputs(const std::vector<at::Tensor>& outputs) {
+  bool hooked = false;
   for (const at::Tensor& output : outputs) {
     if (!output.defined() || !output.requires_grad()) continue;
-    backward_reaches = true;
+    hooked = true;
     // See Note [FSDP and autograd]. The first of the outputs whose gradient
     // arrives runs pre_backward; it is idempotent per backward. (A hook is
     // registered on the output's autograd meta, shared by every copy of it.)
     output.register_hook([this](const at::Tensor&) { pre_backward(); });
   }
-  if (backward_reaches && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
+  return hooked;
 }
 
 void UnitRuntime::pre_backward() {

@@ -91,6 +91,9 @@ class UnitRuntime {
   /// Sets each original parameter's requires_grad for this forward and
   /// counts the trainable ones.
   void prepare_slots();
+  /// Registers pre_backward on each output that requires a gradient;
+  /// returns whether there was one.
+  bool hook_outputs(const std::vector<at::Tensor>& outputs);
   void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);

@@ -79,8 +79,9 @@ void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::st
                  const std::function<bool(const torch::nn::Module&)>& check_fn,
                  CheckpointPlan& plan);
 
-// `m` (at `path`, a child of `parent` or the root when parent is null).
-void plan_one(const std::shared_ptr<torch::nn::Module>& parent,
+// `m` (at `path`, the child `name` of `parent`, or the root when parent is
+// null).
+void plan_one(const std::shared_ptr<torch::nn::Module>& parent, const std::string& name,
               const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
               const std::function<bool(const torch::nn::Module&)>& check_fn, CheckpointPlan& plan) {
   if (is_checkpoint_wrapper(*m)) return;  // already checkpointed
@@ -98,10 +99,8 @@ void plan_one(const std::shared_ptr<torch::nn::Module>& parent,
       for (size_t i = 0; i < seq->size(); ++i) {
         if (seq->ptr(i).get() == m.get()) {
           const bool wrapped = seq.get() != parent.get();
-          plan.entries.push_back(CheckpointPlan::Entry{
-              torch::nn::Sequential(seq), i, wrapped ? parent : nullptr,
-              wrapped ? path.substr(path.rfind('.') == std::string::npos ? 0 : path.rfind('.') + 1)
-                      : std::string()});
+          plan.entries.push_back(CheckpointPlan::Entry{torch::nn::Sequential(seq), i,
+                                                       wrapped ? parent : nullptr, name});
           return;
         }
       }
@@ -116,8 +115,8 @@ void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::st
                  const std::function<bool(const torch::nn::Module&)>& check_fn,
                  CheckpointPlan& plan) {
   for (const auto& child : parent->named_children()) {
-    plan_one(parent, child.value(), path.empty() ? child.key() : path + "." + child.key(), check_fn,
-             plan);
+    plan_one(parent, child.key(), child.value(),
+             path.empty() ? child.key() : path + "." + child.key(), check_fn, plan);
   }
 }
 
@@ -132,7 +131,7 @@ int apply_activation_checkpointing(torch::nn::Module& root,
   CheckpointPlan plan;
   // The root has no parent to replace it in: a shared_ptr that owns nothing.
   std::shared_ptr<torch::nn::Module> root_ptr(std::shared_ptr<torch::nn::Module>(), &root);
-  plan_one(nullptr, root_ptr, "", check_fn, plan);
+  plan_one(nullptr, "", root_ptr, "", check_fn, plan);
   std::string refused;
   for (const std::string& r : plan.refused) refused += (refused.empty() ? "" : ", ") + r;
   FSDP_CHECK(refused.empty(), -1, "apply_activation_checkpointing", "cannot checkpoint ", refused,
