@@ -14,6 +14,14 @@
 //   fp32 shards for AdamW); the loss is computed on fp32 logits either way.
 //   --activation-checkpointing 0|1 (0): recompute each block's activations in
 //   backward (GPTConfig::activation_checkpointing).
+//   --backward-prefetch none|backward_pre|backward_post (backward_pre).
+//   --comm-only 0|1 (0): a sharded mode's collectives without the compute:
+//   the last warm-up step records every collective the model issues (kind,
+//   size, dtype) and each timed "step" issues the same sequence again on the
+//   same engine and waits for it (bench/recording_process_group.h).
+// net_tx_bytes_per_step: bytes this rank's network namespace sent per timed
+// step on every interface but loopback (/proc/net/dev): what crosses the
+// links between simulated nodes (bench/network_overlap.sh).
 // median_ms is the larger of the ranks' median step times;
 // slowest_rank_median_ms the median over steps of each step's slowest rank.
 // Under FSDP the two agree (every step waits for the slowest rank); for
@@ -52,6 +60,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,9 +72,9 @@
 
 #include "bench_util.h"
 
-#include "comm/counting_process_group.h"
 #include "gpt_mini.h"
 #include "memory/cpu_allocator.h"
+#include "recording_process_group.h"
 
 namespace {
 
@@ -105,7 +114,37 @@ struct Args {
   bool forward_prefetch = true;
   std::string precision = "fp32";
   bool activation_checkpointing = false;
+  std::string backward_prefetch = "backward_pre";
+  bool comm_only = false;
 };
+
+const std::map<std::string, fsdp::BackwardPrefetch>& backward_prefetch_names() {
+  static const std::map<std::string, fsdp::BackwardPrefetch> names = {
+      {"none", fsdp::BackwardPrefetch::kNone},
+      {"backward_pre", fsdp::BackwardPrefetch::kBackwardPre},
+      {"backward_post", fsdp::BackwardPrefetch::kBackwardPost}};
+  return names;
+}
+
+// Bytes sent on every interface but loopback of this network namespace.
+int64_t net_tx_bytes() {
+  std::FILE* f = std::fopen("/proc/net/dev", "r");
+  if (f == nullptr) return 0;
+  char line[512];
+  int64_t total = 0;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    char name[64];
+    long long v[16];
+    // "  eth0: rx_bytes packets errs drop fifo frame compressed multicast tx_bytes ..."
+    if (std::sscanf(line, " %63[^:]: %lld %lld %lld %lld %lld %lld %lld %lld %lld", name, &v[0],
+                    &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8]) == 10 &&
+        std::string(name) != "lo") {
+      total += v[8];
+    }
+  }
+  std::fclose(f);
+  return total;
+}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -125,10 +164,19 @@ Args parse(int argc, char** argv) {
   app.add_option("--mixed-precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
   app.add_option("--activation-checkpointing", a.activation_checkpointing,
                  "0 or 1: recompute each block's activations in backward");
+  std::vector<std::string> prefetches;
+  for (const auto& kv : backward_prefetch_names()) prefetches.push_back(kv.first);
+  app.add_option("--backward-prefetch", a.backward_prefetch)->check(CLI::IsMember(prefetches));
+  app.add_option("--comm-only", a.comm_only,
+                 "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
+  }
+  if (a.comm_only && (a.mode == "local" || a.warmup < 1)) {
+    std::fprintf(stderr, "bench_step: --comm-only needs a sharded --mode and --warmup >= 1\n");
+    std::exit(2);
   }
   return a;
 }
@@ -165,12 +213,14 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> params;
   gpt_mini::GPT local{nullptr};
   fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
-  std::shared_ptr<fsdp::CountingProcessGroup> counting;
+  std::shared_ptr<bench::RecordingProcessGroup> counting;
   if (strategy) {
-    counting = std::make_shared<fsdp::CountingProcessGroup>(pg);
-    auto opts =
-        fsdp::FSDPOptions().process_group(counting).sharding_strategy(*strategy).forward_prefetch(
-            args.forward_prefetch);
+    counting = std::make_shared<bench::RecordingProcessGroup>(pg);
+    auto opts = fsdp::FSDPOptions()
+                    .process_group(counting)
+                    .sharding_strategy(*strategy)
+                    .forward_prefetch(args.forward_prefetch)
+                    .backward_prefetch(backward_prefetch_names().at(args.backward_prefetch));
     if (args.precision == "bf16") {
       opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
     }
@@ -196,7 +246,7 @@ int main(int argc, char** argv) {
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
   double loss0 = 0;
-  int64_t gathered0 = 0, reduced0 = 0;
+  int64_t gathered0 = 0, reduced0 = 0, tx0 = 0;
   for (int i = -args.warmup; i < args.steps; ++i) {
     if (i == 0) {
       run_peak = std::max(run_peak, fsdp::memory_stats().peak_bytes);
@@ -204,10 +254,21 @@ int main(int argc, char** argv) {
       if (counting) {
         gathered0 = counting->gathered_bytes;
         reduced0 = counting->reduced_bytes;
+        if (args.comm_only) counting->prepare_replay();
       }
     }
+    if (counting) counting->set_recording(i == -1);
     pg->barrier().wait();
+    if (i == 0) tx0 = net_tx_bytes();
     const auto t0 = Clock::now();
+    if (args.comm_only && i >= 0) {
+      counting->replay();
+      step_ms.push_back(ms_since(t0));
+      fwd_ms.push_back(0);
+      bwd_ms.push_back(0);
+      opt_ms.push_back(0);
+      continue;
+    }
     opt.zero_grad();
     at::Tensor loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
     const double f = ms_since(t0);
@@ -226,6 +287,9 @@ int main(int argc, char** argv) {
       opt_ms.push_back(o);
     }
   }
+  if (counting) counting->set_recording(false);
+  pg->barrier().wait();
+  const int64_t tx_per_step = (net_tx_bytes() - tx0) / args.steps;
   const int64_t peak = fsdp::memory_stats().peak_bytes;
   const int64_t state = optimizer_state_bytes(opt);
   const int64_t gathered_per_step =
@@ -275,6 +339,7 @@ int main(int argc, char** argv) {
   const auto rss_growth_max =
       static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_growth)));
   const double rss_bound_ratio_max = max_over_ranks(*pg, rss_bound_ratio);
+  const auto tx_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(tx_per_step)));
   const int64_t cached_end = fsdp::memory_stats().cached_bytes;
   const fsdp::detail::BlockCache::Stats cache = fsdp::detail::block_cache_stats();
   if (rank == 0) {
@@ -290,8 +355,9 @@ int main(int argc, char** argv) {
         "\"peak_rss_bytes\":%lld,\"rss_growth_bytes\":%lld,\"rss_bound_ratio\":%.3f,"
         "\"cached_bytes_at_end\":%lld,\"cache_reused\":%lld,\"cache_split\":%lld,"
         "\"cache_mapped\":%lld,\"cache_evicted\":%lld,\"cache_peak_in_use\":%lld,"
-        "\"cache_mapped_bytes\":%lld,\"malloc\":\"%s\",\"torch\":\"%s\","
-        "\"blas\":\"%s\"}\n",
+        "\"cache_mapped_bytes\":%lld,\"backward_prefetch\":\"%s\",\"comm_only\":%s,"
+        "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"malloc\":\"%s\","
+        "\"torch\":\"%s\",\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(total_params),
@@ -307,8 +373,10 @@ int main(int argc, char** argv) {
         static_cast<long long>(cached_end), static_cast<long long>(cache.reused),
         static_cast<long long>(cache.split), static_cast<long long>(cache.mapped),
         static_cast<long long>(cache.evicted), static_cast<long long>(cache.peak_in_use),
-        static_cast<long long>(cache.mapped_bytes), bench::malloc_mode(), TORCH_VERSION,
-        bench::blas_description().c_str());
+        static_cast<long long>(cache.mapped_bytes), args.backward_prefetch.c_str(),
+        args.comm_only ? "true" : "false",
+        static_cast<long long>(counting ? counting->recorded() : 0), static_cast<long long>(tx_max),
+        bench::malloc_mode(), TORCH_VERSION, bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

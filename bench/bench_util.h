@@ -106,7 +106,9 @@ inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
   static const std::map<std::string, fsdp::ShardingStrategy> names = {
       {"full_shard", fsdp::ShardingStrategy::kFullShard},
       {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
-      {"no_shard", fsdp::ShardingStrategy::kNoShard}};
+      {"no_shard", fsdp::ShardingStrategy::kNoShard},
+      {"hybrid_shard", fsdp::ShardingStrategy::kHybridShard},
+      {"hybrid_shard_zero2", fsdp::ShardingStrategy::kHybridShardZero2}};
   return names;
 }
 

@@ -136,10 +136,13 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
   add("--grad-clip", c.grad_clip, "Max global gradient norm (0: no clipping)",
       CLI::NonNegativeNumber, optim);
 
-  Choice<fsdp::ShardingStrategy> sharding{"full_shard",
-                                          {{"full_shard", fsdp::ShardingStrategy::kFullShard},
-                                           {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
-                                           {"no_shard", fsdp::ShardingStrategy::kNoShard}}};
+  Choice<fsdp::ShardingStrategy> sharding{
+      "full_shard",
+      {{"full_shard", fsdp::ShardingStrategy::kFullShard},
+       {"shard_grad_op", fsdp::ShardingStrategy::kShardGradOp},
+       {"no_shard", fsdp::ShardingStrategy::kNoShard},
+       {"hybrid_shard", fsdp::ShardingStrategy::kHybridShard},
+       {"hybrid_shard_zero2", fsdp::ShardingStrategy::kHybridShardZero2}}};
   add_choice(app, "--sharding", sharding, "FSDP sharding strategy", "FSDP");
   app.add_flag("--bf16", c.bf16,
                "bfloat16 mixed precision: compute and all-gather in bf16, keep fp32 shards "

@@ -43,6 +43,7 @@ class CountingProcessGroup : public ProcessGroup {
   }
   Work all_reduce(const at::Tensor& t, ReduceOp op) override {
     ++all_reduces;
+    all_reduced_bytes += bytes(t);
     return inner_->all_reduce(t, op);
   }
   Work broadcast(const at::Tensor& t, int root) override {
@@ -66,6 +67,8 @@ class CountingProcessGroup : public ProcessGroup {
   std::atomic<int64_t> all_gathers{0}, reduce_scatters{0}, all_reduces{0}, broadcasts{0};
   /// Bytes of the (unsharded) buffers all-gathered into / reduce-scattered from.
   std::atomic<int64_t> gathered_bytes{0}, reduced_bytes{0};
+  /// Bytes all-reduced.
+  std::atomic<int64_t> all_reduced_bytes{0};
 
  private:
   static int64_t bytes(const at::Tensor& t) {

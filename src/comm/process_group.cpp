@@ -133,4 +133,25 @@ std::shared_ptr<ProcessGroup> new_node_subgroup(ProcessGroup& group, int local_w
   return mine;
 }
 
+HybridGroups new_hybrid_groups(const std::shared_ptr<ProcessGroup>& world, int shard_size) {
+  TORCH_INTERNAL_ASSERT(world, "fsdp: new_hybrid_groups needs a group");
+  FSDP_CHECK(shard_size >= 1 && world->size() % shard_size == 0, world->rank(), "process group",
+             "new_hybrid_groups: world size ", world->size(),
+             " is not a multiple of the shard group size ", shard_size,
+             ". HYBRID_SHARD shards within groups of equal size (a node): start the same "
+             "number of ranks on every node, or pass FSDPOptions::hybrid_groups");
+  HybridGroups groups;
+  groups.world = world;
+  groups.shard = new_node_subgroup(*world, shard_size);
+  const int nodes = world->size() / shard_size;
+  // Every rank creates every replicate group in the same order (see new_subgroup).
+  for (int position = 0; position < shard_size; ++position) {
+    std::vector<int> ranks(nodes);
+    for (int node = 0; node < nodes; ++node) ranks[node] = node * shard_size + position;
+    auto g = world->new_subgroup(ranks);
+    if (g) groups.replicate = std::move(g);
+  }
+  return groups;
+}
+
 }  // namespace fsdp

@@ -10,14 +10,70 @@ namespace fsdp {
 namespace detail {
 
 void WorkState::finish(std::exception_ptr err) {
+  std::vector<std::function<void(std::exception_ptr)>> next;
   {
     std::lock_guard<std::mutex> lock(mutex);
     TORCH_INTERNAL_ASSERT(status == Status::kPending, "Work finished twice: ", description);
     status = err ? Status::kFailed : Status::kSucceeded;
-    error = std::move(err);
+    error = err;
     tensors.clear();
+    next.swap(continuations);
   }
   done.notify_all();
+  for (auto& f : next) f(err);
+}
+
+void WorkState::then(std::function<void(std::exception_ptr)> next) {
+  std::exception_ptr outcome;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (status == Status::kPending) {
+      continuations.push_back(std::move(next));
+      return;
+    }
+    outcome = error;
+  }
+  next(outcome);
+}
+
+Work chain_work(const Work& first, std::function<Work()> second, const std::string& description,
+                std::vector<at::Tensor> tensors) {
+  const auto& head = WorkAccess::state(first);
+  TORCH_INTERNAL_ASSERT(head, "fsdp: chain_work after an empty Work");
+  // The chain may wait for both: twice the first's limit bounds it.
+  auto chained = std::make_shared<WorkState>(description, head->rank, 2 * head->wait_limit,
+                                             std::move(tensors));
+  // The waiter may run the first collective itself (Note [Running on the
+  // waiter]), and then the second, which that issued.
+  auto tail = std::make_shared<std::shared_ptr<WorkState>>();
+  auto tail_mutex = std::make_shared<std::mutex>();
+  chained->run_here = [head, tail, tail_mutex](const WorkState*) {
+    if (head->run_here) head->run_here(head.get());
+    std::shared_ptr<WorkState> t;
+    {
+      std::lock_guard<std::mutex> lock(*tail_mutex);
+      t = *tail;
+    }
+    return t && t->run_here && t->run_here(t.get());
+  };
+  // Held strongly: the second collective is issued even when nobody keeps
+  // the handle, or the peers that issue it would wait for this rank. (The
+  // cycle through head's continuations ends when head finishes.)
+  head->then([out = chained, second = std::move(second), tail, tail_mutex](std::exception_ptr err) {
+    if (err) return out->finish(err);
+    try {
+      Work next = second();
+      const auto& state = WorkAccess::state(next);
+      {
+        std::lock_guard<std::mutex> lock(*tail_mutex);
+        *tail = state;
+      }
+      state->then([out](std::exception_ptr e) { out->finish(e); });
+    } catch (...) {
+      out->finish(std::current_exception());
+    }
+  });
+  return Work(chained);
 }
 
 }  // namespace detail

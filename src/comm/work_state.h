@@ -6,9 +6,12 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include <fsdp/comm/work.h>
 
 namespace fsdp::detail {
 
@@ -25,8 +28,13 @@ struct WorkState {
         wait_limit(wait_limit),
         tensors(std::move(tensors)) {}
 
-  /// Records the outcome (error == nullptr: success) and wakes waiters.
+  /// Records the outcome (error == nullptr: success), wakes waiters, then
+  /// runs the continuations on this thread. Continuations must not throw.
   void finish(std::exception_ptr error);
+
+  /// Runs `next` with the outcome once the collective finished: at once on
+  /// this thread if it has, else on the thread that finishes it.
+  void then(std::function<void(std::exception_ptr)> next);
 
   // Constant after construction.
   const std::string description;  // "all_gather #12 (4096 x Float)"
@@ -39,10 +47,27 @@ struct WorkState {
   Status status = Status::kPending;
   std::exception_ptr error;
   std::vector<at::Tensor> tensors;  // kept alive until the collective finished
+  std::vector<std::function<void(std::exception_ptr)>> continuations;  // see then()
 
   /// Set before the Work is handed out: runs the collective on the calling
   /// thread if it may (Note [Running on the waiter] in comm_thread.h).
   std::function<bool(const WorkState*)> run_here;
 };
+
+/// libfsdp's access to the state behind a Work.
+struct WorkAccess {
+  /// The handle's state (nullptr for an empty handle).
+  static const std::shared_ptr<WorkState>& state(const Work& work) { return work.state_; }
+};
+
+/// A Work for `first` followed by the collective `second` issues: `second` is
+/// called the moment `first` succeeds, on the thread that completed it (a
+/// communication thread, or a waiter running it), so a chain of collectives
+/// on different groups proceeds without anyone waiting in between. Chains
+/// whose firsts run on one group in issue order issue their seconds in that
+/// order too, the same on every rank. The result fails with the first error
+/// of either; `tensors` stay alive until it finished.
+Work chain_work(const Work& first, std::function<Work()> second, const std::string& description,
+                std::vector<at::Tensor> tensors);
 
 }  // namespace fsdp::detail

@@ -175,7 +175,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   };
   const auto regathers = [this](const UnitRuntime& unit) {
     return unit.flat_ && &unit != &root_ &&
-           unit.options_.sharding_strategy() == ShardingStrategy::kFullShard;
+           reshards_after_forward(unit.options_.sharding_strategy());
   };
   std::vector<std::vector<bool>> out(units_.size());
   int64_t total = 0;

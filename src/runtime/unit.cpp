@@ -21,6 +21,10 @@ const char* to_string(ShardingStrategy strategy) {
       return "SHARD_GRAD_OP";
     case ShardingStrategy::kNoShard:
       return "NO_SHARD";
+    case ShardingStrategy::kHybridShard:
+      return "HYBRID_SHARD";
+    case ShardingStrategy::kHybridShardZero2:
+      return "_HYBRID_SHARD_ZERO2";
   }
   return "?";
 }

@@ -10,6 +10,7 @@
 
 #include <fsdp/core/activation_checkpoint.h>
 
+#include "comm/work_state.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/reduced_grad.h"
@@ -154,8 +155,8 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
       ", in which libfsdp cannot find the tensors that backward starts from, so it "
       "cannot gather the unit's parameters for backward. Return at::Tensor, "
       "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
-  if (flat_ && (!grad_enabled ||
-                (!is_root() && options_.sharding_strategy() == ShardingStrategy::kFullShard))) {
+  if (flat_ &&
+      (!grad_enabled || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
     reshard();
   }
   if (!grad_enabled) return;
@@ -251,6 +252,15 @@ void UnitRuntime::launch_grad_reduction() {
     FSDP_RECORD("reduce_scatter", path_);
     grad_shard_ = at::empty({flat_->shard().numel()}, flat_grad_.options());
     grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
+    if (replicate_group_ && replicate_group_->size() > 1) {
+      // See Note [Hybrid sharding]: the node's average, then the job's.
+      grad_work_ = chain_work(grad_work_,
+                              [replicate = replicate_group_, shard = grad_shard_] {
+                                return replicate->all_reduce(shard, ReduceOp::kAvg);
+                              },
+                              "reduce_scatter then all_reduce across nodes (" + label() + ")",
+                              {grad_shard_});
+    }
   }
   flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
   if (root_ != nullptr) root_->limit_reductions_in_flight(grad_work_);

@@ -11,7 +11,7 @@ namespace fsdp::detail {
 
 FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) const {
   FlatParamConfig config;
-  config.keep_unsharded(options_.sharding_strategy() == ShardingStrategy::kNoShard);
+  config.keep_unsharded(keeps_unsharded(options_.sharding_strategy()));
   if (const auto& mp = options_.mixed_precision()) {
     config.param_dtype(mp->param_dtype()).reduce_dtype(mp->reduce_dtype());
   }

@@ -20,6 +20,7 @@
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "memory/cpu_allocator.h"
+#include "runtime/hybrid.h"
 #include "runtime/root_state.h"
 #include "runtime/unit_init.h"
 
@@ -128,7 +129,20 @@ std::string UnitRuntime::module_name() const {
 void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
   TORCH_INTERNAL_ASSERT(self_ == nullptr, "fsdp: a unit was initialised twice");
   self_ = &self;
+  std::shared_ptr<ProcessGroup> shard_group;
+  if (is_hybrid(options_.sharding_strategy())) {
+    // See Note [Hybrid sharding].
+    const int job_rank = options_.process_group()   ? options_.process_group()->rank()
+                         : options_.hybrid_groups() ? options_.hybrid_groups()->world->rank()
+                                                    : default_process_group()->rank();
+    HybridGroups groups = resolve_hybrid_groups(options_, job_rank);
+    options_.process_group(groups.world);
+    options_.hybrid_groups(groups);
+    shard_group = groups.shard;
+    replicate_group_ = groups.replicate;
+  }
   if (!options_.process_group()) options_.process_group(default_process_group());
+  if (!shard_group) shard_group = options_.process_group();
   check_param_init_fn(options_, wrapped != nullptr ? wrapped->name() : self.name());
   std::unordered_set<const void*> seen;
   std::vector<std::pair<std::string, at::Tensor>> params;
@@ -181,7 +195,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
     init.cast_buffers();
     return;
   }
-  flat_ = std::make_unique<FlatParameter>(std::move(params), options_.process_group(),
+  flat_ = std::make_unique<FlatParameter>(std::move(params), std::move(shard_group),
                                           flat_param_config(init));
   {
     ParamRegistry& r = param_registry();

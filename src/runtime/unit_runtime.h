@@ -13,6 +13,7 @@
 #include <fsdp/runtime/unit.h>
 
 #include "core/flat_parameter.h"
+#include "runtime/strategy.h"
 
 namespace fsdp::detail {
 
@@ -115,8 +116,11 @@ class UnitRuntime {
 
   // Constant after init().
   Unit& handle_;
-  FSDPOptions options_;
+  FSDPOptions options_;  // process_group(): the whole job's group, set in init()
   std::unique_ptr<FlatParameter> flat_;
+  // Hybrid strategies: the group each shard is all-reduced across
+  // (Note [Hybrid sharding]); nullptr otherwise.
+  std::shared_ptr<ProcessGroup> replicate_group_;
   torch::nn::Module* self_ = nullptr;
   bool full_precision_override_ = false;  // see Unit::keep_full_precision()
   // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.

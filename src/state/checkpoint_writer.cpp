@@ -83,7 +83,7 @@ void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int ra
   if (opt != nullptr) access = std::make_unique<OptimAccess>(*opt);
   const std::string suffix = "-rank" + std::to_string(rank) + ".safetensors";
   for (const LocalPiece& p : local_pieces(root)) {
-    if (p.replicated && rank != 0) continue;
+    if ((p.replicated && rank != 0) || p.saved_elsewhere) continue;
     const int64_t len = p.end - p.begin;
     if (len > 0)
       model.push_back(make_item("model/" + p.name, p.name, p.data, p.shape, {len}, p.begin, p.end));

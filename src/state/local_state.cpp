@@ -2,6 +2,7 @@
 
 #include "detail/error.h"
 #include "detail/torch_compat.h"
+#include "runtime/strategy.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -22,10 +23,11 @@ namespace fsdp::detail {
 // original tensor flattened. A unit's slot contributes its intersection with
 // this rank's shard (padding never belongs to a slot); a parameter no unit
 // shards, a buffer, or a NO_SHARD unit's slot is held whole by every rank
-// (`replicated`, saved by rank 0 only). Saving writes the pieces with their
-// ranges; loading fills each local piece from whichever stored pieces
-// intersect it, so any saved world size loads into any other without
-// communication, and a full checkpoint is the case of one piece per tensor.
+// (`replicated`, saved by rank 0 only); a HYBRID_SHARD shard is held by one
+// rank per node (saved by the first node's, `saved_elsewhere` elsewhere). Saving writes the pieces
+// with their ranges; loading fills each local piece from whichever stored pieces intersect it, so
+// any saved world size loads into any other without communication, and a full checkpoint is the
+// case of one piece per tensor.
 
 std::vector<UnitEntry> units_with_params(torch::nn::Module& root) {
   std::vector<UnitEntry> out;
@@ -40,7 +42,7 @@ std::vector<UnitEntry> units_with_params(torch::nn::Module& root) {
 }
 
 ProcessGroup* state_group(torch::nn::Module& root) {
-  for (const auto& e : units_with_params(root)) return &e.unit->flat_param()->group();
+  for (const auto& e : units_with_params(root)) return e.unit->fsdp_options().process_group().get();
   return is_initialized() ? default_process_group().get() : nullptr;
 }
 
@@ -62,6 +64,9 @@ LocalPiece unit_piece(const UnitEntry& e, size_t i) {
   p.unit = e.unit;
   p.slot = i;
   p.replicated = flat.keeps_unsharded();
+  const auto& hybrid = e.unit->fsdp_options().hybrid_groups();
+  p.saved_elsewhere = hybrid && is_hybrid(e.unit->fsdp_options().sharding_strategy()) &&
+                      hybrid->replicate->rank() != 0;
   if (e.unit->fsdp_options().use_orig_params()) {
     const auto named = e.unit->named_flat_parameters();
     const at::Tensor* piece = named.find(slot.name);

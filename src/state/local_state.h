@@ -32,6 +32,9 @@ struct LocalPiece {
   size_t slot = 0;             ///< its slot in unit->flat_param()
   bool replicated = false;     ///< every rank holds it whole (buffers, NO_SHARD, unmanaged)
   bool is_buffer = false;      ///< a buffer (no optimizer state)
+  /// A copy of a shard that a rank of the first node saves (HYBRID_SHARD on
+  /// the other nodes, Note [Hybrid sharding]).
+  bool saved_elsewhere = false;
 };
 
 /// A unit with parameters and its module path.
@@ -47,7 +50,8 @@ std::vector<UnitEntry> units_with_params(torch::nn::Module& root);
 /// unit manages, then buffers.
 std::vector<LocalPiece> local_pieces(torch::nn::Module& root);
 
-/// The group of the first unit, the default group if there is one, else nullptr.
+/// The whole job's group of the first unit (for HYBRID_SHARD its world, not
+/// its node), the default group if there is one, else nullptr.
 ProcessGroup* state_group(torch::nn::Module& root);
 
 /// Optimizer state of one optimizer parameter, by state name.

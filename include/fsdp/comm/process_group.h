@@ -97,4 +97,22 @@ class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
 /// and returns the calling rank's node group. Every rank of `group` must call it.
 std::shared_ptr<ProcessGroup> new_node_subgroup(ProcessGroup& group, int local_world_size);
 
+/// The groups of a HYBRID_SHARD unit (PyTorch's names): parameters are
+/// sharded within `shard` (a node) and replicated across `replicate` (the
+/// ranks that hold the same shard on the other nodes); `world` holds every
+/// rank. Every rank is in exactly one shard group and one replicate group,
+/// so shard->size() * replicate->size() == world->size().
+struct HybridGroups {
+  std::shared_ptr<ProcessGroup> world;      ///< every rank of the job
+  std::shared_ptr<ProcessGroup> shard;      ///< this rank's node (shards within)
+  std::shared_ptr<ProcessGroup> replicate;  ///< this rank's peers on other nodes
+};
+
+/// Splits `world` into shard groups of `shard_size` consecutive ranks (a
+/// node, as fsdprun, torchrun, mpirun and srun number ranks) and replicate
+/// groups of the ranks at the same position in each, and returns the calling
+/// rank's. Every rank of `world` must call it, in the same order as its other
+/// new_subgroup calls.
+HybridGroups new_hybrid_groups(const std::shared_ptr<ProcessGroup>& world, int shard_size);
+
 }  // namespace fsdp

@@ -9,6 +9,7 @@ namespace fsdp {
 
 namespace detail {
 struct WorkState;
+struct WorkAccess;  // libfsdp's own access to the state (src/comm/work_state.h)
 }  // namespace detail
 
 /// Handle to an asynchronous collective. Collectives on one group run in the
@@ -42,6 +43,7 @@ class Work {
   explicit operator bool() const { return state_ != nullptr; }
 
  private:
+  friend struct detail::WorkAccess;
   std::shared_ptr<detail::WorkState> state_;
 };
 

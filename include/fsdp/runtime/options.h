@@ -23,6 +23,16 @@ enum class ShardingStrategy : uint8_t {
   kShardGradOp,
   /// Nothing sharded; gradients are all-reduced (data parallelism, DDP).
   kNoShard,
+  /// kFullShard within each node, replicated across nodes: parameters are
+  /// gathered inside the node only; gradients are reduce-scattered inside
+  /// the node, then each shard is all-reduced with its replicas on the other
+  /// nodes. Cross-node traffic: one all-reduce of a shard per unit and step.
+  /// See FSDPOptions::hybrid_groups.
+  kHybridShard,
+  /// kShardGradOp within each node, replicated across nodes (PyTorch's
+  /// _HYBRID_SHARD_ZERO2): parameters stay gathered from forward through
+  /// backward.
+  kHybridShardZero2,
 };
 
 /// Which all-gather is issued early during backward (PyTorch's names).
@@ -42,8 +52,17 @@ const char* to_string(ShardingStrategy strategy);
 /// Options of an FSDP unit, in LibTorch's style:
 /// `fsdp::FSDPOptions().sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)`.
 struct FSDPOptions {
-  /// The group to shard over; nullptr: fsdp::default_process_group().
+  /// The group to shard over; nullptr: fsdp::default_process_group(). For
+  /// the hybrid strategies, the whole job, which hybrid_groups splits.
   TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
+  /// kHybridShard and kHybridShardZero2: the shard and replicate groups.
+  /// nullopt: made once per job from the launch topology, by
+  /// new_hybrid_groups(process_group, ranks per node) with the ranks per node
+  /// of fsdp::rank_info() (LOCAL_WORLD_SIZE, or what mpirun / srun say).
+  /// Given (e.g. groups made by new_hybrid_groups with another size, or by
+  /// hand with new_subgroup), they are used as they are and process_group
+  /// must be unset or their world. Ignored by the other strategies.
+  TORCH_ARG(c10::optional<HybridGroups>, hybrid_groups) = c10::nullopt;
   /// See ShardingStrategy.
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   /// Issue the next unit's all-gather (in the first iteration's forward

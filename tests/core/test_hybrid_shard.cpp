@@ -1,0 +1,357 @@
+// HYBRID_SHARD and _HYBRID_SHARD_ZERO2 (Note [Hybrid sharding]): sharded
+// within a node's group, replicated across nodes. Each layout (nodes x ranks
+// per node) trains like plain LibTorch on the concatenation of every rank's
+// different batch, compared every step; the cross-node traffic is exactly one
+// all-reduce of each shard per unit and step; dropping that all-reduce breaks
+// parity (the control); checkpoints written by a hybrid job load at other
+// world sizes and strategies and go on training identically.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "comm/counting_process_group.h"
+#include "core/flat_parameter.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+struct Layout {
+  int nodes;
+  int per_node;
+  int world() const { return nodes * per_node; }
+  std::string name() const {
+    return std::to_string(nodes) + " nodes x " + std::to_string(per_node) + " ranks";
+  }
+};
+
+// Joins the job as rank `rank` of a job laid out as `layout` (ranks numbered
+// node by node, as the launchers do).
+void init_layout(int rank, const Layout& layout) {
+  torch::set_num_threads(1);
+  init_process_group(ProcessGroupOptions()
+                         .local_rank(rank % layout.per_node)
+                         .local_world_size(layout.per_node)
+                         .timeout(std::chrono::seconds(30)));
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
+                                                        std::vector<torch::Tensor> params) {
+  if (kind == "sgd") {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::AdamW>(params,
+                                               torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+// Step `step`'s global batch: 12 rows, so that it splits at 1, 2, 3 and 4 ranks.
+std::pair<torch::Tensor, torch::Tensor> global_batch(int step) {
+  torch::manual_seed(1000 + step);
+  torch::Tensor x = torch::randn({12, 7});
+  return {x, torch::randn({12, 3})};
+}
+
+using Root = FullyShardedDataParallel<NetImpl>;
+
+Root make_root(const FSDPOptions& options) {
+  return Root(std::make_shared<NetImpl>(true, options), options);
+}
+
+torch::Tensor local_loss(Root& root, int step) {
+  auto [x, target] = global_batch(step);
+  return torch::mse_loss(root->forward(local_block(x)), local_block(target));
+}
+
+// The largest difference between `root`'s full parameters and `reference`'s.
+double max_param_diff(Root& root, Net& reference) {
+  SummonFullParams full(*root.ptr());
+  double diff = 0;
+  auto mine = root->named_parameters(), theirs = reference->named_parameters();
+  for (const auto& p : theirs) {
+    diff = std::max(diff, (mine[p.key()] - p.value()).abs().max().item<double>());
+  }
+  return diff;
+}
+
+// Trains an FSDP Net and plain LibTorch side by side for `steps` steps;
+// checks every step (or, with `expect_equal` false, returns the largest
+// difference seen without checking).
+double train_against_reference(const FSDPOptions& options, const std::string& optimizer, int steps,
+                               bool expect_equal, const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  Root root = make_root(options);
+  auto ref_opt = make_optimizer(optimizer, reference->parameters());
+  auto opt = make_optimizer(optimizer, root->parameters());
+  double worst = 0;
+  for (int step = 0; step < steps; ++step) {
+    auto [x, target] = global_batch(step);
+    ref_opt->zero_grad();
+    torch::mse_loss(reference->forward(x), target).backward();
+    ref_opt->step();
+    opt->zero_grad();
+    torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+    opt->step();
+    if (expect_equal) {
+      expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
+    } else {
+      worst = std::max(worst, max_param_diff(root, reference));
+    }
+  }
+  return worst;
+}
+
+const std::vector<Layout>& layouts() {
+  static const std::vector<Layout> all = {{1, 1}, {2, 1}, {1, 2}, {3, 1}, {2, 2}};
+  return all;
+}
+
+TEST(HybridShard, TrainsLikePlainLibTorchAtEveryLayout) {
+  for (const Layout& layout : layouts()) {
+    run_ranks_ok(layout.world(), [layout](int rank, int) {
+      init_layout(rank, layout);
+      for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+        for (const char* optimizer : {"sgd", "adamw"}) {
+          const std::string what =
+              std::string(to_string(strategy)) + " " + optimizer + " at " + layout.name();
+          train_against_reference(FSDPOptions().sharding_strategy(strategy), optimizer, 4, true,
+                                  what);
+        }
+      }
+      // Parameter groups, prefetch and the post-backward prefetch change when
+      // and how parameters are gathered, never the result.
+      train_against_reference(FSDPOptions()
+                                  .sharding_strategy(ShardingStrategy::kHybridShard)
+                                  .use_orig_params(true)
+                                  .forward_prefetch(true)
+                                  .backward_prefetch(BackwardPrefetch::kBackwardPost),
+                              "adamw", 3, true, "HYBRID_SHARD orig params at " + layout.name());
+    });
+  }
+}
+
+TEST(HybridShard, ClipGradNormCountsEachShardOnce) {
+  const Layout layout{2, 2};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Root root = make_root(options);
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      auto [x, target] = global_batch(step);
+      ref_opt.zero_grad();
+      torch::mse_loss(reference->forward(x), target).backward();
+      const double want = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+      ref_opt.step();
+      opt.zero_grad();
+      torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+      const double got = root->clip_grad_norm_(0.05);
+      opt.step();
+      EXPECT_NEAR(got, want, 1e-6 * want) << "step " << step;
+      expect_same_after_step(*root.ptr(), *reference.ptr(), "clipped HYBRID_SHARD", step);
+    }
+  });
+}
+
+// Forwards everything to `inner` but the all-reduce, which it drops: what a
+// HYBRID_SHARD that forgot the cross-node reduction would do.
+class DroppingAllReduce : public CountingProcessGroup {
+ public:
+  using CountingProcessGroup::CountingProcessGroup;
+  Work all_reduce(const at::Tensor& t, ReduceOp op) override {
+    ++all_reduces;
+    return barrier();
+  }
+};
+
+TEST(HybridShard, CrossNodeTrafficIsOneAllReduceOfEachShard) {
+  const Layout layout{2, 2};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    HybridGroups groups = new_hybrid_groups(default_process_group(), layout.per_node);
+    auto shard = std::make_shared<CountingProcessGroup>(groups.shard);
+    auto replicate = std::make_shared<CountingProcessGroup>(groups.replicate);
+    const auto options = FSDPOptions()
+                             .sharding_strategy(ShardingStrategy::kHybridShard)
+                             .hybrid_groups(HybridGroups{groups.world, shard, replicate});
+    const int steps = 3;
+    torch::manual_seed(0);
+    Root root = make_root(options);
+    auto opt = make_optimizer("sgd", root->parameters());
+    for (int step = 0; step < steps; ++step) {
+      opt->zero_grad();
+      local_loss(root, step).backward();
+      opt->step();
+    }
+    // Three units (fc1, block, the root); each shard is half of its unit
+    // (padded to the node's 2 ranks).
+    int64_t shard_bytes = 0, units = 0;
+    for (const auto& m : root->modules()) {
+      auto* unit = dynamic_cast<Unit*>(m.get());
+      if (unit == nullptr || unit->flat_param() == nullptr) continue;
+      ++units;
+      shard_bytes += unit->flat_param()->shard().numel() * 4;
+    }
+    EXPECT_EQ(units, 3);
+    EXPECT_EQ(replicate->all_reduces.load(), units * steps);
+    EXPECT_EQ(replicate->all_reduced_bytes.load(), shard_bytes * steps);
+    EXPECT_EQ(replicate->all_gathers.load() + replicate->reduce_scatters.load() +
+                  replicate->broadcasts.load(),
+              0);
+    // Inside the node: every unit's gradient reduce-scattered once a step.
+    EXPECT_EQ(shard->reduce_scatters.load(), units * steps);
+    EXPECT_EQ(shard->reduced_bytes.load(), 2 * shard_bytes * steps);
+  });
+}
+
+TEST(HybridShard, WithoutTheCrossNodeAllReduceParityFails) {
+  // The control for the parity test: the same training with the cross-node
+  // all-reduce dropped is measurably off (each node steps with its own
+  // nodes' average), so the parity test would catch a broken reduction.
+  const Layout layout{2, 1};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    HybridGroups groups = new_hybrid_groups(default_process_group(), layout.per_node);
+    auto dropping = std::make_shared<DroppingAllReduce>(groups.replicate);
+    const auto options = FSDPOptions()
+                             .sharding_strategy(ShardingStrategy::kHybridShard)
+                             .hybrid_groups(HybridGroups{groups.world, groups.shard, dropping});
+    const double diff = train_against_reference(options, "sgd", 3, false, "dropped all-reduce");
+    EXPECT_GT(dropping->all_reduces.load(), 0);
+    EXPECT_GT(diff, 1e-3) << "dropping the cross-node all-reduce went unnoticed";
+  });
+}
+
+// The full original parameters of `root`, in named_parameters() order (the
+// same at every layout and strategy), for comparisons across runs.
+std::vector<torch::Tensor> full_params(Root& root) {
+  SummonFullParams full(*root.ptr());
+  std::vector<torch::Tensor> out;
+  for (const auto& p : root->named_parameters()) out.push_back(p.value().detach().clone());
+  return out;
+}
+
+TEST(HybridShard, CheckpointsLoadAtOtherLayoutsAndStrategies) {
+  namespace fs = std::filesystem;
+  // Made by the test process, passed to the rank processes.
+  fs::path dir;
+  if (is_rank_process()) {
+    dir = std::getenv("HYBRID_TEST_DIR");
+  } else {
+    char tmpl[] = "/tmp/fsdp_hybrid_ckpt_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir = tmpl;
+  }
+  MultiRankOptions with_dir;
+  with_dir.env["HYBRID_TEST_DIR"] = dir.string();
+  // Written by a 2 x 2 HYBRID_SHARD job after 2 AdamW steps, sharded and
+  // full; the job's parameters after a third step are the expectation.
+  const Layout written{2, 2};
+  run_ranks_ok(
+      written.world(),
+      [&](int rank, int) {
+        init_layout(rank, written);
+        const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+        torch::manual_seed(0);
+        Root root = make_root(options);
+        auto opt = make_optimizer("adamw", root->parameters());
+        Checkpointer ckpt(*root.ptr(), opt.get());
+        for (int step = 0; step < 3; ++step) {
+          if (step == 2) {
+            ckpt.save((dir / "sharded").string(), step, StateDictType::kSharded);
+            ckpt.save((dir / "full").string(), step, StateDictType::kFull);
+          }
+          opt->zero_grad();
+          local_loss(root, step).backward();
+          opt->step();
+        }
+        const auto after = full_params(root);
+        if (rank == 0) torch::save(after, (dir / "expected.pt").string());
+      },
+      with_dir);
+  ASSERT_TRUE(fs::exists(dir / "expected.pt"));
+  // A shard is saved once, by its copy on the first node: the second node's
+  // files hold headers only.
+  if (!is_rank_process()) {
+    const auto size = [&](int r) {
+      return fs::file_size(dir / "sharded" / ("model-rank" + std::to_string(r) + ".safetensors"));
+    };
+    EXPECT_GT(size(0), 1000u);
+    EXPECT_LT(size(2), 200u);
+    EXPECT_LT(size(3), 200u);
+  }
+  for (const char* strategy_name : {"HYBRID_SHARD", "FULL_SHARD", "NO_SHARD"}) {
+    for (int world : {1, 2, 4}) {
+      if (std::string(strategy_name) == "HYBRID_SHARD" && world != 4) continue;
+      const Layout layout{world == 4 ? 2 : 1, world == 4 ? 2 : world};
+      for (const char* kind : {"sharded", "full"}) {
+        run_ranks_ok(
+            layout.world(),
+            [&](int rank, int) {
+              init_layout(rank, layout);
+              const std::string s = strategy_name;
+              const auto strategy = s == "HYBRID_SHARD" ? ShardingStrategy::kHybridShard
+                                    : s == "FULL_SHARD" ? ShardingStrategy::kFullShard
+                                                        : ShardingStrategy::kNoShard;
+              const auto options = FSDPOptions().sharding_strategy(strategy);
+              torch::manual_seed(1);  // other initial values: the load must replace them
+              Root root = make_root(options);
+              auto opt = make_optimizer("adamw", root->parameters());
+              Checkpointer ckpt(*root.ptr(), opt.get());
+              EXPECT_EQ(ckpt.load((dir / kind).string()), 2);
+              opt->zero_grad();
+              local_loss(root, 2).backward();
+              opt->step();
+              std::vector<torch::Tensor> expected;
+              torch::load(expected, (dir / "expected.pt").string());
+              const auto got = full_params(root);
+              ASSERT_EQ(got.size(), expected.size());
+              for (size_t i = 0; i < got.size(); ++i) {
+                EXPECT_TRUE(torch::allclose(got[i], expected[i], 1.3e-6, 1e-5))
+                    << kind << " checkpoint of 2 x 2 HYBRID_SHARD loaded by " << s << " at "
+                    << layout.name() << ": parameter " << i << " max diff "
+                    << (got[i] - expected[i]).abs().max().item<double>();
+              }
+            },
+            with_dir);
+      }
+    }
+  }
+  if (!is_rank_process() && !HasFailure()) fs::remove_all(dir);
+}
+
+TEST(HybridShard, InconsistentGroupsAreRefused) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_layout(rank, Layout{1, 2});
+    HybridGroups groups = new_hybrid_groups(default_process_group(), 2);
+    // A replicate group that does not complete the shard group to the world.
+    HybridGroups wrong{groups.world, groups.shard, groups.shard};
+    torch::manual_seed(0);
+    try {
+      Root root = make_root(
+          FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_groups(wrong));
+      ADD_FAILURE() << "inconsistent hybrid groups were accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("!= world size 2"), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
