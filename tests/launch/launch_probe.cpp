@@ -22,7 +22,8 @@ int main() try {
   const fsdp::RankInfo& info = fsdp::rank_info();
   at::Tensor t = at::full({8}, static_cast<float>(info.rank + 1));
   pg->all_reduce(t, fsdp::ReduceOp::kSum).wait();
-  const float expected = static_cast<float>(info.world_size * (info.world_size + 1) / 2);
+  const int sum_of_ranks_plus_one = info.world_size * (info.world_size + 1) / 2;
+  const auto expected = static_cast<float>(sum_of_ranks_plus_one);
   const bool ok = at::all(t == expected).item<bool>() && pg->rank() == info.rank &&
                   pg->size() == info.world_size;
   std::ostringstream line;

@@ -64,10 +64,12 @@ LauncherProcess::LauncherProcess(const std::string& program, const std::vector<s
   std::vector<std::string> argv_strings = {program};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   std::vector<char*> argv;
+  argv.reserve(argv_strings.size() + 1);
   for (std::string& arg : argv_strings) argv.push_back(arg.data());
   argv.push_back(nullptr);
   std::vector<std::string> env_strings = make_env(env);
   std::vector<char*> envp;
+  envp.reserve(env_strings.size() + 1);
   for (std::string& entry : env_strings) envp.push_back(entry.data());
   envp.push_back(nullptr);
 
