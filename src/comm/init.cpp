@@ -50,7 +50,10 @@ void ignore_sigpipe() {
 // outlives the workers across restarts and serves every init_process_group
 // of the job, so libfsdp's keys go under the attempt (the restart count) and
 // the number of the call in this process, the same on every rank since every
-// rank makes the same calls.
+// rank makes the same calls. The store's protocol changed between PyTorch
+// versions (LibTorch 1.13's client gets no answer from torch 2.x's agent), so
+// a first query within a few seconds turns that into an error saying so
+// rather than a "Socket Timeout" at the end of the timeout.
 c10::intrusive_ptr<c10d::Store> join_agent_store(const detail::LaunchEnv& launch,
                                                  std::chrono::milliseconds timeout) {
   static std::atomic<int> calls{0};
@@ -58,8 +61,26 @@ c10::intrusive_ptr<c10d::Store> join_agent_store(const detail::LaunchEnv& launch
   store_options.port = static_cast<uint16_t>(launch.master_port);
   store_options.isServer = false;
   store_options.waitWorkers = false;
-  store_options.timeout = timeout;
-  auto agent = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+  store_options.timeout = std::min(timeout, std::chrono::milliseconds(10000));
+  c10::intrusive_ptr<c10d::TCPStore> agent;
+  std::string failure;
+  try {
+    agent = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    // A get waits at most the store's timeout in every LibTorch (a check may not).
+    const std::string probe = "fsdp/answers/" + std::to_string(launch.info.rank);
+    agent->set(probe, std::vector<uint8_t>{1});
+    agent->get(probe);
+  } catch (const c10::Error& e) {
+    failure = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  FSDP_CHECK(failure.empty(), launch.info.rank, "init_process_group", "torchrun's agent store at ",
+             launch.master_addr, ":", launch.master_port, " did not answer (",
+             failure.substr(0, failure.find('\n')),
+             "). Start the job with the torchrun of the PyTorch this program's LibTorch comes "
+             "from (their stores' protocols differ between versions), or with fsdprun.");
+  agent->setTimeout(timeout);
   const std::string prefix = "fsdp/attempt_" + std::to_string(*launch.agent_store_attempt) +
                              "/init_" + std::to_string(calls++);
   return c10::make_intrusive<c10d::PrefixStore>(prefix, agent);
