@@ -42,8 +42,9 @@ namespace fsdp::detail {
 // SLURM_STEP_ID) mod 10000: the same on every rank, below Linux's ephemeral
 // ports, and different for the steps of one job and for most jobs sharing a
 // node. mpirun says nothing about hosts: on one node 127.0.0.1, across nodes
-// the user passes `-x MASTER_ADDR=...` (an error says so). Else 127.0.0.1 and
-// 29500, as before.
+// the user passes `-x MASTER_ADDR=...`. Any launch whose ranks span nodes
+// (local world size below the world size) with no address is an error saying
+// so, not 127.0.0.1 and a hang. Else 127.0.0.1 and 29500, as before.
 //
 // The node layout (RankInfo::node_rank, num_nodes), which HYBRID_SHARD's node
 // groups follow, comes from the launcher where it says (GROUP_RANK,
@@ -53,7 +54,9 @@ namespace fsdp::detail {
 //
 // An option set explicitly wins over all of this, field by field and without
 // checks against the environment: a program that computes its own layout knows
-// better than a stale variable.
+// better than a stale variable. A world size from an option that differs from
+// the launcher's also drops the launcher's local and node layout, which
+// described the launcher's world.
 
 namespace {
 
