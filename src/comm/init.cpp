@@ -5,17 +5,19 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
 
 #include <fsdp/comm/c10d_process_group.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
+#include "comm/launch_env.h"
 #include "comm/socket.h"
 #include "comm/tcp_store.h"
 #include "detail/error.h"
@@ -29,20 +31,6 @@ std::mutex g_mutex;
 std::shared_ptr<ProcessGroup> g_default;
 RankInfo g_info;
 
-// An option, else the environment variable, else the fallback. A variable
-// that is set but not an integer is an error naming it.
-int64_t int_setting(int64_t option, const char* env, int64_t fallback) {
-  if (option >= 0) return option;
-  const char* text = std::getenv(env);
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text, &end, 10);
-  FSDP_CHECK(errno == 0 && end != text && *end == '\0' && v >= 0, -1, "init_process_group", env,
-             "='", text, "' is not a non-negative integer. Unset it or fix the launcher.");
-  return v;
-}
-
 // Gloo writes to its sockets without MSG_NOSIGNAL in places, so a peer that
 // dies would kill this rank silently with SIGPIPE (seen in the kill test)
 // instead of failing the collective with an error. Like most networking
@@ -52,6 +40,50 @@ void ignore_sigpipe() {
   if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
     signal(SIGPIPE, SIG_IGN);
   }
+}
+
+// Note [torchrun's agent store]
+// torchrun's agent serves a c10d TCPStore on MASTER_PORT itself, on every
+// interface, and tells its workers so (TORCHELASTIC_USE_AGENT_STORE=True), so
+// rank 0 cannot serve fsdp::TcpStore on that port: every rank joins the
+// agent's store as a client instead, as PyTorch's own workers do. That store
+// outlives the workers across restarts and serves every init_process_group
+// of the job, so libfsdp's keys go under the attempt (the restart count) and
+// the number of the call in this process, the same on every rank since every
+// rank makes the same calls. The store's protocol changed between PyTorch
+// versions (LibTorch 1.13's client gets no answer from torch 2.x's agent), so
+// a first query within a few seconds turns that into an error saying so
+// rather than a "Socket Timeout" at the end of the timeout.
+c10::intrusive_ptr<c10d::Store> join_agent_store(const detail::LaunchEnv& launch,
+                                                 std::chrono::milliseconds timeout) {
+  static std::atomic<int> calls{0};
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(launch.master_port);
+  store_options.isServer = false;
+  store_options.waitWorkers = false;
+  store_options.timeout = std::min(timeout, std::chrono::milliseconds(10000));
+  c10::intrusive_ptr<c10d::TCPStore> agent;
+  std::string failure;
+  try {
+    agent = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, store_options);
+    // A get waits at most the store's timeout in every LibTorch (a check may not).
+    const std::string probe = "fsdp/answers/" + std::to_string(launch.info.rank);
+    agent->set(probe, std::vector<uint8_t>{1});
+    agent->get(probe);
+  } catch (const c10::Error& e) {
+    failure = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  FSDP_CHECK(failure.empty(), launch.info.rank, "init_process_group", "torchrun's agent store at ",
+             launch.master_addr, ":", launch.master_port, " did not answer (",
+             failure.substr(0, failure.find('\n')),
+             "). Start the job with the torchrun of the PyTorch this program's LibTorch comes "
+             "from (their stores' protocols differ between versions), or with fsdprun.");
+  agent->setTimeout(timeout);
+  const std::string prefix = "fsdp/attempt_" + std::to_string(*launch.agent_store_attempt) +
+                             "/init_" + std::to_string(calls++);
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, agent);
 }
 
 // Note [Agreeing on the world size]
@@ -101,12 +133,6 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
     store.set(prefix + "ack/" + std::to_string(info.rank), std::vector<uint8_t>{});
   }
   FSDP_CHECK(verdict.empty(), info.rank, "init_process_group", verdict);
-}
-
-std::string string_setting(const std::string& option, const char* env, const char* fallback) {
-  if (!option.empty()) return option;
-  const char* text = std::getenv(env);
-  return (text != nullptr && *text != '\0') ? text : fallback;
 }
 
 // A size knob of Note [Communication knobs]: the option when set (-1: unset),
@@ -165,30 +191,18 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
 }  // namespace detail
 
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options) {
-  RankInfo info;
-  info.world_size = static_cast<int>(int_setting(options.world_size(), "WORLD_SIZE", 1));
-  info.rank = static_cast<int>(int_setting(options.rank(), "RANK", 0));
-  info.local_rank = static_cast<int>(int_setting(options.local_rank(), "LOCAL_RANK", info.rank));
-  info.local_world_size = static_cast<int>(
-      int_setting(options.local_world_size(), "LOCAL_WORLD_SIZE", info.world_size));
-  FSDP_CHECK(info.world_size >= 1, -1, "init_process_group", "world size must be >= 1, got ",
-             info.world_size);
-  FSDP_CHECK(info.rank < info.world_size, -1, "init_process_group", "rank ", info.rank,
-             " is not below the world size ", info.world_size,
-             ". RANK and WORLD_SIZE disagree; start the job with fsdprun.");
-  FSDP_CHECK(info.local_rank < info.local_world_size, info.rank, "init_process_group",
-             "local rank ", info.local_rank, " is not below the local world size ",
-             info.local_world_size);
+  // See Note [Launch environments].
+  const detail::LaunchEnv launch =
+      detail::resolve_launch_env(options, detail::process_environment());
+  const RankInfo& info = launch.info;
   FSDP_CHECK(options.timeout().count() > 0, info.rank, "init_process_group",
              "timeout must be positive");
   // See Note [Communication knobs].
   const detail::CommConfig config = detail::resolve_comm_config(options);
   const bool debug = options.debug_collectives().value_or(detail::debug_requested_by_env());
 
-  const std::string master_addr = string_setting(options.master_addr(), "MASTER_ADDR", "127.0.0.1");
-  const int64_t master_port = int_setting(options.master_port(), "MASTER_PORT", 29500);
-  FSDP_CHECK(master_port > 0 && master_port <= 65535, info.rank, "init_process_group",
-             "master port ", master_port, " is not in [1, 65535]");
+  const std::string& master_addr = launch.master_addr;
+  const int64_t master_port = launch.master_port;
   std::string listen_addr = options.listen_addr();
   if (listen_addr.empty() && !detail::is_loopback_host(master_addr)) {
     listen_addr = detail::local_address_toward(master_addr);
@@ -202,8 +216,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // Rank 0 serves the store on the address the others dial (any loopback
     // address, or the master node's), unless told to listen elsewhere.
     const std::string server_addr = options.listen_addr().empty() ? master_addr : listen_addr;
-    store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
-                                          info.rank == 0, options.timeout(), server_addr);
+    if (launch.agent_store_attempt) {
+      store = join_agent_store(launch, options.timeout());  // See Note [torchrun's agent store]
+    } else {
+      store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
+                                            info.rank == 0, options.timeout(), server_addr);
+    }
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
   }
 

@@ -56,15 +56,20 @@ std::string fsdprun_path() { return FSDPRUN_PATH; }
 std::string test_rank_path() { return FSDPRUN_TEST_RANK_PATH; }
 
 LauncherProcess::LauncherProcess(const std::vector<std::string>& args,
+                                 const std::map<std::string, std::optional<std::string>>& env)
+    : LauncherProcess(fsdprun_path(), args, env) {}
+
+LauncherProcess::LauncherProcess(const std::string& program, const std::vector<std::string>& args,
                                  const std::map<std::string, std::optional<std::string>>& env) {
-  const std::string program = fsdprun_path();
   std::vector<std::string> argv_strings = {program};
   argv_strings.insert(argv_strings.end(), args.begin(), args.end());
   std::vector<char*> argv;
+  argv.reserve(argv_strings.size() + 1);
   for (std::string& arg : argv_strings) argv.push_back(arg.data());
   argv.push_back(nullptr);
   std::vector<std::string> env_strings = make_env(env);
   std::vector<char*> envp;
+  envp.reserve(env_strings.size() + 1);
   for (std::string& entry : env_strings) envp.push_back(entry.data());
   envp.push_back(nullptr);
 
@@ -184,6 +189,13 @@ RunResult run_launcher(const std::vector<std::string>& args,
                        std::chrono::milliseconds timeout) {
   LauncherProcess launcher(args, env);
   return launcher.wait(timeout);
+}
+
+RunResult run_program(const std::string& program, const std::vector<std::string>& args,
+                      const std::map<std::string, std::optional<std::string>>& env,
+                      std::chrono::milliseconds timeout) {
+  LauncherProcess process(program, args, env);
+  return process.wait(timeout);
 }
 
 PidDir::PidDir() {

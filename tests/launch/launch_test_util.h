@@ -39,6 +39,10 @@ class LauncherProcess {
   /// environment; a nullopt value removes the variable.
   explicit LauncherProcess(const std::vector<std::string>& args,
                            const std::map<std::string, std::optional<std::string>>& env = {});
+  /// Starts `program` (an absolute path: another launcher, such as mpirun)
+  /// with `args`, the same way.
+  LauncherProcess(const std::string& program, const std::vector<std::string>& args,
+                  const std::map<std::string, std::optional<std::string>>& env);
   ~LauncherProcess();
   LauncherProcess(const LauncherProcess&) = delete;
   LauncherProcess& operator=(const LauncherProcess&) = delete;
@@ -78,6 +82,11 @@ class LauncherProcess {
 RunResult run_launcher(const std::vector<std::string>& args,
                        const std::map<std::string, std::optional<std::string>>& env = {},
                        std::chrono::milliseconds timeout = std::chrono::seconds(20));
+
+/// Runs `program` (an absolute path) to completion (at most `timeout`).
+RunResult run_program(const std::string& program, const std::vector<std::string>& args,
+                      const std::map<std::string, std::optional<std::string>>& env,
+                      std::chrono::milliseconds timeout);
 
 /// A fresh temporary directory for pid files. The destructor SIGKILLs every
 /// pid recorded in it (a safety net for failed tests) and removes it.

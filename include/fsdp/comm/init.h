@@ -29,24 +29,41 @@ enum class Backend : uint8_t {
   kC10dGloo,
 };
 
-/// How to join a group. A field left at its default is read from the
-/// environment torchrun and fsdprun set (RANK, WORLD_SIZE, LOCAL_RANK,
-/// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); with neither, a single-rank
-/// group is made. Likewise the engine's knobs (direct_link_bytes ...
-/// debug_collectives) come from FSDP_* variables when left unset; a field set
-/// explicitly always wins over its variable. Sub-groups inherit them all.
+/// How to join a group. A field set explicitly always wins. A field left at
+/// its default comes from the launcher that started this process, the first
+/// of these that is present:
+///  1. fsdprun or torchrun (`torchrun --no-python`): RANK, WORLD_SIZE,
+///     LOCAL_RANK, LOCAL_WORLD_SIZE, recognised by TORCHELASTIC_RESTART_COUNT,
+///     GROUP_RANK or LOCAL_WORLD_SIZE. Any SLURM_* or OMPI_* variables around
+///     them are ignored (srun or mpirun starting one torchrun per node).
+///  2. Open MPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+///     (SLURM_* variables around them are ignored: mpirun inside an allocation).
+///  3. SLURM's srun (inside a job step, SLURM_STEP_ID set): SLURM_PROCID,
+///     SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, and the step's tasks per node.
+///  4. RANK and WORLD_SIZE set by hand (no launcher), else a single rank.
+/// RANK or WORLD_SIZE set by hand under mpirun or srun must agree with it: a
+/// mismatch is an error naming both variables. MASTER_ADDR and MASTER_PORT
+/// always come from the environment when set; else under srun from the job
+/// (first host of the step's node list, a port derived from SLURM_JOB_ID), else
+/// 127.0.0.1 and 29500 (mpirun across nodes needs `-x MASTER_ADDR=...`).
+/// Note [Launch environments] in src/comm/launch_env.cpp has the reasons.
+/// Likewise the engine's knobs (direct_link_bytes ... debug_collectives) come
+/// from FSDP_* variables when left unset; a field set explicitly always wins
+/// over its variable. Sub-groups inherit them all.
 struct ProcessGroupOptions {
-  /// This process's rank; -1: from RANK (default 0).
+  /// This process's rank; -1: from the launcher (default 0).
   TORCH_ARG(int64_t, rank) = -1;
-  /// Number of ranks; -1: from WORLD_SIZE (default 1).
+  /// Number of ranks; -1: from the launcher (default 1).
   TORCH_ARG(int64_t, world_size) = -1;
-  /// Rank within this node; -1: from LOCAL_RANK (default: rank).
+  /// Rank within this node; -1: from the launcher (default: rank).
   TORCH_ARG(int64_t, local_rank) = -1;
-  /// Ranks per node; -1: from LOCAL_WORLD_SIZE (default: world_size).
+  /// Ranks on this node; -1: from the launcher (default: world_size).
   TORCH_ARG(int64_t, local_world_size) = -1;
-  /// Address of rank 0's rendezvous store; "": from MASTER_ADDR (default 127.0.0.1).
+  /// Address of rank 0's rendezvous store; "": from MASTER_ADDR, else from
+  /// the launcher (default 127.0.0.1).
   TORCH_ARG(std::string, master_addr) = "";
-  /// Port of rank 0's rendezvous store; -1: from MASTER_PORT (default 29500).
+  /// Port of rank 0's rendezvous store; -1: from MASTER_PORT, else from the
+  /// launcher (default 29500).
   TORCH_ARG(int64_t, master_port) = -1;
   /// Address this rank listens on, for the store (rank 0) and for Gloo's
   /// connections. "": the store listens on master_addr itself (any loopback
@@ -97,6 +114,17 @@ struct RankInfo {
   int local_rank = 0;
   /// Ranks on this node.
   int local_world_size = 1;
+  /// Index of this rank's node, in [0, num_nodes): from the launcher
+  /// (GROUP_RANK, SLURM_NODEID), else rank / local_world_size, which holds
+  /// when ranks are numbered node by node (every launcher's default).
+  int node_rank = 0;
+  /// Number of nodes: from the launcher, else world_size / local_world_size
+  /// rounded up.
+  int num_nodes = 1;
+  /// What the layout came from: "options", "torchrun" (torchrun or fsdprun),
+  /// "mpirun", "srun", "environment" (RANK and WORLD_SIZE set by hand), or
+  /// "none" (a single rank).
+  std::string launcher = "none";
 };
 
 /// Joins (or, on rank 0, opens) the rendezvous and returns the group of all
