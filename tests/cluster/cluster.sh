@@ -300,24 +300,38 @@ cluster_kill_node() {
   return 0
 }
 
-# cluster_node_pids NODE PATTERN: pids of the node's processes whose command
-# line contains PATTERN.
+# cluster_node_pids NODE PROGRAM: pids of the node's processes whose argv[0]
+# is PROGRAM (the ranks, not the fsdprun that names PROGRAM among its args).
 cluster_node_pids() {
-  local pid
+  local pid argv0
   for pid in $(ip netns pids "$(_cluster_ns "n$1")" 2>/dev/null); do
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$2" && echo "$pid"
+    argv0=$(tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | head -n 1)
+    [[ $argv0 == "$2" ]] && echo "$pid"
   done
+  return 0
 }
 
-# cluster_stranger_spawn NAME CMD...: CMD in the background in a namespace on
-# the bridge that is no node of the job (10.231.0.200), as cluster_spawn.
-cluster_stranger_spawn() {
-  local name=$1
-  shift
+# Makes the stranger's namespace (10.231.0.200 on the bridge) if not yet.
+_cluster_stranger_up() {
   if ((!CLUSTER_STRANGER)); then
     _cluster_attach x "$CLUSTER_SUBNET.200"
     CLUSTER_STRANGER=1
   fi
+}
+
+# cluster_stranger_exec CMD...: CMD in the foreground in a namespace on the
+# bridge that is no node of the job (10.231.0.200).
+cluster_stranger_exec() {
+  _cluster_stranger_up
+  ip netns exec "$(_cluster_ns x)" setpriv --pdeathsig KILL -- "$@"
+}
+
+# cluster_stranger_spawn NAME CMD...: the same in the background, as
+# cluster_spawn (NAME.log, collected by cluster_wait).
+cluster_stranger_spawn() {
+  local name=$1
+  shift
+  _cluster_stranger_up
   ip netns exec "$(_cluster_ns x)" setpriv --pdeathsig KILL -- "$@" >"$CLUSTER_DIR/$name.log" 2>&1 &
   CLUSTER_PIDS+=($!)
   CLUSTER_NAMES+=("$name")

@@ -6,7 +6,7 @@
 // same data as 1 node x N*P ranks.
 //
 //   fsdprun ... cluster_train --strategy full_shard --steps 6 --out params.pt
-//       [--timeout S] [--step-ms MS] [--save DIR] [--load DIR]
+//       [--optimizer adam|sgd] [--timeout S] [--step-ms MS] [--save DIR] [--load DIR]
 //       [--ckpt-dir DIR --ckpt-every K]   (resumes from DIR's latest checkpoint)
 //   cluster_train --compare A.pt B.pt --tol 1e-6   (no process group)
 //
@@ -25,6 +25,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -54,8 +55,9 @@ struct ModelImpl : nn::Module {
   explicit ModelImpl(const fsdp::FSDPOptions& options) {
     in = register_module("in", nn::Linear(16, kWidth));
     for (int64_t i = 0; i < kDepth; ++i) {
-      blocks.push_back(register_module(
-          "block" + std::to_string(i), fsdp::FullyShardedDataParallel<BlockImpl>(Block(), options)));
+      blocks.push_back(
+          register_module("block" + std::to_string(i),
+                          fsdp::FullyShardedDataParallel<BlockImpl>(Block(), options)));
     }
     out = register_module("out", nn::Linear(kWidth, 1));
   }
@@ -75,6 +77,7 @@ struct Args {
   int64_t seed = 7;
   double timeout_s = 60;
   int64_t step_ms = 0;
+  std::string optimizer = "adam";
   std::string out, save, load, ckpt_dir;
   int64_t ckpt_every = 0;
   std::vector<std::string> compare;
@@ -91,6 +94,8 @@ Args parse(int argc, char** argv) {
     };
     if (flag == "--strategy") {
       a.strategy = value();
+    } else if (flag == "--optimizer") {
+      a.optimizer = value();
     } else if (flag == "--steps") {
       a.steps = std::stoll(value());
     } else if (flag == "--seed") {
@@ -170,8 +175,7 @@ int compare(const Args& a) {
                 << "\n";
       return 1;
     }
-    const double d =
-        ((t - it->second).abs() / it->second.abs().clamp_min(1)).max().item<double>();
+    const double d = ((t - it->second).abs() / it->second.abs().clamp_min(1)).max().item<double>();
     if (d > worst || !std::isfinite(d)) {
       worst = d;
       where = name;
@@ -197,8 +201,17 @@ int train(const Args& a) {
   const auto options = fsdp::FSDPOptions().sharding_strategy(strategy_from(a.strategy));
   torch::manual_seed(0);  // the same initial weights on every rank
   fsdp::FullyShardedDataParallel<ModelImpl> model(Model(options), options);
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
-  fsdp::Checkpointer checkpointer(*model, &optimizer);
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (a.optimizer == "adam") {
+    optimizer =
+        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  } else if (a.optimizer == "sgd") {
+    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                    torch::optim::SGDOptions(0.01).momentum(0.9));
+  } else {
+    throw std::invalid_argument("--optimizer: expected adam|sgd, got '" + a.optimizer + "'");
+  }
+  fsdp::Checkpointer checkpointer(*model, optimizer.get());
 
   int64_t step = 0;  // the next step to run
   if (!a.load.empty()) step = checkpointer.load(a.load) + 1;
@@ -213,11 +226,14 @@ int train(const Args& a) {
     torch::manual_seed(static_cast<uint64_t>((a.seed * 1000003 + rank) * 1000003 + step));
     torch::Tensor x = torch::randn({kRowsPerRank, 16});
     torch::Tensor y = x.sum(1, /*keepdim=*/true).sin();
-    optimizer.zero_grad();
+    optimizer->zero_grad();
     torch::Tensor loss = torch::mse_loss(model->forward(x), y);
     loss.backward();
-    optimizer.step();
-    if (rank == 0) std::cout << "step " << step << " loss " << loss.item<double>() << std::endl;
+    optimizer->step();
+    const double value = loss.item<double>();
+    if (!std::isfinite(value))
+      throw std::runtime_error("step " + std::to_string(step) + ": loss " + std::to_string(value));
+    if (rank == 0) std::cout << "step " << step << " loss " << value << std::endl;
     if (a.ckpt_every > 0 && (step + 1) % a.ckpt_every == 0) {
       checkpointer.save_step(a.ckpt_dir, step);
     }
