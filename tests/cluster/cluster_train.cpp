@@ -9,6 +9,7 @@
 //       [--optimizer adam|sgd] [--timeout S] [--step-ms MS] [--save DIR] [--load DIR]
 //       [--ckpt-dir DIR --ckpt-every K]   (resumes from DIR's latest checkpoint)
 //   cluster_train --compare A.pt B.pt --tol 1e-6   (no process group)
+//   cluster_train --gloo    prints 1 when this build connects ranks over Gloo
 //
 // Blocks are 128 wide with a 512-wide hidden layer: a unit's flat parameter
 // is 132 K floats, so its collectives (33 K floats per rank at 4 ranks) take
@@ -81,6 +82,7 @@ struct Args {
   std::string out, save, load, ckpt_dir;
   int64_t ckpt_every = 0;
   std::vector<std::string> compare;
+  bool gloo = false;
   double tol = 0;
 };
 
@@ -116,6 +118,8 @@ Args parse(int argc, char** argv) {
       a.ckpt_every = std::stoll(value());
     } else if (flag == "--compare") {
       a.compare = {value(), value()};
+    } else if (flag == "--gloo") {
+      a.gloo = true;
     } else if (flag == "--tol") {
       a.tol = std::stod(value());
     } else {
@@ -196,7 +200,8 @@ int train(const Args& a) {
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
   std::cout << "rank " << rank << "/" << pg->size() << " on " << host << ", " << a.strategy
-            << ", restart " << restart << std::endl;
+            << ", restart " << restart << ", gloo "
+            << fsdp::backend_available(fsdp::Backend::kC10dGloo) << std::endl;
 
   const auto options = fsdp::FSDPOptions().sharding_strategy(strategy_from(a.strategy));
   torch::manual_seed(0);  // the same initial weights on every rank
@@ -251,6 +256,10 @@ int train(const Args& a) {
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
+  if (a.gloo) {  // whether this build connects ranks over Gloo (LibTorch 1.13 builds)
+    std::cout << fsdp::backend_available(fsdp::Backend::kC10dGloo) << std::endl;
+    return 0;
+  }
   return a.compare.empty() ? train(a) : compare(a);
 } catch (const std::exception& e) {
   std::cerr << "cluster_train: " << fsdp::error_message(e) << std::endl;

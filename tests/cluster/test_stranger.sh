@@ -70,8 +70,18 @@ scan() {
   wait
 }
 _cluster_stranger_up
-scan >"$work/scan.log" 2>&1 &
-scanner=$!
+# KNOWN BUG (builds with Gloo, LibTorch 1.13): Gloo's listening port takes a
+# stranger's connection that sends a plausible first bytes for one of its
+# pairs; the job then hangs until the timeout. The scanner skips such builds.
+if [[ $("$prog" --gloo) == 1 ]]; then
+  echo "KNOWN BUG: this build connects ranks over Gloo, which a stranger during set-up can" \
+    "derail; the scanner is off (the stranger still visits the master port once the job runs)"
+  mkdir -p "$work" && : >"$work/scan.log"
+  scanner=""
+else
+  scan >"$work/scan.log" 2>&1 &
+  scanner=$!
+fi
 
 args=(--strategy full_shard --steps 40 --optimizer sgd --timeout 30)
 cluster_fsdprun job "$fsdprun" 2 -- "$prog" "${args[@]}" --step-ms 100 --out "$work/job.pt"
@@ -84,7 +94,7 @@ echo "listening once the job runs: ${targets[*]}"
 cluster_stranger_spawn stranger bash -c "$stranger" stranger "${targets[@]}"
 cluster_wait 120 || cluster_fail "the job (or the stranger) failed: ${CLUSTER_RC[*]}"
 touch "$work/stop"
-wait "$scanner"
+[[ -n $scanner ]] && wait "$scanner"
 echo "the scanner's visits while the job set up: $(grep -c visiting "$work/scan.log")"
 sed 's/^/  /' "$work/scan.log"
 grep -q "round 3" "$work/stranger.log" || cluster_fail "the stranger did not finish its rounds"
