@@ -56,7 +56,8 @@ exit 0'
 scan() {
   local -A seen
   local end=$((SECONDS + 60)) i port
-  while [[ ! -e $work/stop ]] && ((SECONDS < end)); do
+  # $$ is the test's shell: the scanner ends with it, even killed outright.
+  while [[ ! -e $work/stop ]] && ((SECONDS < end)) && kill -0 $$ 2>/dev/null; do
     for i in 0 1; do
       for port in $(cluster_listening "$i"); do
         [[ -n ${seen[$i:$port]:-} ]] && continue
