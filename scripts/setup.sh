@@ -2,7 +2,8 @@
 # Installs what libfsdp needs to build, test and run. Safe to run any number
 # of times: it installs just what is missing.
 #   - Debian's packages (build tools, Gloo, LibTorch 1.13 for the small set-up,
-#     googletest, json, CLI11, Open MPI's mpirun);
+#     googletest, json, CLI11, Open MPI's mpirun, iproute2 for the
+#     simulated-cluster tests);
 #   - a project-local virtual environment, .venv/ (FSDP_VENV overrides), with
 #     pip's torch 2.15.0 (the primary LibTorch: its torch/lib, torch/include
 #     and torch/share/cmake, and PyTorch itself for the interop tests and the
@@ -25,6 +26,7 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev  # libFuzzer + ASan for the checkpoint loader's fuzz target
   clang-format-14       # scripts/check_format.sh (CI checks the format first)
   openmpi-bin           # mpirun, for the launcher tests (libfsdp reads its OMPI_COMM_WORLD_*)
+  iproute2 util-linux   # the simulated cluster's namespaces, veths, tc (tests/cluster, docs/cluster.md)
 )
 if [[ ${1:-} == --bench ]]; then
   PACKAGES+=(gnuplot-nox)  # bench/report.sh's PNG chart

@@ -1,5 +1,6 @@
 #include "comm/direct_links.h"
 
+#include <arpa/inet.h>
 #include <c10/util/Exception.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -7,7 +8,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "detail/error.h"
@@ -35,6 +38,49 @@ void set_socket_options(int fd, std::chrono::milliseconds timeout) {
   tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Note [Strangers on the direct-link port]
+// A rank's direct-link port listens on its node's address until the previous
+// rank connects, so anything that reaches the node can connect first: a port
+// scanner, a stranger on the network (tests/cluster/test_stranger.sh), a rank
+// of another job. Taking that connection for rank prev's failed the job
+// ("expected the direct link from rank 2, got one from rank 7"). So a
+// connection that does not open with prev's hello within a moment is closed
+// with a warning, and the rank keeps accepting until prev's arrives or the
+// timeout passes.
+UniqueFd accept_link_from(int listener, int prev, int rank, std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
+  constexpr std::chrono::milliseconds kHelloWait{2000};
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+    pollfd pfd{listener, POLLIN, 0};
+    FSDP_CHECK(left.count() > 0 && ::poll(&pfd, 1, static_cast<int>(left.count())) == 1, rank,
+               "process group", "rank ", prev, " did not open its direct link within ",
+               timeout.count(), " ms");
+    sockaddr_storage from{};
+    socklen_t from_len = sizeof(from);
+    UniqueFd fd(::accept4(listener, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC));
+    if (fd.get() < 0 && (errno == EINTR || errno == ECONNABORTED)) continue;
+    FSDP_CHECK(fd.get() >= 0, rank, "process group", "accepting the direct link from rank ", prev,
+               " failed: ", std::strerror(errno));
+    set_socket_options(fd.get(), std::min(kHelloWait, left));
+    int32_t peer = -1;
+    const bool hello = read_all(fd.get(), &peer, sizeof(peer));
+    if (hello && peer == prev) return fd;
+    char host[INET6_ADDRSTRLEN] = "?";
+    const void* src =
+        from.ss_family == AF_INET6
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&from)->sin6_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&from)->sin_addr);
+    inet_ntop(from.ss_family, src, host, sizeof(host));
+    TORCH_WARN(error_prefix(rank, "process group"), "closed a connection from ", host,
+               " to the direct-link port: it ",
+               hello ? "said it was rank " + std::to_string(peer) : std::string("sent no hello"),
+               ", not rank ", prev, ". Still waiting for rank ", prev,
+               "; is another job or a port scanner reaching this node?");
+  }
 }
 
 std::string errno_text(ssize_t rc) {
@@ -142,16 +188,7 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
   const int32_t hello = rank;
   FSDP_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), rank, "process group",
              "the direct link to rank ", next_, " closed during set-up");
-  pollfd pfd{listener.get(), POLLIN, 0};
-  FSDP_CHECK(::poll(&pfd, 1, static_cast<int>(timeout.count())) == 1, rank, "process group",
-             "rank ", prev_, " did not open its direct link within ", timeout.count(), " ms");
-  from_prev_ = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  FSDP_CHECK(from_prev_.get() >= 0, rank, "process group", "accepting the direct link from rank ",
-             prev_, " failed: ", std::strerror(errno));
-  int32_t peer = -1;
-  FSDP_CHECK(read_all(from_prev_.get(), &peer, sizeof(peer)) && peer == prev_, rank,
-             "process group", "expected the direct link from rank ", prev_, ", got one from rank ",
-             peer, ". Is another job using the same MASTER_PORT?");
+  from_prev_ = accept_link_from(listener.get(), prev_, rank, timeout);
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
   sender_ = std::thread([this] { sender_loop(); });

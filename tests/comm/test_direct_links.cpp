@@ -1,14 +1,21 @@
 // Small collectives travel over direct links (Note [Direct links for small
 // collectives]): ranks that issue collectives of different sizes get an error
-// naming both, and a dead or stuck peer fails the others in time.
+// naming both, a dead or stuck peer fails the others in time, and a stranger
+// on a link's port during set-up is turned away.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
 #include <chrono>
+#include <memory>
+#include <string>
 #include <thread>
 
+#include "comm/direct_links.h"
+#include "comm/socket.h"
 #include "comm_test_util.h"
 #include "multi_rank.h"
 
@@ -76,6 +83,41 @@ TEST(DirectLinks, StuckPeerMakesSmallCollectivesTimeOut) {
   EXPECT_EQ(outcomes[0].exit_code, 0) << describe(outcomes[0]);
   EXPECT_NE(outcomes[0].output.find("got the expected error"), std::string::npos)
       << describe(outcomes[0]);
+}
+
+// Note [Strangers on the direct-link port]: connections that do not open with
+// the previous rank's hello (a wrong rank, silence) are closed, and the link
+// to the real rank is made all the same. Rank 0's port gets both before rank
+// 1 starts, so rank 0 accepts them first.
+TEST(DirectLinks, StrangersOnTheLinkPortAreTurnedAway) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  constexpr auto kSetup = std::chrono::seconds(20);
+  std::unique_ptr<detail::DirectLinks> links[2];
+  std::string errors[2];
+  auto make = [&](int rank) {
+    try {
+      links[rank] = std::make_unique<detail::DirectLinks>(*store, rank, 2, "127.0.0.1", kSetup,
+                                                          int64_t{1} << 16);
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  std::thread rank0(make, 0);
+  const auto where = store->get("direct/0");  // "127.0.0.1 <port>"
+  const int port = std::stoi(std::string(where.begin(), where.end()).substr(10));
+  detail::UniqueFd liar = detail::connect_tcp("127.0.0.1", port, kSetup);
+  const int32_t seven = 7;
+  ASSERT_TRUE(detail::write_all(liar.get(), &seven, sizeof(seven)));
+  detail::UniqueFd silent = detail::connect_tcp("127.0.0.1", port, kSetup);
+  std::thread rank1(make, 1);
+  rank1.join();
+  rank0.join();
+  ASSERT_TRUE(links[0] && links[1]) << errors[0] << errors[1];
+  at::Tensor sent = at::arange(16, at::kFloat), got = at::zeros({16});
+  auto recv = links[0]->irecv(got, 1, 0);
+  links[1]->isend(sent, 0, 0)->wait();
+  recv->wait();
+  EXPECT_TRUE(got.equal(sent));
 }
 
 }  // namespace
