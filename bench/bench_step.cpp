@@ -315,7 +315,13 @@ int main(int argc, char** argv) {
 
   int64_t total_params = 0;
   for (const auto& p : params) total_params += p.numel();
-  if (strategy && *strategy != fsdp::ShardingStrategy::kNoShard) total_params *= world;
+  // Shards of the whole job, or for the hybrid strategies of one node.
+  if (strategy == fsdp::ShardingStrategy::kHybridShard ||
+      strategy == fsdp::ShardingStrategy::kHybridShardZero2) {
+    total_params *= fsdp::rank_info().local_world_size;
+  } else if (strategy && *strategy != fsdp::ShardingStrategy::kNoShard) {
+    total_params *= world;
+  }
 
   const double med = max_over_ranks(*pg, median(step_ms));
   // Each step's slowest rank: what a step of synchronous training costs when

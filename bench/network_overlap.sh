@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Overlap at the network's limit (issue 20): GPT-mini on simulated nodes
+# (tests/cluster/cluster.sh: one network, IPC and UTS namespace per node)
+# whose links are limited to RATE with DELAY, measured in one run with the
+# rounds interleaved:
+#   compute        bench_step full_shard at world 1 (one node, no network)
+#   comm           bench_step full_shard --comm-only 1 on 2 nodes x 1 rank:
+#                  the step's collectives replayed with no compute
+#   fs_prefetch    FULL_SHARD on 2 x 1, forward prefetch + BACKWARD_PRE
+#   fs_no_prefetch FULL_SHARD on 2 x 1, no prefetch at all
+#   hybrid_2x2     HYBRID_SHARD on 2 nodes x 2 ranks
+#   fs_2x2         FULL_SHARD on 2 nodes x 2 ranks
+# One JSON line per run (bench_step's, plus "config" and "round"), then the
+# summary line: the medians, fs_prefetch / max(compute, comm) (target
+# <= 1.15), hybrid_2x2 / fs_2x2 step time, and the bytes each node sent per
+# step against HYBRID_SHARD's share (one all-reduce of every shard across the
+# nodes: 2 (N-1)/N x the parameters' bytes per node for N nodes).
+#   sudo bench/network_overlap.sh [BUILD_DIR] [ROUNDS]
+# Environment: RATE (1gbit), DELAY (0.5ms), BLOCKS (4), D_MODEL (512),
+# BATCH (4), SEQ (128), STEPS (5), WARMUP (2).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD="${1:-build}"
+ROUNDS="${2:-3}"
+RATE="${RATE:-1gbit}" DELAY="${DELAY:-0.5ms}"
+model=(--blocks "${BLOCKS:-4}" --d-model "${D_MODEL:-512}" --batch "${BATCH:-4}"
+       --seq "${SEQ:-128}" --steps "${STEPS:-5}" --warmup "${WARMUP:-2}")
+. bench/json_lines.sh
+need_executables "$BUILD" bench_step fsdprun
+bench_step=$(cd "$BUILD/bin" && pwd)/bench_step
+fsdprun=$(cd "$BUILD/bin" && pwd)/fsdprun
+. tests/cluster/cluster.sh
+
+out=$(mktemp /tmp/network_overlap.XXXXXX.jsonl)
+logs=$(mktemp -d /tmp/network_overlap.XXXXXX)
+# A kernel without sch_netem (seen here) cannot delay: the rate still holds.
+cluster_init 2 "$logs/probe"
+if [[ -n $DELAY ]] && ! cluster_shape "$RATE" "$DELAY" 2>/dev/null; then
+  echo "network_overlap: this kernel cannot delay packets (no sch_netem); links limited to $RATE only" >&2
+  DELAY=""
+fi
+cluster_cleanup
+run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
+  local name=$1 nodes=$2 nproc=$3 round=$4 line
+  shift 4
+  cluster_init "$nodes" "$logs/$name.$round"
+  cluster_shape "$RATE" "$DELAY" || exit 1
+  CLUSTER_PORT=$((29600 + RANDOM % 1000))
+  cluster_fsdprun "$name" "$fsdprun" "$nproc" -- "$bench_step" "${model[@]}" "$@"
+  if ! cluster_wait 900; then
+    echo "network_overlap: $name failed; its logs:" >&2
+    cat "$CLUSTER_DIR"/"$name".node*.log >&2
+    exit 1
+  fi
+  line=$(grep -ho '{"bench":"step".*}' "$CLUSTER_DIR"/"$name".node0.log | tail -n 1)
+  echo "${line%\}},\"config\":\"$name\",\"round\":$round,\"rate\":\"$RATE\",\"delay\":\"${DELAY:-none}\"}" |
+    tee -a "$out"
+  cluster_cleanup
+}
+
+configs=(compute comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2)
+for ((r = 0; r < ROUNDS; ++r)); do
+  # Rotate the order every round, so drift in the machine's speed spreads evenly.
+  for ((k = 0; k < ${#configs[@]}; ++k)); do
+    c=${configs[$(((k + r) % ${#configs[@]}))]}
+    case $c in
+      compute) run_config compute 1 1 "$r" --mode full_shard ;;
+      comm) run_config comm 2 1 "$r" --mode full_shard --comm-only 1 ;;
+      fs_prefetch) run_config fs_prefetch 2 1 "$r" --mode full_shard --forward-prefetch 1 \
+        --backward-prefetch backward_pre ;;
+      fs_no_prefetch) run_config fs_no_prefetch 2 1 "$r" --mode full_shard --forward-prefetch 0 \
+        --backward-prefetch none ;;
+      hybrid_2x2) run_config hybrid_2x2 2 2 "$r" --mode hybrid_shard ;;
+      fs_2x2) run_config fs_2x2 2 2 "$r" --mode full_shard ;;
+    esac
+  done
+done
+
+python3 - "$out" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+med = lambda c, k: statistics.median(r[k] for r in rows if r["config"] == c)
+m = {c: med(c, "median_ms") for c in {r["config"] for r in rows}}
+tx = {c: med(c, "net_tx_bytes_per_step") for c in m}
+params = next(r["params"] for r in rows if r["config"] == "hybrid_2x2")
+nodes = 2
+share = 2 * (nodes - 1) / nodes * params * 4  # per node and step
+bound = max(m["compute"], m["comm"])
+print(json.dumps({
+    "bench": "network_overlap_summary", "rounds": len([r for r in rows if r["config"] == "comm"]),
+    "rate": rows[0]["rate"], "delay": rows[0]["delay"], "params": params,
+    "median_ms": {c: round(v, 1) for c, v in sorted(m.items())},
+    "fs_prefetch_over_max_compute_comm": round(m["fs_prefetch"] / bound, 3),
+    "fs_no_prefetch_over_max_compute_comm": round(m["fs_no_prefetch"] / bound, 3),
+    "hybrid_over_full_shard_2x2": round(m["hybrid_2x2"] / m["fs_2x2"], 3),
+    "node_tx_bytes_per_step": {c: int(v) for c, v in sorted(tx.items())},
+    "hybrid_share_bytes_per_step": int(share),
+    "hybrid_tx_over_share": round(tx["hybrid_2x2"] / share, 3),
+}))
+EOF
+echo "raw lines: $out" >&2
