@@ -10,6 +10,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "comm/job_token.h"
+#include "comm/token_accept.h"
 #include "detail/error.h"
 
 // See Note [Direct links for small collectives] and Note [Direct links for
@@ -121,7 +123,8 @@ class LazyReceive : public PendingTransfer {
 }  // namespace
 
 DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-                         std::chrono::milliseconds timeout, int64_t inline_bytes)
+                         std::chrono::milliseconds timeout, int64_t inline_bytes,
+                         const std::string& job_token)
     : rank_(rank),
       next_((rank + 1) % size),
       prev_((rank + size - 1) % size),
@@ -139,19 +142,29 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
     FSDP_FAIL(rank, "process group", "cannot open the direct link to rank ", next_, " at ", addr,
               ": ", e.what_without_backtrace());
   }
+  // The handshake, then our rank; `next` answers the handshake only once it
+  // accepts, after its own connect, so the answer is read last (every rank
+  // connects before it accepts: nobody waits in a cycle).
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   const int32_t hello = rank;
-  FSDP_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), rank, "process group",
-             "the direct link to rank ", next_, " closed during set-up");
-  pollfd pfd{listener.get(), POLLIN, 0};
-  FSDP_CHECK(::poll(&pfd, 1, static_cast<int>(timeout.count())) == 1, rank, "process group",
-             "rank ", prev_, " did not open its direct link within ", timeout.count(), " ms");
-  from_prev_ = UniqueFd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  FSDP_CHECK(from_prev_.get() >= 0, rank, "process group", "accepting the direct link from rank ",
-             prev_, " failed: ", std::strerror(errno));
+  FSDP_CHECK(send_handshake(to_next_.get(), job_token, deadline) == IoResult::kOk &&
+                 write_all(to_next_.get(), &hello, sizeof(hello)),
+             rank, "process group", "the direct link to rank ", next_, " closed during set-up");
+  from_prev_ = accept_with_token(listener.get(), job_token, deadline, rank, "the direct links");
+  FSDP_CHECK(from_prev_.get() >= 0, rank, "process group", "rank ", prev_,
+             " did not open its direct link within ", timeout.count(), " ms");
   int32_t peer = -1;
   FSDP_CHECK(read_all(from_prev_.get(), &peer, sizeof(peer)) && peer == prev_, rank,
              "process group", "expected the direct link from rank ", prev_, ", got one from rank ",
              peer, ". Is another job using the same MASTER_PORT?");
+  const HandshakeAnswer answer = read_handshake_answer(to_next_.get(), deadline);
+  FSDP_CHECK(answer != HandshakeAnswer::kRefused, rank, "process group", "rank ", next_,
+             " refused this rank's job token on the direct link: FSDP_JOB_TOKEN differs from the "
+             "job's. Start every rank with the same FSDP_JOB_TOKEN.");
+  FSDP_CHECK(answer != HandshakeAnswer::kTimedOut, rank, "process group", "rank ", next_,
+             " did not accept the direct link within ", timeout.count(), " ms");
+  FSDP_CHECK(answer == HandshakeAnswer::kAccepted, rank, "process group", "rank ", next_,
+             " closed the direct link during set-up");
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
   sender_ = std::thread([this] { sender_loop(); });

@@ -16,6 +16,7 @@
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
+#include "comm/job_token.h"
 #include "comm/socket.h"
 #include "comm/tcp_store.h"
 #include "detail/error.h"
@@ -153,6 +154,7 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
   config.shm_slot_bytes = size_knob(options.shm_slot_bytes(), "FSDP_SHM_SLOT_BYTES",
                                     kDefaultShmSlotBytes, kMinSegmentBytes, false) /
                           64 * 64;
+  config.job_token = resolve_job_token(options.job_token());
   if (options.shared_memory().has_value()) {
     config.shared_memory = *options.shared_memory();
   } else {
@@ -202,8 +204,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // Rank 0 serves the store on the address the others dial (any loopback
     // address, or the master node's), unless told to listen elsewhere.
     const std::string server_addr = options.listen_addr().empty() ? master_addr : listen_addr;
-    store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
-                                          info.rank == 0, options.timeout(), server_addr);
+    store =
+        c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port), info.rank == 0,
+                                      options.timeout(), server_addr, config.job_token);
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
   }
 
@@ -221,7 +224,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
         return compat::make_c10d_gloo_group(s, rank, size, timeout, listen_addr);
       };
       // c10d's Gloo needs a store even for one rank.
-      if (!store) store = c10::make_intrusive<TcpStore>("127.0.0.1", 0, true, timeout);
+      if (!store) {
+        store = c10::make_intrusive<TcpStore>("127.0.0.1", 0, true, timeout, "", config.job_token);
+      }
       auto world = c10::make_intrusive<c10d::PrefixStore>("fsdp/c10d", store);
       group = std::make_shared<C10dProcessGroup>(factory(world, info.rank, info.world_size),
                                                  timeout, world, factory);
