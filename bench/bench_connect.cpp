@@ -50,12 +50,14 @@ int main(int argc, char** argv) {
   const int rank = world->rank();
   std::vector<double> times;
   for (int i = -2; i < iters; ++i) {  // two warm-ups
-    at::Tensor port = at::full({1}, rank == 0 ? free_port() : 0, at::kLong);
+    at::Tensor port = at::full({1}, rank == 0 ? free_port() : 0, at::kDouble);
     world->all_reduce(port).wait();
     world->barrier().wait();
     const auto t0 = std::chrono::steady_clock::now();
-    auto group = fsdp::init_process_group(
-        fsdp::ProcessGroupOptions().master_port(port.item<int64_t>()).set_default(false));
+    auto group =
+        fsdp::init_process_group(fsdp::ProcessGroupOptions()
+                                     .master_port(static_cast<int64_t>(port.item<double>()))
+                                     .set_default(false));
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     world->barrier().wait();  // nobody drops the group (rank 0: the store) while others use it
