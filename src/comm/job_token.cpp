@@ -44,9 +44,11 @@
 // - The token is not encryption: it travels in clear, like everything else on
 //   these connections. It keeps out other jobs and strangers that cannot read
 //   this job's traffic, not someone who can.
-// - Gloo's own listener (LibTorch 1.13 builds) cannot carry the handshake. Its
-//   address is published only through the store, which is guarded; see
-//   docs/communication.md for what a stranger who finds the port can do.
+// - Gloo's own listeners (LibTorch 1.13 builds) cannot carry the handshake.
+//   They are open only while a pair connects and their addresses are
+//   published only through the store, which is guarded; a stranger that wins
+//   the race for one makes set-up fail (never hang). See docs/communication.md
+//   and the test HostileConnectionsToTheGlooListener.
 
 namespace fsdp::detail {
 

@@ -351,12 +351,14 @@ std::set<int> listening_ports_of_this_process() {
 }
 
 // Gloo's own listeners (LibTorch 1.13 builds) cannot carry the handshake.
-// Debian's Gloo (2022-05) listens once per pair, only while the pair connects,
-// and takes the first connection it accepts as the peer. A stranger that finds
-// such a port in that window (here: the rank itself, from /proc, as a port
-// scan would) and connects first takes the pair's place: set-up must then
-// fail within the timeout on every rank, never hang. Observed, for
-// docs/communication.md; after set-up nothing of Gloo's listens.
+// Debian's Gloo (2022-05) opens a listening socket per pair only while that
+// pair connects, after the (guarded) store rendezvous, and closes it once
+// connected. Here a stranger in each rank scans the rank's own listening
+// ports (from /proc, as a port scan would, but faster) and connects to every
+// new one. Observed: when the stranger wins the race the pair takes it for
+// the peer, the real peer is refused and set-up fails at once; otherwise the
+// job joins. Either way set-up must never hang, and after a set-up nothing of
+// Gloo's listens. What happened is printed, for docs/communication.md.
 TEST(JobToken, HostileConnectionsToTheGlooListener) {
   if (!backend_available(Backend::kC10dGloo)) {
     GTEST_SKIP() << "this build has no Gloo (pip's torch wheel): the direct links carry everything";
@@ -391,6 +393,9 @@ TEST(JobToken, HostileConnectionsToTheGlooListener) {
                                            .direct_link_bytes(0)  // everything over Gloo
                                            .shared_memory(false)
                                            .set_default(false));
+          std::set<int> left = listening_ports_of_this_process();
+          left.erase(store_port);
+          EXPECT_TRUE(left.empty()) << "a listener outlived set-up, port " << *left.begin();
           at::Tensor t = at::full({1 << 16}, static_cast<float>(rank + 1));
           pg->all_reduce(t).wait();
           outcome = "joined, all_reduce gave " + std::to_string(t[0].item<float>());
@@ -401,8 +406,16 @@ TEST(JobToken, HostileConnectionsToTheGlooListener) {
             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
         done = true;
         stranger.join();
+        // What became of the strangers: still open (Gloo holds them), closed or reset.
+        int open = 0, closed = 0;
+        for (auto& fd : held) {
+          char b = 0;
+          const ssize_t r = ::recv(fd.get(), &b, 1, MSG_DONTWAIT);
+          (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) ? open : closed) += 1;
+        }
         std::cout << "gloo listener: rank " << rank << " knocked on " << knocked.size()
-                  << " port(s); after " << ms << " ms " << outcome << std::endl;
+                  << " port(s) (" << open << " still open, " << closed
+                  << " closed or reset); after " << ms << " ms " << outcome << std::endl;
         EXPECT_LT(ms, 15000) << "set-up hung past the timeout";
       },
       MultiRankOptions{
