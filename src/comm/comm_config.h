@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace fsdp {
 struct ProcessGroupOptions;
@@ -40,6 +41,9 @@ struct CommConfig {
   bool shared_memory = true;
   /// Bytes of each of a rank's two shared-memory slots, a multiple of 64.
   int64_t shm_slot_bytes = kDefaultShmSlotBytes;
+  /// What every link of the group presents first (Note [Job token]);
+  /// ProcessGroupOptions::job_token, else FSDP_JOB_TOKEN, else "".
+  std::string job_token;
 };
 
 /// The engine's knobs from `options`, each unset field from its environment

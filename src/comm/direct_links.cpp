@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstring>
 
+#include "comm/job_token.h"
+#include "comm/token_accept.h"
 #include "detail/error.h"
 
 // See Note [Direct links for small collectives] and Note [Direct links for
@@ -45,41 +47,32 @@ void set_socket_options(int fd, std::chrono::milliseconds timeout) {
 // rank connects, so anything that reaches the node can connect first: a port
 // scanner, a stranger on the network (tests/cluster/test_stranger.sh), a rank
 // of another job. Taking that connection for rank prev's failed the job
-// ("expected the direct link from rank 2, got one from rank 7"). So a
-// connection that does not open with prev's hello within a moment is closed
-// with a warning, and the rank keeps accepting until prev's arrives or the
-// timeout passes.
-UniqueFd accept_link_from(int listener, int prev, int rank, std::chrono::milliseconds timeout) {
-  using Clock = std::chrono::steady_clock;
+// ("expected the direct link from rank 2, got one from rank 7"). A connection
+// without this job's token is refused by accept_with_token (Note [Job
+// token]); one that has it but does not open with prev's hello within a
+// moment (a rank of another job started with the same token, or none) is
+// closed with a warning. Either way the rank keeps accepting until prev's
+// link arrives or the timeout passes.
+UniqueFd accept_link_from(int listener, const std::string& job_token, int prev, int rank,
+                          std::chrono::milliseconds timeout,
+                          std::chrono::steady_clock::time_point deadline) {
   constexpr std::chrono::milliseconds kHelloWait{2000};
-  const auto deadline = Clock::now() + timeout;
   while (true) {
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
-    pollfd pfd{listener, POLLIN, 0};
-    FSDP_CHECK(left.count() > 0 && ::poll(&pfd, 1, static_cast<int>(left.count())) == 1, rank,
-               "process group", "rank ", prev, " did not open its direct link within ",
-               timeout.count(), " ms");
-    sockaddr_storage from{};
-    socklen_t from_len = sizeof(from);
-    UniqueFd fd(::accept4(listener, reinterpret_cast<sockaddr*>(&from), &from_len, SOCK_CLOEXEC));
-    if (fd.get() < 0 && (errno == EINTR || errno == ECONNABORTED)) continue;
-    FSDP_CHECK(fd.get() >= 0, rank, "process group", "accepting the direct link from rank ", prev,
-               " failed: ", std::strerror(errno));
-    set_socket_options(fd.get(), std::min(kHelloWait, left));
+    UniqueFd fd = accept_with_token(listener, job_token, deadline, rank, "the direct links");
+    FSDP_CHECK(fd.get() >= 0, rank, "process group", "rank ", prev,
+               " did not open its direct link within ", timeout.count(), " ms");
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    set_socket_options(fd.get(),
+                       std::max(std::chrono::milliseconds(1), std::min(kHelloWait, left)));
     int32_t peer = -1;
     const bool hello = read_all(fd.get(), &peer, sizeof(peer));
     if (hello && peer == prev) return fd;
-    char host[INET6_ADDRSTRLEN] = "?";
-    const void* src =
-        from.ss_family == AF_INET6
-            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&from)->sin6_addr)
-            : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&from)->sin_addr);
-    inet_ntop(from.ss_family, src, host, sizeof(host));
-    TORCH_WARN(error_prefix(rank, "process group"), "closed a connection from ", host,
-               " to the direct-link port: it ",
+    TORCH_WARN(error_prefix(rank, "process group"),
+               "closed a connection to the direct-link port that presented this job's token but ",
                hello ? "said it was rank " + std::to_string(peer) : std::string("sent no hello"),
                ", not rank ", prev, ". Still waiting for rank ", prev,
-               "; is another job or a port scanner reaching this node?");
+               "; is another job with the same FSDP_JOB_TOKEN (or none) reaching this node?");
   }
 }
 
@@ -167,7 +160,8 @@ class LazyReceive : public PendingTransfer {
 }  // namespace
 
 DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-                         std::chrono::milliseconds timeout, int64_t inline_bytes)
+                         std::chrono::milliseconds timeout, int64_t inline_bytes,
+                         const std::string& job_token)
     : rank_(rank),
       next_((rank + 1) % size),
       prev_((rank + size - 1) % size),
@@ -185,10 +179,23 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
     FSDP_FAIL(rank, "process group", "cannot open the direct link to rank ", next_, " at ", addr,
               ": ", e.what_without_backtrace());
   }
+  // The handshake, then our rank; `next` answers the handshake only once it
+  // accepts, after its own connect, so the answer is read last (every rank
+  // connects before it accepts: nobody waits in a cycle).
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   const int32_t hello = rank;
-  FSDP_CHECK(write_all(to_next_.get(), &hello, sizeof(hello)), rank, "process group",
-             "the direct link to rank ", next_, " closed during set-up");
-  from_prev_ = accept_link_from(listener.get(), prev_, rank, timeout);
+  FSDP_CHECK(send_handshake(to_next_.get(), job_token, deadline) == IoResult::kOk &&
+                 write_all(to_next_.get(), &hello, sizeof(hello)),
+             rank, "process group", "the direct link to rank ", next_, " closed during set-up");
+  from_prev_ = accept_link_from(listener.get(), job_token, prev_, rank, timeout, deadline);
+  const HandshakeAnswer answer = read_handshake_answer(to_next_.get(), deadline);
+  FSDP_CHECK(answer != HandshakeAnswer::kRefused, rank, "process group", "rank ", next_,
+             " refused this rank's job token on the direct link: FSDP_JOB_TOKEN differs from the "
+             "job's. Start every rank with the same FSDP_JOB_TOKEN.");
+  FSDP_CHECK(answer != HandshakeAnswer::kTimedOut, rank, "process group", "rank ", next_,
+             " did not accept the direct link within ", timeout.count(), " ms");
+  FSDP_CHECK(answer == HandshakeAnswer::kAccepted, rank, "process group", "rank ", next_,
+             " closed the direct link during set-up");
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
   sender_ = std::thread([this] { sender_loop(); });

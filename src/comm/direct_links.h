@@ -43,9 +43,12 @@ class DirectLinks : public PointToPoint {
   /// Connects rank `rank` of `size` (>= 2) to its ring neighbours through
   /// `store` (keys are this group's own). Collective over the group. Messages
   /// of at most `inline_bytes` (CommConfig::direct_link_bytes) are sent by the
-  /// calling thread when nothing is queued before them.
+  /// calling thread when nothing is queued before them. Each link presents
+  /// `job_token` first; connections to the listener without it are refused
+  /// (Note [Job token]).
   DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-              std::chrono::milliseconds timeout, int64_t inline_bytes);
+              std::chrono::milliseconds timeout, int64_t inline_bytes,
+              const std::string& job_token);
   /// Stops the sender thread (a send in progress fails) and closes the links.
   ~DirectLinks() override;
 

@@ -58,7 +58,7 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
     c10d::PrefixStore group_store(prefix_, store_);
     if (!gloo_ || config_.direct_link_bytes > 0) {
       links_ = std::make_unique<DirectLinks>(group_store, rank, size, listen_addr_, timeout,
-                                             config_.direct_link_bytes);
+                                             config_.direct_link_bytes, config_.job_token);
     }
     shm_ = ShmLinks::connect(group_store, rank, size, timeout, config_.shared_memory,
                              config_.shm_slot_bytes);

@@ -17,6 +17,7 @@
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
+#include "comm/job_token.h"
 #include "comm/launch_env.h"
 #include "comm/socket.h"
 #include "comm/tcp_store.h"
@@ -179,6 +180,7 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
   config.shm_slot_bytes = size_knob(options.shm_slot_bytes(), "FSDP_SHM_SLOT_BYTES",
                                     kDefaultShmSlotBytes, kMinSegmentBytes, false) /
                           64 * 64;
+  config.job_token = resolve_job_token(options.job_token());
   if (options.shared_memory().has_value()) {
     config.shared_memory = *options.shared_memory();
   } else {
@@ -217,10 +219,13 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // address, or the master node's), unless told to listen elsewhere.
     const std::string server_addr = options.listen_addr().empty() ? master_addr : listen_addr;
     if (launch.agent_store_attempt) {
-      store = join_agent_store(launch, options.timeout());  // See Note [torchrun's agent store]
+      // torchrun's own store speaks PyTorch's protocol, which has no job
+      // token; the direct links still check it. See Note [torchrun's agent store].
+      store = join_agent_store(launch, options.timeout());
     } else {
-      store = c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port),
-                                            info.rank == 0, options.timeout(), server_addr);
+      store =
+          c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port), info.rank == 0,
+                                        options.timeout(), server_addr, config.job_token);
     }
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
   }
@@ -239,7 +244,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
         return compat::make_c10d_gloo_group(s, rank, size, timeout, listen_addr);
       };
       // c10d's Gloo needs a store even for one rank.
-      if (!store) store = c10::make_intrusive<TcpStore>("127.0.0.1", 0, true, timeout);
+      if (!store) {
+        store = c10::make_intrusive<TcpStore>("127.0.0.1", 0, true, timeout, "", config.job_token);
+      }
       auto world = c10::make_intrusive<c10d::PrefixStore>("fsdp/c10d", store);
       group = std::make_shared<C10dProcessGroup>(factory(world, info.rank, info.world_size),
                                                  timeout, world, factory);

@@ -39,6 +39,9 @@
 // - At most kMaxConnections connections: beyond it (or when the process is
 //   out of descriptors) the oldest connection that never sent a whole request
 //   is closed; a rank's own connection speaks first thing, so it is never it.
+// - A connection starts in Phase::kHandshake: it must present the job token
+//   (Note [Job token]) within kHandshakeTimeout or it is closed, counted and
+//   (the first time) logged; only then are its bytes read as requests.
 
 namespace fsdp::detail {
 
@@ -58,7 +61,8 @@ std::vector<uint8_t> framed(std::vector<uint8_t> body) {
 
 }  // namespace
 
-StoreServer::StoreServer(const std::string& listen_addr, int port) {
+StoreServer::StoreServer(const std::string& listen_addr, int port, std::string job_token)
+    : job_token_(std::move(job_token)) {
   listen_fd_ = listen_tcp(listen_addr, port, &port_);
   ::fcntl(listen_fd_.get(), F_SETFL, ::fcntl(listen_fd_.get(), F_GETFL) | O_NONBLOCK);
   wake_fd_ = UniqueFd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -112,6 +116,7 @@ void StoreServer::run() {
     }
     const auto after = Clock::now();
     if (fds[1].revents != 0) accept_new(after);
+    close_slow_handshakes(after);
     answer_parked(after);
   }
 }
@@ -135,6 +140,7 @@ void StoreServer::accept_new(Clock::time_point now) {
       Connection& c = connections_[fd];
       c.fd = std::move(owned);
       c.serial = accepted_++;
+      c.handshake_until = now + kHandshakeTimeout;
     } catch (const std::exception&) {
       connections_.erase(fd);
     }
@@ -154,7 +160,40 @@ bool StoreServer::make_room() {
   return true;
 }
 
+bool StoreServer::read_handshake(Connection& c) {
+  switch (c.handshake.read_some(c.fd.get(), job_token_)) {
+    case HandshakeReader::State::kReading:
+      return true;
+    case HandshakeReader::State::kRefused:
+      record_refusal(c.fd.get(), -1, "the rendezvous store", c.handshake.refusal());
+      return false;
+    case HandshakeReader::State::kAccepted:
+      break;
+  }
+  c.phase = Phase::kServing;
+  c.handshake = HandshakeReader();
+  const auto ack = handshake_ack_bytes();
+  c.out.assign(ack.begin(), ack.end());
+  c.out_at = 0;
+  return write_to(c);
+}
+
+void StoreServer::close_slow_handshakes(Clock::time_point now) {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    const Connection& c = it->second;
+    if (c.phase == Phase::kHandshake && now >= c.handshake_until) {
+      record_refusal(c.fd.get(), -1, "the rendezvous store",
+                     "it sent no complete handshake within 5 s");
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 bool StoreServer::read_from(Connection& c) {
+  if (c.phase == Phase::kHandshake && !read_handshake(c)) return false;
+  if (c.phase == Phase::kHandshake) return true;  // the rest of the handshake is yet to come
   uint8_t buf[kReadChunk];
   while (true) {
     const ssize_t r = ::recv(c.fd.get(), buf, sizeof(buf), 0);
@@ -218,6 +257,7 @@ StoreServer::Clock::time_point StoreServer::next_deadline() const {
   auto until = Clock::time_point::max();
   for (const auto& [fd, c] : connections_) {
     if (c.parked) until = std::min(until, c.parked->deadline);
+    if (c.phase == Phase::kHandshake) until = std::min(until, c.handshake_until);
   }
   return until;
 }

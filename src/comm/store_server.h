@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/job_token.h"
 #include "comm/socket.h"
 
 namespace fsdp::detail {
@@ -16,8 +17,9 @@ namespace fsdp::detail {
 /// the listening socket and every connection. See Note [Store server].
 class StoreServer {
  public:
-  /// Listens on listen_addr:port (0: any free port).
-  StoreServer(const std::string& listen_addr, int port);
+  /// Listens on listen_addr:port (0: any free port); serves only connections
+  /// that present `job_token` first (Note [Job token]).
+  StoreServer(const std::string& listen_addr, int port, std::string job_token);
   /// Stops the loop; every connection is closed.
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
@@ -39,12 +41,17 @@ class StoreServer {
     std::vector<std::string> keys;
     Clock::time_point deadline;  // time_point::max(): no limit
   };
+  // A connection is served once its handshake presented the job token.
+  enum class Phase : uint8_t { kHandshake, kServing };
   struct Connection {
     UniqueFd fd;
-    uint64_t serial = 0;       // accept order, for eviction
-    bool spoke = false;        // sent at least one whole request
-    std::vector<uint8_t> in;   // received bytes not yet a whole request
-    std::vector<uint8_t> out;  // reply bytes not yet sent, from out_at
+    Phase phase = Phase::kHandshake;
+    HandshakeReader handshake;
+    Clock::time_point handshake_until;  // closed if still in kHandshake then
+    uint64_t serial = 0;                // accept order, for eviction
+    bool spoke = false;                 // sent at least one whole request
+    std::vector<uint8_t> in;            // received bytes not yet a whole request
+    std::vector<uint8_t> out;           // reply bytes not yet sent, from out_at
     size_t out_at = 0;
     std::optional<Parked> parked;
   };
@@ -55,6 +62,8 @@ class StoreServer {
   bool make_room();
   // Each returns false when the connection must be closed.
   bool read_from(Connection& c);
+  bool read_handshake(Connection& c);
+  void close_slow_handshakes(Clock::time_point now);
   bool write_to(Connection& c);
   bool serve_requests(Connection& c);
   void handle(Connection& c, const std::vector<uint8_t>& request);
@@ -67,6 +76,7 @@ class StoreServer {
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;  // an eventfd: the destructor's stop signal
   int port_ = 0;
+  std::string job_token_;
 
   // State below is touched by the loop thread only.
   std::map<std::string, std::vector<uint8_t>> data_;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "comm/job_token.h"
 #include "comm/socket.h"
 #include "comm/store_protocol.h"
 #include "comm/store_server.h"
@@ -25,6 +26,10 @@
 // that stopped, is an error naming the store's address, not a hang. A request
 // that failed leaves the stream out of step, so the connection is closed and
 // later requests fail at once with the first cause.
+// A new connection sends the job token's handshake at once and reads the
+// server's answer with its first reply, so the check costs no round trip of
+// its own; a server that closes the connection before answering refused the
+// token (Note [Job token]).
 
 namespace fsdp {
 
@@ -65,20 +70,29 @@ detail::IoResult recv_message(int fd, std::vector<uint8_t>* message, Clock::time
 }  // namespace
 
 TcpStore::TcpStore(const std::string& host, int port, bool is_server,
-                   std::chrono::milliseconds timeout, const std::string& listen_addr)
-    : c10d::Store(timeout), host_(host), port_(port) {
+                   std::chrono::milliseconds timeout, const std::string& listen_addr,
+                   const std::optional<std::string>& job_token)
+    : c10d::Store(timeout),
+      host_(host),
+      port_(port),
+      job_token_(detail::resolve_job_token(job_token.value_or(""))) {
   FSDP_CHECK(port >= 0 && port <= 65535, -1, "tcp store", "port must be in [0, 65535], got ", port);
   if (is_server) {
-    server_ = std::make_unique<detail::StoreServer>(listen_addr.empty() ? host : listen_addr, port);
+    server_ = std::make_unique<detail::StoreServer>(listen_addr.empty() ? host : listen_addr, port,
+                                                    job_token_);
     port_ = server_->port();
   } else {
     FSDP_CHECK(port > 0, -1, "tcp store", "a client needs the server's port, got 0");
   }
-  fd_ = detail::connect_tcp(host_, port_, timeout).release();
+  detail::UniqueFd fd = detail::connect_tcp(host_, port_, timeout);
+  // A fresh socket's buffer takes the few bytes at once; a failure here means
+  // the peer is already gone, which the first request reports.
+  detail::send_handshake(fd.get(), job_token_, Clock::now() + timeout);
+  fd_ = fd.release();
 }
 
 c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
-  return c10::make_intrusive<TcpStore>(host_, port_, false, timeout_);
+  return c10::make_intrusive<TcpStore>(host_, port_, false, timeout_, "", job_token_);
 }
 
 TcpStore::~TcpStore() {
@@ -107,16 +121,33 @@ std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
   const auto deadline = unlimited ? Clock::time_point::max() : Clock::now() + limit;
   std::vector<uint8_t> reply;
   auto result = send_message(fd_, message, deadline);
+  bool refused = false;
+  if (!accepted_) {  // the answer to the handshake, read even after a failed send: it says why
+    const auto answer = detail::read_handshake_answer(fd_, deadline);
+    accepted_ = answer == detail::HandshakeAnswer::kAccepted;
+    refused = answer == detail::HandshakeAnswer::kRefused;
+    if (result == detail::IoResult::kOk && !accepted_) {
+      result = answer == detail::HandshakeAnswer::kTimedOut ? detail::IoResult::kTimedOut
+                                                            : detail::IoResult::kClosed;
+    }
+  }
   if (result == detail::IoResult::kOk) result = recv_message(fd_, &reply, deadline);
   if (result != detail::IoResult::kOk) {
-    broken_ = result == detail::IoResult::kTimedOut
-                  ? "the store at " + address() + " did not answer within " +
-                        std::to_string(limit.count()) +
-                        " ms. Rank 0 (which serves it) is stuck, or MASTER_ADDR/MASTER_PORT "
-                        "name something that is not this job's rendezvous store."
-                  : "lost the connection to the rendezvous store at " + address() +
-                        ". Rank 0 (which serves it) has probably exited or crashed; look at its "
-                        "output.";
+    broken_ =
+        refused
+            ? "the rendezvous store at " + address() +
+                  " refused this rank's job token: FSDP_JOB_TOKEN differs from the job's. Start "
+                  "every rank with the same FSDP_JOB_TOKEN (fsdprun sets one per job; on several "
+                  "nodes export the same value on each), or MASTER_ADDR/MASTER_PORT name another "
+                  "job's store."
+        : result == detail::IoResult::kTimedOut
+            ? "the store at " + address() + " did not answer within " +
+                  std::to_string(limit.count()) +
+                  " ms. Rank 0 (which serves it) is stuck, or MASTER_ADDR/MASTER_PORT "
+                  "name something that is not this job's rendezvous store."
+            : "lost the connection to the rendezvous store at " + address() +
+                  ". Rank 0 (which serves it) has probably exited or crashed; look at its "
+                  "output.";
     ::close(fd_);
     fd_ = -1;
     FSDP_FAIL(-1, "tcp store", broken_);

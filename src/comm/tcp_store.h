@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -27,10 +28,14 @@ class TcpStore : public c10d::Store {
   /// listen_addr:port ("": on `host`, the address clients dial; port 0 picks
   /// a free one, see port()). Every request fails (naming host:port) when the
   /// server does not answer within `timeout`, plus the request's own wait for
-  /// get() and wait().
+  /// get() and wait(). Every connection presents `job_token` (nullopt: from
+  /// FSDP_JOB_TOKEN, else ""), and the server refuses connections without it
+  /// (Note [Job token]); a refused client fails its first request with an
+  /// error naming the token mismatch.
   TcpStore(const std::string& host, int port, bool is_server,
            std::chrono::milliseconds timeout = std::chrono::minutes(5),
-           const std::string& listen_addr = "");
+           const std::string& listen_addr = "",
+           const std::optional<std::string>& job_token = std::nullopt);
   ~TcpStore() override;
 
   /// The port the store is reached on (useful after asking for port 0).
@@ -71,10 +76,12 @@ class TcpStore : public c10d::Store {
   std::unique_ptr<detail::StoreServer> server_;  // only on the server rank
   std::string host_;
   int port_ = 0;
+  std::string job_token_;
   std::mutex mutex_;  // one request at a time on fd_
   // State below is protected by mutex_.
-  int fd_ = -1;         // -1 once a request failed: the stream is out of step
-  std::string broken_;  // why fd_ was closed
+  int fd_ = -1;            // -1 once a request failed: the stream is out of step
+  bool accepted_ = false;  // the server answered our handshake (read with the first reply)
+  std::string broken_;     // why fd_ was closed
 };
 
 }  // namespace fsdp

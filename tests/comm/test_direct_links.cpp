@@ -86,8 +86,8 @@ TEST(DirectLinks, StuckPeerMakesSmallCollectivesTimeOut) {
 }
 
 // Note [Strangers on the direct-link port]: connections that do not open with
-// the previous rank's hello (a wrong rank, silence) are closed, and the link
-// to the real rank is made all the same. Rank 0's port gets both before rank
+// the job's token (here a rank number alone, or silence) are closed, and the
+// link to the real rank is made all the same. Rank 0's port gets both before rank
 // 1 starts, so rank 0 accepts them first.
 TEST(DirectLinks, StrangersOnTheLinkPortAreTurnedAway) {
   auto store = c10::make_intrusive<c10d::HashStore>();
@@ -97,7 +97,7 @@ TEST(DirectLinks, StrangersOnTheLinkPortAreTurnedAway) {
   auto make = [&](int rank) {
     try {
       links[rank] = std::make_unique<detail::DirectLinks>(*store, rank, 2, "127.0.0.1", kSetup,
-                                                          int64_t{1} << 16);
+                                                          int64_t{1} << 16, "");
     } catch (const std::exception& e) {
       errors[rank] = e.what();
     }

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/job_token.h"
 #include "comm/tcp_store.h"
 
 #include "comm/socket.h"
@@ -185,10 +186,14 @@ TEST(TcpStore, SilentGarbageAndManyConnectionsLeaveTheServerServingWithOneThread
     detail::write_all(fd.get(), junk.data(), junk.size());
     if (i % 2 == 0) held.push_back(std::move(fd));
   }
-  {  // a well-framed request that does not parse: answered kBadRequest
+  {  // after the handshake, a well-framed request that does not parse: answered kBadRequest
     detail::UniqueFd fd = raw_connection(port);
+    const auto hello = detail::handshake_bytes(detail::resolve_job_token(""));
+    detail::write_all(fd.get(), hello.data(), hello.size());
     const uint8_t frame[] = {3, 0, 0, 0, 0 /* kSet */, 9, 9};
     detail::write_all(fd.get(), frame, sizeof(frame));
+    uint8_t ack[detail::kHandshakeAckBytes] = {};
+    ASSERT_TRUE(detail::read_all(fd.get(), ack, sizeof(ack)));
     uint8_t reply[5] = {};
     ASSERT_TRUE(detail::read_all(fd.get(), reply, sizeof(reply)));
     EXPECT_EQ(reply[0], 1);  // length 1
@@ -196,6 +201,10 @@ TEST(TcpStore, SilentGarbageAndManyConnectionsLeaveTheServerServingWithOneThread
   }
   {  // a frame longer than any message: closed
     detail::UniqueFd fd = raw_connection(port);
+    const auto hello = detail::handshake_bytes(detail::resolve_job_token(""));
+    detail::write_all(fd.get(), hello.data(), hello.size());
+    uint8_t ack[detail::kHandshakeAckBytes] = {};
+    ASSERT_TRUE(detail::read_all(fd.get(), ack, sizeof(ack)));
     const uint8_t frame[] = {0xff, 0xff, 0xff, 0xff, 1, 2, 3};
     detail::write_all(fd.get(), frame, sizeof(frame));
     uint8_t b = 0;

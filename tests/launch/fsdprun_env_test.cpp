@@ -60,10 +60,14 @@ TEST(FsdprunEnv, SingleNodeRanksAndFreePort) {
   EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
 }
 
+// What a multi-node job's nodes would all export (Note [Job token]).
+constexpr const char* kNodesToken = "0123456789abcdef0123456789abcdef";
+
 TEST(FsdprunEnv, MultiNodeRanks) {
   const RunResult r =
       run_launcher({"--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                    "10.9.8.7", "--master-port", "29999", test_rank_path(), "--print-env"});
+                    "10.9.8.7", "--master-port", "29999", test_rank_path(), "--print-env"},
+                   {{"FSDP_JOB_TOKEN", kNodesToken}});
   ASSERT_FALSE(r.timed_out) << r.err;
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EnvByRank env = parse_env(r.out);
@@ -82,17 +86,59 @@ TEST(FsdprunEnv, MultiNodeRanks) {
     EXPECT_EQ(e["ROLE_WORLD_SIZE"], "6");
     EXPECT_EQ(e["MASTER_ADDR"], "10.9.8.7");
     EXPECT_EQ(e["MASTER_PORT"], "29999");
+    EXPECT_EQ(e["FSDP_JOB_TOKEN"], kNodesToken);  // passed on as it is, on every node
   }
 }
 
 TEST(FsdprunEnv, MultiNodeDefaultPortIs29500) {
-  const RunResult r = run_launcher({"--nnodes", "2", test_rank_path(), "--print-env"});
+  const RunResult r = run_launcher({"--nnodes", "2", test_rank_path(), "--print-env"},
+                                   {{"FSDP_JOB_TOKEN", kNodesToken}});
   ASSERT_FALSE(r.timed_out) << r.err;
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EnvByRank env = parse_env(r.out);
   ASSERT_EQ(env.size(), 1u) << r.out;
   EXPECT_EQ(env[0]["MASTER_PORT"], "29500");
   EXPECT_EQ(env[0]["WORLD_SIZE"], "2");
+}
+
+// The ranks of a one-node job share a fresh random token; another launch
+// gets another one.
+TEST(FsdprunEnv, OneNodeJobGetsARandomToken) {
+  std::string tokens[2];
+  for (std::string& token : tokens) {
+    const RunResult r = run_launcher({"--nproc-per-node", "2", test_rank_path(), "--print-env"},
+                                     {{"FSDP_JOB_TOKEN", std::nullopt}});
+    ASSERT_FALSE(r.timed_out) << r.err;
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EnvByRank env = parse_env(r.out);
+    ASSERT_EQ(env.size(), 2u) << r.out;
+    token = env[0]["FSDP_JOB_TOKEN"];
+    EXPECT_EQ(env[1]["FSDP_JOB_TOKEN"], token);
+    EXPECT_EQ(token.size(), 32u) << token;
+    EXPECT_EQ(token.find_first_not_of("0123456789abcdef"), std::string::npos) << token;
+  }
+  EXPECT_NE(tokens[0], tokens[1]);
+}
+
+TEST(FsdprunEnv, OneNodeJobKeepsTheUsersToken) {
+  const RunResult r = run_launcher({test_rank_path(), "--print-env"}, {{"FSDP_JOB_TOKEN", "mine"}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(parse_env(r.out)[0]["FSDP_JOB_TOKEN"], "mine");
+}
+
+TEST(FsdprunEnv, MultiNodeWithoutATokenIsAOneLineErrorWithTheFix) {
+  for (const char* unset : {"", "<unset>"}) {
+    std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", unset}};
+    if (std::string(unset) == "<unset>") env["FSDP_JOB_TOKEN"] = std::nullopt;
+    const RunResult r = run_launcher({"--nnodes", "2", test_rank_path(), "--print-env"}, env);
+    ASSERT_FALSE(r.timed_out) << r.err;
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.out, "") << "a rank was started";
+    EXPECT_EQ(r.err,
+              "fsdprun: error: --nnodes 2 needs FSDP_JOB_TOKEN, the same on every node: run "
+              "`export FSDP_JOB_TOKEN=$(openssl rand -hex 16)` once and start fsdprun with it on "
+              "each node\n");
+  }
 }
 
 TEST(FsdprunEnv, KeepsUserOmpNumThreads) {

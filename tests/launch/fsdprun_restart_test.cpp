@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
 
 #include "launch_test_util.h"
@@ -23,6 +24,14 @@ TEST(FsdprunRestart, SucceedsAfterOneRestart) {
   EXPECT_NE(r.out.find("[rank0]: TORCHELASTIC_RESTART_COUNT=1"), std::string::npos);
   EXPECT_NE(r.out.find("[rank1]: TORCHELASTIC_RESTART_COUNT=1"), std::string::npos);
   EXPECT_NE(r.out.find("[rank0]: TORCHELASTIC_MAX_RESTARTS=2"), std::string::npos);
+  // One job, one token (Note [Job token]): every rank of every attempt that
+  // printed its environment (a rank stopped early may not have) shows the same.
+  std::set<std::string> tokens;
+  for (size_t at = r.out.find("FSDP_JOB_TOKEN="); at != std::string::npos;
+       at = r.out.find("FSDP_JOB_TOKEN=", at + 1)) {
+    tokens.insert(r.out.substr(at, r.out.find('\n', at) - at));
+  }
+  EXPECT_EQ(tokens.size(), 1u) << r.out;
 }
 
 TEST(FsdprunRestart, GivesUpAfterMaxRestarts) {

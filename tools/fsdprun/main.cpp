@@ -13,6 +13,7 @@
 
 #include "exit_status.h"
 #include "free_port.h"
+#include "job_token.h"
 #include "options.h"
 #include "output_writer.h"
 #include "rank_env.h"
@@ -46,6 +47,14 @@ int launch(const LaunchOptions& options) {
   OutputWriter out(STDOUT_FILENO);
   OutputWriter err(STDERR_FILENO);
 
+  // See Note [Job token] (src/comm/job_token.cpp): before anything is started.
+  std::vector<std::string> base_env = environment_from(environ);
+  std::string token_error;
+  if (!ensure_job_token(options, &base_env, &token_error)) {
+    err.write("fsdprun: error: " + token_error + "\n");
+    return options.nnodes > 1 ? kUsageExitCode : 1;
+  }
+
   int port = options.master_port.value_or(0);
   if (!options.master_port) {
     std::string error;
@@ -56,7 +65,6 @@ int launch(const LaunchOptions& options) {
     }
   }
 
-  std::vector<std::string> base_env = environment_from(environ);
   // The ranks write into pipes; tell them when what they write ends up on a
   // terminal, so they can draw progress bars (unless the user decided).
   if (::isatty(STDOUT_FILENO) != 0 && std::getenv("FSDPRUN_STDOUT_TTY") == nullptr) {

@@ -102,6 +102,11 @@ struct ProcessGroupOptions {
   TORCH_ARG(std::optional<bool>, debug_collectives) = std::nullopt;
   /// Make the result the default group (see default_process_group()).
   TORCH_ARG(bool, set_default) = true;
+  /// Secret every rank of the job shares and presents first on every store
+  /// and direct-link connection; a connection without it is closed at once.
+  /// "": from FSDP_JOB_TOKEN (fsdprun sets it), else the empty token. Not
+  /// encryption: it travels in clear. See docs/communication.md.
+  TORCH_ARG(std::string, job_token) = "";
 };
 
 /// Where this process sits in the whole job, as resolved by init_process_group.

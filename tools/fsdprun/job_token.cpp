@@ -1,0 +1,59 @@
+#include "job_token.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+
+namespace fsdp::launch {
+
+namespace {
+
+constexpr const char* kVariable = "FSDP_JOB_TOKEN";
+
+}  // namespace
+
+std::string random_job_token(std::string* error) {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t r = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      *error = std::string("getrandom failed: ") + std::strerror(errno);
+      return "";
+    }
+    got += static_cast<size_t>(r);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (const uint8_t b : bytes) {
+    token += kHex[b >> 4];
+    token += kHex[b & 15];
+  }
+  return token;
+}
+
+bool ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
+                      std::string* error) {
+  const std::string prefix = std::string(kVariable) + "=";
+  for (auto it = env->begin(); it != env->end(); ++it) {
+    if (it->compare(0, prefix.size(), prefix) != 0) continue;
+    if (it->size() > prefix.size()) return true;
+    env->erase(it);  // set but empty: as if unset
+    break;
+  }
+  if (options.nnodes > 1) {
+    *error = "--nnodes " + std::to_string(options.nnodes) +
+             " needs FSDP_JOB_TOKEN, the same on every node: run `export "
+             "FSDP_JOB_TOKEN=$(openssl rand -hex 16)` once and start fsdprun with it on each node";
+    return false;
+  }
+  const std::string token = random_job_token(error);
+  if (token.empty()) return false;
+  env->push_back(prefix + token);
+  return true;
+}
+
+}  // namespace fsdp::launch

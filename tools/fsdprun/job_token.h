@@ -1,0 +1,25 @@
+#pragma once
+
+// The job token fsdprun hands to the ranks it starts (see Note [Job token]
+// in src/comm/job_token.cpp).
+
+#include <string>
+#include <vector>
+
+#include "options.h"
+
+namespace fsdp::launch {
+
+/// A fresh random token: 128 bits from getrandom(), as 32 hex digits.
+/// Returns "" (and sets `error`) when the kernel gives no randomness.
+std::string random_job_token(std::string* error);
+
+/// Makes sure `env` carries FSDP_JOB_TOKEN for the ranks: kept when set and
+/// non-empty; else, for a one-node job, a random one is added (the same for
+/// every restart of the job). A multi-node job needs the same token on every
+/// node, so it must come from the environment: false, with a one-line
+/// `error` giving the fix, when it is missing.
+bool ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
+                      std::string* error);
+
+}  // namespace fsdp::launch
