@@ -19,6 +19,9 @@
 //   the last warm-up step records every collective the model issues (kind,
 //   size, dtype) and each timed "step" issues the same sequence again on the
 //   same engine and waits for it (bench/recording_process_group.h).
+// cpu_ms_per_step: this rank's process CPU time (user + system, every thread)
+// per timed step: beside median_ms it shows what communication costs the
+// cores (with 2 cores and 2 ranks, a rank's TCP work competes with compute).
 // net_tx_bytes_per_step: bytes this rank's network namespace sent per timed
 // step on every interface but loopback (/proc/net/dev): what crosses the
 // links between simulated nodes (bench/network_overlap.sh).
@@ -52,6 +55,7 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -124,6 +128,14 @@ const std::map<std::string, fsdp::BackwardPrefetch>& backward_prefetch_names() {
       {"backward_pre", fsdp::BackwardPrefetch::kBackwardPre},
       {"backward_post", fsdp::BackwardPrefetch::kBackwardPost}};
   return names;
+}
+
+// This process's CPU time so far (user + system, all threads), in ms.
+double cpu_ms() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 +
+         (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
 }
 
 // Bytes sent on every interface but loopback of this network namespace.
@@ -247,6 +259,7 @@ int main(int argc, char** argv) {
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
   double loss0 = 0;
   int64_t gathered0 = 0, reduced0 = 0, tx0 = 0;
+  double cpu0 = 0;
   for (int i = -args.warmup; i < args.steps; ++i) {
     if (i == 0) {
       run_peak = std::max(run_peak, fsdp::memory_stats().peak_bytes);
@@ -259,7 +272,10 @@ int main(int argc, char** argv) {
     }
     if (counting) counting->set_recording(i == -1);
     pg->barrier().wait();
-    if (i == 0) tx0 = net_tx_bytes();
+    if (i == 0) {
+      tx0 = net_tx_bytes();
+      cpu0 = cpu_ms();
+    }
     const auto t0 = Clock::now();
     if (args.comm_only && i >= 0) {
       counting->replay();
@@ -290,6 +306,7 @@ int main(int argc, char** argv) {
   if (counting) counting->set_recording(false);
   pg->barrier().wait();
   const int64_t tx_per_step = (net_tx_bytes() - tx0) / args.steps;
+  const double cpu_per_step = (cpu_ms() - cpu0) / args.steps;
   const int64_t peak = fsdp::memory_stats().peak_bytes;
   const int64_t state = optimizer_state_bytes(opt);
   const int64_t gathered_per_step =
@@ -346,6 +363,7 @@ int main(int argc, char** argv) {
       static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_growth)));
   const double rss_bound_ratio_max = max_over_ranks(*pg, rss_bound_ratio);
   const auto tx_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(tx_per_step)));
+  const double cpu_max = max_over_ranks(*pg, cpu_per_step);
   const int64_t cached_end = fsdp::memory_stats().cached_bytes;
   const fsdp::detail::BlockCache::Stats cache = fsdp::detail::block_cache_stats();
   if (rank == 0) {
@@ -362,7 +380,8 @@ int main(int argc, char** argv) {
         "\"cached_bytes_at_end\":%lld,\"cache_reused\":%lld,\"cache_split\":%lld,"
         "\"cache_mapped\":%lld,\"cache_evicted\":%lld,\"cache_peak_in_use\":%lld,"
         "\"cache_mapped_bytes\":%lld,\"backward_prefetch\":\"%s\",\"comm_only\":%s,"
-        "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"malloc\":\"%s\","
+        "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"cpu_ms_per_step\":%.1f,"
+        "\"malloc\":\"%s\","
         "\"torch\":\"%s\",\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -382,7 +401,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(cache.mapped_bytes), args.backward_prefetch.c_str(),
         args.comm_only ? "true" : "false",
         static_cast<long long>(counting ? counting->recorded() : 0), static_cast<long long>(tx_max),
-        bench::malloc_mode(), TORCH_VERSION, bench::blas_description().c_str());
+        cpu_max, bench::malloc_mode(), TORCH_VERSION, bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

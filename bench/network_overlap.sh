@@ -16,8 +16,8 @@
 # step against HYBRID_SHARD's share (one all-reduce of every shard across the
 # nodes: 2 (N-1)/N x the parameters' bytes per node for N nodes).
 #   sudo bench/network_overlap.sh [BUILD_DIR] [ROUNDS]
-# Environment: RATE (1gbit), DELAY (0.5ms), BLOCKS (4), D_MODEL (512),
-# BATCH (4), SEQ (128), STEPS (5), WARMUP (2).
+# Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (4),
+# D_MODEL (512), BATCH (4), SEQ (128), STEPS (5), WARMUP (2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
@@ -53,7 +53,7 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
     exit 1
   fi
   line=$(grep -ho '{"bench":"step".*}' "$CLUSTER_DIR"/"$name".node0.log | tail -n 1)
-  echo "${line%\}},\"config\":\"$name\",\"round\":$round,\"rate\":\"$RATE\",\"delay\":\"${DELAY:-none}\"}" |
+  echo "${line%\}},\"config\":\"$name\",\"round\":$round,\"rate\":\"$RATE\",\"delay\":\"${DELAY:-none}\",\"mtu\":${CLUSTER_MTU:-1500}}" |
     tee -a "$out"
   cluster_cleanup
 }
@@ -82,17 +82,19 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 med = lambda c, k: statistics.median(r[k] for r in rows if r["config"] == c)
 m = {c: med(c, "median_ms") for c in {r["config"] for r in rows}}
 tx = {c: med(c, "net_tx_bytes_per_step") for c in m}
+cpu = {c: med(c, "cpu_ms_per_step") for c in m}
 params = next(r["params"] for r in rows if r["config"] == "hybrid_2x2")
 nodes = 2
 share = 2 * (nodes - 1) / nodes * params * 4  # per node and step
 bound = max(m["compute"], m["comm"])
 print(json.dumps({
     "bench": "network_overlap_summary", "rounds": len([r for r in rows if r["config"] == "comm"]),
-    "rate": rows[0]["rate"], "delay": rows[0]["delay"], "params": params,
+    "rate": rows[0]["rate"], "delay": rows[0]["delay"], "mtu": rows[0]["mtu"], "params": params,
     "median_ms": {c: round(v, 1) for c, v in sorted(m.items())},
     "fs_prefetch_over_max_compute_comm": round(m["fs_prefetch"] / bound, 3),
     "fs_no_prefetch_over_max_compute_comm": round(m["fs_no_prefetch"] / bound, 3),
     "hybrid_over_full_shard_2x2": round(m["hybrid_2x2"] / m["fs_2x2"], 3),
+    "cpu_ms_per_step": {c: round(v, 1) for c, v in sorted(cpu.items())},
     "node_tx_bytes_per_step": {c: int(v) for c, v in sorted(tx.items())},
     "hybrid_share_bytes_per_step": int(share),
     "hybrid_tx_over_share": round(tx["hybrid_2x2"] / share, 3),

@@ -133,8 +133,12 @@ fsdp::ShardingStrategy strategy_from(const std::string& name) {
   if (name == "full_shard") return fsdp::ShardingStrategy::kFullShard;
   if (name == "shard_grad_op") return fsdp::ShardingStrategy::kShardGradOp;
   if (name == "no_shard") return fsdp::ShardingStrategy::kNoShard;
-  throw std::invalid_argument("--strategy: expected full_shard|shard_grad_op|no_shard, got '" +
-                              name + "'");
+  if (name == "hybrid_shard") return fsdp::ShardingStrategy::kHybridShard;
+  if (name == "hybrid_shard_zero2") return fsdp::ShardingStrategy::kHybridShardZero2;
+  throw std::invalid_argument(
+      "--strategy: expected full_shard|shard_grad_op|no_shard|hybrid_shard|hybrid_shard_zero2, "
+      "got '" +
+      name + "'");
 }
 
 // Writes names and tensors as two lists (torch::save takes no OrderedDict).

@@ -3,7 +3,8 @@
 # SHARD_GRAD_OP and NO_SHARD: different data per rank, 5 SGD steps, final
 # full parameters compared. Bit for bit with 1 x 4 over TCP (FSDP_SHM=0: the
 # same ring, so the same order of additions); within 1e-6 (relative) with
-# 1 x 4 through shared memory, which adds in another order.
+# 1 x 4 through shared memory, which adds in another order. Then
+# HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 2 x 2 against FULL_SHARD on 1 x 4.
 # Usage: test_parity.sh FSDPRUN CLUSTER_TRAIN WORKDIR
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,5 +31,18 @@ for s in full_shard shard_grad_op no_shard; do
   "$prog" --compare "$work/shm-$s.pt" "$work/$s.pt" --tol 1e-6 ||
     cluster_fail "$s: 2 x 2 and 1 x 4 differ"
   echo "$s: 2 x 2 in $((mid - start)) s, two 1 x 4 runs in $((SECONDS - mid)) s"
+done
+
+# HYBRID_SHARD across the two nodes (groups from fsdprun's topology: each
+# node shards, the shards are all-reduced across nodes) trains as FULL_SHARD
+# on one node does; it adds in another order (the node's sum, then the
+# nodes'), so within 1e-6.
+for s in hybrid_shard hybrid_shard_zero2; do
+  cluster_fsdprun "$s" "$fsdprun" 2 -- "$prog" --strategy "$s" --steps 5 --optimizer sgd \
+    --timeout 30 --out "$work/$s.pt"
+  cluster_wait 90 || cluster_fail "$s: the 2 x 2 run failed"
+  "$prog" --compare "$work/shm-full_shard.pt" "$work/$s.pt" --tol 1e-6 ||
+    cluster_fail "$s: 2 x 2 HYBRID and 1 x 4 FULL_SHARD differ"
+  echo "$s: 2 x 2 equals 1 x 4"
 done
 echo "ok"
