@@ -17,8 +17,11 @@ names = {t["name"] for t in json.load(sys.stdin)["tests"]}
 # label of its tests (fsdp_discover_tests in tests/CMakeLists.txt), so the label
 # selection above has already applied to it.
 targets = {n[: -len("_NOT_BUILT")] for n in names if n.endswith("_NOT_BUILT")}
-for f in build.rglob("CTestTestfile.cmake"):
-    for m in re.finditer(r"^add_test\(\[=\[(.*?)\]=\] (.*)$", f.read_text(), re.M):
+# Discovered tests of an executable that exists are listed in its
+# "<target>[N]_tests.cmake": a stale one is rebuilt too.
+files = list(build.rglob("CTestTestfile.cmake")) + list(build.rglob("*_tests.cmake"))
+for f in files:
+    for m in re.finditer(r"^add_test\(\[=\[(.*?)\]=\] +(.*)$", f.read_text(), re.M):
         if m.group(1) in names:
             targets.update(re.findall(re.escape(str(build)) + r"/bin/([A-Za-z0-9_]+)", m.group(2)))
 print("\n".join(sorted(targets)))

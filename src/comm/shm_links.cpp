@@ -92,8 +92,17 @@ void cpu_relax() {
 bool process_gone(int32_t pid) {
   if (pid <= 0) return false;
   if (::kill(pid, 0) == -1 && errno == ESRCH) return true;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // read(2), not an ifstream: a process that dies between open and read
+  // makes read fail with ESRCH, which libstdc++'s filebuf throws as
+  // "basic_filebuf::underflow error" instead of naming the dead rank.
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT || errno == ESRCH;
+  char buf[512];
+  const ssize_t n = ::read(fd, buf, sizeof(buf));
+  ::close(fd);
+  if (n < 0) return errno == ESRCH;
+  const std::string text(buf, static_cast<size_t>(n));
   const size_t paren = text.rfind(')');
   return paren != std::string::npos && paren + 2 < text.size() &&
          (text[paren + 2] == 'Z' || text[paren + 2] == 'X');
