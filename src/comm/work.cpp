@@ -9,7 +9,7 @@ namespace fsdp {
 
 namespace detail {
 
-void WorkState::finish(std::exception_ptr err) {
+void WorkState::finish(const std::exception_ptr& err) {
   std::vector<std::function<void(std::exception_ptr)>> next;
   {
     std::lock_guard<std::mutex> lock(mutex);
@@ -59,20 +59,21 @@ Work chain_work(const Work& first, std::function<Work()> second, const std::stri
   // Held strongly: the second collective is issued even when nobody keeps
   // the handle, or the peers that issue it would wait for this rank. (The
   // cycle through head's continuations ends when head finishes.)
-  head->then([out = chained, second = std::move(second), tail, tail_mutex](std::exception_ptr err) {
-    if (err) return out->finish(err);
-    try {
-      Work next = second();
-      const auto& state = WorkAccess::state(next);
-      {
-        std::lock_guard<std::mutex> lock(*tail_mutex);
-        *tail = state;
-      }
-      state->then([out](std::exception_ptr e) { out->finish(e); });
-    } catch (...) {
-      out->finish(std::current_exception());
-    }
-  });
+  head->then(
+      [out = chained, second = std::move(second), tail, tail_mutex](const std::exception_ptr& err) {
+        if (err) return out->finish(err);
+        try {
+          Work next = second();
+          const auto& state = WorkAccess::state(next);
+          {
+            std::lock_guard<std::mutex> lock(*tail_mutex);
+            *tail = state;
+          }
+          state->then([out](const std::exception_ptr& e) { out->finish(e); });
+        } catch (...) {
+          out->finish(std::current_exception());
+        }
+      });
   return Work(chained);
 }
 

@@ -30,7 +30,7 @@ struct WorkState {
 
   /// Records the outcome (error == nullptr: success), wakes waiters, then
   /// runs the continuations on this thread. Continuations must not throw.
-  void finish(std::exception_ptr error);
+  void finish(const std::exception_ptr& error);
 
   /// Runs `next` with the outcome once the collective finished: at once on
   /// this thread if it has, else on the thread that finishes it.
