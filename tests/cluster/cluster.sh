@@ -286,6 +286,16 @@ cluster_wait() {
   return $status
 }
 
+# cluster_wait_for FILE PATTERN SECONDS: until FILE (a log) has a line
+# matching PATTERN; fails the test after SECONDS.
+cluster_wait_for() {
+  local deadline=$((SECONDS + $3))
+  until grep -q -- "$2" "$1" 2>/dev/null; do
+    ((SECONDS < deadline)) || cluster_fail "no '$2' in $(basename "$1") after $3 s"
+    sleep 0.1
+  done
+}
+
 # cluster_cut_link NODE: the node's port on the switch goes down; nothing it
 # sends (a FIN, a RST) reaches anyone any more.
 cluster_cut_link() { _cluster_ip sw link set "vn$1" down; }

@@ -13,19 +13,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 fsdprun=$1 prog=$2 work=$3
 cluster_init 2 "$work"
 
-# wait_for FILE PATTERN SECONDS: until FILE has a line matching PATTERN.
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  until grep -q -- "$2" "$1" 2>/dev/null; do
-    ((SECONDS < deadline)) || cluster_fail "no '$2' in $(basename "$1") after $3 s"
-    sleep 0.1
-  done
-}
-
 # (1) A node lost without a word.
 timeout=10
 cluster_fsdprun lost "$fsdprun" 2 -- "$prog" --steps 100000 --step-ms 20 --timeout "$timeout"
-wait_for "$work/lost.node0.log" "step 5 " 90
+cluster_wait_for "$work/lost.node0.log" "step 5 " 90
 cluster_kill_node 1
 start=$SECONDS
 cluster_wait $((timeout + 30))
@@ -45,7 +36,7 @@ ip -n "$(_cluster_ns sw)" link set vn1 up || cluster_fail "cannot reconnect node
 args=(--strategy full_shard --steps 16 --optimizer sgd --timeout 20)
 cluster_fsdprun restart "$fsdprun" 2 --max-restarts 1 -- "$prog" "${args[@]}" --step-ms 150 \
   --ckpt-dir "$work/ckpt" --ckpt-every 4 --out "$work/restarted.pt"
-wait_for "$work/restart.node0.log" "step 9 " 90
+cluster_wait_for "$work/restart.node0.log" "step 9 " 90
 victim=$(cluster_node_pids 1 "$prog" | head -n 1)
 [[ -n $victim ]] || cluster_fail "no rank process found on node 1"
 kill -9 "$victim"

@@ -32,14 +32,6 @@ done
 wait
 exit 0'
 
-wait_for() {
-  local deadline=$((SECONDS + $3))
-  until grep -q -- "$2" "$1" 2>/dev/null; do
-    ((SECONDS < deadline)) || cluster_fail "no '$2' in $(basename "$1") after $3 s"
-    sleep 0.1
-  done
-}
-
 # One hostile visit to a port that just opened: a wrong hello (rank 7, as a
 # direct link's first 4 bytes), 2 s of silence, random bytes.
 # shellcheck disable=SC2016  # expanded by the stranger's bash
@@ -86,7 +78,7 @@ fi
 
 args=(--strategy full_shard --steps 40 --optimizer sgd --timeout 30)
 cluster_fsdprun job "$fsdprun" 2 -- "$prog" "${args[@]}" --step-ms 100 --out "$work/job.pt"
-wait_for "$work/job.node0.log" "step 2 " 90
+cluster_wait_for "$work/job.node0.log" "step 2 " 90
 targets=()
 for i in 0 1; do
   for port in $(cluster_listening "$i"); do targets+=("$(cluster_addr "$i"):$port"); done
