@@ -79,6 +79,7 @@
 #include "gpt_mini.h"
 #include "memory/cpu_allocator.h"
 #include "recording_process_group.h"
+#include "runtime/strategy.h"
 
 namespace {
 
@@ -333,8 +334,7 @@ int main(int argc, char** argv) {
   int64_t total_params = 0;
   for (const auto& p : params) total_params += p.numel();
   // Shards of the whole job, or for the hybrid strategies of one node.
-  if (strategy == fsdp::ShardingStrategy::kHybridShard ||
-      strategy == fsdp::ShardingStrategy::kHybridShardZero2) {
+  if (strategy && fsdp::detail::is_hybrid(*strategy)) {
     total_params *= fsdp::rank_info().local_world_size;
   } else if (strategy && *strategy != fsdp::ShardingStrategy::kNoShard) {
     total_params *= world;

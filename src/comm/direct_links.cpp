@@ -1,10 +1,8 @@
 #include "comm/direct_links.h"
 
-#include <arpa/inet.h>
 #include <c10/util/Exception.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 

@@ -48,9 +48,10 @@ std::vector<CachedGroups> g_cache;
 
 }  // namespace
 
-HybridGroups resolve_hybrid_groups(const FSDPOptions& options, int rank) {
+HybridGroups resolve_hybrid_groups(const FSDPOptions& options) {
   const char* what = "HYBRID_SHARD";
   if (const auto& given = options.hybrid_groups()) {
+    const int rank = given->world ? given->world->rank() : -1;
     FSDP_CHECK(given->world && given->shard && given->replicate, rank, what,
                "hybrid_groups needs its world, shard and replicate groups; make them with "
                "fsdp::new_hybrid_groups(world, ranks_per_node)");
@@ -65,7 +66,7 @@ HybridGroups resolve_hybrid_groups(const FSDPOptions& options, int rank) {
   }
   std::shared_ptr<ProcessGroup> world =
       options.process_group() ? options.process_group() : default_process_group();
-  FSDP_CHECK(is_initialized() && rank_info().world_size == world->size(), rank, what,
+  FSDP_CHECK(is_initialized() && rank_info().world_size == world->size(), world->rank(), what,
              "cannot tell the nodes of a group of ", world->size(),
              " ranks that is not the job's (init_process_group's). Make the groups with "
              "fsdp::new_hybrid_groups(group, ranks_per_node) and pass "

@@ -10,6 +10,6 @@ namespace fsdp::detail {
 /// the groups new_hybrid_groups makes from the launch topology, made once per
 /// world group and shared by every unit that uses them. Collective the first
 /// time: every rank makes its hybrid units in the same order.
-HybridGroups resolve_hybrid_groups(const FSDPOptions& options, int rank);
+HybridGroups resolve_hybrid_groups(const FSDPOptions& options);
 
 }  // namespace fsdp::detail

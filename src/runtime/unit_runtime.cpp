@@ -131,11 +131,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
   self_ = &self;
   std::shared_ptr<ProcessGroup> shard_group;
   if (is_hybrid(options_.sharding_strategy())) {
-    // See Note [Hybrid sharding].
-    const int job_rank = options_.process_group()   ? options_.process_group()->rank()
-                         : options_.hybrid_groups() ? options_.hybrid_groups()->world->rank()
-                                                    : default_process_group()->rank();
-    HybridGroups groups = resolve_hybrid_groups(options_, job_rank);
+    HybridGroups groups = resolve_hybrid_groups(options_);  // See Note [Hybrid sharding].
     options_.process_group(groups.world);
     options_.hybrid_groups(groups);
     shard_group = groups.shard;

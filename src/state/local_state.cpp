@@ -24,10 +24,11 @@ namespace fsdp::detail {
 // this rank's shard (padding never belongs to a slot); a parameter no unit
 // shards, a buffer, or a NO_SHARD unit's slot is held whole by every rank
 // (`replicated`, saved by rank 0 only); a HYBRID_SHARD shard is held by one
-// rank per node (saved by the first node's, `saved_elsewhere` elsewhere). Saving writes the pieces
-// with their ranges; loading fills each local piece from whichever stored pieces intersect it, so
-// any saved world size loads into any other without communication, and a full checkpoint is the
-// case of one piece per tensor.
+// rank per node (saved by the first node's, `saved_elsewhere` elsewhere).
+// Saving writes the pieces with their ranges; loading fills each local piece
+// from whichever stored pieces intersect it, so any saved world size loads
+// into any other without communication, and a full checkpoint is the case of
+// one piece per tensor.
 
 std::vector<UnitEntry> units_with_params(torch::nn::Module& root) {
   std::vector<UnitEntry> out;
