@@ -5,6 +5,7 @@
 //   build/bin/fsdprun --nproc-per-node 2 build/bin/bench_overhead
 // Options: --units 64 --width 32 --batch 4 --warmup 20 --rounds 5 --steps 40
 //   --modes full_shard,shard_grad_op,no_shard
+//   --in-place  also units made by fsdp::fully_shard (mode in_place_<strategy>)
 //
 // A step is zero_grad + forward + sum + backward + SGD step (lr 0.01), the
 // same for the local model (the identical network, no FSDP, run in the same
@@ -70,6 +71,10 @@ int main(int argc, char** argv) {
   app.add_option("--modes", modes, "strategies to measure")
       ->delimiter(',')
       ->check(CLI::IsMember(strategy_names()));
+  bool in_place = false;
+  app.add_flag("--in-place", in_place,
+               "also measure each strategy with units made by fsdp::fully_shard "
+               "(mode in_place_<strategy>), interleaved with the wrappers");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -104,6 +109,18 @@ int main(int argc, char** argv) {
     c.forward = [root](const at::Tensor& x) mutable { return root->forward(x); };
     c.opt = std::make_unique<torch::optim::SGD>(root->parameters(), torch::optim::SGDOptions(0.01));
     configs.push_back(std::move(c));
+    if (!in_place) continue;
+    // The plain network, its layers made units in place.
+    torch::manual_seed(0);
+    Net net(units, width, std::nullopt);
+    keep_alive.push_back(net.ptr());
+    fsdp::Unit& unit = fsdp::fully_shard(net, fsdp::module_type_policy<bench::LayerImpl>(), opts);
+    Config p;
+    p.mode = "in_place_" + mode;
+    p.forward = [net](const at::Tensor& x) mutable { return net->forward(x); };
+    p.opt =
+        std::make_unique<torch::optim::SGD>(unit.flat_parameters(), torch::optim::SGDOptions(0.01));
+    configs.push_back(std::move(p));
   }
 
   torch::manual_seed(1000 + rank);

@@ -21,6 +21,7 @@
 #include <fsdp/wrap/activation_checkpointing.h>
 #include <fsdp/wrap/auto_wrap.h>
 #include <fsdp/wrap/enable_wrap.h>
+#include <fsdp/wrap/fully_shard.h>
 #include <fsdp/wrap/fully_sharded.h>
 #include <fsdp/wrap/options.h>
 #include <fsdp/wrap/sequential.h>

@@ -59,7 +59,9 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
 
 FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> params,
                              std::shared_ptr<ProcessGroup> group, FlatParamConfig config)
-    : group_(std::move(group)), keep_unsharded_(config.keep_unsharded()) {
+    : group_(std::move(group)),
+      keep_unsharded_(config.keep_unsharded()),
+      listener_(config.use_listener()) {
   TORCH_INTERNAL_ASSERT(!params.empty(), "fsdp: a FlatParameter needs at least one parameter");
   TORCH_INTERNAL_ASSERT(group_, "fsdp: a FlatParameter needs a process group");
   const at::ScalarType dtype = params.front().second.scalar_type();
@@ -106,10 +108,12 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   grad_dtype_ = config.reduce_dtype().value_or(config.param_dtype().value_or(dtype));
   // Built sharded (or made low precision): bound to views of a freed buffer.
   if (frees_unsharded() && state_ == State::kSharded) point_at_placeholders();
+  if (listener_ != nullptr) detail::track_storage(unsharded_, listener_);
 }
 
 FlatParameter::~FlatParameter() {
   for (const auto& p : placeholders_) detail::release_placeholder(p);
+  if (listener_ != nullptr) detail::untrack_storage(unsharded_);
 }
 
 void FlatParameter::set_unit_path(const std::string& path) {
@@ -132,9 +136,9 @@ void FlatParameter::point_at_placeholders() {
     for (const auto& p : placeholders_) detail::release_placeholder(p);
     placeholders_.clear();
     for (size_t i = 0; i < slots_.size(); ++i) {
-      placeholders_.push_back(
-          detail::make_placeholder(views_[i], detail::PlaceholderKind::kParameter,
-                                   "parameter '" + slots_[i].name + "' of " + unit_label_));
+      placeholders_.push_back(detail::make_placeholder(
+          views_[i], detail::PlaceholderKind::kParameter,
+          "parameter '" + slots_[i].name + "' of " + unit_label_, listener_));
     }
   }
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
@@ -142,6 +146,7 @@ void FlatParameter::point_at_placeholders() {
 
 void FlatParameter::bind(FlatParamSlot& slot) {
   at::Tensor view = storage_view(unsharded_, slot.offset, slot.shape);
+  if (listener_ != nullptr) view = detail::tracked_alias(view);
   views_.resize(slots_.size());
   views_[&slot - slots_.data()] = view;
   if (slot.param.is_meta()) {

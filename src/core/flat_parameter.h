@@ -12,6 +12,11 @@
 
 #include <fsdp/comm/process_group.h>
 
+namespace fsdp::detail {
+class ParamUseListener;                         // core/sharded_placeholder.h
+using ParamUseListenerPtr = ParamUseListener*;  // a TORCH_ARG type (no bare `T*` there)
+}  // namespace fsdp::detail
+
 namespace fsdp {
 
 /// One original parameter inside a FlatParameter.
@@ -38,6 +43,10 @@ struct FlatParamConfig {
   /// parameters here and sync_module_states broadcasts it. Required when a
   /// parameter is on the meta device (it has no values to copy).
   TORCH_ARG(std::function<void(const at::Tensor& unsharded)>, fill) = nullptr;
+  /// A unit made by fsdp::fully_shard: every operator on the original
+  /// parameters, sharded or not, is reported to this listener (see Note [Units
+  /// driven by dispatch]); nullptr: only misuse of a sharded one is caught.
+  TORCH_ARG(detail::ParamUseListenerPtr, use_listener) = nullptr;
 };
 
 /// A unit's parameters as one flat buffer, sharded over a process group.
@@ -152,6 +161,7 @@ class FlatParameter {
   // Constant after construction.
   std::shared_ptr<ProcessGroup> group_;
   bool keep_unsharded_;
+  detail::ParamUseListener* listener_;  // see FlatParamConfig::use_listener
   std::vector<FlatParamSlot> slots_;
   int64_t numel_ = 0;
   int64_t padded_numel_ = 0;

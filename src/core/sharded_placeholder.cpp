@@ -9,9 +9,11 @@
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 // See Note [Sharded placeholders].
 
@@ -23,7 +25,18 @@ constexpr c10::DispatchKey kKey = c10::DispatchKey::FSDP_PLACEHOLDER_DISPATCH_KE
 struct Entry {
   PlaceholderKind kind;
   std::string what;
+  // A unit made by fully_shard: operators are reported to it (a placeholder
+  // gathers it) instead of failing.
+  ParamUseListener* listener = nullptr;
+  bool tracked = false;  // a gathered unit's storage (track_storage), not a placeholder
 };
+
+// Set while this thread runs an operator (or a listener) for the fallback:
+// the operators it calls in turn (a composite's parts, the unit's own
+// set_data) pass through unreported; see also UnreportedUses.
+thread_local int t_reporting = 0;
+
+using ReportingScope = UnreportedUses;
 
 std::mutex& registry_mutex() {
   static std::mutex mu;
@@ -62,27 +75,103 @@ std::string message(const std::string& op, const Entry& e) {
          "wrapped model's parameters()).";
 }
 
+template <typename F>
+void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
+  for (const c10::IValue& v : values) {
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
+    }
+  }
+}
+
+// One listener to report to, and whether it saw one of its placeholders.
+struct Use {
+  ParamUseListener* listener;
+  bool sharded;
+};
+
+// Reports the operator to the units whose parameters it uses (Note [Units
+// driven by dispatch]) and runs it.
+void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
+                  const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
+  const size_t n = args.size();
+  {
+    ReportingScope scope;
+    for (const Use& u : uses) u.listener->before_param_use(u.sharded);
+  }
+  // A placeholder still here is an alias made while its unit was sharded
+  // (detach() outside forward): gathering the unit did not fill it.
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for_each_tensor(
+        c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), [&](const at::Tensor& t) {
+          if (!t.defined() || !t.key_set().has(kKey)) return;
+          auto it = registry().find(storage_of(t));
+          TORCH_CHECK(it == registry().end() || it->second.tracked ||
+                          it->second.kind != PlaceholderKind::kParameter,
+                      error_prefix(-1, "parameters"), op.schema().name(), " used ", it->second.what,
+                      " through an alias taken while it was sharded (detach(), a "
+                      "view). Take aliases of a fully_shard unit's parameters inside "
+                      "its forward, or under fsdp::SummonFullParams");
+        });
+  }
+  {
+    ReportingScope scope;
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+  }
+  const size_t returns = op.schema().returns().size();
+  ReportingScope scope;
+  for (const Use& u : uses) {
+    u.listener->after_param_use(
+        c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - returns, returns));
+  }
+}
+
 void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
   const size_t n = op.schema().arguments().size();
+  const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - n, n);
   // The first placeholder among the arguments; a gradient one wins, since
   // reading a moved gradient is the more specific mistake.
   const Entry* found = nullptr;
   Entry copy;
+  std::vector<Use> uses;
+  const bool report = t_reporting == 0 && !passes_through(name);
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
-    for (size_t i = stack->size() - n; i < stack->size(); ++i) {
-      const c10::IValue& v = (*stack)[i];
-      if (!v.isTensor()) continue;
-      auto it = registry().find(storage_of(v.toTensor()));
-      if (it == registry().end()) continue;
-      if (found == nullptr || it->second.kind == PlaceholderKind::kGradient) found = &it->second;
-    }
+    for_each_tensor(args, [&](const at::Tensor& t) {
+      if (!t.defined() || !t.key_set().has(kKey)) return;
+      auto it = registry().find(storage_of(t));
+      if (it == registry().end()) return;
+      const Entry& e = it->second;
+      if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter && (report || e.tracked)) {
+        if (!report) return;
+        auto same = std::find_if(uses.begin(), uses.end(),
+                                 [&](const Use& u) { return u.listener == e.listener; });
+        if (same == uses.end()) {
+          uses.push_back({e.listener, !e.tracked});
+        } else {
+          same->sharded = same->sharded || !e.tracked;
+        }
+        return;
+      }
+      if (found == nullptr || e.kind == PlaceholderKind::kGradient) found = &e;
+    });
     if (found != nullptr) copy = *found;
   }
   if (name == "aten::zero_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
     return;  // Module::zero_grad(): the moved gradient is zero here already
+  }
+  // Module::zero_grad() detaches each .grad before it drops or zeroes it: on
+  // a unit made by fully_shard (whose module's zero_grad cannot be
+  // overridden) that clears the gradients its optimizer steps.
+  if (name == "aten::detach" && found != nullptr && copy.kind == PlaceholderKind::kGradient &&
+      copy.listener != nullptr && t_reporting == 0) {
+    ReportingScope scope;
+    copy.listener->module_zero_grad();
   }
   // Optimizer::zero_grad() detaches each gradient in place before zeroing it
   // (LibTorch 1.13) or dropping it (2.x's default, after which step() would
@@ -92,20 +181,27 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   if (name == "aten::detach_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
     TORCH_CHECK(false, message("Optimizer::zero_grad()", copy));
   }
-  if (passes_through(name) || found == nullptr) {
-    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+  if (found != nullptr && !passes_through(name)) TORCH_CHECK(false, message(name, copy));
+  if (!uses.empty()) {
+    run_reported(op, keys, stack, uses, args);
     return;
   }
-  TORCH_CHECK(false, message(name, copy));
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
 }
 
 }  // namespace
+
+UnreportedUses::UnreportedUses() { ++t_reporting; }
+UnreportedUses::~UnreportedUses() { --t_reporting; }
+void begin_unreported_uses() { ++t_reporting; }
+void end_unreported_uses() { --t_reporting; }
 
 TORCH_LIBRARY_IMPL(_, FSDP_PLACEHOLDER_DISPATCH_KEY, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&placeholder_fallback>());
 }
 
-at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::string what) {
+at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::string what,
+                            ParamUseListener* listener) {
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
                        c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr,
                        /*resizable=*/false);
@@ -114,7 +210,28 @@ at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::s
       like.dtype());
   t.unsafeGetTensorImpl()->set_sizes_contiguous(like.sizes());
   std::lock_guard<std::mutex> lock(registry_mutex());
-  registry()[storage_of(t)] = Entry{kind, std::move(what)};
+  registry()[storage_of(t)] = Entry{kind, std::move(what), listener, /*tracked=*/false};
+  return t;
+}
+
+void track_storage(const at::Tensor& base, ParamUseListener* listener) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[storage_of(base)] =
+      Entry{PlaceholderKind::kParameter, std::string(), listener, /*tracked=*/true};
+}
+
+void untrack_storage(const at::Tensor& base) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry().erase(storage_of(base));
+}
+
+at::Tensor tracked_alias(const at::Tensor& view) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(view.storage()),
+      view.key_set() | c10::DispatchKeySet(kKey), view.dtype());
+  auto* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(view.sizes(), view.strides());
+  impl->set_storage_offset(view.storage_offset());
   return t;
 }
 

@@ -1,6 +1,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
 
 #include <string>
 
@@ -10,6 +12,26 @@ namespace fsdp::detail {
 enum class PlaceholderKind {
   kParameter,  ///< an original parameter while its unit is sharded
   kGradient,   ///< an original parameter's gradient, moved into the flat shard
+};
+
+/// Hears of the operators that reach the parameters of a unit made by
+/// fsdp::fully_shard (see Note [Units driven by dispatch] in
+/// src/runtime/unit_dispatch.cpp): its placeholders and its tracked
+/// storage (track_storage) report to it instead of failing.
+class ParamUseListener {
+ public:
+  /// Before an operator runs on one of the unit's parameters; `sharded` when
+  /// that parameter is a placeholder. May gather the unit, after which the
+  /// parameters point at their (tracked) views.
+  virtual void before_param_use(bool sharded) = 0;
+  /// After the operator ran, with its outputs.
+  virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs) = 0;
+  /// Module::zero_grad() reached one of the unit's moved gradients (it
+  /// detaches each .grad first): the unit clears what its optimizer steps.
+  virtual void module_zero_grad() = 0;
+
+ protected:
+  ~ParamUseListener() = default;
 };
 
 /// Note [Sharded placeholders]
@@ -27,7 +49,35 @@ enum class PlaceholderKind {
 /// gradient placeholder is a no-op so Module::zero_grad() keeps working.
 /// Device and dtype are unchanged, so set_data keeps the parameter's
 /// AccumulateGrad node (and libfsdp's hooks on it).
-at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::string what);
+/// While alive, operators on this thread reach the parameters of fully_shard
+/// units unreported: for libfsdp's own reads and writes outside forward
+/// (SummonFullParams, state dicts), and the operators the fallback runs.
+class UnreportedUses {
+ public:
+  UnreportedUses();
+  ~UnreportedUses();
+  UnreportedUses(const UnreportedUses&) = delete;
+  UnreportedUses& operator=(const UnreportedUses&) = delete;
+};
+/// UnreportedUses for an object's lifetime (SummonFullParams): begin in its
+/// constructor, end in its destructor, on the same thread.
+void begin_unreported_uses();
+void end_unreported_uses();
+
+/// With a `listener`, an operator that reaches the placeholder is reported
+/// to it (which gathers the unit) instead of failing.
+at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::string what,
+                            ParamUseListener* listener = nullptr);
+
+/// Operators on a tensor that carries the placeholders' dispatch key and
+/// lives in `base`'s storage (a view made by tracked_alias) are reported to
+/// `listener`, until untrack_storage.
+void track_storage(const at::Tensor& base, ParamUseListener* listener);
+void untrack_storage(const at::Tensor& base);
+/// An alias of `view` (same storage, sizes, strides and offset) that carries
+/// the placeholders' dispatch key, so operators on it reach the listener of
+/// its storage (see track_storage).
+at::Tensor tracked_alias(const at::Tensor& view);
 
 /// Renames a placeholder made by make_placeholder (e.g. once the unit's path
 /// from the root is known).

@@ -28,8 +28,8 @@ ExecOrder::ExecOrder(torch::nn::Module& root_module, std::shared_ptr<ProcessGrou
     : group_(std::move(group)), check_(check) {
   TORCH_INTERNAL_ASSERT(group_, "fsdp: the forward order needs a process group");
   for (const auto& item : root_module.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
-    auto* unit = dynamic_cast<Unit*>(item.value().get());
-    if (unit == nullptr || !unit->is_active() || index_.count(unit) > 0) continue;
+    Unit* unit = unit_of(*item.value());
+    if (unit == nullptr || index_.count(unit) > 0) continue;
     index_[unit] = static_cast<int64_t>(units_.size());
     units_.push_back(unit);
     paths_.push_back(item.key());

@@ -37,6 +37,14 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
   }
   exec_order_ = std::make_unique<ExecOrder>(*root.self(), root.options().process_group(),
                                             root.options().check_forward_order());
+  // Each unit's nearest enclosing unit: the last, in pre-order, of the units
+  // whose module tree holds it.
+  for (UnitRuntime* outer : units_) {
+    for (const auto& m : outer->self()->modules(/*include_self=*/false)) {
+      UnitRuntime* inner = UnitRuntime::of(*m);
+      if (inner != nullptr && inner != outer) inner->enclosing_ = outer;
+    }
+  }
 }
 
 void RootState::queue_end_of_backward() {
@@ -133,6 +141,7 @@ void RootState::limit_reductions_in_flight(const Work& work) {
 
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
+  if (forward_in_progress()) settle_forward(nullptr);
   callback_queued_ = false;
   reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on

@@ -46,6 +46,19 @@ class RootState {
   /// See Note [Reductions in flight].
   static constexpr size_t kMaxReductionsInFlight = 2;
 
+  // Units driven by dispatch (Note [Units driven by dispatch]).
+  /// `unit` (idle) is used in a forward: ends the forward of the units in
+  /// forward that do not hold it, then enters it and the idle units around it.
+  void enter_forward(UnitRuntime& unit);
+  /// Ends the forward of every unit in forward, innermost first; `keep`
+  /// stays gathered.
+  void settle_forward(UnitRuntime* keep);
+  /// Some dispatch-driven unit is in its forward.
+  bool forward_in_progress() const { return !forward_units_.empty(); }
+  /// Backward runs: a pre-backward hook fired and the end-of-backward callback
+  /// has not yet.
+  bool in_backward() const { return callback_queued_; }
+
  private:
   void end_of_backward();
   std::vector<std::vector<bool>> agree_received_grads() const;
@@ -62,6 +75,11 @@ class RootState {
   size_t reductions_launched_ = 0;
   // Launched reductions that may be unfinished, oldest first.
   std::deque<Work> reductions_in_flight_;
+  // Dispatch-driven units in forward, outermost first: each holds the next.
+  std::vector<UnitRuntime*> forward_units_;
+  // The first unit this forward entered after the root: entering it again
+  // starts the next forward.
+  UnitRuntime* first_entered_ = nullptr;
 };
 
 }  // namespace fsdp::detail

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "detail/error.h"
+#include "runtime/in_place_units.h"
 #include "runtime/unit_runtime.h"
 
 namespace fsdp {
@@ -62,11 +63,32 @@ void Unit::check_not_a_unit(const torch::nn::Module& module) {
              "cannot wrap a module that is already an FSDP unit (", module.name(), " around a ",
              unit->wrapped_ != nullptr ? unit->wrapped_->name() : "module",
              "). Wrap each module once and use that unit where the module is needed");
+  FSDP_CHECK(detail::in_place_unit_of(module) == nullptr, -1, module.name(),
+             "cannot make a unit of a ", module.name(),
+             " that fsdp::fully_shard already made a unit. Shard each module once, and use "
+             "fsdp::unit_of(module) to reach its unit");
 }
 
 void Unit::init_unit(torch::nn::Module& self, torch::nn::Module* wrapped) {
   wrapped_ = wrapped;
   runtime().init(self, wrapped);
+}
+
+void Unit::init_in_place(torch::nn::Module& module) {
+  wrapped_ = &module;
+  runtime().init(module, &module, detail::UnitRuntime::Driver::kDispatch);
+}
+
+Unit* unit_of(torch::nn::Module& module) {
+  if (auto* wrapper = dynamic_cast<Unit*>(&module)) return wrapper->is_active() ? wrapper : nullptr;
+  return detail::in_place_unit_of(module);
+}
+
+const Unit* unit_of(const torch::nn::Module& module) {
+  if (const auto* wrapper = dynamic_cast<const Unit*>(&module)) {
+    return wrapper->is_active() ? wrapper : nullptr;
+  }
+  return detail::in_place_unit_of(module);
 }
 
 void Unit::deactivate(torch::nn::Module* wrapped) {
@@ -108,8 +130,7 @@ std::vector<Unit*> Unit::units_in_tree() const {
   torch::nn::Module* self = runtime_ ? runtime_->self() : nullptr;
   if (self == nullptr) return out;
   for (const auto& m : self->modules(/*include_self=*/true)) {
-    auto* unit = dynamic_cast<Unit*>(m.get());
-    if (unit != nullptr && unit->is_active()) out.push_back(unit);
+    if (Unit* unit = unit_of(*m)) out.push_back(unit);
   }
   return out;
 }

@@ -77,6 +77,10 @@ void UnitRuntime::pre_forward() {
   if (root_ == nullptr) {  // the first forward of the outermost unit: it is the root
     owned_root_ = std::make_unique<RootState>(*this);
   }
+  begin_forward_state();
+}
+
+void UnitRuntime::begin_forward_state() {
   if (state_ != State::kIdle) abandon_iteration();
   transition(State::kForward);
   if (is_root()) {
@@ -178,6 +182,9 @@ bool UnitRuntime::hook_outputs(const std::vector<at::Tensor>& outputs) {
 }
 
 void UnitRuntime::pre_backward() {
+  // Dispatch-driven units learn here that their forward is over; this one's
+  // parameters are needed now (Note [Units driven by dispatch]).
+  if (root().forward_in_progress()) root().settle_forward(this);
   root().queue_end_of_backward();      // set at the root's first forward, before any hook
   if (state_ != State::kIdle) return;  // another of its outputs got there first
   FSDP_RECORD("pre_backward", path_);

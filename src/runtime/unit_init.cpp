@@ -143,8 +143,7 @@ UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options) : option
     queue.pop_front();
     managed_.push_back(m);
     for (const auto& c : m->children()) {
-      const auto* unit = dynamic_cast<const Unit*>(c.get());
-      if (unit != nullptr && unit->is_active()) continue;  // manages its own
+      if (unit_of(*c) != nullptr) continue;  // manages its own
       torch::nn::Module* child = unwrap(c.get());
       if (ignored.count(c.get()) != 0 || ignored.count(child) != 0) continue;
       if (seen.insert(child).second) queue.push_back(child);

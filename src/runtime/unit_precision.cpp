@@ -9,7 +9,7 @@
 
 namespace fsdp::detail {
 
-FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) const {
+FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) {
   FlatParamConfig config;
   config.keep_unsharded(keeps_unsharded(options_.sharding_strategy()));
   if (const auto& mp = options_.mixed_precision()) {
@@ -17,6 +17,10 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) const {
   }
   if (init.needs_fill()) {
     config.fill([&init](const at::Tensor& unsharded) { init.fill(unsharded); });
+  }
+  if (driver_ == Driver::kDispatch) {
+    // See Note [Units driven by dispatch].
+    config.use_listener(this);
   }
   return config;
 }

@@ -50,8 +50,8 @@ void collect_managed(torch::nn::Module& m, const torch::nn::Module& self, const 
                      const ModuleSet& ignored, std::unordered_set<const void*>& seen,
                      std::vector<std::pair<std::string, at::Tensor>>& out,
                      std::vector<std::pair<std::string, const torch::nn::Module*>>* modules) {
-  const auto* unit = dynamic_cast<const Unit*>(&m);
-  if (&m != &self && unit != nullptr && unit->is_active()) return;
+  const Unit* unit = unit_of(m);
+  if (&m != &self && unit != nullptr) return;
   if (ignored.count(&m) != 0 || (unit != nullptr && ignored.count(unit->wrapped_module()) != 0)) {
     return;
   }
@@ -106,7 +106,7 @@ UnitRuntime::~UnitRuntime() {
 }
 
 UnitRuntime* UnitRuntime::of(const torch::nn::Module& module) {
-  const auto* unit = dynamic_cast<const Unit*>(&module);
+  const Unit* unit = unit_of(module);
   return unit != nullptr ? unit->runtime_.get() : nullptr;
 }
 
@@ -126,9 +126,10 @@ std::string UnitRuntime::module_name() const {
   return m != nullptr ? m->name() : std::string("module");
 }
 
-void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped) {
+void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driver driver) {
   TORCH_INTERNAL_ASSERT(self_ == nullptr, "fsdp: a unit was initialised twice");
   self_ = &self;
+  driver_ = driver;
   std::shared_ptr<ProcessGroup> shard_group;
   if (is_hybrid(options_.sharding_strategy())) {
     HybridGroups groups = resolve_hybrid_groups(options_);  // See Note [Hybrid sharding].
@@ -268,8 +269,9 @@ void UnitRuntime::register_grad_hooks() {
   // its hook, made while requires_grad is briefly on.
   const bool all_frozen = !flat_->shard().requires_grad();
   for (size_t i = 0; i < slots.size(); ++i) {
-    grad_placeholders_.push_back(
-        make_placeholder(slots[i].param, PlaceholderKind::kGradient, "'" + slots[i].name + "'"));
+    grad_placeholders_.push_back(make_placeholder(slots[i].param, PlaceholderKind::kGradient,
+                                                  "'" + slots[i].name + "'",
+                                                  driver_ == Driver::kDispatch ? this : nullptr));
     // The slot's tensor object is the module's own parameter: only its
     // autograd flags change here, never what it refers to.
     at::Tensor param = slots[i].param;
@@ -289,6 +291,7 @@ void UnitRuntime::register_grad_hooks() {
 }
 
 void UnitRuntime::set_activation_checkpointing(bool on) {
+  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle(on ? "turn activation checkpointing on" : "turn activation checkpointing off");
   options_.activation_checkpointing(on);
 }
@@ -309,6 +312,7 @@ void UnitRuntime::check_idle(const char* what) const {
 }
 
 bool UnitRuntime::gather_full_params() {
+  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("gather the full parameters");
   if (!flat_ || flat_->state() == FlatParameter::State::kUnsharded) return false;
   unshard();
@@ -316,11 +320,13 @@ bool UnitRuntime::gather_full_params() {
 }
 
 void UnitRuntime::release_full_params() {
+  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("free the full parameters");
   if (flat_) reshard();
 }
 
 void UnitRuntime::write_back_full_params() {
+  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("write the full parameters back into the shard");
   if (flat_ && flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded) {
     flat_->copy_unsharded_into_shard();

@@ -13,6 +13,7 @@
 #include <fsdp/runtime/unit.h>
 
 #include "core/flat_parameter.h"
+#include "core/sharded_placeholder.h"
 #include "runtime/strategy.h"
 
 namespace fsdp::detail {
@@ -34,8 +35,13 @@ class UnitInit;
 //   reduction order, the end-of-backward callback.
 // Other layers reach the FlatParameter only through the handle, which checks
 // that the unit is idle (gather_full_params and friends).
-class UnitRuntime {
+class UnitRuntime : public ParamUseListener {
  public:
+  /// What tells the unit that its forward runs: the wrapper's forward, which
+  /// calls pre_forward/post_forward, or the operators on its parameters
+  /// (fsdp::fully_shard; see Note [Units driven by dispatch]).
+  enum class Driver { kWrapper, kDispatch };
+
   UnitRuntime(Unit& handle, FSDPOptions options);
   ~UnitRuntime();
   UnitRuntime(const UnitRuntime&) = delete;
@@ -45,7 +51,8 @@ class UnitRuntime {
   static UnitRuntime* of(const torch::nn::Module& module);
 
   /// Flattens the parameters of `self` that no nested unit owns.
-  void init(torch::nn::Module& self, torch::nn::Module* wrapped);
+  void init(torch::nn::Module& self, torch::nn::Module* wrapped, Driver driver = Driver::kWrapper);
+  Driver driver() const { return driver_; }
 
   Unit& handle() const { return handle_; }
   const FSDPOptions& options() const { return options_; }
@@ -73,6 +80,11 @@ class UnitRuntime {
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type);
 
+  // Units driven by dispatch (Note [Units driven by dispatch]).
+  void before_param_use(bool sharded) override;
+  void after_param_use(c10::ArrayRef<c10::IValue> outputs) override;
+  void module_zero_grad() override;
+
   // Outside forward and backward (see Unit::gather_full_params).
   bool gather_full_params();
   void release_full_params();
@@ -85,6 +97,17 @@ class UnitRuntime {
   friend class RootState;
   void transition(Unit::TrainingState to);
   void abandon_iteration();
+  // pre_forward once the root is known: enters the forward state, gathers.
+  void begin_forward_state();
+  // A dispatch-driven unit's post_forward; `keep`: stay gathered (backward
+  // needs this unit first).
+  void end_dispatched_forward(bool keep);
+  // The first use of a dispatch-driven unit: the outermost unit made in place
+  // around it becomes the root.
+  void become_rooted();
+  // Dispatch-driven units still in a forward that nothing ended (no backward
+  // followed) end it before they are used from outside.
+  void end_open_forward();
   void check_idle(const char* what) const;
   void unshard();
   void reshard();
@@ -110,7 +133,7 @@ class UnitRuntime {
   void make_optim_params();
   void assign_reduced_grad(const std::vector<bool>* received);
   // Defined in unit_precision.cpp (mixed precision and deferred init).
-  FlatParamConfig flat_param_config(UnitInit& init) const;
+  FlatParamConfig flat_param_config(UnitInit& init);
   at::Tensor full_precision_grad(const at::Tensor& reduced) const;
   RootState& root() const;
 
@@ -122,6 +145,7 @@ class UnitRuntime {
   // (Note [Hybrid sharding]); nullptr otherwise.
   std::shared_ptr<ProcessGroup> replicate_group_;
   torch::nn::Module* self_ = nullptr;
+  Driver driver_ = Driver::kWrapper;
   bool full_precision_override_ = false;  // see Unit::keep_full_precision()
   // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
@@ -141,6 +165,8 @@ class UnitRuntime {
   // and this unit's path from the root.
   RootState* root_ = nullptr;
   std::string path_;
+  // The nearest unit whose module holds this one's (nullptr for the root).
+  UnitRuntime* enclosing_ = nullptr;
   std::unique_ptr<RootState> owned_root_;
 
   // Per-iteration state.
@@ -151,6 +177,9 @@ class UnitRuntime {
   // When this iteration's forward first entered the unit: its place in the
   // reduction order (Note [Reduction order]).
   size_t forward_position_ = 0;
+  // Dispatch-driven: an output of this forward got the pre-backward hook
+  // (what a wrapper's post_forward learns from its outputs).
+  bool hooked_ = false;
   at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
   std::vector<bool> slot_filled_;

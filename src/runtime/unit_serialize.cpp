@@ -25,10 +25,7 @@ using torch::serialize::OutputArchive;
 
 // A nested unit saves and loads its own parameters; a pass-through wrapper's
 // parameters belong to the enclosing unit.
-bool is_own_unit(const torch::nn::Module& m) {
-  const auto* unit = dynamic_cast<const Unit*>(&m);
-  return unit != nullptr && unit->is_active();
-}
+bool is_own_unit(const torch::nn::Module& m) { return unit_of(m) != nullptr; }
 
 // Module::save, with each parameter in `full` written as its full copy.
 void save_tree(const torch::nn::Module& m, OutputArchive& archive,

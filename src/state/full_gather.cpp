@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "core/sharded_placeholder.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
@@ -64,6 +65,7 @@ FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bo
 void FullWalker::walk(const std::function<void(size_t, const at::Tensor&)>& fn) { run(&fn); }
 
 void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
+  UnreportedUses unreported;  // reads outside forward (Note [Units driven by dispatch])
   const bool dry = fn == nullptr;
   if (dry) specs_.clear();
   size_t index = 0;

@@ -34,8 +34,8 @@ std::vector<UnitEntry> units_with_params(torch::nn::Module& root) {
   std::vector<UnitEntry> out;
   std::unordered_set<Unit*> seen;
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
-    auto* unit = dynamic_cast<Unit*>(item.value().get());
-    if (unit == nullptr || !unit->is_active() || unit->flat_param() == nullptr) continue;
+    Unit* unit = unit_of(*item.value());
+    if (unit == nullptr || unit->flat_param() == nullptr) continue;
     if (!seen.insert(unit).second) continue;
     out.push_back({unit, item.key().empty() ? "" : item.key() + "."});
   }

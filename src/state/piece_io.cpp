@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 
+#include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "state/local_state.h"
 
@@ -89,6 +90,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   // next forward gathers the loaded shards.
   for (const UnitEntry& e : units_with_params(root)) e.unit->release_full_params();
   at::NoGradGuard no_grad;
+  UnreportedUses unreported;  // writes outside forward (Note [Units driven by dispatch])
   std::set<std::string> expected;
   for (LocalPiece& p : local_pieces(root)) {
     const std::string key = "model/" + p.name;

@@ -13,8 +13,7 @@ namespace fsdp {
 
 namespace detail {
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m) {
-  const auto* unit = dynamic_cast<const Unit*>(&m);
-  FSDP_CHECK(unit == nullptr || !unit->is_active(), -1, "CheckpointWrapper",
+  FSDP_CHECK(unit_of(m) == nullptr, -1, "CheckpointWrapper",
              "cannot wrap an FSDP unit itself: the wrapper takes over the wrapped module's "
              "children and parameters, which would hide the unit. Checkpoint the unit's forward "
              "with unit->set_activation_checkpointing(true) (or FSDPOptions().activation_"

@@ -198,8 +198,9 @@ class Planner {
   // Pre-order, registration order, like named_modules(): rejects existing
   // units (the first found is named) and records every path of every module.
   void survey(const std::shared_ptr<Module>& m, const std::string& path) {
-    FSDP_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr, rank_, shown(path),
-               "expected a module tree without FSDP units, got ", m->name(), " at ", shown(path),
+    FSDP_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr && unit_of(*m) == nullptr, rank_,
+               shown(path), "expected a module tree without FSDP units, got ", m->name(), " at ",
+               shown(path),
                ". auto_wrap decides every unit itself and does not nest new units around units "
                "made before (as PyTorch's auto wrapping). Call auto_wrap once, on the unwrapped "
                "model, or wrap the whole model by hand.");

@@ -5,6 +5,7 @@
 #include <fsdp/runtime/unit.h>
 
 #include "core/flat_parameter.h"
+#include "core/sharded_placeholder.h"
 #include "detail/error.h"
 
 namespace fsdp {
@@ -17,7 +18,7 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
   // Every rank walks the same tree in the same (pre-)order, so the
   // all-gathers pair up. Each unit checks that it is idle.
   for (const auto& m : root.modules(/*include_self=*/true)) {
-    auto* unit = dynamic_cast<Unit*>(m.get());
+    Unit* unit = unit_of(*m);
     if (unit == nullptr || unit->flat_param() == nullptr) continue;
     units_.push_back(unit);
     if (unit->gather_full_params()) gathered_.push_back(unit);
@@ -27,6 +28,10 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
     for (Unit* unit : gathered_) unit->release_full_params();
     gathered_.clear();
   }
+  // The user's reads and writes of the full parameters are no forward (Note
+  // [Units driven by dispatch]); ended in the destructor. Last: a constructor
+  // that throws runs no destructor.
+  detail::begin_unreported_uses();
 }
 
 SummonFullParams::~SummonFullParams() {
@@ -34,6 +39,7 @@ SummonFullParams::~SummonFullParams() {
     for (Unit* unit : units_) unit->write_back_full_params();
   }
   for (Unit* unit : gathered_) unit->release_full_params();
+  detail::end_unreported_uses();
 }
 
 }  // namespace fsdp

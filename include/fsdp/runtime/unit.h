@@ -84,8 +84,9 @@ class Unit {
   const FSDPOptions& fsdp_options() const;
   /// The module this unit (or pass-through wrapper) wraps, when known.
   torch::nn::Module* wrapped_module() const { return wrapped_; }
-  /// Refuses to wrap `module` when it is an FSDP unit itself, naming what
-  /// that unit wraps (see Note [One unit per parameter]).
+  /// Refuses to wrap `module` when it is an FSDP unit itself (a wrapper, or a
+  /// module made a unit by fully_shard), naming what that unit wraps (see
+  /// Note [One unit per parameter]).
   static void check_not_a_unit(const torch::nn::Module& module);
 
   /// The dtype the floating-point tensor arguments of this unit's forward are
@@ -169,6 +170,10 @@ class Unit {
   /// and children are the wrapped module's, `wrapped`) that no nested unit
   /// owns, initialising meta ones first (see Note [Deferred initialisation]).
   void init_unit(torch::nn::Module& self, torch::nn::Module* wrapped = nullptr);
+  /// Makes `module` itself the unit (fsdp::fully_shard): its parameters
+  /// that no nested unit owns are flattened, and operators on them drive the
+  /// unit (see Note [Units driven by dispatch]). Instead of init_unit().
+  void init_in_place(torch::nn::Module& module);
   /// Makes this a pass-through (see is_active()) around `wrapped`; instead of
   /// init_unit().
   void deactivate(torch::nn::Module* wrapped = nullptr);
@@ -207,5 +212,11 @@ class Unit {
 
 /// The name of a training state, for messages.
 const char* to_string(Unit::TrainingState state);
+
+/// The unit `module` is: an active FSDP wrapper, or a module fully_shard made
+/// a unit in place. nullptr otherwise (and for a pass-through wrapper).
+Unit* unit_of(torch::nn::Module& module);
+/// unit_of for a const module.
+const Unit* unit_of(const torch::nn::Module& module);
 
 }  // namespace fsdp

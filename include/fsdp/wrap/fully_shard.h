@@ -1,0 +1,57 @@
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+
+#include <fsdp/runtime/options.h>
+#include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/auto_wrap.h>
+
+namespace fsdp {
+
+/// Makes `module` an FSDP unit in place (PyTorch's FSDP2 fully_shard): its
+/// class, its members, its forward code and as<...>() casts are unchanged,
+/// and named_parameters() keeps its names. The unit manages the parameters
+/// of `module`'s tree that no unit made before owns, so shard inner modules
+/// first and the model last (or use the policy form below). LibTorch modules
+/// have no forward hooks: the operators on the unit's parameters drive it
+/// (see Note [Units driven by dispatch]), so the model is called as before.
+///
+/// `module` must be owned by a shared_ptr (a ModuleHolder's, or
+/// std::make_shared), and outlive the unit's use. Returns the unit: build the
+/// optimizer on the root's flat_parameters(), clip with its
+/// clip_grad_norm_(), and use no_sync() on it. Every rank must call it alike
+/// (units are made collectively).
+///
+/// Outside forward and backward the parameters are sharded: reading one
+/// gathers its unit (collective, on every rank). torch::save(model) writes
+/// full values only under fsdp::SummonFullParams; prefer fsdp::Checkpointer
+/// or fsdp::full_state_dict.
+Unit& fully_shard(torch::nn::Module& module, FSDPOptions options = {});
+
+/// fully_shard of the module a holder (torch::nn::Linear, a TORCH_MODULE) holds.
+template <typename Impl>
+Unit& fully_shard(torch::nn::ModuleHolder<Impl>& module, FSDPOptions options = {}) {
+  return fully_shard(*module.ptr(), std::move(options));
+}
+
+/// Makes a unit, in place, of every module under `root` that `policy` selects
+/// (anywhere: ModuleList and ModuleDict entries, typed members, holder
+/// members), innermost first, then of `root` itself, which becomes the root
+/// unit and manages what is left. The tree is walked as auto_wrap walks it
+/// (post-order, registration order; each policy sees the numel no unit made
+/// before it owns), minus its Sequential-only restriction. Modules of
+/// MixedPrecision::module_classes_to_ignore become units of their own kept
+/// in full precision. Returns the root's unit.
+Unit& fully_shard(torch::nn::Module& root, const AutoWrapPolicy& policy, FSDPOptions options = {});
+
+/// The policy form of fully_shard for the module a holder holds.
+template <typename Impl>
+Unit& fully_shard(torch::nn::ModuleHolder<Impl>& root, const AutoWrapPolicy& policy,
+                  FSDPOptions options = {}) {
+  return fully_shard(*root.ptr(), policy, std::move(options));
+}
+
+}  // namespace fsdp

@@ -1,0 +1,146 @@
+// detail::UnitRuntime and detail::RootState for units that fsdp::fully_shard
+// made in place: their forward is learnt from the operators on their
+// parameters. See Note [Units driven by dispatch].
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <fsdp/core/activation_checkpoint.h>
+
+#include "runtime/in_place_units.h"
+#include "runtime/root_state.h"
+#include "runtime/unit_runtime.h"
+
+namespace fsdp::detail {
+
+// Note [Units driven by dispatch]
+// A module made a unit by fsdp::fully_shard keeps its class and its forward,
+// and LibTorch modules have no forward hooks, so nothing calls pre_forward
+// or post_forward. The unit learns of its forward from the operators on its
+// parameters instead, through the dispatch key of Note [Sharded
+// placeholders]: its placeholders, and while gathered its parameters'
+// views of the unsharded buffer, carry that key, and the fallback reports
+// each operator (not those inside it) to the unit, before and after it runs.
+// - Before: a unit used while idle enters its forward, as a wrapper's
+//   pre_forward (the root's order bookkeeping, gather, forward prefetch),
+//   after the idle units around it, outermost first (the root first). Units
+//   still in forward that do not hold it are done: their forward ends (the
+//   wrapper's post_forward: reshard under FULL_SHARD, join the reduction
+//   order). So in FULL_SHARD at most the units on one path from the root
+//   hold gathered parameters, plus one prefetched.
+// - After: in a grad-mode forward, each output that needs a gradient gets the
+//   pre-backward hook, exactly where backward will need the parameters. The
+//   first such hook to fire ends the forward of every unit still in it; the
+//   unit whose hook fired keeps its parameters (backward needs them first).
+// - The end of a forward is not seen. A forward that no backward follows
+//   ends when the first unit it entered after the root is entered again (the
+//   next forward: a model whose first unit runs twice per forward has its
+//   forward order recorded and checked per half), or when the unit must be
+//   idle for something else (SummonFullParams, a state dict), or at the end
+//   of the next backward.
+// - In backward, a sharded parameter that an operator reaches (a unit whose
+//   outputs were not hooked, an activation-checkpointed recomputation) is
+//   gathered there, as pre-backward gathers.
+// - Any other use of a sharded parameter, outside a forward, gathers its
+//   unit like a forward would: collective, so every rank must do it.
+// Cost: one boxed call per top-level operator on a unit's parameters and
+// one hook per output; see bench_overhead's fully_shard rows.
+
+void UnitRuntime::before_param_use(bool sharded) {
+  if (checkpoint_phase() == CheckpointPhase::kRecompute) {
+    if (flat_ && sharded) unshard();
+    return;
+  }
+  if (root_ == nullptr) become_rooted();
+  RootState& r = root();
+  if (r.in_backward()) {
+    if (!sharded) return;
+    if (state_ == Unit::TrainingState::kIdle) {
+      pre_backward();
+    } else {
+      unshard();  // resharded after its reduction, needed again
+    }
+    return;
+  }
+  if (state_ == Unit::TrainingState::kForward) {
+    if (sharded) unshard();
+    return;
+  }
+  r.enter_forward(*this);
+}
+
+void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs) {
+  if (state_ != Unit::TrainingState::kForward || !at::GradMode::is_enabled()) return;
+  const auto hook = [this](const at::Tensor& t) {
+    if (!t.defined() || !t.requires_grad()) return;
+    hooked_ = true;
+    t.register_hook([this](const at::Tensor&) { pre_backward(); });
+  };
+  for (const c10::IValue& v : outputs) {
+    if (v.isTensor()) {
+      hook(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) hook(t);
+    }
+  }
+}
+
+void UnitRuntime::module_zero_grad() { zero_optim_grads(kModuleZeroGradSetsToNone); }
+
+void UnitRuntime::become_rooted() {
+  UnitRuntime* top = outermost_in_place_unit(*self_);
+  TORCH_INTERNAL_ASSERT(top != nullptr && top->root_ == nullptr,
+                        "fsdp: a unit made in place has no root");
+  top->owned_root_ = std::make_unique<RootState>(*top);
+}
+
+void UnitRuntime::end_dispatched_forward(bool keep) {
+  if (is_root()) root().exec_order().end_forward();
+  transition(Unit::TrainingState::kIdle);
+  if (flat_ && !keep &&
+      (!hooked_ || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
+    reshard();
+  }
+  if (hooked_ && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
+  hooked_ = false;
+}
+
+void UnitRuntime::end_open_forward() {
+  if (root_ != nullptr && root_->forward_in_progress()) root_->settle_forward(nullptr);
+}
+
+void RootState::enter_forward(UnitRuntime& unit) {
+  if (&unit == first_entered_) settle_forward(nullptr);  // the next forward
+  // The idle units from `unit` out to the first one in forward.
+  std::vector<UnitRuntime*> chain;
+  for (UnitRuntime* u = &unit; u != nullptr && u->state_ != Unit::TrainingState::kForward;
+       u = u->enclosing_) {
+    chain.push_back(u);
+  }
+  UnitRuntime* around = chain.back()->enclosing_;
+  while (!forward_units_.empty() && forward_units_.back() != around) {
+    UnitRuntime* done = forward_units_.back();
+    forward_units_.pop_back();
+    done->end_dispatched_forward(/*keep=*/false);
+  }
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    UnitRuntime* u = *it;
+    if (u == &root_) first_entered_ = nullptr;
+    forward_units_.push_back(u);
+    u->hooked_ = false;
+    u->begin_forward_state();
+    if (first_entered_ == nullptr && u != &root_) first_entered_ = u;
+  }
+}
+
+void RootState::settle_forward(UnitRuntime* keep) {
+  while (!forward_units_.empty()) {
+    UnitRuntime* done = forward_units_.back();
+    forward_units_.pop_back();
+    done->end_dispatched_forward(done == keep);
+  }
+  first_entered_ = nullptr;
+}
+
+}  // namespace fsdp::detail

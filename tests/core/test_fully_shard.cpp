@@ -1,0 +1,344 @@
+// fsdp::fully_shard: units made in place of an unmodified LibTorch model (a
+// GPT whose blocks live in a ModuleList, cast back with as<BlockImpl>()),
+// against plain LibTorch on the ranks' concatenated batches, every step.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "comm/counting_process_group.h"
+#include "core/flat_parameter.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace {
+
+// A user's model, written without FSDP in mind.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t d) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    fc1 = register_module("fc1", torch::nn::Linear(d, 2 * d));
+    fc2 = register_module("fc2", torch::nn::Linear(2 * d, d));
+  }
+  torch::Tensor forward(torch::Tensor x) { return x + fc2(torch::gelu(fc1(ln(x)))); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Block);
+
+constexpr int64_t kVocab = 13, kDim = 16, kSeq = 6;
+
+struct ListGptImpl : torch::nn::Module {
+  explicit ListGptImpl(int n_layer) {
+    wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < n_layer; ++i) blocks->push_back(Block(kDim));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+  }
+  torch::Tensor forward(torch::Tensor idx) {
+    torch::Tensor x = wte(idx);
+    for (const auto& i : order()) {
+      x = blocks[i]->as<BlockImpl>()->forward(x);
+      if (after_block) after_block(i, x);
+    }
+    return head(ln_f(x));
+  }
+  // The blocks the next forward runs, in order (all of them by default).
+  std::vector<size_t> order() const {
+    if (!block_order.empty()) return block_order;
+    std::vector<size_t> all(blocks->size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    return all;
+  }
+  torch::nn::Embedding wte{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
+  std::vector<size_t> block_order;  // test knob: skip or repeat blocks
+  std::function<void(size_t, const torch::Tensor&)> after_block;  // test probe
+};
+TORCH_MODULE(ListGpt);
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape({-1}));
+}
+
+std::vector<std::string> names(torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& p : m.named_parameters()) out.push_back(p.key());
+  return out;
+}
+
+struct Case {
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
+  std::shared_ptr<ProcessGroup> group;  // nullptr: the default group
+  bool use_orig_params = false;
+  bool forward_prefetch = false;
+  // AdamW with weight decay, else SGD with momentum (whose first steps do not
+  // magnify rounding: AdamW's first step is lr * g / |g| even for g ~ 1e-9).
+  bool adamw = true;
+  int steps = 4;
+  bool expect_parity = true;  // false for the controls, which must differ
+  // Per step: which blocks the forward runs (empty: all).
+  std::function<std::vector<size_t>(int step)> order;
+  std::string what;
+};
+
+// Trains a fully_shard'ed ListGpt and its plain twin side by side with
+// AdamW (weight decay) and compares the full parameters after every step.
+// Returns the largest difference seen.
+double train_against_reference(const Case& c) {
+  const int world = rank_and_world().second;
+  torch::manual_seed(0);
+  ListGpt reference(3);
+  torch::manual_seed(0);
+  ListGpt model(3);
+  const auto before = names(*model);
+  Unit& root = fully_shard(model, module_type_policy<BlockImpl>(),
+                           FSDPOptions()
+                               .sharding_strategy(c.strategy)
+                               .process_group(c.group)
+                               .use_orig_params(c.use_orig_params)
+                               .forward_prefetch(c.forward_prefetch));
+  // In place: names, member types and casts as before.
+  EXPECT_EQ(names(*model), before) << c.what;
+  EXPECT_NE(model->blocks[1]->as<BlockImpl>(), nullptr) << c.what;
+  EXPECT_NE(unit_of(*model->blocks[1]), nullptr) << c.what;
+  EXPECT_EQ(unit_of(*model), &root) << c.what;
+  auto make = [&c](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (c.adamw) {
+      return std::make_unique<torch::optim::AdamW>(
+          params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    }
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  };
+  auto ref_opt = make(reference->parameters());
+  auto opt = make(root.flat_parameters());
+  double worst = 0;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto order = c.order ? c.order(step) : std::vector<size_t>{};
+    reference->block_order = order;
+    model->block_order = order;
+    torch::manual_seed(100 + step);
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+    const torch::Tensor targets = torch::randint(0, kVocab, {2 * world, kSeq});
+    reference->zero_grad();
+    lm_loss(reference->forward(tokens), targets).backward();
+    ref_opt->step();
+    model->zero_grad();  // the user's habit: clears the shards' gradients too
+    lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
+    opt->step();
+    SummonFullParams full(*model);
+    const auto ref = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      const double diff = (p.value() - ref[p.key()]).abs().max().item<double>();
+      worst = std::max(worst, diff);
+    }
+    if (c.expect_parity) {
+      expect_same_params(*model, *reference, c.what + " step " + std::to_string(step));
+    }
+  }
+  return worst;
+}
+
+void init(int world) {
+  torch::set_num_threads(1);
+  init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+  (void)world;
+}
+
+TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
+  for (int world : parity_world_sizes()) {
+    run_ranks_ok(world, [](int, int w) {
+      init(w);
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                            ShardingStrategy::kNoShard}) {
+        for (bool orig : {false, true}) {
+          Case c;
+          c.strategy = strategy;
+          c.use_orig_params = orig;
+          c.forward_prefetch = strategy == ShardingStrategy::kFullShard;
+          c.what = std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
+          train_against_reference(c);
+        }
+      }
+    });
+  }
+}
+
+TEST(FullyShard, UnitCalledTwiceAndUnitUnusedInSomeSteps) {
+  for (int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int w) {
+      init(w);
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+        Case c;
+        c.strategy = strategy;
+        c.use_orig_params = true;  // unused blocks keep an undefined .grad, as in LibTorch
+        c.adamw = false;
+        c.steps = 4;
+        c.order = [](int step) -> std::vector<size_t> {
+          if (step % 2 == 0) return {0, 1, 1, 2};  // block 1 twice
+          return {0, 2};                           // block 1 unused
+        };
+        c.what = std::string(to_string(strategy)) + " twice/unused";
+        train_against_reference(c);
+      }
+    });
+  }
+}
+
+// Hands back this rank's block of the gradient unaveraged (a reduce-scatter
+// that forgot to reduce): what the parity tests must catch.
+class SkippingReduceScatter : public CountingProcessGroup {
+ public:
+  using CountingProcessGroup::CountingProcessGroup;
+  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
+                             ReduceOp op) override {
+    ++reduce_scatters;
+    shard.copy_(flat.narrow(0, rank() * shard.numel(), shard.numel()));
+    return barrier();
+  }
+};
+
+TEST(FullyShard, WithoutTheReductionParityFails) {
+  run_ranks_ok(2, [](int, int w) {
+    init(w);
+    auto skipping = std::make_shared<SkippingReduceScatter>(default_process_group());
+    Case c;
+    c.group = skipping;
+    c.adamw = false;
+    c.expect_parity = false;
+    c.what = "reduce-scatter without reduction";
+    const double diff = train_against_reference(c);
+    EXPECT_GT(skipping->reduce_scatters.load(), 0);
+    EXPECT_GT(diff, 1e-3) << "a reduce-scatter that does not reduce went unnoticed";
+  });
+}
+
+// Units of `model` whose parameters are gathered now (root included).
+int gathered_units(ListGptImpl& model) {
+  int n = 0;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    const Unit* unit = unit_of(*m);
+    if (unit != nullptr && unit->flat_param() != nullptr &&
+        unit->flat_param()->state() != FlatParameter::State::kSharded) {
+      ++n;
+    }
+  }
+  return n;
+}
+
+TEST(FullyShard, FullShardHoldsAtMostTwoUnitsGatheredThreeWithPrefetch) {
+  run_ranks_ok(2, [](int, int w) {
+    init(w);
+    for (bool prefetch : {false, true}) {
+      torch::manual_seed(0);
+      ListGpt model(8);
+      fully_shard(model, module_type_policy<BlockImpl>(),
+                  FSDPOptions().forward_prefetch(prefetch).backward_prefetch(
+                      prefetch ? BackwardPrefetch::kBackwardPre : BackwardPrefetch::kNone));
+      int forward_max = 0, backward_max = 0, backward_probes = 0;
+      model->after_block = [&](size_t, const torch::Tensor& x) {
+        forward_max = std::max(forward_max, gathered_units(*model));
+        x.register_hook([&](const torch::Tensor&) {
+          backward_max = std::max(backward_max, gathered_units(*model));
+          ++backward_probes;
+        });
+      };
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(step);
+        const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+        model->zero_grad();
+        lm_loss(model->forward(tokens), tokens).backward();
+        EXPECT_EQ(gathered_units(*model), 0) << "all resharded after backward";
+      }
+      const int bound = prefetch ? 3 : 2;
+      EXPECT_EQ(backward_probes, 3 * 8);
+      EXPECT_GE(forward_max, 2);  // the root and a block: the probe sees something
+      EXPECT_LE(forward_max, bound) << "prefetch " << prefetch;
+      EXPECT_LE(backward_max, bound) << "prefetch " << prefetch;
+    }
+  });
+}
+
+TEST(FullyShard, FrozenBlockNoSyncClippingAndStateDicts) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    torch::manual_seed(0);
+    ListGpt reference(3);
+    torch::manual_seed(0);
+    ListGpt model(3);
+    for (auto* m : {&reference, &model}) {
+      for (auto& p : (*m)->blocks[0]->parameters()) p.set_requires_grad(false);
+    }
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      // Two micro-batches: the first under no_sync (accumulated locally),
+      // the second reduces both.
+      reference->zero_grad();
+      model->zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        torch::manual_seed(10 * step + micro);
+        const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+        lm_loss(reference->forward(tokens), tokens).backward();
+        if (micro == 0) {
+          auto guard = root.no_sync();
+          lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+        } else {
+          lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+        }
+      }
+      const double want = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+      const double got = root.clip_grad_norm_(0.5);
+      EXPECT_NEAR(got, want, 1e-5 * want) << "step " << step;
+      ref_opt.step();
+      opt.step();
+      SummonFullParams full(*model);
+      expect_same_params(*model, *reference, "frozen/no_sync/clip step " + std::to_string(step));
+    }
+    // The full state dict has the plain model's names and values; loading
+    // it into a fresh sharded twin gives the same forward.
+    const auto state = full_state_dict(*model);
+    const auto plain = reference->named_parameters();
+    for (const auto& p : plain) {
+      const torch::Tensor* t = state.find(p.key());
+      ASSERT_NE(t, nullptr) << p.key();
+      EXPECT_TRUE(torch::allclose(*t, p.value(), 1.3e-6, 1e-5)) << p.key();
+    }
+    torch::manual_seed(7);
+    ListGpt twin(3);
+    fully_shard(twin, module_type_policy<BlockImpl>());
+    load_full_state_dict(*twin, state);
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::allclose(twin->forward(tokens), reference->forward(tokens), 1e-5, 1e-5));
+  });
+}
+
+TEST(FullyShard, RefusesWhatItCannotShard) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    ListGpt model(2);
+    fully_shard(*model->blocks[0]);
+    EXPECT_THROW(fully_shard(*model->blocks[0]), c10::Error);  // twice
+    BlockImpl on_stack(4);
+    EXPECT_THROW(fully_shard(on_stack), c10::Error);  // no shared_ptr owner
+    // A typed wrapper inside: one way per tree.
+    auto holder = std::make_shared<torch::nn::Module>();
+    holder->register_module("w", FullyShardedDataParallel<torch::nn::LinearImpl>(
+                                     torch::nn::Linear(3, 3), FSDPOptions()));
+    EXPECT_THROW(fully_shard(*holder), c10::Error);
+  });
+}
+
+}  // namespace
+}  // namespace fsdp::testing
