@@ -50,9 +50,9 @@ int main() try {
   fsdp::Unit& fsdp_root = fsdp::fully_shard(model, fsdp::module_type_policy<BlockImpl>());
   torch::optim::AdamW optimizer(fsdp_root.flat_parameters(), torch::optim::AdamWOptions(3e-3));
 
-  torch::manual_seed(100 + pg->rank());  // each rank on its own data
-  torch::Tensor tokens = torch::randint(0, 32, {8, 16});
-  torch::Tensor next = tokens.roll(-1, 1);
+  torch::manual_seed(100 + pg->rank());  // each rank on its own data: counting mod 32
+  torch::Tensor tokens = (torch::randint(0, 32, {8, 1}) + torch::arange(16)).remainder(32);
+  torch::Tensor next = (tokens + 1).remainder(32);
   double first = 0, last = 0;
   for (int step = 0; step < 40; ++step) {
     model->zero_grad();
