@@ -151,6 +151,7 @@ int main(int argc, char** argv) {
   const double local_step = max_over_ranks(*pg, median(configs[0].step_us));
   const double local_fb = max_over_ranks(*pg, median(configs[0].fwd_bwd_us));
   std::ostringstream summary;
+  double wrapper_per_unit = 0;
   for (auto& c : configs) {
     const double step = max_over_ranks(*pg, median(c.step_us));
     const double fb = max_over_ranks(*pg, median(c.fwd_bwd_us));
@@ -168,6 +169,17 @@ int main(int argc, char** argv) {
       if (c.mode != "local") {
         char buf[128];
         std::snprintf(buf, sizeof(buf), ",\"%s_us_per_unit\":%.2f", c.mode.c_str(), per_unit);
+        summary << buf;
+      }
+      const bool in_place_row = c.mode.rfind("in_place_", 0) == 0;
+      if (c.mode != "local" && !in_place_row) {
+        wrapper_per_unit = per_unit;  // a wrapper's row comes just before its in-place row
+      }
+      if (in_place_row && wrapper_per_unit > 0) {
+        // Issue 21's bound: at most 1.5x the wrapper's per-unit overhead.
+        char buf[128];
+        std::snprintf(buf, sizeof(buf), ",\"%s_over_wrapper\":%.3f", c.mode.c_str(),
+                      per_unit / wrapper_per_unit);
         summary << buf;
       }
     }

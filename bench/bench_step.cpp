@@ -121,6 +121,7 @@ struct Args {
   bool activation_checkpointing = false;
   std::string backward_prefetch = "backward_pre";
   bool comm_only = false;
+  bool in_place = false;  // the plain GPT's blocks made units by fsdp::fully_shard
 };
 
 const std::map<std::string, fsdp::BackwardPrefetch>& backward_prefetch_names() {
@@ -180,12 +181,19 @@ Args parse(int argc, char** argv) {
   std::vector<std::string> prefetches;
   for (const auto& kv : backward_prefetch_names()) prefetches.push_back(kv.first);
   app.add_option("--backward-prefetch", a.backward_prefetch)->check(CLI::IsMember(prefetches));
+  app.add_option("--in-place", a.in_place,
+                 "0 or 1: units made in place by fsdp::fully_shard on the plain GPT "
+                 "instead of wrappers (a sharded mode)");
   app.add_option("--comm-only", a.comm_only,
                  "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
+  }
+  if (a.in_place && a.mode == "local") {
+    std::fprintf(stderr, "bench_step: --in-place 1 needs a sharded --mode\n");
+    std::exit(2);
   }
   if (a.comm_only && (a.mode == "local" || a.warmup < 1)) {
     std::fprintf(stderr, "bench_step: --comm-only needs a sharded --mode and --warmup >= 1\n");
@@ -237,10 +245,18 @@ int main(int argc, char** argv) {
     if (args.precision == "bf16") {
       opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
     }
-    sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
-        std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
-    forward = [&](const at::Tensor& x) { return sharded->forward(x); };
-    params = sharded->parameters();
+    if (args.in_place) {
+      local = gpt_mini::GPT(config);
+      fsdp::Unit& root =
+          fsdp::fully_shard(local, fsdp::module_type_policy<gpt_mini::BlockImpl>(), opts);
+      forward = [&](const at::Tensor& x) { return local->forward(x); };
+      params = root.flat_parameters();
+    } else {
+      sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
+          std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
+      forward = [&](const at::Tensor& x) { return sharded->forward(x); };
+      params = sharded->parameters();
+    }
   } else {
     TORCH_CHECK(args.precision == "fp32",
                 "bench_step: --mixed-precision bf16 needs a sharded mode");
@@ -381,7 +397,7 @@ int main(int argc, char** argv) {
         "\"cache_mapped\":%lld,\"cache_evicted\":%lld,\"cache_peak_in_use\":%lld,"
         "\"cache_mapped_bytes\":%lld,\"backward_prefetch\":\"%s\",\"comm_only\":%s,"
         "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"cpu_ms_per_step\":%.1f,"
-        "\"malloc\":\"%s\","
+        "\"malloc\":\"%s\",\"in_place\":%s,"
         "\"torch\":\"%s\",\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -401,7 +417,8 @@ int main(int argc, char** argv) {
         static_cast<long long>(cache.mapped_bytes), args.backward_prefetch.c_str(),
         args.comm_only ? "true" : "false",
         static_cast<long long>(counting ? counting->recorded() : 0), static_cast<long long>(tx_max),
-        cpu_max, bench::malloc_mode(), TORCH_VERSION, bench::blas_description().c_str());
+        cpu_max, bench::malloc_mode(), args.in_place ? "true" : "false", TORCH_VERSION,
+        bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -92,6 +92,32 @@ struct Use {
   bool sharded;
 };
 
+// Mixed precision without forward hooks: the floating-point inputs of an
+// operator on a unit's parameters, other than parameters and what it writes,
+// are cast to the unit's compute dtype (see ParamUseListener::compute_dtype).
+void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                 const std::vector<Use>& uses) {
+  c10::optional<at::ScalarType> dtype;
+  for (const Use& u : uses) {
+    if (!dtype) dtype = u.listener->compute_dtype();
+  }
+  if (!dtype) return;
+  const auto& schema_args = op.schema().arguments();
+  const size_t n = schema_args.size();
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& v = (*stack)[stack->size() - n + i];
+    if (!v.isTensor()) continue;
+    const at::Tensor& t = v.toTensor();
+    const auto* alias = schema_args[i].alias_info();
+    if (!t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype ||
+        t.key_set().has(kKey) || (alias != nullptr && alias->isWrite())) {
+      continue;
+    }
+    ReportingScope scope;
+    v = c10::IValue(t.to(*dtype));
+  }
+}
+
 // Reports the operator to the units whose parameters it uses (Note [Units
 // driven by dispatch]) and runs it.
 void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
@@ -117,6 +143,7 @@ void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
                       "its forward, or under fsdp::SummonFullParams");
         });
   }
+  cast_inputs(op, stack, uses);
   {
     ReportingScope scope;
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);

@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Optional.h>
 
 #include <string>
 
@@ -29,6 +30,10 @@ class ParamUseListener {
   /// Module::zero_grad() reached one of the unit's moved gradients (it
   /// detaches each .grad first): the unit clears what its optimizer steps.
   virtual void module_zero_grad() = 0;
+  /// The dtype the operator's floating-point tensor inputs (not the unit's
+  /// parameters) are cast to, as a wrapper casts its forward's inputs (mixed
+  /// precision); nullopt: none. Asked after before_param_use.
+  virtual c10::optional<at::ScalarType> compute_dtype() const = 0;
 
  protected:
   ~ParamUseListener() = default;

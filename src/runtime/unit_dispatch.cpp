@@ -44,6 +44,12 @@ namespace fsdp::detail {
 //   gathered there, as pre-backward gathers.
 // - Any other use of a sharded parameter, outside a forward, gathers its
 //   unit like a forward would: collective, so every rank must do it.
+// - Mixed precision: no forward inputs to cast, so an operator on a
+//   low-precision unit's parameters gets its other floating-point inputs
+//   cast to their dtype (compute_dtype); activations then flow in it, as
+//   after a wrapper's input cast.
+// - Module::zero_grad() on the model reaches each moved gradient (it
+//   detaches every .grad): the unit clears its shards' gradients too.
 // Cost: one boxed call per top-level operator on a unit's parameters and
 // one hook per output; see bench_overhead's fully_shard rows.
 
@@ -87,6 +93,15 @@ void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs) {
 }
 
 void UnitRuntime::module_zero_grad() { zero_optim_grads(kModuleZeroGradSetsToNone); }
+
+c10::optional<at::ScalarType> UnitRuntime::compute_dtype() const {
+  // A wrapper casts its inputs (the root's, or every unit's with
+  // cast_forward_inputs); without a forward to cast at, every operator on a
+  // low-precision unit's parameters computes in their dtype, and one on a
+  // unit kept in full precision in its own (Note [Units driven by dispatch]).
+  if (flat_ && (flat_->low_precision() || full_precision_override_)) return flat_->param_dtype();
+  return c10::nullopt;
+}
 
 void UnitRuntime::become_rooted() {
   UnitRuntime* top = outermost_in_place_unit(*self_);

@@ -84,6 +84,7 @@ class UnitRuntime : public ParamUseListener {
   void before_param_use(bool sharded) override;
   void after_param_use(c10::ArrayRef<c10::IValue> outputs) override;
   void module_zero_grad() override;
+  c10::optional<at::ScalarType> compute_dtype() const override;
 
   // Outside forward and backward (see Unit::gather_full_params).
   bool gather_full_params();

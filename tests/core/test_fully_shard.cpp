@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -338,6 +340,129 @@ TEST(FullyShard, RefusesWhatItCannotShard) {
                                      torch::nn::Linear(3, 3), FSDPOptions()));
     EXPECT_THROW(fully_shard(*holder), c10::Error);
   });
+}
+
+TEST(FullyShard, DifferentBlockOrderAcrossRanksIsAnErrorOnEveryRank) {
+  run_ranks_ok(2, [](int rank, int w) {
+    init(w);
+    ListGpt model(3);
+    fully_shard(model, module_type_policy<BlockImpl>());
+    if (rank == 1) model->block_order = {0, 2, 1};
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+    try {
+      lm_loss(model->forward(tokens), tokens).backward();
+      ADD_FAILURE() << "no error on rank " << rank;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_EQ(msg.rfind("Forward order differs across ranks", 0), 0u) << msg;
+      EXPECT_NE(msg.find("rank 0 was about to all-gather unit `blocks.1`"), std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("rank 1 was about to all-gather unit `blocks.2`"), std::string::npos)
+          << msg;
+    }
+  });
+}
+
+TEST(FullyShard, MixedPrecisionComputesAndReducesInBf16) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    torch::manual_seed(0);
+    ListGpt reference(3);
+    torch::manual_seed(0);
+    ListGpt model(3);
+    auto counting = std::make_shared<CountingProcessGroup>(default_process_group());
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>(),
+                             FSDPOptions().process_group(counting).mixed_precision(
+                                 MixedPrecision().param_dtype(at::kBFloat16)));
+    std::vector<at::ScalarType> seen;  // block 1's weight and output dtypes inside forward
+    model->after_block = [&](size_t i, const torch::Tensor& x) {
+      if (i != 1) return;
+      seen = {model->blocks[1]->as<BlockImpl>()->fc1->weight.scalar_type(), x.scalar_type()};
+    };
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(20 + step);
+      const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+      reference->zero_grad();
+      const torch::Tensor ref_loss = lm_loss(reference->forward(tokens), tokens);
+      ref_loss.backward();
+      ref_opt.step();
+      model->zero_grad();
+      const torch::Tensor loss = lm_loss(model->forward(local_block(tokens)), local_block(tokens));
+      loss.backward();
+      opt.step();
+      EXPECT_EQ(seen, (std::vector<at::ScalarType>{at::kBFloat16, at::kBFloat16}));
+      // bf16 compute: close to fp32 training, not equal.
+      at::Tensor global = loss.detach().to(at::kFloat).reshape({1});
+      default_process_group()->all_reduce(global, ReduceOp::kAvg).wait();
+      EXPECT_NEAR(global.item<double>(), ref_loss.item<double>(), 0.05) << "step " << step;
+    }
+    EXPECT_GT(counting->reduce_scatters.load(), 0);
+    for (at::ScalarType t : counting->reduced_dtypes()) EXPECT_EQ(t, at::kBFloat16);
+    // The shards stay fp32 and track the fp32 reference within bf16 rounding.
+    for (const auto& p : root.flat_parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+    SummonFullParams full(*model);
+    const auto ref = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_LT((p.value().to(at::kFloat) - ref[p.key()]).abs().max().item<double>(), 0.05)
+          << p.key();
+    }
+  });
+}
+
+TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
+  namespace fs = std::filesystem;
+  // Made by the test process, passed to the rank processes.
+  fs::path dir;
+  if (is_rank_process()) {
+    dir = std::getenv("FULLY_SHARD_TEST_DIR");
+  } else {
+    char tmpl[] = "/tmp/fsdp_fully_shard_ckpt_XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl), nullptr);
+    dir = tmpl;
+  }
+  MultiRankOptions with_dir;
+  with_dir.env["FULLY_SHARD_TEST_DIR"] = dir.string();
+  run_ranks_ok(
+      2,
+      [&](int rank, int world) {
+        init(world);
+        auto train = [&](ListGpt& model, torch::optim::Optimizer& opt, int step) {
+          torch::manual_seed(30 + step);
+          const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+          model->zero_grad();
+          lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+          opt.step();
+        };
+        auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+        torch::manual_seed(0);
+        ListGpt model(3);
+        Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+        torch::optim::AdamW opt(root.flat_parameters(), adamw);
+        Checkpointer ckpt(*model, &opt);
+        for (int step = 0; step < 3; ++step) {
+          if (step == 2) ckpt.save((dir / "ckpt").string(), step);
+          train(model, opt, step);
+        }
+        // A fresh model (other weights) resumes from the checkpoint and
+        // takes the same third step.
+        torch::manual_seed(99);
+        ListGpt twin(3);
+        Unit& twin_root = fully_shard(twin, module_type_policy<BlockImpl>());
+        torch::optim::AdamW twin_opt(twin_root.flat_parameters(), adamw);
+        Checkpointer twin_ckpt(*twin, &twin_opt);
+        EXPECT_EQ(twin_ckpt.load((dir / "ckpt").string()), 2);
+        train(twin, twin_opt, 2);
+        SummonFullParams a(*model);
+        SummonFullParams b(*twin);
+        const auto want = model->named_parameters();
+        for (const auto& p : twin->named_parameters()) {
+          EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key() << " rank " << rank;
+        }
+      },
+      with_dir);
+  if (!is_rank_process()) fs::remove_all(dir);
 }
 
 }  // namespace
