@@ -174,6 +174,16 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
       auto it = registry().find(storage_of(t));
       if (it == registry().end()) return;
       const Entry& e = it->second;
+      // torch::load (InputArchive::read) replaces a parameter's storage with
+      // set_: on a unit made in place that would cut the parameter off its
+      // flat buffer, silently (a wrapper's load() takes care of it).
+      TORCH_CHECK(
+          name != "aten::set_" || e.listener == nullptr || e.kind != PlaceholderKind::kParameter,
+          error_prefix(-1, "parameters"),
+          "set_ (torch::load) would replace the storage of a parameter of a unit made "
+          "by fsdp::fully_shard, cutting it off its unit. Load with "
+          "fsdp::load_full_state_dict(model, dict) or fsdp::Checkpointer, or "
+          "torch::load into the model before fully_shard");
       if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter && (report || e.tracked)) {
         if (!report) return;
         auto same = std::find_if(uses.begin(), uses.end(),

@@ -143,7 +143,6 @@ void RootState::enter_forward(UnitRuntime& unit) {
     UnitRuntime* u = *it;
     if (u == &root_) first_entered_ = nullptr;
     forward_units_.push_back(u);
-    u->hooked_ = false;
     u->begin_forward_state();
     if (first_entered_ == nullptr && u != &root_) first_entered_ = u;
   }

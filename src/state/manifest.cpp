@@ -2,6 +2,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
 #include <fsdp/state/error.h>
 
 #include "state/crc32.h"
@@ -17,16 +24,57 @@ json file_json(const FileRecord& f) {
   return {{"name", f.name}, {"size", f.size}, {"crc32", f.crc32}};
 }
 
+// An integer of type T, or an error naming field `name`. nlohmann's get<int
+// type> converts a float (1e81 in a damaged file) with a cast that is
+// undefined out of range: insist on an integer that fits.
+template <typename T>
+T integer_value(const json& v, const char* name, const std::string& file) {
+  const auto wrong = [&](const char* why) {
+    return CheckpointError(file, std::string("field '") + name + "' " + why + ": " + v.dump());
+  };
+  if (!v.is_number_integer()) throw wrong("is not an integer");
+  using Limits = std::numeric_limits<T>;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(Limits::max())) throw wrong("is out of range");
+    return static_cast<T>(u);
+  }
+  const int64_t i = v.get<int64_t>();
+  if (i < static_cast<int64_t>(Limits::min()) ||
+      (i > 0 && static_cast<uint64_t>(i) > static_cast<uint64_t>(Limits::max()))) {
+    throw wrong("is out of range");
+  }
+  return static_cast<T>(i);
+}
+
 // A field of `j` of the given kind, or an error naming it.
 template <typename T>
 T field(const json& j, const char* name, const std::string& file) {
   const auto it = j.find(name);
   if (it == j.end()) throw CheckpointError(file, std::string("missing field '") + name + "'");
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    throw CheckpointError(file,
-                          std::string("field '") + name + "' has the wrong type: " + it->dump());
+  const auto wrong_type = [&] {
+    return CheckpointError(file,
+                           std::string("field '") + name + "' has the wrong type: " + it->dump());
+  };
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    return integer_value<T>(*it, name, file);
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    if (!it->is_array()) throw wrong_type();
+    T out;
+    for (const json& e : *it) out.push_back(integer_value<int64_t>(e, name, file));
+    return out;
+  } else if constexpr (std::is_same_v<T, std::map<std::string, int64_t>>) {
+    if (!it->is_object()) throw wrong_type();
+    T out;
+    for (const auto& item : it->items())
+      out[item.key()] = integer_value<int64_t>(item.value(), name, file);
+    return out;
+  } else {
+    try {
+      return it->get<T>();
+    } catch (const json::exception&) {
+      throw wrong_type();
+    }
   }
 }
 
