@@ -17,7 +17,8 @@
 # nodes: 2 (N-1)/N x the parameters' bytes per node for N nodes).
 #   sudo bench/network_overlap.sh [BUILD_DIR] [ROUNDS]
 # Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (4),
-# D_MODEL (512), BATCH (4), SEQ (128), STEPS (5), WARMUP (2).
+# D_MODEL (512), BATCH (4), SEQ (128), STEPS (5), WARMUP (2), CONFIGS (the
+# configurations to run, space-separated; default all six).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
@@ -58,7 +59,7 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
   cluster_cleanup
 }
 
-configs=(compute comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2)
+read -r -a configs <<<"${CONFIGS:-compute comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2}"
 for ((r = 0; r < ROUNDS; ++r)); do
   # Rotate the order every round, so drift in the machine's speed spreads evenly.
   for ((k = 0; k < ${#configs[@]}; ++k)); do
@@ -83,21 +84,25 @@ med = lambda c, k: statistics.median(r[k] for r in rows if r["config"] == c)
 m = {c: med(c, "median_ms") for c in {r["config"] for r in rows}}
 tx = {c: med(c, "net_tx_bytes_per_step") for c in m}
 cpu = {c: med(c, "cpu_ms_per_step") for c in m}
-params = next(r["params"] for r in rows if r["config"] == "hybrid_2x2")
+params = rows[0]["params"]
 nodes = 2
 share = 2 * (nodes - 1) / nodes * params * 4  # per node and step
-bound = max(m["compute"], m["comm"])
-print(json.dumps({
-    "bench": "network_overlap_summary", "rounds": len([r for r in rows if r["config"] == "comm"]),
+summary = {
+    "bench": "network_overlap_summary", "rounds": max(r["round"] for r in rows) + 1,
     "rate": rows[0]["rate"], "delay": rows[0]["delay"], "mtu": rows[0]["mtu"], "params": params,
     "median_ms": {c: round(v, 1) for c, v in sorted(m.items())},
-    "fs_prefetch_over_max_compute_comm": round(m["fs_prefetch"] / bound, 3),
-    "fs_no_prefetch_over_max_compute_comm": round(m["fs_no_prefetch"] / bound, 3),
-    "hybrid_over_full_shard_2x2": round(m["hybrid_2x2"] / m["fs_2x2"], 3),
     "cpu_ms_per_step": {c: round(v, 1) for c, v in sorted(cpu.items())},
     "node_tx_bytes_per_step": {c: int(v) for c, v in sorted(tx.items())},
-    "hybrid_share_bytes_per_step": int(share),
-    "hybrid_tx_over_share": round(tx["hybrid_2x2"] / share, 3),
-}))
+}
+if "compute" in m and "comm" in m:  # the ratios of the configurations that ran
+    bound = max(m["compute"], m["comm"])
+    for c in ("fs_prefetch", "fs_no_prefetch"):
+        if c in m:
+            summary[c + "_over_max_compute_comm"] = round(m[c] / bound, 3)
+if "hybrid_2x2" in m and "fs_2x2" in m:
+    summary["hybrid_over_full_shard_2x2"] = round(m["hybrid_2x2"] / m["fs_2x2"], 3)
+    summary["hybrid_share_bytes_per_step"] = int(share)
+    summary["hybrid_tx_over_share"] = round(tx["hybrid_2x2"] / share, 3)
+print(json.dumps(summary))
 EOF
 echo "raw lines: $out" >&2
