@@ -103,7 +103,10 @@ void UnitRuntime::prepare_slots() {
   const bool per_param = options_.use_orig_params();
   trainable_slots_ = 0;
   const auto& slots = flat_->slots();
-  clear_moved_grads();
+  // A unit driven by dispatch keeps them until its pre_backward: the user's
+  // Module::zero_grad() reaches the shards' gradients only through them, and
+  // may come after a forward that no backward followed (evaluation).
+  if (driver_ == Driver::kWrapper) clear_moved_grads();
   for (size_t i = 0; i < slots.size(); ++i) {
     const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
                                                              slots[i].param.requires_grad()

@@ -92,6 +92,10 @@ struct Case {
   bool adamw = true;
   int steps = 4;
   bool expect_parity = true;  // false for the controls, which must differ
+  // After each step: an evaluation forward (eval(), NoGradGuard) and a
+  // validation loss in grad mode that no backward follows, compared with the
+  // reference's; training then goes on.
+  bool evaluate_between = false;
   // Per step: which blocks the forward runs (empty: all).
   std::function<std::vector<size_t>(int step)> order;
   std::string what;
@@ -141,6 +145,25 @@ double train_against_reference(const Case& c) {
     model->zero_grad();  // the user's habit: clears the shards' gradients too
     lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
     opt->step();
+    if (c.evaluate_between) {
+      torch::manual_seed(500 + step);
+      const torch::Tensor held_out = torch::randint(0, kVocab, {2 * world, kSeq});
+      reference->eval();
+      model->eval();
+      {
+        torch::NoGradGuard no_grad;
+        const torch::Tensor want = reference->forward(held_out);
+        const torch::Tensor got = model->forward(local_block(held_out));
+        EXPECT_TRUE(torch::allclose(got, local_block(want), 1e-5, 1e-5)) << c.what << " eval";
+      }
+      reference->train();
+      model->train();
+      const double want =
+          lm_loss(reference->forward(local_block(held_out)), local_block(held_out)).item<double>();
+      const double got =
+          lm_loss(model->forward(local_block(held_out)), local_block(held_out)).item<double>();
+      EXPECT_NEAR(got, want, 1e-5) << c.what << " validation loss without backward";
+    }
     SummonFullParams full(*model);
     const auto ref = reference->named_parameters();
     for (const auto& p : model->named_parameters()) {
@@ -174,6 +197,22 @@ TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
           c.what = std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
           train_against_reference(c);
         }
+      }
+    });
+  }
+}
+
+TEST(FullyShard, EvaluationAndForwardsWithoutBackwardBetweenSteps) {
+  for (int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int w) {
+      init(w);
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+        Case c;
+        c.strategy = strategy;
+        c.forward_prefetch = true;
+        c.evaluate_between = true;
+        c.what = std::string(to_string(strategy)) + " with evaluation";
+        train_against_reference(c);
       }
     });
   }
