@@ -35,7 +35,7 @@ class UnitInit;
 //   reduction order, the end-of-backward callback.
 // Other layers reach the FlatParameter only through the handle, which checks
 // that the unit is idle (gather_full_params and friends).
-class UnitRuntime : public ParamUseListener {
+class UnitRuntime final : public ParamUseListener {
  public:
   /// What tells the unit that its forward runs: the wrapper's forward, which
   /// calls pre_forward/post_forward, or the operators on its parameters
