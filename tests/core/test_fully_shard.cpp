@@ -183,60 +183,68 @@ void init(int world) {
   (void)world;
 }
 
-TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
-  for (int world : parity_world_sizes()) {
-    run_ranks_ok(world, [](int, int w) {
+// train_against_reference for every case `cases` makes, at each world size
+// (real processes; the cases are made in each rank process).
+void expect_parity(const std::vector<int>& worlds,
+                   const std::function<std::vector<Case>()>& cases) {
+  for (int world : worlds) {
+    run_ranks_ok(world, [&cases](int, int w) {
       init(w);
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                            ShardingStrategy::kNoShard}) {
-        for (bool orig : {false, true}) {
-          Case c;
-          c.strategy = strategy;
-          c.use_orig_params = orig;
-          c.forward_prefetch = strategy == ShardingStrategy::kFullShard;
-          c.what = std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
-          train_against_reference(c);
-        }
-      }
+      for (const Case& c : cases()) train_against_reference(c);
     });
   }
+}
+
+TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
+  expect_parity(parity_world_sizes(), [] {
+    std::vector<Case> cases;
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      for (bool orig : {false, true}) {
+        Case c;
+        c.strategy = strategy;
+        c.use_orig_params = orig;
+        c.forward_prefetch = strategy == ShardingStrategy::kFullShard;
+        c.what = std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
+        cases.push_back(c);
+      }
+    }
+    return cases;
+  });
 }
 
 TEST(FullyShard, EvaluationAndForwardsWithoutBackwardBetweenSteps) {
-  for (int world : {1, 2}) {
-    run_ranks_ok(world, [](int, int w) {
-      init(w);
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
-        Case c;
-        c.strategy = strategy;
-        c.forward_prefetch = true;
-        c.evaluate_between = true;
-        c.what = std::string(to_string(strategy)) + " with evaluation";
-        train_against_reference(c);
-      }
-    });
-  }
+  expect_parity({1, 2}, [] {
+    std::vector<Case> cases;
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      Case c;
+      c.strategy = strategy;
+      c.forward_prefetch = true;
+      c.evaluate_between = true;
+      c.what = std::string(to_string(strategy)) + " with evaluation";
+      cases.push_back(c);
+    }
+    return cases;
+  });
 }
 
 TEST(FullyShard, UnitCalledTwiceAndUnitUnusedInSomeSteps) {
-  for (int world : {1, 2}) {
-    run_ranks_ok(world, [](int, int w) {
-      init(w);
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-        Case c;
-        c.strategy = strategy;
-        c.use_orig_params = true;  // unused blocks keep an undefined .grad, as in LibTorch
-        c.adamw = false;
-        c.steps = 4;
-        c.order = [](int step) -> std::vector<size_t> {
-          if (step % 2 == 0) return {0, 1, 1, 2};  // block 1 twice
-          return {0, 2};                           // block 1 unused
-        };
-        c.what = std::string(to_string(strategy)) + " twice/unused";
-        train_against_reference(c);
-      }
-    });
-  }
+  expect_parity({1, 2}, [] {
+    std::vector<Case> cases;
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      Case c;
+      c.strategy = strategy;
+      c.use_orig_params = true;  // unused blocks keep an undefined .grad, as in LibTorch
+      c.adamw = false;
+      c.order = [](int step) -> std::vector<size_t> {
+        if (step % 2 == 0) return {0, 1, 1, 2};  // block 1 twice
+        return {0, 2};                           // block 1 unused
+      };
+      c.what = std::string(to_string(strategy)) + " twice/unused";
+      cases.push_back(c);
+    }
+    return cases;
+  });
 }
 
 // Hands back this rank's block of the gradient unaveraged (a reduce-scatter
@@ -430,14 +438,7 @@ std::vector<torch::OrderedDict<std::string, torch::Tensor>> bf16_reference(
       }
       const torch::Tensor mine = all.chunk(world, 0)[r];
       lm_loss(work->forward(mine), mine).backward();
-      for (auto& p : work_params) {
-        auto it = sum.find(p.key());
-        if (it == sum.end()) {
-          sum[p.key()] = p.value().grad().clone();
-        } else {
-          it->second.add_(p.value().grad());
-        }
-      }
+      add_grads(sum, work_params);
     }
     for (auto& p : master_params) {
       p.value().mutable_grad() = sum[p.key()].div(world).to(at::kFloat);

@@ -16,6 +16,7 @@
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
+#include "test_models.h"
 
 namespace fsdp::testing {
 namespace {
@@ -54,14 +55,7 @@ std::vector<std::map<std::string, torch::Tensor>> reference_training(int world, 
         p.value().mutable_grad().reset();
       }
       loss_of(work->forward(batch(step, r).to(torch::kBFloat16))).backward();
-      for (auto& p : work_params) {
-        auto it = sum.find(p.key());
-        if (it == sum.end()) {
-          sum[p.key()] = p.value().grad().clone();
-        } else {
-          it->second.add_(p.value().grad());
-        }
-      }
+      add_grads(sum, work_params);
     }
     for (auto& p : master_params) {
       p.value().mutable_grad() = sum[p.key()].div(world).to(torch::kFloat);

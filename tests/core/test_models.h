@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +79,20 @@ inline void expect_same_history(const std::vector<ParamSnapshot>& actual,
           << at << " " << name << " max diff " << (got - want).abs().max().item<double>();
       if (check_requires_grad)
         EXPECT_EQ(got.requires_grad(), want.requires_grad()) << at << " " << name;
+    }
+  }
+}
+
+/// Adds each parameter's .grad into `sum` under its name (a copy the first
+/// time): a reference's gradients summed over the ranks' batches, in rank order.
+inline void add_grads(std::map<std::string, torch::Tensor>& sum,
+                      const torch::OrderedDict<std::string, torch::Tensor>& params) {
+  for (const auto& p : params) {
+    auto it = sum.find(p.key());
+    if (it == sum.end()) {
+      sum[p.key()] = p.value().grad().clone();
+    } else {
+      it->second.add_(p.value().grad());
     }
   }
 }
