@@ -195,19 +195,32 @@ void expect_parity(const std::vector<int>& worlds,
   }
 }
 
+// One Case per strategy, named after it and adjusted by `tweak`.
+std::vector<Case> cases_for(const std::vector<ShardingStrategy>& strategies,
+                            const std::function<void(Case&)>& tweak) {
+  std::vector<Case> cases;
+  for (ShardingStrategy strategy : strategies) {
+    Case c;
+    c.strategy = strategy;
+    tweak(c);
+    c.what = std::string(to_string(strategy)) + c.what;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
 TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
   expect_parity(parity_world_sizes(), [] {
     std::vector<Case> cases;
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                          ShardingStrategy::kNoShard}) {
-      for (bool orig : {false, true}) {
-        Case c;
-        c.strategy = strategy;
-        c.use_orig_params = orig;
-        c.forward_prefetch = strategy == ShardingStrategy::kFullShard;
-        c.what = std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
-        cases.push_back(c);
-      }
+    for (bool orig : {false, true}) {
+      const auto more = cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                   ShardingStrategy::kNoShard},
+                                  [orig](Case& c) {
+                                    c.use_orig_params = orig;
+                                    c.forward_prefetch = c.strategy == ShardingStrategy::kFullShard;
+                                    c.what = orig ? " use_orig_params" : "";
+                                  });
+      cases.insert(cases.end(), more.begin(), more.end());
     }
     return cases;
   });
@@ -215,35 +228,25 @@ TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
 
 TEST(FullyShard, EvaluationAndForwardsWithoutBackwardBetweenSteps) {
   expect_parity({1, 2}, [] {
-    std::vector<Case> cases;
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
-      Case c;
-      c.strategy = strategy;
+    return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}, [](Case& c) {
       c.forward_prefetch = true;
       c.evaluate_between = true;
-      c.what = std::string(to_string(strategy)) + " with evaluation";
-      cases.push_back(c);
-    }
-    return cases;
+      c.what = " with evaluation";
+    });
   });
 }
 
 TEST(FullyShard, UnitCalledTwiceAndUnitUnusedInSomeSteps) {
   expect_parity({1, 2}, [] {
-    std::vector<Case> cases;
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-      Case c;
-      c.strategy = strategy;
+    return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [](Case& c) {
       c.use_orig_params = true;  // unused blocks keep an undefined .grad, as in LibTorch
       c.adamw = false;
       c.order = [](int step) -> std::vector<size_t> {
         if (step % 2 == 0) return {0, 1, 1, 2};  // block 1 twice
         return {0, 2};                           // block 1 unused
       };
-      c.what = std::string(to_string(strategy)) + " twice/unused";
-      cases.push_back(c);
-    }
-    return cases;
+      c.what = " twice/unused";
+    });
   });
 }
 
@@ -513,113 +516,111 @@ std::filesystem::path shared_temp_dir(MultiRankOptions& options) {
   return dir;
 }
 
-TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
-  namespace fs = std::filesystem;
+// Runs `body(rank, world, dir)` on `world` ranks (process group joined) with
+// a directory they share, removed afterwards.
+void run_with_dir(int world,
+                  const std::function<void(int, int, const std::filesystem::path&)>& body) {
   MultiRankOptions with_dir;
-  const fs::path dir = shared_temp_dir(with_dir);
+  const std::filesystem::path dir = shared_temp_dir(with_dir);
   ASSERT_FALSE(dir.empty());
   run_ranks_ok(
-      2,
-      [&](int rank, int world) {
-        init(world);
-        auto train = [&](ListGpt& model, torch::optim::Optimizer& opt, int step) {
-          torch::manual_seed(30 + step);
-          const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
-          model->zero_grad();
-          lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
-          opt.step();
-        };
-        auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
-        torch::manual_seed(0);
-        ListGpt model(3);
-        Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
-        torch::optim::AdamW opt(root.flat_parameters(), adamw);
-        Checkpointer ckpt(*model, &opt);
-        for (int step = 0; step < 3; ++step) {
-          if (step == 2) ckpt.save((dir / "ckpt").string(), step);
-          train(model, opt, step);
-        }
-        // A fresh model (other weights) resumes from the checkpoint and
-        // takes the same third step.
-        torch::manual_seed(99);
-        ListGpt twin(3);
-        Unit& twin_root = fully_shard(twin, module_type_policy<BlockImpl>());
-        torch::optim::AdamW twin_opt(twin_root.flat_parameters(), adamw);
-        Checkpointer twin_ckpt(*twin, &twin_opt);
-        EXPECT_EQ(twin_ckpt.load((dir / "ckpt").string()), 2);
-        train(twin, twin_opt, 2);
-        SummonFullParams a(*model);
-        SummonFullParams b(*twin);
-        const auto want = model->named_parameters();
-        for (const auto& p : twin->named_parameters()) {
-          EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key() << " rank " << rank;
-        }
+      world,
+      [&](int rank, int w) {
+        init(w);
+        body(rank, w, dir);
       },
       with_dir);
-  if (!is_rank_process()) fs::remove_all(dir);
+  if (!is_rank_process()) std::filesystem::remove_all(dir);
+}
+
+TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
+  run_with_dir(2, [](int rank, int world, const std::filesystem::path& dir) {
+    auto train = [&](ListGpt& model, torch::optim::Optimizer& opt, int step) {
+      torch::manual_seed(30 + step);
+      const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+      model->zero_grad();
+      lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+      opt.step();
+    };
+    auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+    torch::manual_seed(0);
+    ListGpt model(3);
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+    torch::optim::AdamW opt(root.flat_parameters(), adamw);
+    Checkpointer ckpt(*model, &opt);
+    for (int step = 0; step < 3; ++step) {
+      if (step == 2) ckpt.save((dir / "ckpt").string(), step);
+      train(model, opt, step);
+    }
+    // A fresh model (other weights) resumes from the checkpoint and
+    // takes the same third step.
+    torch::manual_seed(99);
+    ListGpt twin(3);
+    Unit& twin_root = fully_shard(twin, module_type_policy<BlockImpl>());
+    torch::optim::AdamW twin_opt(twin_root.flat_parameters(), adamw);
+    Checkpointer twin_ckpt(*twin, &twin_opt);
+    EXPECT_EQ(twin_ckpt.load((dir / "ckpt").string()), 2);
+    train(twin, twin_opt, 2);
+    SummonFullParams a(*model);
+    SummonFullParams b(*twin);
+    const auto want = model->named_parameters();
+    for (const auto& p : twin->named_parameters()) {
+      EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key() << " rank " << rank;
+    }
+  });
 }
 
 // The experiment behind docs/using.md's torch::save caveat: Module::save
 // cannot be overridden in place, so the parameters it writes are what they
 // are at that moment: full under SummonFullParams, placeholders (no data)
-// outside. A file written outside does not load anywhere (loudly), and
+// outside, a file that 2.x refuses to load (1.13 takes it silently). And
 // torch::load into the sharded model is refused, naming the fix.
 TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
-  namespace fs = std::filesystem;
-  MultiRankOptions with_dir;
-  const fs::path dir = shared_temp_dir(with_dir);
-  ASSERT_FALSE(dir.empty());
-  run_ranks_ok(
-      2,
-      [&](int rank, int world) {
-        init(world);
-        torch::manual_seed(0);
-        ListGpt model(2);
-        Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
-        torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
-        torch::manual_seed(40 + rank);
-        const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
-        lm_loss(model->forward(tokens), tokens).backward();
-        opt.step();
-        const std::string full = (dir / "full.pt").string();
-        const std::string sharded = (dir / "sharded.pt").string();
-        std::vector<torch::Tensor> want;
-        {
-          SummonFullParams gathered(*model);
-          if (rank == 0) torch::save(model, full);
-          for (const auto& p : model->parameters()) want.push_back(p.detach().clone());
-        }
-        bool written = true;
-        if (rank == 0) {
-          try {
-            torch::save(model, sharded);
-          } catch (const c10::Error&) {
-            written = false;
-          }
-        }
-        default_process_group()->barrier().wait();
-        ListGpt plain(2);
-        torch::load(plain, full);
-        const auto got = plain->parameters();
-        ASSERT_EQ(got.size(), want.size());
-        for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << i;
-        // LibTorch 2.x's loader refuses the placeholders' empty storages;
-        // 1.13's takes them without a word (docs/using.md warns of it).
-        if (rank == 0 && written && TORCH_VERSION_MAJOR >= 2) {
-          ListGpt other(2);
-          EXPECT_THROW(torch::load(other, sharded), c10::Error)
-              << "a file saved from placeholders loaded without a word";
-        }
-        try {
-          torch::load(model, full);
-          ADD_FAILURE() << "torch::load into a fully_shard model was accepted";
-        } catch (const c10::Error& e) {
-          EXPECT_NE(std::string(e.what()).find("load_full_state_dict"), std::string::npos)
-              << e.what();
-        }
-      },
-      with_dir);
-  if (!is_rank_process()) fs::remove_all(dir);
+  run_with_dir(2, [](int rank, int world, const std::filesystem::path& dir) {
+    torch::manual_seed(0);
+    ListGpt model(2);
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+    torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    torch::manual_seed(40 + rank);
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+    lm_loss(model->forward(tokens), tokens).backward();
+    opt.step();
+    const std::string full = (dir / "full.pt").string();
+    const std::string sharded = (dir / "sharded.pt").string();
+    std::vector<torch::Tensor> want;
+    {
+      SummonFullParams gathered(*model);
+      if (rank == 0) torch::save(model, full);
+      for (const auto& p : model->parameters()) want.push_back(p.detach().clone());
+    }
+    bool written = true;
+    if (rank == 0) {
+      try {
+        torch::save(model, sharded);
+      } catch (const c10::Error&) {
+        written = false;
+      }
+    }
+    default_process_group()->barrier().wait();
+    ListGpt plain(2);
+    torch::load(plain, full);
+    const auto got = plain->parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << i;
+    // LibTorch 2.x's loader refuses the placeholders' empty storages;
+    // 1.13's takes them without a word (docs/using.md warns of it).
+    if (rank == 0 && written && TORCH_VERSION_MAJOR >= 2) {
+      ListGpt other(2);
+      EXPECT_THROW(torch::load(other, sharded), c10::Error)
+          << "a file saved from placeholders loaded without a word";
+    }
+    try {
+      torch::load(model, full);
+      ADD_FAILURE() << "torch::load into a fully_shard model was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("load_full_state_dict"), std::string::npos) << e.what();
+    }
+  });
 }
 
 }  // namespace
