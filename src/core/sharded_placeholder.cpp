@@ -75,15 +75,16 @@ std::string message(const std::string& op, const Entry& e) {
          "wrapped model's parameters()).";
 }
 
-template <typename F>
-void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
-  for (const c10::IValue& v : values) {
-    if (v.isTensor()) {
-      f(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
-    }
-  }
+// The last `n` values of `stack`: an operator's arguments before it runs,
+// its returns after.
+c10::ArrayRef<c10::IValue> last_values(const torch::jit::Stack* stack, size_t n) {
+  return c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n);
+}
+
+// Runs the operator as if the placeholders' key were not there.
+void redispatch_below(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                      torch::jit::Stack* stack) {
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
 }
 
 // One listener to report to, and whether it saw one of its placeholders.
@@ -131,36 +132,32 @@ void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
   // (detach() outside forward): gathering the unit did not fill it.
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
-    for_each_tensor(
-        c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), [&](const at::Tensor& t) {
-          if (!t.defined() || !t.key_set().has(kKey)) return;
-          auto it = registry().find(storage_of(t));
-          TORCH_CHECK(it == registry().end() || it->second.tracked ||
-                          it->second.kind != PlaceholderKind::kParameter,
-                      error_prefix(-1, "parameters"), op.schema().name(), " used ", it->second.what,
-                      " through an alias taken while it was sharded (detach(), a "
-                      "view). Take aliases of a fully_shard unit's parameters inside "
-                      "its forward, or under fsdp::SummonFullParams");
-        });
+    for_each_tensor(last_values(stack, n), [&](const at::Tensor& t) {
+      if (!t.defined() || !t.key_set().has(kKey)) return;
+      auto it = registry().find(storage_of(t));
+      TORCH_CHECK(it == registry().end() || it->second.tracked ||
+                      it->second.kind != PlaceholderKind::kParameter,
+                  error_prefix(-1, "parameters"), op.schema().name(), " used ", it->second.what,
+                  " through an alias taken while it was sharded (detach(), a "
+                  "view). Take aliases of a fully_shard unit's parameters inside "
+                  "its forward, or under fsdp::SummonFullParams");
+    });
   }
   cast_inputs(op, stack, uses);
   {
     ReportingScope scope;
-    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+    redispatch_below(op, keys, stack);
   }
-  const size_t returns = op.schema().returns().size();
+  const auto returns = last_values(stack, op.schema().returns().size());
   ReportingScope scope;
-  for (const Use& u : uses) {
-    u.listener->after_param_use(
-        c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - returns, returns));
-  }
+  for (const Use& u : uses) u.listener->after_param_use(returns);
 }
 
 void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
   const size_t n = op.schema().arguments().size();
-  const c10::ArrayRef<c10::IValue> args(stack->data() + stack->size() - n, n);
+  const c10::ArrayRef<c10::IValue> args = last_values(stack, n);
   // The first placeholder among the arguments; a gradient one wins, since
   // reading a moved gradient is the more specific mistake.
   const Entry* found = nullptr;
@@ -184,16 +181,20 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
           "by fsdp::fully_shard, cutting it off its unit. Load with "
           "fsdp::load_full_state_dict(model, dict) or fsdp::Checkpointer, or "
           "torch::load into the model before fully_shard");
-      if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter && (report || e.tracked)) {
-        if (!report) return;
-        auto same = std::find_if(uses.begin(), uses.end(),
-                                 [&](const Use& u) { return u.listener == e.listener; });
-        if (same == uses.end()) {
-          uses.push_back({e.listener, !e.tracked});
-        } else {
-          same->sharded = same->sharded || !e.tracked;
+      if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter) {
+        if (report) {
+          auto same = std::find_if(uses.begin(), uses.end(),
+                                   [&](const Use& u) { return u.listener == e.listener; });
+          if (same == uses.end()) {
+            uses.push_back({e.listener, !e.tracked});
+          } else {
+            same->sharded = same->sharded || !e.tracked;
+          }
+          return;
         }
-        return;
+        if (e.tracked) return;  // gathered: runs as it is
+        // A sharded one inside a reported operator or an unreported scope:
+        // like any placeholder below (passes through, or an error).
       }
       if (found == nullptr || e.kind == PlaceholderKind::kGradient) found = &e;
     });
@@ -223,15 +224,15 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
     run_reported(op, keys, stack, uses, args);
     return;
   }
-  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey), stack);
+  redispatch_below(op, keys, stack);
 }
 
 }  // namespace
 
-UnreportedUses::UnreportedUses() { ++t_reporting; }
-UnreportedUses::~UnreportedUses() { --t_reporting; }
 void begin_unreported_uses() { ++t_reporting; }
 void end_unreported_uses() { --t_reporting; }
+UnreportedUses::UnreportedUses() { begin_unreported_uses(); }
+UnreportedUses::~UnreportedUses() { end_unreported_uses(); }
 
 TORCH_LIBRARY_IMPL(_, FSDP_PLACEHOLDER_DISPATCH_KEY, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&placeholder_fallback>());

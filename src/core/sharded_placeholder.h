@@ -91,6 +91,18 @@ void rename_placeholder(const at::Tensor& placeholder, std::string what);
 /// Forgets a placeholder (called before it is destroyed).
 void release_placeholder(const at::Tensor& placeholder);
 
+/// Calls f(tensor) for each tensor among `values`, those of tensor lists too.
+template <typename F>
+void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
+  for (const c10::IValue& v : values) {
+    if (v.isTensor()) {
+      f(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList().vec()) f(t);
+    }
+  }
+}
+
 /// True for a tensor made by make_placeholder (or a detached alias of one).
 bool is_placeholder(const at::Tensor& t);
 

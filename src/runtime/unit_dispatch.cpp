@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <vector>
+
 #include <fsdp/core/activation_checkpoint.h>
 
 #include "runtime/in_place_units.h"
@@ -83,18 +85,9 @@ void UnitRuntime::before_param_use(bool sharded) {
 
 void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs) {
   if (state_ != Unit::TrainingState::kForward || !at::GradMode::is_enabled()) return;
-  const auto hook = [this](const at::Tensor& t) {
-    if (!t.defined() || !t.requires_grad()) return;
-    hooked_ = true;
-    t.register_hook([this](const at::Tensor&) { pre_backward(); });
-  };
-  for (const c10::IValue& v : outputs) {
-    if (v.isTensor()) {
-      hook(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) hook(t);
-    }
-  }
+  std::vector<at::Tensor> tensors;
+  for_each_tensor(outputs, [&tensors](const at::Tensor& t) { tensors.push_back(t); });
+  if (hook_outputs(tensors)) hooked_ = true;
 }
 
 void UnitRuntime::module_zero_grad() { zero_optim_grads(kModuleZeroGradSetsToNone); }

@@ -18,10 +18,7 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) {
   if (init.needs_fill()) {
     config.fill([&init](const at::Tensor& unsharded) { init.fill(unsharded); });
   }
-  if (driver_ == Driver::kDispatch) {
-    // See Note [Units driven by dispatch].
-    config.use_listener(this);
-  }
+  config.use_listener(use_listener());  // See Note [Units driven by dispatch].
   return config;
 }
 

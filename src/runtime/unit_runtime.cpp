@@ -270,8 +270,7 @@ void UnitRuntime::register_grad_hooks() {
   const bool all_frozen = !flat_->shard().requires_grad();
   for (size_t i = 0; i < slots.size(); ++i) {
     grad_placeholders_.push_back(make_placeholder(slots[i].param, PlaceholderKind::kGradient,
-                                                  "'" + slots[i].name + "'",
-                                                  driver_ == Driver::kDispatch ? this : nullptr));
+                                                  "'" + slots[i].name + "'", use_listener()));
     // The slot's tensor object is the module's own parameter: only its
     // autograd flags change here, never what it refers to.
     at::Tensor param = slots[i].param;
@@ -291,7 +290,6 @@ void UnitRuntime::register_grad_hooks() {
 }
 
 void UnitRuntime::set_activation_checkpointing(bool on) {
-  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle(on ? "turn activation checkpointing on" : "turn activation checkpointing off");
   options_.activation_checkpointing(on);
 }
@@ -304,7 +302,8 @@ void UnitRuntime::refuse_activation_checkpointing(const char* output_type) const
             c10::demangle(output_type), ". Checkpoint a submodule that does, or turn it off");
 }
 
-void UnitRuntime::check_idle(const char* what) const {
+void UnitRuntime::check_idle(const char* what) {
+  end_open_forward();  // see Note [Units driven by dispatch]
   FSDP_CHECK(state_ == Unit::TrainingState::kIdle, flat_ ? flat_->group().rank() : -1, path_,
              "cannot ", what, " while the unit is in its ", to_string(state_),
              " state. Call it outside the forward and backward passes (after backward, or "
@@ -312,7 +311,6 @@ void UnitRuntime::check_idle(const char* what) const {
 }
 
 bool UnitRuntime::gather_full_params() {
-  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("gather the full parameters");
   if (!flat_ || flat_->state() == FlatParameter::State::kUnsharded) return false;
   unshard();
@@ -320,13 +318,11 @@ bool UnitRuntime::gather_full_params() {
 }
 
 void UnitRuntime::release_full_params() {
-  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("free the full parameters");
   if (flat_) reshard();
 }
 
 void UnitRuntime::write_back_full_params() {
-  end_open_forward();  // see Note [Units driven by dispatch]
   check_idle("write the full parameters back into the shard");
   if (flat_ && flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded) {
     flat_->copy_unsharded_into_shard();

@@ -109,7 +109,12 @@ class UnitRuntime final : public ParamUseListener {
   // Dispatch-driven units still in a forward that nothing ended (no backward
   // followed) end it before they are used from outside.
   void end_open_forward();
-  void check_idle(const char* what) const;
+  // Ends a dispatch-driven forward that nothing ended, then checks that the
+  // unit is idle (an error naming `what` otherwise).
+  void check_idle(const char* what);
+  // This unit as the listener of its parameters' uses, or nullptr for a
+  // wrapper's unit (see Note [Units driven by dispatch]).
+  ParamUseListener* use_listener() { return driver_ == Driver::kDispatch ? this : nullptr; }
   void unshard();
   void reshard();
   void prefetch_forward();
