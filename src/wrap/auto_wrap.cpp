@@ -15,6 +15,7 @@
 
 #include "detail/error.h"
 #include "runtime/unit_init.h"
+#include "wrap/policy_walk.h"
 
 namespace fsdp {
 
@@ -179,11 +180,10 @@ class Planner {
     for (const auto& m : options.ignored_modules()) {
       if (m == nullptr) continue;
       for (const auto& sub : m->modules(/*include_self=*/true)) ignored_.insert(sub.get());
-      for (const auto& p : m->parameters()) owned_.insert(p.unsafeGetTensorImpl());
     }
+    owned_ = detail::ignored_params(options);
     ignored_params_ = owned_;
-    if (options.mixed_precision())
-      mp_classes_ = options.mixed_precision()->module_classes_to_ignore();
+    mp_classes_ = detail::full_precision_classes(options);
   }
 
   std::vector<Planned> plan(const std::shared_ptr<SequentialImpl>& root) {
@@ -214,8 +214,8 @@ class Planner {
   void visit(const std::shared_ptr<Module>& m, const std::string& path, const Slot& slot) {
     if (!visited_.insert(m.get()).second) return;  // decided at its first path
     if (ignored_.count(m.get()) != 0) return;      // FSDPOptions::ignored_modules
-    const bool recurse =
-        policy_.should_recurse(*m, path, unwrapped_numel(*m)) || holds_full_precision_class(*m);
+    const bool recurse = policy_.should_recurse(*m, path, unwrapped_numel(*m)) ||
+                         detail::holds_class(*m, mp_classes_);
     if (!recurse) return;
     const auto seq = std::dynamic_pointer_cast<SequentialImpl>(m);
     const auto children = m->named_children();
@@ -224,7 +224,7 @@ class Planner {
     }
     if (path.empty()) return;  // the root: the caller wraps it
     const int64_t numel = unwrapped_numel(*m);
-    const ModuleClass* fp_class = full_precision_class(*m);
+    const ModuleClass* fp_class = detail::class_of(*m, mp_classes_);
     if (!policy_.should_wrap(*m, path, numel) && fp_class == nullptr) return;
     FSDP_CHECK(slot.parent != nullptr, rank_, path, "expected the modules that ",
                policy_.description(),
@@ -243,25 +243,9 @@ class Planner {
                ". A unit in one slot would leave the other place calling the module with its "
                "parameters sharded. Give each place its own module, or keep it out of the "
                "policy.");
-    own(*m);
+    detail::own_params(*m, owned_);
     planned_.push_back(Planned{path, slot.parent, slot.index, m.get(), fp_class != nullptr});
     if (fp_class != nullptr) full_precision_found_.push_back(fp_class->name + " at " + path);
-  }
-
-  // The first of MixedPrecision::module_classes_to_ignore `m` belongs to.
-  const ModuleClass* full_precision_class(const Module& m) const {
-    for (const auto& c : mp_classes_) {
-      if (c.matches(m)) return &c;
-    }
-    return nullptr;
-  }
-
-  bool holds_full_precision_class(const Module& m) const {
-    if (mp_classes_.empty()) return false;
-    for (const auto& sub : m.modules(/*include_self=*/true)) {
-      if (full_precision_class(*sub) != nullptr) return true;
-    }
-    return false;
   }
 
   void warn_full_precision() const {
@@ -317,19 +301,7 @@ class Planner {
     return Slot{nullptr, 0, "a module " + parent + " registers besides its entries"};
   }
 
-  int64_t unwrapped_numel(const Module& m) const {
-    std::unordered_set<const void*> seen;  // tied parameters count once
-    int64_t numel = 0;
-    for (const auto& p : m.parameters()) {
-      const void* key = p.unsafeGetTensorImpl();
-      if (owned_.count(key) == 0 && seen.insert(key).second) numel += p.numel();
-    }
-    return numel;
-  }
-
-  void own(const Module& m) {
-    for (const auto& p : m.parameters()) owned_.insert(p.unsafeGetTensorImpl());
-  }
+  int64_t unwrapped_numel(const Module& m) const { return detail::unowned_numel(m, owned_); }
 
   const AutoWrapPolicy& policy_;
   const FSDPOptions& options_;

@@ -6,70 +6,54 @@
 #include <memory>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
-#include "core/flat_parameter.h"
 #include "detail/error.h"
 #include "runtime/in_place_units.h"
 #include "runtime/unit_init.h"
+#include "wrap/policy_walk.h"
 
 namespace fsdp {
 namespace {
 
-// The policy form's walk: post-order, registration order, each module once.
+// The policy form's walk: post-order, registration order, each module once,
+// with auto_wrap's rules (wrap/policy_walk.h).
 class InPlacePlanner {
  public:
   InPlacePlanner(const AutoWrapPolicy& policy, const FSDPOptions& options)
-      : policy_(policy), options_(options), ignored_(detail::ignored_module_set(options)) {}
+      : policy_(policy),
+        options_(options),
+        ignored_(detail::ignored_module_set(options)),
+        full_precision_(detail::full_precision_classes(options)),
+        owned_(detail::ignored_params(options)) {}
 
   void walk(torch::nn::Module& m, const std::string& path) {
     if (ignored_.count(&m) != 0 || !visited_.insert(&m).second) return;
-    if (const Unit* unit = unit_of(m)) {  // sharded by the caller before
-      own(*unit);
+    if (unit_of(m) != nullptr) {  // sharded by the caller before
+      detail::own_params(m, owned_);
       return;
     }
-    if (policy_.should_recurse(m, path, unowned_numel(m))) {
+    if (policy_.should_recurse(m, path, detail::unowned_numel(m, owned_)) ||
+        detail::holds_class(m, full_precision_)) {
       for (const auto& child : m.named_children()) {
         walk(*child.value(), path.empty() ? child.key() : path + "." + child.key());
       }
     }
-    if (policy_.should_wrap(m, path, unowned_numel(m)) || kept_in_full_precision(m)) {
+    if (policy_.should_wrap(m, path, detail::unowned_numel(m, owned_)) ||
+        detail::class_of(m, full_precision_) != nullptr) {
       detail::UnitPathScope scope(path);
-      own(fully_shard(m, options_));
+      fully_shard(m, options_);
+      detail::own_params(m, owned_);
     }
   }
 
  private:
-  void own(const Unit& unit) {
-    if (unit.flat_param() == nullptr) return;
-    for (const auto& slot : unit.flat_param()->slots()) {
-      owned_.insert(slot.param.unsafeGetTensorImpl());
-    }
-  }
-
-  int64_t unowned_numel(const torch::nn::Module& m) const {
-    int64_t n = 0;
-    for (const auto& p : m.parameters(/*recurse=*/true)) {
-      if (owned_.count(p.unsafeGetTensorImpl()) == 0) n += p.numel();
-    }
-    return n;
-  }
-
-  // MixedPrecision::module_classes_to_ignore: units of their own, kept in
-  // full precision (as auto_wrap makes them).
-  bool kept_in_full_precision(const torch::nn::Module& m) const {
-    const auto& mp = options_.mixed_precision();
-    if (!mp || !mp->param_dtype()) return false;
-    for (const auto& c : mp->module_classes_to_ignore()) {
-      if (c.matches(m)) return true;
-    }
-    return false;
-  }
-
   const AutoWrapPolicy& policy_;
   const FSDPOptions& options_;
   detail::ModuleSet ignored_;
+  std::vector<ModuleClass> full_precision_;  // units of their own (MixedPrecision)
   std::unordered_set<const torch::nn::Module*> visited_;
-  std::unordered_set<const void*> owned_;  // parameters of the units made so far
+  detail::ParamSet owned_;  // parameters of the units made so far, and the ignored ones
 };
 
 }  // namespace

@@ -380,6 +380,34 @@ TEST(FullyShard, FrozenBlockNoSyncClippingAndStateDicts) {
   });
 }
 
+TEST(FullyShard, PolicySeesWhatAutoWrapWouldSee) {
+  // The policy form walks as auto_wrap does: post-order, and the numel a
+  // policy sees leaves out what units made before and ignored modules hold.
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    ListGpt model(3);
+    std::vector<std::pair<std::string, int64_t>> asked;
+    LambdaPolicy policy([&](const torch::nn::Module& m, const std::string& path, int64_t numel) {
+      asked.emplace_back(path, numel);
+      return dynamic_cast<const BlockImpl*>(&m) != nullptr;
+    });
+    fully_shard(model, policy, FSDPOptions().ignored_modules({model->blocks[0]}));
+    EXPECT_EQ(unit_of(*model->blocks[0]), nullptr);  // ignored
+    EXPECT_NE(unit_of(*model->blocks[2]), nullptr);
+    const auto at = [&](const std::string& path) {
+      for (const auto& [p, numel] : asked) {
+        if (p == path) return numel;
+      }
+      return int64_t{-1};
+    };
+    int64_t block = 0;
+    for (const auto& p : model->blocks[1]->parameters()) block += p.numel();
+    EXPECT_EQ(at("blocks.1"), block);
+    EXPECT_EQ(at("blocks.0"), -1) << "an ignored module is not asked about";
+    EXPECT_EQ(at("blocks"), 0) << "blocks 1 and 2 are units, block 0 is ignored";
+  });
+}
+
 TEST(FullyShard, RefusesWhatItCannotShard) {
   run_ranks_ok(1, [](int, int w) {
     init(w);

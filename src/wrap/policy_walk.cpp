@@ -1,0 +1,48 @@
+#include "wrap/policy_walk.h"
+
+namespace fsdp::detail {
+
+ParamSet ignored_params(const FSDPOptions& options) {
+  ParamSet out;
+  for (const auto& m : options.ignored_modules()) {
+    if (m != nullptr) own_params(*m, out);
+  }
+  return out;
+}
+
+int64_t unowned_numel(const torch::nn::Module& m, const ParamSet& owned) {
+  ParamSet seen;  // tied parameters count once
+  int64_t numel = 0;
+  for (const auto& p : m.parameters()) {
+    const void* key = p.unsafeGetTensorImpl();
+    if (owned.count(key) == 0 && seen.insert(key).second) numel += p.numel();
+  }
+  return numel;
+}
+
+void own_params(const torch::nn::Module& m, ParamSet& owned) {
+  for (const auto& p : m.parameters()) owned.insert(p.unsafeGetTensorImpl());
+}
+
+std::vector<ModuleClass> full_precision_classes(const FSDPOptions& options) {
+  if (!options.mixed_precision()) return {};
+  return options.mixed_precision()->module_classes_to_ignore();
+}
+
+const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<ModuleClass>& classes) {
+  for (const auto& c : classes) {
+    if (c.matches(m)) return &c;
+  }
+  return nullptr;
+}
+
+bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes) {
+  if (classes.empty()) return false;
+  if (class_of(m, classes) != nullptr) return true;
+  for (const auto& sub : m.modules(/*include_self=*/false)) {
+    if (class_of(*sub, classes) != nullptr) return true;
+  }
+  return false;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,43 @@
+#pragma once
+
+// The rules auto_wrap and fully_shard's policy form share when they walk a
+// tree and ask an AutoWrapPolicy about each module.
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <unordered_set>
+#include <vector>
+
+#include <fsdp/core/mixed_precision.h>
+#include <fsdp/runtime/options.h>
+
+namespace fsdp::detail {
+
+/// Parameters, by TensorImpl.
+using ParamSet = std::unordered_set<const void*>;
+
+/// The parameters of options.ignored_modules(): no unit manages them and no
+/// policy counts them.
+ParamSet ignored_params(const FSDPOptions& options);
+
+/// The elements of the parameters under `m` that are not in `owned`, tied
+/// ones once: the unwrapped numel a policy is asked with.
+int64_t unowned_numel(const torch::nn::Module& m, const ParamSet& owned);
+
+/// Adds the parameters under `m` to `owned`.
+void own_params(const torch::nn::Module& m, ParamSet& owned);
+
+/// MixedPrecision::module_classes_to_ignore when mixed precision is on, else
+/// none: modules of these classes become units of their own, kept in full
+/// precision.
+std::vector<ModuleClass> full_precision_classes(const FSDPOptions& options);
+
+/// The first of `classes` that `m` is, or nullptr.
+const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
+
+/// Whether `m` or a module under it is of one of `classes` (the walk must look
+/// inside it, whatever the policy says).
+bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
+
+}  // namespace fsdp::detail
