@@ -274,6 +274,10 @@ int main(int argc, char** argv) {
   at::Tensor targets = data.slice(1, 1, args.seq + 1).contiguous();
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
+  // The tracker's bytes as the last timed step starts and as its forward
+  // ends: what any sharding must hold there (the shards, or the whole state
+  // for local, and the activations), for issue 18's floor (memory_rss.sh).
+  int64_t step_start_bytes = 0, forward_end_bytes = 0;
   double loss0 = 0;
   int64_t gathered0 = 0, reduced0 = 0, tx0 = 0;
   double cpu0 = 0;
@@ -303,7 +307,9 @@ int main(int argc, char** argv) {
       continue;
     }
     opt.zero_grad();
+    if (i == args.steps - 1) step_start_bytes = fsdp::memory_stats().current_bytes;
     at::Tensor loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
+    if (i == args.steps - 1) forward_end_bytes = fsdp::memory_stats().current_bytes;
     const double f = ms_since(t0);
     const auto t1 = Clock::now();
     loss.backward();
@@ -373,6 +379,12 @@ int main(int argc, char** argv) {
       static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(param_peak)));
   const auto run_peak_max =
       static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(run_peak)));
+  const auto step_start_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(step_start_bytes)));
+  const auto forward_end_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(forward_end_bytes)));
+  const auto rss_before_max =
+      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_before_model)));
   const auto peak_rss_max = static_cast<int64_t>(
       max_over_ranks(*pg, static_cast<double>(fsdp::memory_stats().peak_resident_bytes)));
   const auto rss_growth_max =
@@ -397,6 +409,7 @@ int main(int argc, char** argv) {
         "\"cache_mapped\":%lld,\"cache_evicted\":%lld,\"cache_peak_in_use\":%lld,"
         "\"cache_mapped_bytes\":%lld,\"backward_prefetch\":\"%s\",\"comm_only\":%s,"
         "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"cpu_ms_per_step\":%.1f,"
+        "\"step_start_bytes\":%lld,\"forward_end_bytes\":%lld,\"rss_before_model_bytes\":%lld,"
         "\"malloc\":\"%s\",\"in_place\":%s,"
         "\"torch\":\"%s\",\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
@@ -417,8 +430,9 @@ int main(int argc, char** argv) {
         static_cast<long long>(cache.mapped_bytes), args.backward_prefetch.c_str(),
         args.comm_only ? "true" : "false",
         static_cast<long long>(counting ? counting->recorded() : 0), static_cast<long long>(tx_max),
-        cpu_max, bench::malloc_mode(), args.in_place ? "true" : "false", TORCH_VERSION,
-        bench::blas_description().c_str());
+        cpu_max, static_cast<long long>(step_start_max), static_cast<long long>(forward_end_max),
+        static_cast<long long>(rss_before_max), bench::malloc_mode(),
+        args.in_place ? "true" : "false", TORCH_VERSION, bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -4,6 +4,10 @@
 # whose links are limited to RATE with DELAY, measured in one run with the
 # rounds interleaved:
 #   compute        bench_step full_shard at world 1 (one node, no network)
+#   compute_pair   the same world-1 run on both nodes at once: the compute
+#                  of one node while the other computes too, as in the
+#                  2-node runs (the simulated nodes share this machine's
+#                  cores, memory bandwidth and caches; real nodes do not)
 #   comm           bench_step full_shard --comm-only 1 on 2 nodes x 1 rank:
 #                  the step's collectives replayed with no compute
 #   fs_prefetch    FULL_SHARD on 2 x 1, forward prefetch + BACKWARD_PRE
@@ -12,20 +16,22 @@
 #   fs_2x2         FULL_SHARD on 2 nodes x 2 ranks
 # One JSON line per run (bench_step's, plus "config" and "round"), then the
 # summary line: the medians, fs_prefetch / max(compute, comm) (target
-# <= 1.15), hybrid_2x2 / fs_2x2 step time, and the bytes each node sent per
+# <= 1.15; also against compute_pair), hybrid_2x2 / fs_2x2 step time, and
+# the bytes each node sent per
 # step against HYBRID_SHARD's share (one all-reduce of every shard across the
 # nodes: 2 (N-1)/N x the parameters' bytes per node for N nodes).
 #   sudo bench/network_overlap.sh [BUILD_DIR] [ROUNDS]
-# Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (4),
-# D_MODEL (512), BATCH (4), SEQ (128), STEPS (5), WARMUP (2), CONFIGS (the
-# configurations to run, space-separated; default all six).
+# Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (8:
+# bench_step's GPT-mini), D_MODEL (512), BATCH (4), SEQ (128), STEPS (5),
+# WARMUP (2), STEP_ARGS (more bench_step flags for every configuration),
+# CONFIGS (the configurations to run, space-separated; default all seven).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
 ROUNDS="${2:-3}"
 RATE="${RATE:-1gbit}" DELAY="${DELAY:-0.5ms}"
-model=(--blocks "${BLOCKS:-4}" --d-model "${D_MODEL:-512}" --batch "${BATCH:-4}"
-       --seq "${SEQ:-128}" --steps "${STEPS:-5}" --warmup "${WARMUP:-2}")
+model=(--blocks "${BLOCKS:-8}" --d-model "${D_MODEL:-512}" --batch "${BATCH:-4}"
+       --seq "${SEQ:-128}" --steps "${STEPS:-5}" --warmup "${WARMUP:-2}" ${STEP_ARGS:-})
 . bench/json_lines.sh
 need_executables "$BUILD" bench_step fsdprun
 bench_step=$(cd "$BUILD/bin" && pwd)/bench_step
@@ -47,7 +53,11 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
   cluster_init "$nodes" "$logs/$name.$round"
   cluster_shape "$RATE" "$DELAY" || exit 1
   CLUSTER_PORT=$((29600 + RANDOM % 1000))
-  cluster_fsdprun "$name" "$fsdprun" "$nproc" -- "$bench_step" "${model[@]}" "$@"
+  if [[ $name == compute_pair ]]; then  # a world-1 job on every node at once
+    cluster_spawn_all "$name" "$fsdprun" --nproc-per-node 1 "$bench_step" "${model[@]}" "$@"
+  else
+    cluster_fsdprun "$name" "$fsdprun" "$nproc" -- "$bench_step" "${model[@]}" "$@"
+  fi
   if ! cluster_wait 900; then
     echo "network_overlap: $name failed; its logs:" >&2
     cat "$CLUSTER_DIR"/"$name".node*.log >&2
@@ -59,13 +69,14 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
   cluster_cleanup
 }
 
-read -r -a configs <<<"${CONFIGS:-compute comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2}"
+read -r -a configs <<<"${CONFIGS:-compute compute_pair comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2}"
 for ((r = 0; r < ROUNDS; ++r)); do
   # Rotate the order every round, so drift in the machine's speed spreads evenly.
   for ((k = 0; k < ${#configs[@]}; ++k)); do
     c=${configs[$(((k + r) % ${#configs[@]}))]}
     case $c in
       compute) run_config compute 1 1 "$r" --mode full_shard ;;
+      compute_pair) run_config compute_pair 2 1 "$r" --mode full_shard ;;
       comm) run_config comm 2 1 "$r" --mode full_shard --comm-only 1 ;;
       fs_prefetch) run_config fs_prefetch 2 1 "$r" --mode full_shard --forward-prefetch 1 \
         --backward-prefetch backward_pre ;;
@@ -99,6 +110,9 @@ if "compute" in m and "comm" in m:  # the ratios of the configurations that ran
     for c in ("fs_prefetch", "fs_no_prefetch"):
         if c in m:
             summary[c + "_over_max_compute_comm"] = round(m[c] / bound, 3)
+    if "compute_pair" in m and "fs_prefetch" in m:
+        summary["fs_prefetch_over_max_compute_pair_comm"] = round(
+            m["fs_prefetch"] / max(m["compute_pair"], m["comm"]), 3)
 if "hybrid_2x2" in m and "fs_2x2" in m:
     summary["hybrid_over_full_shard_2x2"] = round(m["hybrid_2x2"] / m["fs_2x2"], 3)
     summary["hybrid_share_bytes_per_step"] = int(share)

@@ -240,4 +240,18 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   return out;
 }
 
+void RootState::keep_for_backward(UnitRuntime& unit) {
+  if (kept_ != nullptr && kept_ != &unit) kept_->reshard();
+  kept_ = &unit;
+}
+
+void RootState::release_kept() {
+  if (kept_ != nullptr) kept_->reshard();
+  kept_ = nullptr;
+}
+
+void RootState::forget_kept(const UnitRuntime& unit) {
+  if (kept_ == &unit) kept_ = nullptr;
+}
+
 }  // namespace fsdp::detail

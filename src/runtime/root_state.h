@@ -46,6 +46,16 @@ class RootState {
   /// See Note [Reductions in flight].
   static constexpr size_t kMaxReductionsInFlight = 2;
 
+  // Wrapper units (Note [The first unit of backward stays gathered]).
+  /// `unit` ended a forward that backward will reach and stays gathered; the
+  /// unit kept before it, whose forward was not the last after all, reshards.
+  void keep_for_backward(UnitRuntime& unit);
+  /// The kept unit, if any, reshards: a unit's forward begins.
+  void release_kept();
+  /// `unit`'s backward began: it is no longer kept (it reshards once its
+  /// gradient is reduced, as every unit does).
+  void forget_kept(const UnitRuntime& unit);
+
   // Units driven by dispatch (Note [Units driven by dispatch]).
   /// `unit` (idle) is used in a forward: ends the forward of the units in
   /// forward that do not hold it, then enters it and the idle units around it.
@@ -80,6 +90,9 @@ class RootState {
   // The first unit this forward entered after the root: entering it again
   // starts the next forward.
   UnitRuntime* first_entered_ = nullptr;
+  // The wrapper unit whose forward ended last and that backward will reach,
+  // gathered until its backward or the next forward.
+  UnitRuntime* kept_ = nullptr;
 };
 
 }  // namespace fsdp::detail

@@ -81,6 +81,7 @@ void UnitRuntime::pre_forward() {
 }
 
 void UnitRuntime::begin_forward_state() {
+  if (root_ != nullptr) root_->release_kept();  // Note [The first unit of backward stays gathered]
   if (state_ != State::kIdle) abandon_iteration();
   transition(State::kForward);
   if (is_root()) {
@@ -162,14 +163,51 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
       ", in which libfsdp cannot find the tensors that backward starts from, so it "
       "cannot gather the unit's parameters for backward. Return at::Tensor, "
       "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
-  if (flat_ &&
-      (!grad_enabled || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
-    reshard();
+  if (!grad_enabled) {
+    if (flat_) reshard();
+    return;
   }
-  if (!grad_enabled) return;
   const bool backward_reaches = hook_outputs(outputs) || phase == CheckpointPhase::kForward;
+  if (flat_ && !is_root() && reshards_after_forward(options_.sharding_strategy())) {
+    if (backward_reaches && options_.backward_prefetch() != BackwardPrefetch::kNone) {
+      root().keep_for_backward(*this);  // See Note [The first unit of backward stays gathered].
+    } else {
+      reshard();
+    }
+  }
   if (backward_reaches && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
 }
+
+// Note [The first unit of backward stays gathered]
+// FSDP1 and FSDP2 reshard every non-root unit after its forward and gather it
+// again before its backward. Backward starts with the unit whose forward
+// ended last, so for that one unit the gather comes right after the free: the
+// model's tail (the rest of the root's forward, the loss and their backward)
+// is too short to hide it, and it is waited for in full (at 1 Gbit/s, 67 ms
+// of a 1.6 s GPT-mini step; bench/network_overlap.sh). Only the end of the
+// forward tells which unit that is, so a unit whose forward ends stays
+// gathered (RootState's kept unit) until the next unit's forward begins, when
+// it reshards as FSDP's schedule would have; the last one is still gathered
+// when its backward begins: one all-gather fewer per step. It frees its
+// parameters when its gradient reduction starts, as every unit does. A
+// forward that no backward follows leaves it gathered until the next forward
+// begins, which regathers it: an optimizer step in between may have changed
+// its shard.
+//
+// Memory: one unit more, only during the tail, below the peak of that unit's
+// backward (itself, BACKWARD_PRE's prefetch and its gradient). Ranks agree
+// without communicating: each skips the backward gather of the unit it ran
+// last, one per step, so ranks whose forward orders differ (warned by Note
+// [Forward order]) still issue the same number of gathers, which pair by issue
+// order as with FSDP's schedule. Without backward prefetch the user chose the
+// smallest footprint, and gets FSDP's schedule.
+//
+// Measured on 2 simulated nodes at 1 Gbit/s, FSDP's schedule against this,
+// rounds interleaved: 8-block GPT-mini 0.93x per step (median of 4 rounds;
+// another run of 3: 1613 -> 1524 ms); 4 blocks 0.99x, within the noise.
+// Also tried, and slower (1654 ms at 8 blocks): gathering the unit that
+// backward needs second during the last unit's forward, so the network would
+// not idle there; it then competes with that forward for the two cores.
 
 bool UnitRuntime::hook_outputs(const std::vector<at::Tensor>& outputs) {
   bool hooked = false;
@@ -192,6 +230,7 @@ void UnitRuntime::pre_backward() {
   if (state_ != State::kIdle) return;  // another of its outputs got there first
   FSDP_RECORD("pre_backward", path_);
   transition(State::kPreBackward);
+  root().forget_kept(*this);
   if (flat_) {
     // A second backward through the same graph (retain_graph) accumulates
     // into the shards' gradients as plain LibTorch accumulates into .grad.

@@ -30,9 +30,11 @@ using CountingGroup = CountingProcessGroup;
 
 // A root without parameters around four big units, one counting group each.
 struct WideImpl : torch::nn::Module {
-  WideImpl(const std::vector<std::shared_ptr<CountingGroup>>& groups, ShardingStrategy strategy) {
+  WideImpl(const std::vector<std::shared_ptr<CountingGroup>>& groups, ShardingStrategy strategy,
+           BackwardPrefetch prefetch = BackwardPrefetch::kBackwardPre) {
     for (size_t i = 0; i < groups.size(); ++i) {
-      auto o = FSDPOptions().sharding_strategy(strategy).process_group(groups[i]);
+      auto o = FSDPOptions().sharding_strategy(strategy).process_group(groups[i]).backward_prefetch(
+          prefetch);
       units.push_back(register_module(
           "u" + std::to_string(i),
           FullyShardedDataParallel<torch::nn::LinearImpl>(torch::nn::Linear(512, 512), o)));
@@ -70,9 +72,12 @@ TEST(UnitRuntime, CollectivesPerUnitPerStep) {
           EXPECT_EQ(g->all_gathers, 0) << to_string(strategy);
           EXPECT_EQ(g->all_reduces, steps) << to_string(strategy);
         } else {
-          // FULL_SHARD gathers before forward and again before backward.
-          const int gathers = strategy == ShardingStrategy::kFullShard ? 2 : 1;
-          EXPECT_EQ(g->all_gathers, gathers * steps) << to_string(strategy);
+          // FULL_SHARD gathers before forward and again before backward,
+          // except the unit whose forward ends last (Note [The first unit of
+          // backward stays gathered]).
+          const bool twice = strategy == ShardingStrategy::kFullShard && g != groups.back();
+          const int gathers = twice ? 2 * steps : steps;
+          EXPECT_EQ(g->all_gathers, gathers) << to_string(strategy);
           EXPECT_EQ(g->reduce_scatters, steps) << to_string(strategy);
         }
       }
@@ -95,21 +100,100 @@ TEST(UnitRuntime, FullShardHoldsOnlyShardsAfterForward) {
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
       std::vector<std::shared_ptr<CountingGroup>> groups;
       for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
-      auto o = FSDPOptions().sharding_strategy(strategy);
-      FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy), o);
-      torch::Tensor x = torch::randn({1, 512});
-      const int64_t before = memory_stats().current_bytes;
-      torch::Tensor loss = model->forward(x).sum();
-      const int64_t grown = memory_stats().current_bytes - before;
-      if (strategy == ShardingStrategy::kFullShard) {
-        // Activations of batch 1 are a few KiB; one unsharded unit is 1 MiB.
-        EXPECT_LT(grown, kUnitBytes / 2) << "FULL_SHARD kept unsharded parameters after forward";
-      } else {
-        EXPECT_GE(grown, 4 * kUnitBytes) << "SHARD_GRAD_OP should keep all four units gathered";
+      for (auto prefetch : {BackwardPrefetch::kBackwardPre, BackwardPrefetch::kNone}) {
+        auto o = FSDPOptions().sharding_strategy(strategy).backward_prefetch(prefetch);
+        FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy, prefetch), o);
+        torch::Tensor x = torch::randn({1, 512});
+        const int64_t before = memory_stats().current_bytes;
+        torch::Tensor loss = model->forward(x).sum();
+        const int64_t grown = memory_stats().current_bytes - before;
+        if (strategy == ShardingStrategy::kShardGradOp) {
+          EXPECT_GE(grown, 4 * kUnitBytes) << "SHARD_GRAD_OP should keep all four units gathered";
+        } else if (prefetch == BackwardPrefetch::kNone) {
+          // Activations of batch 1 are a few KiB; one unsharded unit is 1 MiB.
+          EXPECT_LT(grown, kUnitBytes / 2) << "FULL_SHARD kept unsharded parameters after forward";
+        } else {
+          // Only the unit whose backward comes first (Note [The first unit of
+          // backward stays gathered]).
+          EXPECT_GE(grown, kUnitBytes) << "the last unit should stay gathered for backward";
+          EXPECT_LT(grown, kUnitBytes + kUnitBytes / 2) << "FULL_SHARD kept more than one unit";
+        }
+        loss.backward();
+        EXPECT_LT(memory_stats().current_bytes - before, 4 * kUnitBytes)
+            << "units should be sharded again after backward";
       }
-      loss.backward();
-      EXPECT_LT(memory_stats().current_bytes - before, 4 * kUnitBytes)
-          << "units should be sharded again after backward";
+    }
+  });
+}
+
+// Note [The first unit of backward stays gathered]: the unit whose forward
+// ends last keeps its parameters into backward (one all-gather fewer per
+// step), and nothing else changes: the same model trained with
+// FSDP's schedule (no backward prefetch) gives bit-equal losses and
+// parameters, with a grad-mode forward that no backward follows (validation
+// without NoGradGuard) between each backward and optimizer step.
+TEST(UnitRuntime, FirstUnitOfBackwardStaysGatheredAndChangesNoResult) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    struct Run {
+      std::vector<double> losses;
+      std::vector<at::Tensor> params;
+      std::vector<int64_t> gathers;
+    };
+    auto train = [&](int units, BackwardPrefetch prefetch) {
+      std::vector<std::shared_ptr<CountingGroup>> groups;
+      for (int i = 0; i < units; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+      torch::manual_seed(0);
+      auto o = FSDPOptions().backward_prefetch(prefetch);
+      FullyShardedDataParallel<WideImpl> model(Wide(groups, ShardingStrategy::kFullShard, prefetch),
+                                               o);
+      torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      Run run;
+      torch::manual_seed(100 + rank);
+      for (int step = 0; step < 4; ++step) {
+        torch::Tensor x = torch::randn({3, 512});
+        opt.zero_grad();
+        torch::Tensor loss = model->forward(x).pow(2).mean();
+        const bool kept = prefetch != BackwardPrefetch::kNone;
+        const auto& wrapped = model->module().units;
+        EXPECT_EQ(wrapped.back()->flat_param()->state() != FlatParameter::State::kSharded, kept)
+            << "step " << step;
+        for (size_t i = 0; i + 1 < wrapped.size(); ++i) {
+          EXPECT_EQ(wrapped[i]->flat_param()->state(), FlatParameter::State::kSharded) << i;
+        }
+        loss.backward();
+        for (const auto& u : model->module().units) {
+          EXPECT_EQ(u->flat_param()->state(), FlatParameter::State::kSharded)
+              << "every unit is sharded again after backward";
+        }
+        // A forward that no backward follows, between backward and step:
+        // whatever it keeps gathered must not outlive the step's update.
+        model->forward(torch::randn({3, 512})).sum();
+        opt.step();
+        run.losses.push_back(loss.item<double>());
+      }
+      for (const auto& p : model->parameters()) run.params.push_back(p.detach().clone());
+      for (const auto& g : groups) run.gathers.push_back(g->all_gathers);
+      return run;
+    };
+    // One unit: the kept unit is also the first of the next forward.
+    for (int units : {4, 1}) {
+      SCOPED_TRACE(std::to_string(units) + " units");
+      const Run fsdp = train(units, BackwardPrefetch::kNone);
+      const Run kept = train(units, BackwardPrefetch::kBackwardPre);
+      EXPECT_EQ(fsdp.losses, kept.losses);
+      ASSERT_EQ(fsdp.params.size(), kept.params.size());
+      for (size_t i = 0; i < fsdp.params.size(); ++i) {
+        EXPECT_TRUE(torch::equal(fsdp.params[i], kept.params[i])) << "parameter " << i;
+      }
+      // 4 training forwards and 4 without backward: FSDP's schedule gathers 8 + 4
+      // times per unit; the last unit skips every backward gather. (Kept after
+      // a forward without backward, it is gathered afresh by the next forward:
+      // the optimizer step may have changed its shard.)
+      std::vector<int64_t> expected(units, 12);
+      EXPECT_EQ(fsdp.gathers, expected);
+      expected.back() = 8;
+      EXPECT_EQ(kept.gathers, expected);
     }
   });
 }
@@ -170,9 +254,11 @@ struct ShuffledImpl : torch::nn::Module {
 
 // Note [Forward order] and prefetch: from the second iteration on, forward
 // prefetch gathers the next unit of the recorded order before the current
-// unit computes, and BACKWARD_PRE gathers the recorded predecessor before the
-// current unit's backward; never more than two units are unsharded at once,
-// three while a prefetch is in flight.
+// unit computes, BACKWARD_PRE gathers the recorded predecessor before the
+// current unit's backward, and the unit whose forward ends last keeps its
+// parameters from forward into backward (Note [The first unit of backward
+// stays gathered]); never more than two units are unsharded at once, three while a
+// prefetch is in flight.
 TEST(UnitRuntime, PrefetchFollowsTheRecordedOrderAndBoundsUnshardedUnits) {
   run_ranks_ok(2, [](int, int) {
     auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -202,10 +288,10 @@ TEST(UnitRuntime, PrefetchFollowsTheRecordedOrderAndBoundsUnshardedUnits) {
       }
       const std::vector<std::string> expected =
           prefetch
-              ? std::vector<std::string>{"gather u2",   "gather u0",   "forward u2", "gather u1",
-                                         "forward u0",  "gather u3",   "forward u1", "forward u3",
-                                         "backward u3", "gather u3",   "gather u1",  "backward u1",
-                                         "gather u0",   "backward u0", "gather u2",  "backward u2"}
+              ? std::vector<std::string>{"gather u2",   "gather u0", "forward u2",  "gather u1",
+                                         "forward u0",  "gather u3", "forward u1",  "forward u3",
+                                         "backward u3", "gather u1", "backward u1", "gather u0",
+                                         "backward u0", "gather u2", "backward u2"}
               : std::vector<std::string>{"gather u2",   "forward u2", "gather u0",   "forward u0",
                                          "gather u1",   "forward u1", "gather u3",   "forward u3",
                                          "backward u3", "gather u3",  "backward u1", "gather u1",

@@ -35,7 +35,10 @@ enum class ShardingStrategy : uint8_t {
   kHybridShardZero2,
 };
 
-/// Which all-gather is issued early during backward (PyTorch's names).
+/// Which all-gather is issued early during backward (PyTorch's names). With
+/// either prefetch, a FULL_SHARD or HYBRID_SHARD unit whose forward ends last
+/// also keeps its parameters gathered into its backward, which comes first:
+/// one all-gather fewer per step than FSDP1 (kNone keeps FSDP1's schedule).
 enum class BackwardPrefetch : uint8_t {
   /// Gather each unit only when its own backward starts.
   kNone,
