@@ -85,9 +85,9 @@ void UnitRuntime::before_param_use(bool sharded) {
 
 void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs) {
   if (state_ != Unit::TrainingState::kForward || !at::GradMode::is_enabled()) return;
-  std::vector<at::Tensor> tensors;
-  for_each_tensor(outputs, [&tensors](const at::Tensor& t) { tensors.push_back(t); });
-  if (hook_outputs(tensors)) hooked_ = true;
+  for_each_tensor(outputs, [this](const at::Tensor& t) {
+    if (hook_output(t)) hooked_ = true;
+  });
 }
 
 void UnitRuntime::module_zero_grad() { zero_optim_grads(kModuleZeroGradSetsToNone); }

@@ -211,15 +211,17 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
 
 bool UnitRuntime::hook_outputs(const std::vector<at::Tensor>& outputs) {
   bool hooked = false;
-  for (const at::Tensor& output : outputs) {
-    if (!output.defined() || !output.requires_grad()) continue;
-    hooked = true;
-    // See Note [FSDP and autograd]. The first of the outputs whose gradient
-    // arrives runs pre_backward; it is idempotent per backward. (A hook is
-    // registered on the output's autograd meta, shared by every copy of it.)
-    output.register_hook([this](const at::Tensor&) { pre_backward(); });
-  }
+  for (const at::Tensor& output : outputs) hooked = hook_output(output) || hooked;
   return hooked;
+}
+
+bool UnitRuntime::hook_output(const at::Tensor& output) {
+  if (!output.defined() || !output.requires_grad()) return false;
+  // See Note [FSDP and autograd]. The first of the outputs whose gradient
+  // arrives runs pre_backward; it is idempotent per backward. (A hook is
+  // registered on the output's autograd meta, shared by every copy of it.)
+  output.register_hook([this](const at::Tensor&) { pre_backward(); });
+  return true;
 }
 
 void UnitRuntime::pre_backward() {

@@ -124,6 +124,8 @@ class UnitRuntime final : public ParamUseListener {
   /// Registers pre_backward on each output that requires a gradient;
   /// returns whether there was one.
   bool hook_outputs(const std::vector<at::Tensor>& outputs);
+  /// hook_outputs for one output.
+  bool hook_output(const at::Tensor& output);
   void prefetch_backward();
   void pre_backward();
   void on_grad_ready(size_t slot);

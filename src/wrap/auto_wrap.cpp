@@ -177,10 +177,7 @@ class Planner {
  public:
   Planner(const AutoWrapPolicy& policy, const FSDPOptions& options, int rank)
       : policy_(policy), options_(options), rank_(rank) {
-    for (const auto& m : options.ignored_modules()) {
-      if (m == nullptr) continue;
-      for (const auto& sub : m->modules(/*include_self=*/true)) ignored_.insert(sub.get());
-    }
+    ignored_ = detail::ignored_module_set(options);
     owned_ = detail::ignored_params(options);
     ignored_params_ = owned_;
     mp_classes_ = detail::full_precision_classes(options);
@@ -263,15 +260,14 @@ class Planner {
   // post-order, so a unit manages what the units planned before it do not;
   // the root last) must be uniformly trainable or frozen.
   void validate_frozen(const Module& root) const {
-    std::unordered_set<const void*> seen = ignored_params_;
+    detail::ParamSet seen = ignored_params_;
     for (const auto& p : planned_) check_uniform(*p.module, p.path, seen);
     check_uniform(root, "", seen);
   }
 
   // Errors before any unit is made, so a refusal changes nothing; the
   // use_orig_params warning comes from each unit as it is made.
-  void check_uniform(const Module& m, const std::string& path,
-                     std::unordered_set<const void*>& seen) const {
+  void check_uniform(const Module& m, const std::string& path, detail::ParamSet& seen) const {
     std::vector<std::pair<std::string, at::Tensor>> params;
     for (const auto& p : m.named_parameters()) {
       if (seen.insert(p.value().unsafeGetTensorImpl()).second)
@@ -306,13 +302,13 @@ class Planner {
   const AutoWrapPolicy& policy_;
   const FSDPOptions& options_;
   const int rank_;
-  std::unordered_set<const Module*> ignored_;
-  std::unordered_set<const void*> ignored_params_;
+  detail::ModuleSet ignored_;  // FSDPOptions::ignored_modules and their submodules
+  detail::ParamSet ignored_params_;
   std::vector<ModuleClass> mp_classes_;
   std::vector<std::string> full_precision_found_;
   std::unordered_map<const Module*, std::vector<std::string>> paths_;
   std::unordered_set<const Module*> visited_;
-  std::unordered_set<const void*> owned_;  // TensorImpls of parameters of planned units
+  detail::ParamSet owned_;  // parameters of planned units, and the ignored ones
   std::vector<Planned> planned_;
 };
 

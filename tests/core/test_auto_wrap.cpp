@@ -273,6 +273,16 @@ TEST(AutoWrap, RefusalsNameTheModuleAndChangeNothing) {
     EXPECT_TRUE(contains(msg, "fsdp::FullyShardedDataParallel<Impl>")) << msg;
     EXPECT_NE(dynamic_cast<nn::LinearImpl*>(with_mlp->ptr(0).get()), nullptr)
         << "entry 0 was wrapped before the refusal";
+
+    // A null module among ignored_modules: named before any unit is made.
+    nn::Sequential fresh = make_model();
+    msg = error_of([&] {
+      auto_wrap(fresh, module_type_policy<nn::LinearImpl>(),
+                FSDPOptions().ignored_modules({nullptr}));
+    });
+    EXPECT_TRUE(contains(msg, "expected ignored_modules to hold modules, got a nullptr")) << msg;
+    EXPECT_NE(dynamic_cast<nn::LinearImpl*>(fresh->ptr(0).get()), nullptr)
+        << "entry 0 was wrapped before the refusal";
     finish_rank(group);
   });
 }
