@@ -283,6 +283,12 @@ def cmd_summary(argv):
           times.get("pytorch_fsdp1_full_shard", {}), 0.75)
     ratio("libfsdp_no_shard_over_pytorch_ddp", times.get("libfsdp_no_shard", {}),
           times.get("pytorch_ddp", {}), 0.95)
+    # The floor over PyTorch's steps: the ratios libfsdp would reach if its
+    # data-parallel steps cost exactly the floor (no communication at all).
+    # Where these exceed the targets above, the targets would need a step
+    # faster than two processes that do not communicate.
+    ratio("floor_over_pytorch_fsdp1", floor, times.get("pytorch_fsdp1_full_shard", {}))
+    ratio("floor_over_pytorch_ddp", floor, times.get("pytorch_ddp", {}))
     ratio("pytorch_fsdp1_full_shard_over_floor", times.get("pytorch_fsdp1_full_shard", {}), floor)
     ratio("pytorch_ddp_over_floor", times.get("pytorch_ddp", {}), floor)
     ratio("pytorch_fsdp2_over_floor", times.get("pytorch_fsdp2", {}), floor)
