@@ -26,7 +26,8 @@ constexpr int64_t kMinSegmentBytes = 4096;
 /// are read once, by init_process_group, where the options are resolved, and
 /// a field set explicitly wins over its variable. The resolved values travel
 /// down as this struct to the group, its links, shared memory and rings;
-/// nothing below init_process_group reads the environment for them. Two
+/// nothing below init_process_group reads the environment for them.
+/// FSDP_COMM_REALTIME is read there too but has no field yet. Two
 /// exceptions: the test-only fault hook FSDP_FAULT_SHM_SETUP is read where it
 /// acts, and a C10dProcessGroup that a user constructs directly still starts
 /// in debug mode under FSDP_DEBUG=detail (its documented contract).
@@ -41,6 +42,10 @@ struct CommConfig {
   bool shared_memory = true;
   /// Bytes of each of a rank's two shared-memory slots, a multiple of 64.
   int64_t shm_slot_bytes = kDefaultShmSlotBytes;
+  /// Whether the communication and sender threads take real-time priority
+  /// where allowed (Note [Communication threads preempt compute]); off with
+  /// FSDP_COMM_REALTIME=0 (a variable only, not yet a ProcessGroupOptions field).
+  bool realtime_threads = true;
   /// What every link of the group presents first (Note [Job token]);
   /// ProcessGroupOptions::job_token, else FSDP_JOB_TOKEN, else "".
   std::string job_token;

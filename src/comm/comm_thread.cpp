@@ -9,6 +9,7 @@
 
 #include <fsdp/error_message.h>
 
+#include "comm/thread_priority.h"
 #include "comm/work_state.h"
 #include "detail/error.h"
 
@@ -137,8 +138,11 @@ struct CommThread::Core {
   std::string broken_cause;
 };
 
-CommThread::CommThread(int rank, std::chrono::milliseconds timeout)
-    : core_(std::make_shared<Core>(rank, timeout)), thread_([core = core_] { core->loop(); }) {}
+CommThread::CommThread(int rank, std::chrono::milliseconds timeout, bool realtime)
+    : core_(std::make_shared<Core>(rank, timeout)), thread_([core = core_, realtime] {
+        prefer_over_compute(realtime);
+        core->loop();
+      }) {}
 
 CommThread::~CommThread() {
   {

@@ -67,8 +67,10 @@ using FingerprintExchange = std::function<at::Tensor(const at::Tensor& mine, uin
 /// asynchronous collectives still start at once on the communication thread.
 class CommThread {
  public:
-  /// `rank` and `timeout` are used in messages and as the wait limit.
-  CommThread(int rank, std::chrono::milliseconds timeout);
+  /// `rank` and `timeout` are used in messages and as the wait limit. With
+  /// `realtime` the thread asks for real-time priority (Note [Communication
+  /// threads preempt compute]).
+  CommThread(int rank, std::chrono::milliseconds timeout, bool realtime = false);
   /// Finishes what is queued (each bounded by the timeout), then joins.
   ~CommThread();
 

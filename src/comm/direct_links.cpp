@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "comm/job_token.h"
+#include "comm/thread_priority.h"
 #include "comm/token_accept.h"
 #include "detail/error.h"
 
@@ -159,7 +160,7 @@ class LazyReceive : public PendingTransfer {
 
 DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
                          std::chrono::milliseconds timeout, int64_t inline_bytes,
-                         const std::string& job_token)
+                         const std::string& job_token, bool realtime)
     : rank_(rank),
       next_((rank + 1) % size),
       prev_((rank + size - 1) % size),
@@ -196,7 +197,10 @@ DirectLinks::DirectLinks(c10d::Store& store, int rank, int size, const std::stri
              " closed the direct link during set-up");
   set_socket_options(to_next_.get(), timeout);
   set_socket_options(from_prev_.get(), timeout);
-  sender_ = std::thread([this] { sender_loop(); });
+  sender_ = std::thread([this, realtime] {
+    prefer_over_compute(realtime);
+    sender_loop();
+  });
 }
 
 DirectLinks::~DirectLinks() {

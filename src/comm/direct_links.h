@@ -45,10 +45,11 @@ class DirectLinks : public PointToPoint {
   /// of at most `inline_bytes` (CommConfig::direct_link_bytes) are sent by the
   /// calling thread when nothing is queued before them. Each link presents
   /// `job_token` first; connections to the listener without it are refused
-  /// (Note [Job token]).
+  /// (Note [Job token]). With `realtime` the sender thread asks for
+  /// real-time priority (Note [Communication threads preempt compute]).
   DirectLinks(c10d::Store& store, int rank, int size, const std::string& listen_addr,
-              std::chrono::milliseconds timeout, int64_t inline_bytes,
-              const std::string& job_token);
+              std::chrono::milliseconds timeout, int64_t inline_bytes, const std::string& job_token,
+              bool realtime = false);
   /// Stops the sender thread (a send in progress fails) and closes the links.
   ~DirectLinks() override;
 

@@ -58,12 +58,13 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
     c10d::PrefixStore group_store(prefix_, store_);
     if (!gloo_ || config_.direct_link_bytes > 0) {
       links_ = std::make_unique<DirectLinks>(group_store, rank, size, listen_addr_, timeout,
-                                             config_.direct_link_bytes, config_.job_token);
+                                             config_.direct_link_bytes, config_.job_token,
+                                             config_.realtime_threads);
     }
     shm_ = ShmLinks::connect(group_store, rank, size, timeout, config_.shared_memory,
                              config_.shm_slot_bytes);
   }
-  thread_ = std::make_unique<CommThread>(rank, timeout);
+  thread_ = std::make_unique<CommThread>(rank, timeout, config_.realtime_threads);
   thread_->set_fingerprint_exchange(
       [this](const at::Tensor& mine, uint64_t seq) { return exchange_fingerprints(mine, seq); });
 }

@@ -181,6 +181,10 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
                                     kDefaultShmSlotBytes, kMinSegmentBytes, false) /
                           64 * 64;
   config.job_token = resolve_job_token(options.job_token());
+  {
+    const char* env = std::getenv("FSDP_COMM_REALTIME");
+    config.realtime_threads = env == nullptr || std::string(env) != "0";
+  }
   if (options.shared_memory().has_value()) {
     config.shared_memory = *options.shared_memory();
   } else {

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 
 #include <dirent.h>
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -78,6 +80,63 @@ TEST(ProcessGroup, NothingListensBeyondLoopbackByDefault) {
     }
     pg->barrier().wait();
   });
+}
+
+// The threads of this process that run under SCHED_FIFO.
+int realtime_threads() {
+  int n = 0;
+  if (DIR* d = opendir("/proc/self/task")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      if (sched_getscheduler(std::atoi(e->d_name)) == SCHED_FIFO) ++n;
+    }
+    closedir(d);
+  }
+  return n;
+}
+
+// Whether this process may give a thread real-time priority at all.
+bool realtime_allowed() {
+  bool ok = false;
+  std::thread([&] {
+    sched_param param{};
+    param.sched_priority = 1;
+    ok = pthread_setschedparam(pthread_self(), SCHED_FIFO, &param) == 0;
+  }).join();
+  return ok;
+}
+
+// Note [Communication threads preempt compute]: the communication thread and
+// the direct links' sender thread take SCHED_FIFO where the process may, the
+// caller's threads never do, FSDP_COMM_REALTIME=0 keeps every thread as it
+// was, and without the privilege the group works the same.
+void expect_realtime_comm_threads(bool off) {
+  run_ranks_ok(2, [off](int rank, int) {
+    const bool allowed = realtime_allowed();
+    if (off) setenv("FSDP_COMM_REALTIME", "0", 1);
+    ASSERT_EQ(realtime_threads(), 0);
+    auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    // Large enough for the sender thread (above direct_link_bytes).
+    at::Tensor flat = at::zeros({2 << 17});
+    pg->all_gather_into_tensor(flat, at::full({1 << 17}, static_cast<float>(rank))).wait();
+    EXPECT_EQ(flat[0].item<float>(), 0.0f);
+    EXPECT_EQ(flat[1 << 17].item<float>(), 1.0f);
+    EXPECT_EQ(realtime_threads(), allowed && !off ? 2 : 0) << "allowed " << allowed;
+    EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);
+    pg->barrier().wait();
+    pg.reset();
+    destroy_process_group();
+    EXPECT_EQ(realtime_threads(), 0);
+    unsetenv("FSDP_COMM_REALTIME");
+  });
+}
+
+TEST(ProcessGroup, CommunicationThreadsPreemptComputeWhereAllowed) {
+  expect_realtime_comm_threads(false);
+}
+
+TEST(ProcessGroup, CommunicationThreadsKeepTheirPolicyUnderFsdpCommRealtime0) {
+  expect_realtime_comm_threads(true);
 }
 
 TEST(ProcessGroup, SingleRankNeedsNoStoreAndOpensNoSocket) {
