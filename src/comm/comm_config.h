@@ -22,12 +22,11 @@ constexpr int64_t kMinSegmentBytes = 4096;
 /// Note [Communication knobs]
 /// The CPU engine's sizes and switches are ProcessGroupOptions fields. An
 /// environment variable may still set each one (FSDP_DIRECT_LINK_BYTES,
-/// FSDP_RING_SEGMENT_BYTES, FSDP_SHM, FSDP_SHM_SLOT_BYTES, FSDP_DEBUG); they
-/// are read once, by init_process_group, where the options are resolved, and
-/// a field set explicitly wins over its variable. The resolved values travel
+/// FSDP_RING_SEGMENT_BYTES, FSDP_SHM, FSDP_SHM_SLOT_BYTES, FSDP_COMM_REALTIME,
+/// FSDP_DEBUG); they are read once, by init_process_group, where the options
+/// are resolved, and a field set explicitly wins over its variable. The resolved values travel
 /// down as this struct to the group, its links, shared memory and rings;
-/// nothing below init_process_group reads the environment for them.
-/// FSDP_COMM_REALTIME is read there too but has no field yet. Two
+/// nothing below init_process_group reads the environment for them. Two
 /// exceptions: the test-only fault hook FSDP_FAULT_SHM_SETUP is read where it
 /// acts, and a C10dProcessGroup that a user constructs directly still starts
 /// in debug mode under FSDP_DEBUG=detail (its documented contract).
@@ -43,8 +42,7 @@ struct CommConfig {
   /// Bytes of each of a rank's two shared-memory slots, a multiple of 64.
   int64_t shm_slot_bytes = kDefaultShmSlotBytes;
   /// Whether the communication and sender threads take real-time priority
-  /// where allowed (Note [Communication threads preempt compute]); off with
-  /// FSDP_COMM_REALTIME=0 (a variable only, not yet a ProcessGroupOptions field).
+  /// where allowed (Note [Communication threads preempt compute]).
   bool realtime_threads = true;
   /// What every link of the group presents first (Note [Job token]);
   /// ProcessGroupOptions::job_token, else FSDP_JOB_TOKEN, else "".

@@ -181,7 +181,9 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
                                     kDefaultShmSlotBytes, kMinSegmentBytes, false) /
                           64 * 64;
   config.job_token = resolve_job_token(options.job_token());
-  {
+  if (options.realtime_threads().has_value()) {
+    config.realtime_threads = *options.realtime_threads();
+  } else {
     const char* env = std::getenv("FSDP_COMM_REALTIME");
     config.realtime_threads = env == nullptr || std::string(env) != "0";
   }

@@ -20,7 +20,8 @@ namespace fsdp::detail {
 /// within the noise). Needs
 /// CAP_SYS_NICE or RLIMIT_RTPRIO >= 1 (root in a container has it); without
 /// either the threads keep the default policy, which is only slower.
-/// FSDP_COMM_REALTIME=0 keeps the default policy everywhere.
+/// ProcessGroupOptions::realtime_threads(false), or FSDP_COMM_REALTIME=0,
+/// keeps the default policy.
 
 /// Gives the calling thread SCHED_FIFO priority 1 when `realtime` and the
 /// process is allowed to; returns whether it took. Never throws.

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -108,20 +109,23 @@ bool realtime_allowed() {
 
 // Note [Communication threads preempt compute]: the communication thread and
 // the direct links' sender thread take SCHED_FIFO where the process may, the
-// caller's threads never do, FSDP_COMM_REALTIME=0 keeps every thread as it
-// was, and without the privilege the group works the same.
-void expect_realtime_comm_threads(bool off) {
-  run_ranks_ok(2, [off](int rank, int) {
+// caller's threads never do, realtime_threads(false) or FSDP_COMM_REALTIME=0
+// keeps every thread as it was (the field winning over the variable), and
+// without the privilege the group works the same.
+void expect_realtime_comm_threads(const char* env, std::optional<bool> field, bool on) {
+  run_ranks_ok(2, [env, field, on](int rank, int) {
     const bool allowed = realtime_allowed();
-    if (off) setenv("FSDP_COMM_REALTIME", "0", 1);
+    if (env != nullptr) setenv("FSDP_COMM_REALTIME", env, 1);
     ASSERT_EQ(realtime_threads(), 0);
-    auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    auto options = ProcessGroupOptions().timeout(std::chrono::seconds(30));
+    if (field.has_value()) options.realtime_threads(*field);
+    auto pg = init_process_group(options);
     // Large enough for the sender thread (above direct_link_bytes).
     at::Tensor flat = at::zeros({2 << 17});
     pg->all_gather_into_tensor(flat, at::full({1 << 17}, static_cast<float>(rank))).wait();
     EXPECT_EQ(flat[0].item<float>(), 0.0f);
     EXPECT_EQ(flat[1 << 17].item<float>(), 1.0f);
-    EXPECT_EQ(realtime_threads(), allowed && !off ? 2 : 0) << "allowed " << allowed;
+    EXPECT_EQ(realtime_threads(), allowed && on ? 2 : 0) << "allowed " << allowed;
     EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);
     pg->barrier().wait();
     pg.reset();
@@ -132,11 +136,13 @@ void expect_realtime_comm_threads(bool off) {
 }
 
 TEST(ProcessGroup, CommunicationThreadsPreemptComputeWhereAllowed) {
-  expect_realtime_comm_threads(false);
+  expect_realtime_comm_threads(nullptr, std::nullopt, true);
 }
 
-TEST(ProcessGroup, CommunicationThreadsKeepTheirPolicyUnderFsdpCommRealtime0) {
-  expect_realtime_comm_threads(true);
+TEST(ProcessGroup, CommunicationThreadsKeepTheirPolicyWhenTurnedOff) {
+  expect_realtime_comm_threads("0", std::nullopt, false);
+  expect_realtime_comm_threads(nullptr, false, false);
+  expect_realtime_comm_threads("0", true, true);  // the field wins
 }
 
 TEST(ProcessGroup, SingleRankNeedsNoStoreAndOpensNoSocket) {

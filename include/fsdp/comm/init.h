@@ -95,6 +95,13 @@ struct ProcessGroupOptions {
   /// per rank and round), at least 4096, rounded down to a multiple of 64.
   /// -1: from FSDP_SHM_SLOT_BYTES (values below 4096 are ignored), else 2 MiB.
   TORCH_ARG(int64_t, shm_slot_bytes) = -1;
+  /// Backend::kGloo: whether the communication thread and the direct links'
+  /// sender thread take real-time priority (SCHED_FIFO 1) where the process
+  /// may (root, CAP_SYS_NICE or RLIMIT_RTPRIO >= 1), so that on cores busy
+  /// with compute they move data as soon as a link is ready; without the
+  /// privilege they keep the default policy. Unset: on unless
+  /// FSDP_COMM_REALTIME=0.
+  TORCH_ARG(std::optional<bool>, realtime_threads) = std::nullopt;
   /// Debug mode: every collective first exchanges a fingerprint with the
   /// other ranks, so a mismatch is an error on every rank rather than a hang
   /// (see ProcessGroup::set_debug_collectives()). Unset: on when
