@@ -373,24 +373,18 @@ int main(int argc, char** argv) {
   const double med_f = max_over_ranks(*pg, median(fwd_ms));
   const double med_b = max_over_ranks(*pg, median(bwd_ms));
   const double med_o = max_over_ranks(*pg, median(opt_ms));
-  const auto peak_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(peak)));
-  const auto state_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(state)));
-  const auto param_peak_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(param_peak)));
-  const auto run_peak_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(run_peak)));
-  const auto step_start_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(step_start_bytes)));
-  const auto forward_end_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(forward_end_bytes)));
-  const auto rss_before_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_before_model)));
-  const auto peak_rss_max = static_cast<int64_t>(
-      max_over_ranks(*pg, static_cast<double>(fsdp::memory_stats().peak_resident_bytes)));
-  const auto rss_growth_max =
-      static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(rss_growth)));
+  const auto peak_max = bench::max_bytes_over_ranks(*pg, peak);
+  const auto state_max = bench::max_bytes_over_ranks(*pg, state);
+  const auto param_peak_max = bench::max_bytes_over_ranks(*pg, param_peak);
+  const auto run_peak_max = bench::max_bytes_over_ranks(*pg, run_peak);
+  const auto step_start_max = bench::max_bytes_over_ranks(*pg, step_start_bytes);
+  const auto forward_end_max = bench::max_bytes_over_ranks(*pg, forward_end_bytes);
+  const auto rss_before_max = bench::max_bytes_over_ranks(*pg, rss_before_model);
+  const auto peak_rss_max =
+      bench::max_bytes_over_ranks(*pg, fsdp::memory_stats().peak_resident_bytes);
+  const auto rss_growth_max = bench::max_bytes_over_ranks(*pg, rss_growth);
   const double rss_bound_ratio_max = max_over_ranks(*pg, rss_bound_ratio);
-  const auto tx_max = static_cast<int64_t>(max_over_ranks(*pg, static_cast<double>(tx_per_step)));
+  const auto tx_max = bench::max_bytes_over_ranks(*pg, tx_per_step);
   const double cpu_max = max_over_ranks(*pg, cpu_per_step);
   const int64_t cached_end = fsdp::memory_stats().cached_bytes;
   const fsdp::detail::BlockCache::Stats cache = fsdp::detail::block_cache_stats();

@@ -101,6 +101,12 @@ inline double max_over_ranks(fsdp::ProcessGroup& pg, double value) {
   return t.item<double>();
 }
 
+/// The largest byte count over ranks (through max_over_ranks: exact below
+/// 2^53 bytes).
+inline int64_t max_bytes_over_ranks(fsdp::ProcessGroup& pg, int64_t bytes) {
+  return static_cast<int64_t>(max_over_ranks(pg, static_cast<double>(bytes)));
+}
+
 /// Sharding strategies by their command-line names (for CLI11 transforms).
 inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
   static const std::map<std::string, fsdp::ShardingStrategy> names = {

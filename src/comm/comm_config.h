@@ -24,8 +24,9 @@ constexpr int64_t kMinSegmentBytes = 4096;
 /// environment variable may still set each one (FSDP_DIRECT_LINK_BYTES,
 /// FSDP_RING_SEGMENT_BYTES, FSDP_SHM, FSDP_SHM_SLOT_BYTES, FSDP_COMM_REALTIME,
 /// FSDP_DEBUG); they are read once, by init_process_group, where the options
-/// are resolved, and a field set explicitly wins over its variable. The resolved values travel
-/// down as this struct to the group, its links, shared memory and rings;
+/// are resolved, and a field set explicitly wins over its variable. The
+/// resolved values travel down as this struct to the group, its links, shared
+/// memory and rings;
 /// nothing below init_process_group reads the environment for them. Two
 /// exceptions: the test-only fault hook FSDP_FAULT_SHM_SETUP is read where it
 /// acts, and a C10dProcessGroup that a user constructs directly still starts

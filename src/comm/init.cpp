@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include <fsdp/comm/c10d_process_group.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -149,6 +151,14 @@ int64_t size_knob(int64_t option, const char* env, int64_t fallback, int64_t env
   return v >= env_min ? v : fallback;
 }
 
+// A switch of Note [Communication knobs], on by default: the option when set,
+// else off only when the variable is "0".
+bool switch_knob(const std::optional<bool>& option, const char* env) {
+  if (option.has_value()) return *option;
+  const char* text = std::getenv(env);
+  return text == nullptr || std::string(text) != "0";
+}
+
 }  // namespace
 
 namespace detail {
@@ -181,18 +191,8 @@ CommConfig resolve_comm_config(const ProcessGroupOptions& options) {
                                     kDefaultShmSlotBytes, kMinSegmentBytes, false) /
                           64 * 64;
   config.job_token = resolve_job_token(options.job_token());
-  if (options.realtime_threads().has_value()) {
-    config.realtime_threads = *options.realtime_threads();
-  } else {
-    const char* env = std::getenv("FSDP_COMM_REALTIME");
-    config.realtime_threads = env == nullptr || std::string(env) != "0";
-  }
-  if (options.shared_memory().has_value()) {
-    config.shared_memory = *options.shared_memory();
-  } else {
-    const char* env = std::getenv("FSDP_SHM");
-    config.shared_memory = env == nullptr || std::string(env) != "0";
-  }
+  config.realtime_threads = switch_knob(options.realtime_threads(), "FSDP_COMM_REALTIME");
+  config.shared_memory = switch_knob(options.shared_memory(), "FSDP_SHM");
   return config;
 }
 

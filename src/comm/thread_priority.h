@@ -17,9 +17,9 @@ namespace fsdp::detail {
 /// simulated nodes x 1 rank at 1 Gbit/s (GPT-mini 8 x 512, batch 4): the
 /// FULL_SHARD step 0.95x (median of 6 interleaved rounds, 0.90-0.99) with
 /// communication alone unchanged; no change on one host (2 ranks on 2 cores,
-/// within the noise). Needs
-/// CAP_SYS_NICE or RLIMIT_RTPRIO >= 1 (root in a container has it); without
-/// either the threads keep the default policy, which is only slower.
+/// within the noise). Needs CAP_SYS_NICE or RLIMIT_RTPRIO >= 1 (root in a
+/// container has it); without either the threads keep the default policy,
+/// which is only slower.
 /// ProcessGroupOptions::realtime_threads(false), or FSDP_COMM_REALTIME=0,
 /// keeps the default policy.
 
