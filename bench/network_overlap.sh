@@ -10,13 +10,22 @@
 #                  cores, memory bandwidth and caches; real nodes do not)
 #   comm           bench_step full_shard --comm-only 1 on 2 nodes x 1 rank:
 #                  the step's collectives replayed with no compute
+#   compute_beside_comm  the compute run on both nodes while a comm run
+#                  goes on between them, with no dependency between the two:
+#                  what this machine's shared cores leave of the compute
+#                  when the same traffic flows (the simulated nodes' kernel
+#                  network stacks run on the cores that compute; a real
+#                  node has cores of its own for them), a floor for the
+#                  FULL_SHARD step here (the summary's
+#                  compute_with_step_traffic_ms scales its cost to the bytes
+#                  FULL_SHARD's step sends)
 #   fs_prefetch    FULL_SHARD on 2 x 1, forward prefetch + BACKWARD_PRE
 #   fs_no_prefetch FULL_SHARD on 2 x 1, no prefetch at all
 #   hybrid_2x2     HYBRID_SHARD on 2 nodes x 2 ranks
 #   fs_2x2         FULL_SHARD on 2 nodes x 2 ranks
 # One JSON line per run (bench_step's, plus "config" and "round"), then the
 # summary line: the medians, fs_prefetch / max(compute, comm) (target
-# <= 1.15; also against compute_pair), hybrid_2x2 / fs_2x2 step time, and
+# <= 1.15; also against compute_pair and compute_beside_comm), hybrid_2x2 / fs_2x2 step time, and
 # the bytes each node sent per step against HYBRID_SHARD's share (one
 # all-reduce of every shard across the nodes: 2 (N-1)/N x the parameters'
 # bytes per node for N nodes).
@@ -24,14 +33,15 @@
 # Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (8:
 # bench_step's GPT-mini), D_MODEL (512), BATCH (4), SEQ (128), STEPS (5),
 # WARMUP (2), STEP_ARGS (more bench_step flags for every configuration),
-# CONFIGS (the configurations to run, space-separated; default all seven).
+# CONFIGS (the configurations to run, space-separated; default all eight).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
 ROUNDS="${2:-3}"
 RATE="${RATE:-1gbit}" DELAY="${DELAY:-0.5ms}"
-model=(--blocks "${BLOCKS:-8}" --d-model "${D_MODEL:-512}" --batch "${BATCH:-4}"
-       --seq "${SEQ:-128}" --steps "${STEPS:-5}" --warmup "${WARMUP:-2}" ${STEP_ARGS:-})
+shape=(--blocks "${BLOCKS:-8}" --d-model "${D_MODEL:-512}" --batch "${BATCH:-4}"
+       --seq "${SEQ:-128}" --warmup "${WARMUP:-2}" ${STEP_ARGS:-})
+model=("${shape[@]}" --steps "${STEPS:-5}")
 . bench/json_lines.sh
 need_executables "$BUILD" bench_step fsdprun
 bench_step=$(cd "$BUILD/bin" && pwd)/bench_step
@@ -55,6 +65,35 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
   CLUSTER_PORT=$((29600 + RANDOM % 1000))
   if [[ $name == compute_pair ]]; then  # a world-1 job on every node at once
     cluster_spawn_all "$name" "$fsdprun" --nproc-per-node 1 "$bench_step" "${model[@]}" "$@"
+  elif [[ $name == compute_beside_comm ]]; then
+    # Traffic first (a comm run longer than any compute run), then the
+    # world-1 jobs; once both have reported, the traffic is stopped.
+    cluster_fsdprun comm_beside "$fsdprun" 1 -- "$bench_step" "${shape[@]}" --steps 100000 \
+      --mode full_shard --comm-only 1
+    sleep 1
+    cluster_spawn_all "$name" "$fsdprun" --nproc-per-node 1 "$bench_step" "${model[@]}" "$@"
+    local k finished
+    until
+      finished=1
+      for k in 0 1; do grep -q '{"bench":"step"' "$CLUSTER_DIR/$name.node$k.log" || finished=0; done
+      ((finished))
+    do
+      # Traffic that stopped before the compute did, or a compute job that
+      # died without its line, measures nothing.
+      for k in "${!CLUSTER_PIDS[@]}"; do
+        local log="$CLUSTER_DIR/${CLUSTER_NAMES[$k]}.log"
+        if ! kill -0 "${CLUSTER_PIDS[$k]}" 2>/dev/null &&
+          { [[ ${CLUSTER_NAMES[$k]} == comm_beside.* ]] || ! grep -q '{"bench":"step"' "$log"; }; then
+          echo "network_overlap: ${CLUSTER_NAMES[$k]} stopped early; its log:" >&2
+          cat "$log" >&2
+          cluster_kill_all
+          exit 1
+        fi
+      done
+      sleep 0.2
+    done
+    cluster_kill_all
+    cluster_wait 60 >/dev/null 2>&1
   else
     cluster_fsdprun "$name" "$fsdprun" "$nproc" -- "$bench_step" "${model[@]}" "$@"
   fi
@@ -69,7 +108,7 @@ run_config() {  # NAME NODES NPROC ROUND BENCH_STEP ARGS...
   cluster_cleanup
 }
 
-read -r -a configs <<<"${CONFIGS:-compute compute_pair comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2}"
+read -r -a configs <<<"${CONFIGS:-compute compute_pair compute_beside_comm comm fs_prefetch fs_no_prefetch hybrid_2x2 fs_2x2}"
 for ((r = 0; r < ROUNDS; ++r)); do
   # Rotate the order every round, so drift in the machine's speed spreads evenly.
   for ((k = 0; k < ${#configs[@]}; ++k)); do
@@ -78,6 +117,7 @@ for ((r = 0; r < ROUNDS; ++r)); do
       compute) run_config compute 1 1 "$r" --mode full_shard ;;
       compute_pair) run_config compute_pair 2 1 "$r" --mode full_shard ;;
       comm) run_config comm 2 1 "$r" --mode full_shard --comm-only 1 ;;
+      compute_beside_comm) run_config compute_beside_comm 2 1 "$r" --mode full_shard ;;
       fs_prefetch) run_config fs_prefetch 2 1 "$r" --mode full_shard --forward-prefetch 1 \
         --backward-prefetch backward_pre ;;
       fs_no_prefetch) run_config fs_no_prefetch 2 1 "$r" --mode full_shard --forward-prefetch 0 \
@@ -110,9 +150,17 @@ if "compute" in m and "comm" in m:  # the ratios of the configurations that ran
     for c in ("fs_prefetch", "fs_no_prefetch"):
         if c in m:
             summary[c + "_over_max_compute_comm"] = round(m[c] / bound, 3)
-    if "compute_pair" in m and "fs_prefetch" in m:
-        summary["fs_prefetch_over_max_compute_pair_comm"] = round(
-            m["fs_prefetch"] / max(m["compute_pair"], m["comm"]), 3)
+    for c in ("compute_pair", "compute_beside_comm"):
+        if c in m and "fs_prefetch" in m:
+            summary["fs_prefetch_over_max_%s_comm" % c] = round(
+                m["fs_prefetch"] / max(m[c], m["comm"]), 3)
+    if "compute_beside_comm" in m and "fs_prefetch" in m and tx["compute_beside_comm"] > 0:
+        # The traffic beside the compute runs flat out, more bytes per compute
+        # step than FULL_SHARD's step sends: scale its cost to the step's bytes.
+        cost = (m["compute_beside_comm"] - m["compute"]) * tx["fs_prefetch"] / tx["compute_beside_comm"]
+        summary["compute_with_step_traffic_ms"] = round(m["compute"] + cost, 1)
+        summary["fs_prefetch_over_max_compute_with_traffic_comm"] = round(
+            m["fs_prefetch"] / max(m["compute"] + cost, m["comm"]), 3)
 if "hybrid_2x2" in m and "fs_2x2" in m:
     summary["hybrid_over_full_shard_2x2"] = round(m["hybrid_2x2"] / m["fs_2x2"], 3)
     summary["hybrid_share_bytes_per_step"] = int(share)
