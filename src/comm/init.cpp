@@ -23,6 +23,7 @@
 #include "comm/launch_env.h"
 #include "comm/socket.h"
 #include "comm/tcp_store.h"
+#include "comm/thread_priority.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 
@@ -208,6 +209,14 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   // See Note [Communication knobs].
   const detail::CommConfig config = detail::resolve_comm_config(options);
   const bool debug = options.debug_collectives().value_or(detail::debug_requested_by_env());
+  if (debug && options.backend() == Backend::kGloo && config.realtime_threads &&
+      !detail::realtime_permitted()) {
+    TORCH_WARN("fsdp: rank ", info.rank,
+               "'s communication threads keep the default scheduling priority: this process may "
+               "not use real-time scheduling (SCHED_FIFO needs CAP_SYS_NICE, e.g. docker run "
+               "--cap-add SYS_NICE, or `ulimit -r 1`); set FSDP_COMM_REALTIME=0 or "
+               "ProcessGroupOptions::realtime_threads(false) where that is intended");
+  }
 
   const std::string& master_addr = launch.master_addr;
   const int64_t master_port = launch.master_port;

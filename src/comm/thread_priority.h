@@ -21,10 +21,16 @@ namespace fsdp::detail {
 /// container has it); without either the threads keep the default policy,
 /// which is only slower.
 /// ProcessGroupOptions::realtime_threads(false), or FSDP_COMM_REALTIME=0,
-/// keeps the default policy.
+/// keeps the default policy. Under FSDP_DEBUG=detail init_process_group warns
+/// when the process may not take the priority (docker drops CAP_SYS_NICE by
+/// default), since the fallback is otherwise silent.
 
 /// Gives the calling thread SCHED_FIFO priority 1 when `realtime` and the
 /// process is allowed to; returns whether it took. Never throws.
 bool prefer_over_compute(bool realtime);
+
+/// Whether prefer_over_compute(true) would take in this process (tried on a
+/// short-lived thread of its own).
+bool realtime_permitted();
 
 }  // namespace fsdp::detail

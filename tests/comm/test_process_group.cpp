@@ -6,8 +6,11 @@
 #include <stdlib.h>
 
 #include <dirent.h>
+#include <linux/capability.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "comm/tcp_store.h"
+#include "detail/torch_compat.h"
 
 #include "comm_test_util.h"
 #include "multi_rank.h"
@@ -143,6 +147,81 @@ TEST(ProcessGroup, CommunicationThreadsKeepTheirPolicyWhenTurnedOff) {
   expect_realtime_comm_threads("0", std::nullopt, false);
   expect_realtime_comm_threads(nullptr, false, false);
   expect_realtime_comm_threads("0", true, true);  // the field wins
+}
+
+// Takes from this process what real-time scheduling needs (CAP_SYS_NICE,
+// RLIMIT_RTPRIO), as a default docker container runs.
+void drop_realtime_privilege() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct caps[2] = {};
+  ASSERT_EQ(syscall(SYS_capget, &header, caps), 0);
+  const uint32_t nice = 1u << CAP_SYS_NICE;  // < 32: in the first word
+  caps[0].effective &= ~nice;
+  caps[0].permitted &= ~nice;
+  caps[0].inheritable &= ~nice;
+  ASSERT_EQ(syscall(SYS_capset, &header, caps), 0);
+  const rlimit none{0, 0};
+  ASSERT_EQ(setrlimit(RLIMIT_RTPRIO, &none), 0);
+}
+
+// Without the privilege the group works the same, with no word by default;
+// debug mode (the option, or FSDP_DEBUG=detail) says so once on every rank,
+// naming the fix, unless the user turned real-time priority off.
+void expect_refused_realtime_said(std::optional<bool> debug_option, const char* debug_env,
+                                  bool realtime, bool said) {
+  run_ranks_ok(2, [=](int rank, int) {
+    drop_realtime_privilege();
+    ASSERT_FALSE(realtime_allowed());
+    if (debug_env != nullptr) setenv("FSDP_DEBUG", debug_env, 1);
+    auto options = ProcessGroupOptions().timeout(std::chrono::seconds(30));
+    if (debug_option.has_value()) options.debug_collectives(*debug_option);
+    if (!realtime) options.realtime_threads(false);
+    compat::WarningCollector warnings;
+    auto pg = init_process_group(options);
+    at::Tensor flat = at::zeros({2 << 17});
+    pg->all_gather_into_tensor(flat, at::full({1 << 17}, static_cast<float>(rank))).wait();
+    EXPECT_EQ(flat[1 << 17].item<float>(), 1.0f);
+    EXPECT_EQ(realtime_threads(), 0);
+    EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER) << "the probe must leave the caller alone";
+    pg->barrier().wait();
+    pg.reset();
+    destroy_process_group();
+    std::vector<std::string> warned;
+    for (const auto& m : warnings.messages) {
+      if (m.find("communication threads keep") != std::string::npos) warned.push_back(m);
+    }
+    ASSERT_EQ(warned.size(), said ? 1u : 0u);
+    if (!said) return;
+    const std::string expected = "fsdp: rank " + std::to_string(rank) +
+                                 "'s communication threads keep the default scheduling priority";
+    EXPECT_EQ(warned[0].rfind(expected, 0), 0u) << warned[0];
+    EXPECT_NE(warned[0].find("CAP_SYS_NICE"), std::string::npos) << warned[0];
+    EXPECT_NE(warned[0].find("FSDP_COMM_REALTIME=0"), std::string::npos) << warned[0];
+  });
+}
+
+TEST(ProcessGroup, DebugModeSaysWhenRealTimePriorityIsRefused) {
+  expect_refused_realtime_said(std::nullopt, nullptr, true, false);  // the default: silent
+  expect_refused_realtime_said(true, nullptr, true, true);
+  expect_refused_realtime_said(std::nullopt, "detail", true, true);
+  expect_refused_realtime_said(true, nullptr, false, false);  // turned off: nothing to say
+}
+
+// Where the privilege is there, debug mode has nothing to say about it.
+TEST(ProcessGroup, DebugModeIsQuietWhenRealTimePriorityTakes) {
+  run_ranks_ok(2, [](int rank, int) {
+    if (!realtime_allowed()) GTEST_SKIP() << "this process may not use real-time scheduling";
+    compat::WarningCollector warnings;
+    auto pg = init_process_group(
+        ProcessGroupOptions().timeout(std::chrono::seconds(30)).debug_collectives(true));
+    pg->barrier().wait();
+    EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER) << "the probe must leave the caller alone";
+    pg.reset();
+    destroy_process_group();
+    for (const auto& m : warnings.messages) {
+      EXPECT_EQ(m.find("communication threads keep"), std::string::npos) << m;
+    }
+  });
 }
 
 TEST(ProcessGroup, SingleRankNeedsNoStoreAndOpensNoSocket) {

@@ -99,8 +99,8 @@ struct ProcessGroupOptions {
   /// sender thread take real-time priority (SCHED_FIFO 1) where the process
   /// may (root, CAP_SYS_NICE or RLIMIT_RTPRIO >= 1), so that on cores busy
   /// with compute they move data as soon as a link is ready; without the
-  /// privilege they keep the default policy. Unset: on unless
-  /// FSDP_COMM_REALTIME=0.
+  /// privilege they keep the default policy (in debug mode, a warning says
+  /// so). Unset: on unless FSDP_COMM_REALTIME=0.
   TORCH_ARG(std::optional<bool>, realtime_threads) = std::nullopt;
   /// Debug mode: every collective first exchanges a fingerprint with the
   /// other ranks, so a mismatch is an error on every rank rather than a hang
