@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include <fsdp/comm/c10d_process_group.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -90,6 +91,51 @@ c10::intrusive_ptr<c10d::Store> join_agent_store(const detail::LaunchEnv& launch
   return c10::make_intrusive<c10d::PrefixStore>(prefix, agent);
 }
 
+// Note [A store from an earlier init]
+// A program may call init_process_group again after destroy_process_group
+// (two trainings in one run, a test suite). Rank 0 then serves a new store
+// on the same port, but a rank that finished the earlier group first can
+// reach the port while rank 0's earlier store still listens, and would
+// rendezvous there: it read rank 0's earlier link addresses and both sides
+// waited until the timeout. So rank 0 marks its store once every rank has
+// joined (kEveryRankJoined), and a rank that connects to a store so marked
+// lets it go and connects again until rank 0's new one answers. Errors from
+// a store never seen marked are the caller's as before (a wrong token, an
+// unreachable host); after the mark they mean the earlier store went away.
+constexpr const char* kEveryRankJoined = "fsdp/init/every_rank_joined";
+
+c10::intrusive_ptr<c10d::Store> join_store(const std::string& host, int64_t port,
+                                           const RankInfo& info, std::chrono::milliseconds timeout,
+                                           const std::string& listen_addr,
+                                           const std::string& job_token) {
+  if (info.rank == 0) {
+    return c10::make_intrusive<TcpStore>(host, static_cast<int>(port), true, timeout, listen_addr,
+                                         job_token);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool saw_earlier = false;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    try {
+      auto store = c10::make_intrusive<TcpStore>(host, static_cast<int>(port), false,
+                                                 std::max(left, std::chrono::milliseconds(1)), "",
+                                                 job_token);
+      if (!store->check({kEveryRankJoined})) return store;
+      saw_earlier = true;
+    } catch (const c10::Error&) {
+      if (!saw_earlier) throw;
+    }
+    FSDP_CHECK(std::chrono::steady_clock::now() < deadline, info.rank, "init_process_group",
+               "the store at ", host, ":", port,
+               " still serves an earlier process group whose ranks had all joined, and rank 0 "
+               "started no new one within the timeout. Call destroy_process_group() on every "
+               "rank before init_process_group() again, or give the new group another "
+               "MASTER_PORT.");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 // Note [Agreeing on the world size]
 // Hand-launched ranks can disagree on WORLD_SIZE; Gloo would then fail deep in
 // its rendezvous ("sizeof(impl_) == bytes.size(). 136 vs 272") or wait for
@@ -118,6 +164,7 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
       const std::string theirs = text(store.get(prefix + std::to_string(p)));
       if (theirs != mine) verdict = mismatch(0, info.world_size, p, theirs);
     }
+    store.set(kEveryRankJoined, std::vector<uint8_t>{});  // Note [A store from an earlier init]
     store.set(prefix + "verdict", std::vector<uint8_t>(verdict.begin(), verdict.end()));
     if (!verdict.empty()) {
       std::vector<std::string> acks;
@@ -238,9 +285,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
       // token; the direct links still check it. See Note [torchrun's agent store].
       store = join_agent_store(launch, options.timeout());
     } else {
-      store =
-          c10::make_intrusive<TcpStore>(master_addr, static_cast<int>(master_port), info.rank == 0,
-                                        options.timeout(), server_addr, config.job_token);
+      store = join_store(master_addr, master_port, info, options.timeout(), server_addr,
+                         config.job_token);
     }
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
   }

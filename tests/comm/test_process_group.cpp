@@ -25,6 +25,7 @@
 #include "detail/torch_compat.h"
 
 #include "comm_test_util.h"
+#include "error_of.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -220,6 +221,49 @@ TEST(ProcessGroup, DebugModeIsQuietWhenRealTimePriorityTakes) {
     destroy_process_group();
     for (const auto& m : warnings.messages) {
       EXPECT_EQ(m.find("communication threads keep"), std::string::npos) << m;
+    }
+  });
+}
+
+// Note [A store from an earlier init]: init, destroy and init again in the
+// same processes, rank 0 the last to let its group go (the others reach its
+// earlier store first), with and without collectives in between.
+TEST(ProcessGroup, InitAgainAfterDestroyInTheSameProcesses) {
+  run_ranks_ok(3, [](int rank, int world) {
+    for (int round = 0; round < 3; ++round) {
+      auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      if (round != 1) {
+        at::Tensor out = at::zeros({world});
+        pg->all_gather_into_tensor(out, at::full({1}, static_cast<float>(rank + 10 * round)))
+            .wait();
+        for (int r = 0; r < world; ++r) {
+          EXPECT_EQ(out[r].item<float>(), static_cast<float>(r + 10 * round)) << "round " << round;
+        }
+      }
+      if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      pg.reset();
+      destroy_process_group();
+    }
+  });
+}
+
+// A rank that inits again while rank 0 keeps the earlier group fails within
+// its timeout, naming the fix, instead of joining the earlier group's store.
+TEST(ProcessGroup, InitAgainWhileRankZeroKeepsItsGroupIsAnError) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto pg = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    pg->barrier().wait();
+    if (rank == 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(3));  // past rank 1's timeout
+    } else {
+      pg.reset();
+      destroy_process_group();
+      const auto start = std::chrono::steady_clock::now();
+      const std::string error = error_of(
+          [] { init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(1))); });
+      EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(3));
+      EXPECT_NE(error.find("still serves an earlier process group"), std::string::npos) << error;
+      EXPECT_NE(error.find("destroy_process_group() on every rank"), std::string::npos) << error;
     }
   });
 }

@@ -140,7 +140,9 @@ struct RankInfo {
 };
 
 /// Joins (or, on rank 0, opens) the rendezvous and returns the group of all
-/// ranks. World size 1 needs no store and opens no socket.
+/// ranks. World size 1 needs no store and opens no socket. It may be called
+/// again, on the same MASTER_PORT, once every rank has let the earlier group
+/// go (destroy_process_group() and no copy of it left).
 std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& options = {});
 
 /// Whether this build of libfsdp has `backend` (kC10dGloo needs Gloo's
