@@ -25,10 +25,10 @@
 #   fs_2x2         FULL_SHARD on 2 nodes x 2 ranks
 # One JSON line per run (bench_step's, plus "config" and "round"), then the
 # summary line: the medians, fs_prefetch / max(compute, comm) (target
-# <= 1.15; also against compute_pair and compute_beside_comm), hybrid_2x2 / fs_2x2 step time, and
-# the bytes each node sent per step against HYBRID_SHARD's share (one
-# all-reduce of every shard across the nodes: 2 (N-1)/N x the parameters'
-# bytes per node for N nodes).
+# <= 1.15; also against compute_pair and compute_beside_comm), hybrid_2x2 /
+# fs_2x2 step time, and the bytes each node sent per step against
+# HYBRID_SHARD's share (one all-reduce of every shard across the nodes:
+# 2 (N-1)/N x the parameters' bytes per node for N nodes).
 #   sudo bench/network_overlap.sh [BUILD_DIR] [ROUNDS]
 # Environment: RATE (1gbit), DELAY (0.5ms), CLUSTER_MTU (1500), BLOCKS (8:
 # bench_step's GPT-mini), D_MODEL (512), BATCH (4), SEQ (128), STEPS (5),

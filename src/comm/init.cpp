@@ -164,7 +164,6 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
       const std::string theirs = text(store.get(prefix + std::to_string(p)));
       if (theirs != mine) verdict = mismatch(0, info.world_size, p, theirs);
     }
-    store.set(kEveryRankJoined, std::vector<uint8_t>{});  // Note [A store from an earlier init]
     store.set(prefix + "verdict", std::vector<uint8_t>(verdict.begin(), verdict.end()));
     if (!verdict.empty()) {
       std::vector<std::string> acks;
@@ -289,6 +288,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
                          config.job_token);
     }
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
+    // Rank 0 has heard from every rank. See Note [A store from an earlier init].
+    if (info.rank == 0) store->set(kEveryRankJoined, std::vector<uint8_t>{});
   }
 
   std::shared_ptr<ProcessGroup> group;
