@@ -7,14 +7,18 @@
 #   - a project-local virtual environment, .venv/ (FSDP_VENV overrides), with
 #     pip's torch 2.15.0 (the primary LibTorch: its torch/lib, torch/include
 #     and torch/share/cmake, and PyTorch itself for the interop tests and the
-#     side-by-side benchmark), numpy and safetensors.
+#     side-by-side benchmark), numpy and safetensors;
+#   - a second one, .venv-2.11/ (FSDP_VENV_211 overrides), with pip's torch
+#     2.11.0, the older wheel users still have: it exports libstdc++'s
+#     std::filesystem (Note [libstdc++ before LibTorch]); scripts/test.sh's
+#     2.11 stage builds against it.
 #   scripts/setup.sh           what the build, the tests and the demo need
 #   scripts/setup.sh --bench   also gnuplot (bench/report.sh draws its chart)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.15.0
-PIP_PACKAGES=("torch==${TORCH_VERSION}" "numpy" "safetensors")
+TORCH_211_VERSION=2.11.0
 
 PACKAGES=(
   cmake ninja-build g++ pkg-config python3 ccache
@@ -49,21 +53,26 @@ else
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The virtual environment with pip's torch (what C++ users of LibTorch 2.x
+# The virtual environments with pip's torch (what C++ users of LibTorch 2.x
 # have: its CMake package is found through torch.utils.cmake_prefix_path).
-VENV="${FSDP_VENV:-.venv}"
-if "$VENV/bin/python" - "$TORCH_VERSION" 2>/dev/null <<'PY'; then
+# venv_with_torch DIR VERSION: DIR has torch VERSION, numpy and safetensors.
+venv_with_torch() {
+  local venv="$1" version="$2"
+  if "$venv/bin/python" - "$version" 2>/dev/null <<'PY'; then
 import sys, torch, numpy, safetensors
 sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
 PY
-  echo "setup: $VENV has torch $TORCH_VERSION"
-else
-  echo "setup: installing torch $TORCH_VERSION, numpy and safetensors into $VENV (a few GiB: the wheel is a CUDA build)"
-  if ! python3 -m venv "$VENV" 2>/dev/null; then
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
-    python3 -m venv "$VENV"
+    echo "setup: $venv has torch $version"
+    return
   fi
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PIP_PACKAGES[@]}"
-fi
+  echo "setup: installing torch $version, numpy and safetensors into $venv (a few GiB: the wheel is a CUDA build)"
+  if ! python3 -m venv "$venv" 2>/dev/null; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
+    python3 -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$version" numpy safetensors
+}
+venv_with_torch "${FSDP_VENV:-.venv}" "$TORCH_VERSION"
+venv_with_torch "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION"
 
 ./scripts/check_blas.sh || true

@@ -38,7 +38,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
-stages="${FSDP_TEST_STAGES:-format 2.15 1.13 tsan}"
+stages="${FSDP_TEST_STAGES:-format 2.15 2.11 1.13 tsan}"
 werror="${FSDP_TEST_WERROR:-ON}"
 sanitize_113="${FSDP_TEST_SANITIZE_113-address,undefined}"
 if [[ -n ${FSDP_TEST_TORCH:-} ]]; then stages="$FSDP_TEST_TORCH"; fi
@@ -74,6 +74,25 @@ if has_stage 2.15; then
   echo "=== LibTorch 2.15: tests"
   ctest --test-dir "${FSDP_BUILD_DIR:-build}" --output-on-failure "$@" || fail "2.15 tests"
   lap "2.15 tests"
+fi
+
+if has_stage 2.11; then
+  # The older wheel users still have (it exports libstdc++'s std::filesystem,
+  # Note [libstdc++ before LibTorch]): the library and what the core, state
+  # and launch tests run, std_bindings among them.
+  args=("$@")
+  if (($# == 0)); then args=(-L 'core|state|launch'); fi
+  echo "=== LibTorch 2.11: build into build-2.11/ (-Werror: $werror)"
+  (
+    export FSDP_WERROR=$werror FSDP_SANITIZE= FSDP_BUILD_DIR=build-2.11
+    ./scripts/build.sh --torch 2.11 fsdp
+    mapfile -t targets < <(./scripts/ctest_targets.sh build-2.11 "${args[@]}")
+    ./scripts/build.sh --torch 2.11 "${targets[@]}"
+  ) || fail "2.11 build"
+  lap "2.11 build"
+  echo "=== LibTorch 2.11: tests"
+  ctest --test-dir build-2.11 --output-on-failure "${args[@]}" || fail "2.11 tests"
+  lap "2.11 tests"
 fi
 
 if has_stage 1.13; then
