@@ -164,7 +164,9 @@ TEST(TcpStore, SilentServerIsAnErrorNamingItWithinTheTimeout) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("did not answer"), std::string::npos);
   }
-  EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(200));
+  // (Under the 500 ms that waiting for an answer would take, however loaded
+  // the machine.)
+  EXPECT_LT(Clock::now() - t1, std::chrono::milliseconds(500));
   // get() may wait for its key up to the timeout, so it is bounded by twice that.
   TcpStore waiter("127.0.0.1", port, false, std::chrono::milliseconds(500));
   const auto t2 = Clock::now();

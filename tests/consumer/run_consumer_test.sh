@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# Installs the built libfsdp into a temporary prefix, builds the consumer
-# project against it with find_package(fsdp), and runs it on 2 ranks.
+# Installs the built libfsdp into a temporary prefix and builds the consumer
+# project against it with find_package(fsdp), naming only that prefix: it must
+# take the LibTorch libfsdp was built against (torch_dir) even where another
+# LibTorch sits in /usr, and run on 2 ranks. Where another LibTorch is given
+# (other_torch_dir), a consumer pointed at it must fail to configure with
+# fsdpConfig.cmake's one-line error naming both (Note [The LibTorch the package
+# was built against] in cmake/fsdpFindTorch.cmake).
 set -euo pipefail
-build_dir="$1"; source_dir="$2"; torch_prefix="$3"  # LibTorch's root (TORCH_INSTALL_PREFIX)
+build_dir="$1"; source_dir="$2"; torch_dir="$3"; other_torch_dir="${4:-}"
 tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+unset CMAKE_PREFIX_PATH Torch_DIR Torch_ROOT  # the prefix alone, as a user names it
 cmake --install "$build_dir" --prefix "$tmp/prefix" > /dev/null
-cmake -S "$source_dir" -B "$tmp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$tmp/prefix;$torch_prefix;$torch_prefix/share/cmake" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
+configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$tmp/prefix" "$@"; }
+
+if [[ -n $other_torch_dir ]]; then
+  if configure -B "$tmp/build-other" -DTorch_DIR="$other_torch_dir" > "$tmp/other.log" 2>&1; then
+    cat "$tmp/other.log"; echo "configured against $other_torch_dir, another LibTorch" >&2; exit 1
+  fi
+  # One line naming libfsdp's LibTorch, the other one, and the fix.
+  grep -F "libfsdp: expected LibTorch" "$tmp/other.log" | grep -F "at $torch_dir (" |
+    grep -F "got LibTorch" | grep -F "at $other_torch_dir." | grep -qF "Torch_DIR=$torch_dir " ||
+    { cat "$tmp/other.log"; exit 1; }
+  grep -F "libfsdp: expected" "$tmp/other.log"
+fi
+
+configure -B "$tmp/build" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
+grep -qF "consumer: LibTorch at $torch_dir" "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
 cmake --build "$tmp/build" > "$tmp/build.log" || { cat "$tmp/build.log"; exit 1; }
 out="$("$tmp/prefix/bin/fsdprun" --nproc-per-node 2 "$tmp/build/consumer_app" 2>&1)"
 echo "$out"

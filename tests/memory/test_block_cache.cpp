@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -23,6 +22,7 @@
 #include <fsdp/fsdp.h>
 
 #include "multi_rank.h"
+#include "resident_memory.h"
 
 namespace fsdp::testing {
 namespace {
@@ -32,14 +32,6 @@ namespace nn = torch::nn;
 constexpr int64_t kMiB = int64_t{1} << 20;
 
 int64_t rss_bytes() { return memory_stats().resident_bytes; }
-
-int64_t peak_rss_bytes() { return memory_stats().peak_resident_bytes; }
-
-long minor_faults() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_minflt;
-}
 
 TEST(BlockCache, FreedBlockIsReusedForTheNextRequestOfItsSize) {
   ASSERT_TRUE(enable_cpu_block_cache());
@@ -116,63 +108,89 @@ TEST(BlockCache, NeverHoldsMoreThanThePeakInUse) {
   empty_cpu_block_cache();
 }
 
+struct CycleFigures {
+  // What touching the blocks faulted in, over the bytes touched: in the
+  // first round and in the last.
+  double first_faulted_in, faulted_in;
+  double rss;  // peak RSS growth / (1.15 x tracker peak + 8 MiB)
+};
+
+/// Allocates `n` bytes from `cpu`, touches them, and adds what that faulted
+/// in to `faulted_in`.
+c10::DataPtr allocate_and_touch(c10::Allocator* cpu, size_t n, int64_t& faulted_in) {
+  const int64_t before = rss_now();
+  c10::DataPtr block = cpu->allocate(n);
+  std::memset(block.get(), 1, n);
+  faulted_in += rss_now() - before;
+  return block;
+}
+
 // `rounds` rounds of a step-like cycle of blocks (some held across the
 // round, some freed at once, sizes as varied as a model's units), through
-// LibTorch's CPU allocator. Returns {page faults of the last round per page
-// it touched, peak RSS growth / (1.15 x tracker peak + 8 MiB)}.
-std::pair<double, double> cycle_blocks(int rounds) {
+// LibTorch's CPU allocator, measured as Note [Measuring resident memory in
+// tests] says, from an empty block cache. `empty_cache` empties it after
+// every round too, so that each round maps its blocks afresh.
+CycleFigures cycle_blocks(int rounds, bool empty_cache = false) {
   enable_memory_tracking();
+  empty_cpu_block_cache();
   const int64_t rss0 = rss_bytes();
+  EXPECT_TRUE(reset_peak_rss()) << "the resident high-water mark cannot be reset here";
   reset_peak_memory_stats();
   const int64_t base = memory_stats().current_bytes;
-  long faults = 0;
-  int64_t touched = 0;
+  std::vector<double> faulted_in(rounds);
   c10::Allocator* cpu = c10::GetCPUAllocator();
-  for (int round = 0; round < rounds; ++round) {
-    const long before = minor_faults();
-    touched = 0;
+  for (double& round : faulted_in) {
+    int64_t bytes = 0, touched = 0;
     std::vector<c10::DataPtr> held;
     for (int unit = 0; unit < 8; ++unit) {
       const size_t n = (6 + unit % 3) * kMiB;
-      c10::DataPtr gathered = cpu->allocate(n);  // transient, per unit
-      std::memset(gathered.get(), 1, n);
-      held.push_back(cpu->allocate(n / 2));  // kept until the round ends
-      std::memset(held.back().get(), 1, n / 2);
+      c10::DataPtr gathered = allocate_and_touch(cpu, n, bytes);  // transient, per unit
+      held.push_back(allocate_and_touch(cpu, n / 2, bytes));      // kept until the round ends
       touched += static_cast<int64_t>(n + n / 2);
     }
-    faults = minor_faults() - before;
+    held.clear();
+    if (empty_cache) empty_cpu_block_cache();
+    round = static_cast<double>(bytes) / static_cast<double>(touched);
   }
-  const double pages = static_cast<double>(touched) / sysconf(_SC_PAGESIZE);
   const double growth = static_cast<double>(peak_rss_bytes() - rss0);
   const double bound =
       1.15 * static_cast<double>(memory_stats().peak_bytes - base) + static_cast<double>(8 * kMiB);
-  return {static_cast<double>(faults) / pages, growth / bound};
+  return {faulted_in.front(), faulted_in.back(), growth / bound};
 }
 
-// Each in a fresh process (the cache, once on, stays on; and RSS's high-water
-// mark is the process's): with the cache, the last round faults in nothing
-// (after a few rounds in which its ranges settle) and RSS grows by what the
-// blocks in use need; LibTorch's allocator (glibc)
-// gives up one of the two (here its heap keeps 1.46x the bound).
+// Each in a fresh process (the cache, once on, stays on): with the cache,
+// touching the last round's blocks faults in nothing (after a few rounds in
+// which its ranges settle) and RSS grows by what the blocks in use need;
+// emptied after every round, the cache faults in each round as much as in
+// its first (the measurement sees it); LibTorch's allocator (glibc) gives up
+// one of the two (here its heap keeps 1.7x the bound).
 TEST(BlockCache, StepsFaultInNothingAndResidentMemoryFollowsTheBlocksInUse) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "the sanitizer's shadow memory and allocator distort resident memory";
 #endif
   run_ranks_ok(1, [](int, int) {
     ASSERT_TRUE(enable_cpu_block_cache());
-    const auto [faults, ratio] = cycle_blocks(6);
-    std::printf("cache: last round's faults per page %.3f, RSS growth / bound %.3f\n", faults,
-                ratio);
-    EXPECT_LT(faults, 0.05) << "the cache did not reuse its blocks";
-    EXPECT_LE(ratio, 1.0) << "resident memory grew beyond what the blocks in use explain";
+    const CycleFigures cached = cycle_blocks(6);
+    std::printf(
+        "cache: faulted in by the first round %.3f, the last %.3f; RSS growth / bound %.3f\n",
+        cached.first_faulted_in, cached.faulted_in, cached.rss);
+    EXPECT_LT(cached.faulted_in, 0.05) << "the cache did not reuse its blocks";
+    EXPECT_LE(cached.rss, 1.0) << "resident memory grew beyond what the blocks in use explain";
+    const CycleFigures emptied = cycle_blocks(2, /*empty_cache=*/true);
+    std::printf("cache emptied every round: faulted in by the first round %.3f, the last %.3f\n",
+                emptied.first_faulted_in, emptied.faulted_in);
+    EXPECT_GT(emptied.faulted_in, 0.9 * emptied.first_faulted_in)
+        << "the control: blocks mapped afresh were not seen faulted in";
   });
   run_ranks_ok(1, [](int, int) {
-    const auto [faults, ratio] = cycle_blocks(6);
+    const CycleFigures glibc = cycle_blocks(6);
     std::printf(
-        "LibTorch's allocator: last round's faults per page %.3f, RSS growth / bound %.3f\n",
-        faults, ratio);
+        "LibTorch's allocator: faulted in by the first round %.3f, the last %.3f; RSS growth / "
+        "bound %.3f\n",
+        glibc.first_faulted_in, glibc.faulted_in, glibc.rss);
     // glibc either faults the blocks in again or keeps more than the bound.
-    EXPECT_TRUE(faults > 0.5 || ratio > 1.0) << "the control: glibc matched the cache";
+    EXPECT_TRUE(glibc.faulted_in > 0.5 || glibc.rss > 1.0)
+        << "the control: glibc matched the cache";
   });
 }
 
@@ -265,6 +283,7 @@ std::pair<int64_t, int64_t> train_and_measure(std::optional<ShardingStrategy> st
   enable_memory_tracking();
   torch::set_num_threads(1);
   const int64_t rss0 = rss_bytes();
+  EXPECT_TRUE(reset_peak_rss()) << "the resident high-water mark cannot be reset here";
   reset_peak_memory_stats();
   const int64_t base = memory_stats().current_bytes;
   torch::manual_seed(0);
