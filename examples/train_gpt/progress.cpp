@@ -1,6 +1,7 @@
 #include "progress.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
@@ -123,9 +123,14 @@ void ProgressDisplay::message(const std::string& text) {
 
 MetricsLog::MetricsLog(const std::string& dir, int rank) {
   if (dir.empty()) return;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  path_ = (std::filesystem::path(dir) / ("rank" + std::to_string(rank) + ".jsonl")).string();
+  // mkdir -p, errors ignored (open() below names the directory). Not with
+  // C++17's filesystem library: some PyTorch wheels export its symbols and
+  // break it (pytorch/pytorch#133437).
+  for (size_t pos = dir.find('/', 1);; pos = dir.find('/', pos + 1)) {
+    ::mkdir(dir.substr(0, pos).c_str(), 0777);
+    if (pos == std::string::npos) break;
+  }
+  path_ = dir + (dir.back() == '/' ? "" : "/") + "rank" + std::to_string(rank) + ".jsonl";
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) {
     throw std::runtime_error("cannot write metrics file '" + path_ + "' (--metrics-dir): " +

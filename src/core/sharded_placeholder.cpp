@@ -231,6 +231,7 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
 
 void begin_unreported_uses() { ++t_reporting; }
 void end_unreported_uses() { --t_reporting; }
+bool unreported_uses_active() { return t_reporting > 0; }
 UnreportedUses::UnreportedUses() { begin_unreported_uses(); }
 UnreportedUses::~UnreportedUses() { end_unreported_uses(); }
 

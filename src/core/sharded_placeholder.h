@@ -68,6 +68,10 @@ class UnreportedUses {
 /// constructor, end in its destructor, on the same thread.
 void begin_unreported_uses();
 void end_unreported_uses();
+/// True while an UnreportedUses scope is open on this thread: inside
+/// SummonFullParams (the only one user code runs in), libfsdp's state-dict
+/// walks, and the operators the fallback runs.
+bool unreported_uses_active();
 
 /// With a `listener`, an operator that reaches the placeholder is reported
 /// to it (which gathers the unit) instead of failing.

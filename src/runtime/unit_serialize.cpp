@@ -14,6 +14,7 @@
 #include <fsdp/runtime/unit.h>
 
 #include "core/flat_parameter.h"
+#include "core/sharded_placeholder.h"
 #include "detail/error.h"
 
 namespace fsdp {
@@ -57,27 +58,58 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 // the file after save() returns. A sharded unit's original parameters are
 // placeholders without data (Note [Sharded placeholders]) and its unsharded
 // buffer is freed as soon as the unit reshards, so Module::save wrote empty
-// storages. save_unit instead gathers the unit's full-precision shard (one
-// all-gather; units are visited in the module tree's pre-order, the same on
-// every rank) and writes a copy of each parameter, under the same names and
-// archive layout as the unwrapped module's Module::save: the file loads into
-// the plain model and back. Every rank must call torch::save, and every rank
-// writes the (identical) file. load_unit needs no communication: each rank
-// reads every full parameter and keeps the part its shard holds.
+// storages. save_unit instead writes a copy of each full parameter, under the
+// same names and archive layout as the unwrapped module's Module::save: the
+// file loads into the plain model and back. Where the full values come from:
+//   - a unit that never shards (NO_SHARD): its shard, the whole buffer;
+//   - a unit unsharded in full precision (under SummonFullParams, on rank 0
+//     with rank0_only, or kept unsharded after a forward): its original
+//     parameters, which hold them;
+// neither needs communication, so PyTorch's habit works as it is:
+//     { fsdp::SummonFullParams full(*model); if (rank == 0) torch::save(model, path); }
+//   - otherwise (sharded, or unsharded in param_dtype under mixed precision)
+//     one all-gather of the full-precision shard; units are visited in the
+//     module tree's pre-order, the same on every rank, so outside
+//     SummonFullParams every rank must call torch::save, and every rank
+//     writes the (identical) file.
+// Inside SummonFullParams a unit that would need that all-gather (on ranks
+// other than 0 with rank0_only; one outside the summoned module; a
+// mixed-precision unit, whose summoned values are its param_dtype copies) is
+// an error on each rank that saves, issuing nothing: where only rank 0 saves
+// (the habit above), the others do not issue the all-gather, so it would pair
+// with their next collective and break the group. The unit states tell all of this
+// (FlatParameter::State, low_precision()); "inside SummonFullParams" is its open UnreportedUses
+// scope, the only one user code runs in. load_unit needs no communication:
+// each rank reads every full parameter and keeps the part its shard holds.
 void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) const {
   const FlatParameter* flat = flat_param();
   std::unordered_map<const void*, at::Tensor> full;
   if (flat != nullptr) {
-    const at::Tensor shard = flat->shard().detach();
-    at::Tensor all = shard;
-    if (!flat->keeps_unsharded()) {
+    at::Tensor all;  // the padded full buffer, unless the original parameters hold the values
+    if (flat->keeps_unsharded()) {
+      all = flat->shard().detach();
+    } else if (flat->state() != FlatParameter::State::kUnsharded || flat->low_precision()) {
+      const bool low = flat->low_precision() && flat->state() == FlatParameter::State::kUnsharded;
+      FSDP_CHECK(!detail::unreported_uses_active(), flat->group().rank(), flat->unit_path(),
+                 "expected the full parameters on this rank to save them inside "
+                 "SummonFullParams, got ",
+                 low ? "their param_dtype copies (mixed precision)"
+                     : "this rank's shard only (with rank0_only only rank 0 keeps them; "
+                       "or the guard summons another module)",
+                 ". Saving them would need an all-gather that the other ranks do not issue. ",
+                 low ? "Call torch::save on every rank outside SummonFullParams"
+                     : "Call torch::save on rank 0 only, under a guard on the module you "
+                       "save, or on every rank outside SummonFullParams");
+      const at::Tensor shard = flat->shard().detach();
       all = at::empty({flat->padded_numel()}, shard.options());
       flat->group().all_gather_into_tensor(all, shard.contiguous()).wait();
     }
     for (const auto& slot : flat->slots()) {
+      const at::Tensor value = all.defined()
+                                   ? all.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                                   : slot.param.detach();
       // Each its own storage, as the unwrapped module's parameters are.
-      full.emplace(slot.param.unsafeGetTensorImpl(),
-                   all.narrow(0, slot.offset, slot.numel).view(slot.shape).clone());
+      full.emplace(slot.param.unsafeGetTensorImpl(), value.clone());
     }
   }
   save_tree(self, archive, full);

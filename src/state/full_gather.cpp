@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include "core/sharded_placeholder.h"
+#include "detail/error.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
@@ -65,6 +66,9 @@ FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bo
 void FullWalker::walk(const std::function<void(size_t, const at::Tensor&)>& fn) { run(&fn); }
 
 void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
+  // Inside SummonFullParams, a unit that is sharded on this rank only (the
+  // others with rank0_only) must not gather: rank 0 would not.
+  const bool summoned = unreported_uses_active();
   UnreportedUses unreported;  // reads outside forward (Note [Units driven by dispatch])
   const bool dry = fn == nullptr;
   if (dry) specs_.clear();
@@ -104,6 +108,12 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
              dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
       }
     } else if (model_) {
+      FSDP_CHECK(dry || !summoned || flat.state() == FlatParameter::State::kUnsharded,
+                 flat.group().rank(), flat.unit_path(),
+                 "expected the full parameters on this rank inside SummonFullParams, got this "
+                 "rank's shard only (with rank0_only only rank 0 keeps them; or the guard "
+                 "summons another module). Gathering them would need an all-gather that rank 0 "
+                 "does not issue. Call it outside SummonFullParams, on every rank");
       const bool gathered = !dry && unit->gather_full_params();
       for (LocalPiece* p : group) {
         emit("model/" + p->name, flat.shard().scalar_type(), p->shape,

@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 
 #include "detail/error.h"
+#include "detail/posix_files.h"
 #include "state/agreement.h"
 #include "state/atomic_file.h"
 #include "state/checkpoint_dir.h"
@@ -34,11 +34,11 @@ namespace fsdp::detail {
 namespace {
 
 void remove_path(const std::string& path, bool tree) {
-  std::error_code ec;
+  std::error_code ec;  // See Note [No filesystem library].
   if (tree) {
-    std::filesystem::remove_all(path, ec);
+    remove_tree(path, ec);
   } else {
-    std::filesystem::remove(path, ec);
+    remove_entry(path, ec);
   }
   if (ec) {
     TORCH_WARN(error_prefix(/*rank=*/-1, path), "cannot remove it: ", ec.message());
@@ -59,17 +59,16 @@ void remove_temporaries(const std::string& dir) {
 }
 
 void remove_if_torn(const std::string& dir) {
-  std::error_code ec;
-  if (!std::filesystem::exists(std::filesystem::symlink_status(dir + "/" + kCompletionMarker, ec)))
-    if (std::filesystem::exists(dir, ec)) remove_path(dir, /*tree=*/true);
+  if (!entry_exists(dir + "/" + kCompletionMarker) && path_exists(dir)) {
+    remove_path(dir, /*tree=*/true);
+  }
 }
 
 void tidy_checkpoints(const std::string& parent, int64_t keep_last,
                       const std::vector<std::string>& keep) {
-  namespace fs = std::filesystem;
-  std::vector<fs::path> kept_paths;
+  std::vector<std::string> kept_paths;
   kept_paths.reserve(keep.size());
-  for (const std::string& k : keep) kept_paths.push_back(fs::path(k).lexically_normal());
+  for (const std::string& k : keep) kept_paths.push_back(lexically_normal(k));
   std::vector<StepDirectory> dirs;
   try {
     dirs = step_directories(parent);
@@ -79,8 +78,8 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
   }
   int64_t complete = 0;  // complete ones seen so far, newest first
   for (const StepDirectory& s : dirs) {
-    const bool kept = std::find(kept_paths.begin(), kept_paths.end(),
-                                fs::path(s.path).lexically_normal()) != kept_paths.end();
+    const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
+                      kept_paths.end();
     if (s.marked) ++complete;
     if (kept || (s.marked && (keep_last == 0 || complete <= keep_last))) {
       remove_temporaries(s.path);

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <random>
 #include <set>
@@ -26,6 +25,7 @@
 #include "comm/socket.h"
 #include "comm/tcp_store.h"
 #include "comm_test_util.h"
+#include "detail/posix_files.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -327,10 +327,12 @@ TEST(JobToken, TwoRankJobRunsCollectivesWhileStrangersKnockOnTheStore) {
 // TCP ports this process listens on (from /proc: its socket inodes in LISTEN).
 std::set<int> listening_ports_of_this_process() {
   std::set<std::string> inodes;
-  for (const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const std::string target = std::filesystem::read_symlink(e.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  std::error_code ec;
+  for (const std::string& fd : detail::list_dir("/proc/self/fd", ec)) {
+    char target[256];
+    const ssize_t n = ::readlink(("/proc/self/fd/" + fd).c_str(), target, sizeof(target));
+    const std::string link(target, n > 0 ? static_cast<size_t>(n) : 0);
+    if (link.rfind("socket:[", 0) == 0) inodes.insert(link.substr(8, link.size() - 9));
   }
   std::set<int> ports;
   for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 #include <iostream>
 #include <random>
 #include <regex>
@@ -20,6 +19,7 @@
 #include <fsdp/error_message.h>
 
 #include "comm_test_util.h"
+#include "detail/posix_files.h"
 #include "multi_rank.h"
 
 namespace fsdp::testing {
@@ -30,9 +30,9 @@ const MultiRankOptions kRunOptions{std::chrono::seconds(30), std::chrono::second
 
 std::set<std::string> dev_shm_entries() {
   std::set<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-    names.insert(e.path().filename().string());
-  }
+  std::error_code ec;
+  for (const std::string& name : detail::list_dir("/dev/shm", ec)) names.insert(name);
+  EXPECT_FALSE(ec) << "/dev/shm: " << ec.message();
   return names;
 }
 

@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -23,6 +22,7 @@
 
 #include "comm/socket.h"
 #include "comm_test_util.h"
+#include "detail/posix_files.h"
 
 namespace fsdp {
 namespace {
@@ -32,9 +32,8 @@ using Clock = std::chrono::steady_clock;
 std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
 int threads_of_this_process() {
-  int n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
-  return n;
+  std::error_code ec;
+  return static_cast<int>(detail::list_dir("/proc/self/task", ec).size());
 }
 
 // A connected socket to 127.0.0.1:port.

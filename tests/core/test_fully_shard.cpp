@@ -6,7 +6,6 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -19,6 +18,7 @@
 
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
+#include "detail/posix_files.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -532,24 +532,23 @@ TEST(FullyShard, MixedPrecisionMatchesPlainBf16Computation) {
 
 // A directory the test process makes and its rank processes share (through
 // `options`' environment); empty if it could not be made.
-std::filesystem::path shared_temp_dir(MultiRankOptions& options) {
-  std::filesystem::path dir;
+std::string shared_temp_dir(MultiRankOptions& options) {
+  std::string dir;
   if (is_rank_process()) {
     dir = std::getenv("FULLY_SHARD_TEST_DIR");
   } else {
     char tmpl[] = "/tmp/fsdp_fully_shard_XXXXXX";
     if (::mkdtemp(tmpl) != nullptr) dir = tmpl;
   }
-  options.env["FULLY_SHARD_TEST_DIR"] = dir.string();
+  options.env["FULLY_SHARD_TEST_DIR"] = dir;
   return dir;
 }
 
 // Runs `body(rank, world, dir)` on `world` ranks (process group joined) with
 // a directory they share, removed afterwards.
-void run_with_dir(int world,
-                  const std::function<void(int, int, const std::filesystem::path&)>& body) {
+void run_with_dir(int world, const std::function<void(int, int, const std::string&)>& body) {
   MultiRankOptions with_dir;
-  const std::filesystem::path dir = shared_temp_dir(with_dir);
+  const std::string dir = shared_temp_dir(with_dir);
   ASSERT_FALSE(dir.empty());
   run_ranks_ok(
       world,
@@ -558,11 +557,12 @@ void run_with_dir(int world,
         body(rank, w, dir);
       },
       with_dir);
-  if (!is_rank_process()) std::filesystem::remove_all(dir);
+  std::error_code ignored;
+  if (!is_rank_process()) detail::remove_tree(dir, ignored);
 }
 
 TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
-  run_with_dir(2, [](int rank, int world, const std::filesystem::path& dir) {
+  run_with_dir(2, [](int rank, int world, const std::string& dir) {
     auto train = [&](ListGpt& model, torch::optim::Optimizer& opt, int step) {
       torch::manual_seed(30 + step);
       const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
@@ -577,7 +577,7 @@ TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
     torch::optim::AdamW opt(root.flat_parameters(), adamw);
     Checkpointer ckpt(*model, &opt);
     for (int step = 0; step < 3; ++step) {
-      if (step == 2) ckpt.save((dir / "ckpt").string(), step);
+      if (step == 2) ckpt.save(dir + "/ckpt", step);
       train(model, opt, step);
     }
     // A fresh model (other weights) resumes from the checkpoint and
@@ -587,7 +587,7 @@ TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
     Unit& twin_root = fully_shard(twin, module_type_policy<BlockImpl>());
     torch::optim::AdamW twin_opt(twin_root.flat_parameters(), adamw);
     Checkpointer twin_ckpt(*twin, &twin_opt);
-    EXPECT_EQ(twin_ckpt.load((dir / "ckpt").string()), 2);
+    EXPECT_EQ(twin_ckpt.load(dir + "/ckpt"), 2);
     train(twin, twin_opt, 2);
     SummonFullParams a(*model);
     SummonFullParams b(*twin);
@@ -604,7 +604,7 @@ TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
 // outside, a file that 2.x refuses to load (1.13 takes it silently). And
 // torch::load into the sharded model is refused, naming the fix.
 TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
-  run_with_dir(2, [](int rank, int world, const std::filesystem::path& dir) {
+  run_with_dir(2, [](int rank, int world, const std::string& dir) {
     torch::manual_seed(0);
     ListGpt model(2);
     Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
@@ -613,8 +613,8 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
     const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
     lm_loss(model->forward(tokens), tokens).backward();
     opt.step();
-    const std::string full = (dir / "full.pt").string();
-    const std::string sharded = (dir / "sharded.pt").string();
+    const std::string full = dir + "/full.pt";
+    const std::string sharded = dir + "/sharded.pt";
     std::vector<torch::Tensor> want;
     {
       SummonFullParams gathered(*model);

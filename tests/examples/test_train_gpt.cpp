@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -18,11 +17,11 @@
 
 namespace {
 
-namespace fs = std::filesystem;
 using fsdp::launch::testing::run_launcher;
 using fsdp::launch::testing::RunResult;
 using train_gpt_test::fresh_dir;
 using train_gpt_test::Outcome;
+using train_gpt_test::remove_dir;
 using train_gpt_test::run_direct;
 
 // A tiny model: a few seconds for a few dozen steps at 2 ranks.
@@ -39,7 +38,7 @@ std::vector<std::string> launch(int ranks, std::vector<std::string> train_args) 
   return args;
 }
 
-std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& type) {
+std::vector<nlohmann::json> read_jsonl(const std::string& path, const std::string& type) {
   std::ifstream in(path);
   EXPECT_TRUE(in) << "no metrics file " << path;
   std::vector<nlohmann::json> out;
@@ -50,7 +49,7 @@ std::vector<nlohmann::json> read_jsonl(const fs::path& path, const std::string& 
   return out;
 }
 
-std::vector<double> losses(const fs::path& path) {
+std::vector<double> losses(const std::string& path) {
   std::vector<double> out;
   for (const auto& r : read_jsonl(path, "train")) out.push_back(r.at("loss").get<double>());
   return out;
@@ -62,8 +61,8 @@ void expect_success(const RunResult& r) {
 }
 
 TEST(TrainGpt, LossFallsAtTwoRanks) {
-  const fs::path dir = fresh_dir("falls");
-  auto args = tiny_run(dir.string());
+  const std::string dir = fresh_dir("falls");
+  auto args = tiny_run(dir);
   for (const char* a : {"--steps", "40", "--warmup-steps", "4", "--lr", "1e-2", "--min-lr", "1e-3",
                         "--eval-interval", "20"}) {
     args.push_back(a);
@@ -71,8 +70,8 @@ TEST(TrainGpt, LossFallsAtTwoRanks) {
   const RunResult r = run_launcher(launch(2, args), {}, std::chrono::seconds(120));
   expect_success(r);
 
-  const auto loss0 = losses(dir / "rank0.jsonl");
-  const auto loss1 = losses(dir / "rank1.jsonl");
+  const auto loss0 = losses(dir + "/rank0.jsonl");
+  const auto loss1 = losses(dir + "/rank1.jsonl");
   ASSERT_EQ(loss0.size(), 40u);
   // The reported loss is the mean over all ranks: the same on both.
   EXPECT_EQ(loss0, loss1);
@@ -83,32 +82,32 @@ TEST(TrainGpt, LossFallsAtTwoRanks) {
   EXPECT_LT(tail, 0.75 * loss0.front()) << "loss " << loss0.front() << " -> " << tail;
 
   // Ranks trained on different rows.
-  const auto train0 = read_jsonl(dir / "rank0.jsonl", "train");
-  const auto train1 = read_jsonl(dir / "rank1.jsonl", "train");
+  const auto train0 = read_jsonl(dir + "/rank0.jsonl", "train");
+  const auto train1 = read_jsonl(dir + "/rank1.jsonl", "train");
   EXPECT_NE(train0[0].at("local_loss"), train1[0].at("local_loss"));
   EXPECT_GT(train0[0].at("peak_bytes").get<int64_t>(), 0);
 
   // Held-out loss at steps 20 and 40, falling.
-  const auto evals = read_jsonl(dir / "rank0.jsonl", "eval");
+  const auto evals = read_jsonl(dir + "/rank0.jsonl", "eval");
   ASSERT_EQ(evals.size(), 2u);
   EXPECT_LT(evals[1].at("val_loss").get<double>(), 0.8 * loss0.front());
 
   // The sample: the prompt and 40 characters, printed by rank 0 only.
-  const auto summary = read_jsonl(dir / "rank0.jsonl", "summary");
+  const auto summary = read_jsonl(dir + "/rank0.jsonl", "summary");
   ASSERT_EQ(summary.size(), 1u);
   const std::string sample = summary[0].at("sample");
   EXPECT_EQ(sample.size(), 4u + 40u);
   EXPECT_EQ(sample.rfind("The ", 0), 0u);
   EXPECT_NE(r.out.find("[rank0]: sample"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[rank1]: sample"), std::string::npos) << r.out;
-  EXPECT_EQ(read_jsonl(dir / "rank1.jsonl", "summary")[0].at("sample"), sample);
-  fs::remove_all(dir);
+  EXPECT_EQ(read_jsonl(dir + "/rank1.jsonl", "summary")[0].at("sample"), sample);
+  remove_dir(dir);
 }
 
 TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
-  const fs::path one = fresh_dir("one"), two = fresh_dir("two");
-  auto common = [](const fs::path& dir) {
-    auto args = tiny_run(dir.string());
+  const std::string one = fresh_dir("one"), two = fresh_dir("two");
+  auto common = [](const std::string& dir) {
+    auto args = tiny_run(dir);
     for (const char* a : {"--steps", "15", "--warmup-steps", "3", "--eval-interval", "100",
                           "--sample-tokens", "0"}) {
       args.push_back(a);
@@ -117,8 +116,8 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
   };
   expect_success(run_launcher(launch(1, common(one)), {}, std::chrono::seconds(120)));
   expect_success(run_launcher(launch(2, common(two)), {}, std::chrono::seconds(120)));
-  const auto a = losses(one / "rank0.jsonl");
-  const auto b = losses(two / "rank0.jsonl");
+  const auto a = losses(one + "/rank0.jsonl");
+  const auto b = losses(two + "/rank0.jsonl");
   ASSERT_EQ(a.size(), 15u);
   ASSERT_EQ(b.size(), 15u);
   for (size_t i = 0; i < a.size(); ++i) {
@@ -127,12 +126,12 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
     EXPECT_NEAR(a[i], b[i], 1e-5 * a[i]) << "step " << i + 1;
   }
   EXPECT_LT(a.back(), a.front());
-  fs::remove_all(one);
-  fs::remove_all(two);
+  remove_dir(one);
+  remove_dir(two);
 }
 
 // Losses by step from a metrics file.
-std::map<int64_t, double> losses_by_step(const fs::path& path) {
+std::map<int64_t, double> losses_by_step(const std::string& path) {
   std::map<int64_t, double> out;
   for (const auto& r : read_jsonl(path, "train")) {
     out[r.at("step").get<int64_t>()] = r.at("loss").get<double>();
@@ -156,18 +155,18 @@ class TrainGptResume : public ::testing::TestWithParam<ResumeCase> {};
 TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
   const auto [precision, type] = GetParam();
   const std::string tag = std::string(precision) + "_" + type;
-  const fs::path whole = fresh_dir("whole_" + tag), part = fresh_dir("part_" + tag),
-                 resumed = fresh_dir("resumed_" + tag), ckpt = fresh_dir("ckpt_" + tag),
-                 ckpt_whole = fresh_dir("ckpt_whole_" + tag);
-  auto args = [&](const fs::path& metrics, const fs::path& ckpt_dir) {
-    auto a = tiny_run(metrics.string());
+  const std::string whole = fresh_dir("whole_" + tag), part = fresh_dir("part_" + tag),
+                    resumed = fresh_dir("resumed_" + tag), ckpt = fresh_dir("ckpt_" + tag),
+                    ckpt_whole = fresh_dir("ckpt_whole_" + tag);
+  auto args = [&](const std::string& metrics, const std::string& ckpt_dir) {
+    auto a = tiny_run(metrics);
     for (const char* x :
          {"--steps", "20", "--warmup-steps", "3", "--lr", "1e-2", "--eval-interval", "5",
           "--sample-tokens", "20", "--checkpoint-every", "8", "--checkpoint-type", type}) {
       a.push_back(x);
     }
     a.push_back("--checkpoint-dir");
-    a.push_back(ckpt_dir.string());
+    a.push_back(ckpt_dir);
     if (std::string(precision) == "bf16") a.push_back("--bf16");
     return a;
   };
@@ -177,22 +176,23 @@ TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
   const RunResult first = run_launcher(launch(2, stopped), {}, std::chrono::seconds(120));
   expect_success(first);
   EXPECT_NE(first.out.find("stopping after step 10"), std::string::npos) << first.out;
-  EXPECT_TRUE(fs::exists(ckpt / "step-0000000008")) << "no checkpoint at step 8";
-  EXPECT_FALSE(fs::exists(ckpt / "step-0000000010")) << "a checkpoint at step 10 (not every 8)";
+  EXPECT_TRUE(fsdp::detail::path_exists(ckpt + "/step-0000000008")) << "no checkpoint at step 8";
+  EXPECT_FALSE(fsdp::detail::path_exists(ckpt + "/step-0000000010"))
+      << "a checkpoint at step 10 (not every 8)";
   auto again = args(resumed, ckpt);
   again.push_back("--resume");
   const RunResult second = run_launcher(launch(2, again), {}, std::chrono::seconds(120));
   expect_success(second);
   EXPECT_NE(second.out.find("at step 8"), std::string::npos) << second.out;
 
-  const auto expected = losses_by_step(whole / "rank0.jsonl");
+  const auto expected = losses_by_step(whole + "/rank0.jsonl");
   ASSERT_EQ(expected.size(), 20u);
   EXPECT_LT(expected.at(20), 0.8 * expected.at(1)) << precision << " training did not learn";
-  const auto before = losses_by_step(part / "rank0.jsonl");
+  const auto before = losses_by_step(part + "/rank0.jsonl");
   ASSERT_EQ(before.size(), 10u);
   for (const auto& [step, loss] : before) EXPECT_EQ(loss, expected.at(step)) << "step " << step;
   for (const char* rank : {"rank0.jsonl", "rank1.jsonl"}) {
-    const auto after = losses_by_step(resumed / rank);
+    const auto after = losses_by_step(resumed + "/" + rank);
     ASSERT_EQ(after.size(), 12u) << rank;
     EXPECT_EQ(after.begin()->first, 9);
     // Bitwise: the same floating-point operations on the same values.
@@ -200,12 +200,12 @@ TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
       EXPECT_EQ(loss, expected.at(step)) << rank << " step " << step;
     }
   }
-  const auto sample_of = [](const fs::path& f) {
+  const auto sample_of = [](const std::string& f) {
     return read_jsonl(f, "summary").at(0).at("sample").get<std::string>();
   };
-  EXPECT_EQ(sample_of(resumed / "rank0.jsonl"), sample_of(whole / "rank0.jsonl"));
-  EXPECT_EQ(read_jsonl(resumed / "rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"),
-            read_jsonl(whole / "rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"));
+  EXPECT_EQ(sample_of(resumed + "/rank0.jsonl"), sample_of(whole + "/rank0.jsonl"));
+  EXPECT_EQ(read_jsonl(resumed + "/rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"),
+            read_jsonl(whole + "/rank0.jsonl", "summary").at(0).at("state").at("tokens_seen"));
 
   // Resuming with another seed would silently continue a different run.
   auto other_seed = args(resumed, ckpt);
@@ -214,7 +214,7 @@ TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
   ASSERT_FALSE(refused.timed_out) << refused.out << refused.err;
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.err.find("was made with --seed 1337, not 7"), std::string::npos) << refused.err;
-  for (const auto& d : {whole, part, resumed, ckpt, ckpt_whole}) fs::remove_all(d);
+  for (const auto& d : {whole, part, resumed, ckpt, ckpt_whole}) remove_dir(d);
 }
 
 INSTANTIATE_TEST_SUITE_P(TrainGpt, TrainGptResume,
@@ -223,8 +223,8 @@ INSTANTIATE_TEST_SUITE_P(TrainGpt, TrainGptResume,
                          [](const auto& info) { return ::testing::PrintToString(info.param); });
 
 TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
-  const fs::path dir = fresh_dir("progress");
-  auto args = tiny_run(dir.string());
+  const std::string dir = fresh_dir("progress");
+  auto args = tiny_run(dir);
   for (const char* a : {"--steps", "5", "--sample-tokens", "0", "--progress", "auto"}) {
     args.push_back(a);
   }
@@ -241,22 +241,22 @@ TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
   EXPECT_NE(tty.out.find("\x1b[1A\x1b[2K\r[########################] 5/5 loss"), std::string::npos)
       << tty.out;
   EXPECT_NE(tty.out.find("tok/s | ETA"), std::string::npos) << tty.out;
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
-  const fs::path dir = fresh_dir("bad");
+  const std::string dir = fresh_dir("bad");
   {
-    std::ofstream(dir / "short.txt") << "A short text, far shorter than the sequence length.\n";
-    std::ofstream(dir / "empty.txt");
+    std::ofstream(dir + "/short.txt") << "A short text, far shorter than the sequence length.\n";
+    std::ofstream(dir + "/empty.txt");
   }
   const std::string tiny = "--layers 1 --d-model 16 --heads 2 --steps 1 ";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--no-such-flag 3", "--no-such-flag"},
-      {"--data " + (dir / "missing.txt").string(), "missing.txt"},
-      {"--data " + (dir / "short.txt").string() + " --seq-len 64",
+      {"--data " + (dir + "/missing.txt"), "missing.txt"},
+      {"--data " + (dir + "/short.txt") + " --seq-len 64",
        "--seq-len 64 needs at least 65 characters"},
-      {"--data " + (dir / "empty.txt").string(), "is empty"},
+      {"--data " + (dir + "/empty.txt"), "is empty"},
       {"--layers 0", "--layers"},
       {"--layers many", "--layers"},
       {"--seq-len -5", "--seq-len"},
@@ -271,7 +271,7 @@ TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
       {"--metrics-dir /proc/no/such/dir", "cannot write metrics file"},
       {"--resume", "--resume needs --checkpoint-dir"},
       {"--checkpoint-every 5", "--checkpoint-every needs --checkpoint-dir"},
-      {"--checkpoint-dir " + (dir / "c").string() + " --checkpoint-type zip", "--checkpoint-type"},
+      {"--checkpoint-dir " + (dir + "/c") + " --checkpoint-type zip", "--checkpoint-type"},
       {"--stop-after 5", "--stop-after 5 exceeds --steps 1"},
   };
   for (const auto& [args, message] : cases) {
@@ -287,7 +287,7 @@ TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
   const Outcome help = run_direct("--help");
   EXPECT_EQ(help.code, 0) << help.output;
   EXPECT_NE(help.output.find("--seq-len"), std::string::npos) << help.output;
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 TEST(TrainGpt, BatchNotDivisibleByRanksIsRefusedOnEveryRank) {

@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -22,13 +21,13 @@
 
 namespace {
 
-namespace fs = std::filesystem;
 using fsdp::launch::testing::LauncherProcess;
 using fsdp::launch::testing::run_launcher;
 using fsdp::launch::testing::RunResult;
 using fsdp::testing::SmallDisk;
 using train_gpt_test::fresh_dir;
 using train_gpt_test::Outcome;
+using train_gpt_test::remove_dir;
 using train_gpt_test::run_direct;
 
 // A tiny model: a few milliseconds a step.
@@ -109,11 +108,11 @@ TEST(TrainGptFaults, NonFiniteNumbersAreRefusedForEveryFlag) {
   EXPECT_NE(o.output.find("--keep-last needs --checkpoint-dir"), std::string::npos) << o.output;
 }
 
-std::vector<int64_t> checkpoint_steps(const fs::path& dir) {
+std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   std::vector<int64_t> out;
-  if (!fs::exists(dir)) return out;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
+  if (!fsdp::detail::path_exists(dir)) return out;
+  std::error_code ec;
+  for (const std::string& name : fsdp::detail::list_dir(dir, ec)) {
     if (name.rfind("step-", 0) == 0) out.push_back(std::stoll(name.substr(5)));
   }
   std::sort(out.begin(), out.end());
@@ -123,12 +122,11 @@ std::vector<int64_t> checkpoint_steps(const fs::path& dir) {
 TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
   // Decoupled weight decay of lr * wd = 100 multiplies every weight by -99
   // each step: an overflow within about twenty steps.
-  const fs::path dir = fresh_dir("faults_diverge");
+  const std::string dir = fresh_dir("faults_diverge");
   const RunResult r = run_launcher(
       launch(2, tiny({"--steps", "200", "--lr", "10", "--min-lr", "10", "--warmup-steps", "0",
                       "--weight-decay", "10", "--grad-clip", "0", "--checkpoint-every", "1",
-                      "--checkpoint-dir", (dir / "ckpt").string(), "--metrics-dir",
-                      (dir / "m").string()})),
+                      "--checkpoint-dir", dir + "/ckpt", "--metrics-dir", dir + "/m"})),
       {}, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
@@ -142,15 +140,15 @@ TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
   EXPECT_NE(r.err.find("training diverged"), std::string::npos) << r.err;
   EXPECT_LT(step, 100) << r.err;
   // No checkpoint of that step or later; the earlier ones are finite.
-  const auto steps = checkpoint_steps(dir / "ckpt");
+  const auto steps = checkpoint_steps(dir + "/ckpt");
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(steps.back(), step - 1);
-  std::ifstream in(dir / "m" / "rank0.jsonl");
+  std::ifstream in(dir + "/m/rank0.jsonl");
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line);
     if (j.at("type") == "train") EXPECT_LT(j.at("step").get<int64_t>(), step) << line;
   }
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 TEST(TrainGptFaults, FullDiskForMetricsFailsNamingTheFileAndKeepsWholeLines) {
@@ -194,8 +192,8 @@ TEST(TrainGptFaults, KeepLastFitsACheckpointEveryStepOnASmallDisk) {
   EXPECT_NE(full.err.find("No space left on device"), std::string::npos) << full.err;
   const auto saved = checkpoint_steps(ckpt);
   ASSERT_FALSE(saved.empty());
-  for (const auto& e : fs::recursive_directory_iterator(ckpt))
-    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  for (const std::string& path : fsdp::detail::walk_tree(ckpt))
+    EXPECT_EQ(path.find(".tmp."), std::string::npos) << path;
   // Resumed with --keep-last 1 it runs to the end, keeping the newest and
   // the one it resumed from (resume() applies the limit first, so the next
   // save has room).
@@ -209,10 +207,10 @@ TEST(TrainGptFaults, KeepLastFitsACheckpointEveryStepOnASmallDisk) {
 
 // The pid of fsdprun's child with RANK=<rank> in its environment, or -1.
 pid_t rank_pid(pid_t launcher, int rank) {
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
+  std::error_code ec;
+  for (const std::string& name : fsdp::detail::list_dir("/proc", ec)) {
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(e.path() / "stat");
+    std::ifstream stat("/proc/" + name + "/stat");
     std::string line;
     std::getline(stat, line);
     const auto close = line.rfind(')');
@@ -221,7 +219,7 @@ pid_t rank_pid(pid_t launcher, int rank) {
     int ppid = 0;
     if (std::sscanf(line.c_str() + close + 1, " %c %d", &state, &ppid) != 2 || ppid != launcher)
       continue;
-    std::ifstream env(e.path() / "environ", std::ios::binary);
+    std::ifstream env("/proc/" + name + "/environ", std::ios::binary);
     const std::string all((std::istreambuf_iterator<char>(env)), std::istreambuf_iterator<char>());
     if (all.find(std::string("\0RANK=", 6) + std::to_string(rank) + '\0') != std::string::npos ||
         all.rfind("RANK=" + std::to_string(rank) + '\0', 0) == 0)
@@ -231,10 +229,10 @@ pid_t rank_pid(pid_t launcher, int rank) {
 }
 
 TEST(TrainGptFaults, TimeoutBoundsTheWaitForAStoppedRank) {
-  const fs::path dir = fresh_dir("faults_timeout");
+  const std::string dir = fresh_dir("faults_timeout");
   LauncherProcess launcher(
-      launch(2, tiny({"--steps", "1000000", "--timeout", "3", "--metrics-dir", dir.string()})));
-  const fs::path metrics = dir / "rank0.jsonl";
+      launch(2, tiny({"--steps", "1000000", "--timeout", "3", "--metrics-dir", dir})));
+  const std::string metrics = dir + "/rank0.jsonl";
   auto lines = [&] {
     std::ifstream in(metrics);
     int n = 0;
@@ -252,7 +250,7 @@ TEST(TrainGptFaults, TimeoutBoundsTheWaitForAStoppedRank) {
   EXPECT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   EXPECT_LT(r.elapsed, std::chrono::seconds(60));
-  fs::remove_all(dir);
+  remove_dir(dir);
 }
 
 }  // namespace

@@ -7,17 +7,28 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <filesystem>
+#include <cstdlib>
 #include <string>
+
+#include "detail/posix_files.h"
 
 namespace train_gpt_test {
 
+/// Removes a directory and everything in it (errors ignored). See Note [No
+/// filesystem library]: these tests run against wheels that break it.
+inline void remove_dir(const std::string& dir) {
+  std::error_code ignored;
+  fsdp::detail::remove_tree(dir, ignored);
+}
+
 /// A fresh, empty directory under the system's temporary directory.
-inline std::filesystem::path fresh_dir(const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("train_gpt_test_" + name + "_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+inline std::string fresh_dir(const std::string& name) {
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") +
+                          "/train_gpt_test_" + name + "_" + std::to_string(::getpid());
+  remove_dir(dir);
+  std::error_code ignored;
+  fsdp::detail::make_dirs(dir, ignored);
   return dir;
 }
 

@@ -11,13 +11,13 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "detail/posix_files.h"
 #include "launch_test_util.h"
 
 namespace fsdp::launch::testing {
@@ -72,7 +72,8 @@ std::string survivor_stderr(const std::string& program, int victim, int step) {
   EXPECT_EQ(std::system(("env -u TORCH_SHOW_CPP_STACKTRACES sh -c '" + script + "'").c_str()), 0);
   std::ifstream in(dir + "/err" + std::to_string(1 - victim));
   std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::filesystem::remove_all(dir);
+  std::error_code ignored;
+  fsdp::detail::remove_tree(dir, ignored);
   return err;
 }
 

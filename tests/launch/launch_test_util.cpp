@@ -10,11 +10,12 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+
+#include "detail/posix_files.h"
 
 extern char** environ;
 
@@ -213,7 +214,7 @@ PidDir::~PidDir() {
     if (!process_gone(pid)) ::kill(pid, SIGKILL);
   }
   std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
+  fsdp::detail::remove_tree(path_, ignored);
 }
 
 std::optional<pid_t> PidDir::read(const std::string& name) const {
@@ -233,9 +234,10 @@ bool PidDir::has_all(const std::vector<std::string>& names) const {
 std::vector<pid_t> PidDir::all_pids() const {
   std::vector<pid_t> pids;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(path_, ec)) {
-    if (entry.path().extension() != ".pid") continue;
-    if (auto pid = read(entry.path().filename().string())) {
+  for (const std::string& name : fsdp::detail::list_dir(path_, ec)) {
+    const size_t dot = name.rfind('.');
+    if (dot == std::string::npos || dot == 0 || name.substr(dot) != ".pid") continue;
+    if (auto pid = read(name)) {
       pids.push_back(*pid);
     }
   }

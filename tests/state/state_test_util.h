@@ -6,7 +6,6 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -14,6 +13,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "detail/posix_files.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -32,7 +32,8 @@ inline std::string test_dir() {
 /// Removes a test directory in the test process once the test passed (a
 /// failing test keeps it for inspection).
 inline void remove_test_dir(const std::string& dir) {
-  if (!is_rank_process() && !::testing::Test::HasFailure()) std::filesystem::remove_all(dir);
+  std::error_code ignored;
+  if (!is_rank_process() && !::testing::Test::HasFailure()) detail::remove_tree(dir, ignored);
 }
 
 /// Options that pass `dir` to the rank processes.

@@ -8,7 +8,6 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
-#include <filesystem>
 #include <functional>
 #include <set>
 
@@ -22,7 +21,19 @@
 namespace fsdp::testing {
 namespace {
 
-namespace fs = std::filesystem;
+// mkdir -p, failing the test when it cannot.
+void make_dirs_or_fail(const std::string& path) {
+  std::error_code ec;
+  detail::make_dirs(path, ec);
+  ASSERT_FALSE(ec) << path << ": " << ec.message();
+}
+
+int64_t file_size_of(const std::string& path) {
+  std::error_code ec;
+  const int64_t size = detail::file_size(path, ec);
+  EXPECT_FALSE(ec) << path << ": " << ec.message();
+  return size;
+}
 
 // Expects `fn` to throw an exception whose message contains every needle and
 // none of the `absent` ones.
@@ -73,7 +84,8 @@ TEST(CheckpointFaults, NonRegularFilesAreRefusedNotWaitedOn) {
                    const std::vector<std::string>& needles) {
     const std::string dir = saved_full(root + "/c" + std::to_string(n++));
     const std::string path = dir + "/" + file;
-    fs::remove(path);
+    std::error_code ec;
+    detail::remove_entry(path, ec);
     make(path);
     std::vector<std::string> all = needles;
     all.insert(all.begin(), path);
@@ -84,11 +96,12 @@ TEST(CheckpointFaults, NonRegularFilesAreRefusedNotWaitedOn) {
   check("model.safetensors", fifo, {"is a FIFO, not a regular file"});
   check("rank0.json", fifo, {"is a FIFO"});
   check("COMPLETE", fifo, {"is a FIFO"});
-  check("optim.safetensors", [](const std::string& p) { fs::create_directory(p); },
+  check("optim.safetensors", [](const std::string& p) { ASSERT_EQ(::mkdir(p.c_str(), 0755), 0); },
         {"is a directory, not a regular file"});
-  check("model.safetensors", [](const std::string& p) { fs::create_symlink("/dev/zero", p); },
+  check("model.safetensors",
+        [](const std::string& p) { ASSERT_EQ(::symlink("/dev/zero", p.c_str()), 0); },
         {"is a character device"});
-  check("COMPLETE", [](const std::string& p) { fs::create_symlink(p, p); },
+  check("COMPLETE", [](const std::string& p) { ASSERT_EQ(::symlink(p.c_str(), p.c_str()), 0); },
         {"cannot open", "symbolic links"});
   remove_test_dir(root);
 }
@@ -97,7 +110,7 @@ TEST(CheckpointFaults, FlippedDigitInTheMarkerBlamesTheMarker) {
   const std::string root = test_dir();
   const std::string dir = saved_full(root + "/c");
   std::string marker = file_bytes(dir + "/COMPLETE");
-  const std::string size = std::to_string(fs::file_size(dir + "/rank0.json"));
+  const std::string size = std::to_string(file_size_of(dir + "/rank0.json"));
   const auto at = marker.find("\"size\": " + size);
   ASSERT_NE(at, std::string::npos) << marker;
   char& digit = marker[at + 8];
@@ -139,7 +152,8 @@ void save_steps(const std::string& root, const std::vector<int64_t>& steps,
 
 std::set<std::string> entries(const std::string& dir) {
   std::set<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  std::error_code ec;
+  for (const std::string& name : detail::list_dir(dir, ec)) out.insert(name);
   return out;
 }
 
@@ -160,9 +174,9 @@ TEST(CheckpointFaults, ResumeFallsBackToTheNewestThatVerifies) {
   EXPECT_NE(warnings[0].find("skipping " + newest), std::string::npos) << warnings[0];
   EXPECT_NE(warnings[0].find("checksum mismatch"), std::string::npos) << warnings[0];
   // The damaged one is kept for inspection.
-  EXPECT_TRUE(fs::exists(newest + "/COMPLETE"));
+  EXPECT_TRUE(detail::path_exists(newest + "/COMPLETE"));
   // Nothing verifies: an error, not a silent start from step 0.
-  for (int64_t s : {10, 20}) fs::remove(checkpoint_path(root, s) + "/rank0.json");
+  for (int64_t s : {10, 20}) std::remove((checkpoint_path(root, s) + "/rank0.json").c_str());
   expect_error(
       [&] {
         compat::WarningCollector quiet;
@@ -178,7 +192,7 @@ TEST(CheckpointFaults, LeftoversOfInterruptedSavesAreRemoved) {
   const std::string ten = checkpoint_path(root, 10);
   // What a rank killed while re-saving step 10, then while saving 40, leaves.
   put_file_bytes(ten + "/model-rank1.safetensors.tmp.123456", "partial");
-  fs::create_directories(checkpoint_path(root, 40));
+  make_dirs_or_fail(checkpoint_path(root, 40));
   put_file_bytes(checkpoint_path(root, 40) + "/rank0.json", "{}");
   put_file_bytes(checkpoint_path(root, 40) + "/optim-rank0.safetensors.tmp.99", "partial");
   put_file_bytes(root + "/notes.tmp.1", "not under a step directory: not ours");
@@ -194,8 +208,8 @@ TEST(CheckpointFaults, LeftoversOfInterruptedSavesAreRemoved) {
   // The next save removes them too, and a save into a directory first clears
   // the temporaries in it.
   put_file_bytes(ten + "/model-rank0.safetensors.tmp.77", "partial");
-  fs::create_directories(checkpoint_path(root, 60));
-  fs::create_directories(checkpoint_path(root, 20));
+  make_dirs_or_fail(checkpoint_path(root, 60));
+  make_dirs_or_fail(checkpoint_path(root, 20));
   put_file_bytes(checkpoint_path(root, 20) + "/rank3.json.tmp.5", "partial");
   save_steps(root, {20});
   EXPECT_EQ(entries(root),
@@ -254,10 +268,10 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
   EXPECT_NE(error.find(failed + "/"), std::string::npos) << error;
   EXPECT_NE(error.find("No space left on device"), std::string::npos) << error;
   // The failed directory and every temporary are gone; the earlier ones load.
-  for (const auto& e : fs::recursive_directory_iterator(disk.path())) {
-    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
+  for (const std::string& path : detail::walk_tree(disk.path())) {
+    EXPECT_EQ(path.find(".tmp."), std::string::npos) << path;
   }
-  EXPECT_FALSE(fs::exists(failed));
+  EXPECT_FALSE(detail::path_exists(failed));
   for (int64_t s = 1; s <= saved; ++s) verify_checkpoint(checkpoint_path(disk.path(), s));
   torch::nn::Linear other(256, 256);
   torch::optim::Adam other_opt(other->parameters(), torch::optim::AdamOptions(1e-3));
@@ -265,7 +279,10 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
   EXPECT_TRUE(torch::equal(other->weight, model->weight));
   // With retention the same disk holds a checkpoint every step (room for
   // two: the new one is complete before the old one goes).
-  for (int64_t s = 1; s < saved; ++s) fs::remove_all(checkpoint_path(disk.path(), s));
+  for (int64_t s = 1; s < saved; ++s) {
+    std::error_code ec;
+    detail::remove_tree(checkpoint_path(disk.path(), s), ec);
+  }
   Checkpointer kept(*model, &opt, CheckpointerOptions().keep_last(1));
   for (int64_t s = saved + 1; s <= saved + 6; ++s) {
     step();

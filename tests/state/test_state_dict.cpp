@@ -9,8 +9,6 @@
 #include <fsdp/fsdp.h>
 #include "comm/counting_process_group.h"
 
-#include <filesystem>
-
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -225,8 +223,9 @@ TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
         EXPECT_EQ(pg->all_reduces - reduces, 2) << "the two agreements, nothing else";
 
         if (rank == 0) {
-          std::filesystem::copy(dir + "/good", dir + "/bad",
-                                std::filesystem::copy_options::recursive);
+          std::error_code ec;
+          detail::copy_tree(dir + "/good", dir + "/bad", ec);
+          ASSERT_FALSE(ec) << ec.message();
           std::string bytes = file_bytes(dir + "/bad/model-rank1.safetensors");
           bytes[bytes.size() - 3] ^= 0x5a;
           put_file_bytes(dir + "/bad/model-rank1.safetensors", bytes);

@@ -178,9 +178,11 @@ class Unit {
   /// init_unit().
   void deactivate(torch::nn::Module* wrapped = nullptr);
   /// Module::save for the wrapper `self`: writes what the unwrapped module
-  /// would write (full parameters under their own names, buffers, children),
-  /// gathering this unit's full-precision parameters; nested units gather
-  /// their own. Collective: every rank saves (see Note [Saving a unit]).
+  /// would write (full parameters under their own names, buffers, children).
+  /// The full parameters a unit holds (summoned, or never sharded) are
+  /// written as they are; the others are gathered (collective: every rank
+  /// saves), refused inside SummonFullParams. Nested units save their own.
+  /// See Note [Saving a unit].
   void save_unit(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const;
   /// Module::load for the wrapper `self`: reads full parameters as the
   /// unwrapped module would and keeps this rank's part in the shard. Every

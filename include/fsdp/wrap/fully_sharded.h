@@ -159,8 +159,10 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     zero_optim_grads(set_to_none);  // nothing for a pass-through
   }
 
-  /// What the unwrapped module's save() writes: full parameters, gathered.
-  /// Collective: torch::save(model, path) on every rank. See Note [Saving a unit].
+  /// What the unwrapped module's save() writes: full parameters. Under
+  /// SummonFullParams no communication (rank 0 alone may save); outside it
+  /// they are gathered, so torch::save(model, path) runs on every rank. See
+  /// Note [Saving a unit].
   void save(torch::serialize::OutputArchive& archive) const override {
     if (is_active()) {
       save_unit(*this, archive);

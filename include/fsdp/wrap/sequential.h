@@ -26,7 +26,7 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   /// Module::zero_grad, and the gradients the optimizer steps (see
   /// FullyShardedDataParallelImpl::zero_grad).
   void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override;
-  /// See FullyShardedDataParallelImpl::save: collective, full parameters.
+  /// See FullyShardedDataParallelImpl::save: full parameters (Note [Saving a unit]).
   void save(torch::serialize::OutputArchive& archive) const override;
   /// See FullyShardedDataParallelImpl::load.
   void load(torch::serialize::InputArchive& archive) override;
