@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
 #include "state/local_state.h"
 
@@ -48,16 +49,14 @@ FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bo
     // rank whose piece is empty may have none (see Note [State pieces]).
     OptimAccess access(*opt_);
     auto pieces = local_pieces(root_);
-    at::Tensor flags = at::full({static_cast<int64_t>(pieces.size()), 2}, -1.0, at::kDouble);
+    std::vector<int64_t> flags(2 * pieces.size(), -1);
     for (size_t i = 0; i < pieces.size(); ++i) {
       ParamState st;
       if (pieces[i].is_buffer || !access.get(pieces[i].optim_param, st)) continue;
-      flags[i][0] = 1.0;
-      flags[i][1] = static_cast<double>(st.step);
+      flags[2 * i] = 1;
+      flags[2 * i + 1] = static_cast<int64_t>(st.step);
     }
-    ProcessGroup* group = state_group(root_);
-    if (group != nullptr && group->size() > 1) group->all_reduce(flags, ReduceOp::kMax).wait();
-    agreed_.assign(flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
+    agreed_ = agree_reduce(state_group(root_), std::move(flags), ReduceOp::kMax);
   }
   run(nullptr);
 }
@@ -83,7 +82,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
   std::unique_ptr<OptimAccess> access;
   if (opt_ != nullptr) access = std::make_unique<OptimAccess>(*opt_);
   auto has_state = [&](size_t i) { return opt_ != nullptr && agreed_[2 * i] > 0; };
-  auto step_of = [&](size_t i) { return static_cast<int64_t>(agreed_[2 * i + 1]); };
+  auto step_of = [&](size_t i) { return agreed_[2 * i + 1]; };
 
   size_t i = 0;
   while (i < pieces.size() && pieces[i].unit != nullptr) {
