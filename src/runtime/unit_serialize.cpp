@@ -15,6 +15,7 @@
 
 #include "core/flat_parameter.h"
 #include "detail/error.h"
+#include "runtime/unit_collectives.h"
 
 namespace fsdp {
 
@@ -68,12 +69,7 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
   const FlatParameter* flat = flat_param();
   std::unordered_map<const void*, at::Tensor> full;
   if (flat != nullptr) {
-    const at::Tensor shard = flat->shard().detach();
-    at::Tensor all = shard;
-    if (!flat->keeps_unsharded()) {
-      all = at::empty({flat->padded_numel()}, shard.options());
-      flat->group().all_gather_into_tensor(all, shard.contiguous()).wait();
-    }
+    const at::Tensor all = detail::gather_full(*flat, flat->shard().detach());
     for (const auto& slot : flat->slots()) {
       // Each its own storage, as the unwrapped module's parameters are.
       full.emplace(slot.param.unsafeGetTensorImpl(),

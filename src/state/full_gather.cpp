@@ -5,6 +5,7 @@
 
 #include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
+#include "runtime/unit_collectives.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
@@ -29,15 +30,6 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
     out.narrow(0, at_shard, p->end - p->begin).copy_(st.tensors.at(name).reshape({-1}));
   }
   return out;
-}
-
-// The padded full buffer of a shard-sized tensor (the shard itself when the
-// unit keeps everything unsharded, NO_SHARD).
-at::Tensor gather_shard(const FlatParameter& flat, const at::Tensor& local) {
-  if (flat.keeps_unsharded()) return local;
-  at::Tensor full = at::empty({flat.padded_numel()}, local.options());
-  flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
-  return full;
 }
 
 }  // namespace
@@ -96,7 +88,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
       // Under mixed precision the unsharded parameters are the param_dtype
       // copies; what is saved is the full-precision shard, gathered as is.
       at::Tensor full;
-      if (!dry) full = gather_shard(flat, flat.shard().detach());
+      if (!dry) full = gather_full(flat, flat.shard().detach());
       for (LocalPiece* p : group) {
         const FlatParamSlot& slot = flat.slots()[p->slot];
         emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
@@ -116,7 +108,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
         bool any = false;
         for (size_t k = i; k < j; ++k) any = any || has_state(k);
         if (!any) continue;
-        if (!dry) full = gather_shard(flat, local_state_shard(group, *access, flat, name));
+        if (!dry) full = gather_full(flat, local_state_shard(group, *access, flat, name));
         for (size_t k = i; k < j; ++k) {
           if (!has_state(k)) continue;
           const FlatParamSlot& slot = flat.slots()[pieces[k].slot];
