@@ -9,6 +9,7 @@
 
 #include <fsdp/error_message.h>
 
+#include "comm/agreement.h"
 #include "comm/thread_priority.h"
 #include "comm/work_state.h"
 #include "detail/error.h"
@@ -37,15 +38,8 @@ std::string describe_tensor(const at::Tensor& t) {
   return os.str();
 }
 
-at::Tensor Fingerprint::to_tensor() const {
-  at::Tensor t = at::empty({kFields}, at::kLong);
-  int64_t* p = t.data_ptr<int64_t>();
-  p[0] = static_cast<int64_t>(seq);
-  p[1] = static_cast<int64_t>(kind);
-  p[2] = dtype;
-  p[3] = numel;
-  p[4] = detail;
-  return t;
+std::vector<int64_t> Fingerprint::values() const {
+  return {static_cast<int64_t>(seq), static_cast<int64_t>(kind), dtype, numel, detail};
 }
 
 Fingerprint Fingerprint::from_row(const int64_t* row) {
@@ -222,9 +216,12 @@ Work CommThread::run_inline(CollectiveKind kind, const std::string& what,
 
 std::string CommThread::Core::check_fingerprints(const Item& item) {
   const Fingerprint& mine = item.fingerprint;
-  const at::Tensor all = exchange(mine.to_tensor(), mine.seq).contiguous();
-  const int64_t size = all.size(0);
-  const int64_t* rows = all.data_ptr<int64_t>();
+  // The exchange runs on the engine's host channel: the fingerprint stays on
+  // the CPU whatever the group's device (Note [Cross-rank agreement]).
+  const std::vector<int64_t> all =
+      small_values(exchange(small_tensor(mine.values(), at::kLong, at::kCPU), mine.seq));
+  const auto size = static_cast<int64_t>(all.size()) / Fingerprint::kFields;
+  const int64_t* rows = all.data();
   // Ranks grouped by the fingerprint they sent, in rank order of first sight.
   std::vector<std::pair<Fingerprint, std::vector<int64_t>>> groups;
   for (int64_t r = 0; r < size; ++r) {

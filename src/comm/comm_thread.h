@@ -35,8 +35,8 @@ struct Fingerprint {
   int64_t detail = -1;                             ///< ReduceOp or broadcast root, -1: none
 
   /// The fingerprint as kFields int64 values.
-  at::Tensor to_tensor() const;
-  /// Reads one row written by to_tensor().
+  std::vector<int64_t> values() const;
+  /// Reads one row written by values().
   static Fingerprint from_row(const int64_t* row);
   /// "all_reduce #5 (8 x Float, sum)", for messages.
   std::string to_string() const;

@@ -232,8 +232,8 @@ void FlatParameter::resize_unsharded_storage(bool allocate) {
                                allocate ? padded_numel_ * unsharded_.element_size() : 0);
 }
 
-void FlatParameter::unshard_async() {
-  TORCH_INTERNAL_ASSERT(state_ == State::kSharded, unit_label_, ": unshard_async in state ",
+at::Tensor FlatParameter::begin_unshard() {
+  TORCH_INTERNAL_ASSERT(state_ == State::kSharded, unit_label_, ": begin_unshard in state ",
                         to_string(state_));
   resize_unsharded_storage(true);
   point_at_views();
@@ -244,28 +244,22 @@ void FlatParameter::unshard_async() {
     at::NoGradGuard no_grad;
     unsharded_.copy_(input);
     state_ = State::kUnsharded;
-    return;
+    return input;
   }
-  pending_unshard_ = group_->all_gather_into_tensor(unsharded_, input);
   state_ = State::kUnsharding;
+  return input;
 }
 
-void FlatParameter::unshard() {
-  TORCH_INTERNAL_ASSERT(state_ != State::kUnsharded, unit_label_, ": unshard while unsharded");
-  if (state_ == State::kSharded) unshard_async();
-  if (state_ == State::kUnsharding) {
-    Work work = std::move(pending_unshard_);
-    pending_unshard_ = Work();
-    work.wait();
-    state_ = State::kUnsharded;
-  }
+void FlatParameter::end_unshard() {
+  TORCH_INTERNAL_ASSERT(state_ == State::kUnsharding, unit_label_, ": end_unshard in state ",
+                        to_string(state_));
+  state_ = State::kUnsharded;
 }
 
 void FlatParameter::reshard() {
-  TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ != State::kSharded, unit_label_,
+  TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ == State::kUnsharded, unit_label_,
                         ": reshard in state ", to_string(state_),
                         frees_unsharded() ? "" : " (its buffer is the shard)");
-  if (state_ == State::kUnsharding) unshard();  // the all-gather writes into the buffer
   resize_unsharded_storage(false);
   point_at_placeholders();
   state_ = State::kSharded;

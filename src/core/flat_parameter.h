@@ -68,11 +68,13 @@ struct FlatParamConfig {
 ///   turns any use into an error naming it (Note [Sharded placeholders]).
 class FlatParameter {
  public:
-  /// kSharded: only shard() holds data. kUnsharding: an all-gather into the
-  /// unsharded buffer is in flight (unshard_async). kUnsharded: the original
-  /// parameters hold the full values. A FlatParameter that never frees its
-  /// buffer (NO_SHARD in full precision) is always kUnsharded. Transitions
-  /// assert the state they start from: the unit decides when to call them.
+  /// kSharded: only shard() holds data. kUnsharding: the unsharded buffer is
+  /// allocated and an all-gather into it is in flight (begin_unshard).
+  /// kUnsharded: the original parameters hold the full values. A
+  /// FlatParameter that never frees its buffer (NO_SHARD in full precision)
+  /// is always kUnsharded. Transitions assert the state they start from: the
+  /// unit decides when to call them, and its collectives (unit_collectives.h)
+  /// fill the buffer.
   enum class State { kSharded, kUnsharding, kUnsharded };
 
   /// Flattens `params` (all one dtype, on CPU) and, unless keep_unsharded,
@@ -114,16 +116,18 @@ class FlatParameter {
   /// True when the buffer is never sharded (NO_SHARD).
   bool keeps_unsharded() const { return keep_unsharded_; }
 
-  /// kSharded -> kUnsharding: allocates the unsharded buffer and starts the
-  /// all-gather into it (a prefetch); unshard() or reshard() waits for it.
-  void unshard_async();
-  /// kSharded or kUnsharding -> kUnsharded: the original parameters hold the
-  /// full values (waits for the pending all-gather, or gathers now).
-  void unshard();
-  /// kUnsharded or kUnsharding -> kSharded: frees the unsharded buffer. A
-  /// pending all-gather is waited for first: it writes into that buffer.
-  /// Only where frees_unsharded().
+  /// kSharded -> kUnsharding: allocates the unsharded buffer, points the
+  /// original parameters at their views of it and returns the all-gather
+  /// input (the shard, in param_dtype()) to gather into unsharded(). NO_SHARD
+  /// copies it in itself and ends kUnsharded.
+  at::Tensor begin_unshard();
+  /// kUnsharding -> kUnsharded: the all-gather into unsharded() completed.
+  void end_unshard();
+  /// kUnsharded -> kSharded: frees the unsharded buffer. Only where
+  /// frees_unsharded(), and never while an all-gather writes into it.
   void reshard();
+  /// The unsharded flat buffer (the all-gather output); freed while kSharded.
+  const at::Tensor& unsharded() const { return unsharded_; }
   /// False when the unsharded buffer is the shard itself (NO_SHARD in full
   /// precision): then the FlatParameter stays kUnsharded.
   bool frees_unsharded() const { return !keep_unsharded_ || low_precision_; }
@@ -176,7 +180,6 @@ class FlatParameter {
   at::ScalarType grad_dtype_ = at::kFloat;
 
   State state_ = State::kUnsharded;
-  Work pending_unshard_;  // the all-gather started by unshard_async()
 };
 
 /// The name of a FlatParameter state, for messages.

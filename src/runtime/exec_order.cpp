@@ -9,6 +9,8 @@
 
 #include <fsdp/runtime/unit.h>
 
+#include "comm/agreement.h"
+
 namespace fsdp {
 
 const char* to_string(ExecOrder::Phase phase) {
@@ -103,14 +105,9 @@ Unit* ExecOrder::previous(const Unit& unit) const {
 void ExecOrder::agree(Mark mark, int64_t value, size_t position) {
   const int world = group_->size();
   if (world == 1) return;
-  // Small integers travel exactly as float64 (the collectives' dtypes are
-  // floating point).
-  at::Tensor mine = at::empty({2}, at::kDouble);
-  mine.data_ptr<double>()[0] = static_cast<double>(static_cast<int64_t>(mark));
-  mine.data_ptr<double>()[1] = static_cast<double>(value);
-  at::Tensor all = at::empty({int64_t{2} * world}, at::kDouble);
-  group_->all_gather_into_tensor(all, mine).wait();
-  const double* rows = all.data_ptr<double>();
+  const std::vector<int64_t> all =
+      detail::agree_gather(group_.get(), {static_cast<int64_t>(mark), value});
+  const int64_t* rows = all.data();
   bool same = true;
   auto row = [&](int r) { return rows + 2 * static_cast<size_t>(r); };
   for (int r = 1; r < world && same; ++r) {
@@ -120,8 +117,7 @@ void ExecOrder::agree(Mark mark, int64_t value, size_t position) {
   // Ranks grouped by what they were about to do, in rank order.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < world; ++r) {
-    const std::string what = describe_mark(static_cast<Mark>(static_cast<int64_t>(row(r)[0])),
-                                           static_cast<int64_t>(row(r)[1]));
+    const std::string what = describe_mark(static_cast<Mark>(row(r)[0]), row(r)[1]);
     auto it =
         std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == what; });
     if (it == groups.end()) {

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 
+#include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/unit_runtime.h"
@@ -197,39 +198,39 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   if (total == 0 || !root_.require_sync_) return out;
   // Last: whether this rank's forward order ever left the first iteration's
   // (already warned: collectives unchecked, as PyTorch's FSDP has it).
-  at::Tensor flags = at::zeros({total + 1}, at::kFloat);
-  float* f = flags.data_ptr<float>();
-  flags.data_ptr<float>()[total] = exec_order_->warned() ? 1.f : 0.f;
+  std::vector<int64_t> flags;
+  flags.reserve(static_cast<size_t>(total) + 1);
   for (const UnitRuntime* unit : units_) {
     if (!unit->flat_) continue;
     const auto& filled = unit->slot_filled_;
     const bool reduced = static_cast<bool>(unit->grad_work_);
     if (unit->options_.use_orig_params()) {
-      for (size_t i = 0; i < filled.size(); ++i) *f++ = reduced && filled[i] ? 1.f : 0.f;
+      for (const bool slot : filled) flags.push_back(reduced && slot ? 1 : 0);
     } else {
       const bool any = std::find(filled.begin(), filled.end(), true) != filled.end();
-      *f++ = reduced && any ? 1.f : 0.f;
+      flags.push_back(reduced && any ? 1 : 0);
     }
-    if (regathers(*unit)) *f++ = unit->state_ != Unit::TrainingState::kIdle ? 1.f : 0.f;
+    if (regathers(*unit)) flags.push_back(unit->state_ != Unit::TrainingState::kIdle ? 1 : 0);
   }
+  flags.push_back(exec_order_->warned() ? 1 : 0);
   const int world = group->size();
-  if (world > 1) group->all_reduce(flags, ReduceOp::kSum).wait();
-  f = flags.data_ptr<float>();
+  flags = agree_reduce(group, std::move(flags), ReduceOp::kSum);
+  auto f = flags.begin();
   std::string uneven;
   for (size_t u = 0; u < units_.size(); ++u) {
     const UnitRuntime& unit = *units_[u];
     if (!unit.flat_) continue;
-    for (size_t i = 0; i < grad_flags(unit); ++i) out[u].push_back(*f++ > 0.5f);
+    for (size_t i = 0; i < grad_flags(unit); ++i) out[u].push_back(*f++ > 0);
     if (!regathers(unit)) continue;
-    const float reached = *f++;
-    if (reached > 0.5f && reached < world - 0.5f) {
+    const int64_t reached = *f++;
+    if (reached > 0 && reached < world) {
       uneven += (uneven.empty() ? "" : ", ") + unit.flat_->unit_label();
     }
   }
   // See Note [Reduction order]: under FULL_SHARD a unit's parameters are
   // gathered again where backward reaches its outputs, so ranks that differ
   // there gather different units; whatever the collectives did, say why.
-  const bool order_changed = *f > 0.5f;
+  const bool order_changed = *f > 0;
   FSDP_CHECK(uneven.empty() || order_changed, group->rank(), "backward",
              "backward reached the outputs of ", uneven,
              " on some ranks but not on others (their loss did not use them). Under "

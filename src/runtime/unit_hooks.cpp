@@ -7,20 +7,21 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <utility>
 
 #include <fsdp/core/activation_checkpoint.h>
 
-#include "comm/work_state.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/root_state.h"
+#include "runtime/unit_collectives.h"
 #include "runtime/unit_runtime.h"
 
 // A profiler label naming the unit by its module path, built only while a
 // profiler listens: "fsdp::all_gather (blocks.0)".
-#define FSDP_RECORD(what, path)                       \
-  RECORD_USER_SCOPE(std::string("fsdp::" what " (") + \
+#define FSDP_RECORD(what, path)                             \
+  RECORD_USER_SCOPE(std::string("fsdp::") + (what) + " (" + \
                     ((path).empty() ? std::string("root") : std::string(path)) + ")")
 
 namespace fsdp::detail {
@@ -52,14 +53,23 @@ void UnitRuntime::abandon_iteration() {
   grads_ready_ = 0;
 }
 
+void UnitRuntime::unshard_async() { pending_gather_ = all_gather_unit(*flat_); }
+
+void UnitRuntime::wait_pending_gather() {
+  if (flat_->state() != FlatParameter::State::kUnsharding) return;
+  wait_all_gather(*flat_, std::exchange(pending_gather_, Work()));
+}
+
 void UnitRuntime::unshard() {
   if (flat_->state() == FlatParameter::State::kUnsharded) return;  // never freed, or already
   FSDP_RECORD("all_gather", path_);
-  flat_->unshard();
+  if (flat_->state() == FlatParameter::State::kSharded) unshard_async();
+  wait_pending_gather();
 }
 
 void UnitRuntime::reshard() {
   if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
+  wait_pending_gather();  // the all-gather writes into the buffer
   flat_->reshard();
 }
 
@@ -137,7 +147,7 @@ void UnitRuntime::prefetch_forward() {
   FlatParameter* flat = next->flat_param();
   if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
   FSDP_RECORD("all_gather", next->runtime_->path());
-  flat->unshard_async();
+  next->runtime_->unshard_async();
 }
 
 void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
@@ -251,7 +261,7 @@ void UnitRuntime::prefetch_backward() {
   FlatParameter* flat = next->flat_param();
   if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
   FSDP_RECORD("all_gather", next->runtime_->path());
-  flat->unshard_async();
+  next->runtime_->unshard_async();
 }
 
 void UnitRuntime::on_grad_ready(size_t slot) {
@@ -285,7 +295,6 @@ void UnitRuntime::on_grad_ready(size_t slot) {
 
 void UnitRuntime::launch_grad_reduction() {
   TORCH_INTERNAL_ASSERT(!grad_work_, "fsdp: gradient reduction launched twice");
-  ProcessGroup& group = flat_->group();
   if (!flat_grad_.defined()) {  // no gradient on this rank: zeros (Note [Reduction order])
     flat_grad_ = flat_->new_flat_grad();
     slot_filled_.assign(flat_->slots().size(), false);
@@ -295,23 +304,11 @@ void UnitRuntime::launch_grad_reduction() {
   }
   warn_unused_slots();
   flat_->zero_padding(flat_grad_);
-  if (flat_->keeps_unsharded()) {
-    FSDP_RECORD("all_reduce", path_);
-    grad_shard_ = flat_grad_;
-    grad_work_ = group.all_reduce(grad_shard_, ReduceOp::kAvg);
-  } else {
-    FSDP_RECORD("reduce_scatter", path_);
-    grad_shard_ = at::empty({flat_->shard().numel()}, flat_grad_.options());
-    grad_work_ = group.reduce_scatter_tensor(grad_shard_, flat_grad_, ReduceOp::kAvg);
-    if (replicate_group_ && replicate_group_->size() > 1) {
-      // See Note [Hybrid sharding]: the node's average, then the job's.
-      grad_work_ = chain_work(grad_work_,
-                              [replicate = replicate_group_, shard = grad_shard_] {
-                                return replicate->all_reduce(shard, ReduceOp::kAvg);
-                              },
-                              "reduce_scatter then all_reduce across nodes (" + label() + ")",
-                              {grad_shard_});
-    }
+  {
+    FSDP_RECORD(flat_->keeps_unsharded() ? "all_reduce" : "reduce_scatter", path_);
+    GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, replicate_group_, label());
+    grad_shard_ = std::move(reduction.shard);
+    grad_work_ = std::move(reduction.work);
   }
   flat_grad_ = at::Tensor();  // the Work keeps it alive until reduced
   if (root_ != nullptr) root_->limit_reductions_in_flight(grad_work_);

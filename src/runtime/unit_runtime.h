@@ -115,8 +115,15 @@ class UnitRuntime final : public ParamUseListener {
   // This unit as the listener of its parameters' uses, or nullptr for a
   // wrapper's unit (see Note [Units driven by dispatch]).
   ParamUseListener* use_listener() { return driver_ == Driver::kDispatch ? this : nullptr; }
+  // See Note [A unit's collectives]: kSharded -> kUnsharding (a prefetch).
+  void unshard_async();
+  // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
+  // -> kSharded where the buffer is freed; a pending all-gather is waited for
+  // first (it writes into the buffer).
   void reshard();
+  // kUnsharding -> kUnsharded: waits for pending_gather_.
+  void wait_pending_gather();
   void prefetch_forward();
   /// Sets each original parameter's requires_grad for this forward and
   /// counts the trainable ones.
@@ -193,6 +200,7 @@ class UnitRuntime final : public ParamUseListener {
   std::vector<bool> slot_filled_;
   at::Tensor grad_shard_;  // reduce-scatter output
   Work grad_work_;         // pending reduce-scatter / all-reduce
+  Work pending_gather_;    // the all-gather started by unshard_async()
 };
 
 }  // namespace fsdp::detail

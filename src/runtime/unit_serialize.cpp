@@ -16,6 +16,7 @@
 #include "core/flat_parameter.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
+#include "runtime/unit_collectives.h"
 
 namespace fsdp {
 
@@ -100,9 +101,7 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
                  low ? "Call torch::save on every rank outside SummonFullParams"
                      : "Call torch::save on rank 0 only, under a guard on the module you "
                        "save, or on every rank outside SummonFullParams");
-      const at::Tensor shard = flat->shard().detach();
-      all = at::empty({flat->padded_numel()}, shard.options());
-      flat->group().all_gather_into_tensor(all, shard.contiguous()).wait();
+      all = detail::gather_full(*flat, flat->shard().detach());
     }
     for (const auto& slot : flat->slots()) {
       const at::Tensor value = all.defined()

@@ -1,9 +1,9 @@
 #include "state/agreement.h"
 
-#include <ATen/ATen.h>
-
 #include <fsdp/error_message.h>
 #include <fsdp/state/error.h>
+
+#include "comm/agreement.h"
 
 namespace fsdp::detail {
 
@@ -11,12 +11,11 @@ void agree(ProcessGroup* group, const std::exception_ptr& error, const std::stri
            const std::string& phase, const std::string& consequence) {
   std::string failed;
   if (group != nullptr && group->size() > 1) {
-    at::Tensor flags = at::zeros({group->size()}, at::kFloat);
-    if (error) flags[group->rank()] = 1.0f;
-    group->all_reduce(flags, ReduceOp::kSum).wait();
-    const float* f = flags.data_ptr<float>();
+    std::vector<int64_t> flags(group->size(), 0);
+    if (error) flags[group->rank()] = 1;
+    flags = agree_reduce(group, std::move(flags), ReduceOp::kSum);
     for (int r = 0; r < group->size(); ++r) {
-      if (f[r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+      if (flags[r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
     }
   }
   if (error) std::rethrow_exception(error);

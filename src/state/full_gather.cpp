@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
+#include "runtime/unit_collectives.h"
 #include "state/local_state.h"
 
 namespace fsdp::detail {
@@ -31,15 +33,6 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
   return out;
 }
 
-// The padded full buffer of a shard-sized tensor (the shard itself when the
-// unit keeps everything unsharded, NO_SHARD).
-at::Tensor gather_shard(const FlatParameter& flat, const at::Tensor& local) {
-  if (flat.keeps_unsharded()) return local;
-  at::Tensor full = at::empty({flat.padded_numel()}, local.options());
-  flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
-  return full;
-}
-
 }  // namespace
 
 FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model)
@@ -49,16 +42,14 @@ FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bo
     // rank whose piece is empty may have none (see Note [State pieces]).
     OptimAccess access(*opt_);
     auto pieces = local_pieces(root_);
-    at::Tensor flags = at::full({static_cast<int64_t>(pieces.size()), 2}, -1.0, at::kDouble);
+    std::vector<int64_t> flags(2 * pieces.size(), -1);
     for (size_t i = 0; i < pieces.size(); ++i) {
       ParamState st;
       if (pieces[i].is_buffer || !access.get(pieces[i].optim_param, st)) continue;
-      flags[i][0] = 1.0;
-      flags[i][1] = static_cast<double>(st.step);
+      flags[2 * i] = 1;
+      flags[2 * i + 1] = static_cast<int64_t>(st.step);
     }
-    ProcessGroup* group = state_group(root_);
-    if (group != nullptr && group->size() > 1) group->all_reduce(flags, ReduceOp::kMax).wait();
-    agreed_.assign(flags.data_ptr<double>(), flags.data_ptr<double>() + flags.numel());
+    agreed_ = agree_reduce(state_group(root_), std::move(flags), ReduceOp::kMax);
   }
   run(nullptr);
 }
@@ -87,7 +78,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
   std::unique_ptr<OptimAccess> access;
   if (opt_ != nullptr) access = std::make_unique<OptimAccess>(*opt_);
   auto has_state = [&](size_t i) { return opt_ != nullptr && agreed_[2 * i] > 0; };
-  auto step_of = [&](size_t i) { return static_cast<int64_t>(agreed_[2 * i + 1]); };
+  auto step_of = [&](size_t i) { return agreed_[2 * i + 1]; };
 
   size_t i = 0;
   while (i < pieces.size() && pieces[i].unit != nullptr) {
@@ -101,7 +92,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
       // Under mixed precision the unsharded parameters are the param_dtype
       // copies; what is saved is the full-precision shard, gathered as is.
       at::Tensor full;
-      if (!dry) full = gather_shard(flat, flat.shard().detach());
+      if (!dry) full = gather_full(flat, flat.shard().detach());
       for (LocalPiece* p : group) {
         const FlatParamSlot& slot = flat.slots()[p->slot];
         emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
@@ -127,7 +118,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
         bool any = false;
         for (size_t k = i; k < j; ++k) any = any || has_state(k);
         if (!any) continue;
-        if (!dry) full = gather_shard(flat, local_state_shard(group, *access, flat, name));
+        if (!dry) full = gather_full(flat, local_state_shard(group, *access, flat, name));
         for (size_t k = i; k < j; ++k) {
           if (!has_state(k)) continue;
           const FlatParamSlot& slot = flat.slots()[pieces[k].slot];

@@ -41,7 +41,7 @@ class FullWalker {
   torch::nn::Module& root_;
   torch::optim::Optimizer* opt_;
   bool model_;
-  std::vector<double> agreed_;  // per optimizer parameter piece: (has state, step)
+  std::vector<int64_t> agreed_;  // per optimizer parameter piece: (has state, step)
   std::vector<FullSpec> specs_;
 };
 

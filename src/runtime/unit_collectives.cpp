@@ -1,0 +1,58 @@
+#include "runtime/unit_collectives.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "comm/work_state.h"
+
+// Note [A unit's collectives]
+// Every collective a unit issues for its parameters and gradients is made
+// here and nowhere else: the all-gather of the shards into the unsharded
+// buffer (forward, backward, prefetch), the gather of a shard-sized state
+// for checkpoints, and the gradient reduction (all-reduce for NO_SHARD,
+// reduce-scatter, and the all-reduce across nodes chained to it under hybrid
+// sharding). The FlatParameter only says where the bytes go (its layout and
+// storage: begin_unshard() allocates and returns the all-gather input,
+// end_unshard() marks the buffer filled); UnitRuntime decides when. A device
+// other than the CPU changes what happens here (streams, events), not the
+// FlatParameter or the hooks.
+
+namespace fsdp::detail {
+
+Work all_gather_unit(FlatParameter& flat) {
+  const at::Tensor input = flat.begin_unshard();
+  if (flat.state() == FlatParameter::State::kUnsharded) return Work();  // NO_SHARD: copied
+  return flat.group().all_gather_into_tensor(flat.unsharded(), input);
+}
+
+void wait_all_gather(FlatParameter& flat, Work work) {
+  work.wait();
+  flat.end_unshard();
+}
+
+at::Tensor gather_full(const FlatParameter& flat, const at::Tensor& local) {
+  if (flat.keeps_unsharded()) return local;
+  at::Tensor full = at::empty({flat.padded_numel()}, local.options());
+  flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
+  return full;
+}
+
+GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
+                               const std::shared_ptr<ProcessGroup>& replicate,
+                               const std::string& label) {
+  ProcessGroup& group = flat.group();
+  if (flat.keeps_unsharded()) return {flat_grad, group.all_reduce(flat_grad, ReduceOp::kAvg)};
+  at::Tensor shard = at::empty({flat.shard().numel()}, flat_grad.options());
+  Work work = group.reduce_scatter_tensor(shard, flat_grad, ReduceOp::kAvg);
+  if (replicate && replicate->size() > 1) {
+    // See Note [Hybrid sharding]: the node's average, then the job's.
+    work = chain_work(work,
+                      [replicate, shard] { return replicate->all_reduce(shard, ReduceOp::kAvg); },
+                      "reduce_scatter then all_reduce across nodes (" + label + ")", {shard});
+  }
+  return {shard, std::move(work)};
+}
+
+}  // namespace fsdp::detail

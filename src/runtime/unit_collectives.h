@@ -1,0 +1,49 @@
+#pragma once
+
+// A unit's collectives, in one stateless file (as FSDP2's _fsdp_collectives):
+// the FlatParameter holds the layout and the storage, UnitRuntime decides
+// when, and these functions move the bytes. See Note [A unit's collectives]
+// in unit_collectives.cpp.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+
+#include <fsdp/comm/process_group.h>
+
+#include "core/flat_parameter.h"
+
+namespace fsdp::detail {
+
+/// kSharded -> kUnsharding: allocates `flat`'s unsharded buffer and starts
+/// the all-gather of every rank's shard into it. Pass the Work to
+/// wait_all_gather(). NO_SHARD gathers nothing: `flat` ends kUnsharded and
+/// the Work is empty.
+Work all_gather_unit(FlatParameter& flat);
+
+/// kUnsharding -> kUnsharded: waits for `work` (from all_gather_unit).
+void wait_all_gather(FlatParameter& flat, Work work);
+
+/// The padded unsharded buffer of a shard-sized tensor `local` (a state,
+/// the shard itself), gathered now from every rank of `flat`'s group;
+/// `local` itself where `flat` keeps everything unsharded (NO_SHARD).
+at::Tensor gather_full(const FlatParameter& flat, const at::Tensor& local);
+
+/// A gradient reduction in flight: `shard` holds the result once `work`
+/// completes (and keeps the inputs alive until then).
+struct GradReduction {
+  at::Tensor shard;  ///< this rank's shard of the averaged gradient
+  Work work;         ///< the pending collective(s)
+};
+
+/// Starts averaging `flat_grad` (padded_numel() elements, padding zeroed)
+/// over the ranks: an all-reduce in place for NO_SHARD, else a reduce-scatter
+/// into a new shard, followed under hybrid sharding by an all-reduce of that
+/// shard across `replicate` (see Note [Hybrid sharding]); `label` names the
+/// unit in the chained Work's description.
+GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
+                               const std::shared_ptr<ProcessGroup>& replicate,
+                               const std::string& label);
+
+}  // namespace fsdp::detail
