@@ -62,6 +62,16 @@ fail() {
   failed+=("$1")
 }
 has_stage() { [[ " $stages " == *" $1 "* ]]; }
+# build_for_tests TORCH DIR SANITIZERS CTEST_ARGS...: builds into DIR the
+# library, then only the executables that the selected tests run.
+build_for_tests() {
+  local torch="$1" dir="$2" sanitize="$3" targets
+  shift 3
+  export FSDP_WERROR=$werror FSDP_SANITIZE=$sanitize FSDP_BUILD_DIR=$dir
+  ./scripts/build.sh --torch "$torch" fsdp &&
+    mapfile -t targets < <(./scripts/ctest_targets.sh "$dir" "$@") &&
+    ./scripts/build.sh --torch "$torch" "${targets[@]}"
+}
 
 if has_stage format; then
   echo "=== format: scripts/check_format.sh"
@@ -85,12 +95,7 @@ if has_stage 2.11; then
   args=("$@")
   if (($# == 0)); then args=(-L 'core|state|launch'); fi
   echo "=== LibTorch 2.11: build into build-2.11/ (-Werror: $werror)"
-  (
-    export FSDP_WERROR=$werror FSDP_SANITIZE= FSDP_BUILD_DIR=build-2.11
-    ./scripts/build.sh --torch 2.11 fsdp
-    mapfile -t targets < <(./scripts/ctest_targets.sh build-2.11 "${args[@]}")
-    ./scripts/build.sh --torch 2.11 "${targets[@]}"
-  ) || fail "2.11 build"
+  (build_for_tests 2.11 build-2.11 "" "${args[@]}") || fail "2.11 build"
   lap "2.11 build"
   echo "=== LibTorch 2.11: tests"
   ctest --test-dir build-2.11 --output-on-failure "${args[@]}" || fail "2.11 tests"
@@ -102,12 +107,7 @@ if has_stage 1.13; then
   args=("$@")
   if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster' -E '^test_collectives$'); fi
   echo "=== LibTorch 1.13 (sanitizers: ${sanitize_113:-none}): build into build-1.13/ (-Werror: $werror)"
-  (
-    export FSDP_WERROR=$werror FSDP_SANITIZE=$sanitize_113 FSDP_BUILD_DIR=build-1.13
-    ./scripts/build.sh --torch 1.13 fsdp
-    mapfile -t targets < <(./scripts/ctest_targets.sh build-1.13 "${args[@]}")
-    ./scripts/build.sh --torch 1.13 "${targets[@]}"
-  ) || fail "1.13 build"
+  (build_for_tests 1.13 build-1.13 "$sanitize_113" "${args[@]}") || fail "1.13 build"
   lap "1.13 build"
   echo "=== LibTorch 1.13: tests"
   (
@@ -121,12 +121,7 @@ if has_stage tsan; then
   # Not the full sweeps (see the header).
   tsan_args=(-L comm -LE faults -E '^test_collectives(_over_links)?$')
   echo "=== ThreadSanitizer (LibTorch 2.15): build the comm tests into build-tsan/"
-  (
-    export FSDP_WERROR=$werror FSDP_SANITIZE=thread FSDP_BUILD_DIR=build-tsan
-    ./scripts/build.sh --torch 2.15 fsdp
-    mapfile -t targets < <(./scripts/ctest_targets.sh build-tsan "${tsan_args[@]}")
-    ./scripts/build.sh --torch 2.15 "${targets[@]}"
-  ) || fail "tsan build"
+  (build_for_tests 2.15 build-tsan thread "${tsan_args[@]}") || fail "tsan build"
   lap "tsan build"
   echo "=== ThreadSanitizer: tests"
   (
