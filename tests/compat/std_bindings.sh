@@ -41,7 +41,9 @@ predicted() {
   done < <(ldd "$program" | awk '$2 == "=>" && $3 ~ /^\// {print $3}')
 }
 
-# The same, from the dynamic linker itself.
+# The same, from the dynamic linker itself. A program's bindings to itself
+# are its copy relocations (std::cout and the like, copied into the program
+# and used from there by libstdc++ too): not a binding into another library.
 observed() {
   local program="$1"
   rm -f "$tmp"/ld.*
@@ -49,7 +51,7 @@ observed() {
     > /dev/null 2>&1 < /dev/null
   cat "$tmp"/ld.* | grep -F "binding file $program [0] to " |
     sed -E "s/.* to ([^ ]+) \[[0-9]+\]: normal symbol \`([^']+)'.*/\2 \1/" |
-    awk -v std="$libstdcxx" '$2 != std' | sort -u > "$tmp/bound"
+    awk -v std="$libstdcxx" -v self="$program" '$2 != std && $2 != self' | sort -u > "$tmp/bound"
   comm -12 <(cut -d' ' -f1 "$tmp/bound" | sort -u) "$tmp/std" | sort -u > "$tmp/bound_std"
   grep -F -w -f "$tmp/bound_std" "$tmp/bound" | sort -u
 }
