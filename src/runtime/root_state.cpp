@@ -198,21 +198,26 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   if (total == 0 || !root_.require_sync_) return out;
   // Last: whether this rank's forward order ever left the first iteration's
   // (already warned: collectives unchecked, as PyTorch's FSDP has it).
-  std::vector<int64_t> flags;
-  flags.reserve(static_cast<size_t>(total) + 1);
+  // Each unit writes exactly grad_flags() flags, as the reading loop below
+  // consumes them: its slot_filled_ can hold fewer entries (no gradient
+  // reached the unit), and those flags are 0.
+  std::vector<int64_t> flags(static_cast<size_t>(total) + 1, 0);
+  flags[static_cast<size_t>(total)] = exec_order_->warned() ? 1 : 0;
+  auto w = flags.begin();
   for (const UnitRuntime* unit : units_) {
     if (!unit->flat_) continue;
     const auto& filled = unit->slot_filled_;
     const bool reduced = static_cast<bool>(unit->grad_work_);
     if (unit->options_.use_orig_params()) {
-      for (const bool slot : filled) flags.push_back(reduced && slot ? 1 : 0);
+      for (size_t i = 0; i < grad_flags(*unit); ++i) {
+        *w++ = reduced && i < filled.size() && filled[i] ? 1 : 0;
+      }
     } else {
       const bool any = std::find(filled.begin(), filled.end(), true) != filled.end();
-      flags.push_back(reduced && any ? 1 : 0);
+      *w++ = reduced && any ? 1 : 0;
     }
-    if (regathers(*unit)) flags.push_back(unit->state_ != Unit::TrainingState::kIdle ? 1 : 0);
+    if (regathers(*unit)) *w++ = unit->state_ != Unit::TrainingState::kIdle ? 1 : 0;
   }
-  flags.push_back(exec_order_->warned() ? 1 : 0);
   const int world = group->size();
   flags = agree_reduce(group, std::move(flags), ReduceOp::kSum);
   auto f = flags.begin();
