@@ -22,6 +22,10 @@ libstdcxx=$(ldd "$probe" | awk '/libstdc\+\+\.so/ {print $3; exit}')
 [[ -n $libstdcxx ]] || { echo "std_bindings: $probe does not load libstdc++"; exit 1; }
 nm -D --defined-only "$libstdcxx" | awk '{print $NF}' | sed 's/@.*//' | sort -u > "$tmp/std"
 
+# A sanitizer's run-time comes first and takes operator new, __cxa_throw and
+# the like on purpose (its interceptors): not a binding to report.
+sanitizer='/lib(a|t|ub|l)san\.so'
+
 # The exported symbols of a library, listed once per library.
 exports() {
   local f="$tmp/exports_$(echo "$1" | md5sum | cut -c1-16)"
@@ -37,6 +41,7 @@ predicted() {
     comm -12 - "$tmp/std" > "$tmp/wanted"
   while read -r lib; do
     [[ $lib == "$libstdcxx" ]] && break
+    [[ $lib =~ $sanitizer ]] && continue
     comm -12 "$tmp/wanted" "$(exports "$lib")" | sed "s|\$| $lib|"
   done < <(ldd "$program" | awk '$2 == "=>" && $3 ~ /^\// {print $3}')
 }
@@ -51,7 +56,8 @@ observed() {
     > /dev/null 2>&1 < /dev/null
   cat "$tmp"/ld.* | grep -F "binding file $program [0] to " |
     sed -E "s/.* to ([^ ]+) \[[0-9]+\]: normal symbol \`([^']+)'.*/\2 \1/" |
-    awk -v std="$libstdcxx" -v self="$program" '$2 != std && $2 != self' | sort -u > "$tmp/bound"
+    awk -v std="$libstdcxx" -v self="$program" -v san="$sanitizer" \
+      '$2 != std && $2 != self && $2 !~ san' | sort -u > "$tmp/bound"
   comm -12 <(cut -d' ' -f1 "$tmp/bound" | sort -u) "$tmp/std" | sort -u > "$tmp/bound_std"
   grep -F -w -f "$tmp/bound_std" "$tmp/bound" | sort -u
 }
