@@ -106,6 +106,8 @@ struct CommThread::Core {
   // The mismatch message, or "" when every rank sent the same fingerprint.
   std::string check_fingerprints(const Item& item);
   void execute(Item& item);
+  // Finishes the item with a c10::Error carrying message.
+  void fail(Item& item, const std::string& message);
   void loop();
   bool try_run(const WorkState* state);
   // Pops the queue's front and marks it running (mutex held).
@@ -251,13 +253,21 @@ std::string CommThread::Core::check_fingerprints(const Item& item) {
   return os.str();
 }
 
+// The error is built, and its temporary destroyed, before finish() publishes
+// it: a temporary outliving finish() would drop its share of c10::Error's
+// message while a waiter already frees the exception inside libc10, which
+// ThreadSanitizer cannot see synchronise (stop 36's CI failure).
+void CommThread::Core::fail(Item& item, const std::string& message) {
+  const std::exception_ptr error = std::make_exception_ptr(
+      c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message));
+  item.state->finish(error);
+}
+
 void CommThread::Core::execute(Item& item) {
   if (health == Health::kBroken) {
-    item.state->finish(std::make_exception_ptr(
-        c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                   error_prefix(rank, "process group") + item.state->description +
-                       " not run: the process group broke earlier (" + broken_cause +
-                       "). Restart the job; fsdprun --max-restarts does it automatically.")));
+    fail(item, error_prefix(rank, "process group") + item.state->description +
+                   " not run: the process group broke earlier (" + broken_cause +
+                   "). Restart the job; fsdprun --max-restarts does it automatically.");
     return;
   }
   try {
@@ -267,8 +277,7 @@ void CommThread::Core::execute(Item& item) {
     if (!mismatch.empty()) {
       health = Health::kBroken;
       broken_cause = item.state->description + ": collective mismatch";
-      item.state->finish(std::make_exception_ptr(
-          c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, mismatch)));
+      fail(item, mismatch);
       return;
     }
     item.body(item.fingerprint.seq);
@@ -277,11 +286,10 @@ void CommThread::Core::execute(Item& item) {
     health = Health::kBroken;
     // The cause without its backtrace: this message is one sentence.
     broken_cause = item.state->description + ": " + error_message(e);
-    item.state->finish(std::make_exception_ptr(c10::Error(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        error_prefix(rank, "process group") + item.state->description +
-            " failed: " + error_message(e) +
-            ". A peer rank has probably died or timed out; look at the other ranks' output.")));
+    fail(item,
+         error_prefix(rank, "process group") + item.state->description +
+             " failed: " + error_message(e) +
+             ". A peer rank has probably died or timed out; look at the other ranks' output.");
   }
 }
 
