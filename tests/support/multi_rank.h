@@ -50,7 +50,8 @@ void run_ranks_ok(int world_size, const std::function<void(int, int)>& body,
 /// True inside a rank process.
 bool is_rank_process();
 
-/// A free TCP port on 127.0.0.1.
+/// A free TCP port below the ephemeral range (Note [Test ports outside the
+/// ephemeral range] in multi_rank.cpp).
 int free_port();
 
 /// Text describing an outcome, for assertion messages.
