@@ -5,6 +5,7 @@
 #   scripts/build.sh --torch 1.13    against Debian's LibTorch 1.13, into build-1.13/
 #   scripts/build.sh --torch 2.11    against pip's torch 2.11 in .venv-2.11/, into build-2.11/
 #   scripts/build.sh [--torch V] TARGET...   only those targets (and what they need)
+#   scripts/build.sh [--torch V] --configure-only   configures, builds nothing
 # FSDP_TORCH (2.15, 2.11 or 1.13) may stand for --torch, FSDP_BUILD_DIR for the
 # folder, FSDP_VENV (FSDP_VENV_211) for the virtual environment. ccache is used
 # when installed.
@@ -15,6 +16,11 @@ TORCH="${FSDP_TORCH:-2.15}"
 if [[ ${1:-} == --torch ]]; then
   TORCH="$2"
   shift 2
+fi
+configure_only=0
+if [[ ${1:-} == --configure-only ]]; then
+  configure_only=1
+  shift
 fi
 targets=()
 for target in "$@"; do targets+=(--target "$target"); done
@@ -52,4 +58,5 @@ if command -v ccache >/dev/null; then
 fi
 
 cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}"
+if ((configure_only)); then exit 0; fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}"

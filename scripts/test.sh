@@ -19,7 +19,8 @@
 #           (103 s under ASan; its paths run in the 2 MiB sweeps and
 #           test_routes).
 #   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: only the
-#           library and the executables the comm tests run; the comm tests but
+#           comm layer (Note [The comm layer builds alone] in
+#           src/CMakeLists.txt) and the comm tests; those tests but
 #           the fault-injection ones and the two full sweeps (test_collectives,
 #           test_collectives_over_links: 5 and 1.5 minutes under TSan; the
 #           threads they use run in test_direct_links, test_shm_links,
@@ -34,14 +35,17 @@
 # Arguments go to the 2.15, 2.11 and 1.13 ctest runs instead (`-L comm`,
 # `-R name`) and skip the tsan stage. FSDP_TEST_TORCH=2.15 (or 2.11, 1.13) is
 # the same as FSDP_TEST_STAGES=2.15.
-# Tests run one at a time: the multi-rank ones already use both cores, and
-# their failure tests measure timeouts.
+# Tests run FSDP_TEST_JOBS at a time (default 3, more than CI's 2 cores: the
+# suite must hold under oversubscription, and the fault tests spend most of
+# their time waiting out timeouts); the simulated-cluster tests, which time
+# their links, run alone (RUN_SERIAL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 
 stages="${FSDP_TEST_STAGES:-format 2.15 2.11 1.13 tsan}"
 werror="${FSDP_TEST_WERROR:-ON}"
+jobs="${FSDP_TEST_JOBS:-3}"
 sanitize_113="${FSDP_TEST_SANITIZE_113-address,undefined}"
 if [[ -n ${FSDP_TEST_TORCH:-} ]]; then stages="$FSDP_TEST_TORCH"; fi
 if (($# > 0)); then stages="${stages//tsan/}"; fi
@@ -62,13 +66,15 @@ fail() {
   failed+=("$1")
 }
 has_stage() { [[ " $stages " == *" $1 "* ]]; }
-# build_for_tests TORCH DIR SANITIZERS CTEST_ARGS...: builds into DIR the
-# library, then only the executables that the selected tests run.
+# build_for_tests TORCH DIR SANITIZERS CTEST_ARGS...: configures DIR, then
+# builds only the executables that the selected tests run, and what they link
+# (all of libfsdp, or for the comm tests its comm layer: Note [The comm layer
+# builds alone] in src/CMakeLists.txt).
 build_for_tests() {
   local torch="$1" dir="$2" sanitize="$3" targets
   shift 3
   export FSDP_WERROR=$werror FSDP_SANITIZE=$sanitize FSDP_BUILD_DIR=$dir
-  ./scripts/build.sh --torch "$torch" fsdp &&
+  ./scripts/build.sh --torch "$torch" --configure-only &&
     mapfile -t targets < <(./scripts/ctest_targets.sh "$dir" "$@") &&
     ./scripts/build.sh --torch "$torch" "${targets[@]}"
 }
@@ -84,7 +90,7 @@ if has_stage 2.15; then
   FSDP_WERROR=$werror FSDP_SANITIZE= ./scripts/build.sh --torch 2.15 || fail "2.15 build"
   lap "2.15 build"
   echo "=== LibTorch 2.15: tests"
-  ctest --test-dir "${FSDP_BUILD_DIR:-build}" --output-on-failure "$@" || fail "2.15 tests"
+  ctest -j "$jobs" --test-dir "${FSDP_BUILD_DIR:-build}" --output-on-failure "$@" || fail "2.15 tests"
   lap "2.15 tests"
 fi
 
@@ -98,7 +104,7 @@ if has_stage 2.11; then
   (build_for_tests 2.11 build-2.11 "" "${args[@]}") || fail "2.11 build"
   lap "2.11 build"
   echo "=== LibTorch 2.11: tests"
-  ctest --test-dir build-2.11 --output-on-failure "${args[@]}" || fail "2.11 tests"
+  ctest -j "$jobs" --test-dir build-2.11 --output-on-failure "${args[@]}" || fail "2.11 tests"
   lap "2.11 tests"
 fi
 
@@ -112,7 +118,7 @@ if has_stage 1.13; then
   echo "=== LibTorch 1.13: tests"
   (
     . scripts/sanitizers/env.sh
-    ctest --test-dir build-1.13 --output-on-failure "${args[@]}"
+    ctest -j "$jobs" --test-dir build-1.13 --output-on-failure "${args[@]}"
   ) || fail "1.13 tests"
   lap "1.13 tests"
 fi
@@ -126,7 +132,7 @@ if has_stage tsan; then
   echo "=== ThreadSanitizer: tests"
   (
     . scripts/sanitizers/env.sh
-    ctest --test-dir build-tsan --output-on-failure "${tsan_args[@]}"
+    ctest -j "$jobs" --test-dir build-tsan --output-on-failure "${tsan_args[@]}"
   ) || fail "tsan tests"
   lap "tsan tests"
 fi
