@@ -11,10 +11,10 @@
 #include <chrono>
 #include <cstring>
 
-#include "comm/job_token.h"
 #include "comm/thread_priority.h"
-#include "comm/token_accept.h"
 #include "detail/error.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/token_accept.h"
 
 // See Note [Direct links for small collectives] and Note [Direct links for
 // large collectives].

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "comm/ring.h"
-#include "comm/socket.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::detail {
 

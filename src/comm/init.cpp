@@ -20,13 +20,13 @@
 
 #include "comm/comm_config.h"
 #include "comm/gloo_process_group.h"
-#include "comm/job_token.h"
-#include "comm/launch_env.h"
-#include "comm/socket.h"
-#include "comm/tcp_store.h"
 #include "comm/thread_priority.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/launch_env.h"
+#include "rendezvous/socket.h"
+#include "rendezvous/tcp_store.h"
 
 namespace fsdp {
 

@@ -18,8 +18,8 @@
 #include <sstream>
 
 #include "comm/reduce.h"
-#include "comm/socket.h"
 #include "detail/error.h"
+#include "rendezvous/socket.h"
 
 // See Note [Shared memory for same-host ranks].
 

@@ -3,12 +3,12 @@
 #include "detail/error.h"
 
 #include <ATen/ATen.h>
-#include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
 
+#include "core/device_storage.h"
 #include "core/sharded_placeholder.h"
 
 namespace fsdp {
@@ -67,9 +67,10 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   const at::ScalarType dtype = params.front().second.scalar_type();
   bool any_meta = false;
   for (auto& [name, p] : params) {
-    FSDP_CHECK(p.device().is_cpu() || p.is_meta(), group_->rank(), name,
-               "expected a CPU (or meta) parameter, got one on ", p.device(),
-               ". libfsdp's CPU engine shards CPU parameters: build the model on the CPU");
+    FSDP_CHECK(p.device() == config.device() || p.is_meta(), group_->rank(), name,
+               "expected a parameter on the unit's device, ", config.device(),
+               " (or on the meta device), got one on ", p.device(),
+               ". Move the module there with ->to() before wrapping it");
     FSDP_CHECK(p.scalar_type() == dtype, group_->rank(), name,
                "all parameters of a unit must share one dtype; expected ", dtype, ", got ",
                p.scalar_type(), ". Convert the module with ->to(dtype) before wrapping");
@@ -88,7 +89,8 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   const int64_t world = group_->size();
   shard_numel_ = keep_unsharded_ ? numel_ : (numel_ + world - 1) / world;
   padded_numel_ = keep_unsharded_ ? numel_ : shard_numel_ * world;
-  unsharded_ = freed_buffer(padded_numel_, at::TensorOptions().dtype(dtype));
+  unsharded_ =
+      freed_buffer(padded_numel_, at::TensorOptions().dtype(dtype).device(config.device()));
   state_ = State::kSharded;
 
   bool any_trainable = false;
@@ -228,7 +230,7 @@ void FlatParameter::zero_padding(const at::Tensor& flat) const {
 void FlatParameter::resize_unsharded_storage(bool allocate) {
   // Resizing the StorageImpl in place (not replacing the tensor) is what lets
   // autograd's saved views of the parameters see the refilled buffer.
-  at::native::resize_bytes_cpu(unsharded_.storage().unsafeGetStorageImpl(),
+  detail::resize_storage_bytes(unsharded_.storage().unsafeGetStorageImpl(),
                                allocate ? padded_numel_ * unsharded_.element_size() : 0);
 }
 

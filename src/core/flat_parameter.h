@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
@@ -32,6 +33,10 @@ struct FlatParamSlot {
 struct FlatParamConfig {
   /// Never shard (NO_SHARD): the shard is the whole buffer.
   TORCH_ARG(bool, keep_unsharded) = false;
+  /// Where the flat buffers live (the unit's device, Note [One seam for
+  /// devices] in core/device_storage.h); every parameter is on it or on the
+  /// meta device.
+  TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
   /// Dtype of the unsharded flat buffer (see Note [Mixed precision] in
   /// fsdp/core/mixed_precision.h); nullopt: the parameters' dtype.
   TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "core/device_storage.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 
@@ -241,11 +242,13 @@ TORCH_LIBRARY_IMPL(_, FSDP_PLACEHOLDER_DISPATCH_KEY, m) {
 
 at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::string what,
                             ParamUseListener* listener) {
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
-                       c10::DataPtr(nullptr, c10::Device(c10::kCPU)), nullptr,
-                       /*resizable=*/false);
+  // On the device of what it stands for, and dispatching as its backend
+  // below the placeholder key (Note [One seam for devices]).
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, like.device()),
+                       nullptr, /*resizable=*/false);
   auto t = at::detail::make_tensor<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU) | c10::DispatchKeySet(kKey),
+      std::move(storage),
+      c10::DispatchKeySet(dense_backend_key(like.device())) | c10::DispatchKeySet(kKey),
       like.dtype());
   t.unsafeGetTensorImpl()->set_sizes_contiguous(like.sizes());
   std::lock_guard<std::mutex> lock(registry_mutex());

@@ -1,5 +1,6 @@
 #include "runtime/unit_init.h"
 
+#include "core/device_storage.h"
 #include "detail/error.h"
 
 #include <ATen/ATen.h>
@@ -134,7 +135,37 @@ void broadcast_in_place(ProcessGroup& group, const at::Tensor& t) {
 
 }  // namespace
 
-UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options) : options_(options) {
+c10::Device resolve_unit_device(const FSDPOptions& options,
+                                const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                int rank, const std::string& where) {
+  const std::pair<std::string, at::Tensor>* first = nullptr;
+  for (const auto& named : params) {
+    if (!named.second.is_meta()) {
+      first = &named;
+      break;
+    }
+  }
+  const c10::Device device = options.device_id() ? *options.device_id()
+                             : first != nullptr  ? first->second.device()
+                                                 : c10::Device(c10::kCPU);
+  const std::string origin = options.device_id() ? "FSDPOptions::device_id"
+                             : first != nullptr  ? "parameter '" + first->first + "'"
+                                                 : "the default";
+  FSDP_CHECK(unit_device_supported(device), rank, where, "the unit's device is ", device, " (from ",
+             origin,
+             "), but libfsdp places units on the CPU only so far. Build the model on the CPU "
+             "and leave device_id unset or set it to torch::kCPU");
+  for (const auto& [name, p] : params) {
+    FSDP_CHECK(p.is_meta() || p.device() == device, rank, where, "parameter '", name, "' is on ",
+               p.device(), ", not on the unit's device ", device, " (from ", origin,
+               "). A unit's parameters live on one device: move the module with ->to(", device,
+               ") before wrapping it");
+  }
+  return device;
+}
+
+UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options, c10::Device device)
+    : options_(options), device_(device) {
   const ModuleSet ignored = ignored_module_set(options);
   std::unordered_set<const torch::nn::Module*> seen{&root};
   std::deque<torch::nn::Module*> queue{&root};
@@ -156,7 +187,7 @@ UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options) : option
       if (!b.defined()) continue;
       if (b.is_meta()) {
         // Storage of its own (buffers are not flattened). See FlatParameter::bind.
-        at::Tensor real = at::empty(b.sizes(), b.options().device(at::kCPU));
+        at::Tensor real = at::empty(b.sizes(), b.options().device(device_));
         b.unsafeGetTensorImpl()->shallow_copy_from(real.getIntrusivePtr());
       }
       buffers_.push_back(b);

@@ -5,6 +5,7 @@
 // initialisation] in fsdp/core/reset_parameters.h.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 
 #include <string>
@@ -34,6 +35,15 @@ void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Te
                                  const std::string& where, bool use_orig_params, int rank,
                                  bool warn);
 
+/// The device a unit lives on (Note [One seam for devices] in
+/// core/device_storage.h): options.device_id(), else the device of its first
+/// parameter not on the meta device, else the CPU. A device units cannot live
+/// on yet, or parameters on another device than that (`params` named as the
+/// user knows them), is an error naming them. `where` names the unit.
+c10::Device resolve_unit_device(const FSDPOptions& options,
+                                const std::vector<std::pair<std::string, at::Tensor>>& params,
+                                int rank, const std::string& where);
+
 /// While alive, a unit made on this thread is named `path` (its place from
 /// the root) in messages: auto_wrap knows it; a unit made by hand is named by
 /// its module's type.
@@ -59,8 +69,9 @@ class UnitPathScope {
 /// cast_buffers() applies MixedPrecision::buffer_dtype.
 class UnitInit {
  public:
-  /// `root` is the unit's wrapped module (its own parameters are the unit's).
-  UnitInit(torch::nn::Module& root, const FSDPOptions& options);
+  /// `root` is the unit's wrapped module (its own parameters are the unit's);
+  /// meta buffers get storage on `device`, the unit's.
+  UnitInit(torch::nn::Module& root, const FSDPOptions& options, c10::Device device);
 
   /// True when fill() has work: deferred modules, or sync_module_states.
   bool needs_fill() const { return !deferred_.empty() || options_.sync_module_states(); }
@@ -71,6 +82,7 @@ class UnitInit {
 
  private:
   const FSDPOptions& options_;
+  c10::Device device_;
   std::vector<torch::nn::Module*> managed_;   // breadth first from the root
   std::vector<torch::nn::Module*> deferred_;  // those with meta state of their own
   std::vector<at::Tensor> buffers_;           // managed buffers, in managed_ order

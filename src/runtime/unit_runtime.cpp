@@ -88,11 +88,7 @@ const torch::nn::Module* shown_module(const UnitRuntime& unit) {
 }  // namespace
 
 UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
-    : handle_(handle), options_(std::move(options)) {
-  // Before the unit's flat buffers exist: their storages keep the allocator
-  // they are made with (Note [CPU block cache]).
-  enable_cpu_block_cache_by_default();
-}
+    : handle_(handle), options_(std::move(options)) {}
 
 UnitRuntime::~UnitRuntime() {
   for (const auto& p : grad_placeholders_) release_placeholder(p);
@@ -186,14 +182,19 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
   }
   keep_full_precision_classes(modules, where, rank);
   // See Note [Deferred initialisation] and Note [Mixed precision].
-  UnitInit init(wrapped != nullptr ? *wrapped : self, options_);
+  const c10::Device device = resolve_unit_device(options_, params, rank, where);
+  // Before the unit's flat buffers exist: their storages keep the allocator
+  // they are made with (Note [CPU block cache]). A CPU unit's only: the
+  // cache holds host memory.
+  if (device.is_cpu()) enable_cpu_block_cache_by_default();
+  UnitInit init(wrapped != nullptr ? *wrapped : self, options_, device);
   if (params.empty()) {
     if (init.needs_fill()) init.fill(at::Tensor());
     init.cast_buffers();
     return;
   }
   flat_ = std::make_unique<FlatParameter>(std::move(params), std::move(shard_group),
-                                          flat_param_config(init));
+                                          flat_param_config(init).device(device));
   {
     ParamRegistry& r = param_registry();
     std::lock_guard<std::mutex> lock(r.mutex);

@@ -15,7 +15,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
-#include "comm/socket.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::testing {
 

@@ -15,9 +15,9 @@
 #include <thread>
 
 #include "comm/direct_links.h"
-#include "comm/socket.h"
 #include "comm_test_util.h"
 #include "multi_rank.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::testing {
 namespace {

@@ -21,12 +21,12 @@
 #include <vector>
 
 #include "comm/direct_links.h"
-#include "comm/job_token.h"
-#include "comm/socket.h"
-#include "comm/tcp_store.h"
 #include "comm_test_util.h"
 #include "detail/posix_files.h"
 #include "multi_rank.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/socket.h"
+#include "rendezvous/tcp_store.h"
 
 namespace fsdp::testing {
 namespace {

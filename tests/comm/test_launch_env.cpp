@@ -9,7 +9,7 @@
 #include <map>
 #include <string>
 
-#include "comm/launch_env.h"
+#include "rendezvous/launch_env.h"
 
 namespace fsdp::detail {
 namespace {

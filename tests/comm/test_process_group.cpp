@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/tcp_store.h"
 #include "detail/torch_compat.h"
+#include "rendezvous/tcp_store.h"
 
 #include "comm_test_util.h"
 #include "error_of.h"

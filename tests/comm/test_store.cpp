@@ -17,12 +17,12 @@
 #include <thread>
 #include <vector>
 
-#include "comm/job_token.h"
-#include "comm/tcp_store.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/tcp_store.h"
 
-#include "comm/socket.h"
 #include "comm_test_util.h"
 #include "detail/posix_files.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp {
 namespace {

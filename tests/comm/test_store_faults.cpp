@@ -25,9 +25,9 @@
 #include <fsdp/error_message.h>
 #include <fsdp/wrap/fully_sharded.h>
 
-#include "comm/socket.h"
 #include "comm_test_util.h"
 #include "multi_rank.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::testing {
 namespace {

@@ -142,5 +142,38 @@ TEST(Misuse, AParameterSharedWithANestedUnitIsAnErrorNamingBoth) {
   });
 }
 
+// FSDPOptions::device_id (Note [One seam for devices]): a device units cannot
+// live on yet is refused by name on every rank before anything is sharded,
+// and the group stays usable; the CPU, named or by default, gives the same
+// unit, whose parameters stay on it.
+TEST(Misuse, ADeviceIdUnitsCannotLiveOnIsAnErrorOnEveryRank) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    nn::Linear plain(6, 3);
+    const std::string msg = error_of([&] {
+      FullyShardedDataParallel<nn::LinearImpl> unit(
+          plain, FSDPOptions().device_id(torch::Device("cuda:0")));
+    });
+    EXPECT_CONTAINS(msg, "[rank " + std::to_string(rank) + "]");
+    EXPECT_CONTAINS(msg, "the unit's device is cuda:0 (from FSDPOptions::device_id)");
+    EXPECT_CONTAINS(msg, "set it to torch::kCPU");
+    EXPECT_TRUE(plain->weight.device().is_cpu());
+    EXPECT_EQ(plain->weight.numel(), 18);  // untouched: nothing was sharded
+
+    torch::manual_seed(1);
+    nn::Linear twin(6, 3);
+    torch::manual_seed(1);
+    nn::Linear named(6, 3);
+    FullyShardedDataParallel<nn::LinearImpl> unit(named, FSDPOptions().device_id(torch::kCPU));
+    const torch::Tensor x = torch::randn({4, 6});
+    const torch::Tensor y = unit(x);
+    EXPECT_TRUE(y.device().is_cpu());
+    EXPECT_TRUE(torch::equal(y, twin(x)));
+    y.sum().backward();
+    for (const auto& p : unit->parameters()) EXPECT_TRUE(p.device().is_cpu());
+  });
+}
+
 }  // namespace
 }  // namespace fsdp::testing

@@ -1,5 +1,5 @@
 // libfsdp under the launchers clusters use (Note [Launch environments] in
-// src/comm/launch_env.cpp): real `mpirun -np N`, `torchrun --no-python` and
+// src/rendezvous/launch_env.cpp): real `mpirun -np N`, `torchrun --no-python` and
 // fsdprun runs of launch_probe, whose ranks check their layout and an
 // all-reduce. A launcher that is not installed skips its test, saying so.
 // Every run has a deadline, and the probes bound themselves (launch_probe.cpp).

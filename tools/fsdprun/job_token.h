@@ -1,7 +1,7 @@
 #pragma once
 
 // The job token fsdprun hands to the ranks it starts (see Note [Job token]
-// in src/comm/job_token.cpp).
+// in src/rendezvous/job_token.cpp).
 
 #include <string>
 #include <vector>

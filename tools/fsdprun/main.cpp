@@ -47,7 +47,7 @@ int launch(const LaunchOptions& options) {
   OutputWriter out(STDOUT_FILENO);
   OutputWriter err(STDERR_FILENO);
 
-  // See Note [Job token] (src/comm/job_token.cpp): before anything is started.
+  // See Note [Job token] (src/rendezvous/job_token.cpp): before anything is started.
   std::vector<std::string> base_env = environment_from(environ);
   std::string token_error;
   if (!ensure_job_token(options, &base_env, &token_error)) {

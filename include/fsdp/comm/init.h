@@ -46,7 +46,7 @@ enum class Backend : uint8_t {
 /// always come from the environment when set; else under srun from the job
 /// (first host of the step's node list, a port derived from SLURM_JOB_ID), else
 /// 127.0.0.1 and 29500 (mpirun across nodes needs `-x MASTER_ADDR=...`).
-/// Note [Launch environments] in src/comm/launch_env.cpp has the reasons.
+/// Note [Launch environments] in src/rendezvous/launch_env.cpp has the reasons.
 /// Likewise the engine's knobs (direct_link_bytes ... debug_collectives) come
 /// from FSDP_* variables when left unset; a field set explicitly always wins
 /// over its variable. Sub-groups inherit them all.

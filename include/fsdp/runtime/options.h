@@ -1,5 +1,6 @@
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include <torch/nn/module.h>
@@ -68,6 +69,12 @@ struct FSDPOptions {
   TORCH_ARG(c10::optional<HybridGroups>, hybrid_groups) = c10::nullopt;
   /// See ShardingStrategy.
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  /// The device the unit's flat parameter, shards and gradients live on
+  /// (PyTorch's device_id). nullopt: the device of the unit's parameters, the
+  /// CPU for parameters on the meta device (materialised there). Parameters
+  /// on another device are an error naming them. Only the CPU is accepted so
+  /// far: another device is refused with an error on every rank.
+  TORCH_ARG(c10::optional<c10::Device>, device_id) = c10::nullopt;
   /// Issue the next unit's all-gather (in the first iteration's forward
   /// order) before this unit computes, so communication overlaps compute.
   TORCH_ARG(bool, forward_prefetch) = false;

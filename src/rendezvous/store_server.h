@@ -8,8 +8,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/job_token.h"
-#include "comm/socket.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::detail {
 

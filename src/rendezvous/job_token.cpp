@@ -1,4 +1,4 @@
-#include "comm/job_token.h"
+#include "rendezvous/job_token.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

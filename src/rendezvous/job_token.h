@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/socket.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::detail {
 

@@ -1,4 +1,4 @@
-#include "comm/launch_env.h"
+#include "rendezvous/launch_env.h"
 
 #include <cctype>
 #include <cerrno>

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "comm/socket.h"
+#include "rendezvous/socket.h"
 
 namespace fsdp::detail {
 

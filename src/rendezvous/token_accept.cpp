@@ -1,4 +1,4 @@
-#include "comm/token_accept.h"
+#include "rendezvous/token_accept.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <vector>
 
-#include "comm/job_token.h"
+#include "rendezvous/job_token.h"
 
 namespace fsdp::detail {
 

@@ -1,4 +1,4 @@
-#include "comm/tcp_store.h"
+#include "rendezvous/tcp_store.h"
 
 #include <c10/util/Exception.h>
 
@@ -7,11 +7,11 @@
 #include <algorithm>
 #include <sstream>
 
-#include "comm/job_token.h"
-#include "comm/socket.h"
-#include "comm/store_protocol.h"
-#include "comm/store_server.h"
 #include "detail/error.h"
+#include "rendezvous/job_token.h"
+#include "rendezvous/socket.h"
+#include "rendezvous/store_protocol.h"
+#include "rendezvous/store_server.h"
 
 // Note [Rendezvous store]
 // Rank 0 runs the store's server; every rank (rank 0 too) talks to it through

@@ -1,4 +1,4 @@
-#include "comm/store_server.h"
+#include "rendezvous/store_server.h"
 
 #include <c10/util/Exception.h>
 
@@ -14,8 +14,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "comm/store_protocol.h"
 #include "detail/error.h"
+#include "rendezvous/store_protocol.h"
 
 // Note [Store server]
 // The rendezvous store is reachable by anything that can reach its address (a
