@@ -155,12 +155,6 @@ c10::Device resolve_unit_device(const FSDPOptions& options,
              origin,
              "), but libfsdp places units on the CPU only so far. Build the model on the CPU "
              "and leave device_id unset or set it to torch::kCPU");
-  for (const auto& [name, p] : params) {
-    FSDP_CHECK(p.is_meta() || p.device() == device, rank, where, "parameter '", name, "' is on ",
-               p.device(), ", not on the unit's device ", device, " (from ", origin,
-               "). A unit's parameters live on one device: move the module with ->to(", device,
-               ") before wrapping it");
-  }
   return device;
 }
 

@@ -38,8 +38,8 @@ void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Te
 /// The device a unit lives on (Note [One seam for devices] in
 /// core/device_storage.h): options.device_id(), else the device of its first
 /// parameter not on the meta device, else the CPU. A device units cannot live
-/// on yet, or parameters on another device than that (`params` named as the
-/// user knows them), is an error naming them. `where` names the unit.
+/// on yet is an error naming where it came from; a parameter on another
+/// device is FlatParameter's error, naming it. `where` names the unit.
 c10::Device resolve_unit_device(const FSDPOptions& options,
                                 const std::vector<std::pair<std::string, at::Tensor>>& params,
                                 int rank, const std::string& where);
