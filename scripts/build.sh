@@ -6,6 +6,7 @@
 #   scripts/build.sh --torch 2.11    against pip's torch 2.11 in .venv-2.11/, into build-2.11/
 #   scripts/build.sh [--torch V] TARGET...   only those targets (and what they need)
 #   scripts/build.sh [--torch V] --configure-only   configures, builds nothing
+#   scripts/build.sh ... -DNAME=VALUE ...   that CMake setting too (FSDP_UNITY_BUILD=OFF)
 # FSDP_TORCH (2.15, 2.11 or 1.13) may stand for --torch, FSDP_BUILD_DIR for the
 # folder, FSDP_VENV (FSDP_VENV_211) for the virtual environment. ccache is used
 # when installed.
@@ -23,7 +24,10 @@ if [[ ${1:-} == --configure-only ]]; then
   shift
 fi
 targets=()
-for target in "$@"; do targets+=(--target "$target"); done
+settings=()
+for arg in "$@"; do
+  if [[ $arg == -D* ]]; then settings+=("$arg"); else targets+=(--target "$arg"); fi
+done
 
 args=(-DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_TOOLS=ON
       -DFSDP_BUILD_EXAMPLES=ON -DFSDP_BUILD_BENCH=ON)
@@ -57,6 +61,6 @@ if command -v ccache >/dev/null; then
   export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 fi
 
-cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}"
+cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}" "${settings[@]}"
 if ((configure_only)); then exit 0; fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}"

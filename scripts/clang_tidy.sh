@@ -7,9 +7,9 @@
 #   scripts/clang_tidy.sh                 every .cpp under src/
 #   scripts/clang_tidy.sh src/core ...    the .cpp files under those paths
 #   scripts/clang_tidy.sh --fix PATH...   apply clang-tidy's fixes (then re-check)
-# FSDP_BUILD_DIR names the build (default build/, configured by
-# scripts/build.sh, which exports compile_commands.json); CLANG_TIDY the
-# binary (default clang-tidy-14).
+# FSDP_BUILD_DIR names the build (default build-tidy/, configured here with
+# every file compiled alone: FSDP_UNITY_BUILD=OFF, Note [Unity builds] in
+# cmake/fsdpUnity.cmake); CLANG_TIDY the binary (default clang-tidy-14).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +18,7 @@ if [[ ${1:-} == --fix ]]; then
   fix=(--fix)
   shift
 fi
-BUILD_DIR="${FSDP_BUILD_DIR:-build}"
+BUILD_DIR="${FSDP_BUILD_DIR:-build-tidy}"
 tidy="${CLANG_TIDY:-}"
 if [[ -z $tidy ]]; then
   if command -v clang-tidy-14 >/dev/null; then tidy=clang-tidy-14; else tidy=clang-tidy; fi
@@ -28,7 +28,10 @@ if ! command -v "$tidy" >/dev/null; then
   exit 2
 fi
 if [[ ! -f $BUILD_DIR/compile_commands.json ]]; then
-  echo "clang_tidy: $BUILD_DIR/compile_commands.json is missing: run scripts/build.sh first" >&2
+  FSDP_BUILD_DIR=$BUILD_DIR ./scripts/build.sh --configure-only -DFSDP_UNITY_BUILD=OFF >/dev/null
+fi
+if grep -q '/Unity/unity_' "$BUILD_DIR/compile_commands.json"; then
+  echo "clang_tidy: $BUILD_DIR compiles files in batches: configure it with -DFSDP_UNITY_BUILD=OFF" >&2
   exit 2
 fi
 

@@ -21,12 +21,14 @@
 
 namespace fsdp::detail {
 
-namespace {
-
-struct Header {
+// What precedes every message on a link. Not in the anonymous namespace:
+// DirectLinks::Outgoing holds one.
+struct LinkHeader {
   uint64_t slot;
   uint64_t bytes;
 };
+
+namespace {
 
 void set_socket_options(int fd, std::chrono::milliseconds timeout) {
   int one = 1;
@@ -82,8 +84,8 @@ std::string errno_text(ssize_t rc) {
 }
 
 // Sends header and payload with as few syscalls as the kernel allows.
-void send_message(int fd, const Header& h, const void* data, int rank, int peer) {
-  iovec iov[2] = {{const_cast<Header*>(&h), sizeof(h)},
+void send_message(int fd, const LinkHeader& h, const void* data, int rank, int peer) {
+  iovec iov[2] = {{const_cast<LinkHeader*>(&h), sizeof(h)},
                   {const_cast<void*>(data), static_cast<size_t>(h.bytes)}};
   int first = 0;
   while (first < 2) {
@@ -111,7 +113,7 @@ class DoneTransfer : public PendingTransfer {
 }  // namespace
 
 struct DirectLinks::Outgoing {
-  Header header;
+  LinkHeader header;
   at::Tensor src;  // keeps the bytes alive until written
   bool done = false;
   std::string error;  // set with done when the send failed
@@ -251,7 +253,7 @@ void DirectLinks::sender_loop() {
 std::unique_ptr<PendingTransfer> DirectLinks::isend(const at::Tensor& src, int peer,
                                                     uint64_t slot) {
   TORCH_INTERNAL_ASSERT(peer == next_, "direct links send only to the next rank");
-  const Header header{slot, static_cast<uint64_t>(src.nbytes())};
+  const LinkHeader header{slot, static_cast<uint64_t>(src.nbytes())};
   std::unique_lock<std::mutex> lock(mutex_);
   // Only this thread queues, so an empty queue stays empty while it writes.
   if (queue_.empty() && static_cast<int64_t>(header.bytes) <= inline_bytes_) {
@@ -274,7 +276,7 @@ std::unique_ptr<PendingTransfer> DirectLinks::irecv(const at::Tensor& dst, int p
 }
 
 void DirectLinks::receive(void* dst, size_t bytes, uint64_t slot) {
-  Header h{};
+  LinkHeader h{};
   iovec iov[2] = {{&h, sizeof(h)}, {dst, bytes}};
   size_t got = 0;
   const size_t total = sizeof(h) + bytes;

@@ -35,7 +35,7 @@ constexpr size_t kWordStride = 64;     // posted and done on cache lines of thei
 constexpr int kSpins = 200;
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 
-struct Header {
+struct ShmHeader {
   uint32_t aborted;  // 0, or 1 + the rank that failed first
 };
 
@@ -284,7 +284,7 @@ void ShmLinks::publish(int which, uint32_t value) {
 }
 
 void ShmLinks::fail(const std::string& message) {
-  auto* header = static_cast<Header*>(base_);
+  auto* header = static_cast<ShmHeader*>(base_);
   uint32_t none = 0;
   __atomic_compare_exchange_n(&header->aborted, &none, static_cast<uint32_t>(rank_ + 1), false,
                               __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
@@ -302,7 +302,7 @@ void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what
     if (reached(load_acquire(w))) return;
     cpu_relax();
   }
-  const auto* header = static_cast<const Header*>(base_);
+  const auto* header = static_cast<const ShmHeader*>(base_);
   const int32_t pid = control_of(base_, peer)->pid;
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {

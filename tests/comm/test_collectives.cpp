@@ -10,7 +10,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_collectives {
 
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf};
 
@@ -173,5 +173,5 @@ TEST_P(Collectives, BadSizesAreErrorsNamingTheSizes) {
 INSTANTIATE_TEST_SUITE_P(Engines, Collectives, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
-}  // namespace
+}  // namespace test_collectives
 }  // namespace fsdp::testing

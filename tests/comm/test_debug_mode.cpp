@@ -13,7 +13,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_debug_mode {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kGroupTimeout = std::chrono::seconds(30);
@@ -126,5 +126,5 @@ TEST_P(DebugMode, EnvironmentTurnsItOnAndCorrectCollectivesAreUnchanged) {
 INSTANTIATE_TEST_SUITE_P(Engines, DebugMode, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
-}  // namespace
+}  // namespace test_debug_mode
 }  // namespace fsdp::testing

@@ -20,7 +20,7 @@
 #include "rendezvous/socket.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_direct_links {
 
 constexpr auto kTimeout = std::chrono::seconds(3);
 constexpr auto kAllowed = kTimeout + std::chrono::seconds(5);
@@ -120,5 +120,5 @@ TEST(DirectLinks, StrangersOnTheLinkPortAreTurnedAway) {
   EXPECT_TRUE(got.equal(sent));
 }
 
-}  // namespace
+}  // namespace test_direct_links
 }  // namespace fsdp::testing

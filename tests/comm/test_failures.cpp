@@ -13,7 +13,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_failures {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kTimeout = std::chrono::seconds(3);
@@ -76,5 +76,5 @@ TEST_P(Failures, StuckRankMakesOthersTimeOut) {
 INSTANTIATE_TEST_SUITE_P(Engines, Failures, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
-}  // namespace
+}  // namespace test_failures
 }  // namespace fsdp::testing

@@ -29,7 +29,7 @@
 #include "rendezvous/tcp_store.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_job_token {
 
 using Clock = std::chrono::steady_clock;
 
@@ -431,5 +431,5 @@ TEST(JobToken, HostileConnectionsToTheGlooListener) {
   }
 }
 
-}  // namespace
+}  // namespace test_job_token
 }  // namespace fsdp::testing

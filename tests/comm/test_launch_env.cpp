@@ -12,7 +12,7 @@
 #include "rendezvous/launch_env.h"
 
 namespace fsdp::detail {
-namespace {
+namespace test_launch_env {
 
 using Env = std::map<std::string, std::string>;
 
@@ -327,5 +327,5 @@ TEST(SlurmTasksPerNode, CompressedForm) {
   }
 }
 
-}  // namespace
+}  // namespace test_launch_env
 }  // namespace fsdp::detail

@@ -29,7 +29,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_process_group {
 
 struct ListeningSocket {
   std::string local_address;  // as in /proc/net/tcp*, hex
@@ -366,5 +366,5 @@ TEST_P(Subgroups, SubgroupsAndNodeGroups) {
 INSTANTIATE_TEST_SUITE_P(Engines, Subgroups, ::testing::ValuesIn(available_engines()),
                          backend_label);
 
-}  // namespace
+}  // namespace test_process_group
 }  // namespace fsdp::testing

@@ -17,7 +17,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_routes {
 
 using detail::GlooProcessGroup;
 using detail::Route;
@@ -229,5 +229,5 @@ TEST(RouteOptions, DefaultsAndInvalidFields) {
   expect_error(ProcessGroupOptions().shm_slot_bytes(0), "shm_slot_bytes must be at least 4096");
 }
 
-}  // namespace
+}  // namespace test_routes
 }  // namespace fsdp::testing

@@ -23,7 +23,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_shm_faults {
 
 constexpr int kSetupSteps = 6;  // as in shm_links.cpp
 const MultiRankOptions kRunOptions{std::chrono::seconds(30), std::chrono::seconds(10), {}};
@@ -131,5 +131,5 @@ TEST(ShmSetupKill, AtRandomMomentsOfStartUpLeavesNothingInDevShm) {
   EXPECT_TRUE(left.empty()) << left.size() << " files left in /dev/shm, e.g. " << left[0];
 }
 
-}  // namespace
+}  // namespace test_shm_faults
 }  // namespace fsdp::testing

@@ -18,7 +18,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_shm_links {
 
 // Lines of /proc/self/maps naming one of libfsdp's shared-memory segments
 // (memfds, Note [Shared memory without a name]).
@@ -137,5 +137,5 @@ TEST(ShmLinks, KilledPeerFailsTheOthersLongBeforeTheTimeout) {
       << describe(outcomes[0]) << describe(outcomes[2]);
 }
 
-}  // namespace
+}  // namespace test_shm_links
 }  // namespace fsdp::testing

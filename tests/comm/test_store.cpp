@@ -25,7 +25,7 @@
 #include "rendezvous/socket.h"
 
 namespace fsdp {
-namespace {
+namespace test_store {
 
 using Clock = std::chrono::steady_clock;
 
@@ -235,5 +235,5 @@ TEST(TcpStore, ParkedRequestsOfManyClientsAreAnsweredByOneSet) {
   EXPECT_EQ(got.load(), 16);
 }
 
-}  // namespace
+}  // namespace test_store
 }  // namespace fsdp

@@ -30,7 +30,7 @@
 #include "rendezvous/socket.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_store_faults {
 
 using Clock = std::chrono::steady_clock;
 
@@ -238,5 +238,5 @@ TEST(StoreFaults, ErrorsOfADeadPeerPrintWithoutBacktraces) {
   EXPECT_EQ(outcomes[0].output.find("frame #"), std::string::npos) << describe(outcomes[0]);
 }
 
-}  // namespace
+}  // namespace test_store_faults
 }  // namespace fsdp::testing

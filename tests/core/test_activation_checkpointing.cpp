@@ -20,7 +20,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_activation_checkpointing {
 
 namespace nn = torch::nn;
 
@@ -324,5 +324,5 @@ TEST(ActivationCheckpoint, AWrapperAroundAUnitItselfIsRefused) {
   });
 }
 
-}  // namespace
+}  // namespace test_activation_checkpointing
 }  // namespace fsdp::testing

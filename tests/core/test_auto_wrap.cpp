@@ -19,7 +19,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_auto_wrap {
 
 namespace nn = torch::nn;
 using Paths = std::vector<std::string>;
@@ -287,5 +287,5 @@ TEST(AutoWrap, RefusalsNameTheModuleAndChangeNothing) {
   });
 }
 
-}  // namespace
+}  // namespace test_auto_wrap
 }  // namespace fsdp::testing

@@ -10,7 +10,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_enable_wrap {
 
 struct TwoLayerImpl : torch::nn::Module {
   TwoLayerImpl() {
@@ -80,5 +80,5 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
   }
 }
 
-}  // namespace
+}  // namespace test_enable_wrap
 }  // namespace fsdp::testing

@@ -16,7 +16,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_exec_order {
 
 namespace nn = torch::nn;
 
@@ -250,5 +250,5 @@ TEST(ExecOrder, TrainingInDebugModeMatchesPlainLibTorch) {
   }
 }
 
-}  // namespace
+}  // namespace test_exec_order
 }  // namespace fsdp::testing

@@ -18,7 +18,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_freezing_weights {
 
 namespace nn = torch::nn;
 
@@ -174,5 +174,5 @@ TEST(FreezingWeights, AllCombinationsMatchPlainTraining) {
   }
 }
 
-}  // namespace
+}  // namespace test_freezing_weights
 }  // namespace fsdp::testing

@@ -23,7 +23,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_fully_shard {
 
 // A user's model, written without FSDP in mind.
 struct BlockImpl : torch::nn::Module {
@@ -651,5 +651,5 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
   });
 }
 
-}  // namespace
+}  // namespace test_fully_shard
 }  // namespace fsdp::testing

@@ -24,7 +24,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_hybrid_shard {
 
 struct Layout {
   int nodes;
@@ -357,5 +357,5 @@ TEST(HybridShard, InconsistentGroupsAreRefused) {
   });
 }
 
-}  // namespace
+}  // namespace test_hybrid_shard
 }  // namespace fsdp::testing

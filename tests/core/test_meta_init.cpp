@@ -22,7 +22,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_meta_init {
 
 namespace nn = torch::nn;
 
@@ -387,5 +387,5 @@ TEST(MetaInit, SyncModuleStatesGivesEveryRankRankZerosModel) {
   });
 }
 
-}  // namespace
+}  // namespace test_meta_init
 }  // namespace fsdp::testing

@@ -15,7 +15,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_misuse {
 
 namespace nn = torch::nn;
 
@@ -175,5 +175,5 @@ TEST(Misuse, ADeviceIdUnitsCannotLiveOnIsAnErrorOnEveryRank) {
   });
 }
 
-}  // namespace
+}  // namespace test_misuse
 }  // namespace fsdp::testing

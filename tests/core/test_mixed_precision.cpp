@@ -19,7 +19,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_mixed_precision {
 
 namespace nn = torch::nn;
 
@@ -171,5 +171,5 @@ TEST(MixedPrecision, KeepLowPrecisionGradsAndReduceDtype) {
   });
 }
 
-}  // namespace
+}  // namespace test_mixed_precision
 }  // namespace fsdp::testing

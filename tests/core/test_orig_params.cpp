@@ -11,7 +11,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_orig_params {
 
 // Two groups by name, as train_gpt does: decay on weight matrices only.
 std::unique_ptr<torch::optim::AdamW> grouped_adamw(
@@ -67,5 +67,5 @@ TEST(OrigParams, ParameterGroupsMatchPlainTraining) {
   }
 }
 
-}  // namespace
+}  // namespace test_orig_params
 }  // namespace fsdp::testing

@@ -17,7 +17,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_parity {
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind,
                                                         std::vector<torch::Tensor> params) {
@@ -109,5 +109,5 @@ TEST(Parity, FullShardHoldsOnlyShardsBetweenUses) {
   });
 }
 
-}  // namespace
+}  // namespace test_parity
 }  // namespace fsdp::testing

@@ -22,7 +22,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_rank0_save {
 
 namespace nn = torch::nn;
 
@@ -206,5 +206,5 @@ TEST(Rank0Save, WhatNeedsACollectiveIsAnErrorOnTheSavingRankOnly) {
   });
 }
 
-}  // namespace
+}  // namespace test_rank0_save
 }  // namespace fsdp::testing

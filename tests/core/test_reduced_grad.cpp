@@ -13,7 +13,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_reduced_grad {
 
 using detail::accumulate_reduced_grad;
 using detail::all_zero_bits;
@@ -146,5 +146,5 @@ TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
   });
 }
 
-}  // namespace
+}  // namespace test_reduced_grad
 }  // namespace fsdp::testing

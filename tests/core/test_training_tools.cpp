@@ -12,7 +12,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_training_tools {
 
 TEST(TrainingTools, NoSyncOverFourMicroBatchesEqualsOneStep) {
   run_ranks_ok(2, [](int, int) {
@@ -84,11 +84,11 @@ TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
   });
 }
 
-}  // namespace
+}  // namespace test_training_tools
 }  // namespace fsdp::testing
 
 namespace fsdp::testing {
-namespace {
+namespace test_training_tools {
 
 TEST(TrainingTools, SummonFullParamsWritebackAndRank0Only) {
   run_ranks_ok(2, [](int rank, int) {
@@ -145,5 +145,5 @@ TEST(TrainingTools, UnusedParametersMatchPlainTraining) {
   });
 }
 
-}  // namespace
+}  // namespace test_training_tools
 }  // namespace fsdp::testing

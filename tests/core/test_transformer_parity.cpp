@@ -13,7 +13,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_transformer_parity {
 
 gpt_mini::GPTConfig tiny() {
   return gpt_mini::GPTConfig().vocab_size(17).block_size(8).d_model(24).n_head(4).n_layer(3);
@@ -64,5 +64,5 @@ TEST(TransformerParity, SmallGptAllStrategies) {
   }
 }
 
-}  // namespace
+}  // namespace test_transformer_parity
 }  // namespace fsdp::testing

@@ -23,7 +23,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_uneven_grads {
 
 namespace nn = torch::nn;
 
@@ -173,5 +173,5 @@ TEST(UnevenGradients, FullShardFailsAtOnceOnEveryRank) {
   }
 }
 
-}  // namespace
+}  // namespace test_uneven_grads
 }  // namespace fsdp::testing

@@ -24,7 +24,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_unit_runtime {
 
 using CountingGroup = CountingProcessGroup;
 
@@ -506,5 +506,5 @@ TEST(UnitRuntime, FullParametersAreRefusedInsideForwardOnEveryRank) {
   });
 }
 
-}  // namespace
+}  // namespace test_unit_runtime
 }  // namespace fsdp::testing

@@ -26,7 +26,7 @@
 #include "test_models.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_user_habits {
 
 namespace nn = torch::nn;
 using compat::WarningCollector;
@@ -407,5 +407,5 @@ TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
   });
 }
 
-}  // namespace
+}  // namespace test_user_habits
 }  // namespace fsdp::testing

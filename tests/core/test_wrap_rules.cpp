@@ -21,7 +21,7 @@
 #include "multi_rank.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_wrap_rules {
 
 namespace nn = torch::nn;
 
@@ -190,5 +190,5 @@ TEST(WrapRules, BatchNormUnderMixedPrecisionStaysFullPrecision) {
   });
 }
 
-}  // namespace
+}  // namespace test_wrap_rules
 }  // namespace fsdp::testing

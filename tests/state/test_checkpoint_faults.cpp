@@ -19,7 +19,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_checkpoint_faults {
 
 // mkdir -p, failing the test when it cannot.
 void make_dirs_or_fail(const std::string& path) {
@@ -344,5 +344,5 @@ TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
   remove_test_dir(dir);
 }
 
-}  // namespace
+}  // namespace test_checkpoint_faults
 }  // namespace fsdp::testing

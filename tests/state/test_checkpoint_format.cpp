@@ -20,7 +20,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_checkpoint_format {
 
 using detail::crc32;
 using detail::Crc32;
@@ -280,5 +280,5 @@ TEST(CheckpointDir, LatestCompleteCheckpoint) {
   remove_test_dir(root);
 }
 
-}  // namespace
+}  // namespace test_checkpoint_format
 }  // namespace fsdp::testing

@@ -16,7 +16,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_kill_during_save {
 
 class KillDuringSave : public ::testing::TestWithParam<int> {};
 
@@ -80,5 +80,5 @@ TEST_P(KillDuringSave, PreviousCheckpointSurvivesAndTornOneIsRefused) {
 
 INSTANTIATE_TEST_SUITE_P(Seeds, KillDuringSave, ::testing::Range(0, 8));
 
-}  // namespace
+}  // namespace test_kill_during_save
 }  // namespace fsdp::testing

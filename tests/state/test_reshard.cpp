@@ -12,7 +12,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_reshard {
 
 FSDPOptions options_for(bool orig) { return FSDPOptions().use_orig_params(orig); }
 
@@ -90,5 +90,5 @@ TEST(Reshard, FlatShards) { reshard_case(false); }
 
 TEST(Reshard, OrigParams) { reshard_case(true); }
 
-}  // namespace
+}  // namespace test_reshard
 }  // namespace fsdp::testing

@@ -11,7 +11,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_resume {
 
 void init() { init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30))); }
 
@@ -53,5 +53,5 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
   remove_test_dir(dir);
 }
 
-}  // namespace
+}  // namespace test_resume
 }  // namespace fsdp::testing

@@ -12,7 +12,7 @@
 #include "state_test_util.h"
 
 namespace fsdp::testing {
-namespace {
+namespace test_state_dict {
 
 TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
   run_ranks_ok(2, [](int rank, int) {
@@ -313,5 +313,5 @@ TEST(StateDict, MixedPrecisionSavesTheFullPrecisionShards) {
   remove_test_dir(dir);
 }
 
-}  // namespace
+}  // namespace test_state_dict
 }  // namespace fsdp::testing
