@@ -14,6 +14,7 @@
 #include <fsdp/core/reset_parameters.h>
 #include <fsdp/error_message.h>
 #include <fsdp/memory.h>
+#include <fsdp/optim/fused.h>
 #include <fsdp/runtime/options.h>
 #include <fsdp/runtime/unit.h>
 #include <fsdp/state/checkpoint.h>

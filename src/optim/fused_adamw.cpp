@@ -1,0 +1,96 @@
+#include <fsdp/optim/fused.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <memory>
+#include <tuple>
+
+#include "detail/torch_compat.h"
+#include "optim/fused_kernels.h"
+#include "optim/fused_step.h"
+
+// See Note [Fused host optimizers] in fused_kernels.h.
+
+namespace fsdp::optim {
+
+namespace {
+
+using torch::optim::AdamWOptions;
+using torch::optim::AdamWParamState;
+
+// Whether every tensor of the step is a contiguous float32 CPU tensor of the
+// parameter's size: the fused kernel's case.
+bool fusable(const at::Tensor& p, const at::Tensor& grad, const AdamWParamState& s) {
+  for (const at::Tensor* t : {&p, &grad, &s.exp_avg(), &s.exp_avg_sq()}) {
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
+        t->layout() != at::kStrided || t->numel() != p.numel())
+      return false;
+  }
+  const at::Tensor& vmax = s.max_exp_avg_sq();
+  return !vmax.defined() || (vmax.device().is_cpu() && vmax.scalar_type() == at::kFloat &&
+                             vmax.is_contiguous() && vmax.numel() == p.numel());
+}
+
+// torch::optim::AdamW's own operations, for the parameters the kernel does
+// not take (other dtypes, devices or layouts).
+void reference_step(at::Tensor& p, const at::Tensor& grad, AdamWParamState& s,
+                    const AdamWOptions& o, double bias_correction1, double bias_correction2) {
+  const double beta1 = std::get<0>(o.betas());
+  const double beta2 = std::get<1>(o.betas());
+  s.exp_avg().mul_(beta1).add_(grad, 1 - beta1);
+  s.exp_avg_sq().mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+  at::Tensor denom;
+  if (o.amsgrad()) {
+    at::max_out(s.max_exp_avg_sq(), s.exp_avg_sq(), s.max_exp_avg_sq());
+    denom = (s.max_exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  } else {
+    denom = (s.exp_avg_sq().sqrt() / std::sqrt(bias_correction2)).add_(o.eps());
+  }
+  p.addcdiv_(s.exp_avg(), denom, -o.lr() / bias_correction1);
+}
+
+}  // namespace
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  return detail::step_each_parameter<AdamWOptions>(
+      param_groups_, closure, "FusedAdamW",
+      [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
+        auto& slot = state_[compat::optim_state_key(state_, p)];
+        if (!slot) {
+          auto fresh = std::make_unique<AdamWParamState>();
+          fresh->step(0);
+          fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+          fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+          if (o.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+          slot = std::move(fresh);
+        }
+        auto& s = static_cast<AdamWParamState&>(*slot);
+        s.step(s.step() + 1);
+        const double beta1 = std::get<0>(o.betas());
+        const double beta2 = std::get<1>(o.betas());
+        const double bias_correction1 = 1 - std::pow(beta1, s.step());
+        const double bias_correction2 = 1 - std::pow(beta2, s.step());
+        if (!fusable(p, grad, s)) {
+          if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+          reference_step(p, grad, s, o, bias_correction1, bias_correction2);
+          return;
+        }
+        detail::AdamWCoefficients c;
+        c.decay = o.weight_decay() != 0;
+        c.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
+        c.beta1 = static_cast<float>(beta1);
+        c.one_minus_beta1 = static_cast<float>(1 - beta1);
+        c.beta2 = static_cast<float>(beta2);
+        c.one_minus_beta2 = static_cast<float>(1 - beta2);
+        c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
+        c.eps = static_cast<float>(o.eps());
+        c.neg_step_size = static_cast<float>(-o.lr() / bias_correction1);
+        float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() : nullptr;
+        detail::fused_adamw(p.data_ptr<float>(), grad.data_ptr<float>(),
+                            s.exp_avg().data_ptr<float>(), s.exp_avg_sq().data_ptr<float>(), vmax,
+                            p.numel(), c);
+      });
+}
+
+}  // namespace fsdp::optim

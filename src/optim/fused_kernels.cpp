@@ -1,0 +1,113 @@
+#include "optim/fused_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+// See Note [Fused host optimizers].
+
+namespace fsdp::detail {
+
+namespace {
+
+// Elements per task: large enough that a task streams for tens of
+// microseconds, small enough that a few MiB split over every thread.
+constexpr int64_t kGrain = int64_t{1} << 15;
+
+// The element loops, one per combination of the branches, so that each is a
+// straight loop the compiler vectorises. Expressions follow AdamW's CPU
+// kernels: mul_ then add_ with alpha, addcmul_, sqrt then the division by
+// sqrt(bias_correction2) then add_(eps), addcdiv_ (value * t1 / t2).
+template <bool kDecay, bool kAmsgrad>
+void adamw_range(float* __restrict p, const float* __restrict g, float* __restrict m,
+                 float* __restrict v, float* __restrict vmax, int64_t n,
+                 const AdamWCoefficients& c) {
+  const float decay = c.decay_factor;
+  const float b1 = c.beta1, a1 = c.one_minus_beta1, b2 = c.beta2, a2 = c.one_minus_beta2;
+  const float bc2 = c.sqrt_bias_correction2, eps = c.eps, step = c.neg_step_size;
+  for (int64_t i = 0; i < n; ++i) {
+    float value = p[i];
+    if (kDecay) value = value * decay;
+    const float grad = g[i];
+    const float avg = m[i] * b1 + a1 * grad;
+    const float sq = v[i] * b2 + a2 * grad * grad;
+    m[i] = avg;
+    v[i] = sq;
+    float second = sq;
+    if (kAmsgrad) {
+      second = vmax[i] > sq ? vmax[i] : sq;
+      vmax[i] = second;
+    }
+    const float denom = std::sqrt(second) / bc2 + eps;
+    p[i] = value + step * avg / denom;
+  }
+}
+
+template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
+void sgd_range(float* __restrict p, const float* __restrict g, float* __restrict buf, int64_t n,
+               const SGDCoefficients& c) {
+  const float wd = c.weight_decay, mom = c.momentum, keep = c.one_minus_dampening;
+  const float lr = c.neg_lr;
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i];
+    if (kDecay) d = d + wd * p[i];
+    if (kMomentum) {
+      const float b = kFirst ? d : buf[i] * mom + keep * d;
+      buf[i] = b;
+      d = kNesterov ? d + mom * b : b;
+    }
+    p[i] = p[i] + lr * d;
+  }
+}
+
+template <bool kDecay, bool kMomentum, bool kFirst>
+void sgd_dispatch(float* p, const float* g, float* buf, int64_t n, const SGDCoefficients& c) {
+  if (c.nesterov) {
+    sgd_range<kDecay, kMomentum, kFirst, true>(p, g, buf, n, c);
+  } else {
+    sgd_range<kDecay, kMomentum, kFirst, false>(p, g, buf, n, c);
+  }
+}
+
+}  // namespace
+
+void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                 float* max_exp_avg_sq, int64_t n, const AdamWCoefficients& c) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    float* vmax = max_exp_avg_sq != nullptr ? max_exp_avg_sq + begin : nullptr;
+    const int64_t count = end - begin;
+    float* p = param + begin;
+    float* m = exp_avg + begin;
+    float* v = exp_avg_sq + begin;
+    const float* g = grad + begin;
+    if (c.decay) {
+      if (vmax != nullptr) return adamw_range<true, true>(p, g, m, v, vmax, count, c);
+      return adamw_range<true, false>(p, g, m, v, vmax, count, c);
+    }
+    if (vmax != nullptr) return adamw_range<false, true>(p, g, m, v, vmax, count, c);
+    adamw_range<false, false>(p, g, m, v, vmax, count, c);
+  });
+}
+
+void fused_sgd(float* param, const float* grad, float* momentum_buffer, int64_t n,
+               const SGDCoefficients& c) {
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    float* p = param + begin;
+    const float* g = grad + begin;
+    float* buf = momentum_buffer != nullptr ? momentum_buffer + begin : nullptr;
+    const int64_t count = end - begin;
+    const bool decay = c.weight_decay != 0.0F;
+    if (buf == nullptr) {
+      if (decay) return sgd_dispatch<true, false, false>(p, g, buf, count, c);
+      return sgd_dispatch<false, false, false>(p, g, buf, count, c);
+    }
+    if (c.first) {
+      if (decay) return sgd_dispatch<true, true, true>(p, g, buf, count, c);
+      return sgd_dispatch<false, true, true>(p, g, buf, count, c);
+    }
+    if (decay) return sgd_dispatch<true, true, false>(p, g, buf, count, c);
+    sgd_dispatch<false, true, false>(p, g, buf, count, c);
+  });
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,79 @@
+#include <fsdp/optim/fused.h>
+
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "detail/torch_compat.h"
+#include "optim/fused_kernels.h"
+#include "optim/fused_step.h"
+
+// See Note [Fused host optimizers] in fused_kernels.h.
+
+namespace fsdp::optim {
+
+namespace {
+
+using torch::optim::SGDOptions;
+using torch::optim::SGDParamState;
+
+bool fusable_tensor(const at::Tensor& t, int64_t numel) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+         t.layout() == at::kStrided && t.numel() == numel;
+}
+
+// torch::optim::SGD's own operations, for the parameters the kernel does not
+// take (other dtypes, devices or layouts).
+void reference_step(at::Tensor& p, const at::Tensor& grad, SGDParamState* s, const SGDOptions& o) {
+  at::Tensor d = grad;
+  if (o.weight_decay() != 0) d = d.add(p, o.weight_decay());
+  if (o.momentum() != 0) {
+    at::Tensor& buf = s->momentum_buffer();
+    if (!buf.defined()) {
+      s->momentum_buffer(at::clone(d).detach());
+    } else {
+      buf.mul_(o.momentum()).add_(d, 1 - o.dampening());
+    }
+    d = o.nesterov() ? d.add(s->momentum_buffer(), o.momentum()) : s->momentum_buffer();
+  }
+  p.add_(d, -1 * o.lr());
+}
+
+}  // namespace
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  return detail::step_each_parameter<SGDOptions>(
+      param_groups_, closure, "FusedSGD",
+      [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
+        SGDParamState* s = nullptr;
+        bool first = false;
+        if (o.momentum() != 0) {
+          auto& slot = state_[compat::optim_state_key(state_, p)];
+          if (!slot) {
+            slot = std::make_unique<SGDParamState>();
+            first = true;
+          }
+          s = static_cast<SGDParamState*>(slot.get());
+          first = first || !s->momentum_buffer().defined();
+        }
+        const int64_t n = p.numel();
+        const bool fused = fusable_tensor(p, n) && fusable_tensor(grad, n) &&
+                           (s == nullptr || first || fusable_tensor(s->momentum_buffer(), n));
+        if (!fused) {
+          reference_step(p, grad, s, o);
+          return;
+        }
+        if (first) s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
+        detail::SGDCoefficients c;
+        c.weight_decay = static_cast<float>(o.weight_decay());
+        c.momentum = static_cast<float>(o.momentum());
+        c.one_minus_dampening = static_cast<float>(1 - o.dampening());
+        c.neg_lr = static_cast<float>(-1 * o.lr());
+        c.nesterov = o.nesterov();
+        c.first = first;
+        float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() : nullptr;
+        detail::fused_sgd(p.data_ptr<float>(), grad.data_ptr<float>(), buf, n, c);
+      });
+}
+
+}  // namespace fsdp::optim

@@ -1,0 +1,200 @@
+// fsdp::optim::FusedAdamW and FusedSGD (Note [Fused host optimizers]) step
+// exactly as torch::optim::AdamW and SGD do, to float rounding, over 100
+// steps: every option, several parameter groups, parameters the kernel takes
+// and ones it leaves to LibTorch's operations (another dtype, a transposed
+// view), parameters without a gradient on some steps. Their state is
+// LibTorch's: torch::save of one loads into the other and training goes on
+// identically.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fsdp/optim/fused.h>
+
+#include "detail/torch_compat.h"
+#include "optim/fused_kernels.h"
+
+namespace fsdp::testing {
+namespace test_fused_optim {
+
+constexpr double kTolerance = 1e-6;
+constexpr int kSteps = 100;
+
+// One set of parameters: a large one (several threads' tasks), a matrix, a
+// transposed view (not contiguous), a float64 vector, and one that has no
+// gradient on odd steps.
+std::vector<torch::Tensor> make_params() {
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> params = {torch::randn({150000}), torch::randn({64, 33}),
+                                       torch::randn({33, 20}).t(),
+                                       torch::randn({50}, torch::kFloat64), torch::randn({40})};
+  for (auto& p : params) p = p.detach().requires_grad_();
+  return params;
+}
+
+std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) {
+    auto c = p.detach().clone();
+    if (!p.is_contiguous()) c = p.detach().t().clone().t();  // keep the layout
+    out.push_back(c.requires_grad_());
+  }
+  return out;
+}
+
+// The same gradients on both sets; the last parameter gets none on odd steps.
+void set_grads(std::vector<torch::Tensor>& a, std::vector<torch::Tensor>& b, int step) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (i + 1 == a.size() && step % 2 == 1) {
+      a[i].mutable_grad() = torch::Tensor();
+      b[i].mutable_grad() = torch::Tensor();
+      continue;
+    }
+    auto g = torch::randn(a[i].sizes(), a[i].options());
+    if (!a[i].is_contiguous()) g = g.t().contiguous().t();
+    a[i].mutable_grad() = g.clone();
+    b[i].mutable_grad() = g.clone();
+  }
+}
+
+void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double diff = (a[i] - b[i]).abs().max().item<double>();
+    EXPECT_LE(diff, kTolerance * (1 + b[i].abs().max().item<double>())) << "parameter " << i;
+  }
+}
+
+template <typename Options>
+std::vector<torch::optim::OptimizerParamGroup> groups(const std::vector<torch::Tensor>& params,
+                                                      const std::vector<Options>& options) {
+  // Parameters round-robin over the groups, so each group has several kinds.
+  std::vector<std::vector<torch::Tensor>> lists(options.size());
+  for (size_t i = 0; i < params.size(); ++i) lists[i % options.size()].push_back(params[i]);
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (size_t g = 0; g < options.size(); ++g)
+    out.emplace_back(lists[g], std::make_unique<Options>(options[g]));
+  return out;
+}
+
+std::vector<torch::optim::AdamWOptions> adamw_options() {
+  return {
+      torch::optim::AdamWOptions(1e-2),  // weight decay 1e-2 by default
+      torch::optim::AdamWOptions(3e-3).weight_decay(0).amsgrad(true).betas({0.8, 0.99}).eps(1e-6),
+      torch::optim::AdamWOptions(5e-3).weight_decay(0.1).amsgrad(true)};
+}
+
+std::vector<torch::optim::SGDOptions> sgd_options() {
+  return {torch::optim::SGDOptions(1e-2).momentum(0.9).dampening(0.1).weight_decay(1e-4),
+          torch::optim::SGDOptions(2e-2).momentum(0.9).nesterov(true),
+          torch::optim::SGDOptions(5e-2).weight_decay(1e-3)};
+}
+
+TEST(FusedOptim, AdamWStepsAsTorchAdamWOver100Steps) {
+  auto ours = make_params();
+  auto theirs = copies(ours);
+  fsdp::optim::FusedAdamW fused(groups(ours, adamw_options()));
+  torch::optim::AdamW reference(groups(theirs, adamw_options()));
+  for (int step = 0; step < kSteps; ++step) {
+    set_grads(ours, theirs, step);
+    fused.step();
+    reference.step();
+  }
+  expect_close(ours, theirs);
+  for (size_t i = 0; i < ours.size(); ++i) {
+    const auto& a = static_cast<const torch::optim::AdamWParamState&>(
+        *fused.state().at(compat::optim_state_key(fused.state(), ours[i])));
+    const auto& b = static_cast<const torch::optim::AdamWParamState&>(
+        *reference.state().at(compat::optim_state_key(reference.state(), theirs[i])));
+    EXPECT_EQ(a.step(), b.step()) << "parameter " << i;
+    EXPECT_TRUE(torch::allclose(a.exp_avg(), b.exp_avg(), kTolerance, kTolerance));
+    EXPECT_TRUE(torch::allclose(a.exp_avg_sq(), b.exp_avg_sq(), kTolerance, kTolerance));
+    EXPECT_EQ(a.max_exp_avg_sq().defined(), b.max_exp_avg_sq().defined());
+  }
+}
+
+TEST(FusedOptim, SGDStepsAsTorchSGDOver100Steps) {
+  auto ours = make_params();
+  auto theirs = copies(ours);
+  fsdp::optim::FusedSGD fused(groups(ours, sgd_options()), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD reference(groups(theirs, sgd_options()), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < kSteps; ++step) {
+    set_grads(ours, theirs, step);
+    fused.step();
+    reference.step();
+  }
+  expect_close(ours, theirs);
+  EXPECT_EQ(fused.state().size(), reference.state().size());
+}
+
+// The kernels alone against LibTorch's operations, so that a fault in them
+// cannot hide behind the reference path.
+TEST(FusedOptim, AdamWKernelComputesAdamWsOperations) {
+  torch::manual_seed(3);
+  const int64_t n = 100003;  // several tasks and a remainder
+  auto p = torch::randn({n}), g = torch::randn({n}), m = torch::randn({n}) * 0.1;
+  auto v = torch::rand({n}) * 0.01, vmax = torch::rand({n}) * 0.01;
+  const double lr = 1e-3, wd = 0.05, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  const int64_t step = 7;
+  const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+  auto rp = p * (1 - lr * wd), rm = m * beta1 + g * (1 - beta1);
+  auto rv = v * beta2 + g * g * (1 - beta2), rvmax = torch::max(vmax, rv);
+  rp = rp - lr / bc1 * rm / (rvmax.sqrt() / std::sqrt(bc2) + eps);
+  detail::AdamWCoefficients c;
+  c.decay = true;
+  c.decay_factor = static_cast<float>(1 - lr * wd);
+  c.beta1 = 0.9F;
+  c.one_minus_beta1 = static_cast<float>(1 - beta1);
+  c.beta2 = 0.999F;
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-lr / bc1);
+  detail::fused_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
+                      v.data_ptr<float>(), vmax.data_ptr<float>(), n, c);
+  EXPECT_TRUE(torch::allclose(m, rm, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(v, rv, 1e-6, 1e-9));
+  EXPECT_TRUE(torch::equal(vmax, torch::max(vmax, v)));
+  EXPECT_TRUE(torch::allclose(p, rp, 1e-6, 1e-6)) << (p - rp).abs().max().item<double>();
+}
+
+TEST(FusedOptim, StateSavedByOneLoadsIntoTheOther) {
+  auto ours = make_params();
+  auto theirs = copies(ours);
+  fsdp::optim::FusedAdamW fused(groups(ours, adamw_options()));
+  for (int step = 0; step < 5; ++step) {
+    set_grads(ours, theirs, step);
+    fused.step();
+  }
+  // The plain optimizer takes over the fused one's state and parameters.
+  for (size_t i = 0; i < ours.size(); ++i) theirs[i].detach().copy_(ours[i].detach());
+  std::stringstream saved;
+  torch::save(fused, saved);
+  torch::optim::AdamW reference(groups(theirs, adamw_options()));
+  torch::load(reference, saved);
+  for (int step = 5; step < 15; ++step) {
+    set_grads(ours, theirs, step);
+    fused.step();
+    reference.step();
+  }
+  expect_close(ours, theirs);
+}
+
+TEST(FusedOptim, SparseGradientsAreANamedError) {
+  auto p = torch::zeros({4, 3}).requires_grad_();
+  p.mutable_grad() = torch::eye(4, 3).to_sparse();
+  fsdp::optim::FusedAdamW adamw({p});
+  try {
+    adamw.step();
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FusedAdamW: sparse gradients are not supported"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace test_fused_optim
+}  // namespace fsdp::testing
