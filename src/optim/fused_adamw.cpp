@@ -71,9 +71,13 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         const double beta2 = std::get<1>(o.betas());
         const double bias_correction1 = 1 - std::pow(beta1, s.step());
         const double bias_correction2 = 1 - std::pow(beta2, s.step());
+        const auto copy_it = low_precision_copies_.find(p.unsafeGetTensorImpl());
+        const at::Tensor* copy =
+            copy_it != low_precision_copies_.end() ? &copy_it->second : nullptr;
         if (!fusable(p, grad, s)) {
           if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
           reference_step(p, grad, s, o, bias_correction1, bias_correction2);
+          if (copy != nullptr) copy->view(p.sizes()).copy_(p);
           return;
         }
         detail::AdamWCoefficients c;
@@ -89,8 +93,30 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() : nullptr;
         detail::fused_adamw(p.data_ptr<float>(), grad.data_ptr<float>(),
                             s.exp_avg().data_ptr<float>(), s.exp_avg_sq().data_ptr<float>(), vmax,
-                            p.numel(), c);
+                            copy != nullptr ? copy->data_ptr() : nullptr,
+                            copy != nullptr ? copy->scalar_type() : at::kFloat, p.numel(), c);
       });
+}
+
+void FusedAdamW::set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy) {
+  bool known = false;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) known |= p.is_same(param);
+  }
+  TORCH_CHECK(known,
+              "fsdp::optim::FusedAdamW::set_low_precision_copy: the tensor is not a parameter "
+              "of this optimizer; pass one of the tensors it was made with");
+  if (!copy.defined()) {
+    low_precision_copies_.erase(param.unsafeGetTensorImpl());
+    return;
+  }
+  TORCH_CHECK((copy.scalar_type() == at::kBFloat16 || copy.scalar_type() == at::kHalf) &&
+                  copy.device().is_cpu() && copy.is_contiguous() && copy.numel() == param.numel(),
+              "fsdp::optim::FusedAdamW::set_low_precision_copy: the copy must be a contiguous CPU "
+              "tensor of bfloat16 or float16 with the parameter's ",
+              param.numel(), " elements; got ", copy.scalar_type(), " on ", copy.device(), " with ",
+              copy.numel(), " elements", copy.is_contiguous() ? "" : ", not contiguous");
+  low_precision_copies_[param.unsafeGetTensorImpl()] = std::move(copy);
 }
 
 }  // namespace fsdp::optim

@@ -1,8 +1,11 @@
 #include "optim/fused_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cmath>
+#include <type_traits>
 
 // See Note [Fused host optimizers].
 
@@ -18,9 +21,13 @@ constexpr int64_t kGrain = int64_t{1} << 15;
 // straight loop the compiler vectorises. Expressions follow AdamW's CPU
 // kernels: mul_ then add_ with alpha, addcmul_, sqrt then the division by
 // sqrt(bias_correction2) then add_(eps), addcdiv_ (value * t1 / t2).
-template <bool kDecay, bool kAmsgrad>
+// Copy is NoCopy, or the low-precision type the new values are also written
+// in (c10::BFloat16, c10::Half: the conversions of Tensor::to()).
+struct NoCopy {};
+
+template <bool kDecay, bool kAmsgrad, typename Copy>
 void adamw_range(float* __restrict p, const float* __restrict g, float* __restrict m,
-                 float* __restrict v, float* __restrict vmax, int64_t n,
+                 float* __restrict v, float* __restrict vmax, Copy* __restrict copy, int64_t n,
                  const AdamWCoefficients& c) {
   const float decay = c.decay_factor;
   const float b1 = c.beta1, a1 = c.one_minus_beta1, b2 = c.beta2, a2 = c.one_minus_beta2;
@@ -39,7 +46,23 @@ void adamw_range(float* __restrict p, const float* __restrict g, float* __restri
       vmax[i] = second;
     }
     const float denom = std::sqrt(second) / bc2 + eps;
-    p[i] = value + step * avg / denom;
+    const float updated = value + step * avg / denom;
+    p[i] = updated;
+    if constexpr (!std::is_same_v<Copy, NoCopy>) copy[i] = static_cast<Copy>(updated);
+  }
+}
+
+template <bool kDecay, bool kAmsgrad>
+void adamw_copy_dispatch(float* p, const float* g, float* m, float* v, float* vmax, void* copy,
+                         c10::ScalarType copy_dtype, int64_t begin, int64_t n,
+                         const AdamWCoefficients& c) {
+  if (copy == nullptr) {
+    adamw_range<kDecay, kAmsgrad, NoCopy>(p, g, m, v, vmax, nullptr, n, c);
+  } else if (copy_dtype == c10::kBFloat16) {
+    adamw_range<kDecay, kAmsgrad>(p, g, m, v, vmax, static_cast<c10::BFloat16*>(copy) + begin, n,
+                                  c);
+  } else {
+    adamw_range<kDecay, kAmsgrad>(p, g, m, v, vmax, static_cast<c10::Half*>(copy) + begin, n, c);
   }
 }
 
@@ -72,7 +95,8 @@ void sgd_dispatch(float* p, const float* g, float* buf, int64_t n, const SGDCoef
 }  // namespace
 
 void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 float* max_exp_avg_sq, int64_t n, const AdamWCoefficients& c) {
+                 float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype, int64_t n,
+                 const AdamWCoefficients& c) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     float* vmax = max_exp_avg_sq != nullptr ? max_exp_avg_sq + begin : nullptr;
     const int64_t count = end - begin;
@@ -80,12 +104,15 @@ void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg
     float* m = exp_avg + begin;
     float* v = exp_avg_sq + begin;
     const float* g = grad + begin;
+    const auto t = copy_dtype;
     if (c.decay) {
-      if (vmax != nullptr) return adamw_range<true, true>(p, g, m, v, vmax, count, c);
-      return adamw_range<true, false>(p, g, m, v, vmax, count, c);
+      if (vmax != nullptr)
+        return adamw_copy_dispatch<true, true>(p, g, m, v, vmax, copy, t, begin, count, c);
+      return adamw_copy_dispatch<true, false>(p, g, m, v, vmax, copy, t, begin, count, c);
     }
-    if (vmax != nullptr) return adamw_range<false, true>(p, g, m, v, vmax, count, c);
-    adamw_range<false, false>(p, g, m, v, vmax, count, c);
+    if (vmax != nullptr)
+      return adamw_copy_dispatch<false, true>(p, g, m, v, vmax, copy, t, begin, count, c);
+    adamw_copy_dispatch<false, false>(p, g, m, v, vmax, copy, t, begin, count, c);
   });
 }
 

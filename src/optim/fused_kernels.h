@@ -16,6 +16,8 @@
 // bench/bench_host_optim.cpp measures both against LibTorch's and against a
 // copy of the same bytes.
 
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 
 namespace fsdp::detail {
@@ -34,9 +36,12 @@ struct AdamWCoefficients {
 };
 
 /// One AdamW step over `n` contiguous elements, in place, on the intra-op
-/// threads. `max_exp_avg_sq` is null without amsgrad.
+/// threads. `max_exp_avg_sq` is null without amsgrad. Unless `copy` is null,
+/// the new values are also written there as `copy_dtype` (kBFloat16 or
+/// kHalf), in the same pass.
 void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 float* max_exp_avg_sq, int64_t n, const AdamWCoefficients& c);
+                 float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype, int64_t n,
+                 const AdamWCoefficients& c);
 
 /// SGD's per-step constants, as float values.
 struct SGDCoefficients {

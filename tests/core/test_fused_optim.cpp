@@ -11,11 +11,13 @@
 
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/optim/fused.h>
 
 #include "detail/torch_compat.h"
+#include "error_of.h"
 #include "optim/fused_kernels.h"
 
 namespace fsdp::testing {
@@ -154,7 +156,7 @@ TEST(FusedOptim, AdamWKernelComputesAdamWsOperations) {
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-lr / bc1);
   detail::fused_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
-                      v.data_ptr<float>(), vmax.data_ptr<float>(), n, c);
+                      v.data_ptr<float>(), vmax.data_ptr<float>(), nullptr, at::kFloat, n, c);
   EXPECT_TRUE(torch::allclose(m, rm, 1e-6, 1e-7));
   EXPECT_TRUE(torch::allclose(v, rv, 1e-6, 1e-9));
   EXPECT_TRUE(torch::equal(vmax, torch::max(vmax, v)));
@@ -183,6 +185,38 @@ TEST(FusedOptim, StateSavedByOneLoadsIntoTheOther) {
   expect_close(ours, theirs);
 }
 
+// The copy a GPU would compute with, written in the step's own pass: equal
+// to Tensor::to() of the new values, for the kernel's parameters and the
+// others alike.
+TEST(FusedOptim, LowPrecisionCopiesAreTheNewValues) {
+  auto params = make_params();
+  auto unused = copies(params);
+  fsdp::optim::FusedAdamW opt(groups(params, adamw_options()));
+  const std::vector<std::pair<size_t, at::ScalarType>> wanted = {
+      {0, at::kBFloat16}, {1, at::kHalf}, {2, at::kBFloat16}, {3, at::kBFloat16}};
+  std::vector<torch::Tensor> low(params.size());
+  for (const auto& [i, dtype] : wanted) {
+    low[i] = torch::empty({params[i].numel()}, torch::dtype(dtype));
+    opt.set_low_precision_copy(params[i], low[i]);
+  }
+  for (int step = 0; step < 5; ++step) {
+    set_grads(params, unused, step);
+    opt.step();
+    for (const auto& [i, dtype] : wanted) {
+      EXPECT_TRUE(torch::equal(low[i], params[i].detach().to(dtype).reshape({-1})))
+          << "parameter " << i << ", step " << step;
+    }
+  }
+  const std::string wrong =
+      error_of([&] { opt.set_low_precision_copy(params[1], torch::empty({5}, torch::kBFloat16)); });
+  EXPECT_NE(wrong.find("with the parameter's 2112 elements; got BFloat16 on cpu with 5"),
+            std::string::npos)
+      << wrong;
+  const std::string stranger =
+      error_of([&] { opt.set_low_precision_copy(torch::zeros({3}), torch::Tensor()); });
+  EXPECT_NE(stranger.find("not a parameter of this optimizer"), std::string::npos) << stranger;
+}
+
 TEST(FusedOptim, SparseGradientsAreANamedError) {
   auto p = torch::zeros({4, 3}).requires_grad_();
   p.mutable_grad() = torch::eye(4, 3).to_sparse();
@@ -191,7 +225,8 @@ TEST(FusedOptim, SparseGradientsAreANamedError) {
     adamw.step();
     FAIL() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("FusedAdamW: sparse gradients are not supported"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("FusedAdamW: sparse gradients are not supported"),
+              std::string::npos)
         << e.what();
   }
 }

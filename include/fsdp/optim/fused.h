@@ -3,6 +3,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <unordered_map>
+
 namespace fsdp::optim {
 
 /// torch::optim::AdamW with a fused step: one pass over each parameter's
@@ -19,6 +21,15 @@ class FusedAdamW : public torch::optim::AdamW {
 
   /// One AdamW step over every parameter that has a gradient.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// From the next step on, each step also writes `param`'s new values into
+  /// `copy` (bfloat16 or float16, `param`'s number of elements, contiguous, on
+  /// the CPU), in the same pass: the low-precision copy a GPU computes with
+  /// when the parameters live in host memory. An undefined `copy` stops it.
+  void set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy);
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, torch::Tensor> low_precision_copies_;
 };
 
 /// torch::optim::SGD (momentum, dampening, Nesterov, weight decay) with a
