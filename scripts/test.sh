@@ -11,11 +11,13 @@
 #   1.13    Debian's LibTorch 1.13 into build-1.13/ with AddressSanitizer and
 #           UndefinedBehaviorSanitizer (FSDP_TEST_SANITIZE_113, default
 #           "address,undefined"; empty for a plain build), only what its tests
-#           run; every test but the fault-injection, interop, benchmark and
-#           simulated-cluster ones (labels faults, interop, bench, cluster:
-#           the 2.15 stage runs the cluster tests, ~1.5 min; under ASan they
-#           would add minutes CI has not got; without sanitizers they pass on
-#           1.13 too, see docs/cluster.md) and the full test_collectives sweep
+#           run; every test but the fault-injection, interop, benchmark,
+#           fuzzing and simulated-cluster ones (labels faults, interop, bench,
+#           fuzz, cluster: the 2.15 stage runs the cluster tests, ~1.5 min;
+#           under ASan they would add minutes CI has not got; without
+#           sanitizers they pass on 1.13 too, see docs/cluster.md; the fuzz
+#           target links no LibTorch, so one stage runs it) and the full
+#           test_collectives sweep
 #           (103 s under ASan; its paths run in the 2 MiB sweeps and
 #           test_routes).
 #   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: only the
@@ -111,7 +113,7 @@ fi
 if has_stage 1.13; then
   # Only what these tests run is built (the benchmarks are not).
   args=("$@")
-  if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster' -E '^test_collectives$'); fi
+  if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster|fuzz' -E '^test_collectives$'); fi
   echo "=== LibTorch 1.13 (sanitizers: ${sanitize_113:-none}): build into build-1.13/ (-Werror: $werror)"
   (build_for_tests 1.13 build-1.13 "$sanitize_113" "${args[@]}") || fail "1.13 build"
   lap "1.13 build"
