@@ -22,14 +22,10 @@ using torch::optim::AdamWParamState;
 // Whether every tensor of the step is a contiguous float32 CPU tensor of the
 // parameter's size: the fused kernel's case.
 bool fusable(const at::Tensor& p, const at::Tensor& grad, const AdamWParamState& s) {
-  for (const at::Tensor* t : {&p, &grad, &s.exp_avg(), &s.exp_avg_sq()}) {
-    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous() ||
-        t->layout() != at::kStrided || t->numel() != p.numel())
-      return false;
-  }
-  const at::Tensor& vmax = s.max_exp_avg_sq();
-  return !vmax.defined() || (vmax.device().is_cpu() && vmax.scalar_type() == at::kFloat &&
-                             vmax.is_contiguous() && vmax.numel() == p.numel());
+  const int64_t n = p.numel();
+  return detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+         detail::fused_layout(s.exp_avg(), n) && detail::fused_layout(s.exp_avg_sq(), n) &&
+         (!s.max_exp_avg_sq().defined() || detail::fused_layout(s.max_exp_avg_sq(), n));
 }
 
 // torch::optim::AdamW's own operations, for the parameters the kernel does

@@ -17,11 +17,6 @@ namespace {
 using torch::optim::SGDOptions;
 using torch::optim::SGDParamState;
 
-bool fusable_tensor(const at::Tensor& t, int64_t numel) {
-  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-         t.layout() == at::kStrided && t.numel() == numel;
-}
-
 // torch::optim::SGD's own operations, for the parameters the kernel does not
 // take (other dtypes, devices or layouts).
 void reference_step(at::Tensor& p, const at::Tensor& grad, SGDParamState* s, const SGDOptions& o) {
@@ -57,8 +52,8 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           first = first || !s->momentum_buffer().defined();
         }
         const int64_t n = p.numel();
-        const bool fused = fusable_tensor(p, n) && fusable_tensor(grad, n) &&
-                           (s == nullptr || first || fusable_tensor(s->momentum_buffer(), n));
+        const bool fused = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+                           (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
         if (!fused) {
           reference_step(p, grad, s, o);
           return;

@@ -8,6 +8,13 @@
 
 namespace fsdp::detail {
 
+/// Whether `t` is what the fused kernels take: a contiguous, strided float32
+/// CPU tensor of `numel` elements.
+inline bool fused_layout(const at::Tensor& t, int64_t numel) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+         t.layout() == at::kStrided && t.numel() == numel;
+}
+
 /// The frame of a torch::optim step: runs `closure` (if any) with gradients
 /// on, then, without gradients, `update(param, grad, options)` for every
 /// parameter of every group that has a dense gradient; returns the loss.
