@@ -1,7 +1,8 @@
 // A LibTorch user's own program with fsdp::fully_shard, built against the
 // installed library: a ModuleList model whose classes know nothing of FSDP,
-// AdamW with weight decay, model->zero_grad(), and torch::save of the full
-// model under SummonFullParams loaded into a plain twin.
+// fsdp::optim::FusedAdamW with weight decay, model->zero_grad(), and
+// torch::save of the full model under SummonFullParams loaded into a plain
+// twin.
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -37,8 +38,8 @@ int main() try {
   torch::manual_seed(0);
   Net model;
   fsdp::Unit& root = fsdp::fully_shard(model, fsdp::module_type_policy<BlockImpl>());
-  torch::optim::AdamW opt(root.flat_parameters(),
-                          torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  fsdp::optim::FusedAdamW opt(root.flat_parameters(),
+                              torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   torch::manual_seed(10 + pg->rank());
   const torch::Tensor x = torch::randn({8, 16});
   const torch::Tensor y = x.sum(1, true).sin();
