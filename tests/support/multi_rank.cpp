@@ -1,9 +1,9 @@
 #include "multi_rank.h"
 
-#include <fcntl.h>
+#include "rank_zygote.h"
+
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -128,9 +128,7 @@ std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int,
     return {};  // a rank process skips the other run_ranks calls of its test
   }
 
-  // Everything a child needs is prepared before fork(): only exec follows.
   const int port = free_port();
-  const std::string exe = "/proc/self/exe";
   char dir_template[] = "/tmp/fsdp_test_XXXXXX";
   const std::string dir = mkdtemp(dir_template);
   std::vector<std::string> logs;
@@ -151,26 +149,8 @@ std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int,
       if (env.count(kv.substr(0, kv.find('='))) == 0) env_strings.push_back(kv);
     }
     for (auto& [k, v] : env) env_strings.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::string filter = current_test_filter();
-    std::string exe_copy = exe;
-    std::vector<char*> argv{exe_copy.data(), filter.data(), nullptr};
     logs.push_back(dir + "/rank" + std::to_string(rank) + ".log");
-    const int log_fd = ::open(logs.back().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    const pid_t parent = getpid();
-    pid_t pid = fork();
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test process
-      if (getppid() != parent) _exit(125);
-      dup2(log_fd, 1);
-      dup2(log_fd, 2);
-      execve(argv[0], argv.data(), envp.data());
-      _exit(127);
-    }
-    ::close(log_fd);
-    pids.push_back(pid);
+    pids.push_back(spawn_rank({current_test_filter()}, env_strings, logs.back()));
   }
 
   std::vector<RankOutcome> outcomes(world_size);
@@ -182,8 +162,8 @@ std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int,
   while (remaining > 0) {
     for (int r = 0; r < world_size; ++r) {
       if (done[r]) continue;
-      int status = 0;
-      if (waitpid(pids[r], &status, WNOHANG) != pids[r]) continue;
+      int status = 127 << 8;  // exit status 127 where no process started
+      if (pids[r] > 0 && poll_rank(pids[r], status) != pids[r]) continue;
       done[r] = true;
       --remaining;
       outcomes[r].rank = r;
@@ -198,9 +178,11 @@ std::vector<RankOutcome> run_ranks(int world_size, const std::function<void(int,
     if (remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
       for (int r = 0; r < world_size; ++r) {
         if (done[r]) continue;
-        kill(pids[r], SIGKILL);
         int status = 0;
-        waitpid(pids[r], &status, 0);
+        if (pids[r] > 0) {
+          kill(pids[r], SIGKILL);
+          wait_rank(pids[r], status);
+        }
         outcomes[r].rank = r;
         outcomes[r].killed_at_deadline = true;
         outcomes[r].term_signal = SIGKILL;

@@ -1,11 +1,12 @@
 #pragma once
 
 // Multi-rank tests as real processes. run_ranks() in the test process starts
-// world_size copies of the test binary that run only the current test, with
-// the torchrun environment set; in those children the same run_ranks() call
-// runs `body` and exits. A rank that fails, crashes or hangs fails the test:
-// after the first failure the others get a grace period, and every rank is
-// killed at the deadline, so a test never hangs.
+// world_size processes of the test program that run only the current test,
+// with the torchrun environment set (forked from a zygote where it can: Note
+// [Rank processes from a zygote] in rank_zygote.cpp); in those the same
+// run_ranks() call runs `body` and exits. A rank that fails, crashes or
+// hangs fails the test: after the first failure the others get a grace
+// period, and every rank is killed at the deadline, so a test never hangs.
 
 #include <chrono>
 #include <functional>

@@ -1,0 +1,21 @@
+// main() of the test programs: gtest's, after the rank zygote (Note [Rank
+// processes from a zygote] in rank_zygote.cpp).
+
+#include <ATen/Parallel.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "multi_rank.h"
+#include "rank_zygote.h"
+
+int main(int argc, char** argv) {
+  fsdp::testing::start_rank_zygote(argc, argv);
+  // libgomp read OMP_NUM_THREADS when the zygote loaded it; a rank forked
+  // from there sets it as an exec'd one would have read it.
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  if (fsdp::testing::is_rank_process() && threads != nullptr && std::atoi(threads) > 0)
+    at::set_num_threads(std::atoi(threads));
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
