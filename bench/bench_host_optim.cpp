@@ -13,7 +13,10 @@
 // with momentum: 20); copy_gbps is a
 // multi-threaded copy of as many bytes (read + write). One JSON line per
 // optimizer: median step times, speedup = torch / fused, and
-// bandwidth_fraction = (bytes_moved / fused step) / copy bandwidth.
+// bandwidth_fraction = (bytes_moved / fused step) / copy bandwidth, and the
+// process's resident memory above its level before the step at the step's
+// peak (VmHWM reset before each step; median over the rounds): what a step
+// allocates besides the parameters and their state.
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -29,6 +32,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench_util.h"
+#include "resident_memory.h"
 
 namespace {
 
@@ -59,7 +63,20 @@ struct Run {
   std::unique_ptr<torch::optim::Optimizer> torch_opt, fused_opt;
   std::function<void()> after_torch_step = [] {};  // what the torch side does besides
   std::vector<double> torch_ms, fused_ms, copy_ms;
+  std::vector<double> torch_peak_extra, fused_peak_extra;
 };
+
+// Runs `step` and returns its time; `peak_extra` gets the resident bytes at
+// its peak above those before it.
+double measured_step(const std::function<void()>& step, std::vector<double>& peak_extra) {
+  fsdp::testing::reset_peak_rss();
+  const int64_t before = fsdp::testing::rss_now();
+  const auto t0 = Clock::now();
+  step();
+  const double ms = ms_since(t0);
+  peak_extra.push_back(static_cast<double>(fsdp::testing::peak_rss_bytes() - before));
+  return ms;
+}
 
 }  // namespace
 
@@ -108,15 +125,15 @@ int main(int argc, char** argv) {
   }
   for (int round = 0; round < rounds; ++round) {
     for (auto& run : runs) {
-      auto t0 = Clock::now();
-      run.torch_opt->step();
-      run.after_torch_step();
-      run.torch_ms.push_back(ms_since(t0));
-      t0 = Clock::now();
-      run.fused_opt->step();
-      run.fused_ms.push_back(ms_since(t0));
+      run.torch_ms.push_back(measured_step(
+          [&] {
+            run.torch_opt->step();
+            run.after_torch_step();
+          },
+          run.torch_peak_extra));
+      run.fused_ms.push_back(measured_step([&] { run.fused_opt->step(); }, run.fused_peak_extra));
       const int64_t half = elements * run.bytes_per_element / 2;
-      t0 = Clock::now();
+      const auto t0 = Clock::now();
       dst.narrow(0, 0, half).copy_(copy_src(half));
       run.copy_ms.push_back(ms_since(t0));
     }
@@ -130,10 +147,12 @@ int main(int argc, char** argv) {
         "{\"bench\": \"host_optim\", \"optimizer\": \"%s\", \"elements\": %lld, \"shards\": %d, "
         "\"threads\": %d, \"rounds\": %d, \"torch_ms\": %.2f, \"fused_ms\": %.2f, "
         "\"speedup\": %.2f, \"bytes_moved\": %.0f, \"fused_gbps\": %.2f, \"copy_ms\": %.2f, "
-        "\"copy_gbps\": %.2f, \"bandwidth_fraction\": %.2f}\n",
+        "\"copy_gbps\": %.2f, \"bandwidth_fraction\": %.2f, \"torch_step_peak_extra_mib\": "
+        "%.1f, \"fused_step_peak_extra_mib\": %.1f}\n",
         run.optimizer.c_str(), static_cast<long long>(elements), count, at::get_num_threads(),
         rounds, torch_ms, fused_ms, torch_ms / fused_ms, bytes, fused_gbps, copy_ms, copy_gbps,
-        fused_gbps / copy_gbps);
+        fused_gbps / copy_gbps, median(run.torch_peak_extra) / (1 << 20),
+        median(run.fused_peak_extra) / (1 << 20));
   }
   return 0;
 }

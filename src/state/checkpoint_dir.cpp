@@ -1,14 +1,13 @@
 #include "state/checkpoint_dir.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 
 #include <fsdp/state/error.h>
+
+#include "detail/posix_files.h"
 
 namespace fsdp::detail {
 
@@ -176,25 +175,22 @@ int64_t step_of_name(const std::string& name) {
 
 std::vector<StepDirectory> step_directories(const std::string& parent) {
   std::vector<StepDirectory> out;
-  DIR* d = ::opendir(parent.c_str());
-  if (d == nullptr) {
-    if (errno == ENOENT) return out;
-    throw CheckpointError(
-        parent, std::string("cannot list the checkpoint directory: ") + std::strerror(errno));
-  }
-  while (const dirent* ent = ::readdir(d)) {
-    const int64_t step = step_of_name(ent->d_name);
+  std::error_code ec;
+  const std::vector<std::string> names = list_dir(parent, ec);
+  if (ec == std::errc::no_such_file_or_directory) return out;
+  if (ec) throw CheckpointError(parent, "cannot list the checkpoint directory: " + ec.message());
+  for (const std::string& name : names) {
+    const int64_t step = step_of_name(name);
     if (step < 0) continue;
     StepDirectory s;
     s.step = step;
-    s.path = join(parent, ent->d_name);
+    s.path = join(parent, name);
     // lstat: a marker that is not a regular file is found (and refused when
     // verified); one in a "step-" entry that is not a directory is not.
     struct stat st {};
     s.marked = ::lstat(join(s.path, kCompletionMarker).c_str(), &st) == 0;
     out.push_back(std::move(s));
   }
-  ::closedir(d);
   std::sort(out.begin(), out.end(),
             [](const StepDirectory& a, const StepDirectory& b) { return a.step > b.step; });
   return out;

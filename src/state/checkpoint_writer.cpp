@@ -11,6 +11,7 @@
 
 #include <fsdp/state/error.h>
 
+#include "detail/posix_files.h"
 #include "state/agreement.h"
 #include "state/atomic_file.h"
 #include "state/checkpoint_dir.h"
@@ -33,12 +34,9 @@ struct Item {
 };
 
 void make_dirs(const std::string& dir) {
-  for (size_t at = 1; at <= dir.size(); ++at) {
-    if (at != dir.size() && dir[at] != '/') continue;
-    const std::string part = dir.substr(0, at);
-    if (::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST)
-      throw CheckpointError(part, std::string("cannot create directory: ") + std::strerror(errno));
-  }
+  std::error_code ec;
+  detail::make_dirs(dir, ec);
+  if (ec) throw CheckpointError(dir, "cannot create directory: " + ec.message());
 }
 
 void write_bytes(AtomicFileWriter& w, const at::Tensor& t) {

@@ -1,12 +1,9 @@
 #include "state/retention.h"
 
 #include <c10/util/Exception.h>
-#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
 
 #include "detail/error.h"
 #include "detail/posix_files.h"
@@ -48,14 +45,12 @@ void remove_path(const std::string& path, bool tree) {
 }  // namespace
 
 void remove_temporaries(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return;  // nothing there yet, or not a directory: nothing of ours
-  std::vector<std::string> doomed;
-  while (const dirent* ent = ::readdir(d)) {
-    if (is_temporary_name(ent->d_name)) doomed.push_back(dir + "/" + ent->d_name);
+  // A dir that cannot be listed (nothing there yet, or not a directory) holds
+  // nothing of ours.
+  std::error_code ec;
+  for (const std::string& name : list_dir(dir, ec)) {
+    if (is_temporary_name(name)) remove_path(dir + "/" + name, /*tree=*/false);
   }
-  ::closedir(d);
-  for (const std::string& path : doomed) remove_path(path, /*tree=*/false);
 }
 
 void remove_if_torn(const std::string& dir) {
