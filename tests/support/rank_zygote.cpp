@@ -17,6 +17,8 @@
 #include <map>
 #include <set>
 
+#include "multi_rank.h"
+
 // Note [Rank processes from a zygote]
 // A rank process exec'd afresh loads LibTorch again: relocations and operator
 // registration cost a core 0.5 s (1.4 s under ASan), and a suite starts
@@ -69,6 +71,8 @@ std::set<pid_t> g_execd;
 // Exit statuses the zygote reported that no one has asked for yet.
 std::map<pid_t, int> g_exited;
 
+// Counted here, not with detail::list_dir: tests/support links no part of
+// libfsdp (its programs link libfsdp, its comm objects, or neither).
 int thread_count() {
   DIR* dir = ::opendir("/proc/self/task");
   if (dir == nullptr) return -1;
@@ -251,7 +255,7 @@ pid_t fork_exec(const std::vector<std::string>& args, const std::vector<std::str
 }  // namespace
 
 void start_rank_zygote(int& argc, char**& argv) {
-  if (std::getenv("FSDP_TEST_INVOCATION") != nullptr) return;  // an exec'd rank
+  if (is_rank_process()) return;  // an exec'd rank
   if (const char* z = std::getenv("FSDP_TEST_ZYGOTE"); z != nullptr && std::strcmp(z, "0") == 0)
     return;
   if (thread_count() != 1) stop_openblas_threads();

@@ -11,8 +11,8 @@
 
 int main(int argc, char** argv) {
   fsdp::testing::start_rank_zygote(argc, argv);
-  // libgomp read OMP_NUM_THREADS when the zygote loaded it; a rank forked
-  // from there sets it as an exec'd one would have read it.
+  // libgomp read OMP_NUM_THREADS when the zygote loaded it: a rank forked
+  // from there sets it as an exec'd one read it (which sets it again, alike).
   const char* threads = std::getenv("OMP_NUM_THREADS");
   if (fsdp::testing::is_rank_process() && threads != nullptr && std::atoi(threads) > 0)
     at::set_num_threads(std::atoi(threads));
