@@ -138,19 +138,22 @@ void send_reply(int sock, const Reply& reply) {
 // The zygote's loop. Returns only in a rank process, with its request.
 Request serve(int sock) {
   const pid_t self = ::getpid();
-  std::vector<char> buf(kMaxRequest);
+  // Static, not from the heap: a 1 MiB block freed in the rank would raise
+  // glibc's dynamic mmap threshold there, which an exec'd rank does not have
+  // (test_block_cache's glibc control saw its memory reused).
+  static char buf[kMaxRequest];
   int children = 0;
   for (;;) {
     pollfd p{sock, POLLIN, 0};
     if (::poll(&p, 1, children > 0 ? 5 : -1) > 0) {
-      const ssize_t n = ::recv(sock, buf.data(), buf.size(), 0);
+      const ssize_t n = ::recv(sock, buf, sizeof(buf), 0);
       if (n <= 0) ::_exit(0);  // the test process has gone
       const pid_t pid = ::fork();
       if (pid == 0) {
         ::close(sock);
         ::prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (::getppid() != self) ::_exit(125);
-        return decode(buf.data(), static_cast<size_t>(n));
+        return decode(buf, static_cast<size_t>(n));
       }
       children += pid > 0;
       send_reply(sock, {kSpawned, pid, 0});
