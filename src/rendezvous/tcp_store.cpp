@@ -48,6 +48,7 @@ std::string join_keys(const std::vector<std::string>& keys) {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kForever = std::chrono::milliseconds::max();
+constexpr auto kAnswerSlack = std::chrono::milliseconds(2000);
 
 detail::IoResult send_message(int fd, const std::vector<uint8_t>& message,
                               Clock::time_point deadline) {
@@ -111,13 +112,11 @@ std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
   FSDP_CHECK(fd_ >= 0, -1, "tcp store", "the connection to the rendezvous store at ", address(),
              " was closed after an earlier request failed: ", broken_);
   // No limit when the store's timeout is c10d's kNoTimeout (zero), or the
-  // server may hold the request forever. A request the server holds gets a
-  // little more than the server's wait, so that its own "timed out waiting
-  // for key" reply (which names the key) arrives first.
+  // server may hold the request forever. A request the server holds gets 2 s
+  // more than the server's wait, so that its own "timed out waiting for key"
+  // reply (which names the key) arrives first even on a loaded machine.
   const bool unlimited = timeout_.count() <= 0 || server_wait == kForever;
-  const auto limit = server_wait.count() > 0
-                         ? server_wait + std::min(timeout_, std::chrono::milliseconds(2000))
-                         : timeout_;
+  const auto limit = server_wait.count() > 0 ? server_wait + kAnswerSlack : timeout_;
   const auto deadline = unlimited ? Clock::time_point::max() : Clock::now() + limit;
   std::vector<uint8_t> reply;
   auto result = send_message(fd_, message, deadline);

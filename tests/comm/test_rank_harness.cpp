@@ -11,7 +11,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -75,17 +77,33 @@ TEST(RankHarness, RanksStartFreshNotFromTheTestProcess) {
 
 TEST(RankHarness, FailuresCrashesAndHangsAreReported) {
   const auto start = Clock::now();
+  // Ranks 1 and 2 fail only once rank 0 has finished: exec'd ranks under a
+  // sanitizer on a loaded machine start seconds apart, and a rank still
+  // starting when the grace ends is killed, which is right but not this test.
+  char dir_template[] = "/tmp/fsdp_harness_XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string done = std::string(dir_template) + "/rank0_done";
   MultiRankOptions options;
   options.deadline = std::chrono::seconds(60);
   options.failure_grace = std::chrono::seconds(3);
+  options.env["FSDP_TEST_RANK0_DONE"] = done;
   const auto outcomes = run_ranks(
       4,
       [](int rank, int) {
+        const std::string done_file = std::getenv("FSDP_TEST_RANK0_DONE");
+        if (rank == 0) {
+          std::ofstream(done_file) << "done";
+          return;
+        }
+        while (!std::ifstream(done_file).good())
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
         if (rank == 1) ADD_FAILURE() << "rank 1 fails an assertion";
         if (rank == 2) ::raise(SIGABRT);
         if (rank == 3) std::this_thread::sleep_for(std::chrono::minutes(5));
       },
       options);
+  std::remove(done.c_str());
+  ::rmdir(dir_template);
   ASSERT_EQ(outcomes.size(), 4u);
   EXPECT_EQ(outcomes[0].exit_code, 0) << describe(outcomes[0]);
   EXPECT_EQ(outcomes[1].exit_code, 1) << describe(outcomes[1]);
