@@ -159,6 +159,9 @@ class GPTImpl : public torch::nn::Module {
       const std::string name = "h" + std::to_string(i);
       Block block(config);
       if (block_options) {
+        // Built on the CPU (so initial values match GPT(config) on any
+        // device), then moved to the units' device before it is wrapped.
+        if (block_options->device_id()) block->to(*block_options->device_id());
         fsdp::FSDPOptions unit_options = *block_options;
         if (config.activation_checkpointing()) unit_options.activation_checkpointing(true);
         fsdp::FullyShardedDataParallel<BlockImpl> unit(block, unit_options);
@@ -178,6 +181,15 @@ class GPTImpl : public torch::nn::Module {
     head_ = register_module(
         "head", torch::nn::Linear(torch::nn::LinearOptions(d, config.vocab_size()).bias(false)));
     detail::init_linear(head_);
+    if (block_options && block_options->device_id()) {
+      // The root unit's own parameters join the blocks on their device.
+      for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(tok_emb_.get()),
+                                   static_cast<torch::nn::Module*>(pos_emb_.get()),
+                                   static_cast<torch::nn::Module*>(ln_f_.get()),
+                                   static_cast<torch::nn::Module*>(head_.get())}) {
+        m->to(*block_options->device_id());
+      }
+    }
   }
 
   /// tokens: [batch, time] int64 with time <= block_size -> logits [batch, time, vocab].

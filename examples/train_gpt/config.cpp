@@ -144,6 +144,13 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
        {"hybrid_shard", fsdp::ShardingStrategy::kHybridShard},
        {"hybrid_shard_zero2", fsdp::ShardingStrategy::kHybridShardZero2}}};
   add_choice(app, "--sharding", sharding, "FSDP sharding strategy", "FSDP");
+  Choice<DeviceChoice> device{
+      "auto",
+      {{"auto", DeviceChoice::kAuto}, {"cpu", DeviceChoice::kCpu}, {"cuda", DeviceChoice::kCuda}}};
+  add_choice(app, "--device", device,
+             "Where the model trains: cuda (LOCAL_RANK's GPU), cpu, or auto (cuda where a GPU "
+             "is visible, else cpu)",
+             "FSDP");
   app.add_flag("--bf16", c.bf16,
                "bfloat16 mixed precision: compute and all-gather in bf16, keep fp32 shards "
                "for AdamW and reduce gradients in fp32")
@@ -214,6 +221,7 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
     c.sharding = sharding.values.at(sharding.name);
     c.checkpoint_type = type.values.at(type.name);
     c.progress = progress.values.at(progress.name);
+    c.device = device.values.at(device.name);
     check_combinations(c);
   } catch (const CLI::ParseError& e) {
     // CLI11 prints --help to stdout (exit 0) and errors to stderr, the latter

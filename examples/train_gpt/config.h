@@ -19,6 +19,13 @@ enum class ProgressMode {
   kNone,  ///< Nothing but errors and the final summary.
 };
 
+/// Where the model trains.
+enum class DeviceChoice {
+  kAuto,  ///< kCuda where this process sees a GPU, else kCpu.
+  kCpu,   ///< The CPU.
+  kCuda,  ///< The GPU LOCAL_RANK names (modulo the GPUs visible).
+};
+
 /// Every setting of a run. Defaults train a small model in about a minute on
 /// two cores (see the README's first command).
 struct TrainConfig {
@@ -47,6 +54,7 @@ struct TrainConfig {
   // FSDP.
   fsdp::ShardingStrategy sharding = fsdp::ShardingStrategy::kFullShard;
   bool bf16 = false;  ///< Compute and all-gather in bfloat16; fp32 shards and reduction.
+  DeviceChoice device = DeviceChoice::kAuto;
 
   // Evaluation and sampling.
   int64_t eval_interval = 100;  ///< Evaluate every N steps (and after the last).

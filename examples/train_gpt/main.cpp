@@ -87,6 +87,7 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"lr", c.lr},
           {"sharding", fsdp::to_string(c.sharding)},
           {"bf16", c.bf16},
+          {"device", trainer.device().str()},
           {"data", corpus.source},
           {"chars", corpus.chars},
           {"vocab", corpus.vocab.size()},
@@ -102,6 +103,18 @@ void check_finite_step(int64_t step, const StepResult& r) {
     << ": training diverged, stopping before this step is checkpointed. Lower --lr, raise "
        "--warmup-steps or --grad-clip, then --resume from the last checkpoint";
   throw std::runtime_error(s.str());
+}
+
+// The device --device names: the GPU LOCAL_RANK names (modulo the GPUs this
+// process sees) for cuda, and for auto where there is one; nullopt for cuda
+// without a GPU.
+std::optional<torch::Device> resolve_device(DeviceChoice choice) {
+  const bool gpu = at::hasCUDA();
+  if (choice == DeviceChoice::kCpu || (choice == DeviceChoice::kAuto && !gpu)) return torch::kCPU;
+  if (!gpu) return std::nullopt;
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  return torch::Device(torch::kCUDA,
+                       static_cast<c10::DeviceIndex>(fsdp::rank_info().local_rank % gpus));
 }
 
 int train(const TrainConfig& c, const Corpus& corpus) {
@@ -130,7 +143,14 @@ int train(const TrainConfig& c, const Corpus& corpus) {
   MetricsLog& metrics = *metrics_file;
   ProgressDisplay progress(resolve_progress_mode(c.progress), rank == 0, c.log_interval);
 
-  Trainer trainer(c, corpus, pg);
+  const std::optional<torch::Device> device = resolve_device(c.device);
+  if (!device) {
+    // The same on every rank of one machine: all stop before any collective.
+    return fail(
+        "--device cuda: this process sees no CUDA device (LibTorch finds no GPU, or this "
+        "LibTorch is a CPU build); use --device cpu, or auto");
+  }
+  Trainer trainer(c, corpus, pg, *device);
   TrainState state;
   state.seed = c.seed;
   // The checkpoint holds the model, AdamW and `state` (see Note [Training state]).
@@ -163,9 +183,9 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     std::ostringstream s;
     s << "train_gpt: " << corpus.source << " (" << corpus.chars << " chars, vocab "
       << corpus.vocab.size() << "), " << world << " rank(s), " << fsdp::to_string(c.sharding)
-      << ", " << c.n_layer << " blocks as FSDP units, " << trainer.total_params() << " parameters ("
-      << trainer.undecayed_params() << " without weight decay), global batch " << c.batch_size
-      << " x " << c.seq_len << " tokens";
+      << " on " << trainer.device() << ", " << c.n_layer << " blocks as FSDP units, "
+      << trainer.total_params() << " parameters (" << trainer.undecayed_params()
+      << " without weight decay), global batch " << c.batch_size << " x " << c.seq_len << " tokens";
     progress.message(s.str());
   }
 

@@ -33,15 +33,17 @@ std::set<std::string> no_decay_names(torch::nn::Module& root) {
 }  // namespace
 
 Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
-                 std::shared_ptr<fsdp::ProcessGroup> pg)
-    : config_(config), corpus_(corpus), pg_(std::move(pg)) {
+                 std::shared_ptr<fsdp::ProcessGroup> pg, torch::Device device)
+    : config_(config), corpus_(corpus), pg_(std::move(pg)), device_(device) {
   // use_orig_params: the optimizer sees one piece of the shard per original
-  // parameter, with its name, so it can have parameter groups.
+  // parameter, with its name, so it can have parameter groups. device_id:
+  // gpt_mini builds each block on the CPU and moves it there before wrapping.
   auto options = fsdp::FSDPOptions()
                      .process_group(pg_)
                      .sharding_strategy(config.sharding)
                      .forward_prefetch(true)
-                     .use_orig_params(true);
+                     .use_orig_params(true)
+                     .device_id(device);
   if (config.bf16) {
     // bf16 halves the all-gathered bytes; gradients are reduced in fp32 and
     // AdamW steps the fp32 shards (see Note [Mixed precision]).
@@ -83,7 +85,8 @@ void Trainer::build_optimizer() {
 StepResult Trainer::train_step(const Batch& batch, double lr) {
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
   optimizer_->zero_grad();
-  at::Tensor loss = gpt_mini::lm_loss(model_->forward(batch.inputs), batch.targets);
+  at::Tensor loss =
+      gpt_mini::lm_loss(model_->forward(batch.inputs.to(device_)), batch.targets.to(device_));
   loss.backward();
   StepResult out;
   // clip_grad_norm_ with an infinite bound only measures the norm.
@@ -124,7 +127,8 @@ double Trainer::evaluate(const std::vector<Batch>& batches) {
   model_->eval();
   double sum = 0;
   for (const Batch& b : batches) {
-    sum += gpt_mini::lm_loss(model_->forward(b.inputs), b.targets).item<double>();
+    sum += gpt_mini::lm_loss(model_->forward(b.inputs.to(device_)), b.targets.to(device_))
+               .item<double>();
   }
   model_->train();
   at::Tensor mean = at::full({1}, sum / static_cast<double>(batches.size()), at::kDouble);
@@ -144,9 +148,10 @@ std::string Trainer::generate(const std::string& prompt, int64_t n, double tempe
                            ? ids.size() - static_cast<size_t>(config_.seq_len)
                            : 0;
     const std::vector<int64_t> window(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.end());
-    const at::Tensor context = at::tensor(window, at::kLong).unsqueeze(0);
-    // The forward pass is collective: every rank runs it.
-    const at::Tensor logits = model_->forward(context)[0][-1];
+    const at::Tensor context = at::tensor(window, at::kLong).unsqueeze(0).to(device_);
+    // The forward pass is collective: every rank runs it. Rank 0 draws on the
+    // host, with the CPU generator, so a seed gives one text on any device.
+    const at::Tensor logits = model_->forward(context)[0][-1].to(at::kCPU);
     // Rank 0 chooses; a broadcast keeps every rank's context identical.
     at::Tensor next = at::zeros({1}, at::kDouble);
     if (pg_->rank() == 0) {

@@ -35,9 +35,10 @@ struct StepResult {
 /// One rank's share of the model and optimizer, and the collectives around them.
 class Trainer {
  public:
-  /// Builds the model (the same initial weights on every rank, from
-  /// config.seed) and AdamW with two parameter groups.
-  Trainer(const TrainConfig& config, const Corpus& corpus, std::shared_ptr<fsdp::ProcessGroup> pg);
+  /// Builds the model on `device` (the same initial weights on every rank,
+  /// from config.seed) and AdamW with two parameter groups.
+  Trainer(const TrainConfig& config, const Corpus& corpus, std::shared_ptr<fsdp::ProcessGroup> pg,
+          torch::Device device);
 
   /// Forward, backward, gradient clipping and an optimizer step at rate `lr`.
   StepResult train_step(const Batch& batch, double lr);
@@ -61,6 +62,9 @@ class Trainer {
   /// Elements of the full (unsharded) model.
   int64_t total_params() const { return total_params_; }
 
+  /// The device the model trains on.
+  torch::Device device() const { return device_; }
+
   /// The model and optimizer (what a checkpoint saves next to TrainState).
   ShardedGPT& model() { return model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
@@ -71,6 +75,7 @@ class Trainer {
   const TrainConfig config_;
   const Corpus& corpus_;
   std::shared_ptr<fsdp::ProcessGroup> pg_;
+  const torch::Device device_;
   ShardedGPT model_{nullptr};
   std::unique_ptr<torch::optim::AdamW> optimizer_;
   int64_t decayed_ = 0;

@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/comm_config.h"
+#include "comm/device_routed.h"
 #include "comm/gloo_process_group.h"
 #include "comm/thread_priority.h"
 #include "detail/error.h"
@@ -323,6 +324,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     }
   }
 
+  // CPU tensors to the engine, others staged through the host (Note [Tensors
+  // on other devices than the engine's]).
+  group = std::make_shared<detail::DeviceRoutedProcessGroup>(std::move(group));
   group->set_debug_collectives(debug);
 
   // Nobody leaves init before everyone has connected: a rank that returned

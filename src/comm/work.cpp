@@ -77,6 +77,25 @@ Work chain_work(const Work& first, std::function<Work()> second, const std::stri
   return Work(chained);
 }
 
+Work finished_work(const std::string& description, int rank) {
+  auto state = std::make_shared<WorkState>(description, rank, std::chrono::milliseconds(0),
+                                           std::vector<at::Tensor>{});
+  state->finish(nullptr);
+  return Work(state);
+}
+
+Work then_run(const Work& first, std::function<void()> after, const std::string& description,
+              std::vector<at::Tensor> tensors) {
+  const int rank = WorkAccess::state(first) ? WorkAccess::state(first)->rank : -1;
+  return chain_work(
+      first,
+      [after = std::move(after), description, rank] {
+        after();
+        return finished_work(description, rank);
+      },
+      description, std::move(tensors));
+}
+
 }  // namespace detail
 
 Work::Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}

@@ -70,4 +70,14 @@ struct WorkAccess {
 Work chain_work(const Work& first, std::function<Work()> second, const std::string& description,
                 std::vector<at::Tensor> tensors);
 
+/// A Work that has already succeeded (for a step with nothing to wait for).
+Work finished_work(const std::string& description, int rank);
+
+/// A Work for `first` followed by `after` (a host-side step such as copying
+/// a result back), run on the thread that completed `first` the moment it
+/// succeeded. The result fails with `first`'s error, or with what `after`
+/// threw; `tensors` stay alive until it finished.
+Work then_run(const Work& first, std::function<void()> after, const std::string& description,
+              std::vector<at::Tensor> tensors);
+
 }  // namespace fsdp::detail

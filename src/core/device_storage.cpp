@@ -1,16 +1,52 @@
 #include "core/device_storage.h"
 
+#include <ATen/Context.h>
 #include <ATen/native/Resize.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorOptions.h>
+
+#include <algorithm>
 
 namespace fsdp::detail {
 
-bool unit_device_supported(c10::Device device) { return device.is_cpu(); }
+bool unit_device_supported(c10::Device device) {
+  return device.is_cpu() ||
+         (device.is_cuda() && at::hasCUDA() &&
+          (!device.has_index() || static_cast<size_t>(device.index()) < at::getNumGPUs()));
+}
 
 void resize_storage_bytes(c10::StorageImpl* storage, size_t bytes) {
   const c10::Device device = storage->device();
   TORCH_INTERNAL_ASSERT(unit_device_supported(device), "fsdp: no storage resize on ", device);
-  at::native::resize_bytes_cpu(storage, bytes);
+  if (device.is_cpu()) {
+    at::native::resize_bytes_cpu(storage, bytes);
+  } else {
+    resize_with_allocator(storage, bytes);
+  }
+}
+
+void resize_with_allocator(c10::StorageImpl* storage, size_t bytes) {
+  const size_t old_bytes = storage->nbytes();
+  if (old_bytes == bytes) return;
+  c10::Allocator* allocator = storage->allocator();
+  TORCH_INTERNAL_ASSERT(allocator != nullptr, "fsdp: a storage without an allocator on ",
+                        storage->device());
+  const c10::Device device = storage->device();
+  const c10::DeviceGuard guard(device);
+  at::DataPtr fresh = allocator->allocate(bytes);
+  const size_t keep = std::min(old_bytes, bytes);
+  if (keep > 0) {
+    // On the device's current stream, which orders it after the kernels
+    // that wrote the old bytes and before the old memory's reuse.
+    const auto as_bytes = at::TensorOptions().dtype(at::kByte).device(device);
+    const auto n = static_cast<int64_t>(keep);
+    at::from_blob(fresh.get(), {n}, as_bytes)
+        .copy_(at::from_blob(const_cast<void*>(static_cast<const void*>(storage->data())), {n},
+                             as_bytes));
+  }
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(bytes);
 }
 
 c10::DispatchKey dense_backend_key(c10::Device device) {

@@ -16,12 +16,22 @@
 
 namespace fsdp::detail {
 
-/// Whether a unit's flat parameter may live on `device` (the CPU so far).
+/// Whether a unit's flat parameter may live on `device`: the CPU, and the
+/// CUDA devices this process sees.
 bool unit_device_supported(c10::Device device);
 
 /// Resizes `storage` in place to `bytes` on its own device (0 frees it), so
 /// that every view of it, autograd's saved ones included, sees the change.
+/// The CPU's goes through LibTorch's CPU resize (and so libfsdp's block
+/// cache); every other device's through resize_with_allocator().
 void resize_storage_bytes(c10::StorageImpl* storage, size_t bytes);
+
+/// The device-neutral resize: new memory from the storage's own allocator
+/// (the CUDA caching allocator for a CUDA tensor) on the storage's device,
+/// the first min(old, new) bytes copied over on the device, the old memory
+/// handed back to that allocator. Tested on the CPU, where it behaves as on
+/// any device.
+void resize_with_allocator(c10::StorageImpl* storage, size_t bytes);
 
 /// The dispatch key of dense tensors on `device` (a placeholder's backend).
 c10::DispatchKey dense_backend_key(c10::Device device);

@@ -17,6 +17,10 @@
 #include <gloo/transport/tcp/device.h>
 #endif
 
+#if FSDP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -56,6 +60,36 @@
 #endif
 
 namespace fsdp::compat {
+
+/// What the CUDA caching allocator holds on one device, in bytes.
+struct CudaMemory {
+  int64_t allocated = 0;       ///< handed out now
+  int64_t peak_allocated = 0;  ///< handed out at most since the last reset_cuda_peak()
+  int64_t reserved = 0;        ///< taken from the driver (cached included)
+};
+
+/// The CUDA caching allocator's statistics for `device` (all 0 in builds of
+/// LibTorch without CUDA).
+inline CudaMemory cuda_memory(c10::DeviceIndex device) {
+#if FSDP_WITH_CUDA
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  // Index 0: StatType::AGGREGATE, both pools together.
+  return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak,
+          stats.reserved_bytes[0].current};
+#else
+  (void)device;
+  return {};
+#endif
+}
+
+/// Starts cuda_memory()'s peak afresh on `device` (nothing without CUDA).
+inline void reset_cuda_peak(c10::DeviceIndex device) {
+#if FSDP_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(device);
+#else
+  (void)device;
+#endif
+}
 
 #if FSDP_WITH_GLOO
 /// A c10d Gloo process group listening on `listen_addr`.

@@ -153,8 +153,9 @@ c10::Device resolve_unit_device(const FSDPOptions& options,
                                                  : "the default";
   FSDP_CHECK(unit_device_supported(device), rank, where, "the unit's device is ", device, " (from ",
              origin,
-             "), but libfsdp places units on the CPU only so far. Build the model on the CPU "
-             "and leave device_id unset or set it to torch::kCPU");
+             "), but libfsdp places units on the CPU and on CUDA devices (which this process "
+             "does not see). Build the model on the CPU or a visible GPU, or set device_id to "
+             "one of them");
   return device;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/device_routed.h"
 #include "comm/gloo_engine.h"
 #include "comm/gloo_process_group.h"
 #include "comm_test_util.h"
@@ -38,7 +39,7 @@ at::Tensor pattern(int64_t n, int64_t offset, int64_t modulus, at::ScalarType dt
 }
 
 GlooProcessGroup& engine_of(const std::shared_ptr<ProcessGroup>& pg) {
-  auto* g = dynamic_cast<GlooProcessGroup*>(pg.get());
+  auto* g = dynamic_cast<GlooProcessGroup*>(&detail::engine_of(*pg));
   TORCH_INTERNAL_ASSERT(g != nullptr, "expected Backend::kGloo's group");
   return *g;
 }

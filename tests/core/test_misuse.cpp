@@ -2,6 +2,7 @@
 // every rank (Note [Sharded placeholders]): calling a sharded unit's inner
 // module directly, and an optimizer built on the unwrapped parameters.
 
+#include <ATen/Context.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -143,21 +144,22 @@ TEST(Misuse, AParameterSharedWithANestedUnitIsAnErrorNamingBoth) {
 }
 
 // FSDPOptions::device_id (Note [One seam for devices]): a device units cannot
-// live on yet is refused by name on every rank before anything is sharded,
-// and the group stays usable; the CPU, named or by default, gives the same
-// unit, whose parameters stay on it.
+// live on (a GPU this process does not see) is refused by name on every rank
+// before anything is sharded, and the group stays usable; the CPU, named or
+// by default, gives the same unit, whose parameters stay on it.
 TEST(Misuse, ADeviceIdUnitsCannotLiveOnIsAnErrorOnEveryRank) {
   run_ranks_ok(2, [](int rank, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
     torch::manual_seed(0);
     nn::Linear plain(6, 3);
+    const auto unseen =
+        torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(at::getNumGPUs()));
     const std::string msg = error_of([&] {
-      FullyShardedDataParallel<nn::LinearImpl> unit(
-          plain, FSDPOptions().device_id(torch::Device("cuda:0")));
+      FullyShardedDataParallel<nn::LinearImpl> unit(plain, FSDPOptions().device_id(unseen));
     });
     EXPECT_CONTAINS(msg, "[rank " + std::to_string(rank) + "]");
-    EXPECT_CONTAINS(msg, "the unit's device is cuda:0 (from FSDPOptions::device_id)");
-    EXPECT_CONTAINS(msg, "set it to torch::kCPU");
+    EXPECT_CONTAINS(msg, "the unit's device is " + unseen.str() + " (from FSDPOptions::device_id)");
+    EXPECT_CONTAINS(msg, "which this process does not see");
     EXPECT_TRUE(plain->weight.device().is_cpu());
     EXPECT_EQ(plain->weight.numel(), 18);  // untouched: nothing was sharded
 

@@ -273,6 +273,7 @@ TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
       {"--checkpoint-every 5", "--checkpoint-every needs --checkpoint-dir"},
       {"--checkpoint-dir " + (dir + "/c") + " --checkpoint-type zip", "--checkpoint-type"},
       {"--stop-after 5", "--stop-after 5 exceeds --steps 1"},
+      {"--device tpu", "--device"},
   };
   for (const auto& [args, message] : cases) {
     const Outcome o = run_direct(tiny + args);
@@ -283,6 +284,16 @@ TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
         << args << ": expected a message with '" << message << "', got:\n"
         << o.output;
     EXPECT_EQ(o.output.find("terminate called"), std::string::npos) << args << "\n" << o.output;
+  }
+  // --device cuda trains on a GPU where there is one, and is a one-line
+  // error without (this program does not link LibTorch to ask which).
+  const Outcome cuda = run_direct(tiny + "--device cuda --sample-tokens 0");
+  if (cuda.output.find("this process sees no CUDA device") != std::string::npos) {
+    EXPECT_NE(cuda.code, 0) << cuda.output;
+    EXPECT_NE(cuda.output.find("use --device cpu"), std::string::npos) << cuda.output;
+  } else {
+    EXPECT_EQ(cuda.code, 0) << cuda.output;
+    EXPECT_NE(cuda.output.find("on cuda:0"), std::string::npos) << cuda.output;
   }
   const Outcome help = run_direct("--help");
   EXPECT_EQ(help.code, 0) << help.output;

@@ -90,16 +90,23 @@ TEST(Launchers, MpirunWithAStaleWorldSizeFailsNamingBoth) {
   if (!mpirun) GTEST_SKIP() << "mpirun is not installed (Debian: apt-get install openmpi-bin)";
   Env env = clean_env();
   env["WORLD_SIZE"] = "4";  // an `export WORLD_SIZE=4` left over
+  const std::string expected = " fsdp(init_process_group): WORLD_SIZE=4 but OMPI_COMM_WORLD_SIZE=2";
+  // As users run it: the job fails, with the error.
   const RunResult r =
       run_program(*mpirun, {"--oversubscribe", "-np", "2", LAUNCH_PROBE_PATH}, env, kDeadline);
   ASSERT_FALSE(r.timed_out) << describe(r);
   EXPECT_NE(r.exit_code, 0) << describe(r);
-  const std::string all = r.out + r.err;
+  EXPECT_NE((r.out + r.err).find(expected), std::string::npos) << describe(r);
+  // Every rank says so. mpirun kills the job when its first rank fails (and
+  // then exits 0 when told not to), so that a loaded machine cannot kill the
+  // other rank before it printed its own error.
+  const RunResult both = run_program(*mpirun,
+                                     {"--oversubscribe", "--mca", "orte_abort_on_non_zero_status",
+                                      "0", "-np", "2", LAUNCH_PROBE_PATH},
+                                     env, kDeadline);
+  ASSERT_FALSE(both.timed_out) << describe(both);
   for (const char* rank : {"[rank 0]", "[rank 1]"}) {
-    EXPECT_NE(all.find(std::string(rank) + " fsdp(init_process_group): WORLD_SIZE=4 but "
-                                           "OMPI_COMM_WORLD_SIZE=2"),
-              std::string::npos)
-        << describe(r);
+    EXPECT_NE((both.out + both.err).find(rank + expected), std::string::npos) << describe(both);
   }
 }
 

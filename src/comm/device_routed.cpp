@@ -1,0 +1,96 @@
+#include "comm/device_routed.h"
+
+#include <ATen/ops/empty.h>
+
+#include "comm/work_state.h"
+#include "detail/error.h"
+
+namespace fsdp::detail {
+
+namespace {
+
+// An empty host tensor shaped like `t`, pinned when `t` is on a CUDA device.
+at::Tensor host_like(const at::Tensor& t) {
+  return at::empty(t.sizes(),
+                   at::TensorOptions().dtype(t.scalar_type()).pinned_memory(t.is_cuda()));
+}
+
+at::Tensor host_copy(const at::Tensor& t) {
+  at::Tensor h = host_like(t);
+  h.copy_(t);
+  return h;
+}
+
+}  // namespace
+
+DeviceRoutedProcessGroup::DeviceRoutedProcessGroup(std::shared_ptr<ProcessGroup> host,
+                                                   bool stage_cpu_tensors)
+    : ProcessGroup(host->rank(), host->size(), host->timeout()),
+      host_(std::move(host)),
+      stage_cpu_tensors_(stage_cpu_tensors) {}
+
+bool DeviceRoutedProcessGroup::staged(const char* op, const at::Tensor& a,
+                                      const at::Tensor& b) const {
+  FSDP_CHECK(a.device() == b.device(), rank(), "process group", op,
+             ": the tensors are on different devices, ", a.device(), " and ", b.device(),
+             ". Move both to one device first.");
+  return stage_cpu_tensors_ || !a.is_cpu();
+}
+
+Work DeviceRoutedProcessGroup::all_gather_into_tensor(const at::Tensor& flat,
+                                                      const at::Tensor& shard) {
+  if (!staged("all_gather", flat, shard)) return host_->all_gather_into_tensor(flat, shard);
+  check_all_gather(flat, shard);
+  // The in-place form on the host: this rank's shard copied into its slot.
+  const at::Tensor host_flat = host_like(flat);
+  const at::Tensor host_shard =
+      host_flat.view(-1).narrow(0, rank() * shard.numel(), shard.numel()).view(shard.sizes());
+  host_shard.copy_(shard);
+  Work work = host_->all_gather_into_tensor(host_flat, host_shard);
+  return then_run(work, [flat, host_flat] { flat.copy_(host_flat); }, "staged " + work.describe(),
+                  {flat, shard, host_flat});
+}
+
+Work DeviceRoutedProcessGroup::reduce_scatter_tensor(const at::Tensor& shard,
+                                                     const at::Tensor& flat, ReduceOp op) {
+  if (!staged("reduce_scatter", shard, flat)) return host_->reduce_scatter_tensor(shard, flat, op);
+  check_reduce_scatter(shard, flat, op);
+  const at::Tensor host_flat = host_copy(flat);
+  const at::Tensor host_shard = host_like(shard);
+  Work work = host_->reduce_scatter_tensor(host_shard, host_flat, op);
+  return then_run(work, [shard, host_shard] { shard.copy_(host_shard); },
+                  "staged " + work.describe(), {shard, flat, host_flat, host_shard});
+}
+
+Work DeviceRoutedProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  if (!staged("all_reduce", tensor, tensor)) return host_->all_reduce(tensor, op);
+  check_single("all_reduce", tensor);
+  const at::Tensor host = host_copy(tensor);
+  Work work = host_->all_reduce(host, op);
+  return then_run(work, [tensor, host] { tensor.copy_(host); }, "staged " + work.describe(),
+                  {tensor, host});
+}
+
+Work DeviceRoutedProcessGroup::broadcast(const at::Tensor& tensor, int root) {
+  if (!staged("broadcast", tensor, tensor)) return host_->broadcast(tensor, root);
+  check_single("broadcast", tensor);
+  check_root(root);
+  const at::Tensor host = host_copy(tensor);
+  Work work = host_->broadcast(host, root);
+  return then_run(work, [tensor, host] { tensor.copy_(host); }, "staged " + work.describe(),
+                  {tensor, host});
+}
+
+std::shared_ptr<ProcessGroup> DeviceRoutedProcessGroup::new_subgroup(
+    const std::vector<int>& ranks) {
+  auto sub = host_->new_subgroup(ranks);
+  return sub ? std::make_shared<DeviceRoutedProcessGroup>(std::move(sub), stage_cpu_tensors_)
+             : nullptr;
+}
+
+ProcessGroup& engine_of(ProcessGroup& group) {
+  auto* routed = dynamic_cast<DeviceRoutedProcessGroup*>(&group);
+  return routed ? *routed->host_group() : group;
+}
+
+}  // namespace fsdp::detail

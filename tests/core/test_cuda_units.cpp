@@ -1,0 +1,90 @@
+// Units on a CUDA device (label cuda): a model moved to GPU 0 and wrapped
+// trains like plain LibTorch on the same GPU, trained on the concatenation of
+// the ranks' different batches, compared every step, at 1-3 ranks sharing the
+// GPU (their collectives staged through the host: Note [Tensors on other
+// devices than the engine's]), for every sharding strategy; the flat buffers
+// live on the GPU and are freed there between uses (Note [One seam for
+// devices]), and GPU memory (the CUDA caching allocator's statistics) is the
+// same after every step. Reported skipped, by name, without a GPU.
+
+#include <ATen/Context.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "detail/torch_compat.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace test_cuda_units {
+
+namespace nn = torch::nn;
+
+nn::Sequential small_net() {
+  return nn::Sequential(nn::Linear(7, 16), nn::GELU(), nn::LayerNorm(nn::LayerNormOptions({16})),
+                        nn::Linear(16, 3));
+}
+
+class CudaUnits : public ::testing::TestWithParam<int> {};
+
+TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device gpu(torch::kCUDA, 0);
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      const std::string what = to_string(strategy);
+      torch::manual_seed(0);
+      nn::Sequential reference = small_net();
+      reference->to(gpu);
+      torch::manual_seed(0);
+      nn::Sequential plain = small_net();
+      plain->to(gpu);
+      FullyShardedDataParallel<nn::SequentialImpl> model(plain,
+                                                         FSDPOptions().sharding_strategy(strategy));
+      for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_cuda()) << what;
+      torch::optim::SGD ref_opt(reference->parameters(),
+                                torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      std::vector<compat::CudaMemory> after_step;
+      for (int step = 0; step < 4; ++step) {
+        compat::reset_cuda_peak(0);
+        torch::manual_seed(100 + step);
+        const torch::Tensor global = torch::randn({5 * world, 7}).to(gpu);
+        ref_opt.zero_grad();
+        (reference->forward(global).pow(2).sum() / world).backward();
+        ref_opt.step();
+        opt.zero_grad();
+        const torch::Tensor out = model->forward(local_block(global));
+        EXPECT_TRUE(out.is_cuda()) << what;
+        out.pow(2).sum().backward();
+        opt.step();
+        torch::cuda::synchronize();
+        after_step.push_back(compat::cuda_memory(0));
+        expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+      }
+      // From the second step on (the optimizer's state exists), the caching
+      // allocator holds the same bytes after every step and peaks at the same
+      // height within it: nothing a step gathers or reduces outlives it.
+      for (size_t i = 2; i < after_step.size(); ++i) {
+        EXPECT_EQ(after_step[i].allocated, after_step[1].allocated) << what << " step " << i;
+        EXPECT_EQ(after_step[i].peak_allocated, after_step[1].peak_allocated)
+            << what << " step " << i;
+      }
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CudaUnits, ::testing::Values(1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::to_string(info.param) + "Ranks";
+                         });
+
+}  // namespace test_cuda_units
+}  // namespace fsdp::testing
