@@ -17,9 +17,11 @@ namespace fsdp {
 /// Vocabulary (see Note [Flat buffers and shards] in src/comm/process_group.cpp):
 /// a *flat buffer* holds `size()` equal *shards* back to back; rank r owns the
 /// shard at element offset r * shard_numel. Every collective is issued by all
-/// ranks of the group in the same order. Tensors must be contiguous CPU tensors
-/// (or, for a c10d-backed group, whatever its backend accepts) of dtype
-/// float32, float64, bfloat16 or float16.
+/// ranks of the group in the same order. Tensors must be contiguous, of dtype
+/// float32, float64, bfloat16 or float16, all of one collective on one device:
+/// the groups init_process_group makes take CPU tensors directly and stage
+/// other devices' through host memory (Note [Tensors on other devices than
+/// the engine's]); a C10dProcessGroup takes what its backend accepts.
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   virtual ~ProcessGroup() = default;
