@@ -183,12 +183,11 @@ class GPTImpl : public torch::nn::Module {
     detail::init_linear(head_);
     if (block_options && block_options->device_id()) {
       // The root unit's own parameters join the blocks on their device.
-      for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(tok_emb_.get()),
-                                   static_cast<torch::nn::Module*>(pos_emb_.get()),
-                                   static_cast<torch::nn::Module*>(ln_f_.get()),
-                                   static_cast<torch::nn::Module*>(head_.get())}) {
-        m->to(*block_options->device_id());
-      }
+      const torch::Device device = *block_options->device_id();
+      tok_emb_->to(device);
+      pos_emb_->to(device);
+      ln_f_->to(device);
+      head_->to(device);
     }
   }
 

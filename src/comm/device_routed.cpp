@@ -2,6 +2,9 @@
 
 #include <ATen/ops/empty.h>
 
+#include <functional>
+#include <vector>
+
 #include "comm/work_state.h"
 #include "detail/error.h"
 
@@ -19,6 +22,22 @@ at::Tensor host_copy(const at::Tensor& t) {
   at::Tensor h = host_like(t);
   h.copy_(t);
   return h;
+}
+
+// `work` (the engine's, on host buffers) followed by copying `result` back
+// into `dst`; `keep` stays alive until then.
+Work copied_back(const Work& work, const at::Tensor& dst, const at::Tensor& result,
+                 std::vector<at::Tensor> keep) {
+  return then_run(
+      work, [dst, result] { dst.copy_(result); }, "staged " + work.describe(), std::move(keep));
+}
+
+// A collective in place on `tensor` (all-reduce, broadcast), issued by
+// `issue` on a host copy of it.
+Work staged_in_place(const at::Tensor& tensor,
+                     const std::function<Work(const at::Tensor&)>& issue) {
+  const at::Tensor host = host_copy(tensor);
+  return copied_back(issue(host), tensor, host, {tensor, host});
 }
 
 }  // namespace
@@ -46,9 +65,8 @@ Work DeviceRoutedProcessGroup::all_gather_into_tensor(const at::Tensor& flat,
   const at::Tensor host_shard =
       host_flat.view(-1).narrow(0, rank() * shard.numel(), shard.numel()).view(shard.sizes());
   host_shard.copy_(shard);
-  Work work = host_->all_gather_into_tensor(host_flat, host_shard);
-  return then_run(work, [flat, host_flat] { flat.copy_(host_flat); }, "staged " + work.describe(),
-                  {flat, shard, host_flat});
+  return copied_back(host_->all_gather_into_tensor(host_flat, host_shard), flat, host_flat,
+                     {flat, shard, host_flat});
 }
 
 Work DeviceRoutedProcessGroup::reduce_scatter_tensor(const at::Tensor& shard,
@@ -57,28 +75,23 @@ Work DeviceRoutedProcessGroup::reduce_scatter_tensor(const at::Tensor& shard,
   check_reduce_scatter(shard, flat, op);
   const at::Tensor host_flat = host_copy(flat);
   const at::Tensor host_shard = host_like(shard);
-  Work work = host_->reduce_scatter_tensor(host_shard, host_flat, op);
-  return then_run(work, [shard, host_shard] { shard.copy_(host_shard); },
-                  "staged " + work.describe(), {shard, flat, host_flat, host_shard});
+  return copied_back(host_->reduce_scatter_tensor(host_shard, host_flat, op), shard, host_shard,
+                     {shard, flat, host_flat, host_shard});
 }
 
 Work DeviceRoutedProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   if (!staged("all_reduce", tensor, tensor)) return host_->all_reduce(tensor, op);
   check_single("all_reduce", tensor);
-  const at::Tensor host = host_copy(tensor);
-  Work work = host_->all_reduce(host, op);
-  return then_run(work, [tensor, host] { tensor.copy_(host); }, "staged " + work.describe(),
-                  {tensor, host});
+  return staged_in_place(tensor,
+                         [&](const at::Tensor& host) { return host_->all_reduce(host, op); });
 }
 
 Work DeviceRoutedProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   if (!staged("broadcast", tensor, tensor)) return host_->broadcast(tensor, root);
   check_single("broadcast", tensor);
   check_root(root);
-  const at::Tensor host = host_copy(tensor);
-  Work work = host_->broadcast(host, root);
-  return then_run(work, [tensor, host] { tensor.copy_(host); }, "staged " + work.describe(),
-                  {tensor, host});
+  return staged_in_place(tensor,
+                         [&](const at::Tensor& host) { return host_->broadcast(host, root); });
 }
 
 std::shared_ptr<ProcessGroup> DeviceRoutedProcessGroup::new_subgroup(

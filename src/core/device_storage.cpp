@@ -18,7 +18,9 @@ bool unit_device_supported(c10::Device device) {
 
 void resize_storage_bytes(c10::StorageImpl* storage, size_t bytes) {
   const c10::Device device = storage->device();
-  TORCH_INTERNAL_ASSERT(unit_device_supported(device), "fsdp: no storage resize on ", device);
+  // The device type only: resolve_unit_device checked the device itself
+  // once, and this runs at every unshard and reshard.
+  TORCH_INTERNAL_ASSERT(device.is_cpu() || device.is_cuda(), "fsdp: no storage resize on ", device);
   if (device.is_cpu()) {
     at::native::resize_bytes_cpu(storage, bytes);
   } else {
@@ -42,8 +44,7 @@ void resize_with_allocator(c10::StorageImpl* storage, size_t bytes) {
     const auto as_bytes = at::TensorOptions().dtype(at::kByte).device(device);
     const auto n = static_cast<int64_t>(keep);
     at::from_blob(fresh.get(), {n}, as_bytes)
-        .copy_(at::from_blob(const_cast<void*>(static_cast<const void*>(storage->data())), {n},
-                             as_bytes));
+        .copy_(at::from_blob(storage->data_ptr().get(), {n}, as_bytes));
   }
   storage->set_data_ptr_noswap(std::move(fresh));
   storage->set_nbytes(bytes);

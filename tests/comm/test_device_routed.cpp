@@ -6,12 +6,9 @@
 // test_device_routed_cuda (label cuda) runs it on a GPU.
 
 #include <ATen/ATen.h>
-#include <ATen/Context.h>
 #include <gtest/gtest.h>
 
-#include <memory>
 #include <string>
-#include <vector>
 
 #include "comm/device_routed.h"
 #include "comm/gloo_process_group.h"
