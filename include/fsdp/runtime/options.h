@@ -72,8 +72,9 @@ struct FSDPOptions {
   /// The device the unit's flat parameter, shards and gradients live on
   /// (PyTorch's device_id). nullopt: the device of the unit's parameters, the
   /// CPU for parameters on the meta device (materialised there). Parameters
-  /// on another device are an error naming them. Only the CPU is accepted so
-  /// far: another device is refused with an error on every rank.
+  /// on another device are an error naming them. The CPU and the CUDA devices
+  /// this process sees are accepted; any other device is refused with an
+  /// error on every rank.
   TORCH_ARG(c10::optional<c10::Device>, device_id) = c10::nullopt;
   /// Issue the next unit's all-gather (in the first iteration's forward
   /// order) before this unit computes, so communication overlaps compute.
