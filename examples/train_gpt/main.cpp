@@ -88,6 +88,7 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"sharding", fsdp::to_string(c.sharding)},
           {"bf16", c.bf16},
           {"device", trainer.device().str()},
+          {"cuda_backend", fsdp::rank_info().cuda_backend},
           {"data", corpus.source},
           {"chars", corpus.chars},
           {"vocab", corpus.vocab.size()},
@@ -183,9 +184,12 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     std::ostringstream s;
     s << "train_gpt: " << corpus.source << " (" << corpus.chars << " chars, vocab "
       << corpus.vocab.size() << "), " << world << " rank(s), " << fsdp::to_string(c.sharding)
-      << " on " << trainer.device() << ", " << c.n_layer << " blocks as FSDP units, "
-      << trainer.total_params() << " parameters (" << trainer.undecayed_params()
-      << " without weight decay), global batch " << c.batch_size << " x " << c.seq_len << " tokens";
+      << " on " << trainer.device()
+      << (trainer.device().is_cuda() ? " (collectives: " + fsdp::rank_info().cuda_backend + ")"
+                                     : "")
+      << ", " << c.n_layer << " blocks as FSDP units, " << trainer.total_params() << " parameters ("
+      << trainer.undecayed_params() << " without weight decay), global batch " << c.batch_size
+      << " x " << c.seq_len << " tokens";
     progress.message(s.str());
   }
 

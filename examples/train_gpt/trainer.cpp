@@ -1,6 +1,9 @@
 #include "trainer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#if FSDP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <set>
 
@@ -82,6 +85,23 @@ void Trainer::build_optimizer() {
   optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), base);
 }
 
+namespace {
+
+// Memory held now and at most: on a GPU the CUDA caching allocator's
+// statistics, on the CPU libfsdp's tracker.
+std::pair<int64_t, int64_t> memory_on(const torch::Device& device) {
+#if FSDP_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak};
+  }
+#endif
+  const fsdp::MemoryStats mem = fsdp::memory_stats();
+  return {mem.current_bytes, mem.peak_bytes};
+}
+
+}  // namespace
+
 StepResult Trainer::train_step(const Batch& batch, double lr) {
   for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
   optimizer_->zero_grad();
@@ -97,10 +117,9 @@ StepResult Trainer::train_step(const Batch& batch, double lr) {
 
   // One all-gather brings every rank's loss and memory: the mean loss (summed
   // in rank order, so it is the same on every rank) and the memory display.
-  const fsdp::MemoryStats mem = fsdp::memory_stats();
+  const auto [current, peak] = memory_on(device_);
   const at::Tensor mine = at::tensor(
-      {out.local_loss, static_cast<double>(mem.current_bytes), static_cast<double>(mem.peak_bytes)},
-      at::kDouble);
+      {out.local_loss, static_cast<double>(current), static_cast<double>(peak)}, at::kDouble);
   at::Tensor all = at::empty({3 * pg_->size()}, at::kDouble);
   pg_->all_gather_into_tensor(all, mine).wait();
   const auto rows = all.view({pg_->size(), 3});

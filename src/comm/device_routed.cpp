@@ -43,22 +43,27 @@ Work staged_in_place(const at::Tensor& tensor,
 }  // namespace
 
 DeviceRoutedProcessGroup::DeviceRoutedProcessGroup(std::shared_ptr<ProcessGroup> host,
-                                                   bool stage_cpu_tensors)
+                                                   bool stage_cpu_tensors,
+                                                   std::shared_ptr<ProcessGroup> cuda)
     : ProcessGroup(host->rank(), host->size(), host->timeout()),
       host_(std::move(host)),
-      stage_cpu_tensors_(stage_cpu_tensors) {}
+      stage_cpu_tensors_(stage_cpu_tensors),
+      cuda_(std::move(cuda)) {}
 
-bool DeviceRoutedProcessGroup::staged(const char* op, const at::Tensor& a,
-                                      const at::Tensor& b) const {
+DeviceRoutedProcessGroup::Route DeviceRoutedProcessGroup::route(const char* op, const at::Tensor& a,
+                                                                const at::Tensor& b) const {
   FSDP_CHECK(a.device() == b.device(), rank(), "process group", op,
              ": the tensors are on different devices, ", a.device(), " and ", b.device(),
              ". Move both to one device first.");
-  return stage_cpu_tensors_ || !a.is_cpu();
+  if (a.is_cpu()) return stage_cpu_tensors_ ? Route::kStaged : Route::kHost;
+  return cuda_ && a.is_cuda() ? Route::kCuda : Route::kStaged;
 }
 
 Work DeviceRoutedProcessGroup::all_gather_into_tensor(const at::Tensor& flat,
                                                       const at::Tensor& shard) {
-  if (!staged("all_gather", flat, shard)) return host_->all_gather_into_tensor(flat, shard);
+  const Route to = route("all_gather", flat, shard);
+  if (to == Route::kHost) return host_->all_gather_into_tensor(flat, shard);
+  if (to == Route::kCuda) return cuda_->all_gather_into_tensor(flat, shard);
   check_all_gather(flat, shard);
   // The in-place form on the host: this rank's shard copied into its slot.
   const at::Tensor host_flat = host_like(flat);
@@ -71,7 +76,9 @@ Work DeviceRoutedProcessGroup::all_gather_into_tensor(const at::Tensor& flat,
 
 Work DeviceRoutedProcessGroup::reduce_scatter_tensor(const at::Tensor& shard,
                                                      const at::Tensor& flat, ReduceOp op) {
-  if (!staged("reduce_scatter", shard, flat)) return host_->reduce_scatter_tensor(shard, flat, op);
+  const Route to = route("reduce_scatter", shard, flat);
+  if (to == Route::kHost) return host_->reduce_scatter_tensor(shard, flat, op);
+  if (to == Route::kCuda) return cuda_->reduce_scatter_tensor(shard, flat, op);
   check_reduce_scatter(shard, flat, op);
   const at::Tensor host_flat = host_copy(flat);
   const at::Tensor host_shard = host_like(shard);
@@ -80,14 +87,18 @@ Work DeviceRoutedProcessGroup::reduce_scatter_tensor(const at::Tensor& shard,
 }
 
 Work DeviceRoutedProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
-  if (!staged("all_reduce", tensor, tensor)) return host_->all_reduce(tensor, op);
+  const Route to = route("all_reduce", tensor, tensor);
+  if (to == Route::kHost) return host_->all_reduce(tensor, op);
+  if (to == Route::kCuda) return cuda_->all_reduce(tensor, op);
   check_single("all_reduce", tensor);
   return staged_in_place(tensor,
                          [&](const at::Tensor& host) { return host_->all_reduce(host, op); });
 }
 
 Work DeviceRoutedProcessGroup::broadcast(const at::Tensor& tensor, int root) {
-  if (!staged("broadcast", tensor, tensor)) return host_->broadcast(tensor, root);
+  const Route to = route("broadcast", tensor, tensor);
+  if (to == Route::kHost) return host_->broadcast(tensor, root);
+  if (to == Route::kCuda) return cuda_->broadcast(tensor, root);
   check_single("broadcast", tensor);
   check_root(root);
   return staged_in_place(tensor,
@@ -96,8 +107,11 @@ Work DeviceRoutedProcessGroup::broadcast(const at::Tensor& tensor, int root) {
 
 std::shared_ptr<ProcessGroup> DeviceRoutedProcessGroup::new_subgroup(
     const std::vector<int>& ranks) {
+  // Every rank makes both, in one order, member or not.
   auto sub = host_->new_subgroup(ranks);
-  return sub ? std::make_shared<DeviceRoutedProcessGroup>(std::move(sub), stage_cpu_tensors_)
+  auto cuda_sub = cuda_ ? cuda_->new_subgroup(ranks) : nullptr;
+  return sub ? std::make_shared<DeviceRoutedProcessGroup>(std::move(sub), stage_cpu_tensors_,
+                                                          std::move(cuda_sub))
              : nullptr;
 }
 

@@ -16,7 +16,9 @@
 // transport of ranks that share one GPU (NCCL before 2.30 refuses them, and
 // the GPU machines tested on have NCCL 2.28) and the reference every faster
 // GPU path is tested against; the staging runs on any device LibTorch can
-// copy from, so the CPU tests exercise it by staging CPU tensors too.
+// copy from, so the CPU tests exercise it by staging CPU tensors too. Where
+// NCCL can run (Note [Choosing what carries CUDA tensors]), CUDA tensors go
+// to a NCCL group instead, the collectives staying in one order per group.
 
 #include <memory>
 #include <string>
@@ -31,10 +33,12 @@ namespace fsdp::detail {
 /// devices than the engine's]).
 class DeviceRoutedProcessGroup final : public ProcessGroup {
  public:
-  /// Routes over `host`. With `stage_cpu_tensors`, CPU tensors are staged
-  /// through host buffers of their own as well (tests of the staging).
+  /// Routes over `host`, and CUDA tensors over `cuda` when given (NCCL).
+  /// With `stage_cpu_tensors`, CPU tensors are staged through host buffers
+  /// of their own as well (tests of the staging).
   explicit DeviceRoutedProcessGroup(std::shared_ptr<ProcessGroup> host,
-                                    bool stage_cpu_tensors = false);
+                                    bool stage_cpu_tensors = false,
+                                    std::shared_ptr<ProcessGroup> cuda = nullptr);
 
   std::string backend_name() const override { return host_->backend_name(); }
   Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override;
@@ -48,14 +52,17 @@ class DeviceRoutedProcessGroup final : public ProcessGroup {
 
   /// The engine that carries the collectives.
   const std::shared_ptr<ProcessGroup>& host_group() const { return host_; }
+  /// The group that carries CUDA tensors (NCCL), or nullptr: staged.
+  const std::shared_ptr<ProcessGroup>& cuda_group() const { return cuda_; }
 
  private:
-  // Whether the collective's tensors go through host buffers; checks that
-  // they are on one device.
-  bool staged(const char* op, const at::Tensor& a, const at::Tensor& b) const;
+  enum class Route { kHost, kStaged, kCuda };
+  // Where the collective's tensors go; checks that they are on one device.
+  Route route(const char* op, const at::Tensor& a, const at::Tensor& b) const;
 
   const std::shared_ptr<ProcessGroup> host_;
   const bool stage_cpu_tensors_;
+  const std::shared_ptr<ProcessGroup> cuda_;
 };
 
 /// The engine behind a group init_process_group made (the group itself for

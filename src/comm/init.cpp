@@ -1,5 +1,6 @@
 #include <fsdp/comm/init.h>
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <signal.h>
@@ -19,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/comm_config.h"
+#include "comm/cuda_backend.h"
 #include "comm/device_routed.h"
 #include "comm/gloo_process_group.h"
 #include "comm/thread_priority.h"
@@ -256,6 +258,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   // See Note [Communication knobs].
   const detail::CommConfig config = detail::resolve_comm_config(options);
   const bool debug = options.debug_collectives().value_or(detail::debug_requested_by_env());
+  const CudaBackend requested = detail::resolve_cuda_backend(
+      options.cuda_backend(), std::getenv("FSDP_CUDA_BACKEND"), info.rank);
   if (debug && options.backend() == Backend::kGloo && config.realtime_threads &&
       !detail::realtime_permitted()) {
     TORCH_WARN("fsdp: rank ", info.rank,
@@ -324,9 +328,29 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     }
   }
 
-  // CPU tensors to the engine, others staged through the host (Note [Tensors
-  // on other devices than the engine's]).
-  group = std::make_shared<detail::DeviceRoutedProcessGroup>(std::move(group));
+  // See Note [Choosing what carries CUDA tensors]: every rank states what it
+  // can do, the group takes the least.
+  const detail::CudaChoice mine = detail::choose_cuda_backend(
+      requested, detail::this_process_cuda_facts(info.local_world_size));
+  bool nccl = mine.nccl;
+  if (info.world_size > 1 && detail::built_nccl_version() != 0) {
+    at::Tensor can = at::full({1}, nccl ? 1.0 : 0.0, at::kFloat);
+    group->all_reduce(can, ReduceOp::kMin).wait();
+    nccl = can.item<float>() == 1.0f;
+  }
+  FSDP_CHECK(nccl || requested != CudaBackend::kNccl, info.rank, "init_process_group",
+             "CudaBackend::kNccl (or FSDP_CUDA_BACKEND=nccl) cannot be honoured: ",
+             mine.nccl ? "another rank cannot run NCCL (see its error)" : mine.why_not,
+             ". Use CudaBackend::kAuto or kStaged.");
+  std::shared_ptr<ProcessGroup> cuda_group;
+  if (nccl) {
+    cuda_group = detail::make_nccl_group(store, info.rank, info.world_size, options.timeout());
+  }
+
+  // CPU tensors to the engine, CUDA tensors to NCCL or staged through the
+  // host (Note [Tensors on other devices than the engine's]).
+  group = std::make_shared<detail::DeviceRoutedProcessGroup>(std::move(group), false,
+                                                             std::move(cuda_group));
   group->set_debug_collectives(debug);
 
   // Nobody leaves init before everyone has connected: a rank that returned
@@ -337,6 +361,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     std::lock_guard<std::mutex> lock(g_mutex);
     g_default = group;
     g_info = info;
+    g_info.cuda_backend = nccl ? "nccl" : "staged";
   }
   return group;
 }

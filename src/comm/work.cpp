@@ -118,6 +118,17 @@ void Work::wait(std::chrono::milliseconds timeout) const {
   if (state_->error) std::rethrow_exception(state_->error);
 }
 
+void Work::block_current_stream() const {
+  FSDP_CHECK(state_ != nullptr, -1, "process group",
+             "Work::block_current_stream() on an empty handle");
+  if (!state_->stream_wait) return wait();
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
+  state_->stream_wait();
+}
+
 bool Work::is_completed() const {
   FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::is_completed() on an empty handle");
   std::lock_guard<std::mutex> lock(state_->mutex);

@@ -52,6 +52,11 @@ struct WorkState {
   /// Set before the Work is handed out: runs the collective on the calling
   /// thread if it may (Note [Running on the waiter] in comm_thread.h).
   std::function<bool(const WorkState*)> run_here;
+
+  /// Set before the Work is handed out by a collective that runs on a GPU
+  /// stream: makes the caller's current stream wait for it (Work::
+  /// block_current_stream()). Unset: the host waits instead.
+  std::function<void()> stream_wait;
 };
 
 /// libfsdp's access to the state behind a Work.

@@ -17,7 +17,10 @@
 // storage: begin_unshard() allocates and returns the all-gather input,
 // end_unshard() marks the buffer filled); UnitRuntime decides when. A device
 // other than the CPU changes what happens here (streams, events), not the
-// FlatParameter or the hooks.
+// FlatParameter or the hooks: a gathered buffer is waited for by the compute
+// stream, so the host runs ahead of an NCCL all-gather; freeing it later is
+// safe because the CUDA caching allocator reuses a block only in the order of
+// the stream that allocated it, which waited for the all-gather first.
 
 namespace fsdp::detail {
 
@@ -28,7 +31,8 @@ Work all_gather_unit(FlatParameter& flat) {
 }
 
 void wait_all_gather(FlatParameter& flat, Work work) {
-  work.wait();
+  // On a GPU the compute stream waits, not the host (Note [A unit's collectives]).
+  work.block_current_stream();
   flat.end_unshard();
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 
 // Checks of a device-routed group shared by test_device_routed (CPU tensors
-// staged) and test_device_routed_cuda (CUDA tensors).
+// staged), test_device_routed_cuda (CUDA tensors staged) and test_nccl_cuda
+// (CUDA tensors over NCCL).
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -19,10 +20,15 @@ inline at::Tensor rank_values(int64_t n, int rank, at::ScalarType dtype, at::Dev
   return (at::arange(n, at::kLong).remainder(7) + 10 * (rank + 1)).to(dtype).to(device);
 }
 
+// Which way a routed group's collectives are expected to go.
+enum class ExpectedRoute { kStaged, kNccl };
+
 // Runs every collective on `staged` and on `direct` (the engine) with the
-// same inputs, on `device`, and expects the same results, bitwise.
+// same inputs, on `device`, and expects the same results: bitwise, apart from
+// NCCL's averages, which divide in their own order (to a dtype's rounding).
 inline void expect_staged_matches_engine(ProcessGroup& staged, ProcessGroup& direct,
-                                         at::Device device) {
+                                         at::Device device,
+                                         ExpectedRoute route = ExpectedRoute::kStaged) {
   const int rank = direct.rank();
   const int world = direct.size();
   for (const auto dtype : {at::kFloat, at::kBFloat16}) {
@@ -32,7 +38,11 @@ inline void expect_staged_matches_engine(ProcessGroup& staged, ProcessGroup& dir
     // All-gather, out of place and in place.
     at::Tensor got = at::zeros({world * n}, mine.options());
     Work w = staged.all_gather_into_tensor(got, mine);
-    EXPECT_EQ(w.describe().rfind("staged ", 0), 0u) << w.describe();
+    if (route == ExpectedRoute::kStaged) {
+      EXPECT_EQ(w.describe().rfind("staged ", 0), 0u) << w.describe();
+    } else {
+      EXPECT_NE(w.describe().find(", nccl)"), std::string::npos) << w.describe();
+    }
     w.wait();
     at::Tensor want = at::empty({world * n}, mine.options().device(at::kCPU));
     direct.all_gather_into_tensor(want, mine.cpu()).wait();
@@ -52,7 +62,12 @@ inline void expect_staged_matches_engine(ProcessGroup& staged, ProcessGroup& dir
       staged.reduce_scatter_tensor(shard, flat, op).wait();
       at::Tensor expected = at::empty({n}, flat.options().device(at::kCPU));
       direct.reduce_scatter_tensor(expected, flat.cpu(), op).wait();
-      EXPECT_TRUE(tensors_equal(shard.cpu(), expected));
+      if (route == ExpectedRoute::kNccl && op == ReduceOp::kAvg) {
+        const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+        EXPECT_TRUE(at::allclose(shard.cpu().to(at::kFloat), expected.to(at::kFloat), tol, tol));
+      } else {
+        EXPECT_TRUE(tensors_equal(shard.cpu(), expected));
+      }
     }
     EXPECT_TRUE(tensors_equal(flat.cpu(), flat_before.cpu()));
     // All-reduce and broadcast, in place.

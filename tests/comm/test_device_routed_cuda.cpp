@@ -22,7 +22,9 @@ class DeviceRoutedCuda : public ::testing::TestWithParam<int> {};
 TEST_P(DeviceRoutedCuda, CudaTensorsAreStagedThroughTheHost) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible: nothing to stage";
   run_ranks_ok(GetParam(), [](int, int) {
-    auto pg = join(Backend::kGloo);
+    // Staged even where NCCL could run (test_nccl_cuda covers that route).
+    auto pg = init_process_group(
+        ProcessGroupOptions().cuda_backend(CudaBackend::kStaged).timeout(std::chrono::seconds(30)));
     expect_staged_matches_engine(*pg, detail::engine_of(*pg), at::Device(at::kCUDA, 0));
   });
 }

@@ -29,6 +29,21 @@ enum class Backend : uint8_t {
   kC10dGloo,
 };
 
+/// What carries the collectives of CUDA tensors (PyTorch's "cuda:nccl" in
+/// "cpu:gloo,cuda:nccl"); CPU tensors always go to the Backend's engine.
+enum class CudaBackend : uint8_t {
+  /// NCCL where it can run: each rank of a node on a GPU of its own, or ranks
+  /// sharing GPUs with NCCL 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1;
+  /// else kStaged. Every rank agrees on one choice.
+  kAuto,
+  /// c10d's ProcessGroupNCCL from the LibTorch build; an error on every rank
+  /// where some rank cannot run it.
+  kNccl,
+  /// Through pinned host memory and the CPU engine (Note [Tensors on other
+  /// devices than the engine's]): any GPUs, any NCCL, ranks sharing a GPU.
+  kStaged,
+};
+
 /// How to join a group. A field set explicitly always wins. A field left at
 /// its default comes from the launcher that started this process, the first
 /// of these that is present:
@@ -107,6 +122,10 @@ struct ProcessGroupOptions {
   /// (see ProcessGroup::set_debug_collectives()). Unset: on when
   /// FSDP_DEBUG=detail (any case).
   TORCH_ARG(std::optional<bool>, debug_collectives) = std::nullopt;
+  /// What carries CUDA tensors' collectives. Unset: from FSDP_CUDA_BACKEND
+  /// (auto, nccl or staged), else CudaBackend::kAuto. RankInfo::cuda_backend
+  /// says what was chosen.
+  TORCH_ARG(std::optional<CudaBackend>, cuda_backend) = std::nullopt;
   /// Make the result the default group (see default_process_group()).
   TORCH_ARG(bool, set_default) = true;
   /// Secret every rank of the job shares and presents first on every store
@@ -137,6 +156,9 @@ struct RankInfo {
   /// "mpirun", "srun", "environment" (RANK and WORLD_SIZE set by hand), or
   /// "none" (a single rank).
   std::string launcher = "none";
+  /// What carries CUDA tensors' collectives: "nccl" or "staged" (see
+  /// ProcessGroupOptions::cuda_backend).
+  std::string cuda_backend = "staged";
 };
 
 /// Joins (or, on rank 0, opens) the rendezvous and returns the group of all

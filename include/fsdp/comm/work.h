@@ -30,6 +30,13 @@ class Work {
   /// Like wait(), with an explicit limit.
   void wait(std::chrono::milliseconds timeout) const;
 
+  /// Makes the caller's current CUDA stream wait for the collective, without
+  /// blocking the host, where the collective runs on the GPU (NCCL): kernels
+  /// the caller launches afterwards see its result. For a collective the host
+  /// carries (CPU tensors, or GPU tensors staged through host memory), the
+  /// same as wait(). Rethrows an error the collective already reported.
+  void block_current_stream() const;
+
   /// True once the collective finished, successfully or not.
   bool is_completed() const;
 

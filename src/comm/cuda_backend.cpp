@@ -1,0 +1,84 @@
+#include "comm/cuda_backend.h"
+
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
+#include "detail/error.h"
+
+namespace fsdp::detail {
+
+namespace {
+
+// NCCL accepts several ranks on one GPU from 2.30 on, behind a switch.
+constexpr int kMultiRankNccl = 23000;
+
+}  // namespace
+
+CudaFacts this_process_cuda_facts(int local_world_size) {
+  CudaFacts facts;
+  facts.local_world_size = local_world_size;
+  facts.nccl_version = built_nccl_version();
+  // A CPU-only build never asks the CUDA runtime (nor starts it).
+  if (facts.nccl_version != 0 && at::hasCUDA()) facts.visible_gpus = at::getNumGPUs();
+  const char* multi = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  facts.multi_rank_switch = multi != nullptr && std::string(multi) == "1";
+  return facts;
+}
+
+CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
+  if (requested == CudaBackend::kStaged) return {false, "CudaBackend::kStaged was asked for"};
+  if (facts.nccl_version == 0) {
+    return {false,
+            "this libfsdp was built against a LibTorch without NCCL (a CPU build, or one "
+            "without NCCL's headers)"};
+  }
+  if (facts.visible_gpus == 0) {
+    return {false, "this process sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"};
+  }
+  if (facts.local_world_size > facts.visible_gpus) {
+    const std::string shared = std::to_string(facts.local_world_size) +
+                               " ranks on this node share " + std::to_string(facts.visible_gpus) +
+                               " GPU(s)";
+    if (facts.nccl_version < kMultiRankNccl) {
+      return {false, shared + ", which NCCL " + nccl_version_string(facts.nccl_version) +
+                         " refuses (ranks sharing a GPU need NCCL 2.30 or later with "
+                         "NCCL_MULTI_RANK_GPU_ENABLE=1)"};
+    }
+    if (!facts.multi_rank_switch) {
+      return {false, shared + ", which NCCL " + nccl_version_string(facts.nccl_version) +
+                         " accepts only with NCCL_MULTI_RANK_GPU_ENABLE=1"};
+    }
+  }
+  return {true, ""};
+}
+
+CudaBackend resolve_cuda_backend(std::optional<CudaBackend> option, const char* env, int rank) {
+  if (option) return *option;
+  if (env == nullptr || *env == '\0') return CudaBackend::kAuto;
+  std::string v(env);
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v == "auto") return CudaBackend::kAuto;
+  if (v == "nccl") return CudaBackend::kNccl;
+  if (v == "staged") return CudaBackend::kStaged;
+  FSDP_FAIL(rank, "init_process_group", "FSDP_CUDA_BACKEND=", env,
+            " is not a CUDA backend; use auto, nccl or staged (or unset it)");
+}
+
+std::string nccl_version_string(int code) {
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." +
+         std::to_string(code % 100);
+}
+
+#if !FSDP_WITH_NCCL
+int built_nccl_version() { return 0; }
+
+std::shared_ptr<ProcessGroup> make_nccl_group(const c10::intrusive_ptr<c10d::Store>&, int rank, int,
+                                              std::chrono::milliseconds) {
+  FSDP_FAIL(rank, "init_process_group", "this libfsdp was built without NCCL");
+}
+#endif
+
+}  // namespace fsdp::detail

@@ -1,0 +1,280 @@
+// Built only with FSDP_WITH_NCCL (a CUDA build of LibTorch with NCCL's
+// headers), with USE_C10D_NCCL defined for this file alone: it is the only
+// one that sees c10d's ProcessGroupNCCL.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "comm/comm_thread.h"
+#include "comm/cuda_backend.h"
+#include "comm/work_state.h"
+#include "detail/error.h"
+
+// Note [NCCL collectives and their Work]
+// ProcessGroupNCCL enqueues each collective on its own stream, made to wait
+// for the caller's current stream, and returns at once. A libfsdp Work over
+// it must mean what every other Work means, so one thread per group
+// (NcclCompletions) polls the collectives in issue order (a CUDA event query
+// each, no host synchronisation of the streams) and finishes each Work once
+// the GPU has: wait() then blocks the host until the result is in memory,
+// continuations (chained hybrid reductions) run on that thread, and the
+// tensors stay referenced until then. Work::block_current_stream() instead
+// makes the caller's stream wait for the collective's end event (c10d's own
+// wait() in its default, non-blocking mode), which is how the unit runtime
+// waits for all-gathers: the host runs ahead of the GPU. A collective that
+// fails is finished with NCCL's error named; one that outlives the group's
+// timeout with a timeout error (c10d's watchdog, given the same timeout,
+// aborts the communicator, so no rank hangs).
+
+namespace fsdp::detail {
+
+namespace {
+
+constexpr auto kWaitGrace = std::chrono::seconds(5);
+
+std::exception_ptr named_error(int rank, const std::string& what) {
+  try {
+    FSDP_FAIL(rank, "process group", what);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "an unknown error";
+  }
+}
+
+// Finishes each group's Works in issue order as the GPU completes them.
+class NcclCompletions {
+ public:
+  NcclCompletions(int rank, std::chrono::milliseconds timeout)
+      : rank_(rank), timeout_(timeout), thread_([this] { run(); }) {}
+  ~NcclCompletions() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+
+  void add(c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<WorkState> state) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending_.push_back(
+          {std::move(work), std::move(state), std::chrono::steady_clock::now() + timeout_});
+    }
+    wake_.notify_all();
+  }
+
+ private:
+  struct Pending {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::shared_ptr<WorkState> state;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto poll = std::chrono::microseconds(20);
+    while (true) {
+      wake_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+      if (pending_.empty()) return;  // stopping, nothing left
+      Pending& front = pending_.front();
+      const bool done = front.work->isCompleted();
+      const bool late = !done && std::chrono::steady_clock::now() > front.deadline;
+      if (!done && !late) {
+        // Back off from 20 us to 1 ms while the GPU works.
+        wake_.wait_for(lock, poll);
+        poll = std::min(poll * 2, std::chrono::microseconds(1000));
+        continue;
+      }
+      poll = std::chrono::microseconds(20);
+      Pending item = std::move(front);
+      pending_.pop_front();
+      lock.unlock();
+      std::exception_ptr error;
+      if (late) {
+        error =
+            named_error(rank_, item.state->description + " did not complete on the GPU within " +
+                                   std::to_string(timeout_.count()) +
+                                   " ms (NCCL). A peer rank has probably died, hangs, or "
+                                   "issued a different collective; look at its output.");
+      } else if (item.work->exception()) {
+        error = named_error(rank_, item.state->description +
+                                       " failed in NCCL: " + message_of(item.work->exception()));
+      }
+      item.state->finish(error);
+      lock.lock();
+    }
+  }
+
+  const int rank_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Pending> pending_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: started once the rest exists
+};
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kAvg:
+      return c10d::ReduceOp::AVG;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    default:
+      return c10d::ReduceOp::SUM;
+  }
+}
+
+/// CUDA tensors' collectives over c10d's ProcessGroupNCCL (Note [NCCL
+/// collectives and their Work]).
+class NcclProcessGroup final : public ProcessGroup {
+ public:
+  NcclProcessGroup(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                   std::chrono::milliseconds timeout)
+      : ProcessGroup(rank, size, timeout), store_(std::move(store)) {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    nccl_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
+    completions_ = std::make_unique<NcclCompletions>(rank, timeout);
+  }
+  ~NcclProcessGroup() override {
+    completions_.reset();  // every Work finished first
+    nccl_->shutdown();
+  }
+
+  std::string backend_name() const override { return "nccl"; }
+
+  Work all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) override {
+    check_all_gather(flat, shard);
+    check_cuda("all_gather", flat);
+    at::Tensor out = flat.view(-1);
+    at::Tensor in = shard.view(-1);
+    return track(kAllGather, describe_tensor(flat), nccl_->_allgather_base(out, in), {flat, shard});
+  }
+
+  Work reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
+                             ReduceOp op) override {
+    check_reduce_scatter(shard, flat, op);
+    check_cuda("reduce_scatter", flat);
+    at::Tensor out = shard.view(-1);
+    at::Tensor in = flat.view(-1);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = to_c10d(op);
+    return track(kReduceScatter, describe_tensor(flat) + ", " + to_string(op),
+                 nccl_->_reduce_scatter_base(out, in, opts), {shard, flat});
+  }
+
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    check_single("all_reduce", tensor);
+    check_cuda("all_reduce", tensor);
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    return track(kAllReduce, describe_tensor(tensor) + ", " + to_string(op),
+                 nccl_->allreduce(tensors, opts), {tensor});
+  }
+
+  Work broadcast(const at::Tensor& tensor, int root) override {
+    check_single("broadcast", tensor);
+    check_root(root);
+    check_cuda("broadcast", tensor);
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    return track(kBroadcast, describe_tensor(tensor) + ", root " + std::to_string(root),
+                 nccl_->broadcast(tensors, opts), {tensor});
+  }
+
+  // A one-element all-reduce on the GPU of this group's last collective (else
+  // the current one): c10d's own barrier guesses a device from the rank.
+  Work barrier() override {
+    const c10::DeviceIndex gpu = last_gpu_ >= 0 ? last_gpu_ : c10::cuda::current_device();
+    at::Tensor one = at::zeros({1}, at::TensorOptions().device(at::kCUDA, gpu));
+    std::vector<at::Tensor> tensors{one};
+    return track(kBarrier, "", nccl_->allreduce(tensors), {one});
+  }
+
+  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks) override {
+    check_subgroup_ranks(ranks);
+    const std::string prefix = "nccl_sub" + std::to_string(subgroups_made_++);
+    auto it = std::find(ranks.begin(), ranks.end(), rank());
+    if (it == ranks.end()) return nullptr;
+    return std::make_shared<NcclProcessGroup>(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store_),
+        static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()), timeout());
+  }
+
+ private:
+  static constexpr auto kAllGather = CollectiveKind::kAllGather;
+  static constexpr auto kReduceScatter = CollectiveKind::kReduceScatter;
+  static constexpr auto kAllReduce = CollectiveKind::kAllReduce;
+  static constexpr auto kBroadcast = CollectiveKind::kBroadcast;
+  static constexpr auto kBarrier = CollectiveKind::kBarrier;
+
+  void check_cuda(const char* op, const at::Tensor& t) {
+    FSDP_CHECK(t.is_cuda(), rank(), "process group", op, ": NCCL carries CUDA tensors, got one on ",
+               t.device(),
+               ". Collectives of CPU tensors go to the group init_process_group "
+               "returned, which routes them to its CPU engine.");
+    last_gpu_ = t.device().index();
+  }
+
+  Work track(CollectiveKind kind, const std::string& what, c10::intrusive_ptr<c10d::Work> work,
+             std::vector<at::Tensor> tensors) {
+    std::ostringstream os;
+    os << to_string(kind) << " #" << seq_++ << " (" << (what.empty() ? "nccl" : what + ", nccl")
+       << ")";
+    auto state =
+        std::make_shared<WorkState>(os.str(), rank(), timeout() + kWaitGrace, std::move(tensors));
+    state->stream_wait = [work] { work->wait(); };
+    completions_->add(std::move(work), state);
+    return Work(state);
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;
+  uint64_t seq_ = 0;                // caller thread only
+  c10::DeviceIndex last_gpu_ = -1;  // caller thread only
+  int subgroups_made_ = 0;          // caller thread only
+  std::unique_ptr<NcclCompletions> completions_;
+};
+
+}  // namespace
+
+int built_nccl_version() { return c10d::getNcclVersionNumber(); }
+
+std::shared_ptr<ProcessGroup> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size,
+                                              std::chrono::milliseconds timeout) {
+  // One rank has nobody to meet: a store in memory.
+  c10::intrusive_ptr<c10d::Store> base =
+      store ? store : c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>());
+  return std::make_shared<NcclProcessGroup>(
+      c10::make_intrusive<c10d::PrefixStore>("fsdp/nccl", base), rank, size, timeout);
+}
+
+}  // namespace fsdp::detail
