@@ -87,24 +87,7 @@ using bench::Clock;
 using bench::max_over_ranks;
 using bench::median;
 using bench::ms_since;
-
-int64_t bytes_of(const at::Tensor& t) {
-  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
-}
-
-// Parameters + gradients + AdamW state of what `opt` steps, from the tensors.
-int64_t optimizer_state_bytes(torch::optim::AdamW& opt) {
-  int64_t bytes = 0;
-  for (const auto& group : opt.param_groups()) {
-    for (const auto& p : group.params()) bytes += bytes_of(p) + bytes_of(p.grad());
-  }
-  for (const auto& kv : opt.state()) {
-    const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(kv.second.get());
-    if (s == nullptr) continue;
-    bytes += bytes_of(s->exp_avg()) + bytes_of(s->exp_avg_sq()) + bytes_of(s->max_exp_avg_sq());
-  }
-  return bytes;
-}
+using bench::optimizer_state_bytes;
 
 struct Args {
   std::string mode = "full_shard";

@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include <torch/optim/adamw.h>
+
 #include <fsdp/comm/process_group.h>
 #include <fsdp/memory.h>
 #include <fsdp/wrap/options.h>
@@ -116,6 +118,25 @@ inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
       {"hybrid_shard", fsdp::ShardingStrategy::kHybridShard},
       {"hybrid_shard_zero2", fsdp::ShardingStrategy::kHybridShardZero2}};
   return names;
+}
+
+/// Bytes of `t`'s elements (0 for an undefined tensor).
+inline int64_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+/// Parameters + gradients + AdamW state of what `opt` steps, from the tensors.
+inline int64_t optimizer_state_bytes(torch::optim::AdamW& opt) {
+  int64_t bytes = 0;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : group.params()) bytes += bytes_of(p) + bytes_of(p.grad());
+  }
+  for (const auto& kv : opt.state()) {
+    const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(kv.second.get());
+    if (s == nullptr) continue;
+    bytes += bytes_of(s->exp_avg()) + bytes_of(s->exp_avg_sq()) + bytes_of(s->max_exp_avg_sq());
+  }
+  return bytes;
 }
 
 }  // namespace bench

@@ -6,7 +6,13 @@ every step, each rank its own batch:
 
   pytorch_step.py step --mode MODE [--nproc N] [--steps 10] [--warmup 2]
                   [--blocks 8] [--d-model 512] [--heads 8] [--seq 128]
-                  [--batch 8] [--vocab 256]
+                  [--batch 8] [--vocab 256] [--device cpu|cuda]
+                  [--precision fp32|bf16]
+
+--device cuda (bench/gpu_step.sh): each rank on its GPU, NCCL, the device
+synchronised around every timed phase, peak_device_bytes from
+torch.cuda.max_memory_allocated; --precision bf16: FSDP's MixedPrecision
+(bf16 parameters, fp32 reduction), autocast for local and ddp.
 
 MODE: local (plain model; at --nproc 2 two independent processes side by side,
 the floor), ddp (DistributedDataParallel), fsdp1_full_shard, fsdp1_no_shard
@@ -54,10 +60,13 @@ def malloc_mode():
     return "kept" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"
 
 
-def wrap(model, mode, gpt_mini):
-    """The model under `mode` and the parameters to optimise."""
+def wrap(model, mode, gpt_mini, device, bf16):
+    """The model under `mode` on `device`; bf16: compute in bfloat16 with
+    fp32 parameters and reduction (FSDP's mixed precision; plain and DDP
+    models use autocast in the step instead)."""
     import torch
 
+    model = model.to(device)
     if mode == "local":
         return model
     if mode == "ddp":
@@ -65,17 +74,22 @@ def wrap(model, mode, gpt_mini):
         return DDP(model)
     if mode.startswith("fsdp1"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         strategy = (ShardingStrategy.FULL_SHARD if mode == "fsdp1_full_shard"
                     else ShardingStrategy.NO_SHARD)
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({gpt_mini.Block}),
-                    sharding_strategy=strategy, device_id=torch.device("cpu"))
+                    sharding_strategy=strategy, device_id=device, mixed_precision=mp)
     if mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        kw = {}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
         for block in model.blocks():
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
         return model
     raise ValueError(mode)
 
@@ -94,8 +108,17 @@ def worker(rank, args):
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.nproc,
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    bf16 = args.precision == "bf16"
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc,
                             timeout=datetime.timedelta(seconds=300))
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
     world = args.nproc
     rss_base = peak_rss_kib()
     config = gpt_mini.GPTConfig(vocab_size=args.vocab, block_size=args.seq, d_model=args.d_model,
@@ -104,7 +127,7 @@ def worker(rank, args):
     model = gpt_mini.GPT(config)
     params = sum(p.numel() for p in model.parameters())
     try:
-        model = wrap(model, args.mode, gpt_mini)
+        model = wrap(model, args.mode, gpt_mini, device, bf16)
     except Exception as e:  # FSDP2 may not run on the CPU: say so instead of failing
         if rank == 0:
             print(json.dumps({"bench": "pytorch_step", "mode": args.mode, "world": world,
@@ -114,19 +137,28 @@ def worker(rank, args):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     torch.manual_seed(1000 + rank)
     data = torch.randint(args.vocab, (args.batch, args.seq + 1))
-    inputs, targets = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    inputs, targets = data[:, :-1].contiguous().to(device), data[:, 1:].contiguous().to(device)
+    autocast = bf16 and cuda and not args.mode.startswith("fsdp")
 
     step_ms, fwd_ms, bwd_ms, opt_ms = [], [], [], []
     loss0 = None
     for i in range(-args.warmup, args.steps):
+        if i == 0 and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = gpt_mini.lm_loss(model(inputs), targets)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(inputs)
+        loss = gpt_mini.lm_loss(logits.float(), targets)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
         opt.step()
+        sync()
         t3 = time.perf_counter()
         if loss0 is None:
             loss0 = loss.item()
@@ -142,7 +174,8 @@ def worker(rank, args):
         return out
 
     mine = {"step": step_ms, "fwd": median(fwd_ms), "bwd": median(bwd_ms), "opt": median(opt_ms),
-            "rss": peak_rss_kib(), "rss_base": rss_base}
+            "rss": peak_rss_kib(), "rss_base": rss_base,
+            "peak_device": torch.cuda.max_memory_allocated() if cuda else 0}
     every = gathered(mine)
     if rank == 0:
         slowest = [max(r["step"][s] for r in every) for s in range(args.steps)]
@@ -157,6 +190,8 @@ def worker(rank, args):
             "optimizer_ms": round(max(r["opt"] for r in every), 1),
             "peak_rss_kib": [r["rss"] for r in every],
             "base_rss_kib": [r["rss_base"] for r in every],
+            "device": str(device), "precision": args.precision, "vocab": args.vocab,
+            "peak_device_bytes": max(r["peak_device"] for r in every),
             "loss0": round(loss0, 6), "malloc": malloc_mode(), "torch": torch.__version__,
             "threads": torch.get_num_threads()}), flush=True)
     dist.barrier()
@@ -182,6 +217,9 @@ def cmd_step(argv):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: FSDP's mixed precision, autocast for local and ddp (cuda)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.nproc < 1:
         p.error("--steps and --nproc must be at least 1")

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -212,7 +213,8 @@ class NcclProcessGroup final : public ProcessGroup {
   // A one-element all-reduce on the GPU of this group's last collective (else
   // the current one): c10d's own barrier guesses a device from the rank.
   Work barrier() override {
-    const c10::DeviceIndex gpu = last_gpu_ >= 0 ? last_gpu_ : c10::cuda::current_device();
+    const int last = last_gpu_.load();
+    const auto gpu = last >= 0 ? static_cast<c10::DeviceIndex>(last) : c10::cuda::current_device();
     at::Tensor one = at::zeros({1}, at::TensorOptions().device(at::kCUDA, gpu));
     std::vector<at::Tensor> tensors{one};
     return track(kBarrier, "", nccl_->allreduce(tensors), {one});
@@ -257,9 +259,11 @@ class NcclProcessGroup final : public ProcessGroup {
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;
-  uint64_t seq_ = 0;                // caller thread only
-  c10::DeviceIndex last_gpu_ = -1;  // caller thread only
-  int subgroups_made_ = 0;          // caller thread only
+  // Atomic: a hybrid chain issues its second collective from the thread
+  // that finished the first (Note [NCCL collectives and their Work]).
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<int> last_gpu_{-1};
+  int subgroups_made_ = 0;  // caller thread only
   std::unique_ptr<NcclCompletions> completions_;
 };
 

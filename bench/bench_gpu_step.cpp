@@ -1,0 +1,213 @@
+// GPU training-step benchmark (issue 34, item 8; bench/gpu_step.sh runs it
+// beside PyTorch): GPT-mini (examples/models/gpt_mini.h) at GPT-2 small's
+// sizes by default, AdamW, each block an FSDP unit, on this rank's GPU:
+//   build/bin/bench_gpu_step --mode local                  # plain LibTorch
+//   build/bin/bench_gpu_step --mode full_shard             # libfsdp, world 1
+//   build/bin/fsdprun --nproc-per-node 2 build/bin/bench_gpu_step --mode full_shard
+// Modes: local | full_shard | shard_grad_op | no_shard. --precision bf16 (the
+// default) computes in bfloat16: autocast for local, MixedPrecision(param_dtype
+// bf16) with fp32 shards and reduction for libfsdp. --device cpu runs the
+// same on the CPU (a smoke test where no GPU is visible).
+// Each timed step is bracketed by a device synchronisation and a barrier, so
+// step_ms is the slowest rank's wall time of a whole step.
+// Figures (rank 0 prints one JSON line; memory per rank, the largest rank's):
+// - median_ms: the slowest rank's median step; tokens_per_s: the job's tokens
+//   (world x batch x seq) per median step.
+// - mfu: model FLOPs per token (6 x parameters + 12 x layers x d_model x seq,
+//   forward and backward with attention, as PaLM's appendix counts them) x
+//   tokens_per_s / (world x --peak-tflops), 989 for an H100 SXM's dense bf16.
+// - peak_device_bytes: the CUDA caching allocator's peak of allocated bytes
+//   over the timed steps (0 on the CPU); state_bytes: parameters + gradients +
+//   AdamW state from the tensors after the last step (shards under FSDP).
+
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include <CLI/CLI.hpp>
+
+#include "bench_util.h"
+
+#include "detail/torch_compat.h"
+#include "gpt_mini.h"
+
+#if FSDP_WITH_CUDA
+#include <ATen/autocast_mode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace {
+
+using bench::Clock;
+using bench::max_over_ranks;
+using bench::median;
+using bench::ms_since;
+using bench::optimizer_state_bytes;
+
+struct Args {
+  std::string mode = "full_shard";
+  std::string device = "auto";
+  std::string precision = "bf16";
+  int steps = 10;
+  int warmup = 3;
+  int64_t blocks = 12;
+  int64_t d_model = 768;
+  int64_t heads = 12;
+  int64_t seq = 1024;
+  int64_t batch = 8;
+  int64_t vocab = 50304;
+  double peak_tflops = 989.0;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  CLI::App app("GPT training step on a GPU: plain LibTorch or libfsdp");
+  app.add_option("--mode", a.mode)
+      ->check(CLI::IsMember({"local", "full_shard", "shard_grad_op", "no_shard"}));
+  app.add_option("--device", a.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
+  app.add_option("--blocks", a.blocks)->check(CLI::PositiveNumber);
+  app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
+  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
+  app.add_option("--seq", a.seq)->check(CLI::PositiveNumber);
+  app.add_option("--batch", a.batch, "per rank")->check(CLI::PositiveNumber);
+  app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
+  app.add_option("--peak-tflops", a.peak_tflops, "the device's dense peak, for MFU");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
+  }
+  return a;
+}
+
+// This rank's device: LOCAL_RANK's GPU for cuda (and auto where one is seen).
+torch::Device pick_device(const std::string& choice) {
+  const bool gpu = at::hasCUDA();
+  if (choice == "cpu" || (choice == "auto" && !gpu)) return torch::kCPU;
+  if (!gpu) {
+    std::fprintf(stderr, "bench_gpu_step: --device cuda, but this process sees no GPU\n");
+    std::exit(2);
+  }
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  return torch::Device(torch::kCUDA,
+                       static_cast<c10::DeviceIndex>(fsdp::rank_info().local_rank % gpus));
+}
+
+void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// Plain LibTorch's bfloat16 compute on a GPU: autocast, as PyTorch users run it.
+void set_autocast(const torch::Device& device, bool on) {
+#if FSDP_WITH_CUDA
+  if (!device.is_cuda()) return;
+  at::autocast::set_autocast_enabled(at::kCUDA, on);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  auto pg = fsdp::init_process_group();
+  const int rank = pg->rank(), world = pg->size();
+  const torch::Device device = pick_device(args.device);
+#if FSDP_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::set_device(device.index());
+#endif
+  const bool bf16 = args.precision == "bf16";
+
+  const auto config = gpt_mini::GPTConfig()
+                          .vocab_size(args.vocab)
+                          .block_size(args.seq)
+                          .d_model(args.d_model)
+                          .n_head(args.heads)
+                          .n_layer(args.blocks);
+  torch::manual_seed(0);
+  std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<at::Tensor> params;
+  gpt_mini::GPT local{nullptr};
+  fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
+  if (args.mode == "local") {
+    local = gpt_mini::GPT(config);
+    local->to(device);
+    forward = [&](const at::Tensor& x) { return local->forward(x); };
+    params = local->parameters();
+  } else {
+    auto opts = fsdp::FSDPOptions()
+                    .sharding_strategy(bench::strategy_names().at(args.mode))
+                    .device_id(device);
+    if (bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+    sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
+        std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
+    forward = [&](const at::Tensor& x) { return sharded->forward(x); };
+    params = sharded->parameters();
+  }
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(3e-4));
+  int64_t total_params = 0;
+  for (const auto& p : params) total_params += p.numel();
+  if (args.mode == "full_shard" || args.mode == "shard_grad_op") total_params *= world;
+
+  torch::manual_seed(1000 + rank);
+  at::Tensor data = torch::randint(args.vocab, {args.batch, args.seq + 1}, torch::kLong);
+  const at::Tensor inputs = data.slice(1, 0, args.seq).contiguous().to(device);
+  const at::Tensor targets = data.slice(1, 1, args.seq + 1).contiguous().to(device);
+
+  std::vector<double> step_ms;
+  double loss0 = 0;
+  for (int i = -args.warmup; i < args.steps; ++i) {
+    if (i == 0 && device.is_cuda()) fsdp::compat::reset_cuda_peak(device.index());
+    synchronize(device);
+    pg->barrier().wait();
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    set_autocast(device, bf16 && args.mode == "local");
+    at::Tensor logits = forward(inputs);
+    set_autocast(device, false);
+    at::Tensor loss = gpt_mini::lm_loss(logits.to(at::kFloat), targets);
+    loss.backward();
+    opt.step();
+    synchronize(device);
+    if (i >= 0) step_ms.push_back(ms_since(t0));
+    if (i == -args.warmup) loss0 = loss.item<double>();
+  }
+  const int64_t peak =
+      device.is_cuda() ? fsdp::compat::cuda_memory(device.index()).peak_allocated : 0;
+
+  const double med = max_over_ranks(*pg, median(step_ms));
+  const double tokens_per_s = static_cast<double>(world * args.batch * args.seq) / (med / 1e3);
+  const double flops_per_token = 6.0 * static_cast<double>(total_params) +
+                                 12.0 * static_cast<double>(args.blocks * args.d_model * args.seq);
+  const double mfu = flops_per_token * tokens_per_s / (world * args.peak_tflops * 1e12);
+  const auto peak_max = bench::max_bytes_over_ranks(*pg, peak);
+  const auto state_max = bench::max_bytes_over_ranks(*pg, optimizer_state_bytes(opt));
+  if (rank == 0) {
+    std::printf(
+        "{\"bench\":\"gpu_step\",\"impl\":\"libtorch\",\"mode\":\"%s\",\"world\":%d,"
+        "\"device\":\"%s\",\"collectives\":\"%s\",\"precision\":\"%s\",\"blocks\":%lld,"
+        "\"d_model\":%lld,\"seq\":%lld,\"batch\":%lld,\"vocab\":%lld,\"params\":%lld,"
+        "\"steps\":%d,\"warmup\":%d,\"median_ms\":%.2f,\"tokens_per_s\":%.0f,\"mfu\":%.4f,"
+        "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\"}\n",
+        args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
+        args.precision.c_str(), static_cast<long long>(args.blocks),
+        static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
+        static_cast<long long>(args.batch), static_cast<long long>(args.vocab),
+        static_cast<long long>(total_params), args.steps, args.warmup, med, tokens_per_s, mfu,
+        static_cast<long long>(peak_max), static_cast<long long>(state_max), loss0, TORCH_VERSION);
+    std::fflush(stdout);
+  }
+  pg->barrier().wait();
+  return 0;
+}

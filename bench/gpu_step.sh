@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Issue 34, item 8: a GPT-2-small-like training step on one GPU, in one run
+# with the rounds interleaved: plain LibTorch, libfsdp FULL_SHARD and NO_SHARD
+# at world 1, libfsdp FULL_SHARD at 2 ranks sharing the GPU, and PyTorch (the
+# same torch's Python) plain, FSDP2 and FSDP1 FULL_SHARD at world 1. One JSON
+# line per configuration and round, then a summary line:
+#
+#   bench/gpu_step.sh [BUILD]      (BUILD: a build with bench_gpu_step and fsdprun)
+#
+# Environment: ROUNDS (3), STEPS (10), WARMUP (3), PRECISION (bf16 or fp32),
+# MODEL_ARGS (default: 12 blocks x 768, 12 heads, seq 1024, batch 8, vocab
+# 50304: 163 M parameters), DEVICE (cuda; cpu only to check the script on a
+# machine without a GPU, with small MODEL_ARGS), PEAK_TFLOPS (989: an H100
+# SXM's dense bf16, for MFU), PYTHON (a Python with torch), RUN_TIMEOUT (s).
+# Summary ratios: libfsdp FULL_SHARD's step over plain LibTorch's (target
+# <= 1.05), PyTorch FSDP2's and FSDP1's over PyTorch plain, and at 2 ranks on
+# one GPU each rank's parameters + gradients + AdamW state (state_bytes) and
+# GPU peak over world 1's (target <= 0.55 for the state).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${1:-build}
+ROUNDS=${ROUNDS:-3}
+STEPS=${STEPS:-10}
+WARMUP=${WARMUP:-3}
+PRECISION=${PRECISION:-bf16}
+DEVICE=${DEVICE:-cuda}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+MODEL_ARGS=${MODEL_ARGS:---blocks 12 --d-model 768 --heads 12 --seq 1024 --batch 8 --vocab 50304}
+RUN_TIMEOUT=${RUN_TIMEOUT:-600}
+PYTHON=${PYTHON:-}
+if [[ -z $PYTHON ]]; then
+  if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+source "$ROOT/bench/json_lines.sh"
+need_executables "$BUILD" fsdprun bench_gpu_step
+
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+sizes=($MODEL_ARGS)
+common=(--steps "$STEPS" --warmup "$WARMUP" --precision "$PRECISION" "${sizes[@]}")
+ours=(timeout "$RUN_TIMEOUT" "$BUILD/bin/bench_gpu_step" --device "$DEVICE" --peak-tflops
+      "$PEAK_TFLOPS" "${common[@]}")
+two=(timeout "$RUN_TIMEOUT" "$BUILD/bin/fsdprun" --nproc-per-node 2 "$BUILD/bin/bench_gpu_step"
+     --device "$DEVICE" --peak-tflops "$PEAK_TFLOPS" "${common[@]}")
+theirs=(timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/bench/pytorch_step.py" step --nproc 1
+        --device "$DEVICE" "${common[@]}")
+
+tag() { echo "\"config\":\"$1\",\"round\":$2,"; }
+for ((round = 0; round < ROUNDS; ++round)); do
+  json_lines "$results" "$(tag libtorch_plain "$round")" "${ours[@]}" --mode local
+  json_lines "$results" "$(tag libfsdp_full_shard "$round")" "${ours[@]}" --mode full_shard
+  json_lines "$results" "$(tag libfsdp_no_shard "$round")" "${ours[@]}" --mode no_shard
+  json_lines "$results" "$(tag libfsdp_full_shard_2ranks "$round")" "${two[@]}" --mode full_shard
+  json_lines "$results" "$(tag pytorch_plain "$round")" "${theirs[@]}" --mode local
+  json_lines "$results" "$(tag pytorch_fsdp2 "$round")" "${theirs[@]}" --mode fsdp2
+  json_lines "$results" "$(tag pytorch_fsdp1 "$round")" "${theirs[@]}" --mode fsdp1_full_shard
+done
+
+"$PYTHON" - "$results" "$PEAK_TFLOPS" <<'PY'
+import json, statistics, sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+peak = float(sys.argv[2]) * 1e12
+by = {}
+for r in rows:
+    by.setdefault(r["config"], []).append(r)
+
+def med(config, key):
+    values = [r.get(key, 0) for r in by.get(config, [])]
+    return statistics.median(values) if values else None
+
+summary = {"bench": "gpu_step_summary", "rounds": max(len(v) for v in by.values())}
+for config, rs in by.items():
+    r = rs[0]
+    ms = med(config, "median_ms")
+    tokens = r["world"] * r["batch"] * r["seq"] / (ms / 1e3)
+    flops = 6 * r["params"] + 12 * r["blocks"] * r["d_model"] * r["seq"]
+    summary[config] = {"median_ms": round(ms, 2), "tokens_per_s": round(tokens),
+                       "mfu": round(flops * tokens / (r["world"] * peak), 4),
+                       "peak_device_bytes_per_rank": med(config, "peak_device_bytes"),
+                       "state_bytes_per_rank": med(config, "state_bytes")}
+
+def ratio(a, b, key="median_ms"):
+    x, y = med(a, key), med(b, key)
+    return round(x / y, 3) if x and y else None
+
+summary["full_shard_over_plain"] = ratio("libfsdp_full_shard", "libtorch_plain")
+summary["no_shard_over_plain"] = ratio("libfsdp_no_shard", "libtorch_plain")
+summary["pytorch_fsdp2_over_plain"] = ratio("pytorch_fsdp2", "pytorch_plain")
+summary["pytorch_fsdp1_over_plain"] = ratio("pytorch_fsdp1", "pytorch_plain")
+summary["libfsdp_full_shard_over_pytorch_fsdp2"] = ratio("libfsdp_full_shard", "pytorch_fsdp2")
+summary["two_ranks_state_over_world1"] = ratio("libfsdp_full_shard_2ranks", "libfsdp_full_shard",
+                                               "state_bytes")
+summary["two_ranks_peak_over_world1"] = ratio("libfsdp_full_shard_2ranks", "libfsdp_full_shard",
+                                              "peak_device_bytes")
+summary["targets_met"] = {
+    "full_shard_step_le_1.05x_plain": (summary["full_shard_over_plain"] or 99) <= 1.05,
+    "two_ranks_state_le_0.55x": (summary["two_ranks_state_over_world1"] or 99) <= 0.55}
+summary["device"] = rows[0].get("device")
+summary["torch"] = rows[0].get("torch")
+print(json.dumps(summary))
+PY

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything issue 34 checks on a GPU, in one command for one device call
+# (the device tool lends a machine for minutes, not hours):
+#
+#   here:            ../shared/device/stage.sh
+#   device machine:  bash scripts/gpu_check.sh        (with .gpu carried)
+#
+# 1. builds what the checks need (bash .gpu/build.sh: /tmp/gpu-build);
+# 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by name;
+# 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU;
+# 4. bench/gpu_step.sh (ROUNDS, default 1) unless GPU_CHECK_BENCH=0.
+# Each step's log goes to $OUT (the device tool brings it back) or
+# /tmp/gpu-check; a step that fails is reported and the next one still runs.
+# The exit status is the number of failed steps.
+set -uo pipefail
+out=${OUT:-/tmp/gpu-check}
+mkdir -p "$out"
+build=/tmp/gpu-build
+failed=0
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS rc=0
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+  echo "gpu_check: $name: status $rc in $((SECONDS - t0)) s; last lines:"
+  tail -n 15 "$out/$name.log" | sed 's/^/  /'
+  ((rc == 0)) || failed=$((failed + 1))
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+  "nccl", ".".join(map(str, torch.cuda.nccl.version())))' >>"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+step build 300 bash .gpu/build.sh comm_tests core_tests train_gpt fsdprun bench_gpu_step
+step ctest_cuda 240 ctest --test-dir "$build" -L cuda --output-on-failure
+data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
+step train_gpt_1rank 120 "$build/bin/train_gpt" "${data[@]}"
+step train_gpt_2ranks 150 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
+if [[ ${GPU_CHECK_BENCH:-1} != 0 ]]; then
+  step gpu_step 300 env ROUNDS="${ROUNDS:-1}" PYTHON=python3 bench/gpu_step.sh "$build"
+fi
+echo "gpu_check: $failed step(s) failed"
+exit "$failed"
