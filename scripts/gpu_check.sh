@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   "nccl", ".".join(map(str, torch.cuda.nccl.version())))' >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-step build 300 bash .gpu/build.sh comm_tests core_tests train_gpt fsdprun bench_gpu_step
+step build 300 bash .gpu/build.sh comm_tests core_tests state_tests train_gpt fsdprun bench_gpu_step
 step ctest_cuda 240 ctest --test-dir "$build" -L cuda --output-on-failure
 data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
 step train_gpt_1rank 120 "$build/bin/train_gpt" "${data[@]}"

@@ -40,7 +40,8 @@ void make_dirs(const std::string& dir) {
 }
 
 void write_bytes(AtomicFileWriter& w, const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
+  // A GPU tensor's bytes come to the host first (to() returns a CPU tensor itself).
+  const at::Tensor c = t.to(at::kCPU).contiguous();
   w.write(c.data_ptr(), c.numel() * c.element_size());
 }
 

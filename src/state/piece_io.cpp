@@ -64,6 +64,13 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
   std::sort(pieces.begin(), pieces.end(),
             [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
   TORCH_INTERNAL_ASSERT(dst.is_contiguous(), "the destination of ", key, " is not contiguous");
+  if (!dst.is_cpu()) {
+    // The files are read into host memory; a GPU shard gets one copy.
+    const at::Tensor host = at::empty(dst.sizes(), dst.options().device(at::kCPU));
+    read(key, shape, begin, end, host);
+    dst.copy_(host);
+    return;
+  }
   const std::string dtype = safetensors_dtype(dst.scalar_type());
   auto* out = static_cast<char*>(dst.data_ptr());
   const int64_t elem = static_cast<int64_t>(dst.element_size());

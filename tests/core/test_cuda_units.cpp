@@ -1,8 +1,9 @@
 // Units on a CUDA device (label cuda): a model moved to GPU 0 and wrapped
 // trains like plain LibTorch on the same GPU, trained on the concatenation of
 // the ranks' different batches, compared every step, at 1-3 ranks sharing the
-// GPU (their collectives staged through the host: Note [Tensors on other
-// devices than the engine's]), for every sharding strategy; the flat buffers
+// GPU (one rank's collectives over NCCL, several ranks' staged through the
+// host where NCCL refuses them: Note [Choosing what carries CUDA tensors]),
+// for every sharding strategy; the flat buffers
 // live on the GPU and are freed there between uses (Note [One seam for
 // devices]), and GPU memory (the CUDA caching allocator's statistics) is the
 // same after every step. Reported skipped, by name, without a GPU.
@@ -16,6 +17,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "bf16_parity.h"
 #include "detail/torch_compat.h"
 #include "multi_rank.h"
 #include "test_models.h"
@@ -78,6 +80,19 @@ TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
             << what << " step " << i;
       }
     }
+  });
+}
+
+// bf16 mixed precision on the GPU against plain LibTorch with the same casts
+// on the GPU (the CPU's test_mixed_precision, on GPU 0).
+TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int rank, int world) {
+    auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    int64_t bf16_bytes = 0;
+    bf16_parity::expect_bf16_matches_reference(group, rank, world, torch::Device(torch::kCUDA, 0),
+                                               &bf16_bytes);
+    EXPECT_GT(bf16_bytes, 0);
   });
 }
 

@@ -13,6 +13,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "bf16_parity.h"
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
@@ -25,108 +26,19 @@ namespace nn = torch::nn;
 
 using CountingGroup = CountingProcessGroup;
 
-nn::Sequential make_model() {
-  torch::manual_seed(0);
-  return nn::Sequential(nn::Linear(8, 16), nn::Tanh(), nn::Linear(16, 16), nn::Tanh(),
-                        nn::Linear(16, 4));
-}
-
-torch::Tensor batch(int step, int rank) {
-  torch::manual_seed(100 + 10 * step + rank);
-  return torch::randn({6, 8});
-}
-
-torch::Tensor loss_of(const torch::Tensor& out) { return out.to(torch::kFloat).pow(2).mean(); }
-
-// Plain LibTorch with the same casts: returns the fp32 master weights after
-// each step.
-std::vector<std::map<std::string, torch::Tensor>> reference_training(int world, int steps) {
-  nn::Sequential master = make_model();
-  auto work = std::dynamic_pointer_cast<nn::SequentialImpl>(master->clone());
-  auto master_params = master->named_parameters();
-  auto work_params = work->named_parameters();
-  torch::optim::SGD opt(master->parameters(), torch::optim::SGDOptions(0.5));
-  std::vector<std::map<std::string, torch::Tensor>> out;
-  for (int step = 0; step < steps; ++step) {
-    std::map<std::string, torch::Tensor> sum;  // bf16, summed in rank order
-    for (int r = 0; r < world; ++r) {
-      for (auto& p : work_params) {
-        p.value().set_data(master_params[p.key()].detach().to(torch::kBFloat16));
-        p.value().mutable_grad().reset();
-      }
-      loss_of(work->forward(batch(step, r).to(torch::kBFloat16))).backward();
-      add_grads(sum, work_params);
-    }
-    for (auto& p : master_params) {
-      p.value().mutable_grad() = sum[p.key()].div(world).to(torch::kFloat);
-    }
-    opt.step();
-    std::map<std::string, torch::Tensor> snapshot;
-    for (auto& p : master_params) snapshot[p.key()] = p.value().detach().clone();
-    out.push_back(snapshot);
-  }
-  return out;
-}
-
-// This rank's shard of unit `path`'s parameters, taken from full values.
-torch::Tensor expected_shard(const FlatParameter& flat, const std::string& path,
-                             const std::map<std::string, torch::Tensor>& full) {
-  std::vector<torch::Tensor> pieces;
-  for (const auto& s : flat.slots()) pieces.push_back(full.at(path + "." + s.name).reshape({-1}));
-  torch::Tensor cat = torch::cat(pieces);
-  cat = torch::constant_pad_nd(cat, {0, flat.padded_numel() - cat.numel()});
-  return cat.narrow(0, flat.shard_offset(), flat.shard().numel());
-}
+using bf16_parity::batch;
+using bf16_parity::expected_shard;
+using bf16_parity::loss_of;
+using bf16_parity::make_model;
+using bf16_parity::reference_training;
 
 TEST(MixedPrecision, Bf16TrainingMatchesPlainBf16Computation) {
   run_ranks_ok(2, [](int rank, int world) {
     torch::set_num_threads(1);
     auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
     constexpr int kSteps = 5;
-    const auto reference = reference_training(world, kSteps);
-
     int64_t bf16_bytes = 0;
-    for (const ShardingStrategy strategy :
-         {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-          ShardingStrategy::kNoShard}) {
-      SCOPED_TRACE(to_string(strategy));
-      auto counting = std::make_shared<CountingGroup>(group);
-      nn::Sequential model = make_model();
-      const auto o = FSDPOptions()
-                         .process_group(counting)
-                         .sharding_strategy(strategy)
-                         .mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16))
-                         .check_forward_order(false);  // count parameter gathers only
-      auto units = auto_wrap(model, module_type_policy<nn::LinearImpl>(), o);
-      ASSERT_EQ(units.size(), 3u);
-      FullyShardedDataParallel<nn::SequentialImpl> root(model, o);
-      torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.5));
-      const torch::Tensor init0 = units[0].unit->flat_param()->shard().detach().clone();
-
-      for (int step = 0; step < kSteps; ++step) {
-        opt.zero_grad();
-        torch::Tensor out = root->forward(batch(step, rank));  // cast to bf16 by the root
-        EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
-        loss_of(out).backward();
-        opt.step();
-        for (const auto& u : units) {
-          const FlatParameter& flat = *u.unit->flat_param();
-          EXPECT_EQ(flat.param_dtype(), torch::kBFloat16);
-          EXPECT_EQ(flat.shard().scalar_type(), torch::kFloat) << "full-precision shard";
-          ASSERT_TRUE(flat.shard().grad().defined());
-          EXPECT_EQ(flat.shard().grad().scalar_type(), torch::kFloat);
-          const torch::Tensor want = expected_shard(flat, u.path, reference[step]);
-          EXPECT_TRUE(torch::allclose(flat.shard(), want, /*rtol=*/1.6e-2, /*atol=*/1e-3))
-              << "unit " << u.path << " step " << step << " max diff "
-              << (flat.shard() - want).abs().max().item<double>();
-        }
-      }
-      EXPECT_GT((units[0].unit->flat_param()->shard() - init0).abs().max().item<double>(), 1e-2)
-          << "training moved the weights beyond the tolerance";
-      for (at::ScalarType t : counting->reduced_dtypes()) EXPECT_EQ(t, torch::kBFloat16);
-      EXPECT_EQ(model->named_parameters()["0.weight"].scalar_type(), torch::kBFloat16);
-      if (strategy == ShardingStrategy::kFullShard) bf16_bytes = counting->gathered_bytes;
-    }
+    bf16_parity::expect_bf16_matches_reference(group, rank, world, torch::kCPU, &bf16_bytes);
 
     // The same steps in fp32 (FULL_SHARD) all-gather twice the bytes.
     auto counting32 = std::make_shared<CountingGroup>(group);
