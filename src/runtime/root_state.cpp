@@ -127,7 +127,9 @@ void RootState::launch_ready_reductions() {
 // order (Note [Reduction order]), so the oldest is one every rank has
 // launched or will launch without waiting on this rank: no deadlock. Backward
 // then runs at most two reductions ahead of the communication, which is the
-// bottleneck whenever the limit bites.
+// bottleneck whenever the limit bites. On a GPU (NCCL) the compute stream
+// waits for the oldest instead of the host, as FSDP2 does: the CPU still runs
+// ahead, and the GPU holds at most that many gradients being reduced.
 void RootState::limit_reductions_in_flight(const Work& work) {
   reductions_in_flight_.push_back(work);
   while (!reductions_in_flight_.empty() && reductions_in_flight_.front().is_completed()) {
@@ -135,7 +137,7 @@ void RootState::limit_reductions_in_flight(const Work& work) {
   }
   while (reductions_in_flight_.size() > kMaxReductionsInFlight) {
     RECORD_USER_SCOPE("fsdp::wait_reduction_in_flight");
-    reductions_in_flight_.front().wait();
+    reductions_in_flight_.front().block_current_stream();
     reductions_in_flight_.pop_front();
   }
 }

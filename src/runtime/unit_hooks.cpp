@@ -348,7 +348,9 @@ void UnitRuntime::finish_reduction() {
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
   if (grad_work_) {
     FSDP_RECORD("wait_reduction", path_);
-    grad_work_.wait();
+    // The reduced shard is read by kernels on the compute stream: on a GPU
+    // that stream waits, not the host (Note [A unit's collectives]).
+    grad_work_.block_current_stream();
   }
 }
 
