@@ -176,10 +176,17 @@ UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options, c10::Dev
     }
   }
   at::NoGradGuard no_grad;
+  // PyTorch's device_id: what was built on the CPU moves to the unit's GPU
+  // (the module's own tensor objects, so the user's handles follow).
+  const auto move_to_device = [&](const at::Tensor& t) {
+    if (!device_.is_cpu() && t.defined() && t.is_cpu()) at::Tensor(t).set_data(t.to(device_));
+  };
   for (torch::nn::Module* m : managed_) {
     if (has_meta_state(*m)) deferred_.push_back(m);
+    for (const auto& p : m->parameters(/*recurse=*/false)) move_to_device(p);
     for (const auto& b : m->buffers(/*recurse=*/false)) {
       if (!b.defined()) continue;
+      move_to_device(b);
       if (b.is_meta()) {
         // Storage of its own (buffers are not flattened). See FlatParameter::bind.
         at::Tensor real = at::empty(b.sizes(), b.options().device(device_));

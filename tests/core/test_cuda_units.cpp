@@ -83,6 +83,28 @@ TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
   });
 }
 
+// PyTorch's device_id: a model built on the CPU moves to the GPU named, and
+// computes there what the same model moved by hand computes.
+TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device gpu(torch::kCUDA, 0);
+    torch::manual_seed(0);
+    nn::Sequential reference = small_net();
+    reference->to(gpu);
+    torch::manual_seed(0);
+    nn::Sequential plain = small_net();
+    const torch::Tensor first_weight = plain->parameters()[0];
+    FullyShardedDataParallel<nn::SequentialImpl> model(plain, FSDPOptions().device_id(gpu));
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_cuda());
+    EXPECT_TRUE(first_weight.is_cuda()) << "the user's handle follows the module";
+    torch::manual_seed(7);
+    const torch::Tensor x = torch::randn({5, 7}).to(gpu);
+    EXPECT_TRUE(torch::allclose(model->forward(x), reference->forward(x), 1e-5, 1e-6));
+  });
+}
+
 // bf16 mixed precision on the GPU against plain LibTorch with the same casts
 // on the GPU (the CPU's test_mixed_precision, on GPU 0).
 TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {

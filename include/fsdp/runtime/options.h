@@ -71,8 +71,9 @@ struct FSDPOptions {
   TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
   /// The device the unit's flat parameter, shards and gradients live on
   /// (PyTorch's device_id). nullopt: the device of the unit's parameters, the
-  /// CPU for parameters on the meta device (materialised there). Parameters
-  /// on another device are an error naming them. The CPU and the CUDA devices
+  /// CPU for parameters on the meta device (materialised there). Set to a
+  /// GPU, the unit's parameters and buffers built on the CPU move there, as
+  /// PyTorch's do; parameters on another GPU are an error naming them. The CPU and the CUDA devices
   /// this process sees are accepted; any other device is refused with an
   /// error on every rank.
   TORCH_ARG(c10::optional<c10::Device>, device_id) = c10::nullopt;
