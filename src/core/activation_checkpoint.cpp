@@ -1,6 +1,7 @@
 #include <fsdp/core/activation_checkpoint.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -8,6 +9,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
@@ -52,17 +54,36 @@ class PhaseGuard {
   CheckpointPhase previous_;
 };
 
-/// The CPU generator's state, taken and restored under its lock.
-at::Tensor cpu_rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
+/// The generators a checkpointed region may draw from: the CPU's and those of
+/// the other devices its inputs are on (a GPU's dropout draws from that GPU's
+/// generator), as PyTorch's checkpoint saves them.
+std::vector<at::Generator> generators_of(const std::vector<at::Tensor>& inputs) {
+  std::vector<at::Generator> gens{at::detail::getDefaultCPUGenerator()};
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined() || t.is_cpu() || t.is_meta()) continue;
+    if (std::find(devices.begin(), devices.end(), t.device()) != devices.end()) continue;
+    devices.push_back(t.device());
+    gens.push_back(at::globalContext().defaultGenerator(t.device()));
+  }
+  return gens;
 }
 
-void set_cpu_rng_state(const at::Tensor& state) {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
+/// Each generator's state, taken under its lock.
+std::vector<at::Tensor> rng_states(std::vector<at::Generator>& gens) {
+  std::vector<at::Tensor> out;
+  for (at::Generator& gen : gens) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.push_back(gen.get_state());
+  }
+  return out;
+}
+
+void set_rng_states(std::vector<at::Generator>& gens, const std::vector<at::Tensor>& states) {
+  for (size_t i = 0; i < gens.size(); ++i) {
+    std::lock_guard<std::mutex> lock(gens[i].mutex());
+    gens[i].set_state(states[i]);
+  }
 }
 
 /// What backward needs besides the saved inputs; travels in the context as a
@@ -72,7 +93,8 @@ struct CheckpointState : torch::CustomClassHolder {
   size_t num_inputs = 0;
   std::vector<at::Tensor> params;
   std::vector<bool> input_requires_grad;
-  at::Tensor rng_state;
+  std::vector<at::Generator> generators;  // see generators_of()
+  std::vector<at::Tensor> rng_states;     // theirs as forward began
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -81,7 +103,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                 const c10::intrusive_ptr<CheckpointState>& state) {
     std::vector<at::Tensor> inputs(inputs_and_params.begin(),
                                    inputs_and_params.begin() + state->num_inputs);
-    state->rng_state = cpu_rng_state();
+    state->generators = generators_of(inputs);
+    state->rng_states = rng_states(state->generators);
     std::vector<at::Tensor> outputs;
     {
       PhaseGuard phase(CheckpointPhase::kForward);
@@ -106,17 +129,17 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     std::vector<at::Tensor> outputs;
     {
-      const at::Tensor now = cpu_rng_state();
-      set_cpu_rng_state(state->rng_state);
+      const std::vector<at::Tensor> now = rng_states(state->generators);
+      set_rng_states(state->generators, state->rng_states);
       try {
         at::AutoGradMode grad_on(true);
         PhaseGuard phase(CheckpointPhase::kRecompute);
         outputs = state->fn(inputs);
       } catch (...) {
-        set_cpu_rng_state(now);
+        set_rng_states(state->generators, now);
         throw;
       }
-      set_cpu_rng_state(now);
+      set_rng_states(state->generators, now);
     }
     TORCH_CHECK(outputs.size() == grad_outputs.size(), error_prefix(-1, "activation checkpoint"),
                 "the recomputation returned ", outputs.size(), " tensors, the forward ",

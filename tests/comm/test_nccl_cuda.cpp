@@ -9,7 +9,9 @@
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "comm/cuda_backend.h"
 #include "comm/device_routed.h"
@@ -111,6 +113,36 @@ TEST_P(NcclCuda, MemoryIsTheSameAfterEveryRound) {
       const int64_t now = compat::cuda_memory(gpu.index()).allocated;
       if (round == 1) after_first = now;
       if (round > 1) EXPECT_EQ(now, after_first) << "round " << round;
+    }
+  });
+}
+
+// A buffer freed while NCCL still reads or writes it on its own stream must
+// not be handed to the caller's stream: the caller drops its handles right
+// after issuing, then poisons every block it can get (NaN) while the
+// collectives run; a result with a NaN, or a wrong one, means a block was
+// reused too early.
+TEST_P(NcclCuda, BuffersDroppedRightAfterIssueAreNotReusedEarly) {
+  const std::string why = why_no_nccl(GetParam());
+  if (!why.empty()) GTEST_SKIP() << "NCCL cannot run here: " << why;
+  run_ranks_ok(GetParam(), [](int rank, int world) {
+    auto pg = join_nccl();
+    const at::Device gpu = my_gpu(rank);
+    const int64_t n = 1 << 22;  // 16 MiB per rank: the collectives take a while
+    for (int round = 0; round < 5; ++round) {
+      at::Tensor shard = at::empty({n}, at::TensorOptions().device(gpu));
+      Work reduced;
+      {
+        at::Tensor flat = at::full({world * n}, static_cast<float>(round + 1), gpu);
+        reduced = pg->reduce_scatter_tensor(shard, flat, ReduceOp::kSum);
+      }  // the input's last handle goes while NCCL reads it
+      std::vector<at::Tensor> poison;
+      for (int i = 0; i < 4; ++i) {
+        poison.push_back(at::full({world * n}, std::nanf(""), gpu));
+      }
+      reduced.wait();
+      EXPECT_EQ(shard.min().item<float>(), static_cast<float>(world * (round + 1)));
+      EXPECT_EQ(shard.max().item<float>(), static_cast<float>(world * (round + 1)));
     }
   });
 }

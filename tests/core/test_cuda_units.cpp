@@ -105,6 +105,29 @@ TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
   });
 }
 
+// A checkpointed region's dropout on the GPU draws the same mask when it is
+// recomputed: the GPU's generator is restored as the CPU's is.
+TEST(CudaCheckpointing, DropoutOnTheGpuRecomputesTheSameMask) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(0);
+  nn::Linear lin(16, 16);
+  lin->to(gpu);
+  const torch::Tensor x = torch::randn({8, 16}).to(gpu).requires_grad_(true);
+  const CheckpointedFunction fn = [&](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{torch::dropout(lin->forward(in[0]), 0.5, /*train=*/true)};
+  };
+  torch::manual_seed(5);
+  fn({x})[0].pow(2).sum().backward();
+  const torch::Tensor want_x = x.grad().clone(), want_w = lin->weight.grad().clone();
+  x.mutable_grad().reset();
+  lin->weight.mutable_grad().reset();
+  torch::manual_seed(5);
+  activation_checkpoint(fn, {x}, lin->parameters())[0].pow(2).sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), want_x));
+  EXPECT_TRUE(torch::equal(lin->weight.grad(), want_w));
+}
+
 // bf16 mixed precision on the GPU against plain LibTorch with the same casts
 // on the GPU (the CPU's test_mixed_precision, on GPU 0).
 TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {

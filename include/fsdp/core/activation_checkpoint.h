@@ -20,8 +20,9 @@ using CheckpointedFunction = std::function<std::vector<at::Tensor>(const std::ve
 /// - `params`: the tensors `fn` uses besides its inputs that may need
 ///   gradients, usually a module's parameters(). A tensor left out gets no
 ///   gradient through `fn`.
-/// - The CPU random number generator's state is saved and restored around
-///   the recomputation, so dropout masks the same elements both times.
+/// - The random number generators' states (the CPU's, and those of the GPUs
+///   the inputs are on) are saved and restored around the recomputation, so
+///   dropout masks the same elements both times.
 /// - FSDP units run inside `fn` are gathered in forward and resharded as
 ///   usual, and gathered again in backward only for the recomputation, whose
 ///   gather replaces the one FSDP makes for backward (no extra all-gather).
