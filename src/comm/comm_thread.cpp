@@ -38,6 +38,13 @@ std::string describe_tensor(const at::Tensor& t) {
   return os.str();
 }
 
+std::string describe_collective(CollectiveKind kind, uint64_t seq, const std::string& what) {
+  std::ostringstream os;
+  os << to_string(kind) << " #" << seq;
+  if (!what.empty()) os << " (" << what << ")";
+  return os.str();
+}
+
 std::vector<int64_t> Fingerprint::values() const {
   return {static_cast<int64_t>(seq), static_cast<int64_t>(kind), dtype, numel, detail};
 }
@@ -82,11 +89,7 @@ std::string Fingerprint::to_string() const {
   return os.str();
 }
 
-namespace {
-// Beyond the collective's own timeout, how long wait() gives the engine to
-// report it before declaring the collective lost.
-constexpr auto kWaitGrace = std::chrono::seconds(5);
-}  // namespace
+namespace {}  // namespace
 
 /// Lifecycle of the group's health; see Note [Broken groups].
 enum class Health { kHealthy, kBroken };
@@ -180,11 +183,8 @@ CommThread::Core::Item CommThread::Core::make_item(CollectiveKind kind, const st
     item.fingerprint.numel = tensors[0].numel();
   }
   item.check = debug.load();
-  std::ostringstream os;
-  os << to_string(kind) << " #" << item.fingerprint.seq;
-  if (!what.empty()) os << " (" << what << ")";
-  item.state =
-      std::make_shared<WorkState>(os.str(), rank, timeout + kWaitGrace, std::move(tensors));
+  item.state = std::make_shared<WorkState>(describe_collective(kind, item.fingerprint.seq, what),
+                                           rank, timeout + kWaitGrace, std::move(tensors));
   item.body = std::move(body);
   return item;
 }

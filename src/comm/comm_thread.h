@@ -23,6 +23,13 @@ struct WorkState;
 /// "4096 x Float": a collective's tensor in Work descriptions.
 std::string describe_tensor(const at::Tensor& t);
 
+/// "all_gather #12 (4096 x Float)": a Work's description (`what` may be empty).
+std::string describe_collective(CollectiveKind kind, uint64_t seq, const std::string& what);
+
+/// Beyond the collective's own timeout, how long wait() gives the engine to
+/// report it before declaring the collective lost.
+constexpr auto kWaitGrace = std::chrono::seconds(5);
+
 /// What every rank must agree on about one collective; exchanged before it
 /// in debug mode (see Note [Collective fingerprints] in comm_thread.cpp).
 struct Fingerprint {

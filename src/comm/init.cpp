@@ -1,6 +1,5 @@
 #include <fsdp/comm/init.h>
 
-#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <signal.h>
@@ -19,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "comm/agreement.h"
 #include "comm/comm_config.h"
 #include "comm/cuda_backend.h"
 #include "comm/device_routed.h"
@@ -332,12 +332,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   // can do, the group takes the least.
   const detail::CudaChoice mine = detail::choose_cuda_backend(
       requested, detail::this_process_cuda_facts(info.local_world_size));
-  bool nccl = mine.nccl;
-  if (info.world_size > 1 && detail::built_nccl_version() != 0) {
-    at::Tensor can = at::full({1}, nccl ? 1.0 : 0.0, at::kFloat);
-    group->all_reduce(can, ReduceOp::kMin).wait();
-    nccl = can.item<float>() == 1.0f;
-  }
+  // Builds without NCCL (the same on every rank) need no agreement.
+  const bool nccl = detail::built_nccl_version() != 0 &&
+                    detail::agree_reduce(group.get(), {mine.nccl ? 1 : 0}, ReduceOp::kMin)[0] == 1;
   FSDP_CHECK(nccl || requested != CudaBackend::kNccl, info.rank, "init_process_group",
              "CudaBackend::kNccl (or FSDP_CUDA_BACKEND=nccl) cannot be honoured: ",
              mine.nccl ? "another rank cannot run NCCL (see its error)" : mine.why_not,

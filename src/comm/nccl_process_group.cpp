@@ -13,7 +13,6 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "comm/comm_thread.h"
@@ -40,8 +39,6 @@
 namespace fsdp::detail {
 
 namespace {
-
-constexpr auto kWaitGrace = std::chrono::seconds(5);
 
 std::exception_ptr named_error(int rank, const std::string& what) {
   try {
@@ -247,11 +244,9 @@ class NcclProcessGroup final : public ProcessGroup {
 
   Work track(CollectiveKind kind, const std::string& what, c10::intrusive_ptr<c10d::Work> work,
              std::vector<at::Tensor> tensors) {
-    std::ostringstream os;
-    os << to_string(kind) << " #" << seq_++ << " (" << (what.empty() ? "nccl" : what + ", nccl")
-       << ")";
-    auto state =
-        std::make_shared<WorkState>(os.str(), rank(), timeout() + kWaitGrace, std::move(tensors));
+    auto state = std::make_shared<WorkState>(
+        describe_collective(kind, seq_++, what.empty() ? "nccl" : what + ", nccl"), rank(),
+        timeout() + kWaitGrace, std::move(tensors));
     state->stream_wait = [work] { work->wait(); };
     completions_->add(std::move(work), state);
     return Work(state);

@@ -60,9 +60,6 @@ at::ScalarType FileSource::dtype(const std::string& key) const {
 
 void FileSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                       int64_t end, const at::Tensor& dst) const {
-  auto pieces = reader_.pieces(key);
-  std::sort(pieces.begin(), pieces.end(),
-            [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
   TORCH_INTERNAL_ASSERT(dst.is_contiguous(), "the destination of ", key, " is not contiguous");
   if (!dst.is_cpu()) {
     // The files are read into host memory; a GPU shard gets one copy.
@@ -71,6 +68,9 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
     dst.copy_(host);
     return;
   }
+  auto pieces = reader_.pieces(key);
+  std::sort(pieces.begin(), pieces.end(),
+            [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
   const std::string dtype = safetensors_dtype(dst.scalar_type());
   auto* out = static_cast<char*>(dst.data_ptr());
   const int64_t elem = static_cast<int64_t>(dst.element_size());
