@@ -73,9 +73,9 @@ struct FSDPOptions {
   /// (PyTorch's device_id). nullopt: the device of the unit's parameters, the
   /// CPU for parameters on the meta device (materialised there). Set to a
   /// GPU, the unit's parameters and buffers built on the CPU move there, as
-  /// PyTorch's do; parameters on another GPU are an error naming them. The CPU and the CUDA devices
-  /// this process sees are accepted; any other device is refused with an
-  /// error on every rank.
+  /// PyTorch's do; parameters on another GPU are an error naming them. The
+  /// CPU and the CUDA devices this process sees are accepted; any other
+  /// device is refused with an error on every rank.
   TORCH_ARG(c10::optional<c10::Device>, device_id) = c10::nullopt;
   /// Issue the next unit's all-gather (in the first iteration's forward
   /// order) before this unit computes, so communication overlaps compute.
