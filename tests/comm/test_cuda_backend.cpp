@@ -96,8 +96,11 @@ TEST_P(CudaBackendAgreement, EveryRankReportsTheChoice) {
     auto* routed = dynamic_cast<detail::DeviceRoutedProcessGroup*>(pg.get());
     ASSERT_NE(routed, nullptr);
     EXPECT_EQ(routed->cuda_group() != nullptr, can);
-    pg.reset();
-    destroy_process_group();
+  });
+}
+
+TEST_P(CudaBackendAgreement, StagedWhenAskedForHasNoNcclGroup) {
+  run_ranks_ok(GetParam(), [](int, int) {
     auto staged = init_process_group(
         ProcessGroupOptions().cuda_backend(CudaBackend::kStaged).timeout(std::chrono::seconds(30)));
     EXPECT_EQ(dynamic_cast<detail::DeviceRoutedProcessGroup&>(*staged).cuda_group(), nullptr);
