@@ -16,7 +16,7 @@
 
 #include <fsdp/fsdp.h>
 
-#include <CLI/CLI.hpp>
+#include "bench_cli.h"
 #include "bench_util.h"
 
 #include "gpt_mini.h"
@@ -31,16 +31,12 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  CLI::App app("Checkpoint save/load time and peak memory (full and sharded)");
-  app.add_option("--dir", a.dir, "where to write the checkpoints");
-  app.add_option("--repeats", a.repeats, "repeats per configuration")->check(CLI::PositiveNumber);
-  app.add_option("--blocks", a.blocks, "GPT-mini blocks")->check(CLI::PositiveNumber);
-  app.add_option("--d-model", a.d_model, "GPT-mini width")->check(CLI::PositiveNumber);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
-  }
+  bench::CommandLine cli("Checkpoint save/load time and peak memory (full and sharded)");
+  cli.option("--dir", &a.dir, "where to write the checkpoints");
+  cli.option("--repeats", &a.repeats, "repeats per configuration").positive();
+  cli.option("--blocks", &a.blocks, "GPT-mini blocks").positive();
+  cli.option("--d-model", &a.d_model, "GPT-mini width").positive();
+  cli.parse(argc, argv);
   return a;
 }
 

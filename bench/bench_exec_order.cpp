@@ -28,8 +28,8 @@
 #include <vector>
 
 #include <fsdp/fsdp.h>
-#include <CLI/CLI.hpp>
 
+#include "bench_cli.h"
 #include "bench_util.h"
 #include "gpt_mini.h"
 #include "overhead_net.h"
@@ -96,23 +96,18 @@ double timed(fsdp::ProcessGroup& pg, const std::function<void()>& fn) {
 
 Args parse(int argc, char** argv) {
   Args a;
-  CLI::App app("Cost of the forward-order check and of debug mode");
-  app.add_option("--models", a.models, "overhead64 and/or gpt_mini")
-      ->delimiter(',')
-      ->check(CLI::IsMember({"overhead64", "gpt_mini"}));
-  app.add_option("--strategy", a.strategy)->check(CLI::IsMember(bench::strategy_names()));
-  app.add_option("--reps", a.reps)->check(CLI::PositiveNumber);
-  app.add_option("--steps", a.steps)->check(CLI::PositiveNumber);
-  app.add_option("--blocks", a.blocks);
-  app.add_option("--d-model", a.d_model);
-  app.add_option("--heads", a.heads);
-  app.add_option("--seq", a.seq);
-  app.add_option("--batch", a.batch);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
-  }
+  bench::CommandLine cli("Cost of the forward-order check and of debug mode");
+  cli.option("--models", &a.models, "overhead64 and/or gpt_mini")
+      .one_of({"overhead64", "gpt_mini"});
+  cli.option("--strategy", &a.strategy).one_of(bench::strategy_keys());
+  cli.option("--reps", &a.reps).positive();
+  cli.option("--steps", &a.steps).positive();
+  cli.option("--blocks", &a.blocks);
+  cli.option("--d-model", &a.d_model);
+  cli.option("--heads", &a.heads);
+  cli.option("--seq", &a.seq);
+  cli.option("--batch", &a.batch);
+  cli.parse(argc, argv);
   return a;
 }
 

@@ -32,8 +32,7 @@
 
 #include <fsdp/fsdp.h>
 
-#include <CLI/CLI.hpp>
-
+#include "bench_cli.h"
 #include "bench_util.h"
 
 #include "detail/torch_compat.h"
@@ -69,25 +68,20 @@ struct Args {
 
 Args parse(int argc, char** argv) {
   Args a;
-  CLI::App app("GPT training step on a GPU: plain LibTorch or libfsdp");
-  app.add_option("--mode", a.mode)
-      ->check(CLI::IsMember({"local", "full_shard", "shard_grad_op", "no_shard"}));
-  app.add_option("--device", a.device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
-  app.add_option("--blocks", a.blocks)->check(CLI::PositiveNumber);
-  app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
-  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
-  app.add_option("--seq", a.seq)->check(CLI::PositiveNumber);
-  app.add_option("--batch", a.batch, "per rank")->check(CLI::PositiveNumber);
-  app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
-  app.add_option("--peak-tflops", a.peak_tflops, "the device's dense peak, for MFU");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
-  }
+  bench::CommandLine cli("GPT training step on a GPU: plain LibTorch or libfsdp");
+  cli.option("--mode", &a.mode).one_of({"local", "full_shard", "shard_grad_op", "no_shard"});
+  cli.option("--device", &a.device).one_of({"auto", "cpu", "cuda"});
+  cli.option("--precision", &a.precision).one_of({"fp32", "bf16"});
+  cli.option("--steps", &a.steps, "timed steps").positive();
+  cli.option("--warmup", &a.warmup, "untimed steps first").non_negative();
+  cli.option("--blocks", &a.blocks).positive();
+  cli.option("--d-model", &a.d_model).positive();
+  cli.option("--heads", &a.heads).positive();
+  cli.option("--seq", &a.seq).positive();
+  cli.option("--batch", &a.batch, "per rank").positive();
+  cli.option("--vocab", &a.vocab).positive();
+  cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
+  cli.parse(argc, argv);
   return a;
 }
 

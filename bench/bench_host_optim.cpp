@@ -29,8 +29,8 @@
 #include <vector>
 
 #include <fsdp/optim/fused.h>
-#include <CLI/CLI.hpp>
 
+#include "bench_cli.h"
 #include "bench_util.h"
 #include "resident_memory.h"
 
@@ -81,14 +81,14 @@ double measured_step(const std::function<void()>& step, std::vector<double>& pea
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"fsdp::optim fused host optimizers against torch::optim"};
+  bench::CommandLine cli("fsdp::optim fused host optimizers against torch::optim");
   int64_t elements = int64_t{64} << 20;
   int count = 8, rounds = 7, threads = 0;
-  app.add_option("--elements", elements, "float32 elements in all shards together");
-  app.add_option("--shards", count, "parameters the elements are split into");
-  app.add_option("--rounds", rounds, "timed rounds");
-  app.add_option("--threads", threads, "intra-op threads (0: LibTorch's default)");
-  CLI11_PARSE(app, argc, argv);
+  cli.option("--elements", &elements, "float32 elements in all shards together");
+  cli.option("--shards", &count, "parameters the elements are split into");
+  cli.option("--rounds", &rounds, "timed rounds");
+  cli.option("--threads", &threads, "intra-op threads (0: LibTorch's default)");
+  cli.parse(argc, argv);
   if (threads > 0) at::set_num_threads(threads);
   torch::NoGradGuard no_grad;
 

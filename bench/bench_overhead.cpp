@@ -32,8 +32,8 @@
 #include <vector>
 
 #include <fsdp/fsdp.h>
-#include <CLI/CLI.hpp>
 
+#include "bench_cli.h"
 #include "bench_util.h"
 #include "overhead_net.h"
 
@@ -61,25 +61,19 @@ int main(int argc, char** argv) {
   int64_t units = 64, width = 32, batch = 4;
   int warmup = 20, rounds = 5, steps = 40;
   std::vector<std::string> modes = {"full_shard", "shard_grad_op", "no_shard"};
-  CLI::App app("Per-unit FSDP overhead above plain LibTorch (64 small units)");
-  app.add_option("--units", units)->check(CLI::PositiveNumber);
-  app.add_option("--width", width)->check(CLI::PositiveNumber);
-  app.add_option("--batch", batch)->check(CLI::PositiveNumber);
-  app.add_option("--warmup", warmup)->check(CLI::NonNegativeNumber);
-  app.add_option("--rounds", rounds)->check(CLI::PositiveNumber);
-  app.add_option("--steps", steps)->check(CLI::PositiveNumber);
-  app.add_option("--modes", modes, "strategies to measure")
-      ->delimiter(',')
-      ->check(CLI::IsMember(strategy_names()));
+  bench::CommandLine cli("Per-unit FSDP overhead above plain LibTorch (64 small units)");
+  cli.option("--units", &units).positive();
+  cli.option("--width", &width).positive();
+  cli.option("--batch", &batch).positive();
+  cli.option("--warmup", &warmup).non_negative();
+  cli.option("--rounds", &rounds).positive();
+  cli.option("--steps", &steps).positive();
+  cli.option("--modes", &modes, "strategies to measure").one_of(bench::strategy_keys());
   bool in_place = false;
-  app.add_flag("--in-place", in_place,
-               "also measure each strategy with units made by fsdp::fully_shard "
-               "(mode in_place_<strategy>), interleaved with the wrappers");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  cli.flag("--in-place", &in_place,
+           "also measure each strategy with units made by fsdp::fully_shard "
+           "(mode in_place_<strategy>), interleaved with the wrappers");
+  cli.parse(argc, argv);
 
   bench::setup_process();
   auto pg = fsdp::init_process_group();

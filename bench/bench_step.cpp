@@ -72,8 +72,7 @@
 
 #include <fsdp/fsdp.h>
 
-#include <CLI/CLI.hpp>
-
+#include "bench_cli.h"
 #include "bench_util.h"
 
 #include "gpt_mini.h"
@@ -145,35 +144,31 @@ int64_t net_tx_bytes() {
 
 Args parse(int argc, char** argv) {
   Args a;
-  CLI::App app("GPT-mini training step: local or FSDP, time and memory per rank");
-  std::vector<std::string> modes = {"local"};
-  for (const auto& kv : bench::strategy_names()) modes.push_back(kv.first);
-  app.add_option("--mode", a.mode)->check(CLI::IsMember(modes));
-  app.add_option("--steps", a.steps, "timed steps")->check(CLI::PositiveNumber);
-  app.add_option("--warmup", a.warmup, "untimed steps first")->check(CLI::NonNegativeNumber);
-  app.add_option("--blocks", a.blocks)->check(CLI::PositiveNumber);
-  app.add_option("--d-model", a.d_model)->check(CLI::PositiveNumber);
-  app.add_option("--heads", a.heads)->check(CLI::PositiveNumber);
-  app.add_option("--seq", a.seq)->check(CLI::PositiveNumber);
-  app.add_option("--batch", a.batch)->check(CLI::PositiveNumber);
-  app.add_option("--vocab", a.vocab)->check(CLI::PositiveNumber);
-  app.add_option("--forward-prefetch", a.forward_prefetch, "0 or 1");
-  app.add_option("--mixed-precision", a.precision)->check(CLI::IsMember({"fp32", "bf16"}));
-  app.add_option("--activation-checkpointing", a.activation_checkpointing,
-                 "0 or 1: recompute each block's activations in backward");
+  bench::CommandLine cli("GPT-mini training step: local or FSDP, time and memory per rank");
+  std::vector<std::string> modes = bench::strategy_keys();
+  modes.insert(modes.begin(), "local");
   std::vector<std::string> prefetches;
   for (const auto& kv : backward_prefetch_names()) prefetches.push_back(kv.first);
-  app.add_option("--backward-prefetch", a.backward_prefetch)->check(CLI::IsMember(prefetches));
-  app.add_option("--in-place", a.in_place,
-                 "0 or 1: units made in place by fsdp::fully_shard on the plain GPT "
-                 "instead of wrappers (a sharded mode)");
-  app.add_option("--comm-only", a.comm_only,
-                 "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    std::exit(app.exit(e));
-  }
+  cli.option("--mode", &a.mode).one_of(modes);
+  cli.option("--steps", &a.steps, "timed steps").positive();
+  cli.option("--warmup", &a.warmup, "untimed steps first").non_negative();
+  cli.option("--blocks", &a.blocks).positive();
+  cli.option("--d-model", &a.d_model).positive();
+  cli.option("--heads", &a.heads).positive();
+  cli.option("--seq", &a.seq).positive();
+  cli.option("--batch", &a.batch).positive();
+  cli.option("--vocab", &a.vocab).positive();
+  cli.option("--forward-prefetch", &a.forward_prefetch, "0 or 1");
+  cli.option("--mixed-precision", &a.precision).one_of({"fp32", "bf16"});
+  cli.option("--activation-checkpointing", &a.activation_checkpointing,
+             "0 or 1: recompute each block's activations in backward");
+  cli.option("--backward-prefetch", &a.backward_prefetch).one_of(prefetches);
+  cli.option("--in-place", &a.in_place,
+             "0 or 1: units made in place by fsdp::fully_shard on the plain GPT "
+             "instead of wrappers (a sharded mode)");
+  cli.option("--comm-only", &a.comm_only,
+             "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
+  cli.parse(argc, argv);
   if (a.in_place && a.mode == "local") {
     std::fprintf(stderr, "bench_step: --in-place 1 needs a sharded --mode\n");
     std::exit(2);

@@ -109,7 +109,7 @@ inline int64_t max_bytes_over_ranks(fsdp::ProcessGroup& pg, int64_t bytes) {
   return static_cast<int64_t>(max_over_ranks(pg, static_cast<double>(bytes)));
 }
 
-/// Sharding strategies by their command-line names (for CLI11 transforms).
+/// Sharding strategies by their command-line names.
 inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
   static const std::map<std::string, fsdp::ShardingStrategy> names = {
       {"full_shard", fsdp::ShardingStrategy::kFullShard},
@@ -118,6 +118,13 @@ inline const std::map<std::string, fsdp::ShardingStrategy>& strategy_names() {
       {"hybrid_shard", fsdp::ShardingStrategy::kHybridShard},
       {"hybrid_shard_zero2", fsdp::ShardingStrategy::kHybridShardZero2}};
   return names;
+}
+
+/// The names strategy_names() knows.
+inline std::vector<std::string> strategy_keys() {
+  std::vector<std::string> keys;
+  for (const auto& kv : strategy_names()) keys.push_back(kv.first);
+  return keys;
 }
 
 /// Bytes of `t`'s elements (0 for an undefined tensor).

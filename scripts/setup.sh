@@ -66,13 +66,25 @@ PY
     return
   fi
   echo "setup: installing torch $version, numpy and safetensors into $venv (a few GiB: the wheel is a CUDA build)"
-  if ! python3 -m venv "$venv" 2>/dev/null; then
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
-    python3 -m venv "$venv"
-  fi
+  python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$version" numpy safetensors
 }
-venv_with_torch "${FSDP_VENV:-.venv}" "$TORCH_VERSION"
-venv_with_torch "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION"
+# Debian's python3 makes venvs only with python3-venv (ensurepip).
+if ! python3 -c "import ensurepip" 2> /dev/null; then
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
+fi
+# Side by side: each install is a minute of one core unpacking wheels, and
+# a fresh machine has two.
+venv_with_torch "${FSDP_VENV:-.venv}" "$TORCH_VERSION" &
+venv_215=$!
+venv_with_torch "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION" &
+venv_211=$!
+venvs_ok=1
+wait "$venv_215" || venvs_ok=0
+wait "$venv_211" || venvs_ok=0
+if ((venvs_ok == 0)); then
+  echo "setup: installing torch failed (pip's message is above); rerun scripts/setup.sh" >&2
+  exit 1
+fi
 
 ./scripts/check_blas.sh || true

@@ -16,10 +16,11 @@
 #           fuzz, cluster: the 2.15 stage runs the cluster tests, ~1.5 min;
 #           under ASan they would add minutes CI has not got; without
 #           sanitizers they pass on 1.13 too, see docs/cluster.md; the fuzz
-#           target links no LibTorch, so one stage runs it) and the full
-#           test_collectives sweep
-#           (103 s under ASan; its paths run in the 2 MiB sweeps and
-#           test_routes).
+#           target links no LibTorch, so one stage runs it), the full
+#           test_collectives sweep (103 s under ASan; its paths run in the
+#           2 MiB sweeps and test_routes) and test_collectives_without_shm
+#           (110 s under ASan: Gloo above the direct-link size, which
+#           test_collectives_without_direct_links runs for every size).
 #   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: only the
 #           comm layer (Note [The comm layer builds alone] in
 #           src/CMakeLists.txt) and the comm tests; those tests but
@@ -113,7 +114,7 @@ fi
 if has_stage 1.13; then
   # Only what these tests run is built (the benchmarks are not).
   args=("$@")
-  if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster|fuzz' -E '^test_collectives$'); fi
+  if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster|fuzz' -E '^test_collectives(_without_shm)?$'); fi
   echo "=== LibTorch 1.13 (sanitizers: ${sanitize_113:-none}): build into build-1.13/ (-Werror: $werror)"
   (build_for_tests 1.13 build-1.13 "$sanitize_113" "${args[@]}") || fail "1.13 build"
   lap "1.13 build"

@@ -32,7 +32,5 @@ out="$("$tmp/prefix/bin/fsdprun" --nproc-per-node 2 "$tmp/build/consumer_app" 2>
 echo "$out"
 grep -q "\[rank0\]: consumer rank 0 counted 2" <<< "$out"
 grep -q "\[rank1\]: consumer rank 1 counted 2" <<< "$out"
-out="$("$tmp/prefix/bin/fsdprun" --nproc-per-node 2 "$tmp/build/consumer_fully_shard" 2>&1)"
-echo "$out"
 grep -q "\[rank0\]: fully_shard app rank 0 saved" <<< "$out"
 grep -q "\[rank1\]: fully_shard app rank 1 saved" <<< "$out"
