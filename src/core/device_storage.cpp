@@ -2,6 +2,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/native/Resize.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorOptions.h>
@@ -48,6 +49,21 @@ void resize_with_allocator(c10::StorageImpl* storage, size_t bytes) {
   }
   storage->set_data_ptr_noswap(std::move(fresh));
   storage->set_nbytes(bytes);
+}
+
+at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
+                       const std::string& owner) {
+  const auto options = at::TensorOptions().dtype(dtype).device(c10::kCPU);
+  if (!pinned) return at::empty({numel}, options);
+  try {
+    return at::empty({numel}, options.pinned_memory(true));
+  } catch (const c10::Error& e) {
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    TORCH_CHECK(false, "fsdp: ", owner, ": could not pin ", bytes,
+                " bytes of host memory for its offloaded shard (", e.what_without_backtrace(),
+                "); raise the locked-memory limit (`ulimit -l`, a container's memlock) or pass "
+                "CPUOffload().pin_memory(false)");
+  }
 }
 
 c10::DispatchKey dense_backend_key(c10::Device device) {

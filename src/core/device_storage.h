@@ -8,11 +8,14 @@
 // resolve_unit_device in runtime/unit_init.h) into every tensor it makes, so a
 // new device is added here, and the CPU path stays the reference.
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/DispatchKey.h>
+#include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
 
 #include <cstddef>
+#include <string>
 
 namespace fsdp::detail {
 
@@ -32,6 +35,12 @@ void resize_storage_bytes(c10::StorageImpl* storage, size_t bytes);
 /// handed back to that allocator. Tested on the CPU, where it behaves as on
 /// any device.
 void resize_with_allocator(c10::StorageImpl* storage, size_t bytes);
+
+/// An uninitialised host tensor of `numel` elements for `owner`'s offloaded
+/// shard (Note [Shards in host memory]), page-locked where `pinned`: memory
+/// that cannot be pinned is an error naming the bytes, the owner and the
+/// setting to change, not LibTorch's bare allocator message.
+at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned, const std::string& owner);
 
 /// The dispatch key of dense tensors on `device` (a placeholder's backend).
 c10::DispatchKey dense_backend_key(c10::Device device);

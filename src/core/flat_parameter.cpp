@@ -101,6 +101,7 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   } else {
     build_shard_directly();
   }
+  if (config.offload_shard()) offload_shard(config.pin_shard());
   shard_.set_requires_grad(any_trainable);
   // Built through the unsharded buffer: free it, unless it is the shard.
   if (frees_unsharded() && state_ == State::kUnsharded) reshard();
@@ -207,6 +208,26 @@ void FlatParameter::use_low_precision(at::ScalarType dtype) {
   for (auto& slot : slots_) bind(slot);
 }
 
+void FlatParameter::offload_shard(bool pinned) {
+  // Note [Shards in host memory]
+  // With CPU offload the shard, and so its gradient and the optimizer's
+  // state, live in host memory (pinned for a GPU: asynchronous copies), the
+  // unsharded buffer on the device. The shard is built on the device as
+  // without offload and copied out once, unit by unit, so at most one
+  // shard of device memory is ever needed for it. Each unshard copies it
+  // back in on the caller's current stream, in the parameters' compute
+  // dtype (begin_unshard), before the all-gather that reads the copy; the
+  // reduced gradient is copied out before it reaches the shard's .grad
+  // (UnitRuntime::full_precision_grad), which waits for the device, so the
+  // optimizer never steps a shard while a copy of it is still pending. On
+  // the CPU the same copies run between host buffers: the reference path.
+  at::Tensor host = detail::host_buffer(shard_numel_, shard_.scalar_type(), pinned, unit_label_);
+  host.copy_(shard_);
+  shard_ = host;
+  offloaded_ = true;
+  pinned_shard_ = pinned;
+}
+
 at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
   return flat.narrow(0, slots_[i].offset, slots_[i].numel);
 }
@@ -220,7 +241,9 @@ void FlatParameter::copy_unsharded_into_shard() {
 }
 
 at::Tensor FlatParameter::new_flat_grad() const {
-  return at::empty({padded_numel_}, shard_.options().dtype(grad_dtype_).requires_grad(false));
+  // On the device, where the parameters' gradients are (not the shard's
+  // host memory under offload).
+  return at::empty({padded_numel_}, unsharded_.options().dtype(grad_dtype_).requires_grad(false));
 }
 
 void FlatParameter::zero_padding(const at::Tensor& flat) const {
@@ -240,13 +263,18 @@ at::Tensor FlatParameter::begin_unshard() {
   resize_unsharded_storage(true);
   point_at_views();
   at::Tensor input = shard_.detach();
-  // The low-precision shard: what is all-gathered (the Work keeps it alive).
-  if (low_precision_) input = input.to(unsharded_.scalar_type());
   if (keep_unsharded_) {
     at::NoGradGuard no_grad;
-    unsharded_.copy_(input);
+    unsharded_.copy_(input, /*non_blocking=*/pinned_shard_);
     state_ = State::kUnsharded;
     return input;
+  }
+  // The low-precision shard, or the offloaded shard's copy on the device:
+  // what is all-gathered (the Work keeps it alive). See Note [Shards in
+  // host memory].
+  if (low_precision_ || offloaded_) {
+    input = input.to(unsharded_.device(), unsharded_.scalar_type(),
+                     /*non_blocking=*/pinned_shard_);
   }
   state_ = State::kUnsharding;
   return input;

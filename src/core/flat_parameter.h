@@ -37,6 +37,12 @@ struct FlatParamConfig {
   /// devices] in core/device_storage.h); every parameter is on it or on the
   /// meta device.
   TORCH_ARG(c10::Device, device) = c10::Device(c10::kCPU);
+  /// The shard (what the optimizer steps) lives in host memory instead of
+  /// on `device`: unsharding copies it to the device, see Note [Shards in
+  /// host memory].
+  TORCH_ARG(bool, offload_shard) = false;
+  /// With offload_shard on a GPU: page-locked host memory.
+  TORCH_ARG(bool, pin_shard) = false;
   /// Dtype of the unsharded flat buffer (see Note [Mixed precision] in
   /// fsdp/core/mixed_precision.h); nullopt: the parameters' dtype.
   TORCH_ARG(c10::optional<at::ScalarType>, param_dtype) = c10::nullopt;
@@ -134,8 +140,13 @@ class FlatParameter {
   /// The unsharded flat buffer (the all-gather output); freed while kSharded.
   const at::Tensor& unsharded() const { return unsharded_; }
   /// False when the unsharded buffer is the shard itself (NO_SHARD in full
-  /// precision): then the FlatParameter stays kUnsharded.
-  bool frees_unsharded() const { return !keep_unsharded_ || low_precision_; }
+  /// precision, on the device): then the FlatParameter stays kUnsharded.
+  bool frees_unsharded() const { return !keep_unsharded_ || low_precision_ || offloaded_; }
+  /// True when shard() lives in host memory apart from the unsharded buffer's
+  /// device (FlatParamConfig::offload_shard).
+  bool offloaded() const { return offloaded_; }
+  /// The device of the unsharded buffer and of new_flat_grad().
+  c10::Device device() const { return unsharded_.device(); }
 
   /// In kUnsharded, where frees_unsharded(): copies this rank's part of the
   /// unsharded buffer into the shard (after the full parameters were
@@ -162,6 +173,7 @@ class FlatParameter {
   void build_through_unsharded(const FlatParamConfig& config);
   void bind(FlatParamSlot& slot);
   void use_low_precision(at::ScalarType dtype);
+  void offload_shard(bool pinned);
   // Point the original parameters at their views of unsharded_, or at their
   // placeholders (made on first use, in unsharded_'s dtype).
   void point_at_views();
@@ -182,6 +194,8 @@ class FlatParameter {
   std::string unit_path_;
   at::Tensor shard_;
   bool low_precision_ = false;
+  bool offloaded_ = false;
+  bool pinned_shard_ = false;  // page-locked: its copies to the device need not block
   at::ScalarType grad_dtype_ = at::kFloat;
 
   State state_ = State::kUnsharded;

@@ -1,4 +1,4 @@
-// Unit methods for mixed precision and deferred initialisation, kept apart
+// Unit methods for mixed precision, CPU offload and deferred initialisation, kept apart
 // from the forward/backward runtime in unit.cpp.
 
 #include <ATen/ATen.h>
@@ -9,9 +9,13 @@
 
 namespace fsdp::detail {
 
-FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) {
+FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init, c10::Device device) {
   FlatParamConfig config;
-  config.keep_unsharded(keeps_unsharded(options_.sharding_strategy()));
+  config.keep_unsharded(keeps_unsharded(options_.sharding_strategy())).device(device);
+  if (const CPUOffload& offload = options_.cpu_offload(); offload.offload_params()) {
+    // See Note [Shards in host memory].
+    config.offload_shard(true).pin_shard(offload.pin_memory() && device.is_cuda());
+  }
   if (const auto& mp = options_.mixed_precision()) {
     config.param_dtype(mp->param_dtype()).reduce_dtype(mp->reduce_dtype());
   }
@@ -24,11 +28,11 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init) {
 
 at::Tensor UnitRuntime::full_precision_grad(const at::Tensor& reduced) const {
   const auto& mp = options_.mixed_precision();
-  if ((mp && mp->keep_low_precision_grads()) ||
-      reduced.scalar_type() == flat_->shard().scalar_type()) {
-    return reduced;
-  }
-  return reduced.to(flat_->shard().scalar_type());
+  const at::Tensor& shard = flat_->shard();
+  const bool keep_dtype = mp && mp->keep_low_precision_grads();
+  // Under CPU offload, into host memory too: a copy the host waits for, so
+  // the optimizer never steps ahead of it (Note [Shards in host memory]).
+  return reduced.to(shard.device(), keep_dtype ? reduced.scalar_type() : shard.scalar_type());
 }
 
 c10::optional<at::ScalarType> UnitRuntime::forward_input_dtype() const {

@@ -194,7 +194,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
     return;
   }
   flat_ = std::make_unique<FlatParameter>(std::move(params), std::move(shard_group),
-                                          flat_param_config(init).device(device));
+                                          flat_param_config(init, device));
   {
     ParamRegistry& r = param_registry();
     std::lock_guard<std::mutex> lock(r.mutex);

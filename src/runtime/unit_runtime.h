@@ -148,7 +148,7 @@ class UnitRuntime final : public ParamUseListener {
   void make_optim_params();
   void assign_reduced_grad(const std::vector<bool>* received);
   // Defined in unit_precision.cpp (mixed precision and deferred init).
-  FlatParamConfig flat_param_config(UnitInit& init);
+  FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
   at::Tensor full_precision_grad(const at::Tensor& reduced) const;
   RootState& root() const;
 

@@ -84,10 +84,12 @@ inline torch::Tensor expected_shard(const FlatParameter& flat, const std::string
 
 // 5 bf16 steps under FULL_SHARD, SHARD_GRAD_OP and NO_SHARD on `device`,
 // each unit's fp32 shard compared with the reference after every step; the
-// bytes FULL_SHARD all-gathered in `*bf16_bytes`.
+// bytes FULL_SHARD all-gathered in `*bf16_bytes`. With `offload`, the fp32
+// shards live in host memory.
 inline void expect_bf16_matches_reference(const std::shared_ptr<ProcessGroup>& group, int rank,
                                           int world, const torch::Device& device,
-                                          int64_t* bf16_bytes) {
+                                          int64_t* bf16_bytes,
+                                          const CPUOffload& offload = CPUOffload()) {
   constexpr int kSteps = 5;
   const auto reference = reference_training(world, kSteps, device);
 
@@ -100,6 +102,7 @@ inline void expect_bf16_matches_reference(const std::shared_ptr<ProcessGroup>& g
                        .process_group(counting)
                        .sharding_strategy(strategy)
                        .mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16))
+                       .cpu_offload(offload)
                        .check_forward_order(false);  // count parameter gathers only
     auto units = auto_wrap(model, module_type_policy<nn::LinearImpl>(), o);
     ASSERT_EQ(units.size(), 3u);
@@ -117,6 +120,8 @@ inline void expect_bf16_matches_reference(const std::shared_ptr<ProcessGroup>& g
         const FlatParameter& flat = *u.unit->flat_param();
         EXPECT_EQ(flat.param_dtype(), torch::kBFloat16);
         EXPECT_EQ(flat.shard().scalar_type(), torch::kFloat) << "full-precision shard";
+        EXPECT_EQ(flat.shard().device(),
+                  offload.offload_params() ? torch::Device(torch::kCPU) : device);
         ASSERT_TRUE(flat.shard().grad().defined());
         EXPECT_EQ(flat.shard().grad().scalar_type(), torch::kFloat);
         const torch::Tensor want = expected_shard(flat, u.path, reference[step]);

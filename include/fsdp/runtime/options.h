@@ -53,6 +53,23 @@ enum class BackwardPrefetch : uint8_t {
 /// The name of a strategy, for messages.
 const char* to_string(ShardingStrategy strategy);
 
+/// Where a unit's sharded state lives between uses (PyTorch FSDP1's
+/// CPUOffload, FSDP2's CPUOffloadPolicy): `fsdp::CPUOffload().offload_params(true)`.
+struct CPUOffload {
+  /// The unit's flat shard, its gradient, and so the optimizer's state for
+  /// it, live in host memory, while the unit gathers and computes on its
+  /// device: each unshard copies the shard to the device first, each reduced
+  /// gradient is copied back, and the optimizer steps on the CPU (as
+  /// PyTorch's, the unit's optimizer must be made for CPU tensors). On a
+  /// unit whose device is the CPU the same copies run between host buffers:
+  /// the results are those without offload.
+  TORCH_ARG(bool, offload_params) = false;
+  /// Page-locked host memory for the shards where the unit's device is a GPU
+  /// (PyTorch FSDP2's pin_memory): faster, asynchronous copies; memory that
+  /// cannot be pinned is an error naming the bytes asked for.
+  TORCH_ARG(bool, pin_memory) = true;
+};
+
 /// Options of an FSDP unit, in LibTorch's style:
 /// `fsdp::FSDPOptions().sharding_strategy(fsdp::ShardingStrategy::kShardGradOp)`.
 struct FSDPOptions {
@@ -101,6 +118,8 @@ struct FSDPOptions {
   /// (an error on every rank when they differ); later iterations warn once
   /// when a rank's order changes. See Note [Forward order].
   TORCH_ARG(bool, check_forward_order) = true;
+  /// See CPUOffload; by default the shards live on the unit's device.
+  TORCH_ARG(CPUOffload, cpu_offload) = {};
   /// See MixedPrecision; nullopt: every unit computes in the model's dtype.
   TORCH_ARG(c10::optional<MixedPrecision>, mixed_precision) = c10::nullopt;
   /// Deferred initialisation (see Note [Deferred initialisation] in

@@ -1,0 +1,176 @@
+// CPU offload (FSDPOptions::cpu_offload, PyTorch's CPUOffload): the shards,
+// their gradients and the optimizer's state in host memory, copied to the
+// unit's device for each unshard and back for each reduced gradient (Note
+// [Shards in host memory]). On the CPU the same copies run between host
+// buffers, so offload must change nothing: AdamW with weight decay against
+// plain LibTorch on the concatenated per-rank batches, and bitwise against
+// the same model without offload, every step, at 1-3 ranks; full state dicts
+// the same as without offload. The GPU's version is in test_cuda_units.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "bf16_parity.h"
+#include "core/flat_parameter.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace test_cpu_offload {
+
+std::vector<Unit*> units_of(torch::nn::Module& model) {
+  std::vector<Unit*> out;
+  for (const auto& m : model.modules()) {
+    if (auto* u = dynamic_cast<Unit*>(m.get())) out.push_back(u);
+  }
+  return out;
+}
+
+torch::optim::AdamW adamw(const std::vector<torch::Tensor>& params) {
+  return torch::optim::AdamW(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+// Trains the same Net three ways on different per-rank batches: plain
+// LibTorch on their concatenation, FSDP with `options`, FSDP with `options`
+// and offload; the offloaded one must match the reference and, bitwise, the
+// one without offload, after every step.
+void train_three_ways(const FSDPOptions& options, const std::string& what) {
+  const int world = rank_and_world().second;
+  const FSDPOptions offload = FSDPOptions(options).cpu_offload(CPUOffload().offload_params(true));
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  FullyShardedDataParallel<NetImpl> on_device(std::make_shared<NetImpl>(true, options), options);
+  torch::manual_seed(0);
+  FullyShardedDataParallel<NetImpl> offloaded(std::make_shared<NetImpl>(true, offload), offload);
+  auto ref_opt = adamw(reference->parameters());
+  auto dev_opt = adamw(on_device->parameters());
+  auto off_opt = adamw(offloaded->parameters());
+  const std::vector<Unit*> dev_units = units_of(*on_device.ptr());
+  const std::vector<Unit*> off_units = units_of(*offloaded.ptr());
+  ASSERT_EQ(off_units.size(), 3u) << what;
+  for (Unit* u : off_units) {
+    const FlatParameter& flat = *u->flat_param();
+    EXPECT_TRUE(flat.offloaded()) << what;
+    EXPECT_TRUE(flat.frees_unsharded()) << what << ": the device buffer is apart from the shard";
+    EXPECT_EQ(flat.state(), FlatParameter::State::kSharded) << what;
+  }
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(1000 + step);
+    const torch::Tensor x = torch::randn({5 * world, 7});
+    const torch::Tensor target = torch::randn({5 * world, 3});
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(x), target).backward();
+    ref_opt.step();
+    for (auto* m : {&on_device, &offloaded}) {
+      (*m)->zero_grad();  // Module::zero_grad, as users write it
+      torch::mse_loss((*m)->forward(local_block(x)), local_block(target)).backward();
+    }
+    dev_opt.step();
+    off_opt.step();
+    for (size_t i = 0; i < off_units.size(); ++i) {
+      const FlatParameter& off = *off_units[i]->flat_param();
+      const FlatParameter& dev = *dev_units[i]->flat_param();
+      // Between uses only the host shard holds the values, NO_SHARD's too.
+      EXPECT_EQ(off.state(), FlatParameter::State::kSharded) << what << " step " << step;
+      EXPECT_TRUE(off.shard().device().is_cpu());
+      EXPECT_NE(off.shard().data_ptr(), off.unsharded().data_ptr());
+      EXPECT_TRUE(torch::equal(off.shard(), dev.shard()))
+          << what << " unit " << i << " step " << step;
+      // (use_orig_params: the gradients are the pieces', compared through
+      // the shards they step.)
+      ASSERT_EQ(off.shard().grad().defined(), dev.shard().grad().defined()) << what;
+      if (dev.shard().grad().defined()) {
+        EXPECT_TRUE(torch::equal(off.shard().grad(), dev.shard().grad()))
+            << what << " unit " << i << " step " << step;
+      }
+    }
+    expect_same_after_step(*offloaded.ptr(), *reference.ptr(), what, step);
+  }
+  // Checkpoints are the same with and without offload.
+  const auto off_state = full_state_dict(*offloaded.ptr());
+  const auto dev_state = full_state_dict(*on_device.ptr());
+  ASSERT_EQ(off_state.size(), dev_state.size()) << what;
+  for (const auto& item : dev_state) {
+    ASSERT_NE(off_state.find(item.key()), nullptr) << what << " " << item.key();
+    EXPECT_TRUE(torch::equal(*off_state.find(item.key()), item.value()))
+        << what << " " << item.key();
+  }
+}
+
+TEST(CpuOffload, TrainsLikePlainLibTorchAndLikeNoOffload) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                            ShardingStrategy::kNoShard}) {
+        train_three_ways(FSDPOptions().sharding_strategy(strategy), to_string(strategy));
+      }
+      train_three_ways(FSDPOptions().use_orig_params(true), "use_orig_params");
+      train_three_ways(FSDPOptions().forward_prefetch(true), "forward_prefetch");
+    });
+  }
+}
+
+// bf16 parameters, fp32 shards in host memory: the same results as plain
+// LibTorch with the same casts (tests/core/bf16_parity.h).
+TEST(CpuOffload, Bf16MixedPrecisionMatchesPlainBf16) {
+  run_ranks_ok(2, [](int rank, int world) {
+    auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    int64_t bf16_bytes = 0;
+    bf16_parity::expect_bf16_matches_reference(group, rank, world, torch::kCPU, &bf16_bytes,
+                                               CPUOffload().offload_params(true));
+    EXPECT_GT(bf16_bytes, 0);
+  });
+}
+
+// no_sync accumulates on the device and reduces once; clip_grad_norm_ sees
+// the host gradients; a full state dict loads back into the offloaded model.
+TEST(CpuOffload, NoSyncClippingAndLoadingBack) {
+  run_ranks_ok(2, [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, offload), offload);
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 2; ++step) {
+      ref_opt.zero_grad();
+      opt.zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        torch::manual_seed(50 + 2 * step + micro);
+        const torch::Tensor x = torch::randn({4 * world, 7});
+        reference->forward(x).pow(2).mean().div(2).backward();
+        const torch::Tensor loss = model->forward(local_block(x)).pow(2).mean().div(2);
+        if (micro == 0) {
+          auto guard = model->no_sync();
+          loss.backward();
+        } else {
+          loss.backward();
+        }
+      }
+      const double want = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+      EXPECT_NEAR(model->clip_grad_norm_(0.05), want, 1e-5 * (1 + want));
+      ref_opt.step();
+      opt.step();
+      expect_same_after_step(*model.ptr(), *reference.ptr(), "no_sync + clipping", step);
+    }
+    auto saved = full_state_dict(*model.ptr());
+    torch::manual_seed(7);
+    FullyShardedDataParallel<NetImpl> fresh(std::make_shared<NetImpl>(true, offload), offload);
+    load_full_state_dict(*fresh.ptr(), saved);
+    for (Unit* u : units_of(*fresh.ptr())) EXPECT_TRUE(u->flat_param()->shard().is_cpu());
+    expect_same_after_step(*fresh.ptr(), *reference.ptr(), "loaded", 2);
+  });
+}
+
+}  // namespace test_cpu_offload
+}  // namespace fsdp::testing
