@@ -53,4 +53,19 @@ class CommandLine {
   std::unique_ptr<Impl> impl_;
 };
 
+/// The training-step benchmarks' common options (--steps, --warmup and the
+/// GPT's shape: --blocks, --d-model, --heads, --seq, --batch, --vocab),
+/// bound to the fields of `a` of those names.
+template <typename StepArgs>
+void add_gpt_step_options(CommandLine& cli, StepArgs& a) {
+  cli.option("--steps", &a.steps, "timed steps").positive();
+  cli.option("--warmup", &a.warmup, "untimed steps first").non_negative();
+  cli.option("--blocks", &a.blocks).positive();
+  cli.option("--d-model", &a.d_model).positive();
+  cli.option("--heads", &a.heads).positive();
+  cli.option("--seq", &a.seq).positive();
+  cli.option("--batch", &a.batch, "per rank").positive();
+  cli.option("--vocab", &a.vocab).positive();
+}
+
 }  // namespace bench

@@ -72,14 +72,7 @@ Args parse(int argc, char** argv) {
   cli.option("--mode", &a.mode).one_of({"local", "full_shard", "shard_grad_op", "no_shard"});
   cli.option("--device", &a.device).one_of({"auto", "cpu", "cuda"});
   cli.option("--precision", &a.precision).one_of({"fp32", "bf16"});
-  cli.option("--steps", &a.steps, "timed steps").positive();
-  cli.option("--warmup", &a.warmup, "untimed steps first").non_negative();
-  cli.option("--blocks", &a.blocks).positive();
-  cli.option("--d-model", &a.d_model).positive();
-  cli.option("--heads", &a.heads).positive();
-  cli.option("--seq", &a.seq).positive();
-  cli.option("--batch", &a.batch, "per rank").positive();
-  cli.option("--vocab", &a.vocab).positive();
+  bench::add_gpt_step_options(cli, a);
   cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
   cli.parse(argc, argv);
   return a;

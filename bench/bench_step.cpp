@@ -150,14 +150,7 @@ Args parse(int argc, char** argv) {
   std::vector<std::string> prefetches;
   for (const auto& kv : backward_prefetch_names()) prefetches.push_back(kv.first);
   cli.option("--mode", &a.mode).one_of(modes);
-  cli.option("--steps", &a.steps, "timed steps").positive();
-  cli.option("--warmup", &a.warmup, "untimed steps first").non_negative();
-  cli.option("--blocks", &a.blocks).positive();
-  cli.option("--d-model", &a.d_model).positive();
-  cli.option("--heads", &a.heads).positive();
-  cli.option("--seq", &a.seq).positive();
-  cli.option("--batch", &a.batch).positive();
-  cli.option("--vocab", &a.vocab).positive();
+  bench::add_gpt_step_options(cli, a);
   cli.option("--forward-prefetch", &a.forward_prefetch, "0 or 1");
   cli.option("--mixed-precision", &a.precision).one_of({"fp32", "bf16"});
   cli.option("--activation-checkpointing", &a.activation_checkpointing,

@@ -104,18 +104,13 @@ void train_three_ways(const FSDPOptions& options, const std::string& what) {
 }
 
 TEST(CpuOffload, TrainsLikePlainLibTorchAndLikeNoOffload) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                            ShardingStrategy::kNoShard}) {
-        train_three_ways(FSDPOptions().sharding_strategy(strategy), to_string(strategy));
-      }
-      train_three_ways(FSDPOptions().use_orig_params(true), "use_orig_params");
-      train_three_ways(FSDPOptions().forward_prefetch(true), "forward_prefetch");
-    });
-  }
+  in_parity_ranks([] {
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      train_three_ways(FSDPOptions().sharding_strategy(strategy), to_string(strategy));
+    }
+    train_three_ways(FSDPOptions().use_orig_params(true), "use_orig_params");
+    train_three_ways(FSDPOptions().forward_prefetch(true), "forward_prefetch");
+  });
 }
 
 // bf16 parameters, fp32 shards in host memory: the same results as plain

@@ -32,22 +32,53 @@ nn::Sequential small_net() {
                         nn::Linear(16, 3));
 }
 
+// small_net() made with seed 0 on `device`: a reference and its twin start
+// with the same weights.
+nn::Sequential seeded_net_on(const torch::Device& device) {
+  torch::manual_seed(0);
+  nn::Sequential net = small_net();
+  net->to(device);
+  return net;
+}
+
+// One step of the GPU parity tests: `reference` (plain LibTorch) on the
+// global batch of `step` (the ranks' batches concatenated), then `model` on
+// this rank's block of it. Returns the caching allocator's bytes in use just
+// before the model's step began; the GPU is synchronised after it.
+template <typename Model>
+int64_t gpu_step(nn::Sequential& reference, torch::optim::Optimizer& ref_opt, Model& model,
+                 torch::optim::Optimizer& opt, int step, const std::string& what) {
+  const int world = rank_and_world().second;
+  torch::manual_seed(100 + step);
+  const torch::Tensor global = torch::randn({5 * world, 7}).to(torch::Device(torch::kCUDA, 0));
+  ref_opt.zero_grad();
+  (reference->forward(global).pow(2).sum() / world).backward();
+  ref_opt.step();
+  torch::cuda::synchronize();
+  const int64_t before = compat::cuda_memory(0).allocated;
+  opt.zero_grad();
+  {
+    const torch::Tensor out = model->forward(local_block(global));
+    EXPECT_TRUE(out.is_cuda()) << what;
+    out.pow(2).sum().backward();
+  }
+  opt.step();
+  torch::cuda::synchronize();
+  return before;
+}
+
 class CudaUnits : public ::testing::TestWithParam<int> {};
 
 TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  run_ranks_ok(GetParam(), [](int, int world) {
+  run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     const torch::Device gpu(torch::kCUDA, 0);
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
       const std::string what = to_string(strategy);
-      torch::manual_seed(0);
-      nn::Sequential reference = small_net();
-      reference->to(gpu);
-      torch::manual_seed(0);
-      nn::Sequential plain = small_net();
-      plain->to(gpu);
+      nn::Sequential reference = seeded_net_on(gpu);
+      nn::Sequential plain = seeded_net_on(gpu);
       FullyShardedDataParallel<nn::SequentialImpl> model(plain,
                                                          FSDPOptions().sharding_strategy(strategy));
       for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_cuda()) << what;
@@ -57,17 +88,7 @@ TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
       std::vector<compat::CudaMemory> after_step;
       for (int step = 0; step < 4; ++step) {
         compat::reset_cuda_peak(0);
-        torch::manual_seed(100 + step);
-        const torch::Tensor global = torch::randn({5 * world, 7}).to(gpu);
-        ref_opt.zero_grad();
-        (reference->forward(global).pow(2).sum() / world).backward();
-        ref_opt.step();
-        opt.zero_grad();
-        const torch::Tensor out = model->forward(local_block(global));
-        EXPECT_TRUE(out.is_cuda()) << what;
-        out.pow(2).sum().backward();
-        opt.step();
-        torch::cuda::synchronize();
+        gpu_step(reference, ref_opt, model, opt, step, what);
         after_step.push_back(compat::cuda_memory(0));
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
       }
@@ -157,12 +178,8 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
       const std::string what = std::string("offload ") + to_string(strategy);
-      torch::manual_seed(0);
-      nn::Sequential reference = small_net();
-      reference->to(gpu);
-      torch::manual_seed(0);
-      nn::Sequential plain = small_net();
-      plain->to(gpu);
+      nn::Sequential reference = seeded_net_on(gpu);
+      nn::Sequential plain = seeded_net_on(gpu);
       FullyShardedDataParallel<nn::SequentialImpl> model(
           plain, FSDPOptions(offload).sharding_strategy(strategy));
       for (const auto& p : model->parameters()) {
@@ -173,21 +190,7 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
                                 torch::optim::SGDOptions(0.1).momentum(0.9));
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       for (int step = 0; step < 4; ++step) {
-        torch::manual_seed(100 + step);
-        const torch::Tensor global = torch::randn({5 * world, 7}).to(gpu);
-        ref_opt.zero_grad();
-        (reference->forward(global).pow(2).sum() / world).backward();
-        ref_opt.step();
-        torch::cuda::synchronize();
-        const int64_t before = compat::cuda_memory(0).allocated;
-        opt.zero_grad();
-        {
-          const torch::Tensor out = model->forward(local_block(global));
-          EXPECT_TRUE(out.is_cuda()) << what;
-          out.pow(2).sum().backward();
-        }
-        opt.step();
-        torch::cuda::synchronize();
+        const int64_t before = gpu_step(reference, ref_opt, model, opt, step, what);
         EXPECT_EQ(compat::cuda_memory(0).allocated, before) << what << " step " << step;
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
       }

@@ -13,6 +13,7 @@
 
 #include "detail/torch_compat.h"
 #include "multi_rank.h"
+#include "seed_ports.h"
 #include "test_models.h"
 
 namespace fsdp::testing {
@@ -73,13 +74,18 @@ TORCH_MODULE(SeedModel);
 
 using Root = FullyShardedDataParallel<SeedModelImpl>;
 
-Root wrap(ShardingStrategy strategy) {
+// `device` other than the CPU: the units' device_id, which moves the model
+// built on the CPU there.
+Root wrap(ShardingStrategy strategy, const torch::Device& device = torch::kCPU) {
   torch::manual_seed(0);  // the same model on every rank
-  const auto o = FSDPOptions().sharding_strategy(strategy);
+  auto o = FSDPOptions().sharding_strategy(strategy);
+  if (!device.is_cpu()) o.device_id(device);
   return Root(SeedModel(o), o);
 }
 
-void train_step(Root& model) { model->forward(torch::randn({8, 5})).sum().backward(); }
+void train_step(Root& model, const torch::Device& device = torch::kCPU) {
+  model->forward(torch::randn({8, 5}).to(device)).sum().backward();
+}
 
 std::vector<std::string> with_prefix(const std::vector<std::string>& messages,
                                      const std::string& prefix) {
@@ -93,18 +99,18 @@ std::vector<std::string> with_prefix(const std::vector<std::string>& messages,
 // Every rank runs its forward and expects the agreement error, naming what
 // each rank was about to do.
 void expect_first_iteration_error(int rank, int world, Path others,
-                                  const std::vector<std::string>& expected_parts) {
+                                  const std::vector<std::string>& expected_parts,
+                                  const torch::Device& device = torch::kCPU) {
   init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-  for (auto strategy :
-       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
-    Root model = wrap(strategy);
+  for (const ShardingStrategy strategy : parity_strategies()) {
+    Root model = wrap(strategy, device);
     if (rank != 0) {
       if (others == Path::kAlternate) model->module().flip_path();
       if (others == Path::kNone) model->module().path = Path::kNone;
     }
     torch::manual_seed(100 + rank);
     try {
-      train_step(model);
+      train_step(model, device);
       ADD_FAILURE() << to_string(strategy) << ": no error on rank " << rank;
     } catch (const c10::Error& e) {
       const std::string msg = e.what_without_backtrace();
@@ -120,22 +126,27 @@ void expect_first_iteration_error(int rank, int world, Path others,
   EXPECT_EQ(t.item<float>(), static_cast<float>(world));
 }
 
-TEST(ExecOrder, DifferentUnitInFirstIterationIsAnErrorOnEveryRank) {
-  run_ranks_ok(2, [](int rank, int world) {
-    expect_first_iteration_error(rank, world, Path::kAlternate,
+}  // namespace test_exec_order
+
+void check_first_iteration_order_error(const torch::Device& device, int world) {
+  using namespace test_exec_order;
+  run_ranks_ok(world, [device](int rank, int ranks) {
+    expect_first_iteration_error(rank, ranks, Path::kAlternate,
                                  {"rank 0 was about to all-gather unit `layer1`",
-                                  "rank 1 was about to all-gather unit "
-                                  "`layer2`"});
+                                  ranks == 2 ? "rank 1 was about to all-gather unit `layer2`"
+                                             : "ranks 1, 2 were about to all-gather unit `layer2`"},
+                                 device);
   });
 }
 
+namespace test_exec_order {
+
+TEST(ExecOrder, DifferentUnitInFirstIterationIsAnErrorOnEveryRank) {
+  check_first_iteration_order_error(torch::kCPU, 2);
+}
+
 TEST(ExecOrder, DifferentUnitInFirstIterationThreeRanks) {
-  run_ranks_ok(3, [](int rank, int world) {
-    expect_first_iteration_error(rank, world, Path::kAlternate,
-                                 {"rank 0 was about to all-gather unit `layer1`",
-                                  "ranks 1, 2 were about to all-gather "
-                                  "unit `layer2`"});
-  });
+  check_first_iteration_order_error(torch::kCPU, 3);
 }
 
 // A rank that runs fewer units would otherwise wait in a backward collective

@@ -15,6 +15,7 @@
 #include <fsdp/fsdp.h>
 
 #include "multi_rank.h"
+#include "seed_ports.h"
 #include "test_models.h"
 
 namespace fsdp::testing {
@@ -104,17 +105,19 @@ void freeze_by_requires_grad(SeedModel& model) {
   for (auto& p : model->trunk_parameters()) p.set_requires_grad(false);
 }
 
-// Trains 3 steps, with FSDP on this rank's block of the global batch, else on
-// all of it; returns the full parameters (gathered when wrapped) after each.
-std::vector<ParamSnapshot> train(const Combo& c, bool with_fsdp) {
+// Trains 3 steps on `device`, with FSDP on this rank's block of the global
+// batch, else on all of it; returns the full parameters (gathered when
+// wrapped) after each.
+std::vector<ParamSnapshot> train(const Combo& c, bool with_fsdp, const torch::Device& device) {
   const int world = rank_and_world().second;
   torch::manual_seed(0);
-  const torch::Tensor images = torch::randn({2 * world, 3, 16, 16});
-  const torch::Tensor labels = torch::arange(2 * world, torch::kLong) % 10;
+  const torch::Tensor images = torch::randn({2 * world, 3, 16, 16}).to(device);
+  const torch::Tensor labels = (torch::arange(2 * world, torch::kLong) % 10).to(device);
   const torch::Tensor batch = batch_for(images, with_fsdp);
   const torch::Tensor target = batch_for(labels, with_fsdp);
   const auto options = FSDPOptions().forward_prefetch(c.forward_prefetch);
   SeedModel model(c.nested_trunk, c.disable_autograd);
+  model->to(device);  // as the seed's model.cuda(), before wrapping
   if (with_fsdp && c.freeze_after_wrap) model->fsdp_wrap(options);
   if (c.freezing == Freezing::kRequiresGrad) freeze_by_requires_grad(model);
   std::function<torch::Tensor(torch::Tensor)> forward = [&](torch::Tensor x) {
@@ -146,10 +149,13 @@ std::vector<ParamSnapshot> train(const Combo& c, bool with_fsdp) {
   return history;
 }
 
-TEST(FreezingWeights, AllCombinationsMatchPlainTraining) {
+}  // namespace test_freezing_weights
+
+void check_freezing_weights(const torch::Device& device) {
+  using namespace test_freezing_weights;
   for (const int world : parity_world_sizes()) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
+    run_ranks_ok(world, [device](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       int checked = 0;
@@ -159,8 +165,8 @@ TEST(FreezingWeights, AllCombinationsMatchPlainTraining) {
             for (bool no_grad : {true, false}) {
               for (bool prefetch : {true, false}) {
                 const Combo c{nested, freezing, after, no_grad, prefetch};
-                const auto expected = train(c, /*with_fsdp=*/false);
-                const auto actual = train(c, /*with_fsdp=*/true);
+                const auto expected = train(c, /*with_fsdp=*/false, device);
+                const auto actual = train(c, /*with_fsdp=*/true, device);
                 expect_same_history(actual, expected, c.name(),
                                     /*check_requires_grad=*/freezing == Freezing::kRequiresGrad);
                 ++checked;
@@ -173,6 +179,10 @@ TEST(FreezingWeights, AllCombinationsMatchPlainTraining) {
     });
   }
 }
+
+namespace test_freezing_weights {
+
+TEST(FreezingWeights, AllCombinationsMatchPlainTraining) { check_freezing_weights(torch::kCPU); }
 
 }  // namespace test_freezing_weights
 }  // namespace fsdp::testing

@@ -19,6 +19,7 @@
 #include "core/flat_parameter.h"
 #include "error_of.h"
 #include "multi_rank.h"
+#include "seed_ports.h"
 #include "test_models.h"
 
 namespace fsdp::testing {
@@ -150,9 +151,10 @@ void compare_train_compare(Root& fsdp_model, nn::Module& regular,
   torch::optim::SGD meta_opt(fsdp_model->parameters(), torch::optim::SGDOptions(0.1));
   torch::optim::SGD regular_opt(regular.parameters(), torch::optim::SGDOptions(0.1));
   const int world = rank_and_world().second;
+  const torch::Device device = regular.parameters().front().device();
   for (int step = 0; step < 3; ++step) {
     torch::manual_seed(5 + step);  // the same global batch on every rank
-    const torch::Tensor global = torch::randn({4 * world, 2});
+    const torch::Tensor global = torch::randn({4 * world, 2}).to(device);
     meta_opt.zero_grad();
     regular_opt.zero_grad();
     fsdp_model->forward(local_block(global)).sum().backward();
@@ -173,15 +175,25 @@ torch::nn::Sequential as_sequential(const std::shared_ptr<nn::SequentialImpl>& i
   return torch::nn::Sequential(impl);
 }
 
-TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) {
+// Units materialise meta models on `device` (PyTorch's device_id).
+FSDPOptions options_on(const torch::Device& device) {
+  FSDPOptions o;
+  if (!device.is_cpu()) o.device_id(device);
+  return o;
+}
+
+}  // namespace test_meta_init
+
+void check_meta_init_simple(const torch::Device& device) {
+  using namespace test_meta_init;
   for (const int world : parity_world_sizes()) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
+    run_ranks_ok(world, [device](int, int) {
       const auto group = start_rank();
       for (const bool with_fn : {false, true}) {
         const std::string label = with_fn ? "param_init_fn" : "default init";
         InitFn init;
-        FSDPOptions o;
+        FSDPOptions o = options_on(device);
         if (with_fn) o.param_init_fn(init.fn());
 
         // Every module a unit (always_wrap).
@@ -193,7 +205,7 @@ TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) {
         FullyShardedDataParallel<MyModelImpl> fsdp_meta(meta, o);
         EXPECT_FALSE(any_meta(*fsdp_meta)) << label;
         if (with_fn) EXPECT_EQ(*init.calls, 3) << "once per module with meta state";
-        MyModel regular(torch::kCPU);
+        MyModel regular(device);
         reset_all(*regular);
         compare_train_compare(
             fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); },
@@ -204,7 +216,7 @@ TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) {
         MyModel meta2(torch::kMeta);
         FullyShardedDataParallel<MyModelImpl> fsdp_meta2(meta2, o);
         if (with_fn) EXPECT_EQ(*init.calls, 3);
-        MyModel regular2(torch::kCPU);
+        MyModel regular2(device);
         reset_all(*regular2);
         compare_train_compare(
             fsdp_meta2, *regular2, [&](torch::Tensor x) { return regular2->forward(x); },
@@ -215,17 +227,18 @@ TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) {
   }
 }
 
-TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
+void check_meta_init_nested(const torch::Device& device) {
+  using namespace test_meta_init;
   for (const int world : parity_world_sizes()) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
+    run_ranks_ok(world, [device](int, int) {
       const auto group = start_rank();
       for (const bool with_fn : {false, true}) {
         for (const bool auto_wrapped : {true, false}) {
           const std::string label = std::string(with_fn ? "param_init_fn" : "default init") +
                                     (auto_wrapped ? ", auto_wrap" : ", enable_wrap");
           InitFn init;
-          FSDPOptions o;
+          FSDPOptions o = options_on(device);
           if (with_fn) o.param_init_fn(init.fn());
           FullyShardedDataParallel<NestedModelImpl> fsdp_meta{nullptr};
           if (auto_wrapped) {
@@ -242,7 +255,7 @@ TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
           }
           EXPECT_FALSE(any_meta(*fsdp_meta)) << label;
           if (with_fn) EXPECT_EQ(*init.calls, 5) << label;
-          NestedModel regular(torch::kCPU, /*use_wrap=*/false);
+          NestedModel regular(device, /*use_wrap=*/false);
           reset_all(*regular);
           compare_train_compare(
               fsdp_meta, *regular, [&](torch::Tensor x) { return regular->forward(x); }, label);
@@ -252,6 +265,12 @@ TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) {
     });
   }
 }
+
+namespace test_meta_init {
+
+TEST(MetaInit, SimpleModelDefaultInitAndParamInitFn) { check_meta_init_simple(torch::kCPU); }
+
+TEST(MetaInit, NestedModelAutoWrapAndEnableWrap) { check_meta_init_nested(torch::kCPU); }
 
 TEST(MetaInit, EmptyParamInitFnIsRejected) {
   run_ranks_ok(2, [](int, int) {

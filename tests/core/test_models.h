@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.h>
+
+#include "multi_rank.h"
 
 namespace fsdp::testing {
 
@@ -107,6 +111,26 @@ inline torch::Tensor batch_for(const torch::Tensor& global, bool sharded) {
 inline const std::vector<int>& parity_world_sizes() {
   static const std::vector<int> sizes = {1, 2, 3};
   return sizes;
+}
+
+/// The strategies the parity tests train with (hybrid sharding has tests of
+/// its own).
+inline const std::vector<ShardingStrategy>& parity_strategies() {
+  static const std::vector<ShardingStrategy> strategies = {
+      ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
+  return strategies;
+}
+
+/// Runs `body` in the ranks of every parity world size, each with one
+/// intra-op thread and the default process group: the parity tests' frame.
+inline void in_parity_ranks(const std::function<void()>& body) {
+  for (const int world : parity_world_sizes()) {
+    run_ranks_ok(world, [&body](int, int) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      body();
+    });
+  }
 }
 
 /// Parity after one step: gathers `model`'s full parameters and compares

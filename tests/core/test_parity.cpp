@@ -59,23 +59,18 @@ void train_and_compare(const FSDPOptions& options, const std::string& optimizer,
 }
 
 TEST(Parity, StrategiesWorldSizesOptimizers) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                            ShardingStrategy::kNoShard}) {
-        for (const char* optimizer : {"sgd", "adam"}) {
-          train_and_compare(FSDPOptions().sharding_strategy(strategy), optimizer, 5);
-        }
+  in_parity_ranks([] {
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      for (const char* optimizer : {"sgd", "adam"}) {
+        train_and_compare(FSDPOptions().sharding_strategy(strategy), optimizer, 5);
       }
-      // Prefetching changes when parameters are gathered, never the result.
-      for (auto backward : {BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPost}) {
-        train_and_compare(FSDPOptions().forward_prefetch(true).backward_prefetch(backward), "adam",
-                          5);
-      }
-    });
-  }
+    }
+    // Prefetching changes when parameters are gathered, never the result.
+    for (auto backward : {BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPost}) {
+      train_and_compare(FSDPOptions().forward_prefetch(true).backward_prefetch(backward), "adam",
+                        5);
+    }
+  });
 }
 
 TEST(Parity, FullShardHoldsOnlyShardsBetweenUses) {

@@ -51,17 +51,12 @@ void compare(ShardingStrategy strategy, bool adam) {
 }
 
 TEST(TransformerParity, SmallGptAllStrategies) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                            ShardingStrategy::kNoShard}) {
-        compare(strategy, /*adam=*/true);
-        compare(strategy, /*adam=*/false);
-      }
-    });
-  }
+  in_parity_ranks([] {
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      compare(strategy, /*adam=*/true);
+      compare(strategy, /*adam=*/false);
+    }
+  });
 }
 
 }  // namespace test_transformer_parity
