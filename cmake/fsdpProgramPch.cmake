@@ -5,7 +5,7 @@
 # <torch/torch.h> on its own, 40-60 s of a core at -O2 (bench_step 60 s,
 # getting_started 39 s). They share one precompiled <torch/torch.h> instead,
 # built once with their own options: not the tests' (Note [Test build time]
-# in tests/CMakeLists.txt), which are -O1, since the benchmarks' figures come
+# in tests/CMakeLists.txt), which are -Og, since the benchmarks' figures come
 # from these builds. FSDP_PCH=OFF compiles without.
 
 # Compiles TARGET (a program that links fsdp) with the programs' precompiled

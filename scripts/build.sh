@@ -6,6 +6,8 @@
 #   scripts/build.sh --torch 2.11    against pip's torch 2.11 in .venv-2.11/, into build-2.11/
 #   scripts/build.sh [--torch V] TARGET...   only those targets (and what they need)
 #   scripts/build.sh [--torch V] --configure-only   configures, builds nothing
+#   scripts/build.sh [--torch V] --build-only TARGET...   builds a configured folder
+#                                    without configuring it again (6-15 s saved)
 #   scripts/build.sh ... -DNAME=VALUE ...   that CMake setting too (FSDP_UNITY_BUILD=OFF)
 # FSDP_TORCH (2.15, 2.11 or 1.13) may stand for --torch, FSDP_BUILD_DIR for the
 # folder, FSDP_VENV (FSDP_VENV_211) for the virtual environment. ccache is used
@@ -18,9 +20,12 @@ if [[ ${1:-} == --torch ]]; then
   TORCH="$2"
   shift 2
 fi
-configure_only=0
+configure_only=0 build_only=0
 if [[ ${1:-} == --configure-only ]]; then
   configure_only=1
+  shift
+elif [[ ${1:-} == --build-only ]]; then
+  build_only=1
   shift
 fi
 targets=()
@@ -61,6 +66,6 @@ if command -v ccache >/dev/null; then
   export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
 fi
 
-cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}" "${settings[@]}"
+if ((build_only == 0)); then cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}" "${settings[@]}"; fi
 if ((configure_only)); then exit 0; fi
 cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}"

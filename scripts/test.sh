@@ -6,8 +6,10 @@
 #   2.15    pip's torch 2.15 (the primary target) into build/; every ctest test.
 #   2.11    pip's torch 2.11 (.venv-2.11/, an older wheel users have, which
 #           exports libstdc++'s std::filesystem: Note [libstdc++ before
-#           LibTorch]) into build-2.11/: the library and what the core, state
-#           and launch tests run (std_bindings among them); those tests.
+#           LibTorch]) into build-2.11/, at -O1 (its tests check behaviour,
+#           not speed; -O3 costs a fifth more of this stage's compiling): the
+#           library and what the core, state and launch tests run
+#           (std_bindings among them); those tests.
 #   1.13    Debian's LibTorch 1.13 into build-1.13/ with AddressSanitizer and
 #           UndefinedBehaviorSanitizer (FSDP_TEST_SANITIZE_113, default
 #           "address,undefined"; empty for a plain build), only what its tests
@@ -69,17 +71,18 @@ fail() {
   failed+=("$1")
 }
 has_stage() { [[ " $stages " == *" $1 "* ]]; }
-# build_for_tests TORCH DIR SANITIZERS CTEST_ARGS...: configures DIR, then
-# builds only the executables that the selected tests run, and what they link
-# (all of libfsdp, or for the comm tests its comm layer: Note [The comm layer
-# builds alone] in src/CMakeLists.txt).
+# build_for_tests TORCH DIR SANITIZERS OPTIMISATION CTEST_ARGS...: configures
+# DIR (Release at OPTIMISATION, e.g. -O3), then builds only the executables
+# that the selected tests run, and what they link (all of libfsdp, or for the
+# comm tests its comm layer: Note [The comm layer builds alone] in
+# src/CMakeLists.txt).
 build_for_tests() {
-  local torch="$1" dir="$2" sanitize="$3" targets
-  shift 3
+  local torch="$1" dir="$2" sanitize="$3" opt="$4" targets
+  shift 4
   export FSDP_WERROR=$werror FSDP_SANITIZE=$sanitize FSDP_BUILD_DIR=$dir
-  ./scripts/build.sh --torch "$torch" --configure-only &&
+  ./scripts/build.sh --torch "$torch" --configure-only "-DCMAKE_CXX_FLAGS_RELEASE=$opt -DNDEBUG" &&
     mapfile -t targets < <(./scripts/ctest_targets.sh "$dir" "$@") &&
-    ./scripts/build.sh --torch "$torch" "${targets[@]}"
+    ./scripts/build.sh --torch "$torch" --build-only "${targets[@]}"
 }
 
 if has_stage format; then
@@ -104,7 +107,7 @@ if has_stage 2.11; then
   args=("$@")
   if (($# == 0)); then args=(-L 'core|state|launch'); fi
   echo "=== LibTorch 2.11: build into build-2.11/ (-Werror: $werror)"
-  (build_for_tests 2.11 build-2.11 "" "${args[@]}") || fail "2.11 build"
+  (build_for_tests 2.11 build-2.11 "" -O1 "${args[@]}") || fail "2.11 build"
   lap "2.11 build"
   echo "=== LibTorch 2.11: tests"
   ctest -j "$jobs" --test-dir build-2.11 --output-on-failure "${args[@]}" || fail "2.11 tests"
@@ -116,7 +119,7 @@ if has_stage 1.13; then
   args=("$@")
   if (($# == 0)); then args=(-LE 'faults|interop|bench|cluster|fuzz' -E '^test_collectives(_without_shm)?$'); fi
   echo "=== LibTorch 1.13 (sanitizers: ${sanitize_113:-none}): build into build-1.13/ (-Werror: $werror)"
-  (build_for_tests 1.13 build-1.13 "$sanitize_113" "${args[@]}") || fail "1.13 build"
+  (build_for_tests 1.13 build-1.13 "$sanitize_113" -O3 "${args[@]}") || fail "1.13 build"
   lap "1.13 build"
   echo "=== LibTorch 1.13: tests"
   (
@@ -130,7 +133,7 @@ if has_stage tsan; then
   # Not the full sweeps (see the header).
   tsan_args=(-L comm -LE faults -E '^test_collectives(_over_links)?$')
   echo "=== ThreadSanitizer (LibTorch 2.15): build the comm tests into build-tsan/"
-  (build_for_tests 2.15 build-tsan thread "${tsan_args[@]}") || fail "tsan build"
+  (build_for_tests 2.15 build-tsan thread -O3 "${tsan_args[@]}") || fail "tsan build"
   lap "tsan build"
   echo "=== ThreadSanitizer: tests"
   (
