@@ -18,6 +18,7 @@
 #include "bf16_parity.h"
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
+#include "parity_ranks.h"
 #include "test_models.h"
 
 namespace fsdp::testing {

@@ -5,16 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <chrono>
-#include <functional>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.h>
-
-#include "multi_rank.h"
 
 namespace fsdp::testing {
 
@@ -119,18 +115,6 @@ inline const std::vector<ShardingStrategy>& parity_strategies() {
   static const std::vector<ShardingStrategy> strategies = {
       ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard};
   return strategies;
-}
-
-/// Runs `body` in the ranks of every parity world size, each with one
-/// intra-op thread and the default process group: the parity tests' frame.
-inline void in_parity_ranks(const std::function<void()>& body) {
-  for (const int world : parity_world_sizes()) {
-    run_ranks_ok(world, [&body](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      body();
-    });
-  }
 }
 
 /// Parity after one step: gathers `model`'s full parameters and compares

@@ -14,6 +14,7 @@
 
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
+#include "parity_ranks.h"
 #include "test_models.h"
 
 namespace fsdp::testing {

@@ -10,6 +10,7 @@
 
 #include "gpt_mini.h"
 #include "multi_rank.h"
+#include "parity_ranks.h"
 #include "test_models.h"
 
 namespace fsdp::testing {
