@@ -218,7 +218,7 @@ void FlatParameter::offload_shard(bool pinned) {
   // back in on the caller's current stream, in the parameters' compute
   // dtype (begin_unshard), before the all-gather that reads the copy; the
   // reduced gradient is copied out before it reaches the shard's .grad
-  // (UnitRuntime::full_precision_grad), which waits for the device, so the
+  // (UnitRuntime::grad_for_shard), which waits for the device, so the
   // optimizer never steps a shard while a copy of it is still pending. On
   // the CPU the same copies run between host buffers: the reference path.
   at::Tensor host = detail::host_buffer(shard_numel_, shard_.scalar_type(), pinned, unit_label_);

@@ -145,8 +145,6 @@ class FlatParameter {
   /// True when shard() lives in host memory apart from the unsharded buffer's
   /// device (FlatParamConfig::offload_shard).
   bool offloaded() const { return offloaded_; }
-  /// The device of the unsharded buffer and of new_flat_grad().
-  c10::Device device() const { return unsharded_.device(); }
 
   /// In kUnsharded, where frees_unsharded(): copies this rank's part of the
   /// unsharded buffer into the shard (after the full parameters were

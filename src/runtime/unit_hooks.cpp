@@ -367,7 +367,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received) {
 }
 
 void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
-  grad_shard_ = full_precision_grad(grad_shard_);  // see Note [Mixed precision]
+  grad_shard_ = grad_for_shard(grad_shard_);  // Note [Mixed precision], [Shards in host memory]
   if (!options_.use_orig_params()) {
     // No rank got a gradient: the shard's .grad stays as it was.
     if (received == nullptr || (*received)[0]) {

@@ -26,7 +26,7 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init, c10::Device devic
   return config;
 }
 
-at::Tensor UnitRuntime::full_precision_grad(const at::Tensor& reduced) const {
+at::Tensor UnitRuntime::grad_for_shard(const at::Tensor& reduced) const {
   const auto& mp = options_.mixed_precision();
   const at::Tensor& shard = flat_->shard();
   const bool keep_dtype = mp && mp->keep_low_precision_grads();

@@ -147,9 +147,11 @@ class UnitRuntime final : public ParamUseListener {
   void register_grad_hooks();
   void make_optim_params();
   void assign_reduced_grad(const std::vector<bool>* received);
-  // Defined in unit_precision.cpp (mixed precision and deferred init).
+  // Defined in unit_precision.cpp (mixed precision, CPU offload, deferred init).
   FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
-  at::Tensor full_precision_grad(const at::Tensor& reduced) const;
+  // The reduced gradient as the shard's .grad takes it: in the shard's dtype
+  // (unless keep_low_precision_grads) and in the shard's memory.
+  at::Tensor grad_for_shard(const at::Tensor& reduced) const;
   RootState& root() const;
 
   // Constant after init().

@@ -24,14 +24,6 @@
 namespace fsdp::testing {
 namespace test_cpu_offload {
 
-std::vector<Unit*> units_of(torch::nn::Module& model) {
-  std::vector<Unit*> out;
-  for (const auto& m : model.modules()) {
-    if (auto* u = dynamic_cast<Unit*>(m.get())) out.push_back(u);
-  }
-  return out;
-}
-
 torch::optim::AdamW adamw(const std::vector<torch::Tensor>& params) {
   return torch::optim::AdamW(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
 }

@@ -109,6 +109,15 @@ inline const std::vector<int>& parity_world_sizes() {
   return sizes;
 }
 
+/// The units among `model`'s modules (itself included), in registration order.
+inline std::vector<Unit*> units_of(torch::nn::Module& model) {
+  std::vector<Unit*> out;
+  for (const auto& m : model.modules()) {
+    if (auto* u = dynamic_cast<Unit*>(m.get())) out.push_back(u);
+  }
+  return out;
+}
+
 /// The strategies the parity tests train with (hybrid sharding has tests of
 /// its own).
 inline const std::vector<ShardingStrategy>& parity_strategies() {

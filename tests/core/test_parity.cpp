@@ -80,13 +80,7 @@ TEST(Parity, FullShardHoldsOnlyShardsBetweenUses) {
     torch::manual_seed(0);
     auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard);
     FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
-    auto units = [&] {
-      std::vector<Unit*> out;
-      for (const auto& m : model->modules()) {
-        if (auto* u = dynamic_cast<Unit*>(m.get())) out.push_back(u);
-      }
-      return out;
-    }();
+    const std::vector<Unit*> units = units_of(*model.ptr());
     ASSERT_EQ(units.size(), 3u);  // root, block, fc1 (registration order; forward runs fc1 first)
     for (Unit* u : units) EXPECT_EQ(u->flat_param()->state(), FlatParameter::State::kSharded);
     torch::Tensor loss = model->forward(global_batch(0, 4)).sum();
