@@ -58,6 +58,9 @@ Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
       std::make_shared<gpt_mini::GPTImpl>(model_config(config, corpus.vocab.size()), options),
       options);
   build_optimizer();
+  // A model that cannot train here fails now, on every rank, with the bytes
+  // (Note [Memory plan]), not with an out-of-memory error in backward.
+  fsdp::check_memory(*model_.ptr(), optimizer_.get());
 }
 
 void Trainer::build_optimizer() {

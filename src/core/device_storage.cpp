@@ -7,7 +7,15 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorOptions.h>
 
+#if FSDP_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
 #include <algorithm>
+
+#include "detail/torch_compat.h"
+#include "memory/host_available.h"
 
 namespace fsdp::detail {
 
@@ -64,6 +72,24 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
                 "); raise the locked-memory limit (`ulimit -l`, a container's memlock) or pass "
                 "CPUOffload().pin_memory(false)");
   }
+}
+
+int64_t device_free_bytes(c10::Device device) {
+  if (device.is_cpu()) return host_available_bytes();
+#if FSDP_WITH_CUDA
+  if (device.is_cuda() && unit_device_supported(device)) {
+    const c10::cuda::CUDAGuard guard(device);
+    size_t free = 0;
+    size_t total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      (void)cudaGetLastError();  // leave no sticky error for LibTorch's next call
+      return -1;
+    }
+    const compat::CudaMemory held = compat::cuda_memory(device.index());
+    return static_cast<int64_t>(free) + (held.reserved - held.allocated);
+  }
+#endif
+  return -1;
 }
 
 c10::DispatchKey dense_backend_key(c10::Device device) {

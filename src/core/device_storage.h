@@ -15,6 +15,7 @@
 #include <c10/core/StorageImpl.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace fsdp::detail {
@@ -41,6 +42,11 @@ void resize_with_allocator(c10::StorageImpl* storage, size_t bytes);
 /// that cannot be pinned is an error naming the bytes, the owner and the
 /// setting to change, not LibTorch's bare allocator message.
 at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned, const std::string& owner);
+
+/// Bytes `device` can still provide: for a GPU, the driver's free memory plus
+/// what the CUDA caching allocator holds unused; for the CPU, the host's
+/// available memory (memory/host_available.h). -1 when unknown.
+int64_t device_free_bytes(c10::Device device);
 
 /// The dispatch key of dense tensors on `device` (a placeholder's backend).
 c10::DispatchKey dense_backend_key(c10::Device device);

@@ -20,9 +20,6 @@ namespace test_misuse {
 
 namespace nn = torch::nn;
 
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
-
 struct TwoLayerImpl : nn::Module {
   explicit TwoLayerImpl(const FSDPOptions& o) {
     plain = nn::Linear(6, 6);

@@ -18,3 +18,8 @@ inline std::string error_of(const std::function<void()>& fn) {
 }
 
 }  // namespace fsdp::testing
+
+/// A gtest failure, showing `haystack`, unless it contains `needle` (the
+/// including file includes <gtest/gtest.h>).
+#define EXPECT_CONTAINS(haystack, needle) \
+  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << (haystack)
