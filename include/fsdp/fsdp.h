@@ -17,6 +17,7 @@
 #include <fsdp/optim/fused.h>
 #include <fsdp/runtime/memory_plan.h>
 #include <fsdp/runtime/options.h>
+#include <fsdp/runtime/reduced_grad_hooks.h>
 #include <fsdp/runtime/unit.h>
 #include <fsdp/state/checkpoint.h>
 #include <fsdp/state/state_dict.h>

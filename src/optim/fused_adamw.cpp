@@ -49,49 +49,58 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, AdamWParamState& s,
 }  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  return detail::step_each_parameter<AdamWOptions>(
-      param_groups_, closure, "FusedAdamW",
+  return detail::step_rest<AdamWOptions>(param_groups_, closure, "FusedAdamW", backward_steps_,
+                                         [this](at::Tensor& p, const at::Tensor& grad,
+                                                const AdamWOptions& o) { step_param(p, grad, o); });
+}
+
+void FusedAdamW::step_during_backward(torch::nn::Module& model) {
+  backward_steps_ = detail::attach_backward_steps<AdamWOptions>(
+      param_groups_, "FusedAdamW", model,
       [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
-        auto& slot = state_[compat::optim_state_key(state_, p)];
-        if (!slot) {
-          auto fresh = std::make_unique<AdamWParamState>();
-          fresh->step(0);
-          fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-          fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-          if (o.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-          slot = std::move(fresh);
-        }
-        auto& s = static_cast<AdamWParamState&>(*slot);
-        s.step(s.step() + 1);
-        const double beta1 = std::get<0>(o.betas());
-        const double beta2 = std::get<1>(o.betas());
-        const double bias_correction1 = 1 - std::pow(beta1, s.step());
-        const double bias_correction2 = 1 - std::pow(beta2, s.step());
-        const auto copy_it = low_precision_copies_.find(p.unsafeGetTensorImpl());
-        const at::Tensor* copy =
-            copy_it != low_precision_copies_.end() ? &copy_it->second : nullptr;
-        if (!fusable(p, grad, s)) {
-          if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
-          reference_step(p, grad, s, o, bias_correction1, bias_correction2);
-          if (copy != nullptr) copy->view(p.sizes()).copy_(p);
-          return;
-        }
-        detail::AdamWCoefficients c;
-        c.decay = o.weight_decay() != 0;
-        c.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
-        c.beta1 = static_cast<float>(beta1);
-        c.one_minus_beta1 = static_cast<float>(1 - beta1);
-        c.beta2 = static_cast<float>(beta2);
-        c.one_minus_beta2 = static_cast<float>(1 - beta2);
-        c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
-        c.eps = static_cast<float>(o.eps());
-        c.neg_step_size = static_cast<float>(-o.lr() / bias_correction1);
-        float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() : nullptr;
-        detail::fused_adamw(p.data_ptr<float>(), grad.data_ptr<float>(),
-                            s.exp_avg().data_ptr<float>(), s.exp_avg_sq().data_ptr<float>(), vmax,
-                            copy != nullptr ? copy->data_ptr() : nullptr,
-                            copy != nullptr ? copy->scalar_type() : at::kFloat, p.numel(), c);
+        step_param(p, grad, o);
       });
+}
+
+void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
+  auto& slot = state_[compat::optim_state_key(state_, p)];
+  if (!slot) {
+    auto fresh = std::make_unique<AdamWParamState>();
+    fresh->step(0);
+    fresh->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    fresh->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    if (o.amsgrad()) fresh->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+    slot = std::move(fresh);
+  }
+  auto& s = static_cast<AdamWParamState&>(*slot);
+  s.step(s.step() + 1);
+  const double beta1 = std::get<0>(o.betas());
+  const double beta2 = std::get<1>(o.betas());
+  const double bias_correction1 = 1 - std::pow(beta1, s.step());
+  const double bias_correction2 = 1 - std::pow(beta2, s.step());
+  const auto copy_it = low_precision_copies_.find(p.unsafeGetTensorImpl());
+  const at::Tensor* copy = copy_it != low_precision_copies_.end() ? &copy_it->second : nullptr;
+  if (!fusable(p, grad, s)) {
+    if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
+    reference_step(p, grad, s, o, bias_correction1, bias_correction2);
+    if (copy != nullptr) copy->view(p.sizes()).copy_(p);
+    return;
+  }
+  detail::AdamWCoefficients c;
+  c.decay = o.weight_decay() != 0;
+  c.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
+  c.beta1 = static_cast<float>(beta1);
+  c.one_minus_beta1 = static_cast<float>(1 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(o.eps());
+  c.neg_step_size = static_cast<float>(-o.lr() / bias_correction1);
+  float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() : nullptr;
+  detail::fused_adamw(p.data_ptr<float>(), grad.data_ptr<float>(), s.exp_avg().data_ptr<float>(),
+                      s.exp_avg_sq().data_ptr<float>(), vmax,
+                      copy != nullptr ? copy->data_ptr() : nullptr,
+                      copy != nullptr ? copy->scalar_type() : at::kFloat, p.numel(), c);
 }
 
 void FusedAdamW::set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy) {

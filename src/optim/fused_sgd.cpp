@@ -37,38 +37,48 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, SGDParamState* s, con
 }  // namespace
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
-  return detail::step_each_parameter<SGDOptions>(
-      param_groups_, closure, "FusedSGD",
+  return detail::step_rest<SGDOptions>(param_groups_, closure, "FusedSGD", backward_steps_,
+                                       [this](at::Tensor& p, const at::Tensor& grad,
+                                              const SGDOptions& o) { step_param(p, grad, o); });
+}
+
+void FusedSGD::step_during_backward(torch::nn::Module& model) {
+  backward_steps_ = detail::attach_backward_steps<SGDOptions>(
+      param_groups_, "FusedSGD", model,
       [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
-        SGDParamState* s = nullptr;
-        bool first = false;
-        if (o.momentum() != 0) {
-          auto& slot = state_[compat::optim_state_key(state_, p)];
-          if (!slot) {
-            slot = std::make_unique<SGDParamState>();
-            first = true;
-          }
-          s = static_cast<SGDParamState*>(slot.get());
-          first = first || !s->momentum_buffer().defined();
-        }
-        const int64_t n = p.numel();
-        const bool fused = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
-                           (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
-        if (!fused) {
-          reference_step(p, grad, s, o);
-          return;
-        }
-        if (first) s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
-        detail::SGDCoefficients c;
-        c.weight_decay = static_cast<float>(o.weight_decay());
-        c.momentum = static_cast<float>(o.momentum());
-        c.one_minus_dampening = static_cast<float>(1 - o.dampening());
-        c.neg_lr = static_cast<float>(-1 * o.lr());
-        c.nesterov = o.nesterov();
-        c.first = first;
-        float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() : nullptr;
-        detail::fused_sgd(p.data_ptr<float>(), grad.data_ptr<float>(), buf, n, c);
+        step_param(p, grad, o);
       });
+}
+
+void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
+  SGDParamState* s = nullptr;
+  bool first = false;
+  if (o.momentum() != 0) {
+    auto& slot = state_[compat::optim_state_key(state_, p)];
+    if (!slot) {
+      slot = std::make_unique<SGDParamState>();
+      first = true;
+    }
+    s = static_cast<SGDParamState*>(slot.get());
+    first = first || !s->momentum_buffer().defined();
+  }
+  const int64_t n = p.numel();
+  const bool fused = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+                     (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
+  if (!fused) {
+    reference_step(p, grad, s, o);
+    return;
+  }
+  if (first) s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
+  detail::SGDCoefficients c;
+  c.weight_decay = static_cast<float>(o.weight_decay());
+  c.momentum = static_cast<float>(o.momentum());
+  c.one_minus_dampening = static_cast<float>(1 - o.dampening());
+  c.neg_lr = static_cast<float>(-1 * o.lr());
+  c.nesterov = o.nesterov();
+  c.first = first;
+  float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() : nullptr;
+  detail::fused_sgd(p.data_ptr<float>(), grad.data_ptr<float>(), buf, n, c);
 }
 
 }  // namespace fsdp::optim

@@ -4,7 +4,12 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/optimizer.h>
 
+#include <memory>
+#include <string>
+#include <unordered_set>
 #include <vector>
+
+#include "optim/backward_steps.h"
 
 namespace fsdp::detail {
 
@@ -40,6 +45,49 @@ torch::Tensor step_each_parameter(std::vector<torch::optim::OptimizerParamGroup>
     }
   }
   return loss;
+}
+
+/// step_each_parameter for an optimizer that may step during backward:
+/// waits for `steps` (when set) and updates only what it did not step (Note
+/// [Stepping beside backward]).
+template <typename Options, typename Update>
+torch::Tensor step_rest(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        const torch::optim::Optimizer::LossClosure& closure, const char* name,
+                        const std::shared_ptr<BackwardSteps>& steps, Update&& update) {
+  std::unordered_set<const c10::TensorImpl*> done;
+  if (steps) {
+    TORCH_CHECK(closure == nullptr, "fsdp::optim::", name,
+                "::step: no closure while stepping during backward (its backward would step "
+                "again); call step() without one, or make a new optimizer");
+    done = steps->take_stepped();
+  }
+  return step_each_parameter<Options>(groups, closure, name,
+                                      [&](at::Tensor& p, const at::Tensor& grad, const Options& o) {
+                                        if (done.count(p.unsafeGetTensorImpl()) == 0)
+                                          update(p, grad, o);
+                                      });
+}
+
+/// The BackwardSteps of an optimizer's step_during_backward(model): each
+/// handed-over parameter is updated by `update` with its group's options.
+template <typename Options, typename Update>
+std::shared_ptr<BackwardSteps> attach_backward_steps(
+    std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name,
+    torch::nn::Module& model, Update update) {
+  auto steps = std::make_shared<BackwardSteps>(
+      std::string("fsdp::optim::") + name + "::step_during_backward",
+      [&groups, update](at::Tensor& param) {
+        for (auto& group : groups) {
+          for (auto& p : group.params()) {
+            if (p.is_same(param)) {
+              update(p, p.grad(), static_cast<const Options&>(group.options()));
+              return;
+            }
+          }
+        }
+      });
+  steps->attach(model);
+  return steps;
 }
 
 }  // namespace fsdp::detail

@@ -142,6 +142,35 @@ void RootState::limit_reductions_in_flight(const Work& work) {
   }
 }
 
+// Note [Steps during backward]
+// An optimizer that steps unit by unit while backward goes on (fsdp::optim's
+// step_during_backward; on a GPU with CPU offload, the host's optimizer
+// beside the GPU's backward) needs each unit's reduced gradient in .grad as
+// soon as it is final. A unit's gradient is final before the end of
+// backward when nothing the end-of-backward agreement decides can change it
+// (Note [Parameters without gradients]): its reduction was launched during
+// backward (Note [Reduction order]) and this rank got a gradient for its flat
+// shard, or for every trainable piece with use_orig_params; then every rank
+// counts it received. So, with reduced-gradient hooks installed, each launch
+// delivers the earlier launches whose collective has finished, in launch
+// order, on the thread that runs backward: it waits for nothing (a finished
+// collective's Work; the in-flight limit has waited for the oldest anyway),
+// sets .grad as the end of backward would, and tells the hooks, which hand
+// the step to a thread of their own. The rest is delivered at the end of
+// backward, as before. A unit delivered early still counts as reduced in the
+// agreement, so the collectives stay the same on every rank. Without hooks
+// nothing changes. Values are the same as a step after backward: the same
+// gradients, the same per-parameter updates; only when they happen differs.
+void RootState::deliver_finished_reductions(UnitRuntime& unit) {
+  if (unit.grad_hooks_ == nullptr) return;
+  if (unit.can_deliver_early()) early_deliveries_.push_back(&unit);
+  while (!early_deliveries_.empty() && early_deliveries_.front()->grad_work_.is_completed()) {
+    UnitRuntime* next = early_deliveries_.front();
+    early_deliveries_.pop_front();
+    next->deliver_early();
+  }
+}
+
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
   if (forward_in_progress()) settle_forward(nullptr);
@@ -155,6 +184,7 @@ void RootState::end_of_backward() {
   }
   reduction_order_.clear();
   reductions_launched_ = 0;
+  early_deliveries_.clear();  // what did not finish in time is delivered below
   for (UnitRuntime* unit : units_) unit->finish_reduction();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
   for (size_t i = 0; i < units_.size(); ++i) {
@@ -209,7 +239,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   for (const UnitRuntime* unit : units_) {
     if (!unit->flat_) continue;
     const auto& filled = unit->slot_filled_;
-    const bool reduced = static_cast<bool>(unit->grad_work_);
+    const bool reduced = static_cast<bool>(unit->grad_work_) || unit->delivered_early_;
     if (unit->options_.use_orig_params()) {
       for (size_t i = 0; i < grad_flags(*unit); ++i) {
         *w++ = reduced && i < filled.size() && filled[i] ? 1 : 0;

@@ -179,6 +179,11 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
              ". Pass the largest global gradient norm to allow");
   FSDP_CHECK(norm_type > 0, -1, "clip_grad_norm_", "expected a positive norm_type, got ", norm_type,
              ". Pass 2.0 (Euclidean), 1.0, or INFINITY");
+  const ReducedGradHooks* hooks = runtime_ ? runtime_->grad_hooks() : nullptr;
+  FSDP_CHECK(hooks == nullptr, -1, "clip_grad_norm_", hooks ? hooks->owner : "",
+             " steps each unit as soon as backward has reduced its gradient, so clipping after "
+             "backward comes too late and would change gradients already stepped; turn that off "
+             "to clip, or clip nothing");
   const bool inf = std::isinf(norm_type);
   // Sharded gradients are disjoint pieces (reduced over the group);
   // NO_SHARD gradients are whole copies (counted once, locally).

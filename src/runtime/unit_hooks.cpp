@@ -51,6 +51,7 @@ void UnitRuntime::abandon_iteration() {
   TORCH_INTERNAL_ASSERT(state_ != State::kIdle);
   state_ = State::kIdle;
   grads_ready_ = 0;
+  delivered_early_ = false;
 }
 
 void UnitRuntime::unshard_async() { pending_gather_ = all_gather_unit(*flat_); }
@@ -93,6 +94,9 @@ void UnitRuntime::pre_forward() {
 void UnitRuntime::begin_forward_state() {
   if (root_ != nullptr) root_->release_kept();  // Note [The first unit of backward stays gathered]
   if (state_ != State::kIdle) abandon_iteration();
+  if (is_root() && grad_hooks_ && grad_hooks_->before_forward) {
+    grad_hooks_->before_forward();  // See Note [Steps during backward].
+  }
   transition(State::kForward);
   if (is_root()) {
     root().exec_order().begin_forward(self_->is_training());
@@ -316,6 +320,38 @@ void UnitRuntime::launch_grad_reduction() {
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
   reshard();
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
+  if (root_ != nullptr) root_->deliver_finished_reductions(*this);
+}
+
+bool UnitRuntime::can_deliver_early() const {
+  if (!grad_hooks_ || !require_sync_ || !grad_work_ || slot_filled_.empty()) return false;
+  // Only what the end-of-backward agreement cannot change (Note [Parameters
+  // without gradients]): a flat shard that got some gradient here, or
+  // pieces that all got theirs here.
+  const auto& slots = flat_->slots();
+  bool any = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const bool filled = i < slot_filled_.size() && slot_filled_[i];
+    any = any || filled;
+    if (options_.use_orig_params() && slots[i].param.requires_grad() && !filled) return false;
+  }
+  return any;
+}
+
+void UnitRuntime::deliver_early() {
+  FSDP_RECORD("deliver_reduced_grad", path_);
+  grad_work_.block_current_stream();
+  std::vector<bool> received(std::max<size_t>(flat_->slots().size(), 1), true);
+  if (options_.use_orig_params()) {
+    for (size_t i = 0; i < received.size(); ++i) {
+      received[i] = i < slot_filled_.size() && slot_filled_[i];
+    }
+  }
+  const std::vector<at::Tensor> assigned = assign_reduced_grad(&received);
+  grad_work_ = Work();
+  grad_shard_ = at::Tensor();
+  delivered_early_ = true;
+  if (!assigned.empty()) grad_hooks_->on_reduced(assigned);
 }
 
 void UnitRuntime::warn_unused_slots() {
@@ -356,7 +392,11 @@ void UnitRuntime::finish_reduction() {
 
 void UnitRuntime::finish_backward(const std::vector<bool>* received) {
   if (require_sync_) {
-    if (grad_work_) assign_reduced_grad(received);
+    if (grad_work_) {
+      const std::vector<at::Tensor> assigned = assign_reduced_grad(received);
+      if (grad_hooks_ && !assigned.empty()) grad_hooks_->on_reduced(assigned);
+    }
+    delivered_early_ = false;
     grad_work_ = Work();
     grad_shard_ = at::Tensor();
     flat_grad_ = at::Tensor();
@@ -366,14 +406,16 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received) {
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }
 
-void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
+std::vector<at::Tensor> UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
   grad_shard_ = grad_for_shard(grad_shard_);  // Note [Mixed precision], [Shards in host memory]
+  std::vector<at::Tensor> assigned;
   if (!options_.use_orig_params()) {
     // No rank got a gradient: the shard's .grad stays as it was.
     if (received == nullptr || (*received)[0]) {
       accumulate_reduced_grad(optim_params_[0], grad_shard_);
+      assigned.push_back(optim_params_[0]);
     }
-    return;
+    return assigned;
   }
   const int64_t begin = flat_->shard_offset();
   for (size_t i = 0; i < optim_params_.size(); ++i) {
@@ -384,7 +426,9 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
     const int64_t lo = std::max(begin, slot.offset);
     accumulate_reduced_grad(
         piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
+    assigned.push_back(piece);
   }
+  return assigned;
 }
 
 }  // namespace fsdp::detail

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <fsdp/comm/work.h>
+#include <fsdp/runtime/reduced_grad_hooks.h>
 #include <fsdp/runtime/unit.h>
 
 #include "core/flat_parameter.h"
@@ -94,6 +95,12 @@ class UnitRuntime final : public ParamUseListener {
   void zero_optim_grads(bool set_to_none);
   c10::optional<at::ScalarType> forward_input_dtype() const;
 
+  /// See fsdp::set_reduced_grad_hooks; null removes them.
+  void set_grad_hooks(std::shared_ptr<const ReducedGradHooks> hooks) {
+    grad_hooks_ = std::move(hooks);
+  }
+  const ReducedGradHooks* grad_hooks() const { return grad_hooks_.get(); }
+
  private:
   friend class RootState;
   void transition(Unit::TrainingState to);
@@ -146,7 +153,14 @@ class UnitRuntime final : public ParamUseListener {
       const std::string& where, int rank);
   void register_grad_hooks();
   void make_optim_params();
-  void assign_reduced_grad(const std::vector<bool>* received);
+  // Sets the optimizer tensors' .grad from the reduced shard; returns the
+  // tensors it set.
+  std::vector<at::Tensor> assign_reduced_grad(const std::vector<bool>* received);
+  // Whether this backward's reduction, launched during backward, can reach
+  // .grad before the end of backward (Note [Steps during backward]).
+  bool can_deliver_early() const;
+  // Waits for the reduction, sets .grad, tells the hooks.
+  void deliver_early();
   // Defined in unit_precision.cpp (mixed precision, CPU offload, deferred init).
   FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
   // The reduced gradient as the shard's .grad takes it: in the shard's dtype
@@ -203,6 +217,11 @@ class UnitRuntime final : public ParamUseListener {
   at::Tensor grad_shard_;  // reduce-scatter output
   Work grad_work_;         // pending reduce-scatter / all-reduce
   Work pending_gather_;    // the all-gather started by unshard_async()
+  // This backward's reduced gradient reached .grad before the end of
+  // backward (deliver_early); finish_backward has nothing left to set.
+  bool delivered_early_ = false;
+  // See fsdp::set_reduced_grad_hooks.
+  std::shared_ptr<const ReducedGradHooks> grad_hooks_;
 };
 
 }  // namespace fsdp::detail

@@ -1,9 +1,15 @@
 #pragma once
 
+#include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <memory>
 #include <unordered_map>
+
+namespace fsdp::detail {
+class BackwardSteps;  // src/optim/backward_steps.h
+}  // namespace fsdp::detail
 
 namespace fsdp::optim {
 
@@ -28,8 +34,21 @@ class FusedAdamW : public torch::optim::AdamW {
   /// when the parameters live in host memory. An undefined `copy` stops it.
   void set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy);
 
+  /// From the next backward on, steps each FSDP unit of `model` (the wrapped
+  /// root) as soon as backward has reduced its gradient, on a thread of its
+  /// own while backward goes on (Note [Steps during backward] in
+  /// src/runtime/root_state.cpp); step() then waits for those steps and
+  /// steps what no unit handed over. The results are step()'s. Call step()
+  /// after every backward (accumulate inside model->no_sync()), and before
+  /// reading the optimizer's state; clip_grad_norm_ is refused, step()'s
+  /// closure too.
+  void step_during_backward(torch::nn::Module& model);
+
  private:
+  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::AdamWOptions& o);
+
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> low_precision_copies_;
+  std::shared_ptr<detail::BackwardSteps> backward_steps_;
 };
 
 /// torch::optim::SGD (momentum, dampening, Nesterov, weight decay) with a
@@ -40,6 +59,14 @@ class FusedSGD : public torch::optim::SGD {
 
   /// One SGD step over every parameter that has a gradient.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// As FusedAdamW::step_during_backward.
+  void step_during_backward(torch::nn::Module& model);
+
+ private:
+  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o);
+
+  std::shared_ptr<detail::BackwardSteps> backward_steps_;
 };
 
 }  // namespace fsdp::optim

@@ -1,0 +1,107 @@
+#include "optim/backward_steps.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <utility>
+
+#include <fsdp/runtime/reduced_grad_hooks.h>
+
+#include "detail/error.h"
+
+// See Note [Stepping beside backward] in backward_steps.h.
+
+namespace fsdp::detail {
+
+BackwardSteps::BackwardSteps(std::string owner, StepOne step_one)
+    : owner_(std::move(owner)), step_one_(std::move(step_one)) {}
+
+BackwardSteps::~BackwardSteps() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void BackwardSteps::attach(torch::nn::Module& model) {
+  // The hooks hold the optimizer's half weakly: an optimizer destroyed
+  // before its model leaves hooks that do nothing.
+  std::weak_ptr<BackwardSteps> self = shared_from_this();
+  ReducedGradHooks hooks;
+  hooks.owner = owner_;
+  hooks.on_reduced = [self](const std::vector<at::Tensor>& params) {
+    if (auto steps = self.lock()) steps->hand_over(params);
+  };
+  hooks.before_forward = [self] {
+    if (auto steps = self.lock()) steps->before_forward();
+  };
+  set_reduced_grad_hooks(model, hooks);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+}
+
+void BackwardSteps::hand_over(const std::vector<at::Tensor>& params) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const at::Tensor& p : params) {
+      // before_forward() refuses a second iteration without step().
+      TORCH_INTERNAL_ASSERT(stepped_.insert(p.unsafeGetTensorImpl()).second, owner_,
+                            ": a parameter handed over twice in one backward");
+    }
+    queue_.push_back(params);
+  }
+  changed_.notify_all();
+}
+
+void BackwardSteps::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [this] { return queue_.empty() && !busy_; });
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+}
+
+void BackwardSteps::before_forward() {
+  wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Every rank's backward handed over the same units by its end, so every
+  // rank fails here alike, before any collective of this forward.
+  FSDP_CHECK(stepped_.empty(), -1, owner_,
+             "a forward began after a backward whose gradients were stepped, with no step() "
+             "in between; stepping during backward makes each backward one optimizer step: "
+             "call step() after every backward, before the next forward, and accumulate "
+             "gradients over several backwards inside model->no_sync()");
+}
+
+std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {
+  wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(stepped_, {});
+}
+
+void BackwardSteps::run() {
+  at::init_num_threads();  // the intra-op thread count set for LibTorch
+  torch::NoGradGuard no_grad;
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopping, and nothing left
+    std::vector<at::Tensor> batch = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    try {
+      for (at::Tensor& p : batch) step_one_(p);
+    } catch (...) {
+      lock.lock();
+      if (!error_) error_ = std::current_exception();
+      lock.unlock();
+    }
+    lock.lock();
+    busy_ = false;
+    changed_.notify_all();
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,70 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+namespace fsdp::detail {
+
+// Note [Stepping beside backward]
+// The optimizer's half of Note [Steps during backward] (runtime/root_state.cpp):
+// FSDP hands over each unit's parameters once their reduced gradient is in
+// .grad, on the thread that runs backward; this class queues them for a
+// worker thread of its own, which steps them with the optimizer's own
+// per-parameter update (on LibTorch's intra-op threads, without grad mode),
+// so backward goes on meanwhile. step() waits for the worker, then steps
+// only what was not handed over; the root's next forward waits for it too,
+// so no shard is read while it is written. One step() per backward: a
+// forward after a backward that handed parameters over, with no step() in
+// between, is an error on every rank before any collective (accumulation
+// belongs inside no_sync(), which hands over nothing).
+class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
+ public:
+  /// Steps one parameter from its .grad as the optimizer's step() does.
+  using StepOne = std::function<void(at::Tensor& param)>;
+
+  /// `owner` names the optimizer's method in messages.
+  BackwardSteps(std::string owner, StepOne step_one);
+  /// Lets the worker finish its queue, then stops it.
+  ~BackwardSteps();
+  BackwardSteps(const BackwardSteps&) = delete;
+  BackwardSteps& operator=(const BackwardSteps&) = delete;
+
+  /// Installs the reduced-gradient hooks on `model`'s units.
+  void attach(torch::nn::Module& model);
+  /// Waits until every handed-over parameter is stepped; rethrows the first
+  /// error the worker met.
+  void wait();
+  /// The root's forward begins: wait(), and refuse it while the last
+  /// backward's steps were not taken by step() (an error on every rank).
+  void before_forward();
+  /// wait(), then the parameters stepped since the last call (forgotten).
+  std::unordered_set<const c10::TensorImpl*> take_stepped();
+
+ private:
+  void hand_over(const std::vector<at::Tensor>& params);
+  void run();
+
+  const std::string owner_;
+  const StepOne step_one_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::vector<at::Tensor>> queue_;
+  bool busy_ = false;  // the worker is stepping a batch it took off queue_
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::unordered_set<const c10::TensorImpl*> stepped_;
+  std::thread worker_;
+};
+
+}  // namespace fsdp::detail

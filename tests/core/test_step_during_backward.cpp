@@ -1,0 +1,201 @@
+// fsdp::optim's step_during_backward (Note [Steps during backward], Note
+// [Stepping beside backward]): each unit is stepped on a thread of its own as
+// soon as backward has reduced its gradient. Only when the steps happen may
+// differ: against the same optimizer stepping after backward the shards are
+// bitwise equal after every step, and both match plain LibTorch on the
+// concatenated per-rank batches, at 1-3 ranks, for every strategy,
+// use_orig_params and CPU offload. Units are handed over before backward
+// ends; misuse (two backwards per step, clipping) is a clear error; no_sync
+// accumulation works as without it.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "core/flat_parameter.h"
+#include "error_of.h"
+#include "multi_rank.h"
+#include "parity_ranks.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace test_step_during_backward {
+
+using Model = FullyShardedDataParallel<NetImpl>;
+
+Model make_model(const FSDPOptions& options) {
+  torch::manual_seed(0);
+  return Model(std::make_shared<NetImpl>(true, options), options);
+}
+
+torch::optim::AdamWOptions adamw_options() {
+  return torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+}
+
+// A user's step: zero_grad on the module, forward, backward, step.
+template <typename Wrapped>
+void user_step(Wrapped& model, torch::optim::Optimizer& opt, const torch::Tensor& x,
+               const torch::Tensor& target) {
+  model->zero_grad();
+  torch::mse_loss(model->forward(x), target).backward();
+  opt.step();
+}
+
+void expect_equal_shards(Model& a, Model& b, const std::string& what) {
+  const std::vector<Unit*> ua = units_of(*a.ptr());
+  const std::vector<Unit*> ub = units_of(*b.ptr());
+  ASSERT_EQ(ua.size(), ub.size());
+  for (size_t i = 0; i < ua.size(); ++i) {
+    EXPECT_TRUE(torch::equal(ua[i]->flat_param()->shard(), ub[i]->flat_param()->shard()))
+        << what << ": unit " << i;
+  }
+}
+
+// Plain LibTorch, FSDP stepping after backward, FSDP stepping during it.
+template <typename Optimizer, typename Options>
+void train_three_ways(const FSDPOptions& options, const Options& opt_options,
+                      const std::string& what) {
+  const int world = rank_and_world().second;
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  Model after = make_model(options);
+  Model during = make_model(options);
+  Optimizer ref_opt(reference->parameters(), opt_options);
+  Optimizer after_opt(after->parameters(), opt_options);
+  Optimizer during_opt(during->parameters(), opt_options);
+  during_opt.step_during_backward(*during.ptr());
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(1000 + step);
+    const torch::Tensor x = torch::randn({5 * world, 7});
+    const torch::Tensor target = torch::randn({5 * world, 3});
+    user_step(reference, ref_opt, x, target);
+    user_step(after, after_opt, local_block(x), local_block(target));
+    user_step(during, during_opt, local_block(x), local_block(target));
+    expect_equal_shards(during, after, what + " step " + std::to_string(step));
+    expect_same_after_step(*during.ptr(), *reference.ptr(), what, step);
+  }
+}
+
+TEST(StepDuringBackward, StepsLikeTheSameOptimizerAfterBackward) {
+  in_parity_ranks([] {
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      train_three_ways<optim::FusedAdamW>(FSDPOptions().sharding_strategy(strategy),
+                                          adamw_options(), to_string(strategy));
+    }
+    train_three_ways<optim::FusedAdamW>(FSDPOptions().use_orig_params(true), adamw_options(),
+                                        "use_orig_params");
+    train_three_ways<optim::FusedAdamW>(
+        FSDPOptions().cpu_offload(CPUOffload().offload_params(true)), adamw_options(),
+        "cpu_offload");
+    train_three_ways<optim::FusedSGD>(
+        FSDPOptions(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01),
+        "FusedSGD with momentum");
+  });
+}
+
+// The hooks the optimizers use: every unit's shard is handed over once per
+// backward, and at one rank (whose reductions finish at once) some before
+// backward ends. The root unit's reduction is launched last and delivered at
+// the end of backward, first of all units there: a unit handed over while
+// the root's shard has no gradient yet was handed over during backward.
+TEST(StepDuringBackward, HandsOverEachUnitOnceSomeBeforeBackwardEnds) {
+  for (const int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int world) {
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      Model model = make_model(FSDPOptions());
+      const std::vector<Unit*> units = units_of(*model.ptr());
+      const at::Tensor& root_shard = units.front()->flat_param()->shard();
+      std::vector<const c10::TensorImpl*> handed;
+      int early = 0;
+      ReducedGradHooks hooks;
+      hooks.owner = "test";
+      hooks.on_reduced = [&](const std::vector<at::Tensor>& params) {
+        for (const at::Tensor& p : params) {
+          EXPECT_TRUE(p.grad().defined());
+          handed.push_back(p.unsafeGetTensorImpl());
+        }
+        early += !params.front().is_same(root_shard) && !root_shard.grad().defined() ? 1 : 0;
+      };
+      set_reduced_grad_hooks(*model.ptr(), hooks);
+      for (int step = 0; step < 2; ++step) {
+        handed.clear();
+        early = 0;
+        model->zero_grad(/*set_to_none=*/true);
+        model->forward(torch::randn({4, 7})).pow(2).sum().backward();
+        EXPECT_EQ(handed.size(), units.size()) << "step " << step;
+        for (Unit* unit : units) {
+          EXPECT_EQ(std::count(handed.begin(), handed.end(),
+                               unit->flat_param()->shard().unsafeGetTensorImpl()),
+                    1);
+        }
+        if (world == 1) EXPECT_GE(early, 1) << "step " << step;
+      }
+      EXPECT_CONTAINS(error_of([&] { model->clip_grad_norm_(1.0); }),
+                      "test steps each unit as soon as backward has reduced its gradient");
+      set_reduced_grad_hooks(*model.ptr(), ReducedGradHooks());  // removes them
+      model->clip_grad_norm_(1.0);
+    });
+  }
+}
+
+TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    Model after = make_model(FSDPOptions());
+    Model during = make_model(FSDPOptions());
+    optim::FusedAdamW after_opt(after->parameters(), adamw_options());
+    optim::FusedAdamW during_opt(during->parameters(), adamw_options());
+    during_opt.step_during_backward(*during.ptr());
+    // Accumulating over micro-batches inside no_sync hands nothing over
+    // until the last backward: the same as stepping after backward.
+    for (int step = 0; step < 2; ++step) {
+      for (Model* m : {&after, &during}) {
+        (*m)->zero_grad();
+        {
+          auto guard = (*m)->no_sync();
+          torch::manual_seed(50 + step);
+          (*m)->forward(torch::randn({3, 7})).pow(2).sum().backward();
+        }
+        torch::manual_seed(60 + step);
+        (*m)->forward(torch::randn({3, 7})).pow(2).sum().backward();
+      }
+      after_opt.step();
+      during_opt.step();
+      expect_equal_shards(during, after, "no_sync step " + std::to_string(step));
+    }
+    // clip_grad_norm_ after such a backward comes too late.
+    torch::manual_seed(80);
+    const torch::Tensor x1 = torch::randn({3, 7});
+    during->zero_grad();
+    during->forward(x1).pow(2).sum().backward();
+    EXPECT_CONTAINS(error_of([&] { during->clip_grad_norm_(1.0); }),
+                    "fsdp::optim::FusedAdamW::step_during_backward steps each unit");
+    // A second iteration before step() would step twice: its forward fails.
+    const std::string twice = error_of([&] { during->forward(torch::randn({3, 7})); });
+    EXPECT_CONTAINS(twice, "with no step() in between");
+    EXPECT_CONTAINS(twice, "no_sync()");
+    // Nothing is lost: step() takes the steps and training goes on alike.
+    during_opt.step();
+    after->zero_grad();
+    after->forward(x1).pow(2).sum().backward();
+    after_opt.step();
+    torch::manual_seed(70);
+    const torch::Tensor x = torch::randn({3, 7});
+    for (auto [m, opt] : {std::pair<Model*, torch::optim::Optimizer*>{&after, &after_opt},
+                          std::pair<Model*, torch::optim::Optimizer*>{&during, &during_opt}}) {
+      (*m)->zero_grad();
+      (*m)->forward(x).pow(2).sum().backward();
+      opt->step();
+    }
+    expect_equal_shards(during, after, "after the errors");
+  });
+}
+
+}  // namespace test_step_during_backward
+}  // namespace fsdp::testing
