@@ -17,8 +17,19 @@
 //   forward and backward with attention, as PaLM's appendix counts them) x
 //   tokens_per_s / (world x --peak-tflops), 989 for an H100 SXM's dense bf16.
 // - peak_device_bytes: the CUDA caching allocator's peak of allocated bytes
-//   over the timed steps (0 on the CPU); state_bytes: parameters + gradients +
+//   over the timed steps (0 on the CPU); peak_host_rss_bytes: the largest
+//   rank's peak resident memory (getrusage); state_bytes: parameters + gradients +
 //   AdamW state from the tensors after the last step (shards under FSDP).
+// --offload after|during (issue 35, item 3): CPU offload, the fp32 shards,
+// gradients and AdamW state in pinned host memory, stepped by
+// fsdp::optim::FusedAdamW after backward or unit by unit beside it
+// (step_during_backward). Then, in the same run after the timed steps, the
+// three parts alone: fwd_bwd_ms (forward and backward, the step left out;
+// with --offload during the units stepped beside it still compete for the
+// host: bench/gpu_step.sh takes the parts from --offload after),
+// host_optim_ms (FusedAdamW's step over the host shards) and copy_ms (every
+// shard to the GPU in the compute dtype and every gradient back, as the step
+// copies them); bound_ms is the largest of the three.
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -26,6 +37,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,6 +67,8 @@ struct Args {
   std::string mode = "full_shard";
   std::string device = "auto";
   std::string precision = "bf16";
+  std::string offload = "none";
+  bool activation_checkpointing = false;
   int steps = 10;
   int warmup = 3;
   int64_t blocks = 12;
@@ -72,6 +86,12 @@ Args parse(int argc, char** argv) {
   cli.option("--mode", &a.mode).one_of({"local", "full_shard", "shard_grad_op", "no_shard"});
   cli.option("--device", &a.device).one_of({"auto", "cpu", "cuda"});
   cli.option("--precision", &a.precision).one_of({"fp32", "bf16"});
+  cli.option("--offload", &a.offload,
+             "CPU offload, the host optimizer stepping after backward "
+             "or beside it")
+      .one_of({"none", "after", "during"});
+  cli.option("--activation-checkpointing", &a.activation_checkpointing,
+             "0|1: recompute each block's activations in backward");
   bench::add_gpt_step_options(cli, a);
   cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
   cli.parse(argc, argv);
@@ -93,6 +113,37 @@ torch::Device pick_device(const std::string& choice) {
 
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// Milliseconds of `fn`, the device synchronised before and after; the
+// median of `rounds`.
+double timed_ms(const torch::Device& device, int rounds, const std::function<void()>& fn) {
+  std::vector<double> ms;
+  for (int i = 0; i < rounds; ++i) {
+    synchronize(device);
+    const auto t0 = Clock::now();
+    fn();
+    synchronize(device);
+    ms.push_back(ms_since(t0));
+  }
+  return median(ms);
+}
+
+// The PCIe traffic of an offloaded step alone: each shard to the device in
+// `dtype`, each (fp32) gradient back into pinned host memory.
+std::function<void()> offload_copies(const std::vector<at::Tensor>& shards,
+                                     const torch::Device& device, at::ScalarType dtype) {
+  std::vector<at::Tensor> grads_on_device, grads_on_host;
+  for (const auto& s : shards) {
+    grads_on_device.push_back(at::empty({s.numel()}, s.options().device(device)));
+    grads_on_host.push_back(at::empty({s.numel()}, s.options().pinned_memory(device.is_cuda())));
+  }
+  return [=] {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      (void)shards[i].to(device, dtype, /*non_blocking=*/true);
+      grads_on_host[i].copy_(grads_on_device[i], /*non_blocking=*/true);
+    }
+  };
 }
 
 // Plain LibTorch's bfloat16 compute on a GPU: autocast, as PyTorch users run it.
@@ -121,7 +172,8 @@ int main(int argc, char** argv) {
                           .block_size(args.seq)
                           .d_model(args.d_model)
                           .n_head(args.heads)
-                          .n_layer(args.blocks);
+                          .n_layer(args.blocks)
+                          .activation_checkpointing(args.activation_checkpointing);
   torch::manual_seed(0);
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> params;
@@ -137,12 +189,28 @@ int main(int argc, char** argv) {
                     .sharding_strategy(bench::strategy_names().at(args.mode))
                     .device_id(device);
     if (bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+    if (args.offload != "none") opts.cpu_offload(fsdp::CPUOffload().offload_params(true));
     sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
         std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
     forward = [&](const at::Tensor& x) { return sharded->forward(x); };
     params = sharded->parameters();
   }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(3e-4));
+  // With offload the shards are host memory: libfsdp's fused host AdamW.
+  std::unique_ptr<torch::optim::AdamW> owned_opt;
+  fsdp::optim::FusedAdamW* host_opt = nullptr;
+  if (args.offload == "none") {
+    owned_opt = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(3e-4));
+  } else {
+    auto fused =
+        std::make_unique<fsdp::optim::FusedAdamW>(params, torch::optim::AdamWOptions(3e-4));
+    host_opt = fused.get();
+    if (args.offload == "during") host_opt->step_during_backward(*sharded.ptr());
+    owned_opt = std::move(fused);
+  }
+  torch::optim::AdamW& opt = *owned_opt;
+  // A model too large fails here, with the bytes, not deep in backward
+  // (bench/largest_gpu_model.sh reads the message).
+  if (sharded) fsdp::check_memory(*sharded.ptr(), &opt);
   int64_t total_params = 0;
   for (const auto& p : params) total_params += p.numel();
   if (args.mode == "full_shard" || args.mode == "shard_grad_op") total_params *= world;
@@ -172,6 +240,26 @@ int main(int argc, char** argv) {
   }
   const int64_t peak =
       device.is_cuda() ? fsdp::compat::cuda_memory(device.index()).peak_allocated : 0;
+  // The three parts of an offloaded step alone (after the timed steps, so
+  // they change neither its memory peak nor its times).
+  double fwd_bwd_ms = 0, host_optim_ms = 0, copy_ms = 0;
+  if (host_opt != nullptr) {
+    const int rounds = std::max(3, args.steps / 2);
+    std::vector<double> ms;
+    for (int i = 0; i < rounds; ++i) {
+      synchronize(device);
+      const auto t0 = Clock::now();
+      opt.zero_grad();
+      gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets).backward();
+      synchronize(device);
+      ms.push_back(ms_since(t0));
+      opt.step();  // untimed: each backward is followed by its step
+    }
+    fwd_bwd_ms = median(ms);
+    host_optim_ms = timed_ms(device, rounds, [&] { host_opt->step(); });
+    copy_ms =
+        timed_ms(device, rounds, offload_copies(params, device, bf16 ? at::kBFloat16 : at::kFloat));
+  }
 
   const double med = max_over_ranks(*pg, median(step_ms));
   const double tokens_per_s = static_cast<double>(world * args.batch * args.seq) / (med / 1e3);
@@ -180,19 +268,25 @@ int main(int argc, char** argv) {
   const double mfu = flops_per_token * tokens_per_s / (world * args.peak_tflops * 1e12);
   const auto peak_max = bench::max_bytes_over_ranks(*pg, peak);
   const auto state_max = bench::max_bytes_over_ranks(*pg, optimizer_state_bytes(opt));
+  const auto rss_max = bench::max_bytes_over_ranks(*pg, fsdp::memory_stats().peak_resident_bytes);
   if (rank == 0) {
     std::printf(
         "{\"bench\":\"gpu_step\",\"impl\":\"libtorch\",\"mode\":\"%s\",\"world\":%d,"
         "\"device\":\"%s\",\"collectives\":\"%s\",\"precision\":\"%s\",\"blocks\":%lld,"
         "\"d_model\":%lld,\"seq\":%lld,\"batch\":%lld,\"vocab\":%lld,\"params\":%lld,"
         "\"steps\":%d,\"warmup\":%d,\"median_ms\":%.2f,\"tokens_per_s\":%.0f,\"mfu\":%.4f,"
-        "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\"}\n",
+        "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\","
+        "\"offload\":\"%s\",\"fwd_bwd_ms\":%.2f,\"host_optim_ms\":%.2f,\"copy_ms\":%.2f,"
+        "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
         static_cast<long long>(args.batch), static_cast<long long>(args.vocab),
         static_cast<long long>(total_params), args.steps, args.warmup, med, tokens_per_s, mfu,
-        static_cast<long long>(peak_max), static_cast<long long>(state_max), loss0, TORCH_VERSION);
+        static_cast<long long>(peak_max), static_cast<long long>(state_max), loss0, TORCH_VERSION,
+        args.offload.c_str(), fwd_bwd_ms, host_optim_ms, copy_ms,
+        std::max({fwd_bwd_ms, host_optim_ms, copy_ms}),
+        args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max));
     std::fflush(stdout);
   }
   pg->barrier().wait();

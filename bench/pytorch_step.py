@@ -60,13 +60,23 @@ def malloc_mode():
     return "kept" if os.environ.get("MALLOC_MMAP_THRESHOLD_") else "default"
 
 
-def wrap(model, mode, gpt_mini, device, bf16):
+def wrap(model, mode, gpt_mini, device, bf16, cpu_offload=False, checkpointing=False):
     """The model under `mode` on `device`; bf16: compute in bfloat16 with
     fp32 parameters and reduction (FSDP's mixed precision; plain and DDP
-    models use autocast in the step instead)."""
+    models use autocast in the step instead). For fsdp2 only: cpu_offload,
+    CPUOffloadPolicy (the model stays in host memory: fully_shard moves each
+    block's shards there); checkpointing, each block under
+    checkpoint_wrapper (activation checkpointing)."""
     import torch
 
-    model = model.to(device)
+    if (cpu_offload or checkpointing) and mode != "fsdp2":
+        raise ValueError("--cpu-offload and --activation-checkpointing are for --mode fsdp2")
+    if checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, block in enumerate(model.blocks()):
+            setattr(model, f"h{i}", checkpoint_wrapper(block))
+    if not cpu_offload:
+        model = model.to(device)
     if mode == "local":
         return model
     if mode == "ddp":
@@ -84,6 +94,9 @@ def wrap(model, mode, gpt_mini, device, bf16):
     if mode == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         kw = {}
+        if cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if bf16:
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)
@@ -127,7 +140,8 @@ def worker(rank, args):
     model = gpt_mini.GPT(config)
     params = sum(p.numel() for p in model.parameters())
     try:
-        model = wrap(model, args.mode, gpt_mini, device, bf16)
+        model = wrap(model, args.mode, gpt_mini, device, bf16, args.cpu_offload,
+                     args.activation_checkpointing)
     except Exception as e:  # FSDP2 may not run on the CPU: say so instead of failing
         if rank == 0:
             print(json.dumps({"bench": "pytorch_step", "mode": args.mode, "world": world,
@@ -193,6 +207,8 @@ def worker(rank, args):
             "device": str(device), "precision": args.precision, "vocab": args.vocab,
             "peak_device_bytes": max(r["peak_device"] for r in every),
             "loss0": round(loss0, 6), "malloc": malloc_mode(), "torch": torch.__version__,
+            "cpu_offload": args.cpu_offload,
+            "activation_checkpointing": args.activation_checkpointing,
             "threads": torch.get_num_threads()}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -220,6 +236,10 @@ def cmd_step(argv):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: FSDP's mixed precision, autocast for local and ddp (cuda)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="fsdp2: CPUOffloadPolicy (pinned memory on a GPU)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="fsdp2: every block under checkpoint_wrapper")
     args = p.parse_args(argv)
     if args.steps < 1 or args.nproc < 1:
         p.error("--steps and --nproc must be at least 1")
