@@ -45,17 +45,6 @@ ProgressMode resolve_progress_mode(ProgressMode mode) {
   return tty ? ProgressMode::kBar : ProgressMode::kLog;
 }
 
-std::string format_bytes(int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) {
-    v /= 1024.0;
-    ++u;
-  }
-  return fixed(v, u == 0 ? 0 : 1) + " " + units[u];
-}
-
 std::string format_duration(double seconds) {
   const auto s = static_cast<int64_t>(std::max(0.0, seconds) + 0.5);
   char buf[64];

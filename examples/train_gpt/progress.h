@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/memory.h>
+
 #include "config.h"
 
 namespace train_gpt {
@@ -29,8 +31,8 @@ struct StepReport {
 /// (fsdprun sets FSDPRUN_STDOUT_TTY=1 for its ranks then), else kLog.
 ProgressMode resolve_progress_mode(ProgressMode mode);
 
-/// "12.3 MiB".
-std::string format_bytes(int64_t bytes);
+/// "12.3 MiB" (libfsdp's).
+using fsdp::format_bytes;
 
 /// "1:05" or "1:02:05".
 std::string format_duration(double seconds);

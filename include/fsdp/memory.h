@@ -1,8 +1,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace fsdp {
+
+/// A size as libfsdp's messages write it: "512 B", "1.5 MiB", "12.3 GiB".
+std::string format_bytes(int64_t bytes);
 
 /// Bytes of CPU tensor storage, as counted by libfsdp's tracking allocator.
 ///

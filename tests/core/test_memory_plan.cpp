@@ -124,7 +124,7 @@ TEST(MemoryPlan, ModelThatDoesNotFitFailsOnEveryRankBeforeTheFirstStep) {
     const std::string msg = error_of([&] { check_memory(plan); });
     EXPECT_CONTAINS(msg, "[rank " + std::to_string(rank) + "] fsdp(check_memory): rank 1 needs ");
     EXPECT_CONTAINS(msg, "more host memory to train");
-    EXPECT_CONTAINS(msg, "but 1000 bytes is free");
+    EXPECT_CONTAINS(msg, "but 1000 B is free");
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
     if (rank == 1) EXPECT_CONTAINS(msg, "optimizer state");
     // Nothing is lost: the group and the model still train.
