@@ -6,8 +6,6 @@
 
 #include <utility>
 
-#include <fsdp/runtime/reduced_grad_hooks.h>
-
 #include "detail/error.h"
 
 // See Note [Stepping beside backward] in backward_steps.h.
@@ -32,8 +30,8 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   std::weak_ptr<BackwardSteps> self = shared_from_this();
   ReducedGradHooks hooks;
   hooks.owner = owner_;
-  hooks.on_reduced = [self](const std::vector<at::Tensor>& params) {
-    if (auto steps = self.lock()) steps->hand_over(params);
+  hooks.on_reduced = [self](ReducedGrad grad) {
+    if (auto steps = self.lock()) steps->hand_over(std::move(grad));
   };
   hooks.before_forward = [self] {
     if (auto steps = self.lock()) steps->before_forward();
@@ -43,15 +41,15 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
 }
 
-void BackwardSteps::hand_over(const std::vector<at::Tensor>& params) {
+void BackwardSteps::hand_over(ReducedGrad grad) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const at::Tensor& p : params) {
+    for (const at::Tensor& p : grad.params) {
       // before_forward() refuses a second iteration without step().
       TORCH_INTERNAL_ASSERT(stepped_.insert(p.unsafeGetTensorImpl()).second, owner_,
                             ": a parameter handed over twice in one backward");
     }
-    queue_.push_back(params);
+    queue_.push_back(std::move(grad));
   }
   changed_.notify_all();
 }
@@ -87,12 +85,13 @@ void BackwardSteps::run() {
   while (true) {
     changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, and nothing left
-    std::vector<at::Tensor> batch = std::move(queue_.front());
+    ReducedGrad grad = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
     try {
-      for (at::Tensor& p : batch) step_one_(p);
+      if (grad.complete) grad.complete();
+      for (at::Tensor& p : grad.params) step_one_(p);
     } catch (...) {
       lock.lock();
       if (!error_) error_ = std::current_exception();

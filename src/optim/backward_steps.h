@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <fsdp/runtime/reduced_grad_hooks.h>
+
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -18,9 +20,10 @@ namespace fsdp::detail {
 
 // Note [Stepping beside backward]
 // The optimizer's half of Note [Steps during backward] (runtime/root_state.cpp):
-// FSDP hands over each unit's parameters once their reduced gradient is in
-// .grad, on the thread that runs backward; this class queues them for a
-// worker thread of its own, which steps them with the optimizer's own
+// FSDP hands over each unit's reduced gradient, on the thread that runs
+// backward, as soon as its reduction is launched; this class queues it for a
+// worker thread of its own, which completes it (waits for the collective,
+// sets .grad) and steps its parameters with the optimizer's own
 // per-parameter update (on LibTorch's intra-op threads, without grad mode),
 // so backward goes on meanwhile. step() waits for the worker, then steps
 // only what was not handed over; the root's next forward waits for it too,
@@ -52,14 +55,14 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 
  private:
-  void hand_over(const std::vector<at::Tensor>& params);
+  void hand_over(ReducedGrad grad);
   void run();
 
   const std::string owner_;
   const StepOne step_one_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<std::vector<at::Tensor>> queue_;
+  std::deque<ReducedGrad> queue_;
   bool busy_ = false;  // the worker is stepping a batch it took off queue_
   bool stopping_ = false;
   std::exception_ptr error_;

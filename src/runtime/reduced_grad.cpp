@@ -54,4 +54,11 @@ void accumulate_reduced_grad(at::Tensor& param, const at::Tensor& grad) {
   }
 }
 
+void set_reduced_grads(const std::vector<GradTarget>& targets, const at::Tensor& grad) {
+  for (const GradTarget& t : targets) {
+    at::Tensor param = t.param;
+    accumulate_reduced_grad(param, t.numel < 0 ? grad : grad.narrow(0, t.offset, t.numel));
+  }
+}
+
 }  // namespace fsdp::detail

@@ -5,6 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace fsdp::detail {
 
 /// Whether every byte of a contiguous tensor is zero (+0.0 in every element
@@ -16,5 +19,16 @@ bool all_zero_bits(const at::Tensor& t);
 /// it can: an undefined gradient takes `grad` (a copy if it is a view), and a
 /// gradient of all +0.0 (LibTorch 1.13's zero_grad()) gets `grad`'s storage.
 void accumulate_reduced_grad(at::Tensor& param, const at::Tensor& grad);
+
+/// Where part of a unit's reduced gradient goes: `param`'s .grad gets `numel`
+/// elements of it from `offset`, or all of it when numel < 0 (a flat shard).
+struct GradTarget {
+  at::Tensor param;
+  int64_t offset = 0;
+  int64_t numel = -1;
+};
+
+/// accumulate_reduced_grad for each target, from `grad` (the shard's gradient).
+void set_reduced_grads(const std::vector<GradTarget>& targets, const at::Tensor& grad);
 
 }  // namespace fsdp::detail

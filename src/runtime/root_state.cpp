@@ -145,31 +145,24 @@ void RootState::limit_reductions_in_flight(const Work& work) {
 // Note [Steps during backward]
 // An optimizer that steps unit by unit while backward goes on (fsdp::optim's
 // step_during_backward; on a GPU with CPU offload, the host's optimizer
-// beside the GPU's backward) needs each unit's reduced gradient in .grad as
-// soon as it is final. A unit's gradient is final before the end of
-// backward when nothing the end-of-backward agreement decides can change it
-// (Note [Parameters without gradients]): its reduction was launched during
-// backward (Note [Reduction order]) and this rank got a gradient for its flat
-// shard, or for every trainable piece with use_orig_params; then every rank
-// counts it received. So, with reduced-gradient hooks installed, each launch
-// delivers the earlier launches whose collective has finished, in launch
-// order, on the thread that runs backward: it waits for nothing (a finished
-// collective's Work; the in-flight limit has waited for the oldest anyway),
-// sets .grad as the end of backward would, and tells the hooks, which hand
-// the step to a thread of their own. The rest is delivered at the end of
-// backward, as before. A unit delivered early still counts as reduced in the
-// agreement, so the collectives stay the same on every rank. Without hooks
-// nothing changes. Values are the same as a step after backward: the same
-// gradients, the same per-parameter updates; only when they happen differs.
-void RootState::deliver_finished_reductions(UnitRuntime& unit) {
-  if (unit.grad_hooks_ == nullptr) return;
-  if (unit.can_deliver_early()) early_deliveries_.push_back(&unit);
-  while (!early_deliveries_.empty() && early_deliveries_.front()->grad_work_.is_completed()) {
-    UnitRuntime* next = early_deliveries_.front();
-    early_deliveries_.pop_front();
-    next->deliver_early();
-  }
-}
+// beside the GPU's backward) needs each unit's reduced gradient as soon as
+// it is final, not at the end of backward. A unit's gradient is final when
+// its reduction is launched during backward (Note [Reduction order]) and
+// nothing the end-of-backward agreement decides can change it (Note
+// [Parameters without gradients]): this rank got a gradient for its flat
+// shard, or for every trainable piece with use_orig_params, so every rank
+// counts it received. With reduced-gradient hooks installed, such a unit is
+// handed to the hooks at its launch, on the thread that runs backward, with
+// the launched collective: the listener completes it on a thread of its own
+// (waits for the collective, copies the gradient into the shard's memory,
+// sets .grad) and steps it, while backward goes on launching the next units
+// and, on a GPU, the CPU runs ahead of the device. The unit keeps nothing of
+// it, so no state is shared with that thread; it still counts as reduced in
+// the agreement, so the collectives are the same on every rank. The other
+// units are handed over at the end of backward, .grad already set. Without
+// hooks nothing changes. Values are those of a step after backward: the
+// same gradients, the same per-parameter updates; only when they happen
+// differs.
 
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
@@ -184,7 +177,6 @@ void RootState::end_of_backward() {
   }
   reduction_order_.clear();
   reductions_launched_ = 0;
-  early_deliveries_.clear();  // what did not finish in time is delivered below
   for (UnitRuntime* unit : units_) unit->finish_reduction();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
   for (size_t i = 0; i < units_.size(); ++i) {

@@ -28,10 +28,7 @@ class RootState {
   ExecOrder& exec_order() const { return *exec_order_; }
 
   /// The root's forward starts: forward positions count from 0 again.
-  void begin_forward() {
-    forward_positions_ = 0;
-    early_deliveries_.clear();  // a backward that stopped part-way left them
-  }
+  void begin_forward() { forward_positions_ = 0; }
   /// The next unit forward of this iteration (see join_reduction_order).
   size_t next_forward_position() { return forward_positions_++; }
   /// Queues end_of_backward() with autograd's engine, once per backward.
@@ -45,10 +42,6 @@ class RootState {
   /// Counts a reduction just launched; waits for the oldest while more than
   /// kMaxReductionsInFlight are unfinished (Note [Reductions in flight]).
   void limit_reductions_in_flight(const Work& work);
-  /// `unit` launched its reduction: with reduced-gradient hooks, delivers
-  /// every earlier reduction that finished, in launch order (Note [Steps
-  /// during backward]).
-  void deliver_finished_reductions(UnitRuntime& unit);
 
   /// See Note [Reductions in flight].
   static constexpr size_t kMaxReductionsInFlight = 2;
@@ -92,9 +85,6 @@ class RootState {
   size_t reductions_launched_ = 0;
   // Launched reductions that may be unfinished, oldest first.
   std::deque<Work> reductions_in_flight_;
-  // Units whose reduction can reach .grad before the end of backward, in
-  // launch order (Note [Steps during backward]).
-  std::deque<UnitRuntime*> early_deliveries_;
   // Dispatch-driven units in forward, outermost first: each holds the next.
   std::vector<UnitRuntime*> forward_units_;
   // The first unit this forward entered after the root: entering it again

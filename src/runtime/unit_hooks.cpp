@@ -320,11 +320,14 @@ void UnitRuntime::launch_grad_reduction() {
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
   reshard();
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
-  if (root_ != nullptr) root_->deliver_finished_reductions(*this);
+  if (can_deliver_early()) deliver_early();  // Note [Steps during backward]
 }
 
 bool UnitRuntime::can_deliver_early() const {
-  if (!grad_hooks_ || !require_sync_ || !grad_work_ || slot_filled_.empty()) return false;
+  if (!grad_hooks_ || !require_sync_ || root_ == nullptr || !root_->in_backward() || !grad_work_ ||
+      slot_filled_.empty()) {
+    return false;
+  }
   // Only what the end-of-backward agreement cannot change (Note [Parameters
   // without gradients]): a flat shard that got some gradient here, or
   // pieces that all got theirs here.
@@ -339,19 +342,28 @@ bool UnitRuntime::can_deliver_early() const {
 }
 
 void UnitRuntime::deliver_early() {
-  FSDP_RECORD("deliver_reduced_grad", path_);
-  grad_work_.block_current_stream();
   std::vector<bool> received(std::max<size_t>(flat_->slots().size(), 1), true);
   if (options_.use_orig_params()) {
     for (size_t i = 0; i < received.size(); ++i) {
       received[i] = i < slot_filled_.size() && slot_filled_[i];
     }
   }
-  const std::vector<at::Tensor> assigned = assign_reduced_grad(&received);
-  grad_work_ = Work();
-  grad_shard_ = at::Tensor();
+  std::vector<GradTarget> targets = grad_targets(&received);
+  ReducedGrad grad;
+  for (const GradTarget& t : targets) grad.params.push_back(t.param);
+  // Everything the completion needs, by value: it runs on the listener's
+  // thread, and the unit goes on without it.
+  const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
+  grad.complete = [work = std::exchange(grad_work_, Work()),
+                   reduced = std::exchange(grad_shard_, at::Tensor()), targets = std::move(targets),
+                   device = to.device(), dtype = to.dtype().toScalarType()]() mutable {
+    work.wait();
+    set_reduced_grads(targets, reduced.to(device, dtype));  // as grad_for_shard()
+    work = Work();
+    reduced = at::Tensor();
+  };
   delivered_early_ = true;
-  if (!assigned.empty()) grad_hooks_->on_reduced(assigned);
+  grad_hooks_->on_reduced(std::move(grad));
 }
 
 void UnitRuntime::warn_unused_slots() {
@@ -392,10 +404,7 @@ void UnitRuntime::finish_reduction() {
 
 void UnitRuntime::finish_backward(const std::vector<bool>* received) {
   if (require_sync_) {
-    if (grad_work_) {
-      const std::vector<at::Tensor> assigned = assign_reduced_grad(received);
-      if (grad_hooks_ && !assigned.empty()) grad_hooks_->on_reduced(assigned);
-    }
+    if (grad_work_) assign_reduced_grad(received);
     delivered_early_ = false;
     grad_work_ = Work();
     grad_shard_ = at::Tensor();
@@ -406,29 +415,33 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received) {
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }
 
-std::vector<at::Tensor> UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
-  grad_shard_ = grad_for_shard(grad_shard_);  // Note [Mixed precision], [Shards in host memory]
-  std::vector<at::Tensor> assigned;
+std::vector<GradTarget> UnitRuntime::grad_targets(const std::vector<bool>* received) const {
+  std::vector<GradTarget> targets;
   if (!options_.use_orig_params()) {
     // No rank got a gradient: the shard's .grad stays as it was.
-    if (received == nullptr || (*received)[0]) {
-      accumulate_reduced_grad(optim_params_[0], grad_shard_);
-      assigned.push_back(optim_params_[0]);
-    }
-    return assigned;
+    if (received == nullptr || (*received)[0]) targets.push_back({optim_params_[0], 0, -1});
+    return targets;
   }
   const int64_t begin = flat_->shard_offset();
   for (size_t i = 0; i < optim_params_.size(); ++i) {
-    at::Tensor& piece = optim_params_[i];
+    const at::Tensor& piece = optim_params_[i];
     // See Note [Parameters without gradients].
     if (!piece.requires_grad() || (received != nullptr && !(*received)[i])) continue;
     const auto& slot = flat_->slots()[i];
     const int64_t lo = std::max(begin, slot.offset);
-    accumulate_reduced_grad(
-        piece, grad_shard_.narrow(0, piece.numel() > 0 ? lo - begin : 0, piece.numel()));
-    assigned.push_back(piece);
+    targets.push_back({piece, piece.numel() > 0 ? lo - begin : 0, piece.numel()});
   }
-  return assigned;
+  return targets;
+}
+
+void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
+  std::vector<GradTarget> targets = grad_targets(received);
+  // Note [Mixed precision], [Shards in host memory]
+  set_reduced_grads(targets, grad_for_shard(grad_shard_));
+  if (!grad_hooks_ || targets.empty()) return;
+  ReducedGrad grad;  // .grad is set: nothing to complete
+  for (const GradTarget& t : targets) grad.params.push_back(t.param);
+  grad_hooks_->on_reduced(std::move(grad));
 }
 
 }  // namespace fsdp::detail

@@ -26,13 +26,20 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init, c10::Device devic
   return config;
 }
 
-at::Tensor UnitRuntime::grad_for_shard(const at::Tensor& reduced) const {
+at::TensorOptions UnitRuntime::shard_grad_options(at::ScalarType reduced_dtype) const {
   const auto& mp = options_.mixed_precision();
   const at::Tensor& shard = flat_->shard();
   const bool keep_dtype = mp && mp->keep_low_precision_grads();
+  return at::TensorOptions()
+      .device(shard.device())
+      .dtype(keep_dtype ? reduced_dtype : shard.scalar_type());
+}
+
+at::Tensor UnitRuntime::grad_for_shard(const at::Tensor& reduced) const {
   // Under CPU offload, into host memory too: a copy the host waits for, so
   // the optimizer never steps ahead of it (Note [Shards in host memory]).
-  return reduced.to(shard.device(), keep_dtype ? reduced.scalar_type() : shard.scalar_type());
+  const at::TensorOptions to = shard_grad_options(reduced.scalar_type());
+  return reduced.to(to.device(), to.dtype().toScalarType());
 }
 
 c10::optional<at::ScalarType> UnitRuntime::forward_input_dtype() const {

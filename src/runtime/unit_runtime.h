@@ -15,6 +15,7 @@
 
 #include "core/flat_parameter.h"
 #include "core/sharded_placeholder.h"
+#include "runtime/reduced_grad.h"
 #include "runtime/strategy.h"
 
 namespace fsdp::detail {
@@ -153,19 +154,25 @@ class UnitRuntime final : public ParamUseListener {
       const std::string& where, int rank);
   void register_grad_hooks();
   void make_optim_params();
-  // Sets the optimizer tensors' .grad from the reduced shard; returns the
-  // tensors it set.
-  std::vector<at::Tensor> assign_reduced_grad(const std::vector<bool>* received);
-  // Whether this backward's reduction, launched during backward, can reach
-  // .grad before the end of backward (Note [Steps during backward]).
+  // Where the reduced shard goes: the optimizer tensors that get it, given
+  // which slots received a gradient on any rank (null: all).
+  std::vector<GradTarget> grad_targets(const std::vector<bool>* received) const;
+  // Sets the optimizer tensors' .grad from the reduced shard and tells the
+  // hooks.
+  void assign_reduced_grad(const std::vector<bool>* received);
+  // Whether this backward's gradient, its reduction just launched, is final
+  // (Note [Steps during backward]).
   bool can_deliver_early() const;
-  // Waits for the reduction, sets .grad, tells the hooks.
+  // Hands the launched reduction to the hooks, to be completed by them.
   void deliver_early();
   // Defined in unit_precision.cpp (mixed precision, CPU offload, deferred init).
   FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
   // The reduced gradient as the shard's .grad takes it: in the shard's dtype
   // (unless keep_low_precision_grads) and in the shard's memory.
   at::Tensor grad_for_shard(const at::Tensor& reduced) const;
+  // Where and in which dtype grad_for_shard puts a gradient reduced in
+  // `reduced_dtype`.
+  at::TensorOptions shard_grad_options(at::ScalarType reduced_dtype) const;
   RootState& root() const;
 
   // Constant after init().
@@ -217,8 +224,8 @@ class UnitRuntime final : public ParamUseListener {
   at::Tensor grad_shard_;  // reduce-scatter output
   Work grad_work_;         // pending reduce-scatter / all-reduce
   Work pending_gather_;    // the all-gather started by unshard_async()
-  // This backward's reduced gradient reached .grad before the end of
-  // backward (deliver_early); finish_backward has nothing left to set.
+  // This backward's reduction went to the hooks when it was launched
+  // (deliver_early); finish_backward has nothing left to set.
   bool delivered_early_ = false;
   // See fsdp::set_reduced_grad_hooks.
   std::shared_ptr<const ReducedGradHooks> grad_hooks_;

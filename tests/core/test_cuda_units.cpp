@@ -167,8 +167,11 @@ TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {
 // the same results as plain LibTorch on the GPU, every step, and nothing of
 // the model's stays in GPU memory from one step to the next (the caching
 // allocator holds the same bytes after the sharded model's step as before
-// its forward), for every strategy; bf16 mixed precision with offload
-// against plain LibTorch with the same casts.
+// its forward), for every strategy; the host's FusedSGD stepping each unit
+// beside backward (step_during_backward: each unit's reduce-scatter waited
+// for and its gradient copied to the host on the optimizer's thread while
+// the GPU goes on) bitwise as stepping after backward; bf16 mixed precision
+// with offload against plain LibTorch with the same casts.
 TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int rank, int world) {
@@ -186,13 +189,26 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
         EXPECT_TRUE(p.is_cpu()) << what << ": the optimizer steps host shards";
         EXPECT_TRUE(p.is_pinned()) << what;
       }
-      torch::optim::SGD ref_opt(reference->parameters(),
-                                torch::optim::SGDOptions(0.1).momentum(0.9));
-      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+      torch::optim::SGD ref_opt(reference->parameters(), sgd);
+      optim::FusedSGD opt(model->parameters(), sgd);
+      nn::Sequential reference2 = seeded_net_on(gpu);
+      torch::optim::SGD ref2_opt(reference2->parameters(), sgd);
+      FullyShardedDataParallel<nn::SequentialImpl> during(
+          seeded_net_on(gpu), FSDPOptions(offload).sharding_strategy(strategy));
+      optim::FusedSGD during_opt(during->parameters(), sgd);
+      during_opt.step_during_backward(*during.ptr());
       for (int step = 0; step < 4; ++step) {
         const int64_t before = gpu_step(reference, ref_opt, model, opt, step, what);
         EXPECT_EQ(compat::cuda_memory(0).allocated, before) << what << " step " << step;
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+        gpu_step(reference2, ref2_opt, during, during_opt, step, what + " beside backward");
+        const auto a = model->parameters();
+        const auto b = during->parameters();
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t i = 0; i < a.size(); ++i) {
+          EXPECT_TRUE(torch::equal(a[i], b[i])) << what << " beside backward, step " << step;
+        }
       }
     }
     int64_t bf16_bytes = 0;

@@ -35,8 +35,9 @@ class FusedAdamW : public torch::optim::AdamW {
   void set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy);
 
   /// From the next backward on, steps each FSDP unit of `model` (the wrapped
-  /// root) as soon as backward has reduced its gradient, on a thread of its
-  /// own while backward goes on (Note [Steps during backward] in
+  /// root) on a thread of its own, which waits for the unit's gradient
+  /// reduction as soon as backward launches it, while backward goes on (Note
+  /// [Steps during backward] in
   /// src/runtime/root_state.cpp); step() then waits for those steps and
   /// steps what no unit handed over. The results are step()'s. Call step()
   /// after every backward (accumulate inside model->no_sync()), and before

@@ -9,18 +9,28 @@
 
 namespace fsdp {
 
+/// One unit's reduced gradient, handed to ReducedGradHooks::on_reduced.
+struct ReducedGrad {
+  /// What the optimizer steps for the unit (its flat shard, or its
+  /// use_orig_params pieces that get a gradient).
+  std::vector<at::Tensor> params;
+  /// Waits for the reduction (a host wait, on any thread) and sets the
+  /// params' .grad. Call it once, before reading them; empty when .grad is
+  /// set already (a gradient handed over at the end of backward).
+  std::function<void()> complete;
+};
+
 /// What a listener (an optimizer that steps during backward: fsdp::optim's
 /// step_during_backward) hears of each backward's reduced gradients. See
 /// Note [Steps during backward] in src/runtime/root_state.cpp.
 struct ReducedGradHooks {
   /// Who listens, for error messages ("fsdp::optim::FusedAdamW::step_during_backward").
   std::string owner;
-  /// Called on the thread that runs backward once `params` (one unit's
-  /// shard, or its use_orig_params pieces that got a gradient) hold this
-  /// backward's reduced gradient in .grad: while backward goes on for a unit
-  /// whose gradient was complete on this rank and whose reduction finished
-  /// early, at the end of backward for the others.
-  std::function<void(const std::vector<at::Tensor>& params)> on_reduced;
+  /// Called on the thread that runs backward with each unit's gradient of
+  /// this backward: as soon as its reduction is launched, for a unit whose
+  /// gradient the end of backward cannot change (then complete() waits for
+  /// the reduction), else at the end of backward (.grad already set).
+  std::function<void(ReducedGrad grad)> on_reduced;
   /// Called when the root's forward begins, before any shard is read.
   std::function<void()> before_forward;
 };
