@@ -45,9 +45,14 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const at::Tensor& p : grad.params) {
-      // before_forward() refuses a second iteration without step().
-      TORCH_INTERNAL_ASSERT(stepped_.insert(p.unsafeGetTensorImpl()).second, owner_,
-                            ": a parameter handed over twice in one backward");
+      // A second backward through a retained graph, with no step() in
+      // between (before_forward() refuses a second forward); every rank
+      // hands the same units over in the same order, so every rank fails here.
+      FSDP_CHECK(stepped_.insert(p.unsafeGetTensorImpl()).second, -1, owner_,
+                 "a second backward reduced gradients that an earlier one's step already "
+                 "used, with no step() in between; stepping during backward makes each "
+                 "backward one optimizer step: call step() after every backward, and "
+                 "accumulate gradients over several backwards inside model->no_sync()");
     }
     queue_.push_back(std::move(grad));
   }

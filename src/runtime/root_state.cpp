@@ -48,6 +48,20 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
   }
 }
 
+void RootState::begin_forward() {
+  forward_positions_ = 0;
+  if (!callback_queued_) return;
+  // Autograd drops the callbacks of a backward that failed, so nothing of it
+  // completes: its launched reductions are forgotten here and by each unit
+  // (UnitRuntime::abandon_iteration), and the next backward queues its own
+  // callback. Ranks fail alike (their hooks run the same units in the same
+  // order), so their collectives stay paired.
+  callback_queued_ = false;
+  reduction_order_.clear();
+  reductions_launched_ = 0;
+  reductions_in_flight_.clear();
+}
+
 void RootState::queue_end_of_backward() {
   if (callback_queued_) return;
   callback_queued_ = true;

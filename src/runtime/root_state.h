@@ -27,8 +27,10 @@ class RootState {
   /// See Note [Forward order].
   ExecOrder& exec_order() const { return *exec_order_; }
 
-  /// The root's forward starts: forward positions count from 0 again.
-  void begin_forward() { forward_positions_ = 0; }
+  /// The root's forward starts: forward positions count from 0 again, and
+  /// what a backward that stopped part-way left (an error in a hook: no
+  /// end_of_backward) is dropped.
+  void begin_forward();
   /// The next unit forward of this iteration (see join_reduction_order).
   size_t next_forward_position() { return forward_positions_++; }
   /// Queues end_of_backward() with autograd's engine, once per backward.

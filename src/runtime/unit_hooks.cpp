@@ -44,14 +44,17 @@ void UnitRuntime::transition(State to) {
 
 // A forward began while the last iteration was unfinished: its forward threw,
 // or its backward never ran (evaluation after training without backward) or
-// stopped part-way. Nothing of it completes: the state returns to idle and
-// this backward's arrival count restarts. Gradients already moved into the
-// flat buffer stay, as a partial backward leaves .grad in plain LibTorch.
+// stopped part-way. Nothing of it completes: the state returns to idle, this
+// backward's arrival count restarts and a reduction it launched is dropped
+// (RootState::begin_forward). Gradients already moved into the flat buffer
+// stay, as a partial backward leaves .grad in plain LibTorch.
 void UnitRuntime::abandon_iteration() {
   TORCH_INTERNAL_ASSERT(state_ != State::kIdle);
   state_ = State::kIdle;
   grads_ready_ = 0;
   delivered_early_ = false;
+  grad_work_ = Work();
+  grad_shard_ = at::Tensor();
 }
 
 void UnitRuntime::unshard_async() { pending_gather_ = all_gather_unit(*flat_); }

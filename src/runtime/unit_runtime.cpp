@@ -332,6 +332,13 @@ void UnitRuntime::write_back_full_params() {
 
 void UnitRuntime::zero_optim_grads(bool set_to_none) {
   at::NoGradGuard no_grad;
+  // What no_sync() accumulated (unsharded, not yet in .grad) is part of the
+  // gradient that Module::zero_grad clears in plain LibTorch; a backward
+  // that stopped part-way may have left some too.
+  if (state_ == Unit::TrainingState::kIdle) {
+    flat_grad_ = at::Tensor();
+    slot_filled_.clear();
+  }
   for (at::Tensor& p : optim_params_) {
     at::Tensor& grad = p.mutable_grad();
     if (!grad.defined()) continue;

@@ -182,11 +182,22 @@ TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
     const std::string twice = error_of([&] { during->forward(torch::randn({3, 7})); });
     EXPECT_CONTAINS(twice, "with no step() in between");
     EXPECT_CONTAINS(twice, "no_sync()");
+    // So would a second backward through a retained graph: it fails when it
+    // hands its first unit over, on every rank.
+    during_opt.step();
+    torch::manual_seed(90);
+    const torch::Tensor x2 = torch::randn({3, 7});
+    during->zero_grad();
+    const torch::Tensor loss = during->forward(x2).pow(2).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    EXPECT_CONTAINS(error_of([&] { loss.backward(); }), "a second backward reduced gradients");
     // Nothing is lost: step() takes the steps and training goes on alike.
     during_opt.step();
-    after->zero_grad();
-    after->forward(x1).pow(2).sum().backward();
-    after_opt.step();
+    for (const torch::Tensor& x : {x1, x2}) {
+      after->zero_grad();
+      after->forward(x).pow(2).sum().backward();
+      after_opt.step();
+    }
     torch::manual_seed(70);
     const torch::Tensor x = torch::randn({3, 7});
     for (auto [m, opt] : {std::pair<Model*, torch::optim::Optimizer*>{&after, &after_opt},
@@ -196,6 +207,10 @@ TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
       opt->step();
     }
     expect_equal_shards(during, after, "after the errors");
+    // ... and each backward ends as before (its end-of-backward callback ran).
+    for (Unit* unit : units_of(*during.ptr())) {
+      EXPECT_EQ(unit->training_state(), Unit::TrainingState::kIdle);
+    }
   });
 }
 

@@ -207,6 +207,29 @@ TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
           expect_same_after_step(*model.ptr(), *reference.ptr(), orig ? "use_orig_params" : "flat",
                                  step);
         }
+        {
+          // zero_grad after a micro-batch accumulated inside no_sync discards
+          // it, as plain LibTorch's zero_grad discards the accumulated .grad.
+          torch::manual_seed(50);
+          torch::Tensor xa = torch::randn({4 * world, 7}), ya = torch::randn({4 * world, 3});
+          torch::Tensor xb = torch::randn({4 * world, 7}), yb = torch::randn({4 * world, 3});
+          torch::mse_loss(reference->forward(xa), ya).backward();
+          reference->zero_grad();
+          torch::mse_loss(reference->forward(xb), yb).backward();
+          ref_opt->step();
+          {
+            auto no_sync = model->no_sync();
+            torch::mse_loss(model->forward(local_block(xa)), local_block(ya)).backward();
+          }
+          model->zero_grad();
+          torch::mse_loss(model->forward(local_block(xb)), local_block(yb)).backward();
+          opt->step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(),
+                                 orig ? "use_orig_params, no_sync then zero_grad"
+                                      : "flat, no_sync "
+                                        "then zero_grad",
+                                 4);
+        }
         model->zero_grad(/*set_to_none=*/false);
         for (const auto& p : model->parameters()) {
           ASSERT_TRUE(p.grad().defined());
