@@ -23,7 +23,8 @@
 // --offload after|during (issue 35, item 3): CPU offload, the fp32 shards,
 // gradients and AdamW state in pinned host memory, stepped by
 // fsdp::optim::FusedAdamW after backward or unit by unit beside it
-// (step_during_backward). Then, in the same run after the timed steps, the
+// (step_during_backward), which also writes the bf16 copies each unshard
+// sends to the GPU (write_compute_copies). Then, in the same run after the timed steps, the
 // three parts alone: fwd_bwd_ms (forward and backward, the step left out;
 // with --offload during the units stepped beside it still compete for the
 // host: bench/gpu_step.sh takes the parts from --offload after),
@@ -205,6 +206,7 @@ int main(int argc, char** argv) {
         std::make_unique<fsdp::optim::FusedAdamW>(params, torch::optim::AdamWOptions(3e-4));
     host_opt = fused.get();
     if (args.offload == "during") host_opt->step_during_backward(*sharded.ptr());
+    host_opt->write_compute_copies(*sharded.ptr());  // bf16: half the bytes to the GPU
     owned_opt = std::move(fused);
   }
   torch::optim::AdamW& opt = *owned_opt;

@@ -145,6 +145,16 @@ class FlatParameter {
   /// True when shard() lives in host memory apart from the unsharded buffer's
   /// device (FlatParamConfig::offload_shard).
   bool offloaded() const { return offloaded_; }
+  /// Offloaded and in low precision: a host copy of the shard in
+  /// param_dtype() (pinned like the shard), filled from the shard now, that
+  /// begin_unshard() sends to the device instead of the shard while it is
+  /// current: while every write of the shard writes it too and bumps both
+  /// version counters once (fsdp::optim::FusedAdamW). See Note [A host copy
+  /// in the compute dtype].
+  const at::Tensor& low_precision_host_copy();
+  /// Whether begin_unshard() sends low_precision_host_copy() (it is as new as
+  /// the shard) rather than the shard.
+  bool low_precision_copy_current() const;
 
   /// In kUnsharded, where frees_unsharded(): copies this rank's part of the
   /// unsharded buffer into the shard (after the full parameters were
@@ -194,6 +204,15 @@ class FlatParameter {
   bool low_precision_ = false;
   bool offloaded_ = false;
   bool pinned_shard_ = false;  // page-locked: its copies to the device need not block
+  // See low_precision_host_copy(): the copy, and the two version counters
+  // when it was last filled from the shard.
+  at::Tensor low_precision_host_;
+  int64_t shard_version_base_ = 0;
+  int64_t copy_version_base_ = 0;
+  // The shard as begin_unshard() sends it to the device.
+  const at::Tensor& unshard_source() const {
+    return low_precision_copy_current() ? low_precision_host_ : shard_;
+  }
   at::ScalarType grad_dtype_ = at::kFloat;
 
   State state_ = State::kUnsharded;

@@ -1,5 +1,7 @@
 #include <fsdp/optim/fused.h>
 
+#include <fsdp/runtime/compute_copies.h>
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -101,14 +103,29 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
                       s.exp_avg_sq().data_ptr<float>(), vmax,
                       copy != nullptr ? copy->data_ptr() : nullptr,
                       copy != nullptr ? copy->scalar_type() : at::kFloat, p.numel(), c);
+  // Written through pointers: the version counters move as after in-place
+  // operations (Note [A host copy in the compute dtype]).
+  p.unsafeGetTensorImpl()->bump_version();
+  if (copy != nullptr) copy->unsafeGetTensorImpl()->bump_version();
+}
+
+bool FusedAdamW::steps(const torch::Tensor& param) const {
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      if (p.is_same(param)) return true;
+    }
+  }
+  return false;
+}
+
+void FusedAdamW::write_compute_copies(torch::nn::Module& model) {
+  for (auto& [param, copy] : offloaded_compute_copies(model)) {
+    if (steps(param)) set_low_precision_copy(param, copy);
+  }
 }
 
 void FusedAdamW::set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy) {
-  bool known = false;
-  for (const auto& group : param_groups_) {
-    for (const auto& p : group.params()) known |= p.is_same(param);
-  }
-  TORCH_CHECK(known,
+  TORCH_CHECK(steps(param),
               "fsdp::optim::FusedAdamW::set_low_precision_copy: the tensor is not a parameter "
               "of this optimizer; pass one of the tensors it was made with");
   if (!copy.defined()) {

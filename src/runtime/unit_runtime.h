@@ -96,6 +96,10 @@ class UnitRuntime final : public ParamUseListener {
   void zero_optim_grads(bool set_to_none);
   c10::optional<at::ScalarType> forward_input_dtype() const;
 
+  /// Where the reduced shard goes: the optimizer tensors that get it (each
+  /// with its part of the shard), given which slots received a gradient on
+  /// any rank (null: all).
+  std::vector<GradTarget> grad_targets(const std::vector<bool>* received) const;
   /// See fsdp::set_reduced_grad_hooks; null removes them.
   void set_grad_hooks(std::shared_ptr<const ReducedGradHooks> hooks) {
     grad_hooks_ = std::move(hooks);
@@ -154,9 +158,6 @@ class UnitRuntime final : public ParamUseListener {
       const std::string& where, int rank);
   void register_grad_hooks();
   void make_optim_params();
-  // Where the reduced shard goes: the optimizer tensors that get it, given
-  // which slots received a gradient on any rank (null: all).
-  std::vector<GradTarget> grad_targets(const std::vector<bool>* received) const;
   // Sets the optimizer tensors' .grad from the reduced shard and tells the
   // hooks.
   void assign_reduced_grad(const std::vector<bool>* received);

@@ -160,5 +160,62 @@ TEST(CpuOffload, NoSyncClippingAndLoadingBack) {
   });
 }
 
+// bf16 with offload: FusedAdamW writes each unit's bf16 host copy in its
+// step (write_compute_copies) and unsharding sends it instead of the fp32
+// shard, with bitwise the results of the same model without the copies (so
+// the copies hold the cast shards); a write of a shard by anything else
+// makes unsharding send the shard again, still with the same results (Note
+// [A host copy in the compute dtype]).
+TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
+  run_ranks_ok(2, [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (const bool orig : {false, true}) {
+      const FSDPOptions o = FSDPOptions()
+                                .use_orig_params(orig)
+                                .cpu_offload(CPUOffload().offload_params(true))
+                                .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+      const std::string what = orig ? "use_orig_params" : "flat";
+      torch::manual_seed(0);
+      FullyShardedDataParallel<NetImpl> plain(std::make_shared<NetImpl>(true, o), o);
+      torch::manual_seed(0);
+      FullyShardedDataParallel<NetImpl> copied(std::make_shared<NetImpl>(true, o), o);
+      optim::FusedAdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+      optim::FusedAdamW copied_opt(copied->parameters(), torch::optim::AdamWOptions(1e-2));
+      copied_opt.write_compute_copies(*copied.ptr());
+      const std::vector<Unit*> a = units_of(*plain.ptr());
+      const std::vector<Unit*> b = units_of(*copied.ptr());
+      for (int step = 0; step < 4; ++step) {
+        if (step == 2) {
+          // Another write of a shard (the values stay): the copy is stale.
+          at::NoGradGuard no_grad;
+          b[0]->flat_param()->shard().mul_(1.0);
+          a[0]->flat_param()->shard().mul_(1.0);
+          EXPECT_FALSE(b[0]->flat_param()->low_precision_copy_current()) << what;
+        }
+        for (Unit* u : b) {
+          EXPECT_EQ(u->flat_param()->low_precision_copy_current(), step < 2 || u != b[0])
+              << what << " step " << step;
+          EXPECT_FALSE(a[0]->flat_param()->low_precision_copy_current());
+        }
+        torch::manual_seed(40 + step);
+        const torch::Tensor x = torch::randn({4 * world, 7});
+        for (auto [model, opt] :
+             {std::pair<FullyShardedDataParallel<NetImpl>*, torch::optim::Optimizer*>{&plain,
+                                                                                      &plain_opt},
+              std::pair<FullyShardedDataParallel<NetImpl>*, torch::optim::Optimizer*>{
+                  &copied, &copied_opt}}) {
+          (*model)->zero_grad();
+          (*model)->forward(local_block(x)).to(at::kFloat).pow(2).mean().backward();
+          opt->step();
+        }
+        for (size_t i = 0; i < a.size(); ++i) {
+          EXPECT_TRUE(torch::equal(a[i]->flat_param()->shard(), b[i]->flat_param()->shard()))
+              << what << " unit " << i << " step " << step;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace test_cpu_offload
 }  // namespace fsdp::testing
