@@ -155,6 +155,11 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
                "bfloat16 mixed precision: compute and all-gather in bf16, keep fp32 shards "
                "for AdamW and reduce gradients in fp32")
       ->group("FSDP");
+  app.add_flag("--cpu-offload", c.cpu_offload,
+               "CPU offload: fp32 shards, gradients and AdamW state in host memory (pinned for a "
+               "GPU), stepped by libfsdp's fused host AdamW, which with --bf16 also writes the "
+               "bf16 copies sent to the GPU")
+      ->group("FSDP");
 
   const char* ckpt = "Checkpoints";
   app.add_option("--checkpoint-dir", c.checkpoint_dir,

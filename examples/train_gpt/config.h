@@ -54,6 +54,9 @@ struct TrainConfig {
   // FSDP.
   fsdp::ShardingStrategy sharding = fsdp::ShardingStrategy::kFullShard;
   bool bf16 = false;  ///< Compute and all-gather in bfloat16; fp32 shards and reduction.
+  /// Shards, gradients and AdamW state in host memory, stepped by
+  /// fsdp::optim::FusedAdamW (FSDPOptions::cpu_offload).
+  bool cpu_offload = false;
   DeviceChoice device = DeviceChoice::kAuto;
 
   // Evaluation and sampling.

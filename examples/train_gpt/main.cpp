@@ -87,6 +87,7 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"lr", c.lr},
           {"sharding", fsdp::to_string(c.sharding)},
           {"bf16", c.bf16},
+          {"cpu_offload", c.cpu_offload},
           {"device", trainer.device().str()},
           {"cuda_backend", fsdp::rank_info().cuda_backend},
           {"data", corpus.source},

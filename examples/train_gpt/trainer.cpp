@@ -53,6 +53,7 @@ Trainer::Trainer(const TrainConfig& config, const Corpus& corpus,
     options.mixed_precision(
         fsdp::MixedPrecision().param_dtype(at::kBFloat16).reduce_dtype(at::kFloat));
   }
+  if (config.cpu_offload) options.cpu_offload(fsdp::CPUOffload().offload_params(true));
   torch::manual_seed(config.seed);  // the same initial weights on every rank
   model_ = ShardedGPT(
       std::make_shared<gpt_mini::GPTImpl>(model_config(config, corpus.vocab.size()), options),
@@ -85,7 +86,15 @@ void Trainer::build_optimizer() {
                           torch::optim::AdamWOptions(base).weight_decay(config_.weight_decay)));
   groups.emplace_back(plain, std::make_unique<torch::optim::AdamWOptions>(
                                  torch::optim::AdamWOptions(base).weight_decay(0.0)));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+  if (!config_.cpu_offload) {
+    optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), base);
+    return;
+  }
+  // Host shards: libfsdp's fused AdamW (the same options, groups and state),
+  // writing the bf16 copies each unshard sends to the GPU.
+  auto fused = std::make_unique<fsdp::optim::FusedAdamW>(std::move(groups), base);
+  fused->write_compute_copies(*model_.ptr());
+  optimizer_ = std::move(fused);
 }
 
 namespace {

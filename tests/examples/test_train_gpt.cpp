@@ -130,6 +130,34 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
   remove_dir(two);
 }
 
+// --cpu-offload: shards, gradients and AdamW state in host memory, stepped by
+// libfsdp's fused AdamW: the losses of the run without it, to float rounding.
+TEST(TrainGpt, CpuOffloadTrainsAsWithout) {
+  const std::string plain = fresh_dir("plain"), offload = fresh_dir("offload");
+  auto common = [](const std::string& dir) {
+    auto args = tiny_run(dir);
+    for (const char* a : {"--steps", "10", "--warmup-steps", "2", "--eval-interval", "100",
+                          "--sample-tokens", "0"}) {
+      args.push_back(a);
+    }
+    return args;
+  };
+  auto with_offload = common(offload);
+  with_offload.push_back("--cpu-offload");
+  expect_success(run_launcher(launch(2, common(plain)), {}, std::chrono::seconds(120)));
+  expect_success(run_launcher(launch(2, with_offload), {}, std::chrono::seconds(120)));
+  const auto a = losses(plain + "/rank0.jsonl");
+  const auto b = losses(offload + "/rank0.jsonl");
+  ASSERT_EQ(a.size(), 10u);
+  ASSERT_EQ(b.size(), 10u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * a[i]) << "step " << i + 1;
+  const auto config = read_jsonl(offload + "/rank0.jsonl", "config");
+  ASSERT_EQ(config.size(), 1u);
+  EXPECT_TRUE(config[0].at("cpu_offload").get<bool>());
+  remove_dir(plain);
+  remove_dir(offload);
+}
+
 // Losses by step from a metrics file.
 std::map<int64_t, double> losses_by_step(const std::string& path) {
   std::map<int64_t, double> out;
