@@ -32,6 +32,19 @@ std::vector<std::string> tiny_run(const std::string& metrics_dir) {
           "--metrics-dir",  metrics_dir};
 }
 
+// tiny_run for `steps` steps after `warmup`, with no evaluation or sample
+// before the end: the runs whose losses are compared.
+std::vector<std::string> short_run(const std::string& metrics_dir, int steps, int warmup) {
+  auto args = tiny_run(metrics_dir);
+  for (const std::string& a :
+       {std::string("--steps"), std::to_string(steps), std::string("--warmup-steps"),
+        std::to_string(warmup), std::string("--eval-interval"), std::string("100"),
+        std::string("--sample-tokens"), std::string("0")}) {
+    args.push_back(a);
+  }
+  return args;
+}
+
 std::vector<std::string> launch(int ranks, std::vector<std::string> train_args) {
   std::vector<std::string> args = {"--nproc-per-node", std::to_string(ranks), TRAIN_GPT_PATH};
   args.insert(args.end(), train_args.begin(), train_args.end());
@@ -106,14 +119,7 @@ TEST(TrainGpt, LossFallsAtTwoRanks) {
 
 TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
   const std::string one = fresh_dir("one"), two = fresh_dir("two");
-  auto common = [](const std::string& dir) {
-    auto args = tiny_run(dir);
-    for (const char* a : {"--steps", "15", "--warmup-steps", "3", "--eval-interval", "100",
-                          "--sample-tokens", "0"}) {
-      args.push_back(a);
-    }
-    return args;
-  };
+  auto common = [](const std::string& dir) { return short_run(dir, 15, 3); };
   expect_success(run_launcher(launch(1, common(one)), {}, std::chrono::seconds(120)));
   expect_success(run_launcher(launch(2, common(two)), {}, std::chrono::seconds(120)));
   const auto a = losses(one + "/rank0.jsonl");
@@ -134,14 +140,7 @@ TEST(TrainGpt, OneRankWithBatchBMatchesTwoRanksWithHalf) {
 // libfsdp's fused AdamW: the losses of the run without it, to float rounding.
 TEST(TrainGpt, CpuOffloadTrainsAsWithout) {
   const std::string plain = fresh_dir("plain"), offload = fresh_dir("offload");
-  auto common = [](const std::string& dir) {
-    auto args = tiny_run(dir);
-    for (const char* a : {"--steps", "10", "--warmup-steps", "2", "--eval-interval", "100",
-                          "--sample-tokens", "0"}) {
-      args.push_back(a);
-    }
-    return args;
-  };
+  auto common = [](const std::string& dir) { return short_run(dir, 10, 2); };
   auto with_offload = common(offload);
   with_offload.push_back("--cpu-offload");
   expect_success(run_launcher(launch(2, common(plain)), {}, std::chrono::seconds(120)));
