@@ -24,8 +24,8 @@
 // gradients and AdamW state in pinned host memory, stepped by
 // fsdp::optim::FusedAdamW after backward or unit by unit beside it
 // (step_during_backward), which also writes the bf16 copies each unshard
-// sends to the GPU (write_compute_copies). Then, in the same run after the timed steps, the
-// three parts alone: fwd_bwd_ms (forward and backward, the step left out;
+// sends to the GPU (write_compute_copies). Then, in the same run after the
+// timed steps, the three parts alone: fwd_bwd_ms (forward and backward, the step left out;
 // with --offload during the units stepped beside it still compete for the
 // host: bench/gpu_step.sh takes the parts from --offload after),
 // host_optim_ms (FusedAdamW's step over the host shards) and copy_ms (every
@@ -96,6 +96,12 @@ Args parse(int argc, char** argv) {
   bench::add_gpt_step_options(cli, a);
   cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
   cli.parse(argc, argv);
+  if (a.offload != "none" && a.mode == "local") {
+    std::fprintf(stderr,
+                 "bench_gpu_step: --offload is libfsdp's CPU offload; use it with "
+                 "--mode full_shard, shard_grad_op or no_shard, not local\n");
+    std::exit(2);
+  }
   return a;
 }
 

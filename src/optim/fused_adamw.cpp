@@ -109,23 +109,14 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
   if (copy != nullptr) copy->unsafeGetTensorImpl()->bump_version();
 }
 
-bool FusedAdamW::steps(const torch::Tensor& param) const {
-  for (const auto& group : param_groups_) {
-    for (const auto& p : group.params()) {
-      if (p.is_same(param)) return true;
-    }
-  }
-  return false;
-}
-
 void FusedAdamW::write_compute_copies(torch::nn::Module& model) {
   for (auto& [param, copy] : offloaded_compute_copies(model)) {
-    if (steps(param)) set_low_precision_copy(param, copy);
+    if (detail::group_of(param_groups_, param) != nullptr) set_low_precision_copy(param, copy);
   }
 }
 
 void FusedAdamW::set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy) {
-  TORCH_CHECK(steps(param),
+  TORCH_CHECK(detail::group_of(param_groups_, param) != nullptr,
               "fsdp::optim::FusedAdamW::set_low_precision_copy: the tensor is not a parameter "
               "of this optimizer; pass one of the tensors it was made with");
   if (!copy.defined()) {

@@ -47,6 +47,18 @@ torch::Tensor step_each_parameter(std::vector<torch::optim::OptimizerParamGroup>
   return loss;
 }
 
+/// The group of `groups` that holds `param` itself (the same tensor), or
+/// nullptr.
+inline const torch::optim::OptimizerParamGroup* group_of(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups, const at::Tensor& param) {
+  for (const auto& group : groups) {
+    for (const auto& p : group.params()) {
+      if (p.is_same(param)) return &group;
+    }
+  }
+  return nullptr;
+}
+
 /// step_each_parameter for an optimizer that may step during backward:
 /// waits for `steps` (when set) and updates only what it did not step (Note
 /// [Stepping beside backward]).
@@ -77,13 +89,9 @@ std::shared_ptr<BackwardSteps> attach_backward_steps(
   auto steps = std::make_shared<BackwardSteps>(
       std::string("fsdp::optim::") + name + "::step_during_backward",
       [&groups, update](at::Tensor& param) {
-        for (auto& group : groups) {
-          for (auto& p : group.params()) {
-            if (p.is_same(param)) {
-              update(p, p.grad(), static_cast<const Options&>(group.options()));
-              return;
-            }
-          }
+        const torch::optim::OptimizerParamGroup* group = group_of(groups, param);
+        if (group != nullptr) {
+          update(param, param.grad(), static_cast<const Options&>(group->options()));
         }
       });
   steps->attach(model);

@@ -9,9 +9,8 @@ namespace fsdp {
 
 std::vector<std::pair<at::Tensor, at::Tensor>> offloaded_compute_copies(torch::nn::Module& model) {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    const detail::UnitRuntime* unit = detail::UnitRuntime::of(*m);
-    FlatParameter* flat = unit != nullptr ? unit->flat() : nullptr;
+  for (const detail::UnitRuntime* unit : detail::UnitRuntime::all_in(model)) {
+    FlatParameter* flat = unit->flat();
     if (flat == nullptr || !flat->offloaded() || !flat->low_precision()) continue;
     FSDP_CHECK(unit->state() == Unit::TrainingState::kIdle, -1, "offloaded_compute_copies",
                unit->label(), " is in ", to_string(unit->state()),

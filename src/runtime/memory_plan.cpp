@@ -68,8 +68,6 @@ int64_t state_tensors_per_param(const torch::optim::Optimizer& optimizer,
   return 0;  // Adagrad makes its state at construction; others are unknown
 }
 
-int64_t bytes_of(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
-
 std::string describe_need(const MemoryPool& pool) {
   std::string parts;
   const auto add = [&parts](int64_t bytes, const std::string& what) {
@@ -87,9 +85,8 @@ std::string describe_need(const MemoryPool& pool) {
 MemoryPlan plan_memory(const torch::nn::Module& model, const torch::optim::Optimizer* optimizer) {
   MemoryPlan plan;
   std::vector<const detail::UnitRuntime*> units;
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    const detail::UnitRuntime* unit = detail::UnitRuntime::of(*m);
-    if (unit == nullptr || unit->flat() == nullptr) continue;
+  for (const detail::UnitRuntime* unit : detail::UnitRuntime::all_in(model)) {
+    if (unit->flat() == nullptr) continue;
     units.push_back(unit);
     if (!plan.group) plan.group = unit->options().process_group();
   }
@@ -104,7 +101,8 @@ MemoryPlan plan_memory(const torch::nn::Module& model, const torch::optim::Optim
   for (const detail::UnitRuntime* unit : units) {
     const FlatParameter& flat = *unit->flat();
     for (const at::Tensor& p : unit->optim_params()) {
-      if (p.requires_grad() && !p.grad().defined()) pool_of(p.device()).gradients += bytes_of(p);
+      if (p.requires_grad() && !p.grad().defined())
+        pool_of(p.device()).gradients += static_cast<int64_t>(p.nbytes());
     }
     const int64_t padded = flat.padded_numel();
     if (flat.frees_unsharded()) {
@@ -129,7 +127,7 @@ MemoryPlan plan_memory(const torch::nn::Module& model, const torch::optim::Optim
       for (const at::Tensor& p : group.params()) {
         const auto& state = optimizer->state();
         if (state.find(compat::optim_state_key(state, p)) != state.end()) continue;
-        pool_of(p.device()).optimizer_state += per_param * bytes_of(p);
+        pool_of(p.device()).optimizer_state += per_param * static_cast<int64_t>(p.nbytes());
       }
     }
   }

@@ -11,14 +11,11 @@ namespace fsdp {
 
 void set_reduced_grad_hooks(torch::nn::Module& model, const ReducedGradHooks& hooks) {
   const auto shared = hooks.on_reduced ? std::make_shared<const ReducedGradHooks>(hooks) : nullptr;
-  std::vector<detail::UnitRuntime*> units;
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    detail::UnitRuntime* unit = detail::UnitRuntime::of(*m);
-    if (unit == nullptr) continue;
+  const std::vector<detail::UnitRuntime*> units = detail::UnitRuntime::all_in(model);
+  for (const detail::UnitRuntime* unit : units) {
     FSDP_CHECK(unit->state() == Unit::TrainingState::kIdle, -1, "set_reduced_grad_hooks",
                unit->label(), " is in ", to_string(unit->state()),
                ": install reduced-gradient hooks between steps, not inside forward or backward");
-    units.push_back(unit);
   }
   FSDP_CHECK(!units.empty(), -1, "set_reduced_grad_hooks", hooks.owner,
              ": the model has no FSDP unit; pass the wrapped model (the FSDP root)");

@@ -344,16 +344,24 @@ bool UnitRuntime::can_deliver_early() const {
   return any;
 }
 
-void UnitRuntime::deliver_early() {
-  std::vector<bool> received(std::max<size_t>(flat_->slots().size(), 1), true);
-  if (options_.use_orig_params()) {
-    for (size_t i = 0; i < received.size(); ++i) {
-      received[i] = i < slot_filled_.size() && slot_filled_[i];
-    }
-  }
-  std::vector<GradTarget> targets = grad_targets(&received);
+namespace {
+
+// What the hooks are told of `targets`; complete() is left to the caller.
+ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
   ReducedGrad grad;
   for (const GradTarget& t : targets) grad.params.push_back(t.param);
+  return grad;
+}
+
+}  // namespace
+
+void UnitRuntime::deliver_early() {
+  // Received (can_deliver_early): a flat shard's whole gradient, or each
+  // piece that got one here.
+  std::vector<bool> filled = slot_filled_;
+  filled.resize(flat_->slots().size(), false);
+  std::vector<GradTarget> targets = grad_targets(options_.use_orig_params() ? &filled : nullptr);
+  ReducedGrad grad = handed_over(targets);
   // Everything the completion needs, by value: it runs on the listener's
   // thread, and the unit goes on without it.
   const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
@@ -441,10 +449,7 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
   std::vector<GradTarget> targets = grad_targets(received);
   // Note [Mixed precision], [Shards in host memory]
   set_reduced_grads(targets, grad_for_shard(grad_shard_));
-  if (!grad_hooks_ || targets.empty()) return;
-  ReducedGrad grad;  // .grad is set: nothing to complete
-  for (const GradTarget& t : targets) grad.params.push_back(t.param);
-  grad_hooks_->on_reduced(std::move(grad));
+  if (grad_hooks_ && !targets.empty()) grad_hooks_->on_reduced(handed_over(targets));
 }
 
 }  // namespace fsdp::detail

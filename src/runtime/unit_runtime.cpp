@@ -106,6 +106,14 @@ UnitRuntime* UnitRuntime::of(const torch::nn::Module& module) {
   return unit != nullptr ? unit->runtime_.get() : nullptr;
 }
 
+std::vector<UnitRuntime*> UnitRuntime::all_in(const torch::nn::Module& model) {
+  std::vector<UnitRuntime*> out;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    if (UnitRuntime* unit = of(*m)) out.push_back(unit);
+  }
+  return out;
+}
+
 bool UnitRuntime::is_root() const { return root_ != nullptr && &root_->root() == this; }
 
 RootState& UnitRuntime::root() const {

@@ -51,6 +51,9 @@ class UnitRuntime final : public ParamUseListener {
 
   /// The runtime of `unit`, nullptr for a pass-through (or a non-unit module).
   static UnitRuntime* of(const torch::nn::Module& module);
+  /// The runtimes of the units in `model`'s module tree (itself included),
+  /// pre-order.
+  static std::vector<UnitRuntime*> all_in(const torch::nn::Module& model);
 
   /// Flattens the parameters of `self` that no nested unit owns.
   void init(torch::nn::Module& self, torch::nn::Module* wrapped, Driver driver = Driver::kWrapper);

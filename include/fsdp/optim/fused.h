@@ -55,8 +55,6 @@ class FusedAdamW : public torch::optim::AdamW {
 
  private:
   void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::AdamWOptions& o);
-  // Whether `param` is one of this optimizer's parameters.
-  bool steps(const torch::Tensor& param) const;
 
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> low_precision_copies_;
   std::shared_ptr<detail::BackwardSteps> backward_steps_;
