@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "comm/comm_thread.h"
@@ -35,6 +37,28 @@
 // fails is finished with NCCL's error named; one that outlives the group's
 // timeout with a timeout error (c10d's watchdog, given the same timeout,
 // aborts the communicator, so no rank hangs).
+//
+// c10d also keeps each collective's tensors (its stash) until its own wait():
+// block_current_stream() calls it, so what the unit runtime waits for is
+// released at once; a Work waited for on the host alone leaves them to c10d's
+// watchdog, which hands them back at the group's next call, and a burst of
+// such collectives holds its buffers that much longer (test_nccl_cuda).
+// Calling c10d's wait() from the completion thread as each collective ends
+// was tried on an H100: 2 of 4 processes then aborted at exit in SetDevice,
+// none without it, so it is not done.
+
+// Note [NCCL groups at exit]
+// A group still alive when the process exits (the default group, which a
+// static holds, or a user's global) was destroyed after the CUDA runtime had
+// begun to unload: ProcessGroupNCCL::shutdown() then throws "driver shutting
+// down" from a destructor, and every one-GPU-per-rank program ended in
+// std::terminate after its last step (seen on an H100). The runtime
+// registers its own exit handler when it initialises, before any group
+// exists (choosing NCCL already asked it for the devices), so the first group
+// registers one with std::atexit, which runs before the runtime's and shuts
+// down every group still alive, as destroy_process_group() would. A group's
+// destructor then has nothing left to release. Should the runtime be gone
+// anyway, the communicator is left to the process's end rather than torn down.
 
 namespace fsdp::detail {
 
@@ -158,10 +182,23 @@ class NcclProcessGroup final : public ProcessGroup {
     options->timeout = timeout;
     nccl_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
     completions_ = std::make_unique<NcclCompletions>(rank, timeout);
+    register_live();
   }
-  ~NcclProcessGroup() override {
+  ~NcclProcessGroup() override;
+
+  /// Finishes every Work, then shuts the communicator down; once (the
+  /// destructor or the exit handler, whichever comes first: Note [NCCL
+  /// groups at exit]).
+  void shut_down() {
     completions_.reset();  // every Work finished first
-    nccl_->shutdown();
+    if (!nccl_) return;
+    try {
+      nccl_->shutdown();
+    } catch (const std::exception&) {
+      (void)nccl_.release();  // the CUDA runtime is gone: nothing to release
+      return;
+    }
+    nccl_.reset();
   }
 
   std::string backend_name() const override { return "nccl"; }
@@ -234,6 +271,8 @@ class NcclProcessGroup final : public ProcessGroup {
   static constexpr auto kBroadcast = CollectiveKind::kBroadcast;
   static constexpr auto kBarrier = CollectiveKind::kBarrier;
 
+  void register_live();  // defined below LiveGroups
+
   void check_cuda(const char* op, const at::Tensor& t) {
     FSDP_CHECK(t.is_cuda(), rank(), "process group", op, ": NCCL carries CUDA tensors, got one on ",
                t.device(),
@@ -253,7 +292,7 @@ class NcclProcessGroup final : public ProcessGroup {
   }
 
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl_;  // null once shut down
   // Atomic: a hybrid chain issues its second collective from the thread
   // that finished the first (Note [NCCL collectives and their Work]).
   std::atomic<uint64_t> seq_{0};
@@ -261,6 +300,44 @@ class NcclProcessGroup final : public ProcessGroup {
   int subgroups_made_ = 0;  // caller thread only
   std::unique_ptr<NcclCompletions> completions_;
 };
+
+// The groups alive, for the exit handler (Note [NCCL groups at exit]).
+class LiveGroups {
+ public:
+  // Never destroyed: the exit handler may run after static destructors.
+  static LiveGroups& get() {
+    static auto* live = new LiveGroups();
+    return *live;
+  }
+  void add(NcclProcessGroup* group) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!handler_registered_) handler_registered_ = std::atexit(&LiveGroups::at_exit) == 0;
+    groups_.insert(group);
+  }
+  void remove(NcclProcessGroup* group) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    groups_.erase(group);
+  }
+
+ private:
+  static void at_exit() {
+    LiveGroups& live = get();
+    std::lock_guard<std::mutex> lock(live.mutex_);
+    for (NcclProcessGroup* group : live.groups_) group->shut_down();
+    live.groups_.clear();
+  }
+
+  std::mutex mutex_;
+  std::set<NcclProcessGroup*> groups_;
+  bool handler_registered_ = false;
+};
+
+void NcclProcessGroup::register_live() { LiveGroups::get().add(this); }
+
+NcclProcessGroup::~NcclProcessGroup() {
+  LiveGroups::get().remove(this);
+  shut_down();
+}
 
 }  // namespace
 

@@ -19,6 +19,7 @@
 #include "detail/torch_compat.h"
 #include "device_routed_checks.h"
 #include "multi_rank.h"
+#include "settled_cuda_memory.h"
 
 namespace fsdp::testing {
 namespace test_nccl_cuda {
@@ -104,13 +105,15 @@ TEST_P(NcclCuda, MemoryIsTheSameAfterEveryRound) {
     int64_t after_first = -1;
     for (int round = 0; round < 10; ++round) {
       {
+        // As the unit runtime waits: c10d's wait() releases its stash (Note
+        // [NCCL collectives and their Work]).
         at::Tensor flat = at::full({world * n}, 1.0f, gpu);
         at::Tensor shard = at::empty({n}, flat.options());
-        pg->reduce_scatter_tensor(shard, flat, ReduceOp::kAvg).wait();
-        pg->all_gather_into_tensor(flat, shard).wait();
+        pg->reduce_scatter_tensor(shard, flat, ReduceOp::kAvg).block_current_stream();
+        pg->all_gather_into_tensor(flat, shard).block_current_stream();
         EXPECT_EQ(flat.sum().item<float>(), static_cast<float>(world * n));
       }
-      const int64_t now = compat::cuda_memory(gpu.index()).allocated;
+      const int64_t now = settled_cuda_allocated(gpu.index());
       if (round == 1) after_first = now;
       if (round > 1) EXPECT_EQ(now, after_first) << "round " << round;
     }

@@ -124,7 +124,9 @@ inline void expect_bf16_matches_reference(const std::shared_ptr<ProcessGroup>& g
                   offload.offload_params() ? torch::Device(torch::kCPU) : device);
         ASSERT_TRUE(flat.shard().grad().defined());
         EXPECT_EQ(flat.shard().grad().scalar_type(), torch::kFloat);
-        const torch::Tensor want = expected_shard(flat, u.path, reference[step]);
+        // On the shard's device: the host's under offload.
+        const torch::Tensor want =
+            expected_shard(flat, u.path, reference[step]).to(flat.shard().device());
         EXPECT_TRUE(torch::allclose(flat.shard(), want, /*rtol=*/1.6e-2, /*atol=*/1e-3))
             << "unit " << u.path << " step " << step << " max diff "
             << (flat.shard() - want).abs().max().item<double>();
