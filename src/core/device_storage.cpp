@@ -9,6 +9,7 @@
 
 #if FSDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -72,6 +73,45 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
                 "); raise the locked-memory limit (`ulimit -l`, a container's memlock) or pass "
                 "CPUOffload().pin_memory(false)");
   }
+}
+
+// Note [Gradients to host memory]
+// Under CPU offload each reduced gradient shard goes to host memory before
+// the optimizer reads it. A plain .to(kCPU) per unit made the host wait for
+// the GPU at every unit, into fresh pageable memory (page faults on every
+// step): on an H100 forward and backward of a 163 M-parameter model took
+// 363 ms offloaded against 62 ms a whole step without. As FSDP2 does, the
+// end of backward now queues every unit's copy into pinned memory on the
+// compute stream (start_host_copy) and the host waits once, after the
+// gradients agreement, before the shards get their .grad; a unit stepped
+// beside backward copies on the optimizer's thread, on a stream of its own
+// (finished_to_host), so its copy does not queue behind the backward kernels
+// issued since.
+at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype) {
+  at::Tensor host =
+      at::empty(t.sizes(), at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(true));
+  host.copy_(t, /*non_blocking=*/true);
+  return host;
+}
+
+void wait_for_device(c10::Device device) {
+#if FSDP_WITH_CUDA
+  if (device.is_cuda()) c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+#else
+  (void)device;
+#endif
+}
+
+at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype) {
+#if FSDP_WITH_CUDA
+  if (t.is_cuda()) {
+    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool(false, t.device().index()));
+    at::Tensor host = start_host_copy(t, dtype);
+    wait_for_device(t.device());
+    return host;
+  }
+#endif
+  return t.to(c10::kCPU, dtype);
 }
 
 int64_t device_free_bytes(c10::Device device) {

@@ -43,6 +43,23 @@ void resize_with_allocator(c10::StorageImpl* storage, size_t bytes);
 /// setting to change, not LibTorch's bare allocator message.
 at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned, const std::string& owner);
 
+/// `t` (on a GPU) copied into new page-locked host memory of `dtype`,
+/// queued on the current stream behind what produces `t`: the host does not
+/// wait, and reads the copy only after wait_for_device(t.device()). LibTorch's
+/// caching host allocator keeps the pinned blocks from step to step (Note
+/// [Gradients to host memory]).
+at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype);
+
+/// Blocks the host until what was queued on `device`'s current stream has
+/// run; nothing for the CPU.
+void wait_for_device(c10::Device device);
+
+/// `t`, whose producers have finished (a collective waited for on the host),
+/// copied into page-locked host memory of `dtype` on a stream of its own, so
+/// the copy waits for nothing else queued on the device; returns once it is
+/// done. `t` itself for a CPU tensor of that dtype.
+at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype);
+
 /// Bytes `device` can still provide: for a GPU, the driver's free memory plus
 /// what the CUDA caching allocator holds unused; for the CPU, the host's
 /// available memory (memory/host_available.h). -1 when unknown.

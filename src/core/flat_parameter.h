@@ -145,6 +145,8 @@ class FlatParameter {
   /// True when shard() lives in host memory apart from the unsharded buffer's
   /// device (FlatParamConfig::offload_shard).
   bool offloaded() const { return offloaded_; }
+  /// Whether the offloaded shard is page-locked (its copies need not block).
+  bool shard_pinned() const { return pinned_shard_; }
   /// Offloaded and in low precision: a host copy of the shard in
   /// param_dtype() (pinned like the shard), filled from the shard now, that
   /// begin_unshard() sends to the device instead of the shard while it is

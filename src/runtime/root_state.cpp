@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "comm/agreement.h"
+#include "core/device_storage.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/unit_runtime.h"
@@ -193,6 +194,13 @@ void RootState::end_of_backward() {
   reductions_launched_ = 0;
   for (UnitRuntime* unit : units_) unit->finish_reduction();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
+  // The copies to host memory finish_reduction queued, waited for once the
+  // agreement has overlapped them (Note [Gradients to host memory]).
+  for (UnitRuntime* unit : units_) {
+    if (unit->flat_ && unit->flat_->shard_pinned() && unit->grad_shard_.defined()) {
+      wait_for_device(unit->flat_->unsharded().device());
+    }
+  }
   for (size_t i = 0; i < units_.size(); ++i) {
     units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
   }

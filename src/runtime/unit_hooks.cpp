@@ -11,6 +11,7 @@
 
 #include <fsdp/core/activation_checkpoint.h>
 
+#include "core/device_storage.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/reduced_grad.h"
@@ -369,7 +370,10 @@ void UnitRuntime::deliver_early() {
                    reduced = std::exchange(grad_shard_, at::Tensor()), targets = std::move(targets),
                    device = to.device(), dtype = to.dtype().toScalarType()]() mutable {
     work.wait();
-    set_reduced_grads(targets, reduced.to(device, dtype));  // as grad_for_shard()
+    // As grad_for_shard(); into host memory without queueing behind backward
+    // (Note [Gradients to host memory]).
+    set_reduced_grads(
+        targets, device.is_cpu() ? finished_to_host(reduced, dtype) : reduced.to(device, dtype));
     work = Work();
     reduced = at::Tensor();
   };
@@ -410,6 +414,13 @@ void UnitRuntime::finish_reduction() {
     // The reduced shard is read by kernels on the compute stream: on a GPU
     // that stream waits, not the host (Note [A unit's collectives]).
     grad_work_.block_current_stream();
+    // Under CPU offload: the copy to host memory queued now, the host waits
+    // once for every unit's (RootState::end_of_backward; Note [Gradients to
+    // host memory]).
+    if (flat_->shard_pinned() && grad_shard_.is_cuda()) {
+      const auto dtype = shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType();
+      grad_shard_ = start_host_copy(grad_shard_, dtype);
+    }
   }
 }
 
