@@ -4,6 +4,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -135,6 +136,17 @@ void fused_sgd(float* param, const float* grad, float* momentum_buffer, int64_t 
     if (decay) return sgd_dispatch<true, true, false>(p, g, buf, count, c);
     sgd_dispatch<false, true, false>(p, g, buf, count, c);
   });
+}
+
+int kernel_threads_used(int64_t n) {
+  std::atomic<int> most{0};
+  at::parallel_for(0, n, kGrain, [&](int64_t, int64_t) {
+    const int mine = at::get_thread_num() + 1;
+    int seen = most.load();
+    while (seen < mine && !most.compare_exchange_weak(seen, mine)) {
+    }
+  });
+  return most.load();
 }
 
 }  // namespace fsdp::detail

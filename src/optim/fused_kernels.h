@@ -58,4 +58,10 @@ struct SGDCoefficients {
 void fused_sgd(float* param, const float* grad, float* momentum_buffer, int64_t n,
                const SGDCoefficients& c);
 
+/// How many intra-op threads the kernels' loop splits `n` elements over (the
+/// most at::get_num_threads() allows): the check that this file compiles
+/// with LibTorch's parallel backend (Note [Intra-op threads in libfsdp's
+/// loops] in src/CMakeLists.txt).
+int kernel_threads_used(int64_t n);
+
 }  // namespace fsdp::detail
