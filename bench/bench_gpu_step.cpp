@@ -285,7 +285,8 @@ int main(int argc, char** argv) {
         "\"steps\":%d,\"warmup\":%d,\"median_ms\":%.2f,\"tokens_per_s\":%.0f,\"mfu\":%.4f,"
         "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\","
         "\"offload\":\"%s\",\"fwd_bwd_ms\":%.2f,\"host_optim_ms\":%.2f,\"copy_ms\":%.2f,"
-        "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld}\n",
+        "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld,"
+        "\"threads\":%d}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -294,7 +295,8 @@ int main(int argc, char** argv) {
         static_cast<long long>(peak_max), static_cast<long long>(state_max), loss0, TORCH_VERSION,
         args.offload.c_str(), fwd_bwd_ms, host_optim_ms, copy_ms,
         std::max({fwd_bwd_ms, host_optim_ms, copy_ms}),
-        args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max));
+        args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max),
+        at::get_num_threads());
     std::fflush(stdout);
   }
   pg->barrier().wait();

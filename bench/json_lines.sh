@@ -20,7 +20,9 @@ need_executables() {
 # "[rankN]: " prefix removed) goes to stdout and is appended to file OUT, with
 # TAG (e.g. '"build":"A",', or empty) inserted after its "{"; every other line
 # goes to stderr. A failed command ends the calling script with its status, so
-# a summary never leaves out a configuration silently.
+# a summary never leaves out a configuration silently; with BENCH_KEEP_GOING=1
+# (a device call's few minutes) it is reported and the script goes on, and
+# the summary shows the configuration as missing.
 json_lines() {
   local out=$1 tag=$2
   shift 2
@@ -37,6 +39,6 @@ json_lines() {
   done || rc=$?
   if ((rc != 0)); then
     echo "$(basename "$0"): '$*' failed with status $rc" >&2
-    exit "$rc"
+    [[ ${BENCH_KEEP_GOING:-0} == 1 ]] || exit "$rc"
   fi
 }

@@ -4,22 +4,34 @@
 #
 #   here:            ../shared/device/stage.sh
 #   device machine:  bash scripts/gpu_check.sh        (with .gpu carried)
+#   or, built here:  scripts/gpu_carried.sh build, then on the machine
+#                    scripts/gpu_carried.sh check     (build-gpu-slim carried)
 #
-# 1. builds what the checks need (bash .gpu/build.sh: /tmp/gpu-build);
+# 1. builds what the checks need (bash .gpu/build.sh: /tmp/gpu-build), unless
+#    GPU_BUILD_DIR names a build made elsewhere against the same torch (the
+#    build then costs no device time: scripts/gpu_carried.sh);
 # 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by name;
 # 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU;
 # 4. bench/gpu_step.sh (ROUNDS, default 1) unless GPU_CHECK_BENCH=0.
 # Each step's log goes to $OUT (the device tool brings it back) or
 # /tmp/gpu-check; a step that fails is reported and the next one still runs.
-# The exit status is the number of failed steps.
+# GPU_CHECK_DEADLINE (seconds) bounds all the steps together. The exit status
+# is the number of failed steps.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
-build=/tmp/gpu-build
+build=${GPU_BUILD_DIR:-/tmp/gpu-build}
 failed=0
+deadline=${GPU_CHECK_DEADLINE:-100000} # seconds for all the steps (a device call's limit)
 step() {
   local name=$1 limit=$2
   shift 2
+  ((limit <= deadline - SECONDS)) || limit=$((deadline - SECONDS))
+  if ((limit < 10)); then
+    echo "gpu_check: $name: not run (GPU_CHECK_DEADLINE reached)"
+    failed=$((failed + 1))
+    return
+  fi
   local t0=$SECONDS rc=0
   timeout "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
   echo "gpu_check: $name: status $rc in $((SECONDS - t0)) s; last lines:"
@@ -30,13 +42,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   "nccl", ".".join(map(str, torch.cuda.nccl.version())))' >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-step build 300 bash .gpu/build.sh comm_tests core_tests state_tests train_gpt fsdprun bench_gpu_step
-step ctest_cuda 240 ctest --test-dir "$build" -L cuda --output-on-failure
+if [[ -z ${GPU_BUILD_DIR:-} ]]; then
+  step build 300 bash .gpu/build.sh comm_tests core_tests state_tests train_gpt fsdprun bench_gpu_step
+fi
+step ctest_cuda 180 ctest --test-dir "$build" -L cuda -j "${GPU_CHECK_JOBS:-3}" --output-on-failure
 data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
-step train_gpt_1rank 120 "$build/bin/train_gpt" "${data[@]}"
-step train_gpt_2ranks 150 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
+step train_gpt_1rank 60 "$build/bin/train_gpt" "${data[@]}"
+step train_gpt_2ranks 90 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
 if [[ ${GPU_CHECK_BENCH:-1} != 0 ]]; then
-  step gpu_step 300 env ROUNDS="${ROUNDS:-1}" PYTHON=python3 bench/gpu_step.sh "$build"
+  step gpu_step 300 env ROUNDS="${ROUNDS:-1}" PYTHON=python3 BENCH_KEEP_GOING=1 \
+    RUN_TIMEOUT="${RUN_TIMEOUT:-90}" bench/gpu_step.sh "$build"
 fi
 echo "gpu_check: $failed step(s) failed"
 exit "$failed"
