@@ -1,7 +1,8 @@
 // A LibTorch user's own program, built against the installed library: it
 // sums one per rank, then trains with fsdp::fully_shard a ModuleList model whose classes know
-// nothing of FSDP, fsdp::optim::FusedAdamW with weight decay, model->zero_grad(), and torch::save
-// of the full model under SummonFullParams loaded into a plain twin.
+// nothing of FSDP, fsdp::optim::FusedAdamW with weight decay stepping each unit beside backward
+// after fsdp::check_memory, model->zero_grad(), and torch::save of the full model under
+// SummonFullParams loaded into a plain twin.
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
@@ -43,6 +44,8 @@ int main() try {
   fsdp::Unit& root = fsdp::fully_shard(model, fsdp::module_type_policy<BlockImpl>());
   fsdp::optim::FusedAdamW opt(root.flat_parameters(),
                               torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  fsdp::check_memory(*model, &opt);  // fits: the plan is collective and says nothing
+  opt.step_during_backward(*model);  // each unit stepped as its gradient arrives
   torch::manual_seed(10 + pg->rank());
   const torch::Tensor x = torch::randn({8, 16});
   const torch::Tensor y = x.sum(1, true).sin();
