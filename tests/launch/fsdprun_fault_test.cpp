@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "detail/posix_files.h"
+#include "free_port.h"
 #include "launch_test_util.h"
 
 namespace fsdp::launch::testing {
@@ -59,7 +60,10 @@ INSTANTIATE_TEST_SUITE_P(Loopback, MasterAddr, ::testing::Values("127.0.0.2", ":
 std::string survivor_stderr(const std::string& program, int victim, int step) {
   char dir_template[] = "/tmp/fsdp_fault_XXXXXX";
   const std::string dir = ::mkdtemp(dir_template);
-  const std::string port = std::to_string(20000 + ::getpid() % 20000);
+  // Outside the ephemeral range (Note [Test ports outside the ephemeral
+  // range]): a port there taken by another test's connect() made rank 0 fail
+  // to listen, and rank 1 report something else than the lost store.
+  const std::string port = std::to_string(fsdp::testing::free_port());
   std::string script;
   for (int rank : {0, 1}) {
     script += "RANK=" + std::to_string(rank) +

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "free_port.h"
+
 namespace fsdp::testing {
 
 /// How one rank process ended.
@@ -50,10 +52,6 @@ void run_ranks_ok(int world_size, const std::function<void(int, int)>& body,
 
 /// True inside a rank process.
 bool is_rank_process();
-
-/// A free TCP port below the ephemeral range (Note [Test ports outside the
-/// ephemeral range] in multi_rank.cpp).
-int free_port();
 
 /// Text describing an outcome, for assertion messages.
 std::string describe(const RankOutcome& outcome);
