@@ -107,15 +107,13 @@ Args parse(int argc, char** argv) {
 
 // This rank's device: LOCAL_RANK's GPU for cuda (and auto where one is seen).
 torch::Device pick_device(const std::string& choice) {
-  const bool gpu = at::hasCUDA();
-  if (choice == "cpu" || (choice == "auto" && !gpu)) return torch::kCPU;
+  if (choice == "cpu" || (choice == "auto" && !at::hasCUDA())) return torch::kCPU;
+  const std::optional<torch::Device> gpu = fsdp::local_gpu();
   if (!gpu) {
     std::fprintf(stderr, "bench_gpu_step: --device cuda, but this process sees no GPU\n");
     std::exit(2);
   }
-  const auto gpus = static_cast<int>(at::getNumGPUs());
-  return torch::Device(torch::kCUDA,
-                       static_cast<c10::DeviceIndex>(fsdp::rank_info().local_rank % gpus));
+  return *gpu;
 }
 
 void synchronize(const torch::Device& device) {

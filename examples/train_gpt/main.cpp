@@ -111,12 +111,10 @@ void check_finite_step(int64_t step, const StepResult& r) {
 // process sees) for cuda, and for auto where there is one; nullopt for cuda
 // without a GPU.
 std::optional<torch::Device> resolve_device(DeviceChoice choice) {
-  const bool gpu = at::hasCUDA();
-  if (choice == DeviceChoice::kCpu || (choice == DeviceChoice::kAuto && !gpu)) return torch::kCPU;
-  if (!gpu) return std::nullopt;
-  const auto gpus = static_cast<int>(at::getNumGPUs());
-  return torch::Device(torch::kCUDA,
-                       static_cast<c10::DeviceIndex>(fsdp::rank_info().local_rank % gpus));
+  if (choice == DeviceChoice::kCpu || (choice == DeviceChoice::kAuto && !at::hasCUDA())) {
+    return torch::kCPU;
+  }
+  return fsdp::local_gpu();
 }
 
 int train(const TrainConfig& c, const Corpus& corpus) {

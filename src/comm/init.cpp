@@ -1,5 +1,6 @@
 #include <fsdp/comm/init.h>
 
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 
 #include <signal.h>
@@ -382,6 +383,12 @@ const RankInfo& rank_info() {
   FSDP_CHECK(g_default, -1, "process group",
              "no default process group. Call fsdp::init_process_group() first.");
   return g_info;
+}
+
+std::optional<c10::Device> local_gpu() {
+  if (!at::hasCUDA()) return std::nullopt;
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank_info().local_rank % gpus));
 }
 
 void destroy_process_group() {

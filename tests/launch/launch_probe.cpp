@@ -1,7 +1,8 @@
 // A rank for the real-launcher tests (launchers_test.cpp): joins the job
 // with fsdp::init_process_group() as mpirun, torchrun or fsdprun started it,
-// checks an all-reduce, and prints its layout on one line for the test to
-// compare. It bounds itself: killed with its launcher, and at 60 s anyway.
+// checks an all-reduce and its GPU (fsdp::local_gpu), and prints its layout
+// on one line for the test to compare. It bounds itself: killed with its launcher, and at 60 s
+// anyway.
 
 #include <ATen/ATen.h>
 
@@ -11,6 +12,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include <fsdp/fsdp.h>
@@ -24,8 +26,13 @@ int main() try {
   pg->all_reduce(t, fsdp::ReduceOp::kSum).wait();
   const int sum_of_ranks_plus_one = info.world_size * (info.world_size + 1) / 2;
   const auto expected = static_cast<float>(sum_of_ranks_plus_one);
+  // This rank's GPU follows the launcher's LOCAL_RANK; none without a GPU.
+  const std::optional<c10::Device> gpu = fsdp::local_gpu();
+  const bool gpu_ok =
+      at::hasCUDA() ? gpu && gpu->index() == info.local_rank % static_cast<int>(at::getNumGPUs())
+                    : !gpu.has_value();
   const bool ok = at::all(t == expected).item<bool>() && pg->rank() == info.rank &&
-                  pg->size() == info.world_size;
+                  pg->size() == info.world_size && gpu_ok;
   std::ostringstream line;
   line << "probe rank=" << info.rank << " world=" << info.world_size
        << " local_rank=" << info.local_rank << " local_world=" << info.local_world_size

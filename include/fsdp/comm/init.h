@@ -1,5 +1,6 @@
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/arg.h>
 
 #include <chrono>
@@ -180,6 +181,12 @@ bool is_initialized();
 
 /// Rank, world size and node layout of the default group's job.
 const RankInfo& rank_info();
+
+/// This rank's GPU as launchers lay ranks out (PyTorch's
+/// `torch.cuda.set_device(LOCAL_RANK)`): GPU rank_info().local_rank modulo
+/// the GPUs this process sees; nullopt where it sees none. Call it after
+/// init_process_group.
+std::optional<c10::Device> local_gpu();
 
 /// Forgets the default group (its resources go when the last user drops it).
 void destroy_process_group();
