@@ -304,14 +304,18 @@ class NcclProcessGroup final : public ProcessGroup {
 // The groups alive, for the exit handler (Note [NCCL groups at exit]).
 class LiveGroups {
  public:
-  // Never destroyed: the exit handler may run after static destructors.
+  // Made with the first group, when its exit handler is registered; never
+  // destroyed: the handler may run after static destructors.
   static LiveGroups& get() {
-    static auto* live = new LiveGroups();
+    static auto* live = [] {
+      auto* made = new LiveGroups();
+      std::atexit(&LiveGroups::at_exit);
+      return made;
+    }();
     return *live;
   }
   void add(NcclProcessGroup* group) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!handler_registered_) handler_registered_ = std::atexit(&LiveGroups::at_exit) == 0;
     groups_.insert(group);
   }
   void remove(NcclProcessGroup* group) {
@@ -329,7 +333,6 @@ class LiveGroups {
 
   std::mutex mutex_;
   std::set<NcclProcessGroup*> groups_;
-  bool handler_registered_ = false;
 };
 
 void NcclProcessGroup::register_live() { LiveGroups::get().add(this); }

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "comm/agreement.h"
 #include "core/device_storage.h"
@@ -192,15 +193,18 @@ void RootState::end_of_backward() {
   }
   reduction_order_.clear();
   reductions_launched_ = 0;
-  for (UnitRuntime* unit : units_) unit->finish_reduction();
-  const auto received = agree_received_grads();  // See Note [Parameters without gradients].
-  // The copies to host memory finish_reduction queued, waited for once the
-  // agreement has overlapped them (Note [Gradients to host memory]).
+  // The devices whose streams carry copies to host memory, waited for once
+  // the agreement has overlapped them (Note [Gradients to host memory]).
+  std::vector<c10::Device> copying;
   for (UnitRuntime* unit : units_) {
-    if (unit->flat_ && unit->flat_->shard_pinned() && unit->grad_shard_.defined()) {
-      wait_for_device(unit->flat_->unsharded().device());
+    const c10::Device device = unit->flat_ ? unit->flat_->unsharded().device() : c10::kCPU;
+    if (unit->finish_reduction() &&
+        std::find(copying.begin(), copying.end(), device) == copying.end()) {
+      copying.push_back(device);
     }
   }
+  const auto received = agree_received_grads();  // See Note [Parameters without gradients].
+  for (const c10::Device& device : copying) wait_for_device(device);
   for (size_t i = 0; i < units_.size(); ++i) {
     units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
   }

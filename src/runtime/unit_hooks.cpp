@@ -368,12 +368,13 @@ void UnitRuntime::deliver_early() {
   const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
   grad.complete = [work = std::exchange(grad_work_, Work()),
                    reduced = std::exchange(grad_shard_, at::Tensor()), targets = std::move(targets),
-                   device = to.device(), dtype = to.dtype().toScalarType()]() mutable {
+                   device = to.device(), dtype = to.dtype().toScalarType(),
+                   pinned = flat_->shard_pinned()]() mutable {
     work.wait();
-    // As grad_for_shard(); into host memory without queueing behind backward
-    // (Note [Gradients to host memory]).
-    set_reduced_grads(
-        targets, device.is_cpu() ? finished_to_host(reduced, dtype) : reduced.to(device, dtype));
+    // As grad_for_shard(); into pinned host memory without queueing behind
+    // backward (Note [Gradients to host memory]).
+    set_reduced_grads(targets,
+                      pinned ? finished_to_host(reduced, dtype) : reduced.to(device, dtype));
     work = Work();
     reduced = at::Tensor();
   };
@@ -404,8 +405,8 @@ void UnitRuntime::warn_unused_slots() {
              "(Warned once per unit.)");
 }
 
-void UnitRuntime::finish_reduction() {
-  if (!require_sync_) return;  // no_sync(): the unsharded gradient waits for later
+bool UnitRuntime::finish_reduction() {
+  if (!require_sync_) return false;  // no_sync(): the unsharded gradient waits for later
   // Gradients that arrived only in part (unused parameters), or only inside
   // no_sync(), are reduced now.
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
@@ -420,8 +421,10 @@ void UnitRuntime::finish_reduction() {
     if (flat_->shard_pinned() && grad_shard_.is_cuda()) {
       const auto dtype = shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType();
       grad_shard_ = start_host_copy(grad_shard_, dtype);
+      return true;
     }
   }
+  return false;
 }
 
 void UnitRuntime::finish_backward(const std::vector<bool>* received) {

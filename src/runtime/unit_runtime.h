@@ -152,7 +152,10 @@ class UnitRuntime final : public ParamUseListener {
   void pre_backward();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
-  void finish_reduction();
+  /// Launches what is left of this backward's reduction and makes the
+  /// compute stream wait for it; true when it also queued the reduced
+  /// shard's copy to host memory (Note [Gradients to host memory]).
+  bool finish_reduction();
   void finish_backward(const std::vector<bool>* received);
   void warn_unused_slots();
   void clear_moved_grads();
