@@ -52,13 +52,19 @@
 // static holds, or a user's global) was destroyed after the CUDA runtime had
 // begun to unload: ProcessGroupNCCL::shutdown() then throws "driver shutting
 // down" from a destructor, and every one-GPU-per-rank program ended in
-// std::terminate after its last step (seen on an H100). The runtime
-// registers its own exit handler when it initialises, before any group
-// exists (choosing NCCL already asked it for the devices), so the first group
-// registers one with std::atexit, which runs before the runtime's and shuts
-// down every group still alive, as destroy_process_group() would. A group's
-// destructor then has nothing left to release. Should the runtime be gone
-// anyway, the communicator is left to the process's end rather than torn down.
+// std::terminate after its last step (seen on an H100). Exit handlers run in
+// the reverse order of their registration, and the runtime registers its own
+// when it initialises, so a group registers one with std::atexit (the first
+// group to do so, for all) that shuts down every group still alive, as
+// destroy_process_group() would, and it does so at its first collective: its
+// tensors are on a GPU then, so the runtime is up. Registering when the group
+// was made was not enough: asking for the device count (choosing NCCL) does
+// not always initialise the runtime, and a world-1 program made its group
+// before touching a GPU; its handler then ran after the runtime's, and one
+// run in three still aborted in SetDevice at exit (H100, 2026-11-27). A
+// group's destructor then has nothing left to release. Should the runtime be
+// gone anyway, the communicator is left to the process's end rather than
+// torn down.
 
 namespace fsdp::detail {
 
@@ -182,7 +188,6 @@ class NcclProcessGroup final : public ProcessGroup {
     options->timeout = timeout;
     nccl_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
     completions_ = std::make_unique<NcclCompletions>(rank, timeout);
-    register_live();
   }
   ~NcclProcessGroup() override;
 
@@ -288,6 +293,8 @@ class NcclProcessGroup final : public ProcessGroup {
         timeout() + kWaitGrace, std::move(tensors));
     state->stream_wait = [work] { work->wait(); };
     completions_->add(std::move(work), state);
+    // Once the runtime is surely up (Note [NCCL groups at exit]).
+    std::call_once(registered_live_, [this] { register_live(); });
     return Work(state);
   }
 
@@ -296,6 +303,7 @@ class NcclProcessGroup final : public ProcessGroup {
   // Atomic: a hybrid chain issues its second collective from the thread
   // that finished the first (Note [NCCL collectives and their Work]).
   std::atomic<uint64_t> seq_{0};
+  std::once_flag registered_live_;
   std::atomic<int> last_gpu_{-1};
   int subgroups_made_ = 0;  // caller thread only
   std::unique_ptr<NcclCompletions> completions_;
@@ -304,16 +312,20 @@ class NcclProcessGroup final : public ProcessGroup {
 // The groups alive, for the exit handler (Note [NCCL groups at exit]).
 class LiveGroups {
  public:
-  // Made with the first group, when its exit handler is registered; never
-  // destroyed: the handler may run after static destructors.
+  // Made at the first collective of any group, when its exit handler is
+  // registered; never destroyed: the handler may run after static destructors.
   static LiveGroups& get() {
     static auto* live = [] {
       auto* made = new LiveGroups();
       std::atexit(&LiveGroups::at_exit);
+      made_.store(made);
       return made;
     }();
     return *live;
   }
+  // The registry if a group registered, else nullptr (a group that never
+  // issued a collective has nothing to unregister).
+  static LiveGroups* if_made() { return made_.load(); }
   void add(NcclProcessGroup* group) {
     std::lock_guard<std::mutex> lock(mutex_);
     groups_.insert(group);
@@ -331,6 +343,7 @@ class LiveGroups {
     live.groups_.clear();
   }
 
+  static inline std::atomic<LiveGroups*> made_{nullptr};
   std::mutex mutex_;
   std::set<NcclProcessGroup*> groups_;
 };
@@ -338,7 +351,7 @@ class LiveGroups {
 void NcclProcessGroup::register_live() { LiveGroups::get().add(this); }
 
 NcclProcessGroup::~NcclProcessGroup() {
-  LiveGroups::get().remove(this);
+  if (LiveGroups* live = LiveGroups::if_made()) live->remove(this);
   shut_down();
 }
 

@@ -176,7 +176,7 @@ TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {
 // momentum in pinned host memory, parameters gathered and used on the GPU:
 // the same results as plain LibTorch on the GPU, every step, and nothing of
 // the model's stays in GPU memory from one step to the next (the caching
-// allocator holds the same bytes after the sharded model's step as before
+// allocator holds no more bytes after the sharded model's step than before
 // its forward), for every strategy; the host's FusedSGD stepping each unit
 // beside backward (step_during_backward: each unit's reduce-scatter waited
 // for and its gradient copied to the host on the optimizer's thread while
@@ -210,7 +210,10 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
       during_opt.step_during_backward(*during.ptr());
       for (int step = 0; step < 4; ++step) {
         const StepMemory memory = gpu_step(reference, ref_opt, model, opt, step, what);
-        EXPECT_EQ(memory.after, memory.before) << what << " step " << step;
+        // At most as much: the step beside backward of the other model, just
+        // before, can leave a 1 KiB block of c10d's to be handed back during
+        // this one (seen on an H100); the model's own bytes must not stay.
+        EXPECT_LE(memory.after, memory.before) << what << " step " << step;
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
         gpu_step(reference2, ref2_opt, during, during_opt, step, what + " beside backward");
         const auto a = model->parameters();
