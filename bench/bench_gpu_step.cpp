@@ -70,6 +70,7 @@ struct Args {
   std::string precision = "bf16";
   std::string offload = "none";
   bool activation_checkpointing = false;
+  bool parts = true;
   int steps = 10;
   int warmup = 3;
   int64_t blocks = 12;
@@ -93,6 +94,9 @@ Args parse(int argc, char** argv) {
       .one_of({"none", "after", "during"});
   cli.option("--activation-checkpointing", &a.activation_checkpointing,
              "0|1: recompute each block's activations in backward");
+  cli.option("--parts", &a.parts,
+             "0|1: with --offload, also time its parts alone (forward+backward, host "
+             "optimizer, copies) after the timed steps");
   bench::add_gpt_step_options(cli, a);
   cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
   cli.parse(argc, argv);
@@ -249,7 +253,7 @@ int main(int argc, char** argv) {
   // The three parts of an offloaded step alone (after the timed steps, so
   // they change neither its memory peak nor its times).
   double fwd_bwd_ms = 0, host_optim_ms = 0, copy_ms = 0;
-  if (host_opt != nullptr) {
+  if (host_opt != nullptr && args.parts) {
     const int rounds = std::max(3, args.steps / 2);
     std::vector<double> ms;
     for (int i = 0; i < rounds; ++i) {

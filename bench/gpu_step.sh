@@ -11,7 +11,8 @@
 # MODEL_ARGS (default: 12 blocks x 768, 12 heads, seq 1024, batch 8, vocab
 # 50304: 163 M parameters), DEVICE (cuda; cpu only to check the script on a
 # machine without a GPU, with small MODEL_ARGS), PEAK_TFLOPS (989: an H100
-# SXM's dense bf16, for MFU), PYTHON (a Python with torch), RUN_TIMEOUT (s).
+# SXM's dense bf16, for MFU), PYTHON (a Python with torch), RUN_TIMEOUT (s),
+# CONFIGS (the configurations to run, by name; default all).
 # Summary ratios: libfsdp FULL_SHARD's step over plain LibTorch's (target
 # <= 1.05), PyTorch FSDP2's and FSDP1's over PyTorch plain, and at 2 ranks on
 # one GPU each rank's parameters + gradients + AdamW state (state_bytes) and
@@ -50,17 +51,23 @@ two=(timeout "$RUN_TIMEOUT" "$BUILD/bin/fsdprun" --nproc-per-node 2 "$BUILD/bin/
 theirs=(timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/bench/pytorch_step.py" step --nproc 1
         --device "$DEVICE" "${common[@]}")
 
-tag() { echo "\"config\":\"$1\",\"round\":$2,"; }
+# One configuration's round, unless CONFIGS leaves it out.
+run() {
+  local config=$1 round=$2
+  shift 2
+  [[ -z ${CONFIGS:-} || " $CONFIGS " == *" $config "* ]] || return 0
+  json_lines "$results" "\"config\":\"$config\",\"round\":$round," "$@"
+}
 for ((round = 0; round < ROUNDS; ++round)); do
-  json_lines "$results" "$(tag libtorch_plain "$round")" "${ours[@]}" --mode local
-  json_lines "$results" "$(tag libfsdp_full_shard "$round")" "${ours[@]}" --mode full_shard
-  json_lines "$results" "$(tag libfsdp_no_shard "$round")" "${ours[@]}" --mode no_shard
-  json_lines "$results" "$(tag libfsdp_full_shard_2ranks "$round")" "${two[@]}" --mode full_shard
-  json_lines "$results" "$(tag libfsdp_offload_after "$round")" "${ours[@]}" --mode full_shard --offload after
-  json_lines "$results" "$(tag libfsdp_offload_during "$round")" "${ours[@]}" --mode full_shard --offload during
-  json_lines "$results" "$(tag pytorch_plain "$round")" "${theirs[@]}" --mode local
-  json_lines "$results" "$(tag pytorch_fsdp2 "$round")" "${theirs[@]}" --mode fsdp2
-  json_lines "$results" "$(tag pytorch_fsdp1 "$round")" "${theirs[@]}" --mode fsdp1_full_shard
+  run libtorch_plain "$round" "${ours[@]}" --mode local
+  run libfsdp_full_shard "$round" "${ours[@]}" --mode full_shard
+  run libfsdp_no_shard "$round" "${ours[@]}" --mode no_shard
+  run libfsdp_full_shard_2ranks "$round" "${two[@]}" --mode full_shard
+  run libfsdp_offload_after "$round" "${ours[@]}" --mode full_shard --offload after
+  run libfsdp_offload_during "$round" "${ours[@]}" --mode full_shard --offload during
+  run pytorch_plain "$round" "${theirs[@]}" --mode local
+  run pytorch_fsdp2 "$round" "${theirs[@]}" --mode fsdp2
+  run pytorch_fsdp1 "$round" "${theirs[@]}" --mode fsdp1_full_shard
 done
 
 "$PYTHON" - "$results" "$PEAK_TFLOPS" <<'PY'

@@ -22,8 +22,13 @@
 # Environment: LADDER (rungs "d_model:layers:heads", smallest first; the
 # default climbs from GPT-2 medium to 13 B parameters), SEQ (1024), BATCH (1),
 # VOCAB (50304), STEPS (3), WARMUP (1), DEVICE (cuda; cpu with a small LADDER
-# only checks the script), WAYS (all five, by name), PYTHON, RUN_TIMEOUT (s per
-# rung, 1800).
+# only checks the script), WAYS (all five, by name; set empty, only the summary
+# of RESULTS), LADDER_<way> (that way's own rungs, e.g. LADDER_libtorch_plain:
+# a device call's minutes go to the rungs near each way's limit), RESULTS (a
+# file the lines are appended to and the summary is made from, so that runs
+# split over several device calls sum up; default a temporary one), LOGS (a
+# folder that keeps each attempt's output), PYTHON, RUN_TIMEOUT (s per rung,
+# 1800).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,7 +40,7 @@ VOCAB=${VOCAB:-50304}
 STEPS=${STEPS:-3}
 WARMUP=${WARMUP:-1}
 DEVICE=${DEVICE:-cuda}
-WAYS=${WAYS:-libtorch_plain libfsdp_full_shard libfsdp_ac libfsdp_offload_ac pytorch_fsdp2_offload_ac}
+WAYS=${WAYS-libtorch_plain libfsdp_full_shard libfsdp_ac libfsdp_offload_ac pytorch_fsdp2_offload_ac}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 PYTHON=${PYTHON:-}
 if [[ -z $PYTHON ]]; then
@@ -46,9 +51,15 @@ fi
   exit 2
 }
 
-results=$(mktemp)
 log=$(mktemp)
-trap 'rm -f "$results" "$log"' EXIT
+if [[ -n ${RESULTS:-} ]]; then
+  results=$RESULTS
+  touch "$results"
+  trap 'rm -f "$log"' EXIT
+else
+  results=$(mktemp)
+  trap 'rm -f "$results" "$log"' EXIT
+fi
 
 # The command line of one way at one rung.
 command_for() {
@@ -61,7 +72,7 @@ command_for() {
     libfsdp_full_shard) echo "${ours[@]}" --mode full_shard ;;
     libfsdp_ac) echo "${ours[@]}" --mode full_shard --activation-checkpointing 1 ;;
     libfsdp_offload_ac)
-      echo "${ours[@]}" --mode full_shard --activation-checkpointing 1 --offload during ;;
+      echo "${ours[@]}" --mode full_shard --activation-checkpointing 1 --offload during --parts 0 ;;
     pytorch_fsdp2_offload_ac)
       echo timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/bench/pytorch_step.py" step --nproc 1 \
         --device "$DEVICE" --mode fsdp2 --cpu-offload --activation-checkpointing "${sizes[@]}" ;;
@@ -71,11 +82,14 @@ command_for() {
 
 for way in $WAYS; do command_for "$way" 64 1 1 >/dev/null; done  # an unknown way stops here
 for way in $WAYS; do
-  for rung in $LADDER; do
+  own=LADDER_$way
+  for rung in ${!own:-$LADDER}; do
     IFS=: read -r d layers heads <<<"$rung"
+    rc=0
     # shellcheck disable=SC2046
-    if $(command_for "$way" "$d" "$layers" "$heads") >"$log" 2>&1 &&
-       line=$(grep -m1 '^{' "$log") && [[ $line != *'"skipped"'* ]]; then
+    $(command_for "$way" "$d" "$layers" "$heads") >"$log" 2>&1 || rc=$?
+    [[ -z ${LOGS:-} ]] || { mkdir -p "$LOGS" && cp "$log" "$LOGS/$way-${rung//:/x}.log"; }
+    if ((rc == 0)) && line=$(grep -m1 '^{' "$log") && [[ $line != *'"skipped"'* ]]; then
       echo "{\"way\":\"$way\",\"rung\":\"$rung\",${line#\{}" | tee -a "$results"
     else
       why=$(grep -m1 -E 'fsdp\(check_memory\)|out of memory|OutOfMemory|Error|error|skipped' "$log" |

@@ -10,6 +10,8 @@
 #   GPU machine: scripts/gpu_carried.sh check    with build-gpu-slim (and .gpu,
 #                                                from ../shared/device/stage.sh,
 #                                                for the fallback) carried
+#                scripts/gpu_carried.sh run CMD...  CMD with the carried build's
+#                                                paths set up (a benchmark)
 #
 # check makes the carried build's absolute paths hold there (/work/main, the
 # build's folder name), puts that machine's torch and CUDA libraries first on
@@ -28,7 +30,7 @@ case "${1:-}" in
       -print0 | tar --null -T - -cf -) | tar -C build-gpu-slim -xf -
     du -sh build-gpu-slim
     ;;
-  check)
+  check | run)
     root=$PWD
     if [[ $root != /work/main ]]; then
       mkdir -p /work
@@ -39,6 +41,10 @@ case "${1:-}" in
     sp=$(dirname "$tp")
     LD_LIBRARY_PATH="$tp/lib:$(ls -d "$sp"/nvidia/*/lib | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export LD_LIBRARY_PATH
+    if [[ $1 == run ]]; then
+      shift
+      exec "$@"
+    fi
     out=${OUT:-/tmp/gpu-check}
     mkdir -p "$out"
     if /work/main/build-gpu/bin/train_gpt --help >/dev/null 2>"$out/carried.txt"; then
@@ -52,7 +58,7 @@ case "${1:-}" in
     GPU_CHECK_DEADLINE=${DEADLINE:-380} exec bash scripts/gpu_check.sh
     ;;
   *)
-    echo "usage: scripts/gpu_carried.sh build (here) | check (on the GPU machine)" >&2
+    echo "usage: scripts/gpu_carried.sh build (here) | check | run CMD... (on the GPU machine)" >&2
     exit 2
     ;;
 esac
