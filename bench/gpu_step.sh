@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 34, item 8: a GPT-2-small-like training step on one GPU, in one run
 # with the rounds interleaved: plain LibTorch, libfsdp FULL_SHARD and NO_SHARD
-# at world 1, libfsdp FULL_SHARD at 2 ranks sharing the GPU, and PyTorch (the
-# same torch's Python) plain, FSDP2 and FSDP1 FULL_SHARD at world 1. One JSON
-# line per configuration and round, then a summary line:
+# at world 1, libfsdp FULL_SHARD at 2 ranks sharing the GPU (staged through
+# the host, and over CUDA IPC), and PyTorch (the same torch's Python) plain,
+# FSDP2 and FSDP1 FULL_SHARD at world 1. One JSON line per configuration and
+# round, then a summary line:
 #
 #   bench/gpu_step.sh [BUILD]      (BUILD: a build with bench_gpu_step and fsdprun)
 #
@@ -16,7 +17,9 @@
 # Summary ratios: libfsdp FULL_SHARD's step over plain LibTorch's (target
 # <= 1.05), PyTorch FSDP2's and FSDP1's over PyTorch plain, and at 2 ranks on
 # one GPU each rank's parameters + gradients + AdamW state (state_bytes) and
-# GPU peak over world 1's (target <= 0.55 for the state). With CPU offload
+# GPU peak over world 1's (target <= 0.55 for the state); the 2-rank step
+# with the ranks' collectives over CUDA IPC over the one staged through the
+# host (Note [Ranks sharing a GPU]). With CPU offload
 # (issue 35, item 3): FULL_SHARD at world 1 with the host's FusedAdamW after
 # backward and beside it; the step beside backward over the largest of its
 # parts alone (forward+backward, host optimizer, PCIe copies, measured in the
@@ -62,7 +65,9 @@ for ((round = 0; round < ROUNDS; ++round)); do
   run libtorch_plain "$round" "${ours[@]}" --mode local
   run libfsdp_full_shard "$round" "${ours[@]}" --mode full_shard
   run libfsdp_no_shard "$round" "${ours[@]}" --mode no_shard
-  run libfsdp_full_shard_2ranks "$round" "${two[@]}" --mode full_shard
+  run libfsdp_full_shard_2ranks "$round" env FSDP_CUDA_BACKEND=staged "${two[@]}" --mode full_shard
+  run libfsdp_full_shard_2ranks_ipc "$round" env FSDP_CUDA_BACKEND=ipc "${two[@]}" \
+    --mode full_shard
   run libfsdp_offload_after "$round" "${ours[@]}" --mode full_shard --offload after
   run libfsdp_offload_during "$round" "${ours[@]}" --mode full_shard --offload during
   run pytorch_plain "$round" "${theirs[@]}" --mode local
@@ -107,6 +112,8 @@ summary["two_ranks_state_over_world1"] = ratio("libfsdp_full_shard_2ranks", "lib
                                                "state_bytes")
 summary["two_ranks_peak_over_world1"] = ratio("libfsdp_full_shard_2ranks", "libfsdp_full_shard",
                                               "peak_device_bytes")
+summary["two_ranks_cuda_ipc_over_staged"] = ratio("libfsdp_full_shard_2ranks_ipc",
+                                                  "libfsdp_full_shard_2ranks")
 parts = {k: med("libfsdp_offload_after", k) for k in ("fwd_bwd_ms", "host_optim_ms", "copy_ms")}
 summary["offload_parts_ms"] = parts
 bound = max(v or 0 for v in parts.values())

@@ -8,6 +8,14 @@
 
 #include "detail/error.h"
 
+#if FSDP_WITH_CUDA
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "comm/cuda_ipc_slots.h"
+#include "comm/slot_process_group.h"
+#endif
+
 namespace fsdp::detail {
 
 namespace {
@@ -30,6 +38,7 @@ CudaFacts this_process_cuda_facts(int local_world_size) {
 
 CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
   if (requested == CudaBackend::kStaged) return {false, "CudaBackend::kStaged was asked for"};
+  if (requested == CudaBackend::kCudaIpc) return {false, "CudaBackend::kCudaIpc was asked for"};
   if (facts.nccl_version == 0) {
     return {false,
             "this libfsdp was built against a LibTorch without NCCL (a CPU build, or one "
@@ -63,8 +72,22 @@ CudaBackend resolve_cuda_backend(std::optional<CudaBackend> option, const char* 
   if (v == "auto") return CudaBackend::kAuto;
   if (v == "nccl") return CudaBackend::kNccl;
   if (v == "staged") return CudaBackend::kStaged;
+  if (v == "ipc") return CudaBackend::kCudaIpc;
   FSDP_FAIL(rank, "init_process_group", "FSDP_CUDA_BACKEND=", env,
-            " is not a CUDA backend; use auto, nccl or staged (or unset it)");
+            " is not a CUDA backend; use auto, nccl, staged or ipc (or unset it)");
+}
+
+std::shared_ptr<ProcessGroup> make_cuda_ipc_group(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                                  int size, std::chrono::milliseconds timeout,
+                                                  c10::Device gpu) {
+#if FSDP_WITH_CUDA
+  if (!store) store = c10::make_intrusive<c10d::HashStore>();  // world 1: nobody to ask
+  return make_slot_group(c10::make_intrusive<c10d::PrefixStore>("fsdp/cuda_ipc", store), rank, size,
+                         timeout, kGpuSlotBytes, cuda_ipc_slot_opener(gpu), "cuda_ipc");
+#else
+  (void)store, (void)rank, (void)size, (void)timeout, (void)gpu;
+  return nullptr;
+#endif
 }
 
 std::string nccl_version_string(int code) {

@@ -47,8 +47,8 @@ struct CudaChoice {
 /// Note [Choosing what carries CUDA tensors], for one rank.
 CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts);
 
-/// `option` if set, else FSDP_CUDA_BACKEND (auto, nccl, staged, any case),
-/// else kAuto. Another value of the variable is an error naming it.
+/// `option` if set, else FSDP_CUDA_BACKEND (auto, nccl, staged, ipc, any
+/// case), else kAuto. Another value of the variable is an error naming it.
 CudaBackend resolve_cuda_backend(std::optional<CudaBackend> option, const char* env, int rank);
 
 /// "2.28.9" for 22809.
@@ -57,6 +57,14 @@ std::string nccl_version_string(int code);
 /// The NCCL version of the LibTorch build (0 when libfsdp was built without
 /// NCCL: see FSDP_WITH_NCCL).
 int built_nccl_version();
+
+/// A group that carries the CUDA tensors of ranks sharing `gpu` on one host
+/// (Note [Ranks sharing a GPU]), made over `store` (nullptr at world size
+/// 1); nullptr on every rank where they do not all share it (or a CUDA call
+/// failed on some rank), and always in a build without CUDA.
+std::shared_ptr<ProcessGroup> make_cuda_ipc_group(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                                  int size, std::chrono::milliseconds timeout,
+                                                  c10::Device gpu);
 
 /// A group that carries CUDA tensors over c10d's ProcessGroupNCCL, made over
 /// `store` (nullptr at world size 1). Only where built_nccl_version() != 0.

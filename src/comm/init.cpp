@@ -341,8 +341,25 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
              mine.nccl ? "another rank cannot run NCCL (see its error)" : mine.why_not,
              ". Use CudaBackend::kAuto or kStaged.");
   std::shared_ptr<ProcessGroup> cuda_group;
+  std::string cuda_backend = "staged";
   if (nccl) {
     cuda_group = detail::make_nccl_group(store, info.rank, info.world_size, options.timeout());
+    cuda_backend = "nccl";
+  } else if (requested == CudaBackend::kCudaIpc) {
+    // Collective (every rank asked, the variable or option being the job's).
+    const auto gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    const c10::Device gpu(c10::kCUDA,
+                          static_cast<c10::DeviceIndex>(gpus > 0 ? info.local_rank % gpus : 0));
+    // Every rank takes part, a rank without a GPU saying "no".
+    cuda_group =
+        detail::make_cuda_ipc_group(store, info.rank, info.world_size, options.timeout(), gpu);
+    FSDP_CHECK(cuda_group, info.rank, "init_process_group",
+               "CudaBackend::kCudaIpc (or FSDP_CUDA_BACKEND=ipc) cannot be honoured: ",
+               gpus == 0 ? "this process sees no GPU"
+                         : "the ranks are not all on this GPU of one host, or a CUDA call "
+                           "failed on some rank",
+               ". Use CudaBackend::kAuto or kStaged.");
+    cuda_backend = "cuda_ipc";
   }
 
   // CPU tensors to the engine, CUDA tensors to NCCL or staged through the
@@ -359,7 +376,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     std::lock_guard<std::mutex> lock(g_mutex);
     g_default = group;
     g_info = info;
-    g_info.cuda_backend = nccl ? "nccl" : "staged";
+    g_info.cuda_backend = cuda_backend;
   }
   return group;
 }

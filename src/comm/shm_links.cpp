@@ -207,9 +207,25 @@ void* map_segment(const UniqueFd& fd, size_t bytes) {
   return base == MAP_FAILED ? nullptr : base;
 }
 
-at::Tensor view_of(char* p, int64_t numel, at::ScalarType dtype) {
-  return at::from_blob(p, {numel}, at::TensorOptions().dtype(dtype));
-}
+// Slots in the segment itself, after the control blocks.
+class HostSlots final : public SlotMemory {
+ public:
+  HostSlots(void* base, int size, int64_t slot_bytes)
+      : data_(static_cast<char*>(base) + data_offset(size)), slot_bytes_(slot_bytes) {}
+  char* slot(int rank, uint32_t round) const override {
+    const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
+    return data_ + index * static_cast<size_t>(slot_bytes_);
+  }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    std::memcpy(dst, src, bytes);
+  }
+  void settle() const override {}
+
+ private:
+  char* data_;
+  int64_t slot_bytes_;
+};
 
 int64_t rounds_for(int64_t numel, int64_t per_round) {
   return std::max<int64_t>(1, (numel + per_round - 1) / per_round);
@@ -219,7 +235,7 @@ int64_t rounds_for(int64_t numel, int64_t per_round) {
 
 std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int size,
                                             std::chrono::milliseconds timeout, bool enabled,
-                                            int64_t slot_bytes) {
+                                            int64_t slot_bytes, const SlotOpener& open_slots) {
   TORCH_INTERNAL_ASSERT(slot_bytes > 0 && slot_bytes % 64 == 0, "bad slot size ", slot_bytes);
   const std::string key = host_key(enabled, slot_bytes);
   const std::string mine = key.empty() ? "off/" + std::to_string(rank) : key;
@@ -227,8 +243,9 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
 
   fault_point(rank, 1);
 
-  // See Note [Shared memory without a name].
-  const size_t bytes = segment_bytes(size, slot_bytes);
+  // See Note [Shared memory without a name]. Slots opened elsewhere take no
+  // room in the segment.
+  const size_t bytes = segment_bytes(size, open_slots ? 0 : slot_bytes);
   UniqueFd segment;
   if (rank == 0) {
     segment = create_segment(bytes);
@@ -254,23 +271,38 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
     if (base != nullptr) ::munmap(base, bytes);
     return nullptr;
   }
-  return std::unique_ptr<ShmLinks>(new ShmLinks(rank, size, timeout, slot_bytes, base, bytes));
+  std::unique_ptr<SlotMemory> slots;
+  if (open_slots) {
+    slots = open_slots(store, rank, size, slot_bytes);
+    if (!all_posted(store, "shm/slots", rank, size, slots ? "1" : "0", "1")) {
+      slots.reset();
+      ::munmap(base, bytes);
+      return nullptr;
+    }
+  } else {
+    slots = std::make_unique<HostSlots>(base, size, slot_bytes);
+  }
+  return std::unique_ptr<ShmLinks>(
+      new ShmLinks(rank, size, timeout, slot_bytes, base, bytes, std::move(slots)));
 }
 
 ShmLinks::ShmLinks(int rank, int size, std::chrono::milliseconds timeout, int64_t slot_bytes,
-                   void* base, size_t bytes)
+                   void* base, size_t bytes, std::unique_ptr<SlotMemory> slots)
     : rank_(rank),
       size_(size),
       timeout_(timeout),
       slot_bytes_(slot_bytes),
       base_(base),
-      bytes_(bytes) {}
+      bytes_(bytes),
+      slots_(std::move(slots)) {}
 
-ShmLinks::~ShmLinks() { ::munmap(base_, bytes_); }
+ShmLinks::~ShmLinks() {
+  slots_.reset();  // before the segment its peers' control words live in
+  ::munmap(base_, bytes_);
+}
 
-char* ShmLinks::slot(int rank, uint32_t round) const {
-  const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
-  return static_cast<char*>(base_) + data_offset(size_) + index * static_cast<size_t>(slot_bytes_);
+at::Tensor ShmLinks::view_of(char* p, int64_t numel, at::ScalarType dtype) const {
+  return at::from_blob(p, {numel}, at::TensorOptions().dtype(dtype).device(slots_->device()));
 }
 
 uint32_t* ShmLinks::word(int rank, int which) const {
@@ -350,6 +382,7 @@ void ShmLinks::run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Wri
       if (p != rank_) wait_until(p, kDone, k - 1, "finish reading the previous round");
     }
     write(i, slot(rank_, k));
+    slots_->settle();  // the part is in the slot before it is posted
     control->descriptors[k & 1u] = Descriptor{static_cast<uint32_t>(op), 0, total};
     publish(kPosted, k + 1);
     for (int p = 0; p < size_; ++p) {
@@ -358,6 +391,7 @@ void ShmLinks::run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Wri
       check_descriptor(p, k, op, total);
     }
     read(i, k);
+    slots_->settle();  // every peer's part is read before its slot is freed
     publish(kDone, k + 1);
   }
 }
@@ -367,19 +401,19 @@ void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
   char* out = static_cast<char*>(flat.data_ptr());
   const char* own = static_cast<const char*>(shard.data_ptr());
   char* own_in_flat = out + static_cast<size_t>(rank_) * bytes;
-  if (own_in_flat != own && bytes > 0) std::memcpy(own_in_flat, own, bytes);
+  if (own_in_flat != own && bytes > 0) slots_->copy(own_in_flat, own, bytes);
   const size_t per_round = static_cast<size_t>(slot_bytes_);
   auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
   run_rounds(
       CollectiveKind::kAllGather, flat.nbytes(),
       rounds_for(static_cast<int64_t>(bytes), static_cast<int64_t>(per_round)),
       [&](int64_t i, char* dst) {
-        if (bytes > 0) std::memcpy(dst, own + i * per_round, len(i));
+        if (bytes > 0) slots_->copy(dst, own + i * per_round, len(i));
       },
       [&](int64_t i, uint32_t k) {
         if (bytes == 0) return;
         for (int p = 0; p < size_; ++p) {
-          if (p != rank_) std::memcpy(out + p * bytes + i * per_round, slot(p, k), len(i));
+          if (p != rank_) slots_->copy(out + p * bytes + i * per_round, slot(p, k), len(i));
         }
       });
 }
@@ -396,7 +430,7 @@ void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, R
         if (n == 0) return;
         for (int q = 0; q < size_; ++q) {
           if (q != rank_)
-            std::memcpy(dst + q * piece * es, in + (q * n + i * piece) * es, len(i) * es);
+            slots_->copy(dst + q * piece * es, in + (q * n + i * piece) * es, len(i) * es);
         }
       },
       [&](int64_t i, uint32_t k) {
@@ -424,7 +458,7 @@ void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   run_rounds(
       CollectiveKind::kAllReduce, t.nbytes(), rounds_for(n, per_round),
       [&](int64_t i, char* dst) {
-        if (n > 0) std::memcpy(dst, in + i * per_round * es, len(i) * es);
+        if (n > 0) slots_->copy(dst, in + i * per_round * es, len(i) * es);
       },
       [&](int64_t i, uint32_t k) {
         if (n == 0) return;
@@ -436,6 +470,21 @@ void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
           reduce_into(out, out, view_of(slot(p, k), len(i), t.scalar_type()), op);
         }
         finish_reduction(out, op, size_);  // while the piece is in cache
+      });
+}
+
+void ShmLinks::broadcast(const at::Tensor& tensor, int root) {
+  char* data = static_cast<char*>(tensor.data_ptr());
+  const size_t bytes = tensor.nbytes(), per_round = static_cast<size_t>(slot_bytes_);
+  auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
+  run_rounds(
+      CollectiveKind::kBroadcast, bytes,
+      rounds_for(static_cast<int64_t>(bytes), static_cast<int64_t>(per_round)),
+      [&](int64_t i, char* dst) {
+        if (rank_ == root && bytes > 0) slots_->copy(dst, data + i * per_round, len(i));
+      },
+      [&](int64_t i, uint32_t k) {
+        if (rank_ != root && bytes > 0) slots_->copy(data + i * per_round, slot(root, k), len(i));
       });
 }
 

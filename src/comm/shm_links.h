@@ -3,8 +3,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <c10/core/Device.h>
+
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -40,17 +43,58 @@ namespace fsdp::detail {
 ///   other routes. The segment has no name at any time, so nothing is ever
 ///   left in /dev/shm, whoever dies when (Note [Shared memory without a
 ///   name]).
+/// Where a ShmLinks group's slots live and how bytes move through them: in
+/// the shared segment itself (host memory, memcpy), or in each rank's GPU
+/// memory opened by its peers (Note [Ranks sharing a GPU] in
+/// comm/cuda_ipc_slots.h). The segment's control words (posted, done, the
+/// descriptors, the abort word) stay in host memory either way.
+class SlotMemory {
+ public:
+  virtual ~SlotMemory() = default;
+  /// Rank `rank`'s slot for round `round` (two per rank, used alternately).
+  virtual char* slot(int rank, uint32_t round) const = 0;
+  /// The device of the slots, which the collectives' tensors must be on.
+  virtual c10::Device device() const = 0;
+  /// Copies `bytes` from `src` to `dst` (on a GPU: queued on the current stream).
+  virtual void copy(void* dst, const void* src, size_t bytes) const = 0;
+  /// Returns once everything queued on the current stream has run, so that
+  /// what this rank wrote or read may be published (nothing to do on the CPU).
+  virtual void settle() const = 0;
+
+  /// Runs a collective's body where the group runs it.
+  using Runner = std::function<void(const std::function<void()>& body)>;
+  /// Called where a collective is issued; what it returns runs the body once
+  /// the tensors' producers have run: at once on the CPU; on a GPU on a
+  /// stream of the group's own, made to wait for what the issuing thread's
+  /// stream had queued when the collective was issued.
+  virtual Runner when_ready() const {
+    return [](const std::function<void()>& body) { body(); };
+  }
+};
+
+/// Opens slot memory outside the segment for ShmLinks::connect(), collectively
+/// over the group; nullptr when this rank cannot (every rank then agrees on
+/// "no").
+using SlotOpener = std::function<std::unique_ptr<SlotMemory>(c10d::Store& store, int rank, int size,
+                                                             int64_t slot_bytes)>;
+
 class ShmLinks {
  public:
   /// Collective over the group (keys under `store`, the group's own prefix),
   /// with slots of `slot_bytes` (a multiple of 64); `enabled` false posts "off".
-  /// Returns nullptr on every rank when the group cannot use shared memory.
+  /// With `open_slots`, the slots are what it opens instead of part of the
+  /// segment. Returns nullptr on every rank when the group cannot use shared
+  /// memory (or any rank's `open_slots` failed).
   static std::unique_ptr<ShmLinks> connect(c10d::Store& store, int rank, int size,
                                            std::chrono::milliseconds timeout, bool enabled,
-                                           int64_t slot_bytes);
+                                           int64_t slot_bytes,
+                                           const SlotOpener& open_slots = nullptr);
   ~ShmLinks();
   ShmLinks(const ShmLinks&) = delete;
   ShmLinks& operator=(const ShmLinks&) = delete;
+
+  /// Where the slots are, and how bytes move through them.
+  const SlotMemory& slots() const { return *slots_; }
 
   /// See ProcessGroup::all_gather_into_tensor (contiguous 1-D tensors).
   void all_gather(const at::Tensor& flat, const at::Tensor& shard);
@@ -58,13 +102,16 @@ class ShmLinks {
   void reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, ReduceOp op);
   /// See ProcessGroup::all_reduce (contiguous tensor).
   void all_reduce(const at::Tensor& tensor, ReduceOp op);
+  /// See ProcessGroup::broadcast (contiguous tensor): root's bytes, exactly.
+  void broadcast(const at::Tensor& tensor, int root);
 
  private:
   struct Layout;
   ShmLinks(int rank, int size, std::chrono::milliseconds timeout, int64_t slot_bytes, void* base,
-           size_t bytes);
+           size_t bytes, std::unique_ptr<SlotMemory> slots);
 
-  char* slot(int rank, uint32_t round) const;
+  char* slot(int rank, uint32_t round) const { return slots_->slot(rank, round); }
+  at::Tensor view_of(char* p, int64_t numel, at::ScalarType dtype) const;
   uint32_t* word(int rank, int which) const;
   // Runs `rounds` rounds of collective (`op`, `total` bytes): write(i, my
   // slot) fills this rank's part of round i, read(i, round) consumes it once
@@ -81,6 +128,7 @@ class ShmLinks {
   const int64_t slot_bytes_;  // bytes of one slot (CommConfig::shm_slot_bytes)
   void* base_;
   size_t bytes_;
+  std::unique_ptr<SlotMemory> slots_;
   uint32_t next_round_ = 0;
 };
 

@@ -1,8 +1,8 @@
 #pragma once
 
 // Checks of a device-routed group shared by test_device_routed (CPU tensors
-// staged), test_device_routed_cuda (CUDA tensors staged) and test_nccl_cuda
-// (CUDA tensors over NCCL).
+// staged), test_device_routed_cuda (CUDA tensors staged), test_nccl_cuda
+// (CUDA tensors over NCCL) and test_cuda_ipc (ranks sharing a GPU).
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -21,7 +21,7 @@ inline at::Tensor rank_values(int64_t n, int rank, at::ScalarType dtype, at::Dev
 }
 
 // Which way a routed group's collectives are expected to go.
-enum class ExpectedRoute { kStaged, kNccl };
+enum class ExpectedRoute { kStaged, kNccl, kCudaIpc };
 
 // Runs every collective on `staged` and on `direct` (the engine) with the
 // same inputs, on `device`, and expects the same results: bitwise, apart from
@@ -41,7 +41,8 @@ inline void expect_staged_matches_engine(ProcessGroup& staged, ProcessGroup& dir
     if (route == ExpectedRoute::kStaged) {
       EXPECT_EQ(w.describe().rfind("staged ", 0), 0u) << w.describe();
     } else {
-      EXPECT_NE(w.describe().find(", nccl)"), std::string::npos) << w.describe();
+      const char* tag = route == ExpectedRoute::kNccl ? ", nccl)" : ", cuda_ipc)";
+      EXPECT_NE(w.describe().find(tag), std::string::npos) << w.describe();
     }
     w.wait();
     at::Tensor want = at::empty({world * n}, mine.options().device(at::kCPU));

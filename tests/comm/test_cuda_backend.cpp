@@ -45,6 +45,7 @@ TEST(ChooseCudaBackend, StagedWhereNcclCannotRunAndSaysWhy) {
     EXPECT_NE(choice.why_not.find(why), std::string::npos) << choice.why_not;
   };
   expect_staged(CudaBackend::kStaged, facts(22809, 8, 8), "kStaged was asked for");
+  expect_staged(CudaBackend::kCudaIpc, facts(22809, 1, 2), "kCudaIpc was asked for");
   expect_staged(CudaBackend::kAuto, facts(0, 8, 8), "without NCCL");
   expect_staged(CudaBackend::kNccl, facts(0, 8, 8), "without NCCL");
   expect_staged(CudaBackend::kAuto, facts(23007, 0, 1), "sees no GPU");
@@ -69,6 +70,7 @@ TEST(ResolveCudaBackend, TheOptionWinsThenTheVariableThenAuto) {
   EXPECT_EQ(resolve_cuda_backend(std::nullopt, "NCCL", 0), CudaBackend::kNccl);
   EXPECT_EQ(resolve_cuda_backend(std::nullopt, "Staged", 0), CudaBackend::kStaged);
   EXPECT_EQ(resolve_cuda_backend(std::nullopt, "auto", 0), CudaBackend::kAuto);
+  EXPECT_EQ(resolve_cuda_backend(std::nullopt, "IPC", 0), CudaBackend::kCudaIpc);
   EXPECT_EQ(resolve_cuda_backend(std::nullopt, "", 0), CudaBackend::kAuto);
   EXPECT_EQ(resolve_cuda_backend(std::nullopt, nullptr, 0), CudaBackend::kAuto);
   try {
@@ -77,8 +79,9 @@ TEST(ResolveCudaBackend, TheOptionWinsThenTheVariableThenAuto) {
   } catch (const c10::Error& e) {
     const std::string msg = e.what_without_backtrace();
     EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("FSDP_CUDA_BACKEND=gloo is not a CUDA backend; use auto, nccl or staged"),
-              std::string::npos)
+    EXPECT_NE(
+        msg.find("FSDP_CUDA_BACKEND=gloo is not a CUDA backend; use auto, nccl, staged or ipc"),
+        std::string::npos)
         << msg;
   }
 }
@@ -120,6 +123,26 @@ TEST_P(CudaBackendAgreement, NcclThatCannotRunIsAnErrorOnEveryRank) {
                                  .timeout(std::chrono::seconds(30)));
         },
         std::chrono::seconds(20));
+    EXPECT_FALSE(is_initialized());
+  });
+}
+
+// Without a GPU (CI) no rank can open CUDA IPC slots: every rank says so in
+// one line, within the timeout, instead of one rank waiting for the others.
+TEST_P(CudaBackendAgreement, CudaIpcThatCannotRunIsAnErrorOnEveryRank) {
+  if (at::hasCUDA()) GTEST_SKIP() << "this machine has a GPU: test_cuda_ipc covers it";
+  run_ranks_ok(GetParam(), [](int, int) {
+    try {
+      init_process_group(ProcessGroupOptions()
+                             .cuda_backend(CudaBackend::kCudaIpc)
+                             .timeout(std::chrono::seconds(30)));
+      ADD_FAILURE() << "CudaBackend::kCudaIpc was honoured without a GPU";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("CudaBackend::kCudaIpc (or FSDP_CUDA_BACKEND=ipc) "
+                                           "cannot be honoured: this process sees no GPU"),
+                std::string::npos)
+          << e.what();
+    }
     EXPECT_FALSE(is_initialized());
   });
 }

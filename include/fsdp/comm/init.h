@@ -43,6 +43,10 @@ enum class CudaBackend : uint8_t {
   /// Through pinned host memory and the CPU engine (Note [Tensors on other
   /// devices than the engine's]): any GPUs, any NCCL, ranks sharing a GPU.
   kStaged,
+  /// Ranks of one host sharing one GPU read each other's GPU memory (CUDA
+  /// IPC; Note [Ranks sharing a GPU]); an error on every rank where they do
+  /// not all share one. Not chosen by kAuto yet: not yet measured on a GPU.
+  kCudaIpc,
 };
 
 /// How to join a group. A field set explicitly always wins. A field left at
@@ -124,7 +128,7 @@ struct ProcessGroupOptions {
   /// FSDP_DEBUG=detail (any case).
   TORCH_ARG(std::optional<bool>, debug_collectives) = std::nullopt;
   /// What carries CUDA tensors' collectives. Unset: from FSDP_CUDA_BACKEND
-  /// (auto, nccl or staged), else CudaBackend::kAuto. RankInfo::cuda_backend
+  /// (auto, nccl, staged or ipc), else CudaBackend::kAuto. RankInfo::cuda_backend
   /// says what was chosen.
   TORCH_ARG(std::optional<CudaBackend>, cuda_backend) = std::nullopt;
   /// Make the result the default group (see default_process_group()).
@@ -157,7 +161,7 @@ struct RankInfo {
   /// "mpirun", "srun", "environment" (RANK and WORLD_SIZE set by hand), or
   /// "none" (a single rank).
   std::string launcher = "none";
-  /// What carries CUDA tensors' collectives: "nccl" or "staged" (see
+  /// What carries CUDA tensors' collectives: "nccl", "staged" or "cuda_ipc" (see
   /// ProcessGroupOptions::cuda_backend).
   std::string cuda_backend = "staged";
 };

@@ -1,0 +1,160 @@
+// The group behind CudaBackend::kCudaIpc (Note [Ranks sharing a GPU]) is
+// device-neutral: its collectives are the rounds of Note [Shared memory for
+// same-host ranks] over whatever slots it is given, on a thread of its own.
+// Here it runs with host slots (its only difference from the GPU's) at 3
+// ranks, as threads of one process sharing a store, with slots of 4 KiB so
+// that every collective takes many rounds: each collective against its
+// closed form, all-reduce giving every rank the same bits, broadcast copying
+// the root's bits exactly, collectives issued back to back before any wait,
+// a sub-group, and a tensor on another device refused by name.
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "comm/slot_process_group.h"
+
+namespace fsdp::testing {
+namespace test_slot_group {
+
+constexpr int kWorld = 3;
+constexpr int64_t kSlotBytes = 4096;
+
+// Runs `body(rank, group)` on kWorld threads, each with its rank's group.
+void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(kWorld);
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto group = detail::make_slot_group(store, rank, kWorld, std::chrono::seconds(30),
+                                             kSlotBytes, nullptr, "slots");
+        ASSERT_TRUE(group) << "rank " << rank << ": no shared memory";
+        body(rank, *group);
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < kWorld; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+}
+
+// Rank r's values: r + 1 + i / 1000, exactly representable in bf16 for small i.
+at::Tensor values_of(int rank, int64_t n, at::ScalarType dtype) {
+  return (at::arange(n, at::kFloat) / 1024 + rank + 1).to(dtype);
+}
+
+TEST(SlotGroup, CollectivesMatchTheirClosedFormsOverManyRounds) {
+  on_ranks([](int rank, ProcessGroup& pg) {
+    EXPECT_EQ(pg.backend_name(), "slots");
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const int64_t n = 3 * kSlotBytes + 77;  // several rounds and a ragged end
+      // All-gather, out of place and in place.
+      at::Tensor flat = at::zeros({kWorld * n}, dtype);
+      pg.all_gather_into_tensor(flat, values_of(rank, n, dtype)).wait();
+      at::Tensor in_place = at::zeros({kWorld * n}, dtype);
+      in_place.narrow(0, rank * n, n).copy_(values_of(rank, n, dtype));
+      pg.all_gather_into_tensor(in_place, in_place.narrow(0, rank * n, n)).wait();
+      for (int p = 0; p < kWorld; ++p) {
+        EXPECT_TRUE(at::equal(flat.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
+        EXPECT_TRUE(at::equal(in_place.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
+      }
+      // Reduce-scatter: every rank contributes its values on every shard.
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+        at::Tensor input = values_of(rank, kWorld * n, dtype);
+        at::Tensor shard = at::empty({n}, dtype);
+        pg.reduce_scatter_tensor(shard, input, op).wait();
+        at::Tensor expected = values_of(0, kWorld * n, at::kFloat).narrow(0, rank * n, n);
+        for (int p = 1; p < kWorld; ++p) {
+          const at::Tensor theirs = values_of(p, kWorld * n, at::kFloat).narrow(0, rank * n, n);
+          expected = expected + theirs;
+        }
+        if (op == ReduceOp::kAvg) expected = expected / kWorld;
+        EXPECT_TRUE(at::allclose(shard.to(at::kFloat), expected, 1e-2, 1e-2))
+            << dtype << " " << to_string(op);
+        EXPECT_TRUE(at::equal(input, values_of(rank, kWorld * n, dtype))) << "input modified";
+      }
+    }
+  });
+}
+
+TEST(SlotGroup, AllReduceGivesEveryRankTheSameBitsAndBroadcastTheRootsExactly) {
+  on_ranks([](int rank, ProcessGroup& pg) {
+    const int64_t n = 2 * kSlotBytes + 5;
+    // Inexact sums, so that the order of adding shows (no global RNG: the
+    // ranks are threads of one process).
+    auto draw = [n](int r) { return at::sin(at::arange(n, at::kFloat) * (0.37 * (r + 1))); };
+    at::Tensor t = draw(rank);
+    pg.all_reduce(t, ReduceOp::kSum).wait();
+    at::Tensor expected = draw(0);
+    for (int p = 1; p < kWorld; ++p) expected = expected + draw(p);  // in rank order
+    EXPECT_TRUE(at::equal(t, expected)) << "rank " << rank;
+    // Broadcast from rank 1: its bits, signed zeros and a NaN included.
+    at::Tensor b = at::full({n}, static_cast<float>(rank));
+    if (rank == 1) {
+      b[0] = -0.0f;
+      b[1] = std::numeric_limits<float>::quiet_NaN();
+    }
+    pg.broadcast(b, 1).wait();
+    EXPECT_TRUE(std::signbit(b[0].item<float>()));
+    EXPECT_TRUE(std::isnan(b[1].item<float>()));
+    EXPECT_TRUE(at::equal(b.narrow(0, 2, n - 2), at::full({n - 2}, 1.0f)));
+    pg.barrier().wait();
+  });
+}
+
+TEST(SlotGroup, BackToBackCollectivesRunInIssueOrder) {
+  on_ranks([](int rank, ProcessGroup& pg) {
+    const int64_t n = kSlotBytes + 3;
+    std::vector<at::Tensor> tensors;
+    std::vector<Work> works;
+    for (int i = 0; i < 6; ++i) {
+      tensors.push_back(at::full({n}, static_cast<float>(i * 10 + rank)));
+      works.push_back(pg.all_reduce(tensors.back(), ReduceOp::kSum));
+    }
+    for (int i = 5; i >= 0; --i) works[i].wait();  // waited in another order
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(at::equal(tensors[i], at::full({n}, static_cast<float>(i * 30 + 3)))) << i;
+    }
+  });
+}
+
+TEST(SlotGroup, SubgroupHasSlotsOfItsOwn) {
+  on_ranks([](int rank, ProcessGroup& pg) {
+    auto sub = pg.new_subgroup({0, 2});
+    ASSERT_EQ(sub == nullptr, rank == 1);
+    if (sub) {
+      at::Tensor t = at::full({kSlotBytes}, static_cast<float>(rank));
+      sub->all_reduce(t, ReduceOp::kSum).wait();
+      EXPECT_TRUE(at::equal(t, at::full({kSlotBytes}, 2.0f)));
+    }
+    pg.barrier().wait();
+  });
+}
+
+TEST(SlotGroup, TensorOnAnotherDeviceIsRefusedByName) {
+  on_ranks([](int rank, ProcessGroup& pg) {
+    at::Tensor meta = at::empty({4}, at::TensorOptions().device(at::kMeta));
+    try {
+      pg.all_reduce(meta, ReduceOp::kSum);
+      ADD_FAILURE() << "a meta tensor was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("carries tensors on cpu, got one on meta"),
+                std::string::npos)
+          << e.what();
+    }
+    (void)rank;
+  });
+}
+
+}  // namespace test_slot_group
+}  // namespace fsdp::testing
