@@ -166,7 +166,7 @@ void set_autocast(const torch::Device& device, bool on) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
   auto pg = fsdp::init_process_group();
   const int rank = pg->rank(), world = pg->size();
@@ -303,4 +303,8 @@ int main(int argc, char** argv) {
   }
   pg->barrier().wait();
   return 0;
+} catch (
+    const std::exception& e) {  // one line on every rank (a rung that does not fit, a bad option)
+  std::fprintf(stderr, "bench_gpu_step: %s\n", fsdp::error_message(e).c_str());
+  return 1;
 }

@@ -88,7 +88,7 @@ def med(config, key):
     values = [r.get(key, 0) for r in by.get(config, [])]
     return statistics.median(values) if values else None
 
-summary = {"bench": "gpu_step_summary", "rounds": max(len(v) for v in by.values())}
+summary = {"bench": "gpu_step_summary", "rounds": max((len(v) for v in by.values()), default=0)}
 for config, rs in by.items():
     r = rs[0]
     ms = med(config, "median_ms")
@@ -124,7 +124,7 @@ summary["targets_met"] = {
     "offload_step_le_1.15x_bound": (summary["offload_during_over_bound"] or 99) <= 1.15,
     "full_shard_step_le_1.05x_plain": (summary["full_shard_over_plain"] or 99) <= 1.05,
     "two_ranks_state_le_0.55x": (summary["two_ranks_state_over_world1"] or 99) <= 0.55}
-summary["device"] = rows[0].get("device")
-summary["torch"] = rows[0].get("torch")
+summary["device"] = rows[0].get("device") if rows else None
+summary["torch"] = rows[0].get("torch") if rows else None
 print(json.dumps(summary))
 PY

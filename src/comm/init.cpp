@@ -353,7 +353,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // Every rank takes part, a rank without a GPU saying "no".
     cuda_group =
         detail::make_cuda_ipc_group(store, info.rank, info.world_size, options.timeout(), gpu);
-    FSDP_CHECK(cuda_group, info.rank, "init_process_group",
+    // Every rank has read the store before any rank gives up (rank 0 serves
+    // it): one agreement on the engine, the same answer everywhere.
+    const bool all_ipc =
+        detail::agree_reduce(group.get(), {cuda_group ? 1 : 0}, ReduceOp::kMin)[0] == 1;
+    FSDP_CHECK(all_ipc, info.rank, "init_process_group",
                "CudaBackend::kCudaIpc (or FSDP_CUDA_BACKEND=ipc) cannot be honoured: ",
                gpus == 0 ? "this process sees no GPU"
                          : "the ranks are not all on this GPU of one host, or a CUDA call "
