@@ -6,7 +6,9 @@
 // that every collective takes many rounds: each collective against its
 // closed form, all-reduce giving every rank the same bits, broadcast copying
 // the root's bits exactly, collectives issued back to back before any wait,
-// a sub-group, and a tensor on another device refused by name.
+// a sub-group, a tensor on another device refused by name, and slots opened
+// outside the segment (as CUDA IPC's are), one rank's failure to open them
+// being every rank's "no".
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -14,6 +16,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -154,6 +158,72 @@ TEST(SlotGroup, TensorOnAnotherDeviceIsRefusedByName) {
     }
     (void)rank;
   });
+}
+
+// Slots outside the segment, as CUDA IPC's are: here one heap buffer that the
+// threads (ranks) share, its address passed through the store as the IPC
+// handles are. `fail_on` (-1: none) is a rank whose opener says "no".
+class SharedHeapSlots final : public detail::SlotMemory {
+ public:
+  SharedHeapSlots(char* base, int64_t slot_bytes) : base_(base), slot_bytes_(slot_bytes) {}
+  char* slot(int rank, uint32_t round) const override {
+    return base_ + (static_cast<size_t>(rank) * 2 + (round & 1u)) * slot_bytes_;
+  }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    std::memcpy(dst, src, bytes);
+  }
+  void settle() const override {}
+
+ private:
+  char* base_;
+  int64_t slot_bytes_;
+};
+
+detail::SlotOpener heap_opener(std::vector<char>* buffer, int fail_on) {
+  return [buffer, fail_on](c10d::Store& store, int rank, int size,
+                           int64_t slot_bytes) -> std::unique_ptr<detail::SlotMemory> {
+    if (rank == 0) {
+      buffer->assign(static_cast<size_t>(size * 2 * slot_bytes), 0);
+      const std::string at = std::to_string(reinterpret_cast<uintptr_t>(buffer->data()));
+      store.set("heap", std::vector<uint8_t>(at.begin(), at.end()));
+    }
+    const auto at = store.get("heap");
+    char* base = reinterpret_cast<char*>(std::stoull(std::string(at.begin(), at.end())));
+    if (rank == fail_on) return nullptr;
+    return std::make_unique<SharedHeapSlots>(base, slot_bytes);
+  };
+}
+
+TEST(SlotGroup, SlotsOpenedOutsideTheSegmentCarryTheRoundsAllOrNothing) {
+  for (int fail_on : {-1, 1}) {
+    std::vector<char> buffer;
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    std::vector<std::thread> threads;
+    std::vector<int> made(kWorld, -1);
+    std::vector<std::string> errors(kWorld);
+    for (int rank = 0; rank < kWorld; ++rank) {
+      threads.emplace_back([&, rank] {
+        try {
+          auto group = detail::make_slot_group(store, rank, kWorld, std::chrono::seconds(30),
+                                               kSlotBytes, heap_opener(&buffer, fail_on), "heap");
+          made[rank] = group ? 1 : 0;
+          if (!group) return;
+          at::Tensor t = at::full({3 * kSlotBytes + 1}, static_cast<float>(rank + 1));
+          group->all_reduce(t, ReduceOp::kSum).wait();
+          if (!at::equal(t, at::full({3 * kSlotBytes + 1}, 6.0f))) errors[rank] = "wrong sum";
+        } catch (const std::exception& e) {
+          errors[rank] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int rank = 0; rank < kWorld; ++rank) {
+      EXPECT_EQ(errors[rank], "") << "rank " << rank;
+      // One rank's "no" is every rank's.
+      EXPECT_EQ(made[rank], fail_on < 0 ? 1 : 0) << "rank " << rank << ", fail_on " << fail_on;
+    }
+  }
 }
 
 }  // namespace test_slot_group
