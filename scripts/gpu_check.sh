@@ -11,8 +11,14 @@
 #    GPU_BUILD_DIR names a build made elsewhere against the same torch (the
 #    build then costs no device time: scripts/gpu_carried.sh);
 # 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by name;
-# 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU;
-# 4. bench/gpu_step.sh (ROUNDS, default 1) unless GPU_CHECK_BENCH=0.
+# 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU,
+#    unless GPU_CHECK_TRAIN=0;
+# 4. bench/gpu_step.sh (ROUNDS, default 1; CONFIGS picks configurations)
+#    unless GPU_CHECK_BENCH=0;
+# 5. with LARGEST_WAYS set, bench/largest_gpu_model.sh for those ways (their
+#    rungs from LADDER_<way>; STEPS, WARMUP, RUN_TIMEOUT pass through), its
+#    lines appended to $OUT/largest.jsonl (seed it with earlier calls' lines:
+#    LARGEST_SEED, a file) and each attempt's output kept in $OUT/largest-logs.
 # Each step's log goes to $OUT (the device tool brings it back) or
 # /tmp/gpu-check; a step that fails is reported and the next one still runs.
 # GPU_CHECK_DEADLINE (seconds) bounds all the steps together. The exit status
@@ -47,11 +53,18 @@ if [[ -z ${GPU_BUILD_DIR:-} ]]; then
 fi
 step ctest_cuda 180 ctest --test-dir "$build" -L cuda -j "${GPU_CHECK_JOBS:-3}" --output-on-failure
 data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
-step train_gpt_1rank 60 "$build/bin/train_gpt" "${data[@]}"
-step train_gpt_2ranks 90 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
+if [[ ${GPU_CHECK_TRAIN:-1} != 0 ]]; then
+  step train_gpt_1rank 60 "$build/bin/train_gpt" "${data[@]}"
+  step train_gpt_2ranks 90 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
+fi
 if [[ ${GPU_CHECK_BENCH:-1} != 0 ]]; then
   step gpu_step 300 env ROUNDS="${ROUNDS:-1}" PYTHON=python3 BENCH_KEEP_GOING=1 \
     RUN_TIMEOUT="${RUN_TIMEOUT:-90}" bench/gpu_step.sh "$build"
+fi
+if [[ -n ${LARGEST_WAYS:-} ]]; then
+  [[ -z ${LARGEST_SEED:-} ]] || grep '"way"' "$LARGEST_SEED" >>"$out/largest.jsonl"
+  step largest 100000 env WAYS="$LARGEST_WAYS" RESULTS="$out/largest.jsonl" LOGS="$out/largest-logs" \
+    PYTHON=python3 bench/largest_gpu_model.sh "$build"
 fi
 echo "gpu_check: $failed step(s) failed"
 exit "$failed"
