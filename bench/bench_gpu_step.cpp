@@ -71,6 +71,7 @@ struct Args {
   std::string offload = "none";
   bool activation_checkpointing = false;
   bool parts = true;
+  bool head_unit = false;
   int steps = 10;
   int warmup = 3;
   int64_t blocks = 12;
@@ -94,6 +95,8 @@ Args parse(int argc, char** argv) {
       .one_of({"none", "after", "during"});
   cli.option("--activation-checkpointing", &a.activation_checkpointing,
              "0|1: recompute each block's activations in backward");
+  cli.option("--head-unit", &a.head_unit,
+             "0|1: libfsdp's output head as a unit of its own (GPTConfig::head_unit)");
   cli.option("--parts", &a.parts,
              "0|1: with --offload, also time its parts alone (forward+backward, host "
              "optimizer, copies) after the timed steps");
@@ -182,7 +185,8 @@ int main(int argc, char** argv) try {
                           .d_model(args.d_model)
                           .n_head(args.heads)
                           .n_layer(args.blocks)
-                          .activation_checkpointing(args.activation_checkpointing);
+                          .activation_checkpointing(args.activation_checkpointing)
+                          .head_unit(args.head_unit);
   torch::manual_seed(0);
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<at::Tensor> params;

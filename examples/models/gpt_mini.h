@@ -41,6 +41,11 @@ struct GPTConfig {
   /// (fsdp::CheckpointWrapper around plain blocks; the units' own
   /// activation_checkpointing option for sharded ones).
   TORCH_ARG(bool, activation_checkpointing) = false;
+  /// With block options, the output head is a unit of its own (as torchtitan
+  /// shards it) instead of the root's: its gradient, the first backward
+  /// makes, is reduced (and under CPU offload stepped on the host) while
+  /// backward goes on, not with the embeddings' at its end.
+  TORCH_ARG(bool, head_unit) = false;
 };
 
 namespace detail {
@@ -178,16 +183,23 @@ class GPTImpl : public torch::nn::Module {
       }
     }
     ln_f_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    head_ = register_module(
-        "head", torch::nn::Linear(torch::nn::LinearOptions(d, config.vocab_size()).bias(false)));
+    head_ = torch::nn::Linear(torch::nn::LinearOptions(d, config.vocab_size()).bias(false));
     detail::init_linear(head_);
+    const bool head_unit = block_options && config.head_unit();
+    if (head_unit) {
+      if (block_options->device_id()) head_->to(*block_options->device_id());
+      head_unit_ = register_module(
+          "head", fsdp::FullyShardedDataParallel<torch::nn::LinearImpl>(head_, *block_options));
+    } else {
+      register_module("head", head_);
+    }
     if (block_options && block_options->device_id()) {
       // The root unit's own parameters join the blocks on their device.
       const torch::Device device = *block_options->device_id();
       tok_emb_->to(device);
       pos_emb_->to(device);
       ln_f_->to(device);
-      head_->to(device);
+      if (!head_unit) head_->to(device);
     }
   }
 
@@ -199,7 +211,8 @@ class GPTImpl : public torch::nn::Module {
     auto pos = at::arange(t, tokens.options().dtype(at::kLong));
     at::Tensor x = tok_emb_->forward(tokens) + pos_emb_->forward(pos);
     for (auto& block : blocks_) x = block.forward(x);
-    return head_->forward(ln_f_->forward(x));
+    x = ln_f_->forward(x);
+    return head_unit_ ? head_unit_->forward(x) : head_->forward(x);
   }
 
   /// The configuration the model was built with.
@@ -212,6 +225,8 @@ class GPTImpl : public torch::nn::Module {
   std::vector<torch::nn::AnyModule> blocks_;
   torch::nn::LayerNorm ln_f_{nullptr};
   torch::nn::Linear head_{nullptr};
+  fsdp::FullyShardedDataParallel<torch::nn::LinearImpl> head_unit_{
+      nullptr};  // GPTConfig::head_unit
 };
 TORCH_MODULE(GPT);
 

@@ -1,7 +1,8 @@
 // Parity on a small GPT (examples/models/gpt_mini.h: LayerNorm + causal self-attention
-// + GELU MLP blocks, each block a unit, embeddings and head in the root):
-// every strategy at world sizes 1, 2 and 3 against plain LibTorch, 5 steps, each
-// rank on its own sequences, compared every step.
+// + GELU MLP blocks, each block a unit, embeddings and head in the root, or
+// the head a unit of its own): every strategy at world sizes 1, 2 and 3
+// against plain LibTorch, 5 steps, each rank on its own sequences, compared
+// every step.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -20,13 +21,17 @@ gpt_mini::GPTConfig tiny() {
   return gpt_mini::GPTConfig().vocab_size(17).block_size(8).d_model(24).n_head(4).n_layer(3);
 }
 
-void compare(ShardingStrategy strategy, bool adam) {
+void compare(ShardingStrategy strategy, bool adam, bool head_unit = false) {
   torch::manual_seed(0);
   gpt_mini::GPT reference(tiny());
   torch::manual_seed(0);
   auto options = FSDPOptions().sharding_strategy(strategy);
   FullyShardedDataParallel<gpt_mini::GPTImpl> model(
-      std::make_shared<gpt_mini::GPTImpl>(tiny(), options), options);
+      std::make_shared<gpt_mini::GPTImpl>(tiny().head_unit(head_unit), options), options);
+  const auto children = model->named_children();
+  const auto* head = children.find("head");
+  ASSERT_NE(head, nullptr);
+  EXPECT_EQ(unit_of(**head) != nullptr, head_unit) << "the head is a unit of its own";
   auto make =
       [adam](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
     if (adam) return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(3e-3));
@@ -47,7 +52,9 @@ void compare(ShardingStrategy strategy, bool adam) {
     gpt_mini::lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
     opt->step();
     expect_same_after_step(*model.ptr(), *reference.ptr(),
-                           std::string(to_string(strategy)) + (adam ? " adam" : " sgd"), step);
+                           std::string(to_string(strategy)) + (adam ? " adam" : " sgd") +
+                               (head_unit ? " head unit" : ""),
+                           step);
   }
 }
 
@@ -57,6 +64,15 @@ TEST(TransformerParity, SmallGptAllStrategies) {
       compare(strategy, /*adam=*/true);
       compare(strategy, /*adam=*/false);
     }
+  });
+}
+
+// The output head as a unit of its own (GPTConfig::head_unit): the same
+// parameter names and results as plain LibTorch.
+TEST(TransformerParity, HeadAsAUnitOfItsOwn) {
+  in_parity_ranks([] {
+    compare(ShardingStrategy::kFullShard, /*adam=*/true, /*head_unit=*/true);
+    compare(ShardingStrategy::kNoShard, /*adam=*/false, /*head_unit=*/true);
   });
 }
 
