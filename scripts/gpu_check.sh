@@ -16,9 +16,10 @@
 # 4. bench/gpu_step.sh (ROUNDS, default 1; CONFIGS picks configurations)
 #    unless GPU_CHECK_BENCH=0;
 # 5. with LARGEST_WAYS set, bench/largest_gpu_model.sh for those ways (their
-#    rungs from LADDER_<way>; STEPS, WARMUP, RUN_TIMEOUT pass through), its
-#    lines appended to $OUT/largest.jsonl (seed it with earlier calls' lines:
-#    LARGEST_SEED, a file) and each attempt's output kept in $OUT/largest-logs.
+#    rungs from LADDER_<way>; 1 + LARGEST_STEPS (2) AdamW steps; RUN_TIMEOUT
+#    passes through), its lines appended to $OUT/largest.jsonl (seed it with
+#    earlier calls' lines: LARGEST_SEED, a file) and each attempt's output
+#    kept in $OUT/largest-logs.
 # Each step's log goes to $OUT (the device tool brings it back) or
 # /tmp/gpu-check; a step that fails is reported and the next one still runs.
 # GPU_CHECK_DEADLINE (seconds) bounds all the steps together. The exit status
@@ -64,7 +65,7 @@ fi
 if [[ -n ${LARGEST_WAYS:-} ]]; then
   [[ -z ${LARGEST_SEED:-} ]] || grep '"way"' "$LARGEST_SEED" >>"$out/largest.jsonl"
   step largest 100000 env WAYS="$LARGEST_WAYS" RESULTS="$out/largest.jsonl" LOGS="$out/largest-logs" \
-    PYTHON=python3 bench/largest_gpu_model.sh "$build"
+    STEPS="${LARGEST_STEPS:-2}" WARMUP=1 PYTHON=python3 bench/largest_gpu_model.sh "$build"
 fi
 echo "gpu_check: $failed step(s) failed"
 exit "$failed"
