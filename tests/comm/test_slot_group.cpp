@@ -33,6 +33,12 @@ constexpr int64_t kSlotBytes = 4096;
 
 // Runs `body(rank, group)` on kWorld threads, each with its rank's group.
 void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
+  // The ranks are threads: each keeps its ATen ops on itself, as a rank
+  // process of fsdprun does (OMP_NUM_THREADS=1). OpenMP's workers would add
+  // nothing here but reports from ThreadSanitizer, which does not see
+  // libgomp's synchronisation.
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(1);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
   std::vector<std::string> errors(kWorld);
@@ -49,6 +55,7 @@ void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
     });
   }
   for (auto& t : threads) t.join();
+  at::set_num_threads(threads_before);
   for (int rank = 0; rank < kWorld; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 
@@ -196,6 +203,8 @@ detail::SlotOpener heap_opener(std::vector<char>* buffer, int fail_on) {
 }
 
 TEST(SlotGroup, SlotsOpenedOutsideTheSegmentCarryTheRoundsAllOrNothing) {
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(1);  // see on_ranks()
   for (int fail_on : {-1, 1}) {
     std::vector<char> buffer;
     auto store = c10::make_intrusive<c10d::HashStore>();
@@ -224,6 +233,7 @@ TEST(SlotGroup, SlotsOpenedOutsideTheSegmentCarryTheRoundsAllOrNothing) {
       EXPECT_EQ(made[rank], fail_on < 0 ? 1 : 0) << "rank " << rank << ", fail_on " << fail_on;
     }
   }
+  at::set_num_threads(threads_before);
 }
 
 }  // namespace test_slot_group
