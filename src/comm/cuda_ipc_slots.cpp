@@ -36,11 +36,6 @@ bool bytes_of(const std::string& hex, void* out, size_t n) {
   return true;
 }
 
-std::string store_get(c10d::Store& store, const std::string& key) {
-  const auto v = store.get(key);
-  return std::string(v.begin(), v.end());
-}
-
 // A failed runtime call leaves its error to be read by the next check
 // elsewhere; this one has been handled.
 bool ok(cudaError_t e) {
@@ -122,12 +117,11 @@ SlotOpener cuda_ipc_slot_opener(c10::Device device) {
     bases[static_cast<size_t>(rank)] = static_cast<char*>(mine);
     const std::string uuid = hex_of(&prop.uuid, sizeof(prop.uuid));
     // Every rank posts "<uuid>/<handle>" ("" when it could not), then all read all.
-    const std::string key = "shm/ipc/";
-    const std::string posted = made ? uuid + "/" + hex_of(&handle, sizeof(handle)) : "";
-    store.set(key + std::to_string(rank), std::vector<uint8_t>(posted.begin(), posted.end()));
+    const auto posted = exchange_strings(store, "shm/ipc", rank, size,
+                                         made ? uuid + "/" + hex_of(&handle, sizeof(handle)) : "");
     bool all = made;
     for (int p = 0; p < size; ++p) {
-      const std::string theirs = store_get(store, key + std::to_string(p));
+      const std::string& theirs = posted[static_cast<size_t>(p)];
       if (p == rank || !all) continue;
       cudaIpcMemHandle_t peer{};
       void* mapped = nullptr;

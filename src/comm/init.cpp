@@ -95,6 +95,15 @@ c10::intrusive_ptr<c10d::Store> join_agent_store(const detail::LaunchEnv& launch
   return c10::make_intrusive<c10d::PrefixStore>(prefix, agent);
 }
 
+// The GPU a rank of `local_rank` uses as launchers lay ranks out (modulo the
+// GPUs this process sees); nullopt without one. local_gpu() after init, and
+// init itself before the default group's RankInfo exists.
+std::optional<c10::Device> gpu_of_local_rank(int local_rank) {
+  if (!at::hasCUDA()) return std::nullopt;
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
+}
+
 // Note [A store from an earlier init]
 // A program may call init_process_group again after destroy_process_group
 // (two trainings in one run, a test suite). Rank 0 then serves a new store
@@ -347,21 +356,19 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     cuda_backend = "nccl";
   } else if (requested == CudaBackend::kCudaIpc) {
     // Collective (every rank asked, the variable or option being the job's).
-    const auto gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
-    const c10::Device gpu(c10::kCUDA,
-                          static_cast<c10::DeviceIndex>(gpus > 0 ? info.local_rank % gpus : 0));
+    const std::optional<c10::Device> gpu = gpu_of_local_rank(info.local_rank);
     // Every rank takes part, a rank without a GPU saying "no".
-    cuda_group =
-        detail::make_cuda_ipc_group(store, info.rank, info.world_size, options.timeout(), gpu);
+    cuda_group = detail::make_cuda_ipc_group(store, info.rank, info.world_size, options.timeout(),
+                                             gpu.value_or(c10::Device(c10::kCUDA, 0)));
     // Every rank has read the store before any rank gives up (rank 0 serves
     // it): one agreement on the engine, the same answer everywhere.
     const bool all_ipc =
         detail::agree_reduce(group.get(), {cuda_group ? 1 : 0}, ReduceOp::kMin)[0] == 1;
     FSDP_CHECK(all_ipc, info.rank, "init_process_group",
                "CudaBackend::kCudaIpc (or FSDP_CUDA_BACKEND=ipc) cannot be honoured: ",
-               gpus == 0 ? "this process sees no GPU"
-                         : "the ranks are not all on this GPU of one host, or a CUDA call "
-                           "failed on some rank",
+               !gpu ? "this process sees no GPU"
+                    : "the ranks are not all on this GPU of one host, or a CUDA call "
+                      "failed on some rank",
                ". Use CudaBackend::kAuto or kStaged.");
     cuda_backend = "cuda_ipc";
   }
@@ -406,11 +413,7 @@ const RankInfo& rank_info() {
   return g_info;
 }
 
-std::optional<c10::Device> local_gpu() {
-  if (!at::hasCUDA()) return std::nullopt;
-  const auto gpus = static_cast<int>(at::getNumGPUs());
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank_info().local_rank % gpus));
-}
+std::optional<c10::Device> local_gpu() { return gpu_of_local_rank(rank_info().local_rank); }
 
 void destroy_process_group() {
   std::lock_guard<std::mutex> lock(g_mutex);

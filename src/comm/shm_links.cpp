@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -146,12 +147,8 @@ void set_string(c10d::Store& store, const std::string& key, const std::string& v
 // Every rank posts `mine` under `key`/rank; true when all posted `expected`.
 bool all_posted(c10d::Store& store, const std::string& key, int rank, int size,
                 const std::string& mine, const std::string& expected) {
-  set_string(store, key + "/" + std::to_string(rank), mine);
-  bool all = true;
-  for (int p = 0; p < size; ++p) {
-    all = get_string(store, key + "/" + std::to_string(p)) == expected && all;
-  }
-  return all;
+  const auto all = exchange_strings(store, key, rank, size, mine);
+  return std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == expected; });
 }
 
 // Note [Shared memory without a name]
@@ -207,31 +204,20 @@ void* map_segment(const UniqueFd& fd, size_t bytes) {
   return base == MAP_FAILED ? nullptr : base;
 }
 
-// Slots in the segment itself, after the control blocks.
-class HostSlots final : public SlotMemory {
- public:
-  HostSlots(void* base, int size, int64_t slot_bytes)
-      : data_(static_cast<char*>(base) + data_offset(size)), slot_bytes_(slot_bytes) {}
-  char* slot(int rank, uint32_t round) const override {
-    const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
-    return data_ + index * static_cast<size_t>(slot_bytes_);
-  }
-  c10::Device device() const override { return c10::Device(c10::kCPU); }
-  void copy(void* dst, const void* src, size_t bytes) const override {
-    std::memcpy(dst, src, bytes);
-  }
-  void settle() const override {}
-
- private:
-  char* data_;
-  int64_t slot_bytes_;
-};
-
 int64_t rounds_for(int64_t numel, int64_t per_round) {
   return std::max<int64_t>(1, (numel + per_round - 1) / per_round);
 }
 
 }  // namespace
+
+std::vector<std::string> exchange_strings(c10d::Store& store, const std::string& key, int rank,
+                                          int size, const std::string& mine) {
+  set_string(store, key + "/" + std::to_string(rank), mine);
+  std::vector<std::string> all;
+  all.reserve(static_cast<size_t>(size));
+  for (int p = 0; p < size; ++p) all.push_back(get_string(store, key + "/" + std::to_string(p)));
+  return all;
+}
 
 std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int size,
                                             std::chrono::milliseconds timeout, bool enabled,
@@ -280,7 +266,7 @@ std::unique_ptr<ShmLinks> ShmLinks::connect(c10d::Store& store, int rank, int si
       return nullptr;
     }
   } else {
-    slots = std::make_unique<HostSlots>(base, size, slot_bytes);
+    slots = std::make_unique<BufferSlots>(static_cast<char*>(base) + data_offset(size), slot_bytes);
   }
   return std::unique_ptr<ShmLinks>(
       new ShmLinks(rank, size, timeout, slot_bytes, base, bytes, std::move(slots)));

@@ -7,9 +7,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <fsdp/comm/types.h>
 
@@ -71,6 +73,32 @@ class SlotMemory {
     return [](const std::function<void()>& body) { body(); };
   }
 };
+
+/// Host slots at `data`: each rank's two back to back, in rank order. The
+/// segment's own (after its control blocks), and any other host memory every
+/// rank sees at its own address.
+class BufferSlots final : public SlotMemory {
+ public:
+  BufferSlots(char* data, int64_t slot_bytes) : data_(data), slot_bytes_(slot_bytes) {}
+  char* slot(int rank, uint32_t round) const override {
+    const size_t index = static_cast<size_t>(rank) * 2 + (round & 1u);
+    return data_ + index * static_cast<size_t>(slot_bytes_);
+  }
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    std::memcpy(dst, src, bytes);
+  }
+  void settle() const override {}
+
+ private:
+  char* data_;
+  int64_t slot_bytes_;
+};
+
+/// Every rank of the group posts `mine` under `key`/rank in `store`, then
+/// reads all of them: the strings in rank order.
+std::vector<std::string> exchange_strings(c10d::Store& store, const std::string& key, int rank,
+                                          int size, const std::string& mine);
 
 /// Opens slot memory outside the segment for ShmLinks::connect(), collectively
 /// over the group; nullptr when this rank cannot (every rank then agrees on

@@ -17,7 +17,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -170,23 +169,6 @@ TEST(SlotGroup, TensorOnAnotherDeviceIsRefusedByName) {
 // Slots outside the segment, as CUDA IPC's are: here one heap buffer that the
 // threads (ranks) share, its address passed through the store as the IPC
 // handles are. `fail_on` (-1: none) is a rank whose opener says "no".
-class SharedHeapSlots final : public detail::SlotMemory {
- public:
-  SharedHeapSlots(char* base, int64_t slot_bytes) : base_(base), slot_bytes_(slot_bytes) {}
-  char* slot(int rank, uint32_t round) const override {
-    return base_ + (static_cast<size_t>(rank) * 2 + (round & 1u)) * slot_bytes_;
-  }
-  c10::Device device() const override { return c10::Device(c10::kCPU); }
-  void copy(void* dst, const void* src, size_t bytes) const override {
-    std::memcpy(dst, src, bytes);
-  }
-  void settle() const override {}
-
- private:
-  char* base_;
-  int64_t slot_bytes_;
-};
-
 detail::SlotOpener heap_opener(std::vector<char>* buffer, int fail_on) {
   return [buffer, fail_on](c10d::Store& store, int rank, int size,
                            int64_t slot_bytes) -> std::unique_ptr<detail::SlotMemory> {
@@ -198,7 +180,7 @@ detail::SlotOpener heap_opener(std::vector<char>* buffer, int fail_on) {
     const auto at = store.get("heap");
     char* base = reinterpret_cast<char*>(std::stoull(std::string(at.begin(), at.end())));
     if (rank == fail_on) return nullptr;
-    return std::make_unique<SharedHeapSlots>(base, slot_bytes);
+    return std::make_unique<detail::BufferSlots>(base, slot_bytes);
   };
 }
 
