@@ -25,6 +25,8 @@
 # parts alone (forward+backward, host optimizer, PCIe copies, measured in the
 # offload-after run; target <= 1.15), also with GPT-mini's output head as a
 # unit of its own (its gradient stepped on the host while backward goes on).
+# FULL_SHARD and both offloads again with everything on the compute stream
+# (FSDP_SIDE_STREAMS=0): the side streams' step over that one's.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -73,6 +75,13 @@ for ((round = 0; round < ROUNDS; ++round)); do
   run libfsdp_offload_during "$round" "${ours[@]}" --mode full_shard --offload during
   run libfsdp_offload_during_head_unit "$round" "${ours[@]}" --mode full_shard --offload during \
     --head-unit 1
+  # Everything on the compute stream (FSDP_SIDE_STREAMS=0): what the copy-in
+  # and copy-out streams bring (Note [Copy-in on a stream of its own]).
+  run libfsdp_full_shard_one_stream "$round" env FSDP_SIDE_STREAMS=0 "${ours[@]}" --mode full_shard
+  run libfsdp_offload_after_one_stream "$round" env FSDP_SIDE_STREAMS=0 "${ours[@]}" \
+    --mode full_shard --offload after
+  run libfsdp_offload_during_one_stream "$round" env FSDP_SIDE_STREAMS=0 "${ours[@]}" \
+    --mode full_shard --offload during
   run pytorch_plain "$round" "${theirs[@]}" --mode local
   run pytorch_fsdp2 "$round" "${theirs[@]}" --mode fsdp2
   run pytorch_fsdp1 "$round" "${theirs[@]}" --mode fsdp1_full_shard
@@ -125,6 +134,11 @@ summary["offload_during_over_bound"] = round(during / bound, 3) if during and bo
 summary["offload_during_over_after"] = ratio("libfsdp_offload_during", "libfsdp_offload_after")
 head = med("libfsdp_offload_during_head_unit", "median_ms")
 summary["offload_during_head_unit_over_bound"] = round(head / bound, 3) if head and bound else None
+for way in ("full_shard", "offload_after", "offload_during"):
+    summary[way + "_side_streams_over_one_stream"] = ratio("libfsdp_" + way,
+                                                           "libfsdp_" + way + "_one_stream")
+summary["full_shard_side_streams_peak_over_one_stream"] = ratio(
+    "libfsdp_full_shard", "libfsdp_full_shard_one_stream", "peak_device_bytes")
 summary["targets_met"] = {
     "offload_step_le_1.15x_bound": (summary["offload_during_over_bound"] or 99) <= 1.15,
     "full_shard_step_le_1.05x_plain": (summary["full_shard_over_plain"] or 99) <= 1.05,

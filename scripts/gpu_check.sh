@@ -10,11 +10,12 @@
 # 1. builds what the checks need (bash .gpu/build.sh: /tmp/gpu-build), unless
 #    GPU_BUILD_DIR names a build made elsewhere against the same torch (the
 #    build then costs no device time: scripts/gpu_carried.sh);
-# 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by name;
+# 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by
+#    name, unless GPU_CHECK_TESTS=0;
 # 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU,
 #    unless GPU_CHECK_TRAIN=0;
-# 4. bench/gpu_step.sh (ROUNDS, default 1; CONFIGS picks configurations)
-#    unless GPU_CHECK_BENCH=0;
+# 4. bench/gpu_step.sh (ROUNDS, default 1; CONFIGS picks configurations;
+#    at most GPU_CHECK_BENCH_LIMIT seconds, 300) unless GPU_CHECK_BENCH=0;
 # 5. with LARGEST_WAYS set, bench/largest_gpu_model.sh for those ways (their
 #    rungs from LADDER_<way>; 1 + LARGEST_STEPS (2) AdamW steps; RUN_TIMEOUT
 #    passes through), its lines appended to $OUT/largest.jsonl (seed it with
@@ -52,14 +53,16 @@ cat "$out/gpu.txt"
 if [[ -z ${GPU_BUILD_DIR:-} ]]; then
   step build 300 bash .gpu/build.sh comm_tests core_tests state_tests train_gpt fsdprun bench_gpu_step
 fi
-step ctest_cuda 180 ctest --test-dir "$build" -L cuda -j "${GPU_CHECK_JOBS:-3}" --output-on-failure
+if [[ ${GPU_CHECK_TESTS:-1} != 0 ]]; then
+  step ctest_cuda 180 ctest --test-dir "$build" -L cuda -j "${GPU_CHECK_JOBS:-3}" --output-on-failure
+fi
 data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
 if [[ ${GPU_CHECK_TRAIN:-1} != 0 ]]; then
   step train_gpt_1rank 60 "$build/bin/train_gpt" "${data[@]}"
   step train_gpt_2ranks 90 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
 fi
 if [[ ${GPU_CHECK_BENCH:-1} != 0 ]]; then
-  step gpu_step 300 env ROUNDS="${ROUNDS:-1}" PYTHON=python3 BENCH_KEEP_GOING=1 \
+  step gpu_step "${GPU_CHECK_BENCH_LIMIT:-300}" env ROUNDS="${ROUNDS:-1}" PYTHON=python3 BENCH_KEEP_GOING=1 \
     RUN_TIMEOUT="${RUN_TIMEOUT:-90}" bench/gpu_step.sh "$build"
 fi
 if [[ -n ${LARGEST_WAYS:-} ]]; then

@@ -75,6 +75,13 @@ struct WorkAccess {
 Work chain_work(const Work& first, std::function<Work()> second, const std::string& description,
                 std::vector<at::Tensor> tensors);
 
+/// Whether a stream can wait for `work` (Work::block_current_stream() then
+/// does not block the host): a collective that runs on a GPU stream.
+inline bool stream_can_wait(const Work& work) {
+  const auto& state = WorkAccess::state(work);
+  return state != nullptr && static_cast<bool>(state->stream_wait);
+}
+
 /// A Work that has already succeeded (for a step with nothing to wait for).
 Work finished_work(const std::string& description, int rank);
 

@@ -80,13 +80,18 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
 // the optimizer reads it. A plain .to(kCPU) per unit made the host wait for
 // the GPU at every unit, into fresh pageable memory (page faults on every
 // step): on an H100 forward and backward of a 163 M-parameter model took
-// 363 ms offloaded against 62 ms a whole step without. As FSDP2 does, the
-// end of backward now queues every unit's copy into pinned memory on the
-// compute stream (start_host_copy) and the host waits once, after the
-// gradients agreement, before the shards get their .grad; a unit stepped
-// beside backward copies on the optimizer's thread, on a stream of its own
-// (finished_to_host), so its copy does not queue behind the backward kernels
-// issued since.
+// 363 ms offloaded against 62 ms a whole step without. So each copy goes
+// into pinned memory without the host waiting (start_host_copy), and the
+// host waits once, at the end of backward, after the gradients agreement,
+// before the shards get their .grad. Where the reduction runs on a GPU stream
+// (NCCL), the copy is queued as soon as the reduction is launched, on a
+// copy-out stream that waits for it (device_streams.h), so it runs beside
+// the backward kernels that follow, as FSDP2 copies on its reduction
+// stream; the reduced shard on the GPU is kept until the host waited.
+// Otherwise the end of backward queues it on the compute stream. A unit
+// stepped beside backward copies on the optimizer's thread, on a stream of
+// its own (finished_to_host), so its copy does not queue behind the backward
+// kernels issued since.
 at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype) {
   at::Tensor host =
       at::empty(t.sizes(), at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(true));

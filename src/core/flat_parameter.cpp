@@ -104,7 +104,8 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
   if (config.offload_shard()) offload_shard(config.pin_shard());
   shard_.set_requires_grad(any_trainable);
   // Built through the unsharded buffer: free it, unless it is the shard.
-  if (frees_unsharded() && state_ == State::kUnsharded) reshard();
+  // Its memory came from the current stream, which orders the free too.
+  if (frees_unsharded() && state_ == State::kUnsharded) (void)reshard();
   if (config.param_dtype() && *config.param_dtype() != dtype) {
     use_low_precision(*config.param_dtype());
   }
@@ -317,13 +318,19 @@ void FlatParameter::end_unshard() {
   state_ = State::kUnsharded;
 }
 
-void FlatParameter::reshard() {
+std::optional<detail::HeldMemory> FlatParameter::reshard() {
   TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ == State::kUnsharded, unit_label_,
                         ": reshard in state ", to_string(state_),
                         frees_unsharded() ? "" : " (its buffer is the shard)");
-  resize_unsharded_storage(false);
+  std::optional<detail::HeldMemory> held;
+  if (detail::has_streams(unsharded_.device())) {
+    held.emplace(unsharded_.storage().unsafeGetStorageImpl());
+  } else {
+    resize_unsharded_storage(false);
+  }
   point_at_placeholders();
   state_ = State::kSharded;
+  return held;
 }
 
 }  // namespace fsdp

@@ -8,10 +8,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <fsdp/comm/process_group.h>
+
+#include "core/device_streams.h"
 
 namespace fsdp::detail {
 class ParamUseListener;                         // core/sharded_placeholder.h
@@ -135,8 +138,10 @@ class FlatParameter {
   /// kUnsharding -> kUnsharded: the all-gather into unsharded() completed.
   void end_unshard();
   /// kUnsharded -> kSharded: frees the unsharded buffer. Only where
-  /// frees_unsharded(), and never while an all-gather writes into it.
-  void reshard();
+  /// frees_unsharded(), and never while an all-gather writes into it. On a
+  /// device with streams the memory comes back held, for the caller to
+  /// release (Note [Copy-in on a stream of its own]); the CPU's is freed.
+  [[nodiscard]] std::optional<detail::HeldMemory> reshard();
   /// The unsharded flat buffer (the all-gather output); freed while kSharded.
   const at::Tensor& unsharded() const { return unsharded_; }
   /// False when the unsharded buffer is the shard itself (NO_SHARD in full

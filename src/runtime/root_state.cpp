@@ -40,6 +40,14 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
   }
   exec_order_ = std::make_unique<ExecOrder>(*root.self(), root.options().process_group(),
                                             root.options().check_forward_order());
+  for (const UnitRuntime* unit : units_) {
+    if (!unit->flat_) continue;
+    const c10::Device device = unit->flat_->unsharded().device();
+    if (has_streams(device) && std::find(stream_devices_.begin(), stream_devices_.end(), device) ==
+                                   stream_devices_.end()) {
+      stream_devices_.push_back(device);
+    }
+  }
   // Each unit's nearest enclosing unit: the last, in pre-order, of the units
   // whose module tree holds it.
   for (UnitRuntime* outer : units_) {
@@ -52,6 +60,12 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
 
 void RootState::begin_forward() {
   forward_positions_ = 0;
+  // See Note [Copy-in on a stream of its own]: the shards were written on
+  // the compute stream (the optimizer, the user) since the last forward.
+  release_held(/*keep_newest=*/false);
+  for (const c10::Device& device : stream_devices_) {
+    side_stream_waits_for_current(device, SideStream::kCopyIn);
+  }
   if (!callback_queued_) return;
   // Autograd drops the callbacks of a backward that failed, so nothing of it
   // completes: its launched reductions are forgotten here and by each unit
@@ -62,6 +76,20 @@ void RootState::begin_forward() {
   reduction_order_.clear();
   reductions_launched_ = 0;
   reductions_in_flight_.clear();
+}
+
+bool RootState::in_iteration() const {
+  return root_.state_ != Unit::TrainingState::kIdle || forward_in_progress() || in_backward();
+}
+
+void RootState::hold(HeldMemory memory) { held_.push_back(std::move(memory)); }
+
+void RootState::release_held(bool keep_newest) {
+  const size_t keep = keep_newest ? 1 : 0;
+  while (held_.size() > keep) {
+    held_.front().release();
+    held_.pop_front();
+  }
 }
 
 void RootState::queue_end_of_backward() {
@@ -204,10 +232,14 @@ void RootState::end_of_backward() {
     }
   }
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
-  for (const c10::Device& device : copying) wait_for_device(device);
+  for (const c10::Device& device : copying) {
+    wait_for_device(device);
+    wait_for_side_stream(device, SideStream::kCopyOut);
+  }
   for (size_t i = 0; i < units_.size(); ++i) {
     units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
   }
+  release_held(/*keep_newest=*/false);  // Note [Copy-in on a stream of its own]
 }
 
 // Note [Parameters without gradients]

@@ -7,6 +7,7 @@
 
 #include <fsdp/comm/work.h>
 
+#include "core/device_streams.h"
 #include "runtime/exec_order.h"
 
 namespace fsdp::detail {
@@ -71,6 +72,17 @@ class RootState {
   /// has not yet.
   bool in_backward() const { return callback_queued_; }
 
+  // Note [Copy-in on a stream of its own]
+  /// A forward or backward of this root is under way: resharded memory on a
+  /// GPU is held, and the copy-in stream waited for the compute stream when
+  /// the forward began.
+  bool in_iteration() const;
+  /// Keeps `memory`, resharded by a unit, until release_held().
+  void hold(HeldMemory memory);
+  /// Hands back the held memory, oldest first, all of it or all but the
+  /// newest.
+  void release_held(bool keep_newest);
+
  private:
   void end_of_backward();
   std::vector<std::vector<bool>> agree_received_grads() const;
@@ -95,6 +107,10 @@ class RootState {
   // The wrapper unit whose forward ended last and that backward will reach,
   // gathered until its backward or the next forward.
   UnitRuntime* kept_ = nullptr;
+  // Resharded units' memory on a GPU, oldest first (see in_iteration()).
+  std::deque<HeldMemory> held_;
+  // The devices with streams that the units live on.
+  std::vector<c10::Device> stream_devices_;
 };
 
 }  // namespace fsdp::detail

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "comm/work_state.h"
+#include "core/device_streams.h"
 
 // Note [A unit's collectives]
 // Every collective a unit issues for its parameters and gradients is made
@@ -17,16 +18,23 @@
 // storage: begin_unshard() allocates and returns the all-gather input,
 // end_unshard() marks the buffer filled); UnitRuntime decides when. A device
 // other than the CPU changes what happens here (streams, events), not the
-// FlatParameter or the hooks: a gathered buffer is waited for by the compute
-// stream, so the host runs ahead of an NCCL all-gather; freeing it later is
-// safe because the CUDA caching allocator reuses a block only in the order of
-// the stream that allocated it, which waited for the all-gather first.
+// FlatParameter or the hooks: the all-gather is issued on the copy-in stream
+// and waited for by the compute stream, so the host runs ahead of an NCCL
+// all-gather, and its buffer is handed back after the copy-in stream waited
+// for the kernels that read it (Note [Copy-in on a stream of its own]).
 
 namespace fsdp::detail {
 
-Work all_gather_unit(FlatParameter& flat) {
+Work all_gather_unit(FlatParameter& flat, bool copy_in_waits_for_current) {
+  if (flat.keeps_unsharded()) {
+    // NO_SHARD copies its shard in (offload, low precision) on the current
+    // stream: no collective for the compute stream to wait for.
+    (void)flat.begin_unshard();
+    return Work();
+  }
+  const SideStreamScope copy_in(flat.unsharded().device(), SideStream::kCopyIn,
+                                copy_in_waits_for_current);
   const at::Tensor input = flat.begin_unshard();
-  if (flat.state() == FlatParameter::State::kUnsharded) return Work();  // NO_SHARD: copied
   return flat.group().all_gather_into_tensor(flat.unsharded(), input);
 }
 

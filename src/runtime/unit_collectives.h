@@ -17,10 +17,12 @@
 namespace fsdp::detail {
 
 /// kSharded -> kUnsharding: allocates `flat`'s unsharded buffer and starts
-/// the all-gather of every rank's shard into it. Pass the Work to
-/// wait_all_gather(). NO_SHARD gathers nothing: `flat` ends kUnsharded and
-/// the Work is empty.
-Work all_gather_unit(FlatParameter& flat);
+/// the all-gather of every rank's shard into it, on a GPU on the copy-in
+/// stream, made to wait for the current stream first where
+/// `copy_in_waits_for_current` (Note [Copy-in on a stream of its own]). Pass
+/// the Work to wait_all_gather(). NO_SHARD gathers nothing (its copy runs on
+/// the current stream): `flat` ends kUnsharded and the Work is empty.
+Work all_gather_unit(FlatParameter& flat, bool copy_in_waits_for_current);
 
 /// kUnsharding -> kUnsharded: waits for `work` (from all_gather_unit).
 void wait_all_gather(FlatParameter& flat, Work work);

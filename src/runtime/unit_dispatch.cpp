@@ -111,6 +111,7 @@ void UnitRuntime::become_rooted() {
 void UnitRuntime::end_dispatched_forward(bool keep) {
   if (is_root()) root().exec_order().end_forward();
   transition(Unit::TrainingState::kIdle);
+  if (is_root()) root().release_held(/*keep_newest=*/false);
   if (flat_ && !keep &&
       (!hooked_ || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
     reshard();

@@ -7,11 +7,14 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include <fsdp/core/activation_checkpoint.h>
 
+#include "comm/work_state.h"
 #include "core/device_storage.h"
+#include "core/device_streams.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/reduced_grad.h"
@@ -56,9 +59,18 @@ void UnitRuntime::abandon_iteration() {
   delivered_early_ = false;
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
+  if (grad_on_device_.defined()) {  // not while the copy-out stream reads it
+    wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
+    grad_on_device_ = at::Tensor();
+  }
 }
 
-void UnitRuntime::unshard_async() { pending_gather_ = all_gather_unit(*flat_); }
+void UnitRuntime::unshard_async(bool prefetch) {
+  // See Note [Copy-in on a stream of its own].
+  const bool in_iteration = root_ != nullptr && root_->in_iteration();
+  if (in_iteration) root_->release_held(/*keep_newest=*/!prefetch);
+  pending_gather_ = all_gather_unit(*flat_, /*copy_in_waits_for_current=*/!in_iteration);
+}
 
 void UnitRuntime::wait_pending_gather() {
   if (flat_->state() != FlatParameter::State::kUnsharding) return;
@@ -68,14 +80,21 @@ void UnitRuntime::wait_pending_gather() {
 void UnitRuntime::unshard() {
   if (flat_->state() == FlatParameter::State::kUnsharded) return;  // never freed, or already
   FSDP_RECORD("all_gather", path_);
-  if (flat_->state() == FlatParameter::State::kSharded) unshard_async();
+  if (flat_->state() == FlatParameter::State::kSharded) unshard_async(/*prefetch=*/false);
   wait_pending_gather();
 }
 
 void UnitRuntime::reshard() {
   if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
   wait_pending_gather();  // the all-gather writes into the buffer
-  flat_->reshard();
+  std::optional<HeldMemory> held = flat_->reshard();
+  if (!held) return;
+  // See Note [Copy-in on a stream of its own].
+  if (root_ != nullptr && root_->in_iteration()) {
+    root_->hold(std::move(*held));
+  } else {
+    held->release();
+  }
 }
 
 void UnitRuntime::pre_forward() {
@@ -155,7 +174,7 @@ void UnitRuntime::prefetch_forward() {
   FlatParameter* flat = next->flat_param();
   if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
   FSDP_RECORD("all_gather", next->runtime_->path());
-  next->runtime_->unshard_async();
+  next->runtime_->unshard_async(/*prefetch=*/true);
 }
 
 void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
@@ -170,6 +189,7 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
   }
   if (is_root()) root().exec_order().end_forward();
   transition(State::kIdle);
+  if (is_root()) root().release_held(/*keep_newest=*/false);
   // A forward under activation checkpointing runs without grad mode, but
   // backward will reach this unit through the recomputation: it reshards
   // and joins the reduction order as a grad-mode forward does.
@@ -269,7 +289,7 @@ void UnitRuntime::prefetch_backward() {
   FlatParameter* flat = next->flat_param();
   if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
   FSDP_RECORD("all_gather", next->runtime_->path());
-  next->runtime_->unshard_async();
+  next->runtime_->unshard_async(/*prefetch=*/true);
 }
 
 void UnitRuntime::on_grad_ready(size_t slot) {
@@ -324,7 +344,27 @@ void UnitRuntime::launch_grad_reduction() {
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
   reshard();
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
-  if (can_deliver_early()) deliver_early();  // Note [Steps during backward]
+  if (can_deliver_early()) {
+    deliver_early();  // Note [Steps during backward]
+  } else if (can_copy_out_early()) {
+    copy_out_early();
+  }
+}
+
+bool UnitRuntime::can_copy_out_early() const {
+  return root_ != nullptr && root_->in_backward() && grad_work_ && flat_->shard_pinned() &&
+         has_streams(grad_shard_.device()) && stream_can_wait(grad_work_);
+}
+
+void UnitRuntime::copy_out_early() {
+  // See Note [Gradients to host memory]: behind the reduction, beside the
+  // backward kernels that follow it.
+  const SideStreamScope copy_out(grad_shard_.device(), SideStream::kCopyOut,
+                                 /*wait_for_current=*/false);
+  grad_work_.block_current_stream();
+  const auto dtype = shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType();
+  grad_on_device_ = grad_shard_;
+  grad_shard_ = start_host_copy(grad_on_device_, dtype);
 }
 
 bool UnitRuntime::can_deliver_early() const {
@@ -410,6 +450,7 @@ bool UnitRuntime::finish_reduction() {
   // Gradients that arrived only in part (unused parameters), or only inside
   // no_sync(), are reduced now.
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
+  if (grad_on_device_.defined()) return true;  // copy_out_early queued it
   if (grad_work_) {
     FSDP_RECORD("wait_reduction", path_);
     // The reduced shard is read by kernels on the compute stream: on a GPU
@@ -433,6 +474,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received) {
     delivered_early_ = false;
     grad_work_ = Work();
     grad_shard_ = at::Tensor();
+    grad_on_device_ = at::Tensor();  // the host waited for its copy
     flat_grad_ = at::Tensor();
   }  // else no_sync(): the unsharded gradient stays for the next backward
   grads_ready_ = 0;

@@ -130,8 +130,9 @@ class UnitRuntime final : public ParamUseListener {
   // This unit as the listener of its parameters' uses, or nullptr for a
   // wrapper's unit (see Note [Units driven by dispatch]).
   ParamUseListener* use_listener() { return driver_ == Driver::kDispatch ? this : nullptr; }
-  // See Note [A unit's collectives]: kSharded -> kUnsharding (a prefetch).
-  void unshard_async();
+  // See Note [A unit's collectives]: kSharded -> kUnsharding, for a
+  // prefetch or for unshard() (Note [Copy-in on a stream of its own]).
+  void unshard_async(bool prefetch);
   // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
   // -> kSharded where the buffer is freed; a pending all-gather is waited for
@@ -172,6 +173,11 @@ class UnitRuntime final : public ParamUseListener {
   bool can_deliver_early() const;
   // Hands the launched reduction to the hooks, to be completed by them.
   void deliver_early();
+  // Under CPU offload, a reduction just launched on the GPU (NCCL) during
+  // backward: its result's copy to host memory can be queued now, on the
+  // copy-out stream (Note [Gradients to host memory]).
+  bool can_copy_out_early() const;
+  void copy_out_early();
   // Defined in unit_precision.cpp (mixed precision, CPU offload, deferred init).
   FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
   // The reduced gradient as the shard's .grad takes it: in the shard's dtype
@@ -228,9 +234,12 @@ class UnitRuntime final : public ParamUseListener {
   at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
   std::vector<bool> slot_filled_;
-  at::Tensor grad_shard_;  // reduce-scatter output
+  at::Tensor grad_shard_;  // reduce-scatter output (after copy_out_early: its host copy)
   Work grad_work_;         // pending reduce-scatter / all-reduce
-  Work pending_gather_;    // the all-gather started by unshard_async()
+  // The reduced shard on the GPU while the copy-out stream copies it into
+  // grad_shard_ (copy_out_early): kept until the host waited for that stream.
+  at::Tensor grad_on_device_;
+  Work pending_gather_;  // the all-gather started by unshard_async()
   // This backward's reduction went to the hooks when it was launched
   // (deliver_early); finish_backward has nothing left to set.
   bool delivered_early_ = false;

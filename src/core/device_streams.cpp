@@ -1,0 +1,103 @@
+#include "core/device_streams.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace fsdp::detail {
+
+namespace {
+
+// One stream per GPU and purpose, taken from LibTorch's pool once. The
+// copy-in stream has high priority: a forward waits for its all-gathers, as
+// for FSDP2's.
+c10::Stream side_stream(c10::Device device, SideStream side) {
+  static std::mutex mutex;
+  static std::array<std::array<std::optional<c10::Stream>, 2>, C10_COMPILE_TIME_MAX_GPUS> streams;
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::DeviceIndex index = device.has_index() ? device.index() : impl.getDevice().index();
+  TORCH_INTERNAL_ASSERT(index >= 0 && index < C10_COMPILE_TIME_MAX_GPUS, "fsdp: device ", device);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& stream = streams[static_cast<size_t>(index)][side == SideStream::kCopyIn ? 0 : 1];
+  if (!stream) {
+    stream = impl.getStreamFromGlobalPool(c10::Device(device.type(), index),
+                                          /*isHighPriority=*/side == SideStream::kCopyIn);
+  }
+  return *stream;
+}
+
+c10::Stream current_stream(c10::Device device) {
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device.has_index() ? device : impl.getDevice());
+}
+
+// FSDP_FAULT_COPY_IN_NO_WAIT=1 drops the copy-in stream's waits for the
+// compute stream: a GPU test shows that its buffers are then overwritten
+// while kernels still read them (tests/core/test_cuda_streams.cpp).
+bool skip_waits() {
+  const char* env = std::getenv("FSDP_FAULT_COPY_IN_NO_WAIT");
+  return env != nullptr && std::strcmp(env, "1") == 0;
+}
+
+// Makes `side` wait for `event` (the copy-in stream not, under the fault).
+void side_waits(c10::Device device, SideStream side, const c10::Event& event) {
+  if (side == SideStream::kCopyIn && skip_waits()) return;
+  event.block(side_stream(device, side));
+}
+
+}  // namespace
+
+bool has_streams(c10::Device device) {
+  // FSDP_SIDE_STREAMS=0 keeps everything on the compute stream, as before
+  // the side streams: bench/gpu_step.sh measures what they bring.
+  static const bool enabled = [] {
+    const char* env = std::getenv("FSDP_SIDE_STREAMS");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return enabled && device.is_cuda();
+}
+
+SideStreamScope::SideStreamScope(c10::Device device, SideStream side, bool wait_for_current) {
+  if (!has_streams(device)) return;
+  if (wait_for_current) side_stream_waits_for_current(device, side);
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  previous_ = impl.exchangeStream(side_stream(device, side));
+}
+
+SideStreamScope::~SideStreamScope() {
+  if (!previous_) return;
+  const c10::impl::VirtualGuardImpl impl(previous_->device_type());
+  impl.exchangeStream(*previous_);
+}
+
+void wait_for_side_stream(c10::Device device, SideStream side) {
+  if (has_streams(device)) side_stream(device, side).synchronize();
+}
+
+void side_stream_waits_for_current(c10::Device device, SideStream side) {
+  if (!has_streams(device)) return;
+  c10::Event event(device.type());
+  event.record(current_stream(device));
+  side_waits(device, side, event);
+}
+
+HeldMemory::HeldMemory(c10::StorageImpl* storage)
+    : memory_(storage->set_data_ptr(at::DataPtr(nullptr, storage->device()))),
+      resharded_(storage->device_type()) {
+  TORCH_INTERNAL_ASSERT(has_streams(storage->device()), "fsdp: held memory on ",
+                        storage->device());
+  storage->set_nbytes(0);
+  resharded_.record(current_stream(storage->device()));
+}
+
+void HeldMemory::release() {
+  if (memory_.get() == nullptr) return;
+  side_waits(memory_.device(), SideStream::kCopyIn, resharded_);
+  memory_.clear();
+}
+
+}  // namespace fsdp::detail
