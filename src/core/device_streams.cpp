@@ -88,8 +88,7 @@ void side_stream_waits_for_current(c10::Device device, SideStream side) {
 HeldMemory::HeldMemory(c10::StorageImpl* storage)
     : memory_(storage->set_data_ptr(at::DataPtr(nullptr, storage->device()))),
       resharded_(storage->device_type()) {
-  TORCH_INTERNAL_ASSERT(has_streams(storage->device()), "fsdp: held memory on ",
-                        storage->device());
+  TORCH_INTERNAL_ASSERT(has_streams(storage->device()), "fsdp: held memory on ", storage->device());
   storage->set_nbytes(0);
   resharded_.record(current_stream(storage->device()));
 }

@@ -32,8 +32,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
-#include <c10/core/Stream.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/Stream.h>
 
 #include <optional>
 

@@ -173,8 +173,7 @@ TEST_P(CudaStreams, AForwardHoldsAtMostTwoUnitsGathered) {
     const int64_t unit_bytes = padded * 4;
     for (const bool prefetch : {false, true}) {
       const FSDPOptions options = FSDPOptions().forward_prefetch(prefetch);
-      FullyShardedDataParallel<StackImpl> model(Stack(seeded_layers(gpu), &options).ptr(),
-                                                options);
+      FullyShardedDataParallel<StackImpl> model(Stack(seeded_layers(gpu), &options).ptr(), options);
       const torch::Tensor x = torch::randn({4, kWidth}).to(gpu);
       torch::NoGradGuard no_grad;
       for (int pass = 0; pass < 3; ++pass) {
