@@ -3,10 +3,11 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
-#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <utility>
 
 namespace fsdp::detail {
 
@@ -17,17 +18,20 @@ namespace {
 // for FSDP2's.
 c10::Stream side_stream(c10::Device device, SideStream side) {
   static std::mutex mutex;
-  static std::array<std::array<std::optional<c10::Stream>, 2>, C10_COMPILE_TIME_MAX_GPUS> streams;
+  static std::map<std::pair<c10::DeviceIndex, SideStream>, c10::Stream> streams;
   const c10::impl::VirtualGuardImpl impl(device.type());
   const c10::DeviceIndex index = device.has_index() ? device.index() : impl.getDevice().index();
-  TORCH_INTERNAL_ASSERT(index >= 0 && index < C10_COMPILE_TIME_MAX_GPUS, "fsdp: device ", device);
   std::lock_guard<std::mutex> lock(mutex);
-  auto& stream = streams[static_cast<size_t>(index)][side == SideStream::kCopyIn ? 0 : 1];
-  if (!stream) {
-    stream = impl.getStreamFromGlobalPool(c10::Device(device.type(), index),
-                                          /*isHighPriority=*/side == SideStream::kCopyIn);
+  const auto key = std::make_pair(index, side);
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    it = streams
+             .emplace(key,
+                      impl.getStreamFromGlobalPool(c10::Device(device.type(), index),
+                                                   /*isHighPriority=*/side == SideStream::kCopyIn))
+             .first;
   }
-  return *stream;
+  return it->second;
 }
 
 c10::Stream current_stream(c10::Device device) {
