@@ -17,7 +17,9 @@
 //   forward and backward with attention, as PaLM's appendix counts them) x
 //   tokens_per_s / (world x --peak-tflops), 989 for an H100 SXM's dense bf16.
 // - peak_device_bytes: the CUDA caching allocator's peak of allocated bytes
-//   over the timed steps (0 on the CPU); peak_host_rss_bytes: the largest
+//   over the timed steps (0 on the CPU), peak_reserved_bytes its peak of
+//   memory taken from the driver (each stream's blocks are its own: the side
+//   streams can raise it, Note [Copy-in on a stream of its own]); peak_host_rss_bytes: the largest
 //   rank's peak resident memory (getrusage); state_bytes: parameters + gradients +
 //   AdamW state from the tensors after the last step (shards under FSDP).
 // --offload after|during (issue 35, item 3): CPU offload, the fp32 shards,
@@ -252,8 +254,9 @@ int main(int argc, char** argv) try {
     if (i >= 0) step_ms.push_back(ms_since(t0));
     if (i == -args.warmup) loss0 = loss.item<double>();
   }
-  const int64_t peak =
-      device.is_cuda() ? fsdp::compat::cuda_memory(device.index()).peak_allocated : 0;
+  const fsdp::compat::CudaMemory device_memory =
+      device.is_cuda() ? fsdp::compat::cuda_memory(device.index()) : fsdp::compat::CudaMemory{};
+  const int64_t peak = device_memory.peak_allocated;
   // The three parts of an offloaded step alone (after the timed steps, so
   // they change neither its memory peak nor its times).
   double fwd_bwd_ms = 0, host_optim_ms = 0, copy_ms = 0;
@@ -281,6 +284,7 @@ int main(int argc, char** argv) try {
                                  12.0 * static_cast<double>(args.blocks * args.d_model * args.seq);
   const double mfu = flops_per_token * tokens_per_s / (world * args.peak_tflops * 1e12);
   const auto peak_max = bench::max_bytes_over_ranks(*pg, peak);
+  const auto reserved_max = bench::max_bytes_over_ranks(*pg, device_memory.peak_reserved);
   const auto state_max = bench::max_bytes_over_ranks(*pg, optimizer_state_bytes(opt));
   const auto rss_max = bench::max_bytes_over_ranks(*pg, fsdp::memory_stats().peak_resident_bytes);
   if (rank == 0) {
@@ -292,7 +296,7 @@ int main(int argc, char** argv) try {
         "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\","
         "\"offload\":\"%s\",\"fwd_bwd_ms\":%.2f,\"host_optim_ms\":%.2f,\"copy_ms\":%.2f,"
         "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld,"
-        "\"threads\":%d}\n",
+        "\"peak_reserved_bytes\":%lld,\"threads\":%d}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -302,7 +306,7 @@ int main(int argc, char** argv) try {
         args.offload.c_str(), fwd_bwd_ms, host_optim_ms, copy_ms,
         std::max({fwd_bwd_ms, host_optim_ms, copy_ms}),
         args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max),
-        at::get_num_threads());
+        static_cast<long long>(reserved_max), at::get_num_threads());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -109,6 +109,7 @@ for config, rs in by.items():
     summary[config] = {"median_ms": round(ms, 2), "tokens_per_s": round(tokens),
                        "mfu": round(flops * tokens / (r["world"] * peak), 4),
                        "peak_device_bytes_per_rank": med(config, "peak_device_bytes"),
+                       "peak_reserved_bytes_per_rank": med(config, "peak_reserved_bytes"),
                        "state_bytes_per_rank": med(config, "state_bytes")}
 
 def ratio(a, b, key="median_ms"):
@@ -139,6 +140,8 @@ for way in ("full_shard", "offload_after", "offload_during"):
                                                            "libfsdp_" + way + "_one_stream")
 summary["full_shard_side_streams_peak_over_one_stream"] = ratio(
     "libfsdp_full_shard", "libfsdp_full_shard_one_stream", "peak_device_bytes")
+summary["full_shard_side_streams_reserved_over_one_stream"] = ratio(
+    "libfsdp_full_shard", "libfsdp_full_shard_one_stream", "peak_reserved_bytes")
 summary["targets_met"] = {
     "offload_step_le_1.15x_bound": (summary["offload_during_over_bound"] or 99) <= 1.15,
     "full_shard_step_le_1.05x_plain": (summary["full_shard_over_plain"] or 99) <= 1.05,

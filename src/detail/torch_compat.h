@@ -66,6 +66,7 @@ struct CudaMemory {
   int64_t allocated = 0;       ///< handed out now
   int64_t peak_allocated = 0;  ///< handed out at most since the last reset_cuda_peak()
   int64_t reserved = 0;        ///< taken from the driver (cached included)
+  int64_t peak_reserved = 0;   ///< taken at most since the last reset_cuda_peak()
 };
 
 /// The CUDA caching allocator's statistics for `device` (all 0 in builds of
@@ -75,7 +76,7 @@ inline CudaMemory cuda_memory(c10::DeviceIndex device) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
   // Index 0: StatType::AGGREGATE, both pools together.
   return {stats.allocated_bytes[0].current, stats.allocated_bytes[0].peak,
-          stats.reserved_bytes[0].current};
+          stats.reserved_bytes[0].current, stats.reserved_bytes[0].peak};
 #else
   (void)device;
   return {};
