@@ -103,10 +103,20 @@ at::Tensor C10dProcessGroup::exchange_fingerprints(const at::Tensor& mine, uint6
 
 C10dProcessGroup::~C10dProcessGroup() { thread_.reset(); }
 
+void C10dProcessGroup::check_carried(const char* op, const at::Tensor& tensor) const {
+  // Every rank issues the same collectives, so every rank fails here alike.
+  FSDP_CHECK(!tensor.is_cpu() || group_->getBackendName() != "nccl", rank(), "process group", op,
+             ": this C10dProcessGroup wraps a c10d NCCL group, which carries CUDA tensors "
+             "only, and libfsdp also sends small CPU tensors between ranks (agreements, "
+             "checkpoints). Use fsdp::init_process_group() instead: it drives NCCL for CUDA "
+             "tensors and its own transport for CPU tensors.");
+}
+
 std::string C10dProcessGroup::backend_name() const { return "c10d:" + group_->getBackendName(); }
 
 Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
+  check_carried("all_gather", shard);
   return thread_->enqueue(CollectiveKind::kAllGather, detail::describe_tensor(flat), {flat, shard},
                           -1, [this, flat, shard](uint64_t seq) {
                             C10dPointToPoint p2p(*group_, timeout());
@@ -119,6 +129,7 @@ Work C10dProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
 Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
                                              ReduceOp op) {
   check_reduce_scatter(shard, flat, op);
+  check_carried("reduce_scatter", flat);
   return thread_->enqueue(CollectiveKind::kReduceScatter,
                           detail::describe_tensor(flat) + ", " + to_string(op), {flat, shard},
                           static_cast<int64_t>(op), [this, flat, shard, op](uint64_t seq) {
@@ -140,6 +151,7 @@ Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
 
 Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   check_single("all_reduce", tensor);
+  check_carried("all_reduce", tensor);
   return thread_->enqueue(
       CollectiveKind::kAllReduce, detail::describe_tensor(tensor) + ", " + to_string(op), {tensor},
       static_cast<int64_t>(op), [this, tensor, op](uint64_t) {
@@ -155,6 +167,7 @@ Work C10dProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 
 Work C10dProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_single("broadcast", tensor);
+  check_carried("broadcast", tensor);
   check_root(root);
   return thread_->enqueue(
       CollectiveKind::kBroadcast,

@@ -19,10 +19,12 @@ class CommThread;
 using C10dGroupFactory = std::function<c10::intrusive_ptr<c10d::ProcessGroup>(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size)>;
 
-/// Adapts any c10d::ProcessGroup (ProcessGroupGloo, or ProcessGroupNCCL on a
-/// CUDA build of LibTorch) to fsdp::ProcessGroup. All-gather and
-/// reduce-scatter are rings of c10d send/recv straight into the caller's
-/// buffers, since c10d's own forms copy through temporaries on CPU.
+/// Adapts a c10d::ProcessGroup (ProcessGroupGloo) to fsdp::ProcessGroup.
+/// All-gather and reduce-scatter are rings of c10d send/recv straight into
+/// the caller's buffers, since c10d's own forms copy through temporaries on
+/// CPU. A c10d NCCL group carries CUDA tensors only, and libfsdp also sends
+/// small CPU tensors between ranks: a CPU tensor on one is an error naming
+/// fsdp::init_process_group(), which drives NCCL for CUDA tensors itself.
 class C10dProcessGroup final : public ProcessGroup {
  public:
   /// Wraps `group`. `store` and `factory` are needed only by new_subgroup().
@@ -46,6 +48,8 @@ class C10dProcessGroup final : public ProcessGroup {
 
  private:
   at::Tensor exchange_fingerprints(const at::Tensor& mine, uint64_t seq);
+  // Refuses a CPU tensor on a c10d NCCL group, naming `op`.
+  void check_carried(const char* op, const at::Tensor& tensor) const;
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
