@@ -28,12 +28,13 @@ struct NoCopy {};
 
 // Each loop is compiled twice on x86-64, for AVX2 and for the baseline
 // (SSE2), and the loader picks the one the CPU runs: 8 floats a vector
-// instead of 4. Only AVX2, not FMA (one rounding where the expressions
-// above have two): the clones then compute bitwise the same, whatever the
-// CPU, and as close to LibTorch's optimizers as before. One core stepped AdamW with its bfloat16
-// copy 1.5x faster so (a loop of its shape, 16 Mi elements), where the step is bound by the core
-// rather than by memory: few cores per GPU. Not under ThreadSanitizer, whose runtime is not up yet
-// when the loader asks which clone to take (a crash).
+// instead of 4. Only AVX2, not FMA (one rounding where the expressions above
+// have two): the clones then compute bitwise the same, whatever the CPU, and
+// as close to LibTorch's optimizers as before. One core stepped AdamW with
+// its bfloat16 copy 1.5x faster so (a loop of its shape, 16 Mi elements),
+// where the step is bound by the core rather than by memory: few cores per
+// GPU. Not under ThreadSanitizer, whose runtime is not up yet when the
+// loader asks which clone to take (a crash).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 #define FSDP_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else

@@ -362,9 +362,12 @@ void UnitRuntime::copy_out_early() {
   const SideStreamScope copy_out(grad_shard_.device(), SideStream::kCopyOut,
                                  /*wait_for_current=*/false);
   grad_work_.block_current_stream();
-  const auto dtype = shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType();
   grad_on_device_ = grad_shard_;
-  grad_shard_ = start_host_copy(grad_on_device_, dtype);
+  grad_shard_ = start_grad_copy_to_host(grad_on_device_);
+}
+
+at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const {
+  return start_host_copy(reduced, shard_grad_options(reduced.scalar_type()).dtype().toScalarType());
 }
 
 bool UnitRuntime::can_deliver_early() const {
@@ -460,8 +463,7 @@ bool UnitRuntime::finish_reduction() {
     // once for every unit's (RootState::end_of_backward; Note [Gradients to
     // host memory]).
     if (flat_->shard_pinned() && grad_shard_.is_cuda()) {
-      const auto dtype = shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType();
-      grad_shard_ = start_host_copy(grad_shard_, dtype);
+      grad_shard_ = start_grad_copy_to_host(grad_shard_);
       return true;
     }
   }

@@ -178,6 +178,10 @@ class UnitRuntime final : public ParamUseListener {
   // copy-out stream (Note [Gradients to host memory]).
   bool can_copy_out_early() const;
   void copy_out_early();
+  // `reduced` (on the GPU) copied into new pinned host memory in the shard's
+  // gradient dtype, queued on the current stream (Note [Gradients to host
+  // memory]): copy_out_early's, and finish_reduction's for the others.
+  at::Tensor start_grad_copy_to_host(const at::Tensor& reduced) const;
   // Defined in unit_precision.cpp (mixed precision, CPU offload, deferred init).
   FlatParamConfig flat_param_config(UnitInit& init, c10::Device device);
   // The reduced gradient as the shard's .grad takes it: in the shard's dtype
