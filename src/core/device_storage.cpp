@@ -6,6 +6,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/TensorOptions.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #if FSDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -14,6 +15,7 @@
 #endif
 
 #include <algorithm>
+#include <sstream>
 
 #include "detail/torch_compat.h"
 #include "memory/host_available.h"
@@ -135,6 +137,28 @@ int64_t device_free_bytes(c10::Device device) {
   }
 #endif
   return -1;
+}
+
+bool conversion_keeps(c10::Device device, c10::ScalarType dtype,
+                      c10::optional<c10::Device> to_device,
+                      c10::optional<c10::ScalarType> to_dtype) {
+  if (to_dtype && *to_dtype != dtype) return false;
+  if (!to_device) return true;
+  if (to_device->type() != device.type()) return false;
+  if (device.is_cpu() || to_device->index() == device.index()) return true;
+  // Only a GPU's unit asks its runtime for the current device.
+  return !to_device->has_index() &&
+         c10::impl::VirtualGuardImpl(device.type()).getDevice().index() == device.index();
+}
+
+std::string conversion_refusal(const std::string& change, const std::string& what,
+                               c10::Device device, c10::ScalarType dtype) {
+  std::ostringstream out;
+  out << change << " " << what << " (on " << device << ", " << dtype << "): a unit's parameters "
+      << "stay on the device and in the dtype they were wrapped with. Move or convert the module "
+      << "before wrapping it (module->to(...) before the wrapper or fsdp::fully_shard), or wrap it "
+      << "with FSDPOptions().device_id(device), which moves it there";
+  return out.str();
 }
 
 c10::DispatchKey dense_backend_key(c10::Device device) {

@@ -13,6 +13,7 @@
 #include <c10/core/DispatchKey.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/util/Optional.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -64,6 +65,19 @@ at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype);
 /// what the CUDA caching allocator holds unused; for the CPU, the host's
 /// available memory (memory/host_available.h). -1 when unknown.
 int64_t device_free_bytes(c10::Device device);
+
+/// Whether Tensor::to(to_device, to_dtype) (either left out, as Module::to
+/// passes them) would leave a tensor on `device` in `dtype` as it is: a
+/// device without an index is the current one of its type, as in ATen.
+bool conversion_keeps(c10::Device device, c10::ScalarType dtype,
+                      c10::optional<c10::Device> to_device,
+                      c10::optional<c10::ScalarType> to_dtype);
+
+/// The error for `change` ("to(cuda:0) would move or convert") refused to
+/// `what` (a unit, or its parameter) on `device` in `dtype`: Note [Module::to
+/// on a sharded model] in src/runtime/unit_conversion.cpp.
+std::string conversion_refusal(const std::string& change, const std::string& what,
+                               c10::Device device, c10::ScalarType dtype);
 
 /// The dispatch key of dense tensors on `device` (a placeholder's backend).
 c10::DispatchKey dense_backend_key(c10::Device device);

@@ -130,6 +130,7 @@ void FlatParameter::set_unit_path(const std::string& path) {
 }
 
 void FlatParameter::point_at_views() {
+  const detail::UnreportedUses own;  // this set_data is the unit's own
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
 }
 
@@ -145,6 +146,7 @@ void FlatParameter::point_at_placeholders() {
           "parameter '" + slots_[i].name + "' of " + unit_label_, listener_));
     }
   }
+  const detail::UnreportedUses own;
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
 }
 
@@ -160,7 +162,9 @@ void FlatParameter::bind(FlatParamSlot& slot) {
     // parameter (typed members, registered entries) sees the new storage.
     slot.param.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
   } else {
-    // Same TensorImpl, grad accumulator (same dtype) and requires_grad; new storage.
+    // Same TensorImpl, grad accumulator (same dtype) and requires_grad; new
+    // storage. The unit's own set_data (Note [Sharded placeholders]).
+    const detail::UnreportedUses own;
     slot.param.set_data(view);
   }
 }

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <sstream>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -154,11 +155,90 @@ void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
   for (const Use& u : uses) u.listener->after_param_use(returns);
 }
 
+// The value of `op`'s argument `name` on `stack`, or nullptr when the
+// overload has none or it is None.
+const c10::IValue* argument(const c10::OperatorHandle& op, const torch::jit::Stack* stack,
+                            const char* name) {
+  const size_t n = op.schema().arguments().size();
+  const auto index = op.schema().argumentIndexWithName(name);
+  if (!index) return nullptr;
+  const c10::IValue& v = (*stack)[stack->size() - n + static_cast<size_t>(*index)];
+  return v.isNone() ? nullptr : &v;
+}
+
+// The registry's entry for a unit's parameter `t` (sharded or gathered), if
+// it is one.
+c10::optional<Entry> parameter_entry(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto it = registry().find(storage_of(t));
+  if (it == registry().end() || it->second.kind != PlaceholderKind::kParameter) {
+    return c10::nullopt;
+  }
+  return it->second;
+}
+
+// Tensor::to that changes nothing, as Module::to(device) calls it on every
+// parameter: returns the parameter itself, as ATen's to() does, without
+// gathering its unit (Note [Module::to on a sharded model]). False for any
+// other conversion, which runs as any operator does.
+bool keep_parameter(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  const at::Tensor self = last_values(stack, n)[0].toTensor();
+  if (!parameter_entry(self)) return false;
+  c10::optional<c10::Device> device;
+  c10::optional<at::ScalarType> dtype;
+  if (const c10::IValue* other = argument(op, stack, "other")) {
+    device = other->toTensor().device();
+    dtype = other->toTensor().scalar_type();
+  }
+  if (const c10::IValue* v = argument(op, stack, "device")) device = v->toDevice();
+  if (const c10::IValue* v = argument(op, stack, "dtype")) dtype = v->toScalarType();
+  const c10::IValue* copy = argument(op, stack, "copy");
+  const c10::IValue* layout = argument(op, stack, "layout");
+  const c10::IValue* format = argument(op, stack, "memory_format");
+  const bool keeps =
+      (copy == nullptr || !copy->toBool()) &&
+      (layout == nullptr || layout->toLayout() == c10::kStrided) &&
+      (format == nullptr || format->toMemoryFormat() == c10::MemoryFormat::Preserve ||
+       format->toMemoryFormat() == c10::MemoryFormat::Contiguous) &&
+      conversion_keeps(self.device(), self.scalar_type(), device, dtype);
+  if (!keeps) return false;
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(self);
+  return true;
+}
+
+// set_data giving a unit's parameter other data (Module::to to another device
+// or dtype, a parameter assigned by hand) would cut it off its unit: the
+// forward would read what the optimizer, stepping the shard, never updates.
+// libfsdp's own set_data runs in an UnreportedUses scope.
+void refuse_new_data(c10::ArrayRef<c10::IValue> args) {
+  const at::Tensor& self = args[0].toTensor();
+  const c10::optional<Entry> entry = parameter_entry(self);
+  if (!entry || storage_of(args[1].toTensor()) == storage_of(self)) return;
+  const at::Tensor& data = args[1].toTensor();
+  std::ostringstream change;
+  change << "set_data (as Module::to does) would give data on " << data.device() << " in "
+         << data.scalar_type() << " to";
+  TORCH_CHECK(
+      false, error_prefix(-1, "parameters"),
+      conversion_refusal(
+          change.str(),
+          entry->what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : entry->what,
+          self.device(), self.scalar_type()));
+}
+
 void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
+  if (name == "aten::to" && keep_parameter(op, stack)) return;
   const size_t n = op.schema().arguments().size();
   const c10::ArrayRef<c10::IValue> args = last_values(stack, n);
+  // Tensor::set_data reaches the dispatcher only through this check of its
+  // arguments (self, new data).
+  if (name == "aten::_has_compatible_shallow_copy_type" && t_reporting == 0) {
+    refuse_new_data(args);
+  }
   // The first placeholder among the arguments; a gradient one wins, since
   // reading a moved gradient is the more specific mistake.
   const Entry* found = nullptr;

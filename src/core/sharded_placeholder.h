@@ -52,6 +52,9 @@ class ParamUseListener {
 /// parameter, its unit and the fix; metadata-only operators (set_data's
 /// compatibility check, detach, alias) pass through, and zero_ on a
 /// gradient placeholder is a no-op so Module::zero_grad() keeps working.
+/// A Tensor::to that changes nothing returns the parameter itself, and
+/// set_data that would give a unit's parameter other data is an error (Note
+/// [Module::to on a sharded model] in src/runtime/unit_conversion.cpp).
 /// Device and dtype are unchanged, so set_data keeps the parameter's
 /// AccumulateGrad node (and libfsdp's hooks on it).
 /// While alive, operators on this thread reach the parameters of fully_shard

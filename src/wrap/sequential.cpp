@@ -61,6 +61,18 @@ void AnyUnitImpl::save(torch::serialize::OutputArchive& archive) const {
 
 void AnyUnitImpl::load(torch::serialize::InputArchive& archive) { load_unit(*this, archive); }
 
+void AnyUnitImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  to_unit(*this, device, dtype, non_blocking);
+}
+
+void AnyUnitImpl::to(torch::Dtype dtype, bool non_blocking) {
+  to_unit(*this, c10::nullopt, dtype, non_blocking);
+}
+
+void AnyUnitImpl::to(torch::Device device, bool non_blocking) {
+  to_unit(*this, device, c10::nullopt, non_blocking);
+}
+
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
   // See Note [Mixed precision]: inputs in the compute dtype.

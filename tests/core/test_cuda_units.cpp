@@ -19,6 +19,7 @@
 
 #include "bf16_parity.h"
 #include "detail/torch_compat.h"
+#include "error_of.h"
 #include "multi_rank.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
@@ -130,6 +131,14 @@ TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
     FullyShardedDataParallel<nn::SequentialImpl> model(plain, FSDPOptions().device_id(gpu));
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_cuda());
     EXPECT_TRUE(first_weight.is_cuda()) << "the user's handle follows the module";
+    // The habit of moving a built model changes nothing here, and moving the
+    // units off their GPU is refused (Note [Module::to on a sharded model]).
+    model->to(torch::kCUDA);
+    model->to(gpu, torch::kFloat);
+    const std::string refused = error_of([&] { model->to(torch::kCPU); });
+    EXPECT_NE(refused.find("to(cpu) would move or convert the root FSDP unit (on cuda:0, Float)"),
+              std::string::npos)
+        << refused;
     torch::manual_seed(7);
     const torch::Tensor x = torch::randn({5, 7}).to(gpu);
     EXPECT_TRUE(torch::allclose(model->forward(x), reference->forward(x), 1e-5, 1e-6));

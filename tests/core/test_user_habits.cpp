@@ -2,8 +2,9 @@
 // or fail at once with an error that says what to do (issue 16): parameters
 // that get no gradient, partly frozen units however made, model->zero_grad(),
 // torch::save / torch::load, BatchNorm under bf16, a second backward through
-// the same graph, forwards with default arguments, and LibTorch's own
-// clip_grad_norm_. Data differs per rank; the reference trains on all of it.
+// the same graph, forwards with default arguments, LibTorch's own
+// clip_grad_norm_, and model->to(device). Data differs per rank; the
+// reference trains on all of it.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -430,5 +431,130 @@ TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
   });
 }
 
+// Item 9: model->to(device) after wrapping, as LibTorch code moves a model
+// once it is built (Note [Module::to on a sharded model]). To the units' own
+// device and dtype it changes no parameter (the optimizer built before keeps
+// stepping what the forward reads) and converts the buffers as LibTorch
+// does; to anything else it is an error naming the unit, on every rank, and
+// nothing changed.
+TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
+        const std::string what = to_string(strategy);
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        reference->register_buffer("seen", torch::zeros({2}, torch::kDouble));
+        torch::manual_seed(0);
+        auto inner = std::make_shared<NetImpl>(true, options);
+        inner->register_buffer("seen", torch::zeros({2}, torch::kDouble));
+        FullyShardedDataParallel<NetImpl> model(inner, options);
+        auto ref_opt = adamw(reference->parameters());
+        auto opt = adamw(model->parameters());
+        std::vector<const c10::TensorImpl*> before;
+        for (const auto& p : model->named_parameters()) {
+          before.push_back(p.value().unsafeGetTensorImpl());
+        }
+        for (int step = 0; step < 4; ++step) {
+          if (step == 0 || step == 2) {  // before the first forward, and between steps
+            for (nn::Module* m : {static_cast<nn::Module*>(reference.ptr().get()),
+                                  static_cast<nn::Module*>(model.ptr().get())}) {
+              m->to(torch::kCPU);
+              m->to(torch::Device(torch::kCPU), /*non_blocking=*/true);
+            }
+          }
+          if (step == 2) {
+            const std::string refused = error_of([&] { model->to(torch::kHalf); });
+            EXPECT_TRUE(contains(refused,
+                                 "to(Half) would move or convert the root FSDP unit (on "
+                                 "cpu, Float)") &&
+                        contains(refused, "before wrapping it"))
+                << what << ": " << refused;
+            const std::string moved =
+                error_of([&] { model->to(torch::Device(torch::kCUDA, 0), torch::kFloat); });
+            EXPECT_TRUE(contains(moved, "to(cuda:0, Float) would move or convert"))
+                << what << ": " << moved;
+            EXPECT_EQ(model->named_buffers()["seen"].scalar_type(), torch::kDouble) << what;
+            reference->to(torch::kCPU, torch::kFloat);
+            model->to(torch::kCPU, torch::kFloat);  // the buffer, as LibTorch's does
+          }
+          torch::manual_seed(step);
+          torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+          reference->zero_grad();
+          torch::mse_loss(reference->forward(x), y).backward();
+          ref_opt->step();
+          model->zero_grad();
+          torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+          opt->step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+          EXPECT_EQ(model->named_buffers()["seen"].scalar_type(),
+                    step < 2 ? torch::kDouble : torch::kFloat)
+              << what << " step " << step;
+        }
+        EXPECT_EQ(reference->named_buffers()["seen"].scalar_type(), torch::kFloat);
+        std::vector<const c10::TensorImpl*> after;
+        for (const auto& p : model->named_parameters()) {
+          after.push_back(p.value().unsafeGetTensorImpl());
+        }
+        EXPECT_EQ(after, before) << what;
+      }
+    });
+  }
+}
+
+// The same for units made by fully_shard, whose module's to() is the user's:
+// each parameter's Tensor::to keeps it, or names it.
+TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Net model(false, FSDPOptions());
+    Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>());
+    auto opt = adamw(root.flat_parameters());
+    auto ref_opt = adamw(reference->parameters());
+    for (int step = 0; step < 3; ++step) {
+      model->to(torch::kCPU);
+      model->to(torch::kFloat);
+      torch::manual_seed(step);
+      torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+      reference->zero_grad();
+      torch::mse_loss(reference->forward(x), y).backward();
+      ref_opt->step();
+      model->zero_grad();
+      torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+      opt->step();
+    }
+    const std::string refused = error_of([&] { model->to(torch::kDouble); });
+    EXPECT_TRUE(contains(refused,
+                         "would give data on cpu in Double to a parameter of a unit made by "
+                         "fsdp::fully_shard") &&
+                contains(refused, "(on cpu, Float)"))
+        << refused;
+    SummonFullParams full(*model);
+    for (const auto& p : reference->named_parameters()) {
+      const torch::Tensor mine = model->named_parameters()[p.key()];
+      EXPECT_TRUE(torch::allclose(mine, p.value(), 1e-5, 1e-6)) << p.key();
+    }
+  });
+  // A conversion that would change a parameter is refused when set_data
+  // would cut it off its unit, under mixed precision (bf16 parameters, fp32
+  // shards) too.
+  run_ranks_ok(1, [](int, int) {
+    init();
+    Net model(false, FSDPOptions());
+    fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                FSDPOptions().mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16)));
+    model->to(torch::kCPU);
+    const std::string refused = error_of([&] { model->to(torch::kFloat); });
+    EXPECT_TRUE(
+        contains(refused, "set_data (as Module::to does) would give data on cpu in Float") &&
+        contains(refused, "(on cpu, BFloat16)"))
+        << refused;
+  });
+}
 }  // namespace test_user_habits
 }  // namespace fsdp::testing

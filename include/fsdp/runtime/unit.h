@@ -188,6 +188,13 @@ class Unit {
   /// unwrapped module would and keeps this rank's part in the shard. Every
   /// rank loads the whole file; no communication.
   void load_unit(torch::nn::Module& self, torch::serialize::InputArchive& archive);
+  /// Module::to for the wrapper `self` (device and dtype each optional):
+  /// moves what no unit owns (buffers) as LibTorch does, and leaves the
+  /// units' parameters, which must already be on that device in that dtype;
+  /// otherwise an error naming the unit, before anything changed. See Note
+  /// [Module::to on a sharded model].
+  void to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
+               c10::optional<at::ScalarType> dtype, bool non_blocking);
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
   /// Called by the wrapper after the wrapped forward with the tensors of its

@@ -181,6 +181,20 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     }
   }
 
+  /// Module::to: buffers move; the units' parameters stay, and must already
+  /// be on `device` in `dtype` (else an error naming the unit, nothing moved).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override {
+    to_unit(*this, device, dtype, non_blocking);
+  }
+  /// See to(device, dtype).
+  void to(torch::Dtype dtype, bool non_blocking = false) override {
+    to_unit(*this, c10::nullopt, dtype, non_blocking);
+  }
+  /// See to(device, dtype).
+  void to(torch::Device device, bool non_blocking = false) override {
+    to_unit(*this, device, c10::nullopt, non_blocking);
+  }
+
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool recurse = true) const {

@@ -30,6 +30,12 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   void save(torch::serialize::OutputArchive& archive) const override;
   /// See FullyShardedDataParallelImpl::load.
   void load(torch::serialize::InputArchive& archive) override;
+  /// See FullyShardedDataParallelImpl::to.
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  /// See FullyShardedDataParallelImpl::to.
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  /// See FullyShardedDataParallelImpl::to.
+  void to(torch::Device device, bool non_blocking = false) override;
   /// The flat shards of this unit and the units nested in it.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
 

@@ -1,0 +1,82 @@
+// Module::to on a wrapper: Note [Module::to on a sharded model].
+
+#include <fsdp/runtime/unit.h>
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include "core/device_storage.h"
+#include "core/flat_parameter.h"
+#include "detail/error.h"
+
+// Note [Module::to on a sharded model]
+// LibTorch users move a model with model->to(device), often after building
+// all of it, and Module::to converts each parameter with
+// set_data(param.to(...)). A unit's parameters are views of its flat buffer,
+// or placeholders while sharded: converted, one would be cut off its unit
+// (and its gradient hook dropped), so the forward would read a copy that
+// the optimizer, stepping the shards, never updates. Moving a unit (its
+// shards, its buffers' storage, the optimizer's tensors, its collectives'
+// device) is not built; unlike FSDP2, whose sharded parameters follow
+// Module::to, a unit stays on the device and in the dtype it was wrapped
+// with. So a wrapper's to():
+// - where it leaves every unit in its tree as it is (model->to(device) after
+//   wrapping, on that device), converts what no unit owns as LibTorch does
+//   (buffers, e.g. BatchNorm's statistics) and leaves the units' parameters;
+// - otherwise refuses with one line naming the unit, before anything
+//   changed: every rank calls it, so every rank gets it.
+// A unit made by fully_shard is the user's module, whose to() libfsdp cannot
+// override. There the placeholders' fallback sees each parameter's
+// Tensor::to, and returns the parameter itself where nothing would change
+// (without gathering the unit), and the set_data that would replace a
+// parameter's data is the error (Note [Sharded placeholders]): it comes at
+// that parameter, after what the module converted before it (buffers), and
+// the dtype kept is the parameters' own (under mixed precision, the compute
+// dtype).
+
+namespace fsdp {
+
+void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
+                   c10::optional<at::ScalarType> dtype, bool non_blocking) {
+  if (!is_active()) {  // a pass-through: LibTorch's, which reaches the units inside
+    if (device && dtype) {
+      self.torch::nn::Module::to(*device, *dtype, non_blocking);
+    } else if (device) {
+      self.torch::nn::Module::to(*device, non_blocking);
+    } else {
+      self.torch::nn::Module::to(*dtype, non_blocking);
+    }
+    return;
+  }
+  std::unordered_set<const c10::TensorImpl*> owned;
+  for (const Unit* unit : units_in_tree()) {
+    const FlatParameter* flat = unit->flat_param();
+    if (flat == nullptr) continue;
+    const c10::Device at = flat->unsharded().device();
+    const at::ScalarType as = flat->shard().scalar_type();
+    if (!detail::conversion_keeps(at, as, device, dtype)) {
+      std::ostringstream change;
+      change << "to(";
+      if (device) change << *device << (dtype ? ", " : "");
+      if (dtype) change << *dtype;
+      change << ") would move or convert";
+      FSDP_FAIL(flat->group().rank(), flat->unit_path(),
+                detail::conversion_refusal(change.str(), flat->unit_label(), at, as));
+    }
+    for (const auto& slot : flat->slots()) owned.insert(slot.param.unsafeGetTensorImpl());
+  }
+  const auto convert = [&](const at::Tensor& t) {
+    if (device && dtype) return t.to(*device, *dtype, non_blocking);
+    return device ? t.to(*device, non_blocking) : t.to(*dtype, non_blocking);
+  };
+  for (const auto& module : self.modules(/*include_self=*/true)) {
+    for (auto& p : module->named_parameters(/*recurse=*/false)) {
+      if (owned.count(p.value().unsafeGetTensorImpl()) == 0) p.value().set_data(convert(p.value()));
+    }
+    for (auto& b : module->named_buffers(/*recurse=*/false)) b.value().set_data(convert(b.value()));
+  }
+}
+
+}  // namespace fsdp
