@@ -1,6 +1,8 @@
 #include "comm/device_routed.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <functional>
 #include <vector>
@@ -25,11 +27,24 @@ at::Tensor host_copy(const at::Tensor& t) {
 }
 
 // `work` (the engine's, on host buffers) followed by copying `result` back
-// into `dst`; `keep` stays alive until then.
+// into `dst`; `keep` stays alive until then. The copy runs on the thread
+// that completes `work`, whose current stream is its device's default one,
+// so it is queued on the stream current when the collective was issued
+// instead: after what the issuer queued there (the copy-in stream's wait
+// for the kernels that last read `dst`'s memory, Note [Copy-in on a stream
+// of its own]), whatever stream the user computes on. As before, the copy
+// blocks until it ran.
 Work copied_back(const Work& work, const at::Tensor& dst, const at::Tensor& result,
                  std::vector<at::Tensor> keep) {
+  const c10::Stream issuing =
+      c10::impl::VirtualGuardImpl(dst.device().type()).getStream(dst.device());
   return then_run(
-      work, [dst, result] { dst.copy_(result); }, "staged " + work.describe(), std::move(keep));
+      work,
+      [dst, result, issuing] {
+        const c10::StreamGuard on_issuing(issuing);
+        dst.copy_(result);
+      },
+      "staged " + work.describe(), std::move(keep));
 }
 
 // A collective in place on `tensor` (all-reduce, broadcast), issued by

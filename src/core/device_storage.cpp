@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "core/device_streams.h"
 #include "detail/torch_compat.h"
 #include "memory/host_available.h"
 
@@ -110,14 +111,14 @@ void wait_for_device(c10::Device device) {
 }
 
 at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype) {
-#if FSDP_WITH_CUDA
   if (t.is_cuda()) {
-    const c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool(false, t.device().index()));
+    // A stream of its own, not one of the pool's (which hands out NCCL's and
+    // the other side streams in turn), so the host waits for this copy only.
+    const SideStreamScope step_copy(t.device(), SideStream::kStepCopy, /*wait_for_current=*/false);
     at::Tensor host = start_host_copy(t, dtype);
-    wait_for_device(t.device());
+    wait_for_device(t.device());  // the scope's stream, or the current one without side streams
     return host;
   }
-#endif
   return t.to(c10::kCPU, dtype);
 }
 

@@ -23,9 +23,11 @@
 //   running: waiting for them would put the unshard behind them again) and
 //   releases the older ones; a prefetch, which runs a unit ahead, releases
 //   them all, so at most two units' gathered parameters are alive either
-//   way, and which memory is freed when depends on the schedule only, not on
-//   the GPU's timing: peak memory is the same every step. The end of
-//   forward and of backward release everything held.
+//   way, and which buffer is freed when depends on the schedule only, not on
+//   the GPU's timing, so their peak is the same every step (not so the
+//   all-gather's input under offload or mixed precision, a temporary freed
+//   when the collective completes). The end of forward and of backward, and
+//   the root's end, release everything held.
 // The CPU has no streams: everything here does nothing for it, and its units
 // free their buffers at once (the reference path).
 
@@ -46,8 +48,9 @@ bool has_streams(c10::Device device);
 
 /// The streams a unit on a GPU queues work on beside the compute stream.
 enum class SideStream {
-  kCopyIn,   ///< unshards (Note [Copy-in on a stream of its own])
-  kCopyOut,  ///< reduced gradients to host memory (Note [Gradients to host memory])
+  kCopyIn,    ///< unshards (Note [Copy-in on a stream of its own])
+  kCopyOut,   ///< reduced gradients to host memory (Note [Gradients to host memory])
+  kStepCopy,  ///< a gradient stepped beside backward, to host memory (finished_to_host)
 };
 
 /// While alive, `device`'s `side` stream is the current stream of this

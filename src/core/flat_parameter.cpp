@@ -116,6 +116,13 @@ FlatParameter::FlatParameter(std::vector<std::pair<std::string, at::Tensor>> par
 }
 
 FlatParameter::~FlatParameter() {
+  // A gathered buffer on a device with streams may still be read by queued
+  // kernels: its memory goes back once the copy-in stream, which reuses it,
+  // waited for them (Note [Copy-in on a stream of its own]).
+  if (state_ == State::kUnsharded && frees_unsharded() &&
+      detail::has_streams(unsharded_.device())) {
+    detail::HeldMemory(unsharded_.storage().unsafeGetStorageImpl()).release();
+  }
   for (const auto& p : placeholders_) detail::release_placeholder(p);
   if (listener_ != nullptr) detail::untrack_storage(unsharded_);
 }

@@ -58,6 +58,8 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
   }
 }
 
+RootState::~RootState() { release_held(/*keep_newest=*/false); }
+
 void RootState::begin_forward() {
   forward_positions_ = 0;
   // See Note [Copy-in on a stream of its own]: the shards were written on

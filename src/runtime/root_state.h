@@ -21,6 +21,11 @@ class RootState {
  public:
   /// Makes `root` the root of every unit in its tree.
   explicit RootState(UnitRuntime& root);
+  /// Hands back the held memory (Note [Copy-in on a stream of its own]):
+  /// kernels queued before may still read it.
+  ~RootState();
+  RootState(const RootState&) = delete;
+  RootState& operator=(const RootState&) = delete;
 
   UnitRuntime& root() const { return root_; }
   /// Every unit of the tree, pre-order.

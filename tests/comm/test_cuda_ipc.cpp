@@ -12,6 +12,10 @@
 
 #include <string>
 
+#if FSDP_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#endif
+
 #include "comm/device_routed.h"
 #include "comm_test_util.h"
 #include "device_routed_checks.h"
@@ -47,8 +51,13 @@ TEST_P(CudaIpc, StreamOrderManyRoundsAndNoGrowth) {
     int64_t before = 0;
     for (int round = 0; round < 3; ++round) {
       if (round == 1) before = settled_cuda_allocated(0);
-      // The input is written by kernels queued just before the collective.
+      // The input is written by kernels queued just before the collective,
+      // behind a spin (about 10 ms), so they have not run when the
+      // collective's stream would read it without waiting for them.
       at::Tensor t = at::full({n}, static_cast<float>(rank + 1), at::TensorOptions().device(gpu));
+#if FSDP_WITH_CUDA
+      at::cuda::sleep(20'000'000);
+#endif
       t.mul_(2).add_(round);
       pg->all_reduce(t, ReduceOp::kSum).wait();
       const float want = static_cast<float>(world * (world + 1) + world * round);
