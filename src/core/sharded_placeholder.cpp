@@ -61,13 +61,20 @@ bool passes_through(const std::string& name) {
          name == "aten::retain_grad";
 }
 
-std::string message(const std::string& op, const Entry& e) {
+std::string message(const std::string& op, const Entry& e, bool writes) {
   if (e.kind == PlaceholderKind::kGradient) {
     return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
            ", but FSDP moved it into the unit's flat gradient shard. An optimizer (or "
            "clip_grad_norm_) was built on the unwrapped module's parameters. Build it on the "
            "wrapped model's parameters() (the flat shards, or per-parameter views with "
            "FSDPOptions().use_orig_params(true)), and clip with the root's clip_grad_norm_().";
+  }
+  if (writes) {
+    return error_prefix(-1, "parameters") + op + " wrote to " + e.what +
+           ", which is sharded: its data exists only while its FSDP unit runs. Initialise or "
+           "change parameters before wrapping, or inside fsdp::SummonFullParams(model, "
+           "fsdp::SummonOptions().writeback(true)) on every rank, which gathers them and keeps "
+           "each rank's part of what was written.";
   }
   return error_prefix(-1, "parameters") + op + " used " + e.what +
          ", which is sharded: its data exists only while its FSDP unit runs. Either the wrapped "
@@ -81,6 +88,22 @@ std::string message(const std::string& op, const Entry& e) {
 // its returns after.
 c10::ArrayRef<c10::IValue> last_values(const torch::jit::Stack* stack, size_t n) {
   return c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n);
+}
+
+// The storages of the tensors `op` writes in place among its arguments
+// `args` (its schema's Tensor(a!) ones).
+std::vector<const c10::StorageImpl*> written_storages(const c10::OperatorHandle& op,
+                                                      c10::ArrayRef<c10::IValue> args) {
+  std::vector<const c10::StorageImpl*> out;
+  const auto& schema_args = op.schema().arguments();
+  for (size_t i = 0; i < schema_args.size() && i < args.size(); ++i) {
+    const auto* alias = schema_args[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    for_each_tensor(args.slice(i, 1), [&](const at::Tensor& t) {
+      if (const c10::StorageImpl* storage = storage_of(t)) out.push_back(storage);
+    });
+  }
+  return out;
 }
 
 // Runs the operator as if the placeholders' key were not there.
@@ -145,6 +168,20 @@ void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
                   "its forward, or under fsdp::SummonFullParams");
     });
   }
+  // Which units' parameters it writes in place (their storages, while
+  // gathered: before_param_use gathered them).
+  std::vector<ParamUseListener*> wrote;
+  {
+    const auto written = written_storages(op, args);
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const c10::StorageImpl* storage : written) {
+      auto it = registry().find(storage);
+      if (it != registry().end() && it->second.listener != nullptr &&
+          it->second.kind == PlaceholderKind::kParameter) {
+        wrote.push_back(it->second.listener);
+      }
+    }
+  }
   cast_inputs(op, stack, uses);
   {
     ReportingScope scope;
@@ -152,7 +189,10 @@ void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch
   }
   const auto returns = last_values(stack, op.schema().returns().size());
   ReportingScope scope;
-  for (const Use& u : uses) u.listener->after_param_use(returns);
+  for (const Use& u : uses) {
+    u.listener->after_param_use(returns,
+                                std::find(wrote.begin(), wrote.end(), u.listener) != wrote.end());
+  }
 }
 
 // The value of `op`'s argument `name` on `stack`, or nullptr when the
@@ -242,6 +282,7 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   // The first placeholder among the arguments; a gradient one wins, since
   // reading a moved gradient is the more specific mistake.
   const Entry* found = nullptr;
+  const c10::StorageImpl* found_storage = nullptr;
   Entry copy;
   std::vector<Use> uses;
   const bool report = t_reporting == 0 && !passes_through(name);
@@ -277,7 +318,10 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
         // A sharded one inside a reported operator or an unreported scope:
         // like any placeholder below (passes through, or an error).
       }
-      if (found == nullptr || e.kind == PlaceholderKind::kGradient) found = &e;
+      if (found == nullptr || e.kind == PlaceholderKind::kGradient) {
+        found = &e;
+        found_storage = storage_of(t);
+      }
     });
     if (found != nullptr) copy = *found;
   }
@@ -298,9 +342,13 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   // out-of-place detach. So an in-place detach of a moved gradient means an
   // optimizer was built on the unwrapped parameters: say so now.
   if (name == "aten::detach_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
-    TORCH_CHECK(false, message("Optimizer::zero_grad()", copy));
+    TORCH_CHECK(false, message("Optimizer::zero_grad()", copy, /*writes=*/false));
   }
-  if (found != nullptr && !passes_through(name)) TORCH_CHECK(false, message(name, copy));
+  if (found != nullptr && !passes_through(name)) {
+    const auto written = written_storages(op, args);
+    const bool writes = std::find(written.begin(), written.end(), found_storage) != written.end();
+    TORCH_CHECK(false, message(name, copy, writes));
+  }
   if (!uses.empty()) {
     run_reported(op, keys, stack, uses, args);
     return;

@@ -25,8 +25,9 @@ class ParamUseListener {
   /// that parameter is a placeholder. May gather the unit, after which the
   /// parameters point at their (tracked) views.
   virtual void before_param_use(bool sharded) = 0;
-  /// After the operator ran, with its outputs.
-  virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs) = 0;
+  /// After the operator ran, with its outputs; `wrote` when it wrote to one
+  /// of the unit's parameters in place (an initialiser, a clamp_).
+  virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) = 0;
   /// Module::zero_grad() reached one of the unit's moved gradients (it
   /// detaches each .grad first): the unit clears what its optimizer steps.
   virtual void module_zero_grad() = 0;

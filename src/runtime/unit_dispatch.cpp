@@ -54,6 +54,11 @@ namespace fsdp::detail {
 //   detaches every .grad): the unit clears its shards' gradients too. So the
 //   moved gradients stay until pre_backward, not only until the next forward
 //   (a forward that no backward follows would otherwise drop them first).
+// - An operator that writes to a unit's parameters in place (an
+//   initialiser after fully_shard, a clamp_ under no_grad) writes each
+//   rank's part of the gathered parameters back into its shard, so the
+//   change lasts as in plain LibTorch (and FSDP2, whose sharded parameters
+//   take such writes).
 // - SummonFullParams and the state dicts read and write under
 //   UnreportedUses: the user's use of full parameters is no forward.
 // Cost: one boxed call per top-level operator on a unit's parameters and
@@ -83,7 +88,15 @@ void UnitRuntime::before_param_use(bool sharded) {
   r.enter_forward(*this);
 }
 
-void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs) {
+void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) {
+  // A write in place (an initialiser after fully_shard, a clamp_ under
+  // no_grad) lasts, as in plain LibTorch: each rank keeps its part of the
+  // gathered parameters it changed (in the compute dtype under mixed
+  // precision).
+  if (wrote && flat_ && flat_->frees_unsharded() &&
+      flat_->state() == FlatParameter::State::kUnsharded) {
+    flat_->copy_unsharded_into_shard();
+  }
   if (state_ != Unit::TrainingState::kForward || !at::GradMode::is_enabled()) return;
   for_each_tensor(outputs, [this](const at::Tensor& t) {
     if (hook_output(t)) hooked_ = true;

@@ -87,7 +87,7 @@ class UnitRuntime final : public ParamUseListener {
 
   // Units driven by dispatch (Note [Units driven by dispatch]).
   void before_param_use(bool sharded) override;
-  void after_param_use(c10::ArrayRef<c10::IValue> outputs) override;
+  void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) override;
   void module_zero_grad() override;
   c10::optional<at::ScalarType> compute_dtype() const override;
 

@@ -3,8 +3,8 @@
 // that get no gradient, partly frozen units however made, model->zero_grad(),
 // torch::save / torch::load, BatchNorm under bf16, a second backward through
 // the same graph, forwards with default arguments, LibTorch's own
-// clip_grad_norm_, and model->to(device). Data differs per rank; the
-// reference trains on all of it.
+// clip_grad_norm_, model->to(device), and initialising parameters after
+// sharding. Data differs per rank; the reference trains on all of it.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -556,5 +556,80 @@ TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
         << refused;
   });
 }
+// Item 10: initialising (or clamping) parameters in place after sharding, as
+// plain LibTorch code does after building a model. On a fully_shard model
+// the write gathers the unit and lasts (each rank keeps its part), as with
+// FSDP2; on a wrapper's sharded parameter it is an error that says where
+// such writes go (before wrapping, or under SummonFullParams with
+// writeback), and that way works.
+TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Net model(false, FSDPOptions());
+    Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>());
+    const auto init_weights = [](nn::Module& m) {
+      torch::NoGradGuard no_grad;
+      torch::manual_seed(7);
+      for (auto& p : m.named_parameters()) torch::nn::init::normal_(p.value(), 0.0, 0.2);
+    };
+    init_weights(*reference);
+    init_weights(*model);
+    {
+      SummonFullParams full(*model);
+      const auto expected = reference->named_parameters();
+      for (const auto& p : model->named_parameters()) {
+        EXPECT_TRUE(torch::equal(p.value(), expected[p.key()])) << p.key();
+      }
+    }
+    auto opt = adamw(root.flat_parameters());
+    auto ref_opt = adamw(reference->parameters());
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(step);
+      torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+      reference->zero_grad();
+      torch::mse_loss(reference->forward(x), y).backward();
+      ref_opt->step();
+      model->zero_grad();
+      torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+      opt->step();
+      {
+        torch::NoGradGuard no_grad;  // WGAN-style clipping through the parameters
+        for (auto* m : {static_cast<nn::Module*>(reference.ptr().get()),
+                        static_cast<nn::Module*>(model.ptr().get())}) {
+          for (auto& p : m->named_parameters()) p.value().clamp_(-0.15, 0.15);
+        }
+      }
+    }
+    SummonFullParams full(*model);
+    const auto expected = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), expected[p.key()], 1e-5, 1e-6)) << p.key();
+      EXPECT_LE(p.value().abs().max().item<double>(), 0.15 + 1e-7) << p.key();
+    }
+  });
+  run_ranks_ok(2, [](int, int) {
+    init();
+    auto [reference, model] = twins(FSDPOptions());
+    const torch::Tensor weight = model->named_parameters()["fc1.weight"];
+    const std::string refused = error_of([&] {
+      torch::NoGradGuard no_grad;
+      torch::nn::init::constant_(weight, 0.5);
+    });
+    EXPECT_TRUE(contains(refused, "wrote to parameter 'weight' of an FSDP unit") &&
+                contains(refused, "SummonOptions().writeback(true)"))
+        << refused;
+    {
+      SummonFullParams full(*model.ptr(), SummonOptions().writeback(true));
+      torch::NoGradGuard no_grad;
+      torch::nn::init::constant_(weight, 0.5);
+    }
+    SummonFullParams full(*model.ptr());
+    EXPECT_TRUE(torch::equal(weight, torch::full_like(weight, 0.5)));
+  });
+}
+
 }  // namespace test_user_habits
 }  // namespace fsdp::testing
