@@ -431,6 +431,22 @@ TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
   });
 }
 
+// One step of `reference` (plain LibTorch) on the global batch of `step`
+// and of `model` on this rank's block of it, each zeroing its gradients
+// with Module::zero_grad first, as users do.
+template <typename Reference, typename Model>
+void train_step(Reference& reference, torch::optim::Optimizer& ref_opt, Model& model,
+                torch::optim::Optimizer& opt, int step, int world) {
+  torch::manual_seed(step);
+  torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+  reference->zero_grad();
+  torch::mse_loss(reference->forward(x), y).backward();
+  ref_opt.step();
+  model->zero_grad();
+  torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+  opt.step();
+}
+
 // Item 9: model->to(device) after wrapping, as LibTorch code moves a model
 // once it is built (Note [Module::to on a sharded model]). To the units' own
 // device and dtype it changes no parameter (the optimizer built before keeps
@@ -480,14 +496,7 @@ TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
             reference->to(torch::kCPU, torch::kFloat);
             model->to(torch::kCPU, torch::kFloat);  // the buffer, as LibTorch's does
           }
-          torch::manual_seed(step);
-          torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-          reference->zero_grad();
-          torch::mse_loss(reference->forward(x), y).backward();
-          ref_opt->step();
-          model->zero_grad();
-          torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
-          opt->step();
+          train_step(reference, *ref_opt, model, *opt, step, world);
           expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
           EXPECT_EQ(model->named_buffers()["seen"].scalar_type(),
                     step < 2 ? torch::kDouble : torch::kFloat)
@@ -504,29 +513,30 @@ TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
   }
 }
 
+// A plain Net and its twin made a model by fully_shard (each Linear a unit),
+// with the same initial weights.
+std::pair<Net, Net> fully_shard_twins() {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  Net model(false, FSDPOptions());
+  fully_shard(model, module_type_policy<nn::LinearImpl>());
+  return {reference, model};
+}
+
 // The same for units made by fully_shard, whose module's to() is the user's:
 // each parameter's Tensor::to keeps it, or names it.
 TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
   run_ranks_ok(2, [](int, int world) {
     init();
-    torch::manual_seed(0);
-    Net reference(false, FSDPOptions());
-    torch::manual_seed(0);
-    Net model(false, FSDPOptions());
-    Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>());
+    auto [reference, model] = fully_shard_twins();
+    Unit& root = *unit_of(*model);
     auto opt = adamw(root.flat_parameters());
     auto ref_opt = adamw(reference->parameters());
     for (int step = 0; step < 3; ++step) {
       model->to(torch::kCPU);
       model->to(torch::kFloat);
-      torch::manual_seed(step);
-      torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-      reference->zero_grad();
-      torch::mse_loss(reference->forward(x), y).backward();
-      ref_opt->step();
-      model->zero_grad();
-      torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
-      opt->step();
+      train_step(reference, *ref_opt, model, *opt, step, world);
     }
     const std::string refused = error_of([&] { model->to(torch::kDouble); });
     EXPECT_TRUE(contains(refused,
@@ -556,6 +566,7 @@ TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
         << refused;
   });
 }
+
 // Item 10: initialising (or clamping) parameters in place after sharding, as
 // plain LibTorch code does after building a model. On a fully_shard model
 // the write gathers the unit and lasts (each rank keeps its part), as with
@@ -565,11 +576,8 @@ TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
 TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
   run_ranks_ok(2, [](int, int world) {
     init();
-    torch::manual_seed(0);
-    Net reference(false, FSDPOptions());
-    torch::manual_seed(0);
-    Net model(false, FSDPOptions());
-    Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>());
+    auto [reference, model] = fully_shard_twins();
+    Unit& root = *unit_of(*model);
     const auto init_weights = [](nn::Module& m) {
       torch::NoGradGuard no_grad;
       torch::manual_seed(7);
@@ -587,14 +595,7 @@ TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
     auto opt = adamw(root.flat_parameters());
     auto ref_opt = adamw(reference->parameters());
     for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(step);
-      torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-      reference->zero_grad();
-      torch::mse_loss(reference->forward(x), y).backward();
-      ref_opt->step();
-      model->zero_grad();
-      torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
-      opt->step();
+      train_step(reference, *ref_opt, model, *opt, step, world);
       {
         torch::NoGradGuard no_grad;  // WGAN-style clipping through the parameters
         for (auto* m : {static_cast<nn::Module*>(reference.ptr().get()),
