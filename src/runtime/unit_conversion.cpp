@@ -51,8 +51,11 @@ void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
     return;
   }
   std::unordered_set<const c10::TensorImpl*> owned;
-  for (const Unit* unit : units_in_tree()) {
-    const FlatParameter* flat = unit->flat_param();
+  // Named from `self` (the model, as a rule): the units' paths are known
+  // only from the first forward on.
+  for (const auto& item : self.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
+    const Unit* unit = unit_of(*item.value());
+    const FlatParameter* flat = unit != nullptr ? unit->flat_param() : nullptr;
     if (flat == nullptr) continue;
     const c10::Device at = flat->unsharded().device();
     const at::ScalarType as = flat->shard().scalar_type();
@@ -62,8 +65,13 @@ void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
       if (device) change << *device << (dtype ? ", " : "");
       if (dtype) change << *dtype;
       change << ") would move or convert";
-      FSDP_FAIL(flat->group().rank(), flat->unit_path(),
-                detail::conversion_refusal(change.str(), flat->unit_label(), at, as));
+      const torch::nn::Module* wrapped =
+          unit->wrapped_module() != nullptr ? unit->wrapped_module() : item.value().get();
+      const std::string label = item.key().empty()
+                                    ? "the FSDP unit around a " + wrapped->name()
+                                    : "FSDP unit '" + item.key() + "' (" + wrapped->name() + ")";
+      FSDP_FAIL(flat->group().rank(), item.key().empty() ? "Module::to" : item.key(),
+                detail::conversion_refusal(change.str(), label, at, as));
     }
     for (const auto& slot : flat->slots()) owned.insert(slot.param.unsafeGetTensorImpl());
   }

@@ -484,8 +484,8 @@ TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
           if (step == 2) {
             const std::string refused = error_of([&] { model->to(torch::kHalf); });
             EXPECT_TRUE(contains(refused,
-                                 "to(Half) would move or convert the root FSDP unit (on "
-                                 "cpu, Float)") &&
+                                 "fsdp(Module::to): to(Half) would move or convert the FSDP unit "
+                                 "around a fsdp::testing::NetImpl (on cpu, Float)") &&
                         contains(refused, "before wrapping it"))
                 << what << ": " << refused;
             const std::string moved =
@@ -511,6 +511,28 @@ TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
       }
     });
   }
+}
+
+// Sequential entries made units by auto_wrap (AnyUnit), under a root
+// wrapper: the same, through each wrapper's own to().
+TEST(UserHabits, ModelToAfterAutoWrapKeepsTheUnits) {
+  run_ranks_ok(2, [](int, int) {
+    init();
+    torch::manual_seed(0);
+    nn::Sequential seq(nn::Linear(7, 16), nn::ReLU(), nn::Linear(16, 3));
+    const torch::Tensor x = torch::randn({4, 7});
+    const torch::Tensor expected = seq->forward(x).detach();
+    auto_wrap(seq, module_type_policy<nn::LinearImpl>());
+    seq->to(torch::kCPU, torch::kFloat);  // the plain Sequential: each entry's to()
+    FullyShardedDataParallel<nn::SequentialImpl> root(seq);
+    root->to(torch::kCPU);
+    const std::string refused = error_of([&] { seq->to(torch::kDouble); });
+    EXPECT_TRUE(contains(refused,
+                         "fsdp(Module::to): to(Double) would move or convert the FSDP "
+                         "unit around a torch::nn::LinearImpl (on cpu, Float)"))
+        << refused;
+    EXPECT_TRUE(torch::allclose(root->forward(x), expected, 1e-6, 1e-7));
+  });
 }
 
 // A plain Net and its twin made a model by fully_shard (each Linear a unit),
