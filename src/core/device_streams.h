@@ -51,6 +51,7 @@ enum class SideStream {
   kCopyIn,    ///< unshards (Note [Copy-in on a stream of its own])
   kCopyOut,   ///< reduced gradients to host memory (Note [Gradients to host memory])
   kStepCopy,  ///< a gradient stepped beside backward, to host memory (finished_to_host)
+  kChained,   ///< none queued: issues a collective whose input is ready (hybrid's all-reduce)
 };
 
 /// While alive, `device`'s `side` stream is the current stream of this

@@ -60,8 +60,16 @@ GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat
   Work work = group.reduce_scatter_tensor(shard, flat_grad, ReduceOp::kAvg);
   if (replicate && replicate->size() > 1) {
     // See Note [Hybrid sharding]: the node's average, then the job's.
+    // Issued by the thread that saw the reduce-scatter end, whose current
+    // stream is the device's default one: NCCL would make the all-reduce
+    // wait for all the compute queued there since. Its input is ready, so it
+    // is issued from a stream with nothing queued.
     work = chain_work(work,
-                      [replicate, shard] { return replicate->all_reduce(shard, ReduceOp::kAvg); },
+                      [replicate, shard] {
+                        const SideStreamScope ready(shard.device(), SideStream::kChained,
+                                                    /*wait_for_current=*/false);
+                        return replicate->all_reduce(shard, ReduceOp::kAvg);
+                      },
                       "reduce_scatter then all_reduce across nodes (" + label + ")", {shard});
   }
   return {shard, std::move(work)};
