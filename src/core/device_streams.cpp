@@ -40,16 +40,19 @@ c10::Stream current_stream(c10::Device device) {
 }
 
 // FSDP_FAULT_COPY_IN_NO_WAIT=1 drops the copy-in stream's waits for the
-// compute stream: a GPU test shows that its buffers are then overwritten
-// while kernels still read them (tests/core/test_cuda_streams.cpp).
-bool skip_waits() {
+// compute stream, =held only the one before held memory is handed back: a
+// GPU test shows that its buffers are then overwritten while kernels still
+// read them (tests/core/test_cuda_streams.cpp).
+bool skip_wait(bool for_held) {
   const char* env = std::getenv("FSDP_FAULT_COPY_IN_NO_WAIT");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  if (env == nullptr) return false;
+  return std::strcmp(env, "1") == 0 || (for_held && std::strcmp(env, "held") == 0);
 }
 
 // Makes `side` wait for `event` (the copy-in stream not, under the fault).
-void side_waits(c10::Device device, SideStream side, const c10::Event& event) {
-  if (side == SideStream::kCopyIn && skip_waits()) return;
+void side_waits(c10::Device device, SideStream side, const c10::Event& event,
+                bool for_held = false) {
+  if (side == SideStream::kCopyIn && skip_wait(for_held)) return;
   event.block(side_stream(device, side));
 }
 
@@ -99,7 +102,7 @@ HeldMemory::HeldMemory(c10::StorageImpl* storage)
 
 void HeldMemory::release() {
   if (memory_.get() == nullptr) return;
-  side_waits(memory_.device(), SideStream::kCopyIn, resharded_);
+  side_waits(memory_.device(), SideStream::kCopyIn, resharded_, /*for_held=*/true);
   memory_.clear();
 }
 

@@ -7,8 +7,9 @@
 // before they ran, nor read the shards before the optimizer's step: the
 // model trains like plain LibTorch, output and parameters compared every
 // step at 1-3 ranks, with and without forward prefetch and CPU offload; and
-// with the copy-in stream's waits dropped (FSDP_FAULT_COPY_IN_NO_WAIT=1) the
-// same comparison fails, so it can. GPU memory does not grow from step to
+// with the copy-in stream's waits dropped (FSDP_FAULT_COPY_IN_NO_WAIT=1),
+// or only its wait before held memory is handed back (=held), the same
+// comparison fails, so it can. GPU memory does not grow from step to
 // step, and a forward holds at most two units' gathered parameters. Reported
 // skipped, by name, without a GPU.
 
@@ -223,6 +224,18 @@ TEST(CudaStreamsFault, WithoutTheWaitsTheComparisonFails) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(1, [](int, int) {
     setenv("FSDP_FAULT_COPY_IN_NO_WAIT", "1", 1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2);
+  });
+}
+
+// The same with only the wait before held memory is handed back dropped:
+// the copy-in stream then gathers a unit into the memory of one whose
+// kernels have not run yet (the others' waits cannot make up for it).
+TEST(CudaStreamsFault, WithoutTheHeldMemoryWaitTheComparisonFails) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(1, [](int, int) {
+    setenv("FSDP_FAULT_COPY_IN_NO_WAIT", "held", 1);
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2);
   });
