@@ -144,10 +144,30 @@ void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
 }
 
+void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
+              const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args);
+
 // Reports the operator to the units whose parameters it uses (Note [Units
-// driven by dispatch]) and runs it.
+// driven by dispatch]) and runs it, holding them all gathered meanwhile.
 void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
                   const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
+  const size_t n = args.size();
+  {
+    ReportingScope scope;
+    for (const Use& u : uses) u.listener->hold_for_operator();
+  }
+  try {
+    run_held(op, keys, stack, uses, args);
+  } catch (...) {
+    ReportingScope scope;
+    for (const Use& u : uses) u.listener->after_param_use({}, /*wrote=*/false);
+    throw;
+  }
+}
+
+// run_reported's body, the units held for the operator.
+void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
+              const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
   const size_t n = args.size();
   {
     ReportingScope scope;

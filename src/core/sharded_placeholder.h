@@ -21,12 +21,18 @@ enum class PlaceholderKind {
 /// storage (track_storage) report to it instead of failing.
 class ParamUseListener {
  public:
+  /// First of all for an operator on the unit's parameters: until its
+  /// after_param_use the unit keeps them gathered, even where another unit
+  /// the same operator reads ends the unit's forward (a torch::cat of two
+  /// units' parameters).
+  virtual void hold_for_operator() = 0;
   /// Before an operator runs on one of the unit's parameters; `sharded` when
   /// that parameter is a placeholder. May gather the unit, after which the
   /// parameters point at their (tracked) views.
   virtual void before_param_use(bool sharded) = 0;
   /// After the operator ran, with its outputs; `wrote` when it wrote to one
-  /// of the unit's parameters in place (an initialiser, a clamp_).
+  /// of the unit's parameters in place (an initialiser, a clamp_). Also,
+  /// with no outputs, when it failed.
   virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) = 0;
   /// Module::zero_grad() reached one of the unit's moved gradients (it
   /// detaches each .grad first): the unit clears what its optimizer steps.

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <utility>
 #include <vector>
 
 #include <fsdp/core/activation_checkpoint.h>
@@ -59,11 +60,20 @@ namespace fsdp::detail {
 //   rank's part of the gathered parameters back into its shard, so the
 //   change lasts as in plain LibTorch (and FSDP2, whose sharded parameters
 //   take such writes).
+// - An operator on several units' parameters (torch::cat of two blocks'
+//   weights, parameters_to_vector) holds them all gathered until it ran,
+//   though entering one ends another's forward.
 // - SummonFullParams and the state dicts read and write under
 //   UnreportedUses: the user's use of full parameters is no forward.
 // Cost: one boxed call per top-level operator on a unit's parameters and
 // one hook per output; bench_overhead --in-place measures it (1.02-1.08x a
 // wrapper's per-unit cost), bench/fully_shard_step.sh the GPT-mini step.
+
+void UnitRuntime::hold_for_operator() {
+  TORCH_INTERNAL_ASSERT(operator_hold_ == OperatorHold::kNone, "fsdp: ", label(),
+                        " held for two operators at once");
+  operator_hold_ = OperatorHold::kHeld;
+}
 
 void UnitRuntime::before_param_use(bool sharded) {
   if (checkpoint_phase() == CheckpointPhase::kRecompute) {
@@ -89,6 +99,8 @@ void UnitRuntime::before_param_use(bool sharded) {
 }
 
 void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) {
+  const bool reshard_now =
+      std::exchange(operator_hold_, OperatorHold::kNone) == OperatorHold::kReshardAfter;
   // A write in place (an initialiser after fully_shard, a clamp_ under
   // no_grad) lasts, as in plain LibTorch: each rank keeps its part of the
   // gathered parameters it changed (in the compute dtype under mixed
@@ -97,6 +109,9 @@ void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote
       flat_->state() == FlatParameter::State::kUnsharded) {
     flat_->copy_unsharded_into_shard();
   }
+  // Its forward ended while the operator read it, and it was not entered
+  // again since.
+  if (reshard_now && state_ == Unit::TrainingState::kIdle) reshard();
   if (state_ != Unit::TrainingState::kForward || !at::GradMode::is_enabled()) return;
   for_each_tensor(outputs, [this](const at::Tensor& t) {
     if (hook_output(t)) hooked_ = true;
@@ -127,7 +142,11 @@ void UnitRuntime::end_dispatched_forward(bool keep) {
   if (is_root()) root().release_held(/*keep_newest=*/false);
   if (flat_ && !keep &&
       (!hooked_ || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
-    reshard();
+    if (operator_hold_ == OperatorHold::kNone) {
+      reshard();
+    } else {
+      operator_hold_ = OperatorHold::kReshardAfter;  // the operator reads it still
+    }
   }
   if (hooked_ && flat_ && trainable_slots_ > 0) root().join_reduction_order(*this);
   hooked_ = false;

@@ -270,6 +270,31 @@ void UnitRuntime::make_optim_params() {
   }
 }
 
+// Note [Freezing after wrapping]
+// A LibTorch user freezes layers of a built model by setting requires_grad
+// on their parameters (named_parameters()). With use_orig_params each
+// parameter keeps its own flag. With flat shards a unit trains whole or not
+// at all, and prepare_slots gives every parameter the shard's flag at each
+// forward, which silently undid such a freeze (the layers went on
+// training). So a flag the user changed since prepare_slots last gave it
+// wins: all of a unit's parameters frozen (or unfrozen) freezes (or
+// unfreezes) its shard, so the optimizer skips it as it skips a frozen
+// parameter; some of them is an error naming both sides, as at wrapping.
+bool UnitRuntime::follow_parameters_frozen_by_user(bool trainable) {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  bool changed = false;
+  for (const auto& slot : flat_->slots()) {
+    changed = changed || slot.param.requires_grad() != params_trainable_;
+    params.emplace_back(slot.name, slot.param);
+  }
+  if (!changed) return trainable;
+  check_uniform_requires_grad(params, path_, /*use_orig_params=*/false, flat_->group().rank(),
+                              /*warn=*/false);
+  const bool wanted = params.front().second.requires_grad();
+  at::Tensor(flat_->shard()).set_requires_grad(wanted);
+  return wanted;
+}
+
 void UnitRuntime::register_grad_hooks() {
   const auto& slots = flat_->slots();
   slot_trainable_.assign(slots.size(), false);
@@ -277,6 +302,7 @@ void UnitRuntime::register_grad_hooks() {
   // shard (as PyTorch's FlatParameter can; seed 004 does it): every slot gets
   // its hook, made while requires_grad is briefly on.
   const bool all_frozen = !flat_->shard().requires_grad();
+  params_trainable_ = !all_frozen;
   for (size_t i = 0; i < slots.size(); ++i) {
     grad_placeholders_.push_back(make_placeholder(slots[i].param, PlaceholderKind::kGradient,
                                                   "'" + slots[i].name + "'", use_listener()));

@@ -86,6 +86,7 @@ class UnitRuntime final : public ParamUseListener {
   void post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type);
 
   // Units driven by dispatch (Note [Units driven by dispatch]).
+  void hold_for_operator() override;
   void before_param_use(bool sharded) override;
   void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) override;
   void module_zero_grad() override;
@@ -144,6 +145,10 @@ class UnitRuntime final : public ParamUseListener {
   /// Sets each original parameter's requires_grad for this forward and
   /// counts the trainable ones.
   void prepare_slots();
+  // With flat shards: whether the unit trains, `trainable` (its shard's
+  // flag) unless the user set requires_grad on the module's own parameters
+  // since they were last given it (Note [Freezing after wrapping]).
+  bool follow_parameters_frozen_by_user(bool trainable);
   /// Registers pre_backward on each output that requires a gradient;
   /// returns whether there was one.
   bool hook_outputs(const std::vector<at::Tensor>& outputs);
@@ -206,6 +211,9 @@ class UnitRuntime final : public ParamUseListener {
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
       grad_accumulators_;
   std::vector<bool> slot_trainable_;
+  // The requires_grad prepare_slots last gave the parameters of a unit with
+  // flat shards (one for all; its shard's when wrapped).
+  bool params_trainable_ = true;
   // Per slot: what the original parameter's .grad points at once its
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).
   std::vector<at::Tensor> grad_placeholders_;
@@ -235,6 +243,11 @@ class UnitRuntime final : public ParamUseListener {
   // Dispatch-driven: an output of this forward got the pre-backward hook
   // (what a wrapper's post_forward learns from its outputs).
   bool hooked_ = false;
+  // Dispatch-driven: held gathered for the operator being reported
+  // (ParamUseListener::hold_for_operator), and whether its forward ended
+  // meanwhile, so it reshards once the operator ran.
+  enum class OperatorHold { kNone, kHeld, kReshardAfter };
+  OperatorHold operator_hold_ = OperatorHold::kNone;
   at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
   std::vector<bool> slot_filled_;

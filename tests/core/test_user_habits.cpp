@@ -654,5 +654,118 @@ TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
   });
 }
 
+// Item 11: an operator on the parameters of several units at once, outside a
+// module's forward (parameters_to_vector for an L2 term or a log, a
+// difference of two blocks' weights), on a fully_shard model: each unit it
+// reads stays gathered until it ran, though entering one unit ends its
+// sibling's forward (that sibling's memory was freed under the operator, a
+// crash, or its placeholder read as a stale alias).
+TEST(UserHabits, AnOperatorOnSeveralUnitsParametersReadsThemAll) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    auto [reference, model] = fully_shard_twins();
+    Unit& root = *unit_of(*model);
+    const auto block_weights = [](Net& net) {
+      auto params = net->named_parameters();
+      return std::make_pair(params["block.0.weight"], params["block.3.weight"]);
+    };
+    {
+      const auto [a, b] = block_weights(model);
+      const auto [ra, rb] = block_weights(reference);
+      EXPECT_TRUE(torch::equal(torch::cat({a.view(-1), b.view(-1)}),
+                               torch::cat({ra.view(-1), rb.view(-1)})));
+      EXPECT_TRUE(torch::equal((a - b).abs().sum(), (ra - rb).abs().sum()));
+    }
+    auto opt = adamw(root.flat_parameters());
+    auto ref_opt = adamw(reference->parameters());
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(step);
+      torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+      const auto l2 = [](Net& net) {
+        return torch::nn::utils::parameters_to_vector(net->parameters()).pow(2).sum();
+      };
+      reference->zero_grad();
+      (torch::mse_loss(reference->forward(x), y) + 1e-2 * l2(reference)).backward();
+      ref_opt->step();
+      model->zero_grad();
+      // Every rank's loss has the L2 term: the average of the ranks' gradients
+      // holds it once, as the reference's.
+      (torch::mse_loss(model->forward(local_block(x)), local_block(y)) + 1e-2 * l2(model))
+          .backward();
+      opt->step();
+      const double plain =
+          torch::nn::utils::parameters_to_vector(reference->parameters()).sum().item<double>();
+      const double sharded =
+          torch::nn::utils::parameters_to_vector(model->parameters()).sum().item<double>();
+      EXPECT_NEAR(sharded, plain, 1e-4) << "step " << step;
+    }
+  });
+}
+
+// Item 12: freezing layers of a wrapped model by their parameters
+// (requires_grad_(false) through named_parameters()), as one freezes layers
+// of a built model (Note [Freezing after wrapping]). With flat shards the
+// next forward used to give them the shard's flag back, so they went on
+// training without a word. Now a unit all of whose parameters the user
+// froze (or unfroze) follows, and freezing part of a unit is an error
+// naming both sides, as at wrapping.
+TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
+  const auto set_trainable = [](nn::Module& m, const std::string& prefix, bool on) {
+    for (auto& p : m.named_parameters()) {
+      if (p.key().rfind(prefix, 0) == 0) p.value().requires_grad_(on);
+    }
+  };
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [&set_trainable](int, int world) {
+      init();
+      auto [reference, model] = twins(FSDPOptions());
+      auto ref_opt = adamw(reference->parameters());
+      auto opt = adamw(model->parameters());
+      const torch::Tensor frozen = model->named_parameters()["block.0.weight"];
+      torch::Tensor before;
+      for (int step = 0; step < 5; ++step) {
+        if (step == 1 || step == 3) {  // freeze the block (a unit), then unfreeze it
+          set_trainable(*reference, "block.", step == 3);
+          set_trainable(*model, "block.", step == 3);
+        }
+        if (step == 1) {
+          SummonFullParams full(*model.ptr());
+          before = frozen.clone();
+        }
+        train_step(reference, *ref_opt, model, *opt, step, world);
+        expect_same_after_step(*model.ptr(), *reference.ptr(), "freezing", step);
+        if (step == 2) {
+          SummonFullParams full(*model.ptr());
+          EXPECT_TRUE(torch::equal(frozen, before)) << "a frozen unit trained";
+        }
+      }
+      model->named_parameters()["head.weight"].requires_grad_(false);  // the root's, in part
+      const std::string refused = error_of([&] { model->forward(torch::randn({2, 7})); });
+      EXPECT_TRUE(contains(refused, "requires_grad=true and requires_grad=false") &&
+                  contains(refused, "requires_grad=false:\n[head.weight]"))
+          << refused;
+    });
+  }
+  // A fully_shard model (each Linear a unit): the same habit.
+  run_ranks_ok(2, [&set_trainable](int, int world) {
+    init();
+    auto [reference, model] = fully_shard_twins();
+    auto opt = adamw(unit_of(*model)->flat_parameters());
+    auto ref_opt = adamw(reference->parameters());
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1) {
+        set_trainable(*reference, "fc1.", false);
+        set_trainable(*model, "fc1.", false);
+      }
+      train_step(reference, *ref_opt, model, *opt, step, world);
+    }
+    SummonFullParams full(*model);
+    const auto expected = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), expected[p.key()], 1e-5, 1e-6)) << p.key();
+    }
+  });
+}
+
 }  // namespace test_user_habits
 }  // namespace fsdp::testing
