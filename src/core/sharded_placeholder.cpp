@@ -64,10 +64,13 @@ bool passes_through(const std::string& name) {
 std::string message(const std::string& op, const Entry& e, bool writes) {
   if (e.kind == PlaceholderKind::kGradient) {
     return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
-           ", but FSDP moved it into the unit's flat gradient shard. An optimizer (or "
-           "clip_grad_norm_) was built on the unwrapped module's parameters. Build it on the "
-           "wrapped model's parameters() (the flat shards, or per-parameter views with "
-           "FSDPOptions().use_orig_params(true)), and clip with the root's clip_grad_norm_().";
+           ", but FSDP moved it into the unit's flat gradient shard (this rank's part, "
+           "reduced over the ranks). An optimizer (or clip_grad_norm_) built on the unwrapped "
+           "module's parameters reads it: build it on the wrapped model's parameters() (the "
+           "flat shards, or per-parameter views with FSDPOptions().use_orig_params(true), "
+           "named by Unit::named_flat_parameters()), and clip with the root's "
+           "clip_grad_norm_(). To log gradients, read those tensors' .grad(): each rank holds "
+           "its part (the root's clip_grad_norm_() returns the global norm).";
   }
   if (writes) {
     return error_prefix(-1, "parameters") + op + " wrote to " + e.what +
@@ -77,11 +80,12 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
            "each rank's part of what was written.";
   }
   return error_prefix(-1, "parameters") + op + " used " + e.what +
-         ", which is sharded: its data exists only while its FSDP unit runs. Either the wrapped "
-         "module was called directly (call the FullyShardedDataParallel wrapper, or the root, "
-         "instead of the inner module, and read full parameters under fsdp::SummonFullParams), "
-         "or an optimizer was built on the unwrapped module's parameters (build it on the "
-         "wrapped model's parameters()).";
+         ", which is sharded: its data exists only while its FSDP unit runs. To read or copy "
+         "full parameters (a log, an EMA or target-network copy), do it inside "
+         "fsdp::SummonFullParams(model) on every rank; to run the module, call the "
+         "FullyShardedDataParallel wrapper (or the root), not the module it wraps; an "
+         "optimizer is built on the wrapped model's parameters(), not on the unwrapped "
+         "module's parameters.";
 }
 
 // The last `n` values of `stack`: an operator's arguments before it runs,

@@ -428,6 +428,14 @@ TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
     const double global = model->clip_grad_norm_(1e9);
     EXPECT_NEAR(global, expected, 1e-5 * expected);
     EXPECT_LT(local, global * 0.999) << "a shard's norm is a part of the global norm";
+    // Logging each parameter's gradient norm through the module's own
+    // parameters: their gradients moved into the shard, and the error says
+    // where to read them.
+    const std::string moved =
+        error_of([&] { model->named_parameters()["fc1.weight"].grad().norm(); });
+    EXPECT_TRUE(contains(moved, "read the gradient of 'fc1.weight'") &&
+                contains(moved, "To log gradients, read those tensors' .grad()"))
+        << moved;
   });
 }
 
