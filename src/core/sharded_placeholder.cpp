@@ -155,7 +155,6 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
 // driven by dispatch]) and runs it, holding them all gathered meanwhile.
 void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
                   const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
-  const size_t n = args.size();
   {
     ReportingScope scope;
     for (const Use& u : uses) u.listener->hold_for_operator();
