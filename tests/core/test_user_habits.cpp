@@ -742,7 +742,10 @@ TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
         }
         train_step(reference, *ref_opt, model, *opt, step, world);
         expect_same_after_step(*model.ptr(), *reference.ptr(), "freezing", step);
-        if (step == 2) {
+        // LibTorch 1.13's zero_grad() leaves zeros, not undefined gradients,
+        // so there AdamW's decay and momentum move frozen parameters, plain
+        // LibTorch's too (the comparison above holds either way).
+        if (step == 2 && kModuleZeroGradSetsToNone) {
           SummonFullParams full(*model.ptr());
           EXPECT_TRUE(torch::equal(frozen, before)) << "a frozen unit trained";
         }
