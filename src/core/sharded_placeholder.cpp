@@ -148,27 +148,7 @@ void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
   }
 }
 
-void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
-              const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args);
-
-// Reports the operator to the units whose parameters it uses (Note [Units
-// driven by dispatch]) and runs it, holding them all gathered meanwhile.
-void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
-                  const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
-  {
-    ReportingScope scope;
-    for (const Use& u : uses) u.listener->hold_for_operator();
-  }
-  try {
-    run_held(op, keys, stack, uses, args);
-  } catch (...) {
-    ReportingScope scope;
-    for (const Use& u : uses) u.listener->after_param_use({}, /*wrote=*/false);
-    throw;
-  }
-}
-
-// run_reported's body, the units held for the operator.
+// run_reported's body, once the units are held for the operator.
 void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
               const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
   const size_t n = args.size();
@@ -215,6 +195,23 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   for (const Use& u : uses) {
     u.listener->after_param_use(returns,
                                 std::find(wrote.begin(), wrote.end(), u.listener) != wrote.end());
+  }
+}
+
+// Reports the operator to the units whose parameters it uses (Note [Units
+// driven by dispatch]) and runs it, holding them all gathered meanwhile.
+void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
+                  const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
+  {
+    ReportingScope scope;
+    for (const Use& u : uses) u.listener->hold_for_operator();
+  }
+  try {
+    run_held(op, keys, stack, uses, args);
+  } catch (...) {
+    ReportingScope scope;
+    for (const Use& u : uses) u.listener->after_param_use({}, /*wrote=*/false);
+    throw;
   }
 }
 

@@ -75,9 +75,9 @@ void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
     }
     for (const auto& slot : flat->slots()) owned.insert(slot.param.unsafeGetTensorImpl());
   }
+  // What is left out stays as the tensor has it, as in Module::to.
   const auto convert = [&](const at::Tensor& t) {
-    if (device && dtype) return t.to(*device, *dtype, non_blocking);
-    return device ? t.to(*device, non_blocking) : t.to(*dtype, non_blocking);
+    return t.to(device.value_or(t.device()), dtype.value_or(t.scalar_type()), non_blocking);
   };
   for (const auto& module : self.modules(/*include_self=*/true)) {
     for (auto& p : module->named_parameters(/*recurse=*/false)) {

@@ -138,10 +138,8 @@ void UnitRuntime::prepare_slots() {
   // original parameters too, so autograd computes no gradient for them.
   // (With use_orig_params, per parameter: its piece, or the original itself.)
   const bool per_param = options_.use_orig_params();
-  const bool trainable = per_param
-                             ? flat_->shard().requires_grad()
-                             : follow_parameters_frozen_by_user(flat_->shard().requires_grad());
-  if (!per_param) params_trainable_ = trainable;
+  const bool trainable =
+      per_param ? flat_->shard().requires_grad() : follow_parameters_frozen_by_user();
   trainable_slots_ = 0;
   const auto& slots = flat_->slots();
   // A unit driven by dispatch keeps them until its pre_backward: the user's

@@ -280,19 +280,20 @@ void UnitRuntime::make_optim_params() {
 // wins: all of a unit's parameters frozen (or unfrozen) freezes (or
 // unfreezes) its shard, so the optimizer skips it as it skips a frozen
 // parameter; some of them is an error naming both sides, as at wrapping.
-bool UnitRuntime::follow_parameters_frozen_by_user(bool trainable) {
+bool UnitRuntime::follow_parameters_frozen_by_user() {
   std::vector<std::pair<std::string, at::Tensor>> params;
   bool changed = false;
   for (const auto& slot : flat_->slots()) {
     changed = changed || slot.param.requires_grad() != params_trainable_;
     params.emplace_back(slot.name, slot.param);
   }
-  if (!changed) return trainable;
-  check_uniform_requires_grad(params, path_, /*use_orig_params=*/false, flat_->group().rank(),
-                              /*warn=*/false);
-  const bool wanted = params.front().second.requires_grad();
-  at::Tensor(flat_->shard()).set_requires_grad(wanted);
-  return wanted;
+  if (changed) {
+    check_uniform_requires_grad(params, path_, /*use_orig_params=*/false, flat_->group().rank(),
+                                /*warn=*/false);
+    at::Tensor(flat_->shard()).set_requires_grad(params.front().second.requires_grad());
+  }
+  params_trainable_ = flat_->shard().requires_grad();
+  return params_trainable_;
 }
 
 void UnitRuntime::register_grad_hooks() {

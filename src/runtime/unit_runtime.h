@@ -145,10 +145,11 @@ class UnitRuntime final : public ParamUseListener {
   /// Sets each original parameter's requires_grad for this forward and
   /// counts the trainable ones.
   void prepare_slots();
-  // With flat shards: whether the unit trains, `trainable` (its shard's
-  // flag) unless the user set requires_grad on the module's own parameters
-  // since they were last given it (Note [Freezing after wrapping]).
-  bool follow_parameters_frozen_by_user(bool trainable);
+  // With flat shards: whether the unit trains, its shard's flag, which
+  // follows the module's own parameters where the user set theirs since
+  // they were last given it (Note [Freezing after wrapping]); records what
+  // prepare_slots gives them now.
+  bool follow_parameters_frozen_by_user();
   /// Registers pre_backward on each output that requires a gradient;
   /// returns whether there was one.
   bool hook_outputs(const std::vector<at::Tensor>& outputs);

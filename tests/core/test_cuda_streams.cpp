@@ -218,15 +218,21 @@ TEST_P(CudaStreams, AForwardHoldsAtMostTwoUnitsGathered) {
   });
 }
 
+// Training as above at 1 rank with FSDP_FAULT_COPY_IN_NO_WAIT=`fault`: the
+// comparison with plain LibTorch must fail.
+void expect_comparison_fails_under(const char* fault) {
+  run_ranks_ok(1, [fault](int, int) {
+    setenv("FSDP_FAULT_COPY_IN_NO_WAIT", fault, 1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2) << fault;
+  });
+}
+
 // The test above fails where the copy-in stream does not wait: its memory is
 // then overwritten while the spinning compute stream has yet to read it.
 TEST(CudaStreamsFault, WithoutTheWaitsTheComparisonFails) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  run_ranks_ok(1, [](int, int) {
-    setenv("FSDP_FAULT_COPY_IN_NO_WAIT", "1", 1);
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2);
-  });
+  expect_comparison_fails_under("1");
 }
 
 // The same with only the wait before held memory is handed back dropped:
@@ -234,11 +240,7 @@ TEST(CudaStreamsFault, WithoutTheWaitsTheComparisonFails) {
 // kernels have not run yet (the others' waits cannot make up for it).
 TEST(CudaStreamsFault, WithoutTheHeldMemoryWaitTheComparisonFails) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  run_ranks_ok(1, [](int, int) {
-    setenv("FSDP_FAULT_COPY_IN_NO_WAIT", "held", 1);
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2);
-  });
+  expect_comparison_fails_under("held");
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CudaStreams, ::testing::Values(1, 2, 3),
