@@ -68,13 +68,15 @@ void RootState::begin_forward() {
   for (const c10::Device& device : stream_devices_) {
     side_stream_waits_for_current(device, SideStream::kCopyIn);
   }
-  if (!callback_queued_) return;
+  // A forward between a backward that built a graph and the backward
+  // through it belongs to the same iteration (Note [Double backward]).
+  if (phase_ == BackwardPhase::kNone || phase_ == BackwardPhase::kGraphKept) return;
   // Autograd drops the callbacks of a backward that failed, so nothing of it
   // completes: its launched reductions are forgotten here and by each unit
   // (UnitRuntime::abandon_iteration), and the next backward queues its own
   // callback. Ranks fail alike (their hooks run the same units in the same
   // order), so their collectives stay paired.
-  callback_queued_ = false;
+  set_phase(BackwardPhase::kNone);
   reduction_order_.clear();
   reductions_launched_ = 0;
   reductions_in_flight_.clear();
@@ -94,9 +96,28 @@ void RootState::release_held(bool keep_newest) {
   }
 }
 
+void RootState::set_phase(BackwardPhase to) {
+  const BackwardPhase from = phase_;
+  const bool allowed = to == BackwardPhase::kNone ||
+                       ((from == BackwardPhase::kNone || from == BackwardPhase::kGraphKept) &&
+                        (to == BackwardPhase::kRunning || to == BackwardPhase::kBuildingGraph)) ||
+                       (from == BackwardPhase::kBuildingGraph && to == BackwardPhase::kGraphKept);
+  TORCH_INTERNAL_ASSERT(allowed, "fsdp: backward phase ", static_cast<int>(from), " to ",
+                        static_cast<int>(to));
+  phase_ = to;
+  if (to == BackwardPhase::kNone) graph_units_.clear();  // they may reshard now
+}
+
+bool RootState::holds_for_graph(const UnitRuntime& unit) const {
+  if (phase_ != BackwardPhase::kBuildingGraph && phase_ != BackwardPhase::kGraphKept) return false;
+  return std::find(graph_units_.begin(), graph_units_.end(), &unit) != graph_units_.end();
+}
+
 void RootState::queue_end_of_backward() {
-  if (callback_queued_) return;
-  callback_queued_ = true;
+  if (in_backward()) return;
+  // Hooks run in grad mode exactly when backward builds a graph
+  // (create_graph): see Note [Double backward].
+  set_phase(at::GradMode::is_enabled() ? BackwardPhase::kBuildingGraph : BackwardPhase::kRunning);
   torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
 }
 
@@ -213,7 +234,18 @@ void RootState::limit_reductions_in_flight(const Work& work) {
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
   if (forward_in_progress()) settle_forward(nullptr);
-  callback_queued_ = false;
+  if (phase_ == BackwardPhase::kBuildingGraph) {
+    // See Note [Double backward]: the graph it built saved what is gathered.
+    for (UnitRuntime* unit : units_) {
+      if (unit->flat_ && unit->flat_->state() != FlatParameter::State::kSharded &&
+          !holds_for_graph(*unit)) {
+        graph_units_.push_back(unit);
+      }
+    }
+    set_phase(BackwardPhase::kGraphKept);
+    return;
+  }
+  set_phase(BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
@@ -243,6 +275,32 @@ void RootState::end_of_backward() {
   }
   release_held(/*keep_newest=*/false);  // Note [Copy-in on a stream of its own]
 }
+
+// Note [Double backward]
+// A gradient penalty differentiates a gradient: torch::autograd::grad(out,
+// inputs, {}, true, /*create_graph=*/true) builds, while it runs, a graph of
+// the backward itself, whose nodes save the parameters they read, and the
+// loss's backward then goes through it. A unit's saved parameters are views
+// of its gathered buffer, and those nodes run before any hook of ours can
+// gather it again, so the unit must not reshard in between: the second
+// backward would read freed storage (LibTorch's "setStorage ... out of
+// bounds"). Backward builds a graph exactly when autograd runs it in grad
+// mode, which the hooks see, so the root's backward phase tells the two
+// apart. A backward that builds a graph (kBuildingGraph) ends with nothing
+// finished (kGraphKept): its units stay in kPreBackward, the reduction order
+// stays, and the units gathered then stay gathered, through forwards in
+// between too (WGAN-GP computes the penalty's gradient before or after the
+// critic's other forwards), until the next backward that builds no graph:
+// it finishes both, one reduction per unit of the gradients both brought and
+// one end-of-backward agreement, so ranks issue the same collectives as for
+// a plain backward. In it a unit reshards at its gradient's reduction, as
+// usual: by then every node that read its parameters has run (each has an
+// edge to their AccumulateGrad). A graph built and never differentiated
+// keeps its units gathered until the next backward ends. Gradients of the
+// parameters themselves inside such a backward (a .grad carrying a graph, as
+// loss.backward({}, true, true) leaves it) are an error naming the unit: a
+// unit's gradient is reduced and sharded as it arrives, so it cannot carry
+// one. PyTorch's FSDP warns that it does not support double backward.
 
 // Note [Parameters without gradients]
 // In plain LibTorch a parameter the forward did not use keeps its .grad

@@ -75,7 +75,17 @@ class RootState {
   bool forward_in_progress() const { return !forward_units_.empty(); }
   /// Backward runs: a pre-backward hook fired and the end-of-backward callback
   /// has not yet.
-  bool in_backward() const { return callback_queued_; }
+  bool in_backward() const {
+    return phase_ == BackwardPhase::kRunning || phase_ == BackwardPhase::kBuildingGraph;
+  }
+
+  /// A backward with create_graph ended and no backward went through the
+  /// graph it built yet: its units stay gathered (Note [Double backward]).
+  bool keeps_graph() const { return phase_ == BackwardPhase::kGraphKept; }
+  /// `unit` was gathered when a backward with create_graph ended, and no
+  /// backward has ended since: the graph it built reads its parameters, so it
+  /// does not reshard but at its gradient's reduction (Note [Double backward]).
+  bool holds_for_graph(const UnitRuntime& unit) const;
 
   // Note [Copy-in on a stream of its own]
   /// A forward or backward of this root is under way: resharded memory on a
@@ -89,13 +99,22 @@ class RootState {
   void release_held(bool keep_newest);
 
  private:
+  // Backward as the root sees it (checked transitions; Note [Double backward]).
+  enum class BackwardPhase {
+    kNone,           // no backward under way
+    kRunning,        // a hook fired: end_of_backward() is queued with the engine
+    kBuildingGraph,  // the same, in a backward with create_graph (grad mode on)
+    kGraphKept,      // that backward ended: its units stay gathered for the
+                     // backward through the graph it built
+  };
+  void set_phase(BackwardPhase to);
   void end_of_backward();
   std::vector<std::vector<bool>> agree_received_grads() const;
 
   UnitRuntime& root_;
   std::vector<UnitRuntime*> units_;
   std::unique_ptr<ExecOrder> exec_order_;
-  bool callback_queued_ = false;
+  BackwardPhase phase_ = BackwardPhase::kNone;
   size_t forward_positions_ = 0;  // unit forwards entered this iteration
   // The units whose forward this iteration can bring gradients, in the order
   // their forwards began; their reductions are launched in reverse, the
@@ -112,6 +131,9 @@ class RootState {
   // The wrapper unit whose forward ended last and that backward will reach,
   // gathered until its backward or the next forward.
   UnitRuntime* kept_ = nullptr;
+  // The units gathered when a backward with create_graph ended (see
+  // holds_for_graph()); cleared when the phase returns to kNone.
+  std::vector<UnitRuntime*> graph_units_;
   // Resharded units' memory on a GPU, oldest first (see in_iteration()).
   std::deque<HeldMemory> held_;
   // The devices with streams that the units live on.

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <utility>
 #include <vector>
@@ -82,6 +83,11 @@ void UnitRuntime::before_param_use(bool sharded) {
   }
   if (root_ == nullptr) become_rooted();
   RootState& r = root();
+  // A backward through a graph that a backward with create_graph built reads
+  // parameters it saved before any output hook runs (Note [Double backward]).
+  if (r.keeps_graph() && torch::autograd::get_current_graph_task_exec_info() != nullptr) {
+    r.queue_end_of_backward();
+  }
   if (r.in_backward()) {
     if (!sharded) return;
     if (state_ == Unit::TrainingState::kIdle) {

@@ -86,6 +86,7 @@ void UnitRuntime::unshard() {
 
 void UnitRuntime::reshard() {
   if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
+  if (root_ != nullptr && root_->holds_for_graph(*this)) return;  // Note [Double backward]
   wait_pending_gather();  // the all-gather writes into the buffer
   std::optional<HeldMemory> held = flat_->reshard();
   if (!held) return;
@@ -296,6 +297,17 @@ void UnitRuntime::prefetch_backward() {
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
+  // See Note [Double backward].
+  FSDP_CHECK(!at::GradMode::is_enabled(), flat_->group().rank(), path_,
+             "a backward with create_graph=true computed gradients of the parameters of ", label(),
+             " (", flat_->slots()[slot].name,
+             "): libfsdp reduces and shards a unit's gradients as they arrive, so they cannot "
+             "carry a graph for a second backward. For a gradient penalty take the gradient of "
+             "the inputs, torch::autograd::grad({out}, {input}, {}, /*retain_graph=*/true, "
+             "/*create_graph=*/true), and call backward() on the loss that uses it");
+  // A backward that reaches this unit only through a graph an earlier
+  // backward built may run no output hook (Note [Double backward]).
+  if (root_ != nullptr) root_->queue_end_of_backward();
   // Note [Filling the flat gradient]
   // The buffer starts uninitialised: a slot's first gradient is copied in,
   // later ones (inside no_sync(), the buffer lives across backwards) are

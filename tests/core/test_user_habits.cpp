@@ -3,8 +3,9 @@
 // that get no gradient, partly frozen units however made, model->zero_grad(),
 // torch::save / torch::load, BatchNorm under bf16, a second backward through
 // the same graph, forwards with default arguments, LibTorch's own
-// clip_grad_norm_, model->to(device), and initialising parameters after
-// sharding. Data differs per rank; the reference trains on all of it.
+// clip_grad_norm_, model->to(device), initialising parameters after
+// sharding, and a gradient penalty (double backward). Data differs per rank;
+// the reference trains on all of it.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -774,6 +775,213 @@ TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
     const auto expected = reference->named_parameters();
     for (const auto& p : model->named_parameters()) {
       EXPECT_TRUE(torch::allclose(p.value(), expected[p.key()], 1e-5, 1e-6)) << p.key();
+    }
+  });
+}
+
+// A gradient penalty's loss: the model's loss plus the mean squared norm of
+// the gradient of its outputs with respect to its inputs, taken with
+// create_graph so that backward goes through it (a double backward).
+template <typename Model>
+torch::Tensor penalised_loss(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  const torch::Tensor input = x.detach().requires_grad_(true);
+  // In fp32 (a bf16 unit returns bf16; LibTorch 1.13 cannot mix them in a loss).
+  const torch::Tensor out = model->forward(input).to(torch::kFloat);
+  const torch::Tensor g = torch::autograd::grad({out.sum()}, {input}, {}, /*retain_graph=*/true,
+                                                /*create_graph=*/true)[0];
+  return torch::mse_loss(out, y) + 0.1 * g.pow(2).sum(1).mean();
+}
+
+// Trains `model` (rooted at `root`) beside a plain Net with the gradient
+// penalty, comparing every step; at step 1 a graph is built and dropped (no
+// backward through it) first. Then checks that gradients of the parameters
+// with create_graph are refused.
+template <typename Model>
+void expect_penalty_training(Model& model, Unit& root, int world, const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  // SGD: its step follows the gradient's size, which Adam's first steps hide.
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  auto ref_opt = std::make_unique<torch::optim::SGD>(reference->parameters(), sgd);
+  auto opt = std::make_unique<torch::optim::SGD>(root.flat_parameters(), sgd);
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(step);
+    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    if (step == 1) {
+      penalised_loss(model, local_block(x), local_block(y));
+      penalised_loss(reference, x, y);
+    }
+    ref_opt->zero_grad();
+    penalised_loss(reference, x, y).backward();
+    ref_opt->step();
+    opt->zero_grad();
+    penalised_loss(model, local_block(x), local_block(y)).backward();
+    opt->step();
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference, what + " step " + std::to_string(step));
+  }
+  const torch::Tensor x = local_block(torch::randn({4 * world, 7}));
+  const std::string refused = error_of(
+      [&] { model->forward(x).sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true); });
+  EXPECT_TRUE(
+      contains(refused, "a backward with create_graph=true computed gradients of the parameters") &&
+      contains(refused, "take the gradient of the inputs"))
+      << what << ": " << refused;
+}
+
+// Item 11: a gradient penalty (WGAN-GP, R1) differentiates through a graph
+// that backward built: the units stay gathered for it (Note [Double
+// backward]), for wrapped models (flat shards or use_orig_params) and
+// fully_shard ones, under every strategy; a graph built and never
+// differentiated is dropped by the next forward.
+TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (bool orig : {false, true}) {
+          const FSDPOptions options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+          torch::manual_seed(0);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
+                                                  options);
+          expect_penalty_training(model, *unit_of(*model), world,
+                                  std::string(to_string(strategy)) + (orig ? " orig" : " flat"));
+        }
+        torch::manual_seed(0);
+        Net model(false, FSDPOptions());
+        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                                 FSDPOptions().sharding_strategy(strategy));
+        expect_penalty_training(model, root, world,
+                                std::string(to_string(strategy)) + " fully_shard");
+      }
+    });
+  }
+}
+
+// A WGAN-GP step as usually written: the critic's scores, its gradient
+// penalty, a score logged under no_grad (which reshards what it gathers)
+// and the critic's backward; then the generator's loss through the critic.
+template <typename G, typename D>
+void wgan_gp_step(G& g, D& d, torch::optim::Optimizer& gopt, torch::optim::Optimizer& dopt,
+                  const torch::Tensor& z, const torch::Tensor& real, const torch::Tensor& eps) {
+  const auto critic = [&](const torch::Tensor& x) { return d->forward(x).sum(1); };
+  dopt.zero_grad();
+  const torch::Tensor fake = g->forward(z).detach();
+  const torch::Tensor scores = critic(fake).mean() - critic(real).mean();
+  const torch::Tensor mixed = (eps * real + (1 - eps) * fake).requires_grad_(true);
+  const torch::Tensor slope =
+      torch::autograd::grad({critic(mixed).sum()}, {mixed}, {}, true, /*create_graph=*/true)[0];
+  const torch::Tensor penalty = (slope.norm(2, 1) - 1).pow(2).mean();
+  {
+    torch::NoGradGuard no_grad;
+    critic(real);
+  }
+  (scores + 10 * penalty).backward();
+  dopt.step();
+  gopt.zero_grad();
+  (-critic(g->forward(z)).mean()).backward();
+  gopt.step();
+}
+
+// Two sharded models trained as a GAN: a fully_shard generator and a critic
+// with nested units (wrapped, or fully_shard), under every strategy.
+TEST(UserHabits, WganGpTrainsAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (bool wrapped : {true, false}) {
+          const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
+          const std::string what = std::string(to_string(strategy)) +
+                                   (wrapped ? " wrapped critic" : " fully_shard critic");
+          const auto generator = [] {
+            return nn::Sequential(nn::Linear(5, 16), nn::Tanh(), nn::Linear(16, 7));
+          };
+          torch::manual_seed(0);
+          nn::Sequential ref_g = generator();
+          torch::manual_seed(0);
+          nn::Sequential g = generator();
+          Unit& g_root = fully_shard(g, module_type_policy<nn::LinearImpl>(), options);
+          torch::manual_seed(1);
+          Net ref_d(false, FSDPOptions());
+          torch::manual_seed(1);
+          FullyShardedDataParallel<NetImpl> wrapped_d(std::make_shared<NetImpl>(true, options),
+                                                      options);
+          const auto sgd = torch::optim::SGDOptions(0.01).momentum(0.5);
+          torch::optim::SGD ref_gopt(ref_g->parameters(), sgd);
+          torch::optim::SGD ref_dopt(ref_d->parameters(), sgd);
+          torch::optim::SGD gopt(g_root.flat_parameters(), sgd);
+          torch::manual_seed(1);
+          Net plain_d(false, options);
+          Unit& d_root = wrapped
+                             ? *unit_of(*wrapped_d)
+                             : fully_shard(plain_d, module_type_policy<nn::LinearImpl>(), options);
+          torch::optim::SGD dopt(d_root.flat_parameters(), sgd);
+          for (int step = 0; step < 3; ++step) {
+            torch::manual_seed(step);
+            const torch::Tensor z = torch::randn({4 * world, 5}),
+                                real = torch::randn({4 * world, 7});
+            const torch::Tensor eps = torch::rand({4 * world, 1});
+            wgan_gp_step(ref_g, ref_d, ref_gopt, ref_dopt, z, real, eps);
+            const torch::Tensor mine[] = {local_block(z), local_block(real), local_block(eps)};
+            if (wrapped) {
+              wgan_gp_step(g, wrapped_d, gopt, dopt, mine[0], mine[1], mine[2]);
+            } else {
+              wgan_gp_step(g, plain_d, gopt, dopt, mine[0], mine[1], mine[2]);
+            }
+            const std::string at = what + " step " + std::to_string(step);
+            {
+              SummonFullParams full(*g);
+              expect_same_params(*g, *ref_g, at + " generator");
+            }
+            nn::Module& d = wrapped ? static_cast<nn::Module&>(*wrapped_d.ptr()) : *plain_d;
+            SummonFullParams full(d);
+            expect_same_params(d, *ref_d, at + " critic");
+          }
+        }
+      }
+    });
+  }
+}
+
+// The same under bf16 parameters (fp32 shards and reduction), wrapped and
+// fully_shard: within bf16's rounding of the fp32 reference after 3 steps.
+TEST(UserHabits, GradientPenaltyUnderBf16) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    const FSDPOptions options =
+        FSDPOptions().mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16));
+    for (bool wrapped : {true, false}) {
+      torch::manual_seed(0);
+      Net reference(false, FSDPOptions());
+      torch::manual_seed(0);
+      FullyShardedDataParallel<NetImpl> wrapper(std::make_shared<NetImpl>(true, options), options);
+      torch::manual_seed(0);
+      Net model(false, FSDPOptions());
+      Unit& root = wrapped ? *unit_of(*wrapper)
+                           : fully_shard(model, module_type_policy<nn::LinearImpl>(), options);
+      const auto sgd = torch::optim::SGDOptions(0.1);
+      torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(step);
+        torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+        ref_opt.zero_grad();
+        penalised_loss(reference, x, y).backward();
+        ref_opt.step();
+        opt.zero_grad();
+        (wrapped ? penalised_loss(wrapper, local_block(x), local_block(y))
+                 : penalised_loss(model, local_block(x), local_block(y)))
+            .backward();
+        opt.step();
+      }
+      nn::Module& sharded = wrapped ? static_cast<nn::Module&>(*wrapper.ptr()) : *model;
+      SummonFullParams full(sharded);
+      for (const auto& p : reference->named_parameters()) {
+        const torch::Tensor mine = sharded.named_parameters()[p.key()].to(torch::kFloat);
+        EXPECT_TRUE(torch::allclose(mine, p.value(), 0, 1e-2))
+            << (wrapped ? "wrapped " : "fully_shard ") << p.key();
+      }
     }
   });
 }

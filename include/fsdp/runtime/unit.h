@@ -48,7 +48,8 @@ inline constexpr bool kModuleZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
 ///   gradients arrived only in part (unused parameters), waiting for the
 ///   reduce-scatters, setting the shards' .grad, resharding what is left.
 /// The AccumulateGrad nodes are held by the runtime: autograd keeps only weak
-/// pointers.
+/// pointers. A backward with create_graph finishes with the one through the
+/// graph it built (Note [Double backward], src/runtime/root_state.cpp).
 class Unit {
  public:
   virtual ~Unit();
