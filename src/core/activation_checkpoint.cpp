@@ -41,6 +41,16 @@ namespace {
 // without checkpointing. A unit whose wrapped forward is checkpointed
 // (FSDPOptions::activation_checkpointing) runs its hooks outside `fn`: its
 // pre-backward gathers, then the recomputation uses the gathered parameters.
+//
+// A backward with create_graph (a gradient penalty) runs the Function's
+// backward in grad mode, and a second backward will differentiate what it
+// returns. Then the recomputation runs on the saved inputs themselves, not
+// detached copies, and the nested backward keeps and builds its graph
+// (retain_graph, create_graph): the gradients returned reach, through the
+// recomputed graph, the params and whatever computed the inputs (a layer
+// before the region, whose second-order term passes through the region).
+// Detached, that term would be lost silently. FSDP units keep the
+// parameters the recomputed graph saved gathered (Note [Double backward]).
 thread_local CheckpointPhase t_phase = CheckpointPhase::kNone;
 
 class PhaseGuard {
@@ -120,11 +130,14 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     auto state =
         c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    // A backward with create_graph (a gradient penalty) differentiates this
+    // one (Note [Activation checkpointing]).
+    const bool create_graph = at::GradMode::is_enabled();
     std::vector<at::Tensor> inputs;
     inputs.reserve(saved.size());
     for (size_t i = 0; i < saved.size(); ++i) {
-      at::Tensor x = saved[i].defined() ? saved[i].detach() : saved[i];
-      if (x.defined() && state->input_requires_grad[i]) x.requires_grad_(true);
+      at::Tensor x = saved[i].defined() && !create_graph ? saved[i].detach() : saved[i];
+      if (x.defined() && state->input_requires_grad[i] && x.is_leaf()) x.requires_grad_(true);
       inputs.push_back(std::move(x));
     }
     std::vector<at::Tensor> outputs;
@@ -171,8 +184,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // One gradient per tensor of inputs_and_params, and none for the state.
     torch::autograd::variable_list grads(inputs.size() + state->params.size() + 1);
     if (!roots.empty() && !wrt.empty()) {
-      const auto found = torch::autograd::grad(roots, wrt, root_grads, /*retain_graph=*/false,
-                                               /*create_graph=*/false, /*allow_unused=*/true);
+      const auto found = torch::autograd::grad(roots, wrt, root_grads, create_graph, create_graph,
+                                               /*allow_unused=*/true);
       for (size_t k = 0; k < found.size(); ++k) grads[wrt_index[k]] = found[k];
     }
     return grads;

@@ -188,6 +188,38 @@ TEST(ActivationCheckpoint, SameGradientsAsPlainAutogradWithDropout) {
   }
 }
 
+// A gradient penalty (a double backward) through a checkpointed region gives
+// plain autograd's gradients, those of a layer before the region included:
+// its second-order path runs through the region's input.
+TEST(ActivationCheckpoint, GradientPenaltyThroughTheRegionAsPlainAutograd) {
+  torch::manual_seed(0);
+  nn::Linear before(kDim, kDim);
+  DropBlock plain;
+  torch::manual_seed(0);
+  nn::Linear before2(kDim, kDim);
+  CheckpointWrapper<DropBlockImpl> checkpointed{DropBlock()};
+  const torch::Tensor data = torch::randn({5, kDim});
+  const auto penalised = [&](nn::Linear& first, auto& block) {
+    const torch::Tensor x = data.clone().requires_grad_(true);
+    torch::manual_seed(42);
+    const torch::Tensor y = block->forward(torch::tanh(first(x)));
+    const torch::Tensor g =
+        torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    (y.square().mean() + g.pow(2).sum()).backward();
+  };
+  penalised(before, plain);
+  penalised(before2, checkpointed);
+  for (const auto& p : plain->named_parameters()) {
+    const torch::Tensor& g2 = checkpointed->named_parameters()[p.key()].grad();
+    EXPECT_TRUE(torch::allclose(p.value().grad(), g2, 1e-5, 1e-6)) << p.key();
+  }
+  for (const auto& p : before->named_parameters()) {
+    EXPECT_TRUE(
+        torch::allclose(p.value().grad(), before2->named_parameters()[p.key()].grad(), 1e-5, 1e-6))
+        << "before." << p.key();
+  }
+}
+
 TEST(ActivationCheckpoint, GeneratorStateIsRestoredAfterRecomputation) {
   torch::manual_seed(0);
   CheckpointWrapper<DropBlockImpl> block{DropBlock()};

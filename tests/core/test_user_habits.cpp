@@ -829,24 +829,25 @@ void expect_penalty_training(Model& model, Unit& root, int world, const std::str
       << what << ": " << refused;
 }
 
-// Item 11: a gradient penalty (WGAN-GP, R1) differentiates through a graph
+// Item 12: a gradient penalty (WGAN-GP, R1) differentiates through a graph
 // that backward built: the units stay gathered for it (Note [Double
-// backward]), for wrapped models (flat shards or use_orig_params) and
-// fully_shard ones, under every strategy; a graph built and never
-// differentiated is dropped by the next forward.
+// backward]), for wrapped models (flat shards, use_orig_params, activation
+// checkpointing) and fully_shard ones, under every strategy.
 TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
       init();
       for (ShardingStrategy strategy : parity_strategies()) {
-        for (bool orig : {false, true}) {
+        for (const std::string kind : {"flat", "orig", "checkpointed"}) {
           const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(kind == "orig");
+          // Checkpointed: the inner units recompute their forward in backward.
+          const FSDPOptions inner =
+              FSDPOptions(options).activation_checkpointing(kind == "checkpointed");
           torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
-                                                  options);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, inner), options);
           expect_penalty_training(model, *unit_of(*model), world,
-                                  std::string(to_string(strategy)) + (orig ? " orig" : " flat"));
+                                  std::string(to_string(strategy)) + " " + kind);
         }
         torch::manual_seed(0);
         Net model(false, FSDPOptions());

@@ -28,8 +28,10 @@ using CheckpointedFunction = std::function<std::vector<at::Tensor>(const std::ve
 ///   gather replaces the one FSDP makes for backward (no extra all-gather).
 /// - Without grad mode, or when neither an input nor a param requires a
 ///   gradient, `fn` simply runs once.
-/// - Backward through it must run once per forward (or with retain_graph);
-///   double backward (create_graph) is not supported.
+/// - Backward through it must run once per forward (or with retain_graph).
+///   A backward with create_graph (a gradient penalty) builds the graph of
+///   the recomputation, so a second backward differentiates it as without
+///   checkpointing.
 /// - `inputs` must not be modified in place between forward and backward
 ///   (autograd reports it, as for any saved tensor).
 std::vector<at::Tensor> activation_checkpoint(const CheckpointedFunction& fn,
