@@ -89,11 +89,14 @@ void UnitRuntime::before_param_use(bool sharded) {
     r.queue_end_of_backward();
   }
   if (r.in_backward()) {
-    if (!sharded) return;
+    // Its outputs' hook ran pre_backward, or backward reached it without one
+    // (a custom autograd Function's saved parameters: its forward ran
+    // without grad mode, so no output of theirs was hooked). Gathered, and
+    // a prefetch under way waited for, before the operator reads it.
     if (state_ == Unit::TrainingState::kIdle) {
       pre_backward();
-    } else {
-      unshard();  // resharded after its reduction, needed again
+    } else if (flat_) {
+      unshard();  // resharded after its reduction, or still arriving
     }
     return;
   }

@@ -4,8 +4,8 @@
 // torch::save / torch::load, BatchNorm under bf16, a second backward through
 // the same graph, forwards with default arguments, LibTorch's own
 // clip_grad_norm_, model->to(device), initialising parameters after
-// sharding, and a gradient penalty (double backward). Data differs per rank;
-// the reference trains on all of it.
+// sharding, a gradient penalty (double backward) and custom autograd
+// Functions. Data differs per rank; the reference trains on all of it.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -985,6 +985,82 @@ TEST(UserHabits, GradientPenaltyUnderBf16) {
       }
     }
   });
+}
+
+// A linear layer written as a custom autograd Function, which saves the
+// weight it is given for its own backward (its forward runs without grad
+// mode, as every Function's does).
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    ctx->save_for_backward({x, weight});
+    return x.matmul(weight.t()) + bias;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& g = grads[0];
+    return {g.matmul(saved[1]), g.t().matmul(saved[0]), g.sum(0)};
+  }
+};
+
+struct FunctionBlockImpl : nn::Module {
+  FunctionBlockImpl() { fc = register_module("fc", nn::Linear(8, 8)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + torch::tanh(LinearFunction::apply(x, fc->weight, fc->bias));
+  }
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(FunctionBlock);
+
+struct FunctionNetImpl : nn::Module {
+  FunctionNetImpl() {
+    in = register_module("in", nn::Linear(5, 8));
+    blocks = register_module("blocks", nn::ModuleList(FunctionBlock(), FunctionBlock()));
+    out = register_module("out", nn::Linear(8, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = in(x);
+    for (const auto& block : *blocks) x = block->as<FunctionBlockImpl>()->forward(x);
+    return out(x);
+  }
+  nn::Linear in{nullptr}, out{nullptr};
+  nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(FunctionNet);
+
+// Item 13: a unit whose parameters only a custom autograd Function uses (its
+// forward runs without grad mode, so no output of theirs needs a gradient)
+// trains as plain LibTorch, fully_shard and wrapped, every strategy.
+TEST(UserHabits, CustomAutogradFunctionsOnUnitParameters) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      init();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
+        torch::manual_seed(0);
+        FunctionNet reference;
+        torch::manual_seed(0);
+        FunctionNet model;
+        Unit& root = fully_shard(model, module_type_policy<FunctionBlockImpl>(), options);
+        const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+        torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(step);
+          const torch::Tensor x = torch::randn({4 * world, 5}), y = torch::randn({4 * world, 2});
+          ref_opt.zero_grad();
+          torch::mse_loss(reference->forward(x), y).backward();
+          ref_opt.step();
+          opt.zero_grad();
+          torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+          opt.step();
+          SummonFullParams full(*model);
+          expect_same_params(*model, *reference,
+                             std::string(to_string(strategy)) + " step " + std::to_string(step));
+        }
+      }
+    });
+  }
 }
 
 }  // namespace test_user_habits
