@@ -65,19 +65,26 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
   if (e.kind == PlaceholderKind::kGradient) {
     return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
            ", but FSDP moved it into the unit's flat gradient shard (this rank's part, "
-           "reduced over the ranks). An optimizer (or clip_grad_norm_) built on the unwrapped "
-           "module's parameters reads it: build it on the wrapped model's parameters() (the "
-           "flat shards, or per-parameter views with FSDPOptions().use_orig_params(true), "
-           "named by Unit::named_flat_parameters()), and clip with the root's "
-           "clip_grad_norm_(). To log gradients, read those tensors' .grad(): each rank holds "
-           "its part (the root's clip_grad_norm_() returns the global norm).";
+           "reduced over the ranks). An optimizer (or clip_grad_norm_, clip_grad_value_) built "
+           "on the unwrapped module's parameters (named_parameters(), or parameters() of a "
+           "model made by fsdp::fully_shard) reads it: build it on the flat shards, the wrapped "
+           "model's parameters() or, for fully_shard, the returned Unit's flat_parameters() "
+           "(fsdp::unit_of(*model)), or per-parameter views with "
+           "FSDPOptions().use_orig_params(true), named by Unit::named_flat_parameters() for "
+           "parameter groups; clip with the root's clip_grad_norm_(). To log gradients, read "
+           "those tensors' .grad(): each rank holds its part (the root's clip_grad_norm_() "
+           "returns the global norm).";
   }
   if (writes) {
     return error_prefix(-1, "parameters") + op + " wrote to " + e.what +
            ", which is sharded: its data exists only while its FSDP unit runs. Initialise or "
            "change parameters before wrapping, or inside fsdp::SummonFullParams(model, "
            "fsdp::SummonOptions().writeback(true)) on every rank, which gathers them and keeps "
-           "each rank's part of what was written.";
+           "each rank's part of what was written. An optimizer's step() writing it (weight "
+           "decay) was built on the unwrapped module's parameters (named_parameters()): build it "
+           "on "
+           "the flat shards, the wrapped model's parameters(), or Unit::named_flat_parameters() "
+           "with FSDPOptions().use_orig_params(true) for parameter groups.";
   }
   return error_prefix(-1, "parameters") + op + " used " + e.what +
          ", which is sharded: its data exists only while its FSDP unit runs. To read or copy "

@@ -1,4 +1,5 @@
-// Module::to on a wrapper: Note [Module::to on a sharded model].
+// Module::to and Module::clone on a wrapper: Note [Module::to on a sharded
+// model], Note [Cloning a wrapped model].
 
 #include <fsdp/runtime/unit.h>
 
@@ -85,6 +86,30 @@ void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
     }
     for (auto& b : module->named_buffers(/*recurse=*/false)) b.value().set_data(convert(b.value()));
   }
+}
+
+// Note [Cloning a wrapped model]
+// LibTorch copies a model with clone() (a target network, an EMA): a
+// Cloneable module copies itself, then rebuilds its children (reset()) and
+// has each copy its values from the original's child (clone_). A wrapper is
+// no Cloneable, and its values are shards: a copy made so would be fresh
+// units with freshly initialised parameters, the original's never copied
+// (LibTorch's base clone_ does nothing). So a wrapper's clone() and clone_()
+// are an error naming what works: a plain twin loaded from
+// full_state_dict() (collective), or a model made by fully_shard, which is
+// the user's own Cloneable module and clones as in LibTorch (a plain copy of
+// what it holds: under SummonFullParams, the full parameters).
+void Unit::refuse_clone(const torch::nn::Module& self) const {
+  const FlatParameter* flat = flat_param();
+  const torch::nn::Module* wrapped = wrapped_module() != nullptr ? wrapped_module() : &self;
+  FSDP_FAIL(flat != nullptr ? flat->group().rank() : -1, "Module::clone",
+            "cannot clone the FSDP unit around a ", wrapped->name(),
+            ": its parameters are shards spread over the ranks, and a copy made by clone() "
+            "would be new units with freshly initialised parameters. For a copy of the full "
+            "model (a target network, an EMA), build the plain model and, on every rank, call "
+            "fsdp::load_full_state_dict(copy, fsdp::full_state_dict(model)); or make the model "
+            "with fsdp::fully_shard, whose clone() is LibTorch's (inside fsdp::SummonFullParams "
+            "it copies the full parameters)");
 }
 
 }  // namespace fsdp

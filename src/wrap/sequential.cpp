@@ -73,6 +73,14 @@ void AnyUnitImpl::to(torch::Device device, bool non_blocking) {
   to_unit(*this, device, c10::nullopt, non_blocking);
 }
 
+std::shared_ptr<torch::nn::Module> AnyUnitImpl::clone(const c10::optional<torch::Device>&) const {
+  refuse_clone(*this);
+}
+
+void AnyUnitImpl::clone_(torch::nn::Module&, const c10::optional<torch::Device>&) {
+  refuse_clone(*this);
+}
+
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
   // See Note [Mixed precision]: inputs in the compute dtype.

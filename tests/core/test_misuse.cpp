@@ -100,6 +100,15 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
       EXPECT_CONTAINS(msg, "wrapped model's parameters()");
       EXPECT_CONTAINS(error_of([&] { nn::utils::clip_grad_norm_(unwrapped, 1.0); }),
                       "clip_grad_norm_()");
+      // AdamW's weight decay writes the parameter before reading its
+      // gradient: the write's error names the optimizer too.
+      torch::optim::AdamW decays(model->named_parameters().values(),
+                                 torch::optim::AdamWOptions().weight_decay(0.1));
+      if (strategy != ShardingStrategy::kNoShard) {
+        msg = error_of([&] { decays.step(); });
+        EXPECT_CONTAINS(msg, "An optimizer's step() writing it (weight decay)");
+        EXPECT_CONTAINS(msg, "wrapped model's parameters()");
+      }
 
       // The same model trains normally afterwards with the right optimizer,
       // and Module::zero_grad() on the wrapped model stays harmless.

@@ -4,8 +4,8 @@
 // torch::save / torch::load, BatchNorm under bf16, a second backward through
 // the same graph, forwards with default arguments, LibTorch's own
 // clip_grad_norm_, model->to(device), initialising parameters after
-// sharding, a gradient penalty (double backward) and custom autograd
-// Functions. Data differs per rank; the reference trains on all of it.
+// sharding, a gradient penalty (double backward), custom autograd Functions
+// and clone(). Data differs per rank; the reference trains on all of it.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -1061,6 +1061,74 @@ TEST(UserHabits, CustomAutogradFunctionsOnUnitParameters) {
       }
     });
   }
+}
+
+// A Cloneable model, as LibTorch code that clones models writes them:
+// reset() builds the children, units when `wrap` is set.
+struct CloneNetImpl : nn::Cloneable<CloneNetImpl> {
+  explicit CloneNetImpl(bool wrap = false) : wrap_(wrap) { reset(); }
+  void reset() override {
+    fc = register_module("fc", nn::Linear(7, 16));
+    nn::Linear block_linear(16, 16);
+    block = wrap_ ? nn::AnyModule(FullyShardedDataParallel<nn::LinearImpl>(block_linear))
+                  : nn::AnyModule(block_linear);
+    register_module("block", block.ptr());
+    head = register_module("head", nn::Linear(16, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return head(torch::relu(block.forward(torch::relu(fc(x)))));
+  }
+  bool wrap_;
+  nn::Linear fc{nullptr}, head{nullptr};
+  nn::AnyModule block;
+};
+TORCH_MODULE(CloneNet);
+
+// Item 14: model->clone() for a target network. A wrapper refuses, naming
+// the ways that work, as does a wrapped module's clone() reaching nested
+// units (which would otherwise come back freshly initialised); the way it
+// names gives the full parameters; a fully_shard model clones as LibTorch
+// does, into a plain copy that stays put while the original trains.
+TEST(UserHabits, CloningAModelForATargetNetwork) {
+  run_ranks_ok(2, [](int, int world) {
+    init();
+    torch::manual_seed(0);
+    CloneNet reference;
+    torch::manual_seed(0);
+    FullyShardedDataParallel<CloneNetImpl> model(std::make_shared<CloneNetImpl>(true));
+    const std::string refused = error_of([&] { model->clone(); });
+    EXPECT_TRUE(contains(refused, "cannot clone the FSDP unit around a") &&
+                contains(refused, "fsdp::load_full_state_dict(copy, fsdp::full_state_dict(model))"))
+        << refused;
+    const std::string nested = error_of([&] {
+      SummonFullParams full(*model.ptr());
+      model->module().clone();
+    });
+    EXPECT_TRUE(contains(nested, "cannot clone the FSDP unit around a torch::nn::LinearImpl"))
+        << nested;
+    auto opt = adamw(model->parameters());
+    auto ref_opt = adamw(reference->parameters());
+    train_step(reference, *ref_opt, model, *opt, 0, world);
+    // The way the error names: a plain twin with the full parameters.
+    torch::manual_seed(5);
+    CloneNet target;
+    load_full_state_dict(*target, full_state_dict(*model.ptr()));
+    expect_same_params(*target, *reference, "target from full_state_dict");
+
+    torch::manual_seed(0);
+    CloneNet sharded;
+    Unit& root = fully_shard(sharded, module_type_policy<nn::LinearImpl>());
+    auto fs_opt = adamw(root.flat_parameters());
+    train_step(reference, *ref_opt, sharded, *fs_opt, 1, world);
+    std::shared_ptr<nn::Module> copy;
+    {
+      SummonFullParams full(*sharded);
+      copy = sharded->clone();
+    }
+    EXPECT_EQ(unit_of(*copy), nullptr) << "the clone is a plain model";
+    SummonFullParams full(*sharded);
+    expect_same_params(*copy, *sharded, "fully_shard clone");
+  });
 }
 
 }  // namespace test_user_habits

@@ -196,6 +196,10 @@ class Unit {
   /// [Module::to on a sharded model].
   void to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
                c10::optional<at::ScalarType> dtype, bool non_blocking);
+  /// Module::clone (and a Cloneable parent's copy) of the wrapper `self`:
+  /// refused with one line naming the ways that work, on the rank that
+  /// clones. See Note [Cloning a wrapped model].
+  [[noreturn]] void refuse_clone(const torch::nn::Module& self) const;
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
   /// Called by the wrapper after the wrapped forward with the tensors of its

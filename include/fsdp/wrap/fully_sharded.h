@@ -195,6 +195,14 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     to_unit(*this, device, c10::nullopt, non_blocking);
   }
 
+  /// Module::clone: refused, naming what works (Unit::refuse_clone); a
+  /// pass-through's is LibTorch's.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override {
+    if (!is_active()) return torch::nn::Module::clone(device);
+    refuse_clone(*this);
+  }
+
   /// What the optimizer steps: the flat shards of this unit and the units in it.
   /// (Hides Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool recurse = true) const {
@@ -208,6 +216,12 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   Impl& module() const { return *module_; }
 
  private:
+  // A Cloneable parent's clone() copies its children through clone_: a
+  // unit's values cannot be copied so (Unit::refuse_clone).
+  void clone_(torch::nn::Module&, const c10::optional<torch::Device>&) override {
+    if (is_active()) refuse_clone(*this);
+  }
+
   // The wrapped forward under activation_checkpoint() (see
   // Unit::set_activation_checkpointing).
   template <typename... Given>

@@ -38,8 +38,14 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   void to(torch::Device device, bool non_blocking = false) override;
   /// The flat shards of this unit and the units nested in it.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
+  /// See FullyShardedDataParallelImpl::clone: refused, naming what works.
+  std::shared_ptr<torch::nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override;
 
  private:
+  // See FullyShardedDataParallelImpl::clone_.
+  void clone_(torch::nn::Module& other, const c10::optional<torch::Device>& device) override;
+
   torch::nn::AnyModule module_;
 };
 TORCH_MODULE(AnyUnit);
