@@ -80,11 +80,11 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
            ", which is sharded: its data exists only while its FSDP unit runs. Initialise or "
            "change parameters before wrapping, or inside fsdp::SummonFullParams(model, "
            "fsdp::SummonOptions().writeback(true)) on every rank, which gathers them and keeps "
-           "each rank's part of what was written. An optimizer's step() writing it (weight "
-           "decay) was built on the unwrapped module's parameters (named_parameters()): build it "
-           "on "
-           "the flat shards, the wrapped model's parameters(), or Unit::named_flat_parameters() "
-           "with FSDPOptions().use_orig_params(true) for parameter groups.";
+           "each rank's part of what was written. If an optimizer's step() wrote it (weight "
+           "decay), it was built on the unwrapped module's parameters (named_parameters()): "
+           "build it on the flat shards, the wrapped model's parameters(), or "
+           "Unit::named_flat_parameters() with FSDPOptions().use_orig_params(true) for "
+           "parameter groups.";
   }
   return error_prefix(-1, "parameters") + op + " used " + e.what +
          ", which is sharded: its data exists only while its FSDP unit runs. To read or copy "

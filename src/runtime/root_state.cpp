@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
 #include <vector>
@@ -68,9 +69,15 @@ void RootState::begin_forward() {
   for (const c10::Device& device : stream_devices_) {
     side_stream_waits_for_current(device, SideStream::kCopyIn);
   }
-  // A forward between a backward that built a graph and the backward
-  // through it belongs to the same iteration (Note [Double backward]).
-  if (phase_ == BackwardPhase::kNone || phase_ == BackwardPhase::kGraphKept) return;
+  if (phase_ == BackwardPhase::kNone) return;
+  if (phase_ == BackwardPhase::kGraphKept) {
+    // A forward between a backward that built a graph and the backward
+    // through it belongs to the same iteration; what the graph holds is
+    // gathered again in place, in case a step changed the shards (Note
+    // [Double backward]). The same units in the same order on every rank.
+    for (UnitRuntime* unit : graph_units_) unit->refresh_gathered();
+    return;
+  }
   // Autograd drops the callbacks of a backward that failed, so nothing of it
   // completes: its launched reductions are forgotten here and by each unit
   // (UnitRuntime::abandon_iteration), and the next backward queues its own
@@ -97,27 +104,34 @@ void RootState::release_held(bool keep_newest) {
 }
 
 void RootState::set_phase(BackwardPhase to) {
-  const BackwardPhase from = phase_;
-  const bool allowed = to == BackwardPhase::kNone ||
-                       ((from == BackwardPhase::kNone || from == BackwardPhase::kGraphKept) &&
-                        (to == BackwardPhase::kRunning || to == BackwardPhase::kBuildingGraph)) ||
-                       (from == BackwardPhase::kBuildingGraph && to == BackwardPhase::kGraphKept);
+  using P = BackwardPhase;
+  const P from = phase_;
+  const bool starts = to == P::kRunning || to == P::kRetaining || to == P::kBuildingGraph;
+  const bool allowed =
+      to == P::kNone || ((from == P::kNone || from == P::kGraphKept) && starts) ||
+      ((from == P::kBuildingGraph || from == P::kRetaining) && to == P::kGraphKept);
   TORCH_INTERNAL_ASSERT(allowed, "fsdp: backward phase ", static_cast<int>(from), " to ",
                         static_cast<int>(to));
   phase_ = to;
-  if (to == BackwardPhase::kNone) graph_units_.clear();  // they may reshard now
+  if (to == P::kNone) graph_units_.clear();  // they may reshard now
 }
 
 bool RootState::holds_for_graph(const UnitRuntime& unit) const {
-  if (phase_ != BackwardPhase::kBuildingGraph && phase_ != BackwardPhase::kGraphKept) return false;
+  if (phase_ == BackwardPhase::kNone || phase_ == BackwardPhase::kRunning) return false;
   return std::find(graph_units_.begin(), graph_units_.end(), &unit) != graph_units_.end();
 }
 
 void RootState::queue_end_of_backward() {
   if (in_backward()) return;
   // Hooks run in grad mode exactly when backward builds a graph
-  // (create_graph): see Note [Double backward].
-  set_phase(at::GradMode::is_enabled() ? BackwardPhase::kBuildingGraph : BackwardPhase::kRunning);
+  // (create_graph), and see whether it keeps its graph: see Note [Double
+  // backward].
+  if (at::GradMode::is_enabled()) {
+    set_phase(BackwardPhase::kBuildingGraph);
+  } else {
+    set_phase(torch::autograd::get_current_graph_task_keep_graph() ? BackwardPhase::kRetaining
+                                                                   : BackwardPhase::kRunning);
+  }
   torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
 }
 
@@ -245,7 +259,10 @@ void RootState::end_of_backward() {
     set_phase(BackwardPhase::kGraphKept);
     return;
   }
-  set_phase(BackwardPhase::kNone);
+  // A backward with retain_graph through a built graph: a second may follow
+  // through both, so what the built graph reads stays gathered.
+  const bool retained = phase_ == BackwardPhase::kRetaining && !graph_units_.empty();
+  set_phase(retained ? BackwardPhase::kGraphKept : BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
@@ -290,17 +307,30 @@ void RootState::end_of_backward() {
 // finished (kGraphKept): its units stay in kPreBackward, the reduction order
 // stays, and the units gathered then stay gathered, through forwards in
 // between too (WGAN-GP computes the penalty's gradient before or after the
-// critic's other forwards), until the next backward that builds no graph:
-// it finishes both, one reduction per unit of the gradients both brought and
-// one end-of-backward agreement, so ranks issue the same collectives as for
-// a plain backward. In it a unit reshards at its gradient's reduction, as
-// usual: by then every node that read its parameters has run (each has an
-// edge to their AccumulateGrad). A graph built and never differentiated
-// keeps its units gathered until the next backward ends. Gradients of the
-// parameters themselves inside such a backward (a .grad carrying a graph, as
+// critic's other forwards, and may log a score under no_grad), until the
+// next backward that builds no graph: it finishes both, one reduction per
+// unit of the gradients both brought and one end-of-backward agreement, so
+// ranks issue the same collectives as for a plain backward. In it a unit
+// reshards at its gradient's reduction, as usual: by then every node that
+// read its parameters has run (each has an edge to their AccumulateGrad).
+// That backward with retain_graph (kRetaining) keeps them gathered after it
+// too, for a second backward through the same graph. The units are released
+// when a backward without retain_graph ends, so a graph built only to be
+// logged holds them until the next step's backward. Meanwhile an optimizer
+// step or a load may change their shards (LibTorch's optimizers write
+// through .data(), which no version counter sees), so what reads the
+// gathered values gathers them again in place first (the same storage, which
+// the graph's saved views share): a forward (RootState::begin_forward), a
+// SummonFullParams or state dict outside one (gather_full_params), a
+// torch::save (save_unit). Each is collective by contract, so ranks issue
+// the same all-gathers. Gradients of the parameters themselves inside
+// a backward that builds a graph (a .grad carrying a graph, as
 // loss.backward({}, true, true) leaves it) are an error naming the unit: a
 // unit's gradient is reduced and sharded as it arrives, so it cannot carry
-// one. PyTorch's FSDP warns that it does not support double backward.
+// one. Ranks must build the same graph: a backward with create_graph that
+// reaches a FULL_SHARD unit on some ranks only is not agreed on (its end
+// issues no collective), so their next gathers differ. PyTorch's FSDP warns
+// that it does not support double backward.
 
 // Note [Parameters without gradients]
 // In plain LibTorch a parameter the forward did not use keeps its .grad

@@ -1,8 +1,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <fsdp/comm/work.h>
@@ -76,15 +78,17 @@ class RootState {
   /// Backward runs: a pre-backward hook fired and the end-of-backward callback
   /// has not yet.
   bool in_backward() const {
-    return phase_ == BackwardPhase::kRunning || phase_ == BackwardPhase::kBuildingGraph;
+    return phase_ == BackwardPhase::kRunning || phase_ == BackwardPhase::kRetaining ||
+           phase_ == BackwardPhase::kBuildingGraph;
   }
 
-  /// A backward with create_graph ended and no backward went through the
-  /// graph it built yet: its units stay gathered (Note [Double backward]).
+  /// A graph that a backward with create_graph built may still be
+  /// differentiated, and no backward runs: its units stay gathered (Note
+  /// [Double backward]).
   bool keeps_graph() const { return phase_ == BackwardPhase::kGraphKept; }
-  /// `unit` was gathered when a backward with create_graph ended, and no
-  /// backward has ended since: the graph it built reads its parameters, so it
-  /// does not reshard but at its gradient's reduction (Note [Double backward]).
+  /// `unit` was gathered when a backward with create_graph ended, and the
+  /// graph it built may still be differentiated: it reads the unit's
+  /// parameters, so the unit does not reshard (Note [Double backward]).
   bool holds_for_graph(const UnitRuntime& unit) const;
 
   // Note [Copy-in on a stream of its own]
@@ -103,11 +107,13 @@ class RootState {
   enum class BackwardPhase {
     kNone,           // no backward under way
     kRunning,        // a hook fired: end_of_backward() is queued with the engine
+    kRetaining,      // the same, in a backward with retain_graph
     kBuildingGraph,  // the same, in a backward with create_graph (grad mode on)
-    kGraphKept,      // that backward ended: its units stay gathered for the
-                     // backward through the graph it built
+    kGraphKept,      // a built graph may still be differentiated: the units
+                     // gathered for it stay gathered
   };
   void set_phase(BackwardPhase to);
+
   void end_of_backward();
   std::vector<std::vector<bool>> agree_received_grads() const;
 

@@ -98,10 +98,17 @@ void Unit::to_unit(torch::nn::Module& self, c10::optional<c10::Device> device,
 // are an error naming what works: a plain twin loaded from
 // full_state_dict() (collective), or a model made by fully_shard, which is
 // the user's own Cloneable module and clones as in LibTorch (a plain copy of
-// what it holds: under SummonFullParams, the full parameters).
+// what it holds: under SummonFullParams, the full parameters). A
+// pass-through wrapper's copy would keep fresh values the same way: refused
+// too, naming the module it wraps.
 void Unit::refuse_clone(const torch::nn::Module& self) const {
   const FlatParameter* flat = flat_param();
   const torch::nn::Module* wrapped = wrapped_module() != nullptr ? wrapped_module() : &self;
+  FSDP_CHECK(is_active(), -1, "Module::clone",
+             "cannot clone the pass-through FSDP wrapper around a ", wrapped->name(),
+             " (fsdp::wrap() outside a wrapping scope): a copy made by clone() would keep "
+             "freshly initialised parameters. Clone the module it wraps, or build the model "
+             "again and load its state");
   FSDP_FAIL(flat != nullptr ? flat->group().rank() : -1, "Module::clone",
             "cannot clone the FSDP unit around a ", wrapped->name(),
             ": its parameters are shards spread over the ranks, and a copy made by clone() "

@@ -297,7 +297,9 @@ void UnitRuntime::prefetch_backward() {
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
-  // See Note [Double backward].
+  // See Note [Double backward]. The gradient and its graph are dropped
+  // first: a later backward would add to it.
+  if (at::GradMode::is_enabled()) at::Tensor(param).mutable_grad() = at::Tensor();
   FSDP_CHECK(!at::GradMode::is_enabled(), flat_->group().rank(), path_,
              "a backward with create_graph=true computed gradients of the parameters of ", label(),
              " (", flat_->slots()[slot].name,

@@ -340,14 +340,38 @@ void UnitRuntime::refuse_activation_checkpointing(const char* output_type) const
 
 void UnitRuntime::check_idle(const char* what) {
   end_open_forward();  // see Note [Units driven by dispatch]
-  FSDP_CHECK(state_ == Unit::TrainingState::kIdle, flat_ ? flat_->group().rank() : -1, path_,
-             "cannot ", what, " while the unit is in its ", to_string(state_),
+  // Between a backward with create_graph and the one through its graph the
+  // units wait in kPreBackward, gathered, and nothing runs (Note [Double
+  // backward]).
+  const bool waits_for_graph =
+      state_ == Unit::TrainingState::kPreBackward && root_ != nullptr && root_->keeps_graph();
+  FSDP_CHECK(state_ == Unit::TrainingState::kIdle || waits_for_graph,
+             flat_ ? flat_->group().rank() : -1, path_, "cannot ", what,
+             " while the unit is in its ", to_string(state_),
              " state. Call it outside the forward and backward passes (after backward, or "
              "before the next forward)");
 }
 
+bool UnitRuntime::held_for_graph() const {
+  return root_ != nullptr && root_->holds_for_graph(*this);
+}
+
+void UnitRuntime::refresh_gathered() {
+  // See Note [Double backward]: in the storage the graph's views share.
+  if (!flat_ || !flat_->frees_unsharded() || flat_->state() != FlatParameter::State::kUnsharded) {
+    return;
+  }
+  std::optional<HeldMemory> held = flat_->reshard();
+  if (held) root().hold(std::move(*held));
+  unshard();
+}
+
 bool UnitRuntime::gather_full_params() {
   check_idle("gather the full parameters");
+  if (held_for_graph()) {  // gathered for a built graph (Note [Double backward])
+    if (!detail::unreported_uses_active()) refresh_gathered();
+    return false;
+  }
   if (!flat_ || flat_->state() == FlatParameter::State::kUnsharded) return false;
   unshard();
   return true;

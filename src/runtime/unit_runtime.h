@@ -95,6 +95,12 @@ class UnitRuntime final : public ParamUseListener {
   // Outside forward and backward (see Unit::gather_full_params).
   bool gather_full_params();
   void release_full_params();
+  // Gathered for a graph a backward with create_graph built, which may still
+  // be differentiated (Note [Double backward]).
+  bool held_for_graph() const;
+  // Such a unit's parameters gathered again in place from the shards (which
+  // an optimizer step may have changed). Collective.
+  void refresh_gathered();
   void write_back_full_params();
 
   void zero_optim_grads(bool set_to_none);

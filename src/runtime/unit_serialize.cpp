@@ -17,6 +17,7 @@
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "runtime/unit_collectives.h"
+#include "runtime/unit_runtime.h"
 
 namespace fsdp {
 
@@ -87,9 +88,13 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
   std::unordered_map<const void*, at::Tensor> full;
   if (flat != nullptr) {
     at::Tensor all;  // the padded full buffer, unless the original parameters hold the values
+    // Gathered for a built graph, outside SummonFullParams: maybe stale
+    // since an optimizer step (Note [Double backward]).
+    const bool stale = !detail::unreported_uses_active() && runtime().held_for_graph();
     if (flat->keeps_unsharded()) {
       all = flat->shard().detach();
-    } else if (flat->state() != FlatParameter::State::kUnsharded || flat->low_precision()) {
+    } else if (flat->state() != FlatParameter::State::kUnsharded || flat->low_precision() ||
+               stale) {
       const bool low = flat->low_precision() && flat->state() == FlatParameter::State::kUnsharded;
       FSDP_CHECK(!detail::unreported_uses_active(), flat->group().rank(), flat->unit_path(),
                  "expected the full parameters on this rank to save them inside "

@@ -106,7 +106,7 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
                                  torch::optim::AdamWOptions().weight_decay(0.1));
       if (strategy != ShardingStrategy::kNoShard) {
         msg = error_of([&] { decays.step(); });
-        EXPECT_CONTAINS(msg, "An optimizer's step() writing it (weight decay)");
+        EXPECT_CONTAINS(msg, "If an optimizer's step() wrote it (weight decay)");
         EXPECT_CONTAINS(msg, "wrapped model's parameters()");
       }
 

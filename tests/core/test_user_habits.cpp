@@ -792,31 +792,40 @@ torch::Tensor penalised_loss(Model& model, const torch::Tensor& x, const torch::
   return torch::mse_loss(out, y) + 0.1 * g.pow(2).sum(1).mean();
 }
 
+// One step of `model` with the gradient penalty, as users vary it: at step
+// 0 the full parameters are summoned between the penalty's gradient and
+// backward; at step 1 a penalty is computed again after backward, only to be
+// logged, before the optimizer steps (its graph is never differentiated);
+// at step 2 backward runs twice through the same graph (retain_graph).
+template <typename Model>
+void penalty_step(Model& model, torch::optim::Optimizer& opt, const torch::Tensor& x,
+                  const torch::Tensor& y, int step) {
+  opt.zero_grad();
+  const torch::Tensor loss = penalised_loss(model, x, y);
+  if (step == 0) SummonFullParams full(*model.ptr());
+  if (step == 2) loss.backward({}, /*retain_graph=*/true);
+  loss.backward();
+  if (step == 1) penalised_loss(model, x, y);
+  opt.step();
+}
+
 // Trains `model` (rooted at `root`) beside a plain Net with the gradient
-// penalty, comparing every step; at step 1 a graph is built and dropped (no
-// backward through it) first. Then checks that gradients of the parameters
-// with create_graph are refused.
+// penalty (penalty_step), comparing after each step but the one whose
+// logged graph the next forward must not read stale. Then checks that gradients
+// of the parameters with create_graph are refused.
 template <typename Model>
 void expect_penalty_training(Model& model, Unit& root, int world, const std::string& what) {
   torch::manual_seed(0);
   Net reference(false, FSDPOptions());
   // SGD: its step follows the gradient's size, which Adam's first steps hide.
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  auto ref_opt = std::make_unique<torch::optim::SGD>(reference->parameters(), sgd);
-  auto opt = std::make_unique<torch::optim::SGD>(root.flat_parameters(), sgd);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
   for (int step = 0; step < 3; ++step) {
     torch::manual_seed(step);
     torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    if (step == 1) {
-      penalised_loss(model, local_block(x), local_block(y));
-      penalised_loss(reference, x, y);
-    }
-    ref_opt->zero_grad();
-    penalised_loss(reference, x, y).backward();
-    ref_opt->step();
-    opt->zero_grad();
-    penalised_loss(model, local_block(x), local_block(y)).backward();
-    opt->step();
+    penalty_step(reference, ref_opt, x, y, step);
+    penalty_step(model, opt, local_block(x), local_block(y), step);
+    if (step == 1) continue;  // the next forward reads what the logged graph held
     SummonFullParams full(*model.ptr());
     expect_same_params(*model.ptr(), *reference, what + " step " + std::to_string(step));
   }

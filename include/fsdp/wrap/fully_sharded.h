@@ -195,12 +195,11 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     to_unit(*this, device, c10::nullopt, non_blocking);
   }
 
-  /// Module::clone: refused, naming what works (Unit::refuse_clone); a
-  /// pass-through's is LibTorch's.
+  /// Module::clone: refused, naming what works (Unit::refuse_clone).
   std::shared_ptr<torch::nn::Module> clone(
-      const c10::optional<torch::Device>& device = c10::nullopt) const override {
-    if (!is_active()) return torch::nn::Module::clone(device);
+      const c10::optional<torch::Device>& = c10::nullopt) const override {
     refuse_clone(*this);
+    return nullptr;  // not reached
   }
 
   /// What the optimizer steps: the flat shards of this unit and the units in it.
@@ -219,7 +218,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   // A Cloneable parent's clone() copies its children through clone_: a
   // unit's values cannot be copied so (Unit::refuse_clone).
   void clone_(torch::nn::Module&, const c10::optional<torch::Device>&) override {
-    if (is_active()) refuse_clone(*this);
+    refuse_clone(*this);
   }
 
   // The wrapped forward under activation_checkpoint() (see
