@@ -1115,6 +1115,12 @@ TEST(UserHabits, CloningAModelForATargetNetwork) {
     });
     EXPECT_TRUE(contains(nested, "cannot clone the FSDP unit around a torch::nn::LinearImpl"))
         << nested;
+    // A pass-through wrapper (no unit) would keep fresh values the same way.
+    FullyShardedDataParallel<nn::LinearImpl> pass(nn::Linear(2, 2), FSDPOptions(),
+                                                  /*enabled=*/false);
+    const std::string passing = error_of([&] { pass->clone(); });
+    EXPECT_TRUE(contains(passing, "cannot clone the pass-through FSDP wrapper around a"))
+        << passing;
     auto opt = adamw(model->parameters());
     auto ref_opt = adamw(reference->parameters());
     train_step(reference, *ref_opt, model, *opt, 0, world);
