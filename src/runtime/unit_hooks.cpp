@@ -86,7 +86,11 @@ void UnitRuntime::unshard() {
 
 void UnitRuntime::reshard() {
   if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
-  if (root_ != nullptr && root_->holds_for_graph(*this)) return;  // Note [Double backward]
+  if (held_for_graph()) return;  // Note [Double backward]
+  free_unsharded();
+}
+
+void UnitRuntime::free_unsharded() {
   wait_pending_gather();  // the all-gather writes into the buffer
   std::optional<HeldMemory> held = flat_->reshard();
   if (!held) return;
@@ -297,16 +301,18 @@ void UnitRuntime::prefetch_backward() {
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
-  // See Note [Double backward]. The gradient and its graph are dropped
-  // first: a later backward would add to it.
-  if (at::GradMode::is_enabled()) at::Tensor(param).mutable_grad() = at::Tensor();
-  FSDP_CHECK(!at::GradMode::is_enabled(), flat_->group().rank(), path_,
-             "a backward with create_graph=true computed gradients of the parameters of ", label(),
-             " (", flat_->slots()[slot].name,
-             "): libfsdp reduces and shards a unit's gradients as they arrive, so they cannot "
-             "carry a graph for a second backward. For a gradient penalty take the gradient of "
-             "the inputs, torch::autograd::grad({out}, {input}, {}, /*retain_graph=*/true, "
-             "/*create_graph=*/true), and call backward() on the loss that uses it");
+  if (at::GradMode::is_enabled()) {
+    // See Note [Double backward]. The gradient and its graph are dropped
+    // first: a later backward would add to it.
+    at::Tensor(param).mutable_grad() = at::Tensor();
+    FSDP_FAIL(flat_->group().rank(), path_,
+              "a backward with create_graph=true computed gradients of the parameters of ", label(),
+              " (", flat_->slots()[slot].name,
+              "): libfsdp reduces and shards a unit's gradients as they arrive, so they cannot "
+              "carry a graph for a second backward. For a gradient penalty take the gradient of "
+              "the inputs, torch::autograd::grad({out}, {input}, {}, /*retain_graph=*/true, "
+              "/*create_graph=*/true), and call backward() on the loss that uses it");
+  }
   // A backward that reaches this unit only through a graph an earlier
   // backward built may run no output hook (Note [Double backward]).
   if (root_ != nullptr) root_->queue_end_of_backward();

@@ -361,8 +361,7 @@ void UnitRuntime::refresh_gathered() {
   if (!flat_ || !flat_->frees_unsharded() || flat_->state() != FlatParameter::State::kUnsharded) {
     return;
   }
-  std::optional<HeldMemory> held = flat_->reshard();
-  if (held) root().hold(std::move(*held));
+  free_unsharded();
   unshard();
 }
 

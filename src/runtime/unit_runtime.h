@@ -142,9 +142,13 @@ class UnitRuntime final : public ParamUseListener {
   void unshard_async(bool prefetch);
   // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
-  // -> kSharded where the buffer is freed; a pending all-gather is waited for
-  // first (it writes into the buffer).
+  // -> kSharded where the buffer is freed, unless held for a built graph
+  // (Note [Double backward]); a pending all-gather is waited for first (it
+  // writes into the buffer).
   void reshard();
+  // reshard()'s freeing, whatever holds the unit gathered: the buffer's
+  // memory held or released as Note [Copy-in on a stream of its own] says.
+  void free_unsharded();
   // kUnsharding -> kUnsharded: waits for pending_gather_.
   void wait_pending_gather();
   void prefetch_forward();
