@@ -15,6 +15,7 @@
 #include <fsdp/error_message.h>
 #include <fsdp/memory.h>
 #include <fsdp/optim/fused.h>
+#include <fsdp/optim/sharded_grad_scaler.h>
 #include <fsdp/runtime/compute_copies.h>
 #include <fsdp/runtime/memory_plan.h>
 #include <fsdp/runtime/options.h>

@@ -21,6 +21,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -155,6 +157,26 @@ void zero_grad_in_place(Optimizer& optimizer) {
 template <typename WorkPtr>
 void wait_work(const WorkPtr& work, std::chrono::milliseconds timeout) {
   work->wait(timeout);
+}
+
+/// Multiplies each of `grads` (floating, all on `found_inf`'s device) by
+/// `inv_scale` in place, and sets `found_inf` (one float32) to 1 where one
+/// holds inf or NaN: LibTorch's AMP kernel, which has a CPU version from 2.3
+/// on; 1.13's CPU builds do the same with tensor operations.
+inline void unscale_and_check_(std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                               const at::Tensor& inv_scale) {
+#if !FSDP_TORCH_AT_LEAST(2, 3)
+  if (found_inf.device().is_cpu()) {
+    for (at::Tensor& g : grads) {
+      // In float32, as the kernel computes: a float16 gradient times a 0-dim
+      // float32 factor would round the factor to float16 first.
+      g.copy_(g.to(at::kFloat).mul_(inv_scale));
+      if (!g.isfinite().all().item<bool>()) found_inf.fill_(1.0);
+    }
+    return;
+  }
+#endif
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
 }
 
 /// The key torch::optim keeps a parameter's state under in `state` (the

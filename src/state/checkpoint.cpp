@@ -4,10 +4,14 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <sstream>
 
 #include <fsdp/comm/process_group.h>
+#include <fsdp/optim/sharded_grad_scaler.h>
 
 #include "detail/error.h"
 #include "state/agreement.h"
@@ -156,6 +160,35 @@ void Checkpointer::register_state(const std::string& name, std::function<std::st
   FSDP_CHECK(impl_->registered.count(name) == 0, /*rank=*/-1, "checkpoint", "state ", name,
              " is registered twice; use distinct names");
   impl_->registered[name] = {std::move(save), std::move(load)};
+}
+
+void Checkpointer::register_state(const std::string& name, ShardedGradScaler& scaler) {
+  // "key=value" lines, values with 17 digits: float64 round-trips exactly.
+  auto save = [&scaler] {
+    std::string text;
+    for (const auto& [key, value] : scaler.state_dict()) {
+      char line[96];
+      std::snprintf(line, sizeof line, "%s=%.17g\n", key.c_str(), value);
+      text += line;
+    }
+    return text;
+  };
+  auto load = [&scaler, name](const std::string& text) {
+    if (text.empty() && !scaler.is_enabled()) return;  // saved and resumed disabled
+    std::map<std::string, double> state;
+    std::istringstream lines(text);
+    for (std::string line; std::getline(lines, line);) {
+      const auto eq = line.find('=');
+      char* end = nullptr;
+      const double value = eq == std::string::npos ? 0 : std::strtod(line.c_str() + eq + 1, &end);
+      FSDP_CHECK(end != nullptr && *end == '\0', /*rank=*/-1, "checkpoint", "registered state '",
+                 name, "' holds '", line, "', not a grad scaler's. Register the same state ",
+                 "under this name as when saving.");
+      state[line.substr(0, eq)] = value;
+    }
+    scaler.load_state_dict(state);
+  };
+  register_state(name, std::move(save), std::move(load));
 }
 
 void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type) {

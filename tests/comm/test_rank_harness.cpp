@@ -80,10 +80,12 @@ TEST(RankHarness, FailuresCrashesAndHangsAreReported) {
   // Ranks 1 and 2 fail only once rank 0 has finished: exec'd ranks under a
   // sanitizer on a loaded machine start seconds apart, and a rank still
   // starting when the grace ends is killed, which is right but not this test.
-  char dir_template[] = "/tmp/fsdp_harness_XXXXXX";
-  ASSERT_NE(::mkdtemp(dir_template), nullptr);
-  const std::string done = std::string(dir_template) + "/rank0_done";
+  // Made once, by the test process (a rank process runs the test from its
+  // start too, and left a directory behind when each made its own).
   MultiRankOptions options;
+  const std::string dir = shared_temp_dir(options, "harness");
+  ASSERT_FALSE(dir.empty());
+  const std::string done = dir + "/rank0_done";
   options.deadline = std::chrono::seconds(60);
   options.failure_grace = std::chrono::seconds(3);
   options.env["FSDP_TEST_RANK0_DONE"] = done;
@@ -103,7 +105,7 @@ TEST(RankHarness, FailuresCrashesAndHangsAreReported) {
       },
       options);
   std::remove(done.c_str());
-  ::rmdir(dir_template);
+  ::rmdir(dir.c_str());
   ASSERT_EQ(outcomes.size(), 4u);
   EXPECT_EQ(outcomes[0].exit_code, 0) << describe(outcomes[0]);
   EXPECT_EQ(outcomes[1].exit_code, 1) << describe(outcomes[1]);

@@ -20,6 +20,7 @@
 #include "bf16_parity.h"
 #include "detail/torch_compat.h"
 #include "error_of.h"
+#include "float16_scaling.h"
 #include "multi_rank.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
@@ -181,6 +182,16 @@ TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {
     bf16_parity::expect_bf16_matches_reference(group, rank, world, torch::Device(torch::kCUDA, 0),
                                                &bf16_bytes);
     EXPECT_GT(bf16_bytes, 0);
+  });
+}
+
+// float16 parameters with ShardedGradScaler on the GPU (LibTorch's AMP
+// kernel unscales there): the CPU's test_sharded_grad_scaler, on GPU 0.
+TEST_P(CudaUnits, Float16WithShardedGradScalerOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    float16_scaling::expect_float16_trains_with_scale(torch::Device(torch::kCUDA, 0));
   });
 }
 

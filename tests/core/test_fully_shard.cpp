@@ -530,25 +530,11 @@ TEST(FullyShard, MixedPrecisionMatchesPlainBf16Computation) {
   });
 }
 
-// A directory the test process makes and its rank processes share (through
-// `options`' environment); empty if it could not be made.
-std::string shared_temp_dir(MultiRankOptions& options) {
-  std::string dir;
-  if (is_rank_process()) {
-    dir = std::getenv("FULLY_SHARD_TEST_DIR");
-  } else {
-    char tmpl[] = "/tmp/fsdp_fully_shard_XXXXXX";
-    if (::mkdtemp(tmpl) != nullptr) dir = tmpl;
-  }
-  options.env["FULLY_SHARD_TEST_DIR"] = dir;
-  return dir;
-}
-
 // Runs `body(rank, world, dir)` on `world` ranks (process group joined) with
 // a directory they share, removed afterwards.
 void run_with_dir(int world, const std::function<void(int, int, const std::string&)>& body) {
   MultiRankOptions with_dir;
-  const std::string dir = shared_temp_dir(with_dir);
+  const std::string dir = shared_temp_dir(with_dir, "fully_shard");
   ASSERT_FALSE(dir.empty());
   run_ranks_ok(
       world,

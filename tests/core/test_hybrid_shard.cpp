@@ -247,17 +247,9 @@ std::vector<torch::Tensor> full_params(Root& root) {
 }
 
 TEST(HybridShard, CheckpointsLoadAtOtherLayoutsAndStrategies) {
-  // Made by the test process, passed to the rank processes.
-  std::string dir;
-  if (is_rank_process()) {
-    dir = std::getenv("HYBRID_TEST_DIR");
-  } else {
-    char tmpl[] = "/tmp/fsdp_hybrid_ckpt_XXXXXX";
-    ASSERT_NE(::mkdtemp(tmpl), nullptr);
-    dir = tmpl;
-  }
   MultiRankOptions with_dir;
-  with_dir.env["HYBRID_TEST_DIR"] = dir;
+  const std::string dir = shared_temp_dir(with_dir, "hybrid_ckpt");
+  ASSERT_FALSE(dir.empty());
   // Written by a 2 x 2 HYBRID_SHARD job after 2 AdamW steps, sharded and
   // full; the job's parameters after a third step are the expectation.
   const Layout written{2, 2};

@@ -178,4 +178,18 @@ void run_ranks_ok(int world_size, const std::function<void(int, int)>& body,
   expect_all_succeeded(run_ranks(world_size, body, options));
 }
 
+std::string shared_temp_dir(MultiRankOptions& options, const std::string& name) {
+  constexpr const char* kVariable = "FSDP_TEST_SHARED_DIR";
+  std::string dir;
+  if (is_rank_process()) {
+    const char* env = std::getenv(kVariable);
+    dir = env != nullptr ? env : "";
+  } else {
+    std::string tmpl = "/tmp/fsdp_" + name + "_XXXXXX";
+    if (::mkdtemp(tmpl.data()) != nullptr) dir = tmpl;
+  }
+  options.env[kVariable] = dir;
+  return dir;
+}
+
 }  // namespace fsdp::testing

@@ -53,6 +53,11 @@ void run_ranks_ok(int world_size, const std::function<void(int, int)>& body,
 /// True inside a rank process.
 bool is_rank_process();
 
+/// A directory the test process makes (/tmp/fsdp_<name>_XXXXXX) and its rank
+/// processes share, passed to them through `options`' environment; "" if it
+/// could not be made. The caller removes it after the run.
+std::string shared_temp_dir(MultiRankOptions& options, const std::string& name);
+
 /// Text describing an outcome, for assertion messages.
 std::string describe(const RankOutcome& outcome);
 

@@ -44,6 +44,9 @@ class FusedAdamW : public torch::optim::AdamW {
   /// reading the optimizer's state; clip_grad_norm_ is refused, step()'s
   /// closure too.
   void step_during_backward(torch::nn::Module& model);
+  /// Whether step_during_backward() is on (ShardedGradScaler refuses it: a
+  /// step already taken cannot be skipped).
+  bool steps_during_backward() const { return backward_steps_ != nullptr; }
 
   /// For `model`'s units offloaded to host memory under mixed precision:
   /// from the next step on, writes each unit's host copy in the compute
@@ -71,6 +74,8 @@ class FusedSGD : public torch::optim::SGD {
 
   /// As FusedAdamW::step_during_backward.
   void step_during_backward(torch::nn::Module& model);
+  /// As FusedAdamW::steps_during_backward.
+  bool steps_during_backward() const { return backward_steps_ != nullptr; }
 
  private:
   void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o);

@@ -17,6 +17,8 @@
 
 namespace fsdp {
 
+class ShardedGradScaler;  // <fsdp/optim/sharded_grad_scaler.h>
+
 /// How tensors are laid out on disk.
 enum class StateDictType {
   /// Rank 0 writes whole tensors (model.safetensors, optim.safetensors),
@@ -81,6 +83,10 @@ class Checkpointer {
   /// `save` returns it as text when saving, `load` receives it when loading.
   void register_state(const std::string& name, std::function<std::string()> save,
                       std::function<void(const std::string&)> load);
+  /// Registers a ShardedGradScaler's scale and growth count (the same on
+  /// every rank) under `name`, as text: what PyTorch users keep of
+  /// scaler.state_dict() in their checkpoints.
+  void register_state(const std::string& name, ShardedGradScaler& scaler);
 
   /// Writes the checkpoint to `dir` (created if needed; an old checkpoint
   /// there is invalidated first). Returns once the completion marker is

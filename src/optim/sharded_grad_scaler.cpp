@@ -1,0 +1,276 @@
+#include <fsdp/optim/sharded_grad_scaler.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdp/comm/init.h>
+#include <fsdp/optim/fused.h>
+
+#include "comm/agreement.h"
+#include "detail/error.h"
+#include "detail/torch_compat.h"
+
+// Note [One decision for every rank]
+// A float16 step overflows in some gradient elements, not in all: the largest
+// gradient of a backward passes float16's 65504 first. Sharded, that element
+// lives in one rank's shard, so a check of this rank's gradients alone finds
+// inf on one rank and nothing on the others: that rank skips the step, the
+// others take it, and the shards of one model come from different
+// trajectories (no error; and the scales drift apart too). So the flag is
+// agreed: each rank checks its own gradients on their own devices, and one
+// small all-reduce (max) over the group makes it the same everywhere, as
+// PyTorch's ShardedGradScaler all-reduces its found_inf. The agreement reads
+// the flags on the host once per optimizer and iteration; PyTorch's step()
+// reads its flag there too, to decide whether to step.
+
+namespace fsdp {
+
+namespace {
+
+const char* kWhere = "grad scaler";
+
+// PyTorch's state_dict keys.
+const char* const kStateKeys[] = {"scale", "growth_factor", "backoff_factor", "growth_interval",
+                                  "_growth_tracker"};
+
+// The settings' ranges, for the options (`saved` false: the fix names the
+// option) and for a loaded state (the fix names the file).
+void check_settings(const GradScalerOptions& o, int64_t rank, bool saved) {
+  auto fix = [saved](const char* option) {
+    return saved ? std::string("Load what an enabled scaler saved.")
+                 : std::string("Use GradScalerOptions().") + option + ".";
+  };
+  const auto scale = static_cast<float>(o.init_scale());
+  FSDP_CHECK(std::isfinite(scale) && scale > 0, rank, kWhere, saved ? "the saved " : "",
+             saved ? "scale" : "init_scale", " must be a positive float32 number, got ",
+             o.init_scale(), ". ", fix("init_scale(65536.0)"));
+  FSDP_CHECK(o.growth_factor() > 1.0 && std::isfinite(o.growth_factor()), rank, kWhere,
+             saved ? "the saved " : "", "growth_factor must be above 1, got ", o.growth_factor(),
+             ". ", fix("growth_factor(2.0)"));
+  FSDP_CHECK(o.backoff_factor() > 0.0 && o.backoff_factor() < 1.0, rank, kWhere,
+             saved ? "the saved " : "", "backoff_factor must be between 0 and 1, got ",
+             o.backoff_factor(), ". ", fix("backoff_factor(0.5)"));
+  FSDP_CHECK(o.growth_interval() > 0, rank, kWhere, saved ? "the saved " : "",
+             "growth_interval must be positive, got ", o.growth_interval(), ". ",
+             fix("growth_interval(2000)"));
+}
+
+// Each device's gradients together, for the AMP kernel (one device per call).
+std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> grads_by_device(
+    torch::optim::Optimizer& optimizer, int64_t rank) {
+  std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> out;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      FSDP_CHECK(!g.is_sparse(), rank, kWhere,
+                 "a sparse gradient cannot be unscaled. Give the optimizer dense parameters "
+                 "(torch::nn::EmbeddingOptions::sparse(false)).");
+      FSDP_CHECK(at::isFloatingType(g.scalar_type()), rank, kWhere, "a gradient of dtype ",
+                 g.scalar_type(),
+                 " cannot be unscaled. Only floating-point parameters train under a scaler.");
+      auto same = [&g](const auto& entry) { return entry.first == g.device(); };
+      auto it = std::find_if(out.begin(), out.end(), same);
+      if (it == out.end()) it = out.insert(out.end(), {g.device(), {}});
+      it->second.push_back(g);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+ShardedGradScaler::ShardedGradScaler(GradScalerOptions options)
+    : options_(std::move(options)), scale_(static_cast<float>(options_.init_scale())) {
+  check_settings(options_, rank(), /*saved=*/false);
+}
+
+ProcessGroup* ShardedGradScaler::group() const {
+  // Resolved at each use, so that a scaler made before init_process_group
+  // still agrees over the default group.
+  if (options_.process_group() != nullptr) return options_.process_group().get();
+  return is_initialized() ? default_process_group().get() : nullptr;
+}
+
+int64_t ShardedGradScaler::rank() const {
+  if (options_.process_group() != nullptr) return options_.process_group()->rank();
+  return is_initialized() ? rank_info().rank : -1;
+}
+
+void ShardedGradScaler::set_stage(PerOptimizer& state, Stage next, const char* call) const {
+  const bool allowed = (state.stage == Stage::kReady && next == Stage::kUnscaled) ||
+                       (state.stage == Stage::kUnscaled && next == Stage::kStepped);
+  if (allowed) {
+    state.stage = next;
+    return;
+  }
+  const char* why = state.stage == Stage::kStepped
+                        ? "step() has already been called on this optimizer since the last "
+                          "update()"
+                        : "unscale_() has already been called on this optimizer since the last "
+                          "update()";
+  FSDP_FAIL(rank(), kWhere, call, " refused: ", why,
+            ". Call unscale_() and step() once per optimizer, then update(), every iteration.");
+}
+
+torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
+  if (!options_.enabled()) return loss;
+  // A 0-dim float32 tensor, not a Scalar: a float16 loss times a Scalar stays
+  // float16, where 65536 is already inf.
+  return loss * at::full({}, scale_, loss.options().dtype(at::kFloat));
+}
+
+void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return;
+  const int64_t r = rank();
+  if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(&optimizer)) {
+    FSDP_CHECK(!adamw->steps_during_backward(), r, kWhere,
+               "FusedAdamW steps during backward (step_during_backward), so a step cannot be "
+               "skipped for an inf gradient. Leave step_during_backward off under a scaler.");
+  }
+  if (auto* sgd = dynamic_cast<optim::FusedSGD*>(&optimizer)) {
+    FSDP_CHECK(!sgd->steps_during_backward(), r, kWhere,
+               "FusedSGD steps during backward (step_during_backward), so a step cannot be "
+               "skipped for an inf gradient. Leave step_during_backward off under a scaler.");
+  }
+  PerOptimizer& state = per_optimizer_[&optimizer];
+  set_stage(state, Stage::kUnscaled, "unscale_()");
+  // As PyTorch: the reciprocal in float64, rounded to float32.
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
+  bool found = false;
+  for (auto& [device, grads] : grads_by_device(optimizer, r)) {
+    const auto on_device = at::TensorOptions().dtype(at::kFloat).device(device);
+    at::Tensor found_inf = at::zeros({1}, on_device);
+    compat::unscale_and_check_(grads, found_inf, at::full({1}, inv_scale, on_device));
+    found = found || found_inf.item<float>() != 0.0f;
+  }
+  // Note [One decision for every rank].
+  state.found_inf = detail::agree_reduce(group(), {found ? 1 : 0}, ReduceOp::kMax)[0] != 0;
+}
+
+bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) {
+    optimizer.step();
+    return true;
+  }
+  PerOptimizer& state = per_optimizer_[&optimizer];
+  if (state.stage == Stage::kReady) unscale_(optimizer);
+  set_stage(state, Stage::kStepped, "step()");
+  if (state.found_inf) return false;
+  optimizer.step();
+  return true;
+}
+
+void ShardedGradScaler::update() {
+  if (!options_.enabled()) return;
+  bool checked = false, found_inf = false;
+  for (const auto& entry : per_optimizer_) {
+    if (entry.second.stage == Stage::kReady) continue;
+    checked = true;
+    found_inf = found_inf || entry.second.found_inf;
+  }
+  FSDP_CHECK(checked, rank(), kWhere,
+             "update() found no gradient checked since the last update(). Call "
+             "scaler.step(optimizer) after backward, then update().");
+  // PyTorch's _amp_update_scale_: the product in float64, kept as float32; a
+  // growth that would overflow float32 leaves the scale as it is.
+  if (found_inf) {
+    scale_ = static_cast<float>(scale_ * options_.backoff_factor());
+    growth_tracker_ = 0;
+  } else if (growth_tracker_ + 1 == options_.growth_interval()) {
+    const auto grown = static_cast<float>(scale_ * options_.growth_factor());
+    if (std::isfinite(grown)) scale_ = grown;
+    growth_tracker_ = 0;
+  } else {
+    ++growth_tracker_;
+  }
+  per_optimizer_.clear();
+}
+
+void ShardedGradScaler::update(double new_scale) {
+  if (!options_.enabled()) return;
+  const auto value = static_cast<float>(new_scale);
+  FSDP_CHECK(std::isfinite(value) && value > 0, rank(), kWhere,
+             "update(new_scale) needs a positive float32 number, got ", new_scale,
+             ". Pass the scale to use from now on, e.g. update(1024.0).");
+  scale_ = value;
+  per_optimizer_.clear();
+}
+
+double ShardedGradScaler::get_scale() const { return options_.enabled() ? scale_ : 1.0; }
+
+int64_t ShardedGradScaler::growth_tracker() const { return growth_tracker_; }
+
+bool ShardedGradScaler::is_enabled() const { return options_.enabled(); }
+
+const GradScalerOptions& ShardedGradScaler::options() const { return options_; }
+
+std::map<std::string, double> ShardedGradScaler::state_dict() const {
+  if (!options_.enabled()) return {};
+  return {{"scale", scale_},
+          {"growth_factor", options_.growth_factor()},
+          {"backoff_factor", options_.backoff_factor()},
+          {"growth_interval", static_cast<double>(options_.growth_interval())},
+          {"_growth_tracker", static_cast<double>(growth_tracker_)}};
+}
+
+void ShardedGradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  const int64_t r = rank();
+  FSDP_CHECK(
+      options_.enabled(), r, kWhere,
+      "loading state into a disabled scaler. Make it with GradScalerOptions().enabled(true).");
+  FSDP_CHECK(!state.empty(), r, kWhere,
+             "the saved state is empty (saved from a disabled scaler). Load what an enabled "
+             "scaler saved, or start afresh.");
+  for (const char* key : kStateKeys) {
+    FSDP_CHECK(state.count(key) == 1, r, kWhere, "the saved state has no '", key,
+               "'. Load what ShardedGradScaler::state_dict() or torch::save(scaler, ...) wrote.");
+  }
+  GradScalerOptions loaded = options_;
+  loaded.init_scale(state.at("scale"))
+      .growth_factor(state.at("growth_factor"))
+      .backoff_factor(state.at("backoff_factor"))
+      .growth_interval(static_cast<int64_t>(state.at("growth_interval")));
+  check_settings(loaded, r, /*saved=*/true);
+  const double tracker = state.at("_growth_tracker");
+  FSDP_CHECK(tracker >= 0 && tracker < static_cast<double>(loaded.growth_interval()), r, kWhere,
+             "the saved _growth_tracker ", tracker,
+             " is not below growth_interval. Load what an enabled scaler saved.");
+  options_ = loaded.init_scale(options_.init_scale());
+  scale_ = static_cast<float>(state.at("scale"));
+  growth_tracker_ = static_cast<int64_t>(tracker);
+  per_optimizer_.clear();
+}
+
+void ShardedGradScaler::save(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [key, value] : state_dict())
+    archive.write(key, at::full({}, value, at::kDouble));
+}
+
+void ShardedGradScaler::load(torch::serialize::InputArchive& archive) {
+  std::map<std::string, double> state;
+  for (const char* key : kStateKeys) {
+    at::Tensor value;
+    if (archive.try_read(key, value)) state[key] = value.item<double>();
+  }
+  load_state_dict(state);
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                            const ShardedGradScaler& scaler) {
+  scaler.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
+                                           ShardedGradScaler& scaler) {
+  scaler.load(archive);
+  return archive;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,301 @@
+// ShardedGradScaler (PyTorch's, for LibTorch, which has no GradScaler):
+// scaled training equals plain LibTorch's unscaled training (1-3 ranks, every
+// strategy, wrapped and fully_shard, with clipping between unscale_ and step);
+// an inf in one rank's shard skips the step on every rank, where a check of
+// each rank's own shards would split them; float16 gradients that flush to
+// zero unscaled train as float32 with the scaler; its bookkeeping, errors and
+// torch::save.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "comm/agreement.h"
+#include "error_of.h"
+#include "float16_scaling.h"
+#include "multi_rank.h"
+#include "parity_ranks.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace test_sharded_grad_scaler {
+
+namespace nn = torch::nn;
+
+using float16_scaling::Sharded;
+
+torch::Tensor global_batch(int step, int world) {
+  torch::manual_seed(step);
+  return torch::randn({4 * world, 7});
+}
+
+bool all_finite(torch::optim::Optimizer& opt) {
+  for (auto& group : opt.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined() && !p.grad().isfinite().all().item<bool>()) return false;
+    }
+  }
+  return true;
+}
+
+// Every step: scale, backward, unscale_, clip, step, update, against plain
+// LibTorch without a scaler on all ranks' data. The scale (a power of two,
+// growing every other step) neither overflows nor underflows, so scaling is
+// exact and the trajectories agree to float rounding; clipping (active: the
+// norm is above max_norm) reads the unscaled gradients or the step differs.
+TEST(ShardedGradScaler, TrainsAsPlainLibTorch) {
+  in_parity_ranks([] {
+    const int world = rank_and_world().second;
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      for (const bool wrapped : {true, false}) {
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        Sharded model(wrapped, FSDPOptions().sharding_strategy(strategy));
+        const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01);
+        torch::optim::SGD ref_opt(reference->parameters(), sgd);
+        torch::optim::SGD opt(model.root.flat_parameters(), sgd);
+        ShardedGradScaler scaler(GradScalerOptions().init_scale(4096).growth_interval(2));
+        for (int step = 0; step < 4; ++step) {
+          const torch::Tensor x = global_batch(step, world);
+          ref_opt.zero_grad();
+          (reference->forward(x).pow(2).sum() / world).backward();
+          nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+          ref_opt.step();
+
+          model.module().zero_grad();  // the habit; the optimizer's zero_grad() elsewhere
+          scaler.scale(model.forward(local_block(x)).pow(2).sum()).backward();
+          scaler.unscale_(opt);
+          EXPECT_GT(model.root.clip_grad_norm_(0.5), 0.5);
+          EXPECT_TRUE(scaler.step(opt));
+          scaler.update();
+          expect_same_after_step(model.module(), *reference,
+                                 model.name() + " " + to_string(strategy), step);
+        }
+        EXPECT_EQ(scaler.get_scale(), 4096 * 4);  // grown twice
+      }
+    }
+  });
+}
+
+// The scale doubles every step until the largest gradient element overflows
+// float32. That element lies in one rank's shard: the ranks' own checks
+// disagree (asserted, so the case is real), yet every rank skips that step
+// and backs off alike, and the training equals plain LibTorch's taking the
+// same steps. Without the agreement one rank steps its shard and the others
+// do not: the parameters differ from the reference.
+TEST(ShardedGradScaler, AnInfInOneRanksShardSkipsTheStepOnEveryRank) {
+  for (const int world : {2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      torch::set_num_threads(1);
+      auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (const ShardingStrategy strategy :
+           {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+        for (const bool wrapped : {true, false}) {
+          const std::string what = std::string(wrapped ? "wrapped " : "fully_shard ") +
+                                   to_string(strategy) + " at " + std::to_string(world);
+          torch::manual_seed(0);
+          Net reference(false, FSDPOptions());
+          Sharded model(wrapped, FSDPOptions().sharding_strategy(strategy));
+          const auto sgd = torch::optim::SGDOptions(1e-5).momentum(0.9);
+          torch::optim::SGD ref_opt(reference->parameters(), sgd);
+          torch::optim::SGD opt(model.root.flat_parameters(), sgd);
+          ShardedGradScaler scaler(
+              GradScalerOptions().init_scale(std::ldexp(1.0, 120)).growth_interval(1));
+          int split = 0, skipped = 0;
+          for (int step = 0; step < 16; ++step) {
+            torch::Tensor x = global_batch(step, world);
+            x.select(1, 0).mul_(100);  // feature 0's weights get the largest gradients
+            // Targets off the current output by a little: a small loss (its
+            // scaled value stays finite) with large gradients.
+            const torch::Tensor y =
+                reference->forward(x).detach() + 0.1 * torch::randn({4 * world, 3});
+            const double scale = scaler.get_scale();
+            opt.zero_grad();
+            scaler.scale((model.forward(local_block(x)) - local_block(y)).pow(2).sum()).backward();
+            const bool finite_here = all_finite(opt);
+            const auto finite = detail::agree_gather(group.get(), {finite_here ? 1 : 0});
+            const auto n_finite = std::count(finite.begin(), finite.end(), 1);
+            split += n_finite != 0 && n_finite != world ? 1 : 0;
+            const bool stepped = scaler.step(opt);
+            scaler.update();
+            ASSERT_EQ(stepped, n_finite == world) << what;
+            EXPECT_EQ(scaler.get_scale(), stepped ? 2 * scale : scale / 2) << what;
+            skipped += stepped ? 0 : 1;
+
+            ref_opt.zero_grad();
+            ((reference->forward(x) - y).pow(2).sum() / world).backward();
+            if (stepped) ref_opt.step();
+            expect_same_after_step(model.module(), *reference, what, step);
+          }
+          EXPECT_GT(split, 0) << what << ": no step had an inf in some shards only";
+          EXPECT_GT(skipped, 0) << what;
+          EXPECT_LT(skipped, 16) << what;
+        }
+      }
+    });
+  }
+}
+
+// Float16 parameters (float32 shards and reduction) with a loss whose
+// gradients are below float16's smallest subnormal (float16_scaling.h).
+TEST(ShardedGradScaler, Float16GradientsTrainWithTheScale) {
+  try {
+    (void)torch::ones({2, 2}, torch::kHalf).mm(torch::ones({2, 2}, torch::kHalf));
+  } catch (const c10::Error&) {
+    GTEST_SKIP() << "this LibTorch has no float16 matrix product on the CPU";
+  }
+  run_ranks_ok(2, [](int, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    float16_scaling::expect_float16_trains_with_scale(torch::kCPU);
+  });
+}
+
+// The bookkeeping of PyTorch's GradScaler, its errors, disabled scalers and
+// torch::save / torch::load, in one process without a group.
+TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
+  EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().growth_factor(1.0)); }),
+                  "fsdp(grad scaler): growth_factor must be above 1, got 1");
+  EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().backoff_factor(1.5)); }),
+                  "backoff_factor must be between 0 and 1");
+  EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().init_scale(1e40)); }),
+                  "init_scale must be a positive float32 number");
+  EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().growth_interval(0)); }),
+                  "growth_interval must be positive");
+
+  nn::Linear layer(3, 2);
+  torch::optim::SGD opt(layer->parameters(), torch::optim::SGDOptions(0.1));
+  ShardedGradScaler scaler(GradScalerOptions().init_scale(8).growth_interval(3));
+  // A float16 loss scales in float32: 65536 times 2 would be inf in float16.
+  EXPECT_EQ(ShardedGradScaler().scale(torch::full({}, 2.0, torch::kHalf)).item<float>(), 131072);
+  EXPECT_CONTAINS(error_of([&] { scaler.update(); }), "update() found no gradient checked");
+  scaler.scale(layer(torch::ones({1, 3})).sum()).backward();
+  const torch::Tensor scaled_grad = layer->weight.grad().clone();
+  scaler.unscale_(opt);
+  EXPECT_TRUE(torch::equal(layer->weight.grad() * 8, scaled_grad));
+  EXPECT_CONTAINS(error_of([&] { scaler.unscale_(opt); }),
+                  "unscale_() has already been called on this optimizer since the last update()");
+  EXPECT_TRUE(scaler.step(opt));  // after unscale_, step() does not unscale again
+  EXPECT_CONTAINS(error_of([&] { scaler.step(opt); }), "step() has already been called");
+  EXPECT_CONTAINS(error_of([&] { scaler.unscale_(opt); }), "step() has already been called");
+  scaler.update();
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+
+  // An inf gradient: skipped, backed off, the growth count restarts.
+  layer->zero_grad();
+  scaler.scale(layer(torch::full({1, 3}, INFINITY)).sum()).backward();
+  const torch::Tensor before = layer->weight.detach().clone();
+  EXPECT_FALSE(scaler.step(opt));
+  EXPECT_TRUE(torch::equal(layer->weight, before));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 4);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+  scaler.update(1024.0);
+  EXPECT_EQ(scaler.get_scale(), 1024);
+
+  // torch::save and torch::load keep the scale and the growth count.
+  layer->zero_grad();
+  scaler.scale(layer(torch::ones({1, 3})).sum()).backward();
+  scaler.step(opt);
+  scaler.update();
+  std::stringstream saved;
+  torch::save(scaler, saved);
+  ShardedGradScaler loaded;
+  torch::load(loaded, saved);
+  EXPECT_EQ(loaded.get_scale(), 1024);
+  EXPECT_EQ(loaded.growth_tracker(), 1);
+  EXPECT_EQ(loaded.options().growth_interval(), 3);
+
+  // PyTorch's state_dict, and what a wrong one is told.
+  auto state = loaded.state_dict();
+  EXPECT_EQ(state.at("scale"), 1024);
+  EXPECT_EQ(state.at("_growth_tracker"), 1);
+  state.erase("growth_factor");
+  EXPECT_CONTAINS(error_of([&] { loaded.load_state_dict(state); }),
+                  "the saved state has no 'growth_factor'");
+  state["growth_factor"] = 0.5;
+  EXPECT_CONTAINS(error_of([&] { loaded.load_state_dict(state); }),
+                  "the saved growth_factor must be above 1, got 0.5. Load what an enabled scaler");
+  EXPECT_EQ(loaded.get_scale(), 1024);  // a refused state changes nothing
+
+  // Disabled: the loss as it is, a plain step, nothing saved or loaded.
+  ShardedGradScaler off(GradScalerOptions().enabled(false));
+  const torch::Tensor loss = layer(torch::ones({1, 3})).sum();
+  EXPECT_TRUE(off.scale(loss).is_same(loss));
+  EXPECT_EQ(off.get_scale(), 1.0);
+  std::stringstream nothing;
+  torch::save(off, nothing);
+  EXPECT_CONTAINS(error_of([&] { torch::load(loaded, nothing); }),
+                  "the saved state is empty (saved from a disabled scaler)");
+  std::stringstream again;
+  torch::save(scaler, again);
+  EXPECT_CONTAINS(error_of([&] { torch::load(off, again); }),
+                  "loading state into a disabled scaler");
+}
+
+// Checkpointer::register_state(name, scaler): the scale, the growth count
+// and the factors come back with resume(), in the ranks that resume.
+TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
+  MultiRankOptions with_dir;
+  const std::string dir = shared_temp_dir(with_dir, "scaler");
+  ASSERT_FALSE(dir.empty());
+  run_ranks_ok(
+      2,
+      [&dir](int, int world) {
+        torch::set_num_threads(1);
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        {
+          Sharded model(true, FSDPOptions());
+          torch::optim::SGD opt(model.root.flat_parameters(), torch::optim::SGDOptions(0.01));
+          ShardedGradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(3));
+          Checkpointer ckpt(model.module(), &opt);
+          ckpt.register_state("scaler", scaler);
+          for (int step = 0; step < 4; ++step) {
+            opt.zero_grad();
+            scaler.scale(model.forward(local_block(global_batch(step, world))).sum()).backward();
+            scaler.step(opt);
+            scaler.update();
+          }
+          ASSERT_EQ(scaler.get_scale(), 2048);
+          ckpt.save_step(dir, 4);
+        }
+        Sharded model(true, FSDPOptions());
+        torch::optim::SGD opt(model.root.flat_parameters(), torch::optim::SGDOptions(0.01));
+        ShardedGradScaler scaler;
+        Checkpointer ckpt(model.module(), &opt);
+        ckpt.register_state("scaler", scaler);
+        EXPECT_EQ(ckpt.resume(dir), 4);
+        EXPECT_EQ(scaler.get_scale(), 2048);
+        EXPECT_EQ(scaler.growth_tracker(), 1);
+        EXPECT_EQ(scaler.options().growth_interval(), 3);
+      },
+      with_dir);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// An optimizer that steps during backward cannot skip a step: refused.
+TEST(ShardedGradScaler, StepsDuringBackwardRefused) {
+  run_ranks_ok(1, [](int, int) {
+    init_process_group();
+    Sharded model(true, FSDPOptions());
+    optim::FusedSGD opt(model.root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    opt.step_during_backward(model.module());
+    ShardedGradScaler scaler;
+    scaler.scale(model.forward(torch::randn({2, 7})).sum()).backward();
+    EXPECT_CONTAINS(error_of([&] { scaler.step(opt); }),
+                    "FusedSGD steps during backward (step_during_backward)");
+  });
+}
+
+}  // namespace test_sharded_grad_scaler
+}  // namespace fsdp::testing
