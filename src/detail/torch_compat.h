@@ -167,11 +167,16 @@ inline void unscale_and_check_(std::vector<at::Tensor>& grads, at::Tensor& found
                                const at::Tensor& inv_scale) {
 #if !FSDP_TORCH_AT_LEAST(2, 3)
   if (found_inf.device().is_cpu()) {
+    // As the kernel: the check on the values before, the product in float32
+    // for float16 and bfloat16 (float64 for float64).
+    const double inv = inv_scale.item<float>();
     for (at::Tensor& g : grads) {
-      // In float32, as the kernel computes: a float16 gradient times a 0-dim
-      // float32 factor would round the factor to float16 first.
-      g.copy_(g.to(at::kFloat).mul_(inv_scale));
       if (!g.isfinite().all().item<bool>()) found_inf.fill_(1.0);
+      if (g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16) {
+        g.copy_(g.to(at::kFloat).mul_(inv));
+      } else {
+        g.mul_(inv);
+      }
     }
     return;
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,11 +84,40 @@ std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> grads_by_device(
   return out;
 }
 
+// Unscales `optimizer`'s gradients, each device's in one call; whether this
+// rank found inf or NaN.
+bool unscale_grads(torch::optim::Optimizer& optimizer, float scale, int64_t rank) {
+  // As PyTorch: the reciprocal in float64, rounded to float32.
+  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale));
+  bool found = false;
+  for (auto& [device, grads] : grads_by_device(optimizer, rank)) {
+    const auto on_device = at::TensorOptions().dtype(at::kFloat).device(device);
+    at::Tensor found_inf = at::zeros({1}, on_device);
+    compat::unscale_and_check_(grads, found_inf, at::full({1}, inv_scale, on_device));
+    found = found || found_inf.item<float>() != 0.0f;
+  }
+  return found;
+}
+
+// An optimizer that stepped during backward already stepped on the scaled,
+// unchecked gradients: refused (the docs say so before it happens).
+void refuse_steps_during_backward(torch::optim::Optimizer& optimizer, int64_t rank) {
+  const char* name = nullptr;
+  if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(&optimizer)) {
+    if (adamw->steps_during_backward()) name = "FusedAdamW";
+  } else if (auto* sgd = dynamic_cast<optim::FusedSGD*>(&optimizer)) {
+    if (sgd->steps_during_backward()) name = "FusedSGD";
+  }
+  FSDP_CHECK(name == nullptr, rank, kWhere, name,
+             " steps during backward (step_during_backward), on gradients not yet unscaled or "
+             "checked, so no step can be skipped. Leave step_during_backward off under a scaler.");
+}
+
 }  // namespace
 
 ShardedGradScaler::ShardedGradScaler(GradScalerOptions options)
     : options_(std::move(options)), scale_(static_cast<float>(options_.init_scale())) {
-  check_settings(options_, rank(), /*saved=*/false);
+  if (options_.enabled()) check_settings(options_, rank(), /*saved=*/false);
 }
 
 ProcessGroup* ShardedGradScaler::group() const {
@@ -102,18 +132,19 @@ int64_t ShardedGradScaler::rank() const {
   return is_initialized() ? rank_info().rank : -1;
 }
 
-void ShardedGradScaler::set_stage(PerOptimizer& state, Stage next, const char* call) const {
-  const bool allowed = (state.stage == Stage::kReady && next == Stage::kUnscaled) ||
-                       (state.stage == Stage::kUnscaled && next == Stage::kStepped);
-  if (allowed) {
-    state.stage = next;
+void ShardedGradScaler::check_transition(const PerOptimizer& state, Stage next,
+                                         const char* call) const {
+  if ((state.stage == Stage::kReady && next == Stage::kUnscaled) ||
+      (state.stage == Stage::kUnscaled && next == Stage::kStepped)) {
     return;
   }
-  const char* why = state.stage == Stage::kStepped
-                        ? "step() has already been called on this optimizer since the last "
+  // PyTorch's messages.
+  const char* why = state.stage == Stage::kUnscaled
+                        ? "unscale_() has already been called on this optimizer since the last "
                           "update()"
-                        : "unscale_() has already been called on this optimizer since the last "
-                          "update()";
+                    : next == Stage::kUnscaled ? "unscale_() is being called after step()"
+                                               : "step() has already been called since the last "
+                                                 "update()";
   FSDP_FAIL(rank(), kWhere, call, " refused: ", why,
             ". Call unscale_() and step() once per optimizer, then update(), every iteration.");
 }
@@ -128,29 +159,27 @@ torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
   const int64_t r = rank();
-  if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(&optimizer)) {
-    FSDP_CHECK(!adamw->steps_during_backward(), r, kWhere,
-               "FusedAdamW steps during backward (step_during_backward), so a step cannot be "
-               "skipped for an inf gradient. Leave step_during_backward off under a scaler.");
-  }
-  if (auto* sgd = dynamic_cast<optim::FusedSGD*>(&optimizer)) {
-    FSDP_CHECK(!sgd->steps_during_backward(), r, kWhere,
-               "FusedSGD steps during backward (step_during_backward), so a step cannot be "
-               "skipped for an inf gradient. Leave step_during_backward off under a scaler.");
-  }
+  refuse_steps_during_backward(optimizer, r);
   PerOptimizer& state = per_optimizer_[&optimizer];
-  set_stage(state, Stage::kUnscaled, "unscale_()");
-  // As PyTorch: the reciprocal in float64, rounded to float32.
-  const float inv_scale = static_cast<float>(1.0 / static_cast<double>(scale_));
+  check_transition(state, Stage::kUnscaled, "unscale_()");
+  // A failure on this rank is agreed too, so that no other rank waits alone in
+  // the all-reduce; either way the step is then skipped on every rank.
   bool found = false;
-  for (auto& [device, grads] : grads_by_device(optimizer, r)) {
-    const auto on_device = at::TensorOptions().dtype(at::kFloat).device(device);
-    at::Tensor found_inf = at::zeros({1}, on_device);
-    compat::unscale_and_check_(grads, found_inf, at::full({1}, inv_scale, on_device));
-    found = found || found_inf.item<float>() != 0.0f;
+  std::exception_ptr error;
+  try {
+    found = unscale_grads(optimizer, scale_, r);
+  } catch (...) {
+    error = std::current_exception();
   }
   // Note [One decision for every rank].
-  state.found_inf = detail::agree_reduce(group(), {found ? 1 : 0}, ReduceOp::kMax)[0] != 0;
+  const std::vector<int64_t> agreed =
+      detail::agree_reduce(group(), {found ? 1 : 0, error ? 1 : 0}, ReduceOp::kMax);
+  state.stage = Stage::kUnscaled;
+  state.found_inf = agreed[0] != 0 || agreed[1] != 0;
+  if (error) std::rethrow_exception(error);
+  FSDP_CHECK(agreed[1] == 0, r, kWhere,
+             "unscale_() failed on another rank (its error says why). This iteration's step is "
+             "skipped on every rank; fix that rank's error.");
 }
 
 bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
@@ -160,7 +189,8 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   PerOptimizer& state = per_optimizer_[&optimizer];
   if (state.stage == Stage::kReady) unscale_(optimizer);
-  set_stage(state, Stage::kStepped, "step()");
+  check_transition(state, Stage::kStepped, "step()");
+  state.stage = Stage::kStepped;
   if (state.found_inf) return false;
   optimizer.step();
   return true;
@@ -220,10 +250,8 @@ std::map<std::string, double> ShardedGradScaler::state_dict() const {
 }
 
 void ShardedGradScaler::load_state_dict(const std::map<std::string, double>& state) {
+  if (!options_.enabled()) return;  // as PyTorch: a disabled scaler keeps nothing
   const int64_t r = rank();
-  FSDP_CHECK(
-      options_.enabled(), r, kWhere,
-      "loading state into a disabled scaler. Make it with GradScalerOptions().enabled(true).");
   FSDP_CHECK(!state.empty(), r, kWhere,
              "the saved state is empty (saved from a disabled scaler). Load what an enabled "
              "scaler saved, or start afresh.");
@@ -231,19 +259,24 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, double>& sta
     FSDP_CHECK(state.count(key) == 1, r, kWhere, "the saved state has no '", key,
                "'. Load what ShardedGradScaler::state_dict() or torch::save(scaler, ...) wrote.");
   }
+  for (const char* key : {"growth_interval", "_growth_tracker"}) {
+    const double value = state.at(key);
+    FSDP_CHECK(value >= 0 && value < 9.0e15 && std::floor(value) == value, r, kWhere, "the saved ",
+               key, " is ", value, ", not a count. Load what an enabled scaler saved.");
+  }
   GradScalerOptions loaded = options_;
+  // As PyTorch's load_state_dict, the loaded scale is also the initial one.
   loaded.init_scale(state.at("scale"))
       .growth_factor(state.at("growth_factor"))
       .backoff_factor(state.at("backoff_factor"))
       .growth_interval(static_cast<int64_t>(state.at("growth_interval")));
   check_settings(loaded, r, /*saved=*/true);
-  const double tracker = state.at("_growth_tracker");
-  FSDP_CHECK(tracker >= 0 && tracker < static_cast<double>(loaded.growth_interval()), r, kWhere,
-             "the saved _growth_tracker ", tracker,
+  const auto tracker = static_cast<int64_t>(state.at("_growth_tracker"));
+  FSDP_CHECK(tracker < loaded.growth_interval(), r, kWhere, "the saved _growth_tracker ", tracker,
              " is not below growth_interval. Load what an enabled scaler saved.");
-  options_ = loaded.init_scale(options_.init_scale());
-  scale_ = static_cast<float>(state.at("scale"));
-  growth_tracker_ = static_cast<int64_t>(tracker);
+  options_ = loaded;
+  scale_ = static_cast<float>(loaded.init_scale());
+  growth_tracker_ = tracker;
   per_optimizer_.clear();
 }
 

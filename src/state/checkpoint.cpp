@@ -4,11 +4,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
-#include <cstdio>
-#include <cstdlib>
+#include <charconv>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <system_error>
 
 #include <fsdp/comm/process_group.h>
 #include <fsdp/optim/sharded_grad_scaler.h>
@@ -163,30 +163,35 @@ void Checkpointer::register_state(const std::string& name, std::function<std::st
 }
 
 void Checkpointer::register_state(const std::string& name, ShardedGradScaler& scaler) {
-  // "key=value" lines, values with 17 digits: float64 round-trips exactly.
+  // "key=value" lines; std::to_chars writes the shortest text that reads back
+  // as the same float64, in any locale.
   auto save = [&scaler] {
     std::string text;
     for (const auto& [key, value] : scaler.state_dict()) {
-      char line[96];
-      std::snprintf(line, sizeof line, "%s=%.17g\n", key.c_str(), value);
-      text += line;
+      char number[32];
+      const auto end = std::to_chars(number, number + sizeof number, value).ptr;
+      text += key + "=" + std::string(number, end) + "\n";
     }
     return text;
   };
   auto load = [&scaler, name](const std::string& text) {
-    if (text.empty() && !scaler.is_enabled()) return;  // saved and resumed disabled
     std::map<std::string, double> state;
     std::istringstream lines(text);
     for (std::string line; std::getline(lines, line);) {
       const auto eq = line.find('=');
-      char* end = nullptr;
-      const double value = eq == std::string::npos ? 0 : std::strtod(line.c_str() + eq + 1, &end);
-      FSDP_CHECK(end != nullptr && *end == '\0', /*rank=*/-1, "checkpoint", "registered state '",
-                 name, "' holds '", line, "', not a grad scaler's. Register the same state ",
-                 "under this name as when saving.");
+      double value = 0;
+      const char* last = line.data() + line.size();
+      bool parsed = eq != std::string::npos;
+      if (parsed) {
+        const auto result = std::from_chars(line.data() + eq + 1, last, value);
+        parsed = result.ec == std::errc() && result.ptr == last;
+      }
+      FSDP_CHECK(parsed, /*rank=*/-1, "checkpoint", "registered state '", name, "' holds '", line,
+                 "', not a grad scaler's. Register the same state under this name as when "
+                 "saving.");
       state[line.substr(0, eq)] = value;
     }
-    scaler.load_state_dict(state);
+    scaler.load_state_dict(state);  // a disabled scaler ignores it
   };
   register_state(name, std::move(save), std::move(load));
 }

@@ -50,39 +50,113 @@ bool all_finite(torch::optim::Optimizer& opt) {
 // Every step: scale, backward, unscale_, clip, step, update, against plain
 // LibTorch without a scaler on all ranks' data. The scale (a power of two,
 // growing every other step) neither overflows nor underflows, so scaling is
-// exact and the trajectories agree to float rounding; clipping (active: the
-// norm is above max_norm) reads the unscaled gradients or the step differs.
+// exact and the trajectories agree to float rounding. Clipping reads the
+// unscaled gradients: its norm equals the reference's (it would be 4096x with
+// unscale_() doing nothing; the clipped step alone cannot tell). Flat
+// shards, use_orig_params and CPU offload, wrapped and fully_shard.
 TEST(ShardedGradScaler, TrainsAsPlainLibTorch) {
   in_parity_ranks([] {
     const int world = rank_and_world().second;
+    enum class Kind { kFlat, kOrigParams, kOffload, kFullyShard };
     for (const ShardingStrategy strategy : parity_strategies()) {
-      for (const bool wrapped : {true, false}) {
+      for (const Kind kind : {Kind::kFlat, Kind::kOrigParams, Kind::kOffload, Kind::kFullyShard}) {
+        if (kind == Kind::kOffload && strategy == ShardingStrategy::kNoShard) continue;
         torch::manual_seed(0);
         Net reference(false, FSDPOptions());
-        Sharded model(wrapped, FSDPOptions().sharding_strategy(strategy));
+        const FSDPOptions options =
+            FSDPOptions()
+                .sharding_strategy(strategy)
+                .use_orig_params(kind == Kind::kOrigParams)
+                .cpu_offload(CPUOffload().offload_params(kind == Kind::kOffload));
+        Sharded model(kind != Kind::kFullyShard, options);
         const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01);
         torch::optim::SGD ref_opt(reference->parameters(), sgd);
+        // Per-parameter views of the shards under use_orig_params.
         torch::optim::SGD opt(model.root.flat_parameters(), sgd);
         ShardedGradScaler scaler(GradScalerOptions().init_scale(4096).growth_interval(2));
+        const std::string what = model.name() + " " + to_string(strategy) +
+                                 (kind == Kind::kOrigParams ? " use_orig_params"
+                                  : kind == Kind::kOffload  ? " offload"
+                                                            : "");
         for (int step = 0; step < 4; ++step) {
           const torch::Tensor x = global_batch(step, world);
           ref_opt.zero_grad();
           (reference->forward(x).pow(2).sum() / world).backward();
-          nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+          const double ref_norm = nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
           ref_opt.step();
 
           model.module().zero_grad();  // the habit; the optimizer's zero_grad() elsewhere
           scaler.scale(model.forward(local_block(x)).pow(2).sum()).backward();
           scaler.unscale_(opt);
-          EXPECT_GT(model.root.clip_grad_norm_(0.5), 0.5);
+          const double norm = model.root.clip_grad_norm_(0.5);
+          EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm) << what << " step " << step;
+          EXPECT_GT(norm, 0.5) << what;  // clipping is active
           EXPECT_TRUE(scaler.step(opt));
           scaler.update();
-          expect_same_after_step(model.module(), *reference,
-                                 model.name() + " " + to_string(strategy), step);
+          expect_same_after_step(model.module(), *reference, what, step);
         }
         EXPECT_EQ(scaler.get_scale(), 4096 * 4);  // grown twice
       }
     }
+  });
+}
+
+// Gradient accumulation: two micro-batches per step, the first inside
+// no_sync(), both scaled; then one step. As plain LibTorch on both.
+TEST(ShardedGradScaler, AccumulatesUnderNoSync) {
+  run_ranks_ok(2, [](int, int world) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    Sharded model(true, FSDPOptions());
+    const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+    torch::optim::SGD ref_opt(reference->parameters(), sgd);
+    torch::optim::SGD opt(model.root.flat_parameters(), sgd);
+    ShardedGradScaler scaler(GradScalerOptions().init_scale(1 << 20));
+    for (int step = 0; step < 3; ++step) {
+      const torch::Tensor a = global_batch(2 * step, world), b = global_batch(2 * step + 1, world);
+      ref_opt.zero_grad();
+      ((reference->forward(a).pow(2).sum() + reference->forward(b).pow(2).sum()) / world)
+          .backward();
+      ref_opt.step();
+
+      opt.zero_grad();
+      {
+        auto guard = model.root.no_sync();
+        scaler.scale(model.forward(local_block(a)).pow(2).sum()).backward();
+      }
+      scaler.scale(model.forward(local_block(b)).pow(2).sum()).backward();
+      EXPECT_TRUE(scaler.step(opt));
+      scaler.update();
+      expect_same_after_step(model.module(), *reference, "no_sync", step);
+    }
+  });
+}
+
+// An error in unscale_() on one rank (here a sparse gradient only rank 1's
+// optimizer holds) is an error on every rank, not a rank left alone in the
+// agreement: the others say another rank failed, and the step is skipped on
+// all.
+TEST(ShardedGradScaler, AnErrorOnOneRankIsAnErrorOnEvery) {
+  run_ranks_ok(2, [](int rank, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    nn::Linear layer(3, 2);
+    nn::Embedding table(nn::EmbeddingOptions(4, 2).sparse(true));
+    std::vector<torch::Tensor> params = layer->parameters();
+    if (rank == 1) params.push_back(table->weight);
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    ShardedGradScaler scaler;
+    (scaler.scale(layer(torch::ones({1, 3})).sum() + table(torch::tensor({1})).sum())).backward();
+    EXPECT_CONTAINS(
+        error_of([&] { scaler.unscale_(opt); }),
+        rank == 1 ? "a sparse gradient cannot be unscaled" : "unscale_() failed on another rank");
+    const torch::Tensor before = layer->weight.detach().clone();
+    EXPECT_FALSE(scaler.step(opt));
+    EXPECT_TRUE(torch::equal(layer->weight, before));
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 32768);
   });
 }
 
@@ -173,25 +247,35 @@ TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
                   "growth_interval must be positive");
 
   nn::Linear layer(3, 2);
-  torch::optim::SGD opt(layer->parameters(), torch::optim::SGDOptions(0.1));
+  // A 0-dim parameter (a learned temperature) and a float64 one beside the layer.
+  torch::Tensor temperature = torch::ones({}, torch::requires_grad());
+  torch::Tensor bias64 = torch::zeros({2}, torch::dtype(torch::kDouble).requires_grad(true));
+  std::vector<torch::Tensor> params = layer->parameters();
+  params.push_back(temperature);
+  params.push_back(bias64);
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
   ShardedGradScaler scaler(GradScalerOptions().init_scale(8).growth_interval(3));
   // A float16 loss scales in float32: 65536 times 2 would be inf in float16.
   EXPECT_EQ(ShardedGradScaler().scale(torch::full({}, 2.0, torch::kHalf)).item<float>(), 131072);
   EXPECT_CONTAINS(error_of([&] { scaler.update(); }), "update() found no gradient checked");
-  scaler.scale(layer(torch::ones({1, 3})).sum()).backward();
-  const torch::Tensor scaled_grad = layer->weight.grad().clone();
+  scaler.scale((layer(torch::ones({1, 3})) * temperature + bias64).sum()).backward();
+  std::vector<torch::Tensor> scaled_grads;
+  for (const auto& p : params) scaled_grads.push_back(p.grad().clone());
   scaler.unscale_(opt);
-  EXPECT_TRUE(torch::equal(layer->weight.grad() * 8, scaled_grad));
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(torch::equal(params[i].grad() * 8, scaled_grads[i])) << "parameter " << i;
+  }
   EXPECT_CONTAINS(error_of([&] { scaler.unscale_(opt); }),
                   "unscale_() has already been called on this optimizer since the last update()");
   EXPECT_TRUE(scaler.step(opt));  // after unscale_, step() does not unscale again
   EXPECT_CONTAINS(error_of([&] { scaler.step(opt); }), "step() has already been called");
-  EXPECT_CONTAINS(error_of([&] { scaler.unscale_(opt); }), "step() has already been called");
+  EXPECT_CONTAINS(error_of([&] { scaler.unscale_(opt); }),
+                  "unscale_() is being called after step()");
   scaler.update();
   EXPECT_EQ(scaler.growth_tracker(), 1);
 
   // An inf gradient: skipped, backed off, the growth count restarts.
-  layer->zero_grad();
+  opt.zero_grad();
   scaler.scale(layer(torch::full({1, 3}, INFINITY)).sum()).backward();
   const torch::Tensor before = layer->weight.detach().clone();
   EXPECT_FALSE(scaler.step(opt));
@@ -203,7 +287,7 @@ TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
   EXPECT_EQ(scaler.get_scale(), 1024);
 
   // torch::save and torch::load keep the scale and the growth count.
-  layer->zero_grad();
+  opt.zero_grad();
   scaler.scale(layer(torch::ones({1, 3})).sum()).backward();
   scaler.step(opt);
   scaler.update();
@@ -236,10 +320,11 @@ TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
   torch::save(off, nothing);
   EXPECT_CONTAINS(error_of([&] { torch::load(loaded, nothing); }),
                   "the saved state is empty (saved from a disabled scaler)");
-  std::stringstream again;
+  std::stringstream again;  // a disabled scaler ignores a state, as PyTorch's
   torch::save(scaler, again);
-  EXPECT_CONTAINS(error_of([&] { torch::load(off, again); }),
-                  "loading state into a disabled scaler");
+  torch::load(off, again);
+  EXPECT_EQ(off.get_scale(), 1.0);
+  EXPECT_FALSE(off.is_enabled());
 }
 
 // Checkpointer::register_state(name, scaler): the scale, the growth count
@@ -277,6 +362,14 @@ TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
         EXPECT_EQ(scaler.get_scale(), 2048);
         EXPECT_EQ(scaler.growth_tracker(), 1);
         EXPECT_EQ(scaler.options().growth_interval(), 3);
+        // A run resumed without float16 (the scaler disabled) ignores the
+        // saved scale, as PyTorch's load_state_dict does.
+        Sharded fp32_model(true, FSDPOptions());
+        ShardedGradScaler off(GradScalerOptions().enabled(false));
+        Checkpointer fp32_ckpt(fp32_model.module());
+        fp32_ckpt.register_state("scaler", off);
+        EXPECT_EQ(fp32_ckpt.resume(dir), 4);
+        EXPECT_EQ(off.get_scale(), 1.0);
       },
       with_dir);
   std::error_code ignored;

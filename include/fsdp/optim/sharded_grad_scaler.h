@@ -56,7 +56,7 @@ struct GradScalerOptions {
 /// ...) and torch::load(scaler, ...) keep the scale and its growth count.
 class ShardedGradScaler {
  public:
-  /// Checks the options (a one-line error names a wrong one).
+  /// Checks the options when enabled (a one-line error names a wrong one).
   explicit ShardedGradScaler(GradScalerOptions options = {});
 
   /// `loss` times the current scale (a 0-dim float32 factor, so a float16
@@ -64,8 +64,9 @@ class ShardedGradScaler {
   torch::Tensor scale(const torch::Tensor& loss) const;
 
   /// Divides the gradients `optimizer` steps by the scale, in place, and
-  /// agrees over the group whether any rank found inf or NaN. At most once
-  /// per optimizer between update()s, before step(). Collective.
+  /// agrees over the group whether any rank found inf or NaN (an error on one
+  /// rank is an error on all, and the step is skipped). At most once per
+  /// optimizer between update()s, before step(). Collective.
   void unscale_(torch::optim::Optimizer& optimizer);
 
   /// unscale_() where it was not called, then optimizer.step() unless some
@@ -92,14 +93,15 @@ class ShardedGradScaler {
   /// PyTorch's state_dict(): "scale", "growth_factor", "backoff_factor",
   /// "growth_interval", "_growth_tracker"; empty when disabled.
   std::map<std::string, double> state_dict() const;
-  /// Restores what state_dict() returned; an error names a missing or wrong
-  /// entry, or a disabled scaler.
+  /// Restores what state_dict() returned (the scale becomes init_scale too,
+  /// as in PyTorch); an error names a missing or wrong entry. A disabled
+  /// scaler ignores it, as PyTorch's does.
   void load_state_dict(const std::map<std::string, double>& state);
 
   /// Writes state_dict() into `archive` (torch::save); a disabled scaler
   /// writes nothing.
   void save(torch::serialize::OutputArchive& archive) const;
-  /// Reads what save() wrote (torch::load).
+  /// Reads what save() wrote (torch::load), as load_state_dict().
   void load(torch::serialize::InputArchive& archive);
 
  private:
@@ -110,7 +112,8 @@ class ShardedGradScaler {
     bool found_inf = false;  // agreed over the group; valid from kUnscaled on
   };
 
-  void set_stage(PerOptimizer& state, Stage next, const char* call) const;
+  /// Throws PyTorch's message where `call` may not move `state` to `next`.
+  void check_transition(const PerOptimizer& state, Stage next, const char* call) const;
   ProcessGroup* group() const;
   int64_t rank() const;
 
