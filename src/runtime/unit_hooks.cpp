@@ -327,10 +327,14 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     slot_filled_.assign(flat_->slots().size(), false);
   }
   at::Tensor dst = flat_->slot_view(flat_grad_, slot);
+  // A sparse gradient (torch::nn::Embedding with sparse(true)) lands in the
+  // dense flat gradient: the reduction is dense, and a dense step moves the
+  // parameter as the sparse one does in plain LibTorch.
+  const at::Tensor grad = param.grad().is_sparse() ? param.grad().to_dense() : param.grad();
   if (slot_filled_[slot]) {
-    dst.add_(param.grad().reshape({-1}));
+    dst.add_(grad.reshape({-1}));
   } else {
-    dst.copy_(param.grad().reshape({-1}));
+    dst.copy_(grad.reshape({-1}));
     slot_filled_[slot] = true;
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];

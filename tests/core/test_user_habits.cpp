@@ -25,6 +25,7 @@
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
+#include "parity_ranks.h"
 #include "test_models.h"
 
 namespace fsdp::testing {
@@ -1143,6 +1144,60 @@ TEST(UserHabits, CloningAModelForATargetNetwork) {
     EXPECT_EQ(unit_of(*copy), nullptr) << "the clone is a plain model";
     SummonFullParams full(*sharded);
     expect_same_params(*copy, *sharded, "fully_shard clone");
+  });
+}
+
+// A sparse embedding (torch::nn::Embedding with sparse(true), whose backward
+// makes a sparse gradient) inside a unit: it trains as in plain LibTorch
+// (there with sparse gradients; here densified into the unit's flat
+// gradient), wrapped, with use_orig_params and fully_shard, at 1-3 ranks.
+// It failed with LibTorch's "reshape is not implemented for sparse tensors".
+struct SparseNetImpl : nn::Module {
+  SparseNetImpl() {
+    table = register_module("table", nn::Embedding(nn::EmbeddingOptions(12, 6).sparse(true)));
+    head = register_module("head", nn::Linear(6, 2));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) { return head(table(ids)).sum(1); }
+  nn::Embedding table{nullptr};
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(SparseNet);
+
+TEST(UserHabits, SparseEmbeddingTrainsAsInPlainLibTorch) {
+  in_parity_ranks([] {
+    const int world = rank_and_world().second;
+    for (const char* kind : {"wrapped", "use_orig_params", "fully_shard"}) {
+      torch::manual_seed(0);
+      SparseNet reference;
+      torch::manual_seed(0);
+      SparseNet plain;
+      const auto options = FSDPOptions().use_orig_params(std::string(kind) == "use_orig_params");
+      FullyShardedDataParallel<SparseNetImpl> wrapper{nullptr};
+      std::vector<torch::Tensor> params;
+      if (std::string(kind) == "fully_shard") {
+        params = fully_shard(plain, options).flat_parameters();
+      } else {
+        torch::manual_seed(0);
+        wrapper = FullyShardedDataParallel<SparseNetImpl>(SparseNet(), options);
+        params = wrapper->parameters();
+      }
+      const auto sgd = torch::optim::SGDOptions(0.02).momentum(0.9);
+      torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(params, sgd);
+      nn::Module& model = wrapper ? static_cast<nn::Module&>(*wrapper) : *plain;
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(step);
+        const torch::Tensor ids = torch::randint(12, {4 * world, 3});
+        ref_opt.zero_grad();
+        reference->forward(ids).pow(2).mean().backward();  // the ranks' mean
+        ASSERT_TRUE(reference->table->weight.grad().is_sparse());
+        ref_opt.step();
+        opt.zero_grad();
+        const torch::Tensor local = local_block(ids);
+        (wrapper ? wrapper->forward(local) : plain->forward(local)).pow(2).mean().backward();
+        opt.step();
+        expect_same_after_step(model, *reference, kind, step);
+      }
+    }
   });
 }
 
