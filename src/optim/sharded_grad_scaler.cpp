@@ -46,19 +46,19 @@ void check_settings(const GradScalerOptions& o, int64_t rank, bool saved) {
     return saved ? std::string("Load what an enabled scaler saved.")
                  : std::string("Use GradScalerOptions().") + option + ".";
   };
+  const char* what = saved ? "the saved " : "";
   const auto scale = static_cast<float>(o.init_scale());
-  FSDP_CHECK(std::isfinite(scale) && scale > 0, rank, kWhere, saved ? "the saved " : "",
-             saved ? "scale" : "init_scale", " must be a positive float32 number, got ",
-             o.init_scale(), ". ", fix("init_scale(65536.0)"));
-  FSDP_CHECK(o.growth_factor() > 1.0 && std::isfinite(o.growth_factor()), rank, kWhere,
-             saved ? "the saved " : "", "growth_factor must be above 1, got ", o.growth_factor(),
-             ". ", fix("growth_factor(2.0)"));
-  FSDP_CHECK(o.backoff_factor() > 0.0 && o.backoff_factor() < 1.0, rank, kWhere,
-             saved ? "the saved " : "", "backoff_factor must be between 0 and 1, got ",
-             o.backoff_factor(), ". ", fix("backoff_factor(0.5)"));
-  FSDP_CHECK(o.growth_interval() > 0, rank, kWhere, saved ? "the saved " : "",
-             "growth_interval must be positive, got ", o.growth_interval(), ". ",
-             fix("growth_interval(2000)"));
+  FSDP_CHECK(std::isfinite(scale) && scale > 0, rank, kWhere, what, saved ? "scale" : "init_scale",
+             " must be a positive float32 number, got ", o.init_scale(), ". ",
+             fix("init_scale(65536.0)"));
+  FSDP_CHECK(o.growth_factor() > 1.0 && std::isfinite(o.growth_factor()), rank, kWhere, what,
+             "growth_factor must be above 1, got ", o.growth_factor(), ". ",
+             fix("growth_factor(2.0)"));
+  FSDP_CHECK(o.backoff_factor() > 0.0 && o.backoff_factor() < 1.0, rank, kWhere, what,
+             "backoff_factor must be between 0 and 1, got ", o.backoff_factor(), ". ",
+             fix("backoff_factor(0.5)"));
+  FSDP_CHECK(o.growth_interval() > 0, rank, kWhere, what, "growth_interval must be positive, got ",
+             o.growth_interval(), ". ", fix("growth_interval(2000)"));
 }
 
 // Each device's gradients together, for the AMP kernel (one device per call).
@@ -128,8 +128,8 @@ ProcessGroup* ShardedGradScaler::group() const {
 }
 
 int64_t ShardedGradScaler::rank() const {
-  if (options_.process_group() != nullptr) return options_.process_group()->rank();
-  return is_initialized() ? rank_info().rank : -1;
+  const ProcessGroup* g = group();
+  return g != nullptr ? g->rank() : -1;
 }
 
 void ShardedGradScaler::check_transition(const PerOptimizer& state, Stage next,

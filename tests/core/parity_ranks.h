@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 
 #include <fsdp/fsdp.h>
 
@@ -15,13 +16,19 @@
 
 namespace fsdp::testing {
 
-/// Runs `body` in the ranks of every parity world size, each with one
-/// intra-op thread and the default process group.
+/// In a rank process: one intra-op thread, and the default process group
+/// joined with a 30 s limit (returned).
+inline std::shared_ptr<ProcessGroup> join_test_group() {
+  torch::set_num_threads(1);
+  return init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+}
+
+/// Runs `body` in the ranks of every parity world size, each joined by
+/// join_test_group().
 inline void in_parity_ranks(const std::function<void()>& body) {
   for (const int world : parity_world_sizes()) {
     run_ranks_ok(world, [&body](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      join_test_group();
       body();
     });
   }

@@ -105,8 +105,7 @@ TEST(ShardedGradScaler, TrainsAsPlainLibTorch) {
 // no_sync(), both scaled; then one step. As plain LibTorch on both.
 TEST(ShardedGradScaler, AccumulatesUnderNoSync) {
   run_ranks_ok(2, [](int, int world) {
-    torch::set_num_threads(1);
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    join_test_group();
     torch::manual_seed(0);
     Net reference(false, FSDPOptions());
     Sharded model(true, FSDPOptions());
@@ -140,8 +139,7 @@ TEST(ShardedGradScaler, AccumulatesUnderNoSync) {
 // all.
 TEST(ShardedGradScaler, AnErrorOnOneRankIsAnErrorOnEvery) {
   run_ranks_ok(2, [](int rank, int) {
-    torch::set_num_threads(1);
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    join_test_group();
     nn::Linear layer(3, 2);
     nn::Embedding table(nn::EmbeddingOptions(4, 2).sparse(true));
     std::vector<torch::Tensor> params = layer->parameters();
@@ -169,8 +167,7 @@ TEST(ShardedGradScaler, AnErrorOnOneRankIsAnErrorOnEvery) {
 TEST(ShardedGradScaler, AnInfInOneRanksShardSkipsTheStepOnEveryRank) {
   for (const int world : {2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      torch::set_num_threads(1);
-      auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      auto group = join_test_group();
       for (const ShardingStrategy strategy :
            {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
         for (const bool wrapped : {true, false}) {
@@ -228,8 +225,7 @@ TEST(ShardedGradScaler, Float16GradientsTrainWithTheScale) {
     GTEST_SKIP() << "this LibTorch has no float16 matrix product on the CPU";
   }
   run_ranks_ok(2, [](int, int) {
-    torch::set_num_threads(1);
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    join_test_group();
     float16_scaling::expect_float16_trains_with_scale(torch::kCPU);
   });
 }
@@ -336,8 +332,7 @@ TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
   run_ranks_ok(
       2,
       [&dir](int, int world) {
-        torch::set_num_threads(1);
-        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        join_test_group();
         {
           Sharded model(true, FSDPOptions());
           torch::optim::SGD opt(model.root.flat_parameters(), torch::optim::SGDOptions(0.01));

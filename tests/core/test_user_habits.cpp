@@ -38,11 +38,6 @@ bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
-void init() {
-  torch::set_num_threads(1);
-  init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-}
-
 std::unique_ptr<torch::optim::AdamW> adamw(std::vector<torch::Tensor> params) {
   return std::make_unique<torch::optim::AdamW>(params,
                                                torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -88,7 +83,7 @@ TORCH_MODULE(HabitNet);
 TEST(UserHabits, ParametersWithoutGradientsAsInPlainLibTorch) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (bool orig : {true, false}) {
         const std::string what = orig ? "use_orig_params" : "flat";
         torch::manual_seed(0);
@@ -149,7 +144,7 @@ TEST(UserHabits, ParametersWithoutGradientsAsInPlainLibTorch) {
 // Item 2: the uniform requires_grad rule for units made by hand.
 TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
   run_ranks_ok(1, [](int, int) {
-    init();
+    join_test_group();
     auto partly_frozen = [] {
       nn::Sequential seq(nn::Linear(4, 4), nn::Linear(4, 4));
       for (auto& p : seq[1]->parameters()) p.set_requires_grad(false);
@@ -192,7 +187,7 @@ TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
 TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (bool orig : {false, true}) {
         auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
         auto ref_opt = adamw(reference->parameters());
@@ -263,7 +258,7 @@ std::string file_bytes(const std::string& path) {
 // Item 4: torch::save / torch::load of a wrapped model, every rank calling.
 TEST(UserHabits, TorchSaveAndLoadWriteWhatThePlainModelWrites) {
   run_ranks_ok(2, [](int rank, int) {
-    init();
+    join_test_group();
     const std::string base =
         "/tmp/fsdp_user_habits_" + std::to_string(getppid()) + "_" + std::to_string(rank);
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
@@ -326,7 +321,7 @@ struct NormNetImpl : nn::Module {
 // full precision; inside a bf16 unit it is refused with the fix.
 TEST(UserHabits, BatchNormInTypedUnitsUnderBf16) {
   run_ranks_ok(2, [](int, int) {
-    init();
+    join_test_group();
     auto options = FSDPOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
     const std::string msg = error_of([&] {
       FullyShardedDataParallel<NormNetImpl> model(std::make_shared<NormNetImpl>(false, options),
@@ -351,7 +346,7 @@ TEST(UserHabits, BatchNormInTypedUnitsUnderBf16) {
 TEST(UserHabits, SecondBackwardWithRetainGraphAccumulates) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (bool orig : {false, true}) {
         auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
         auto ref_opt = adamw(reference->parameters());
@@ -379,7 +374,7 @@ TEST(UserHabits, SecondBackwardWithRetainGraphAccumulates) {
 // Item 7: forwards with default arguments (FORWARD_HAS_DEFAULT_ARGS).
 TEST(UserHabits, DefaultForwardArgumentsAreForwarded) {
   run_ranks_ok(2, [](int, int) {
-    init();
+    join_test_group();
     torch::manual_seed(0);
     const torch::Tensor seq = torch::randn({5, 2, 4});
     nn::LSTM lstm(nn::LSTMOptions(4, 3));
@@ -419,7 +414,7 @@ TEST(UserHabits, DefaultForwardArgumentsAreForwarded) {
 // (and plain LibTorch) computes. README and the root's docs say so.
 TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     auto [reference, model] = twins(FSDPOptions());
     torch::manual_seed(1);
     torch::Tensor x = torch::randn({4 * world, 7}) * 10, y = torch::zeros({4 * world, 3});
@@ -466,7 +461,7 @@ void train_step(Reference& reference, torch::optim::Optimizer& ref_opt, Model& m
 TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (ShardingStrategy strategy : parity_strategies()) {
         const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
         const std::string what = to_string(strategy);
@@ -527,7 +522,7 @@ TEST(UserHabits, ModelToAfterWrappingKeepsTheUnitsAndConvertsTheBuffers) {
 // wrapper: the same, through each wrapper's own to().
 TEST(UserHabits, ModelToAfterAutoWrapKeepsTheUnits) {
   run_ranks_ok(2, [](int, int) {
-    init();
+    join_test_group();
     torch::manual_seed(0);
     nn::Sequential seq(nn::Linear(7, 16), nn::ReLU(), nn::Linear(16, 3));
     const torch::Tensor x = torch::randn({4, 7});
@@ -560,7 +555,7 @@ std::pair<Net, Net> fully_shard_twins() {
 // each parameter's Tensor::to keeps it, or names it.
 TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     auto [reference, model] = fully_shard_twins();
     Unit& root = *unit_of(*model);
     auto opt = adamw(root.flat_parameters());
@@ -586,7 +581,7 @@ TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
   // would cut it off its unit, under mixed precision (bf16 parameters, fp32
   // shards) too.
   run_ranks_ok(1, [](int, int) {
-    init();
+    join_test_group();
     Net model(false, FSDPOptions());
     fully_shard(model, module_type_policy<nn::LinearImpl>(),
                 FSDPOptions().mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16)));
@@ -607,7 +602,7 @@ TEST(UserHabits, ModelToAfterFullyShardKeepsTheUnits) {
 // writeback), and that way works.
 TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     auto [reference, model] = fully_shard_twins();
     Unit& root = *unit_of(*model);
     const auto init_weights = [](nn::Module& m) {
@@ -644,7 +639,7 @@ TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
     }
   });
   run_ranks_ok(2, [](int, int) {
-    init();
+    join_test_group();
     auto [reference, model] = twins(FSDPOptions());
     const torch::Tensor weight = model->named_parameters()["fc1.weight"];
     const std::string refused = error_of([&] {
@@ -672,7 +667,7 @@ TEST(UserHabits, InitialisingParametersAfterShardingLasts) {
 // crash, or its placeholder read as a stale alias).
 TEST(UserHabits, AnOperatorOnSeveralUnitsParametersReadsThemAll) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     auto [reference, model] = fully_shard_twins();
     Unit& root = *unit_of(*model);
     const auto block_weights = [](Net& net) {
@@ -727,7 +722,7 @@ TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
   };
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [&set_trainable](int, int world) {
-      init();
+      join_test_group();
       auto [reference, model] = twins(FSDPOptions());
       auto ref_opt = adamw(reference->parameters());
       auto opt = adamw(model->parameters());
@@ -761,7 +756,7 @@ TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
   }
   // A fully_shard model (each Linear a unit): the same habit.
   run_ranks_ok(2, [&set_trainable](int, int world) {
-    init();
+    join_test_group();
     auto [reference, model] = fully_shard_twins();
     auto opt = adamw(unit_of(*model)->flat_parameters());
     auto ref_opt = adamw(reference->parameters());
@@ -846,7 +841,7 @@ void expect_penalty_training(Model& model, Unit& root, int world, const std::str
 TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (ShardingStrategy strategy : parity_strategies()) {
         for (const std::string kind : {"flat", "orig", "checkpointed"}) {
           const FSDPOptions options =
@@ -900,7 +895,7 @@ void wgan_gp_step(G& g, D& d, torch::optim::Optimizer& gopt, torch::optim::Optim
 TEST(UserHabits, WganGpTrainsAsInPlainLibTorch) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (ShardingStrategy strategy : parity_strategies()) {
         for (bool wrapped : {true, false}) {
           const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
@@ -960,7 +955,7 @@ TEST(UserHabits, WganGpTrainsAsInPlainLibTorch) {
 // fully_shard: within bf16's rounding of the fp32 reference after 3 steps.
 TEST(UserHabits, GradientPenaltyUnderBf16) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     const FSDPOptions options =
         FSDPOptions().mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16));
     for (bool wrapped : {true, false}) {
@@ -1045,7 +1040,7 @@ TORCH_MODULE(FunctionNet);
 TEST(UserHabits, CustomAutogradFunctionsOnUnitParameters) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
-      init();
+      join_test_group();
       for (ShardingStrategy strategy : parity_strategies()) {
         const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
         torch::manual_seed(0);
@@ -1101,7 +1096,7 @@ TORCH_MODULE(CloneNet);
 // does, into a plain copy that stays put while the original trains.
 TEST(UserHabits, CloningAModelForATargetNetwork) {
   run_ranks_ok(2, [](int, int world) {
-    init();
+    join_test_group();
     torch::manual_seed(0);
     CloneNet reference;
     torch::manual_seed(0);
