@@ -406,6 +406,14 @@ void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
 
 void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, ReduceOp op) {
   const int64_t n = shard.numel(), es = static_cast<int64_t>(shard.element_size());
+  if (size_ == 1) {  // no peer's slot to add: the shard is the input (an average of one)
+    if (n > 0 && shard.data_ptr() != flat.data_ptr()) {
+      slots_->copy(static_cast<char*>(shard.data_ptr()), static_cast<const char*>(flat.data_ptr()),
+                   static_cast<size_t>(n * es));
+      slots_->settle();
+    }
+    return;
+  }
   // Each round, a rank's slot holds one piece per destination rank.
   const int64_t piece = std::max<int64_t>(1, slot_bytes_ / size_ / es / 16 * 16);
   const char* in = static_cast<const char*>(flat.data_ptr());
@@ -436,6 +444,7 @@ void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, R
 }
 
 void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  if (size_ == 1) return;  // the tensor is its own sum, and its own average
   at::Tensor t = tensor.view({-1});
   const int64_t n = t.numel(), es = static_cast<int64_t>(t.element_size());
   const int64_t per_round = slot_bytes_ / es;

@@ -51,7 +51,8 @@ namespace fsdp::detail {
 // - Mixed precision: no forward inputs to cast, so an operator on a
 //   low-precision unit's parameters gets its other floating-point inputs
 //   cast to their dtype (compute_dtype); activations then flow in it, as
-//   after a wrapper's input cast.
+//   after a wrapper's input cast. Backward casts nothing: its operators'
+//   inputs have the dtypes forward gave them.
 // - Module::zero_grad() on the model reaches each moved gradient (it
 //   detaches every .grad): the unit clears its shards' gradients too. So the
 //   moved gradients stay until pre_backward, not only until the next forward
@@ -134,6 +135,14 @@ c10::optional<at::ScalarType> UnitRuntime::compute_dtype() const {
   // cast_forward_inputs); without a forward to cast at, every operator on a
   // low-precision unit's parameters computes in their dtype, and one on a
   // unit kept in full precision in its own (Note [Units driven by dispatch]).
+  // Only forwards cast (a recomputation for activation checkpointing is one):
+  // a backward's operators get what forward gave them, saved statistics in
+  // float32 beside a float16 weight included (CUDA's layer_norm_backward
+  // refuses its mean and rstd cast), as FSDP2 casts nothing there.
+  if (root_ != nullptr && root_->in_backward() &&
+      checkpoint_phase() != CheckpointPhase::kRecompute) {
+    return c10::nullopt;
+  }
   if (flat_ && (flat_->low_precision() || full_precision_override_)) return flat_->param_dtype();
   return c10::nullopt;
 }

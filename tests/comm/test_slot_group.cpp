@@ -2,13 +2,12 @@
 // device-neutral: its collectives are the rounds of Note [Shared memory for
 // same-host ranks] over whatever slots it is given, on a thread of its own.
 // Here it runs with host slots (its only difference from the GPU's) at 3
-// ranks, as threads of one process sharing a store, with slots of 4 KiB so
-// that every collective takes many rounds: each collective against its
-// closed form, all-reduce giving every rank the same bits, broadcast copying
-// the root's bits exactly, collectives issued back to back before any wait,
-// a sub-group, a tensor on another device refused by name, and slots opened
-// outside the segment (as CUDA IPC's are), one rank's failure to open them
-// being every rank's "no".
+// ranks (the closed forms and all-reduce at 1 and 2 too), as threads of one process sharing a
+// store, with slots of 4 KiB so that every collective takes many rounds: each collective against
+// its closed form, all-reduce giving every rank the same bits, broadcast copying the root's bits
+// exactly, collectives issued back to back before any wait, a sub-group, a tensor on another device
+// refused by name, and slots opened outside the segment (as CUDA IPC's are), one rank's failure to
+// open them being every rank's "no".
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -30,8 +29,8 @@ namespace test_slot_group {
 constexpr int kWorld = 3;
 constexpr int64_t kSlotBytes = 4096;
 
-// Runs `body(rank, group)` on kWorld threads, each with its rank's group.
-void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
+// Runs `body(rank, group)` on `world` threads, each with its rank's group.
+void on_ranks(int world, const std::function<void(int, ProcessGroup&)>& body) {
   // The ranks are threads: each keeps its ATen ops on itself, as a rank
   // process of fsdprun does (OMP_NUM_THREADS=1). OpenMP's workers would add
   // nothing here but reports from ThreadSanitizer, which does not see
@@ -40,11 +39,11 @@ void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
   at::set_num_threads(1);
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::thread> threads;
-  std::vector<std::string> errors(kWorld);
-  for (int rank = 0; rank < kWorld; ++rank) {
+  std::vector<std::string> errors(world);
+  for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto group = detail::make_slot_group(store, rank, kWorld, std::chrono::seconds(30),
+        auto group = detail::make_slot_group(store, rank, world, std::chrono::seconds(30),
                                              kSlotBytes, nullptr, "slots");
         ASSERT_TRUE(group) << "rank " << rank << ": no shared memory";
         body(rank, *group);
@@ -55,71 +54,79 @@ void on_ranks(const std::function<void(int, ProcessGroup&)>& body) {
   }
   for (auto& t : threads) t.join();
   at::set_num_threads(threads_before);
-  for (int rank = 0; rank < kWorld; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+  for (int rank = 0; rank < world; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
+void on_ranks(const std::function<void(int, ProcessGroup&)>& body) { on_ranks(kWorld, body); }
 
 // Rank r's values: r + 1 + i / 1000, exactly representable in bf16 for small i.
 at::Tensor values_of(int rank, int64_t n, at::ScalarType dtype) {
   return (at::arange(n, at::kFloat) / 1024 + rank + 1).to(dtype);
 }
 
+// At 1 rank too, where there is no peer's slot to read (a world-1 job under
+// FSDP_CUDA_BACKEND=ipc).
 TEST(SlotGroup, CollectivesMatchTheirClosedFormsOverManyRounds) {
-  on_ranks([](int rank, ProcessGroup& pg) {
-    EXPECT_EQ(pg.backend_name(), "slots");
-    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-      const int64_t n = 3 * kSlotBytes + 77;  // several rounds and a ragged end
-      // All-gather, out of place and in place.
-      at::Tensor flat = at::zeros({kWorld * n}, dtype);
-      pg.all_gather_into_tensor(flat, values_of(rank, n, dtype)).wait();
-      at::Tensor in_place = at::zeros({kWorld * n}, dtype);
-      in_place.narrow(0, rank * n, n).copy_(values_of(rank, n, dtype));
-      pg.all_gather_into_tensor(in_place, in_place.narrow(0, rank * n, n)).wait();
-      for (int p = 0; p < kWorld; ++p) {
-        EXPECT_TRUE(at::equal(flat.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
-        EXPECT_TRUE(at::equal(in_place.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
-      }
-      // Reduce-scatter: every rank contributes its values on every shard.
-      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
-        at::Tensor input = values_of(rank, kWorld * n, dtype);
-        at::Tensor shard = at::empty({n}, dtype);
-        pg.reduce_scatter_tensor(shard, input, op).wait();
-        at::Tensor expected = values_of(0, kWorld * n, at::kFloat).narrow(0, rank * n, n);
-        for (int p = 1; p < kWorld; ++p) {
-          const at::Tensor theirs = values_of(p, kWorld * n, at::kFloat).narrow(0, rank * n, n);
-          expected = expected + theirs;
+  for (int world = 1; world <= kWorld; ++world) {
+    on_ranks(world, [world](int rank, ProcessGroup& pg) {
+      EXPECT_EQ(pg.backend_name(), "slots");
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+        const int64_t n = 3 * kSlotBytes + 77;  // several rounds and a ragged end
+        // All-gather, out of place and in place.
+        at::Tensor flat = at::zeros({world * n}, dtype);
+        pg.all_gather_into_tensor(flat, values_of(rank, n, dtype)).wait();
+        at::Tensor in_place = at::zeros({world * n}, dtype);
+        in_place.narrow(0, rank * n, n).copy_(values_of(rank, n, dtype));
+        pg.all_gather_into_tensor(in_place, in_place.narrow(0, rank * n, n)).wait();
+        for (int p = 0; p < world; ++p) {
+          EXPECT_TRUE(at::equal(flat.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
+          EXPECT_TRUE(at::equal(in_place.narrow(0, p * n, n), values_of(p, n, dtype))) << dtype;
         }
-        if (op == ReduceOp::kAvg) expected = expected / kWorld;
-        EXPECT_TRUE(at::allclose(shard.to(at::kFloat), expected, 1e-2, 1e-2))
-            << dtype << " " << to_string(op);
-        EXPECT_TRUE(at::equal(input, values_of(rank, kWorld * n, dtype))) << "input modified";
+        // Reduce-scatter: every rank contributes its values on every shard.
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          at::Tensor input = values_of(rank, world * n, dtype);
+          at::Tensor shard = at::empty({n}, dtype);
+          pg.reduce_scatter_tensor(shard, input, op).wait();
+          at::Tensor expected = values_of(0, world * n, at::kFloat).narrow(0, rank * n, n);
+          for (int p = 1; p < world; ++p) {
+            const at::Tensor theirs = values_of(p, world * n, at::kFloat).narrow(0, rank * n, n);
+            expected = expected + theirs;
+          }
+          if (op == ReduceOp::kAvg) expected = expected / world;
+          EXPECT_TRUE(at::allclose(shard.to(at::kFloat), expected, 1e-2, 1e-2))
+              << dtype << " " << to_string(op);
+          EXPECT_TRUE(at::equal(input, values_of(rank, world * n, dtype))) << "input modified";
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 TEST(SlotGroup, AllReduceGivesEveryRankTheSameBitsAndBroadcastTheRootsExactly) {
-  on_ranks([](int rank, ProcessGroup& pg) {
-    const int64_t n = 2 * kSlotBytes + 5;
-    // Inexact sums, so that the order of adding shows (no global RNG: the
-    // ranks are threads of one process).
-    auto draw = [n](int r) { return at::sin(at::arange(n, at::kFloat) * (0.37 * (r + 1))); };
-    at::Tensor t = draw(rank);
-    pg.all_reduce(t, ReduceOp::kSum).wait();
-    at::Tensor expected = draw(0);
-    for (int p = 1; p < kWorld; ++p) expected = expected + draw(p);  // in rank order
-    EXPECT_TRUE(at::equal(t, expected)) << "rank " << rank;
-    // Broadcast from rank 1: its bits, signed zeros and a NaN included.
-    at::Tensor b = at::full({n}, static_cast<float>(rank));
-    if (rank == 1) {
-      b[0] = -0.0f;
-      b[1] = std::numeric_limits<float>::quiet_NaN();
-    }
-    pg.broadcast(b, 1).wait();
-    EXPECT_TRUE(std::signbit(b[0].item<float>()));
-    EXPECT_TRUE(std::isnan(b[1].item<float>()));
-    EXPECT_TRUE(at::equal(b.narrow(0, 2, n - 2), at::full({n - 2}, 1.0f)));
-    pg.barrier().wait();
-  });
+  for (int world : {1, kWorld}) {
+    on_ranks(world, [world](int rank, ProcessGroup& pg) {
+      const int root = world - 1;
+      const int64_t n = 2 * kSlotBytes + 5;
+      // Inexact sums, so that the order of adding shows (no global RNG: the
+      // ranks are threads of one process).
+      auto draw = [n](int r) { return at::sin(at::arange(n, at::kFloat) * (0.37 * (r + 1))); };
+      at::Tensor t = draw(rank);
+      pg.all_reduce(t, ReduceOp::kSum).wait();
+      at::Tensor expected = draw(0);
+      for (int p = 1; p < world; ++p) expected = expected + draw(p);  // in rank order
+      EXPECT_TRUE(at::equal(t, expected)) << "rank " << rank;
+      // Broadcast from the last rank: its bits, signed zeros and a NaN included.
+      at::Tensor b = at::full({n}, static_cast<float>(rank));
+      if (rank == root) {
+        b[0] = -0.0f;
+        b[1] = std::numeric_limits<float>::quiet_NaN();
+      }
+      pg.broadcast(b, root).wait();
+      EXPECT_TRUE(std::signbit(b[0].item<float>()));
+      EXPECT_TRUE(std::isnan(b[1].item<float>()));
+      EXPECT_TRUE(at::equal(b.narrow(0, 2, n - 2), at::full({n - 2}, static_cast<float>(root))));
+      pg.barrier().wait();
+    });
+  }
 }
 
 TEST(SlotGroup, BackToBackCollectivesRunInIssueOrder) {

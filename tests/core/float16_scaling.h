@@ -64,14 +64,23 @@ inline void expect_float16_trains_with_scale(const torch::Device& device) {
       torch::optim::SGD ref_opt(reference->parameters(), sgd);
       torch::optim::SGD opt(model.root.flat_parameters(), sgd);
       ShardedGradScaler scaler(GradScalerOptions().init_scale(std::ldexp(1.0, 40)).enabled(scaled));
+      std::string trace;  // per step: the scale, whether it stepped, the loss
       for (int step = 0; step < 4; ++step) {
         torch::manual_seed(step);
         const torch::Tensor x = torch::randn({4 * world, 7}).to(device);
         opt.zero_grad();
         const torch::Tensor out = model.forward(local_block(x)).to(torch::kFloat);
-        scaler.scale(out.pow(2).sum() * tiny).backward();
+        const torch::Tensor loss = out.pow(2).sum() * tiny;
+        trace += "\n  step " + std::to_string(step) + ": scale " +
+                 std::to_string(scaler.get_scale()) + ", loss " +
+                 std::to_string(loss.item<double>());
+        scaler.scale(loss).backward();
         const bool stepped = scaler.step(opt);  // false where float16 overflowed
         scaler.update();
+        trace += stepped ? ", stepped" : ", skipped";
+        for (const torch::Tensor& p : model.root.flat_parameters()) {
+          if (!p.isfinite().all().item<bool>()) trace += ", a shard not finite";
+        }
         ref_opt.zero_grad();
         (reference->forward(x).pow(2).sum() * tiny / world).backward();
         if (stepped) ref_opt.step();
@@ -84,7 +93,7 @@ inline void expect_float16_trains_with_scale(const torch::Device& device) {
         worst = std::isnan(diff) ? INFINITY : std::max(worst, diff);  // std::max drops a NaN
       }
       const std::string what = std::string(wrapped ? "wrapped" : "fully_shard") +
-                               (scaled ? " scaled" : " unscaled") + " on " + device.str();
+                               (scaled ? " scaled" : " unscaled") + " on " + device.str() + trace;
       if (scaled) {
         EXPECT_LT(worst, 5e-3) << what;  // 4e-4 measured on the CPU
       } else {

@@ -530,6 +530,55 @@ TEST(FullyShard, MixedPrecisionMatchesPlainBf16Computation) {
   });
 }
 
+// A layer whose custom Function's backward multiplies its weight by float32
+// statistics it saved in forward, as CUDA's layer_norm_backward reads its
+// float32 mean and rstd beside a float16 weight. Records the product's dtype.
+struct WeightTimesStat : torch::autograd::Function<WeightTimesStat> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["stat"] = x.to(torch::kFloat).abs().mean(0);  // one per input feature
+    return torch::mm(x, w.t());
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    const torch::Tensor& w = saved[1];
+    seen() = (w * ctx->saved_data["stat"].toTensor()).scalar_type();
+    const torch::Tensor g = grads[0];
+    return {g.mm(w).to(x.scalar_type()), g.t().mm(x.to(g.scalar_type()))};
+  }
+  static at::ScalarType& seen() {
+    static at::ScalarType dtype = at::kByte;
+    return dtype;
+  }
+};
+
+struct StatLayerImpl : torch::nn::Module {
+  StatLayerImpl() { weight = register_parameter("weight", torch::randn({6, 6})); }
+  torch::Tensor forward(const torch::Tensor& x) { return WeightTimesStat::apply(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(StatLayer);
+
+// Only a forward casts to the compute dtype: a backward's operators on a
+// unit's parameters get their other inputs as forward left them, and bf16
+// times float32 promotes as in plain LibTorch. Before, the float32
+// statistics were cast to bf16 (on a GPU, layer_norm_backward refused them).
+TEST(FullyShard, BackwardOperatorsGetTheirInputsUncast) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    torch::nn::Sequential model{StatLayer(), torch::nn::ReLU(), StatLayer()};
+    fully_shard(model, module_type_policy<StatLayerImpl>(),
+                FSDPOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    const torch::Tensor out = model->forward(torch::randn({4, 6}));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);  // the forward cast the input
+    out.to(torch::kFloat).pow(2).sum().backward();
+    EXPECT_EQ(WeightTimesStat::seen(), at::kFloat);
+  });
+}
+
 // Runs `body(rank, world, dir)` on `world` ranks (process group joined) with
 // a directory they share, removed afterwards.
 void run_with_dir(int world, const std::function<void(int, int, const std::string&)>& body) {
