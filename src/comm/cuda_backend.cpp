@@ -64,6 +64,11 @@ CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
   return {true, ""};
 }
 
+bool auto_tries_cuda_ipc(CudaBackend requested, bool nccl, const CudaFacts& facts, int world_size) {
+  return requested == CudaBackend::kAuto && !nccl && world_size > 1 &&
+         facts.local_world_size == world_size && facts.visible_gpus > 0;
+}
+
 CudaBackend resolve_cuda_backend(std::optional<CudaBackend> option, const char* env, int rank) {
   if (option) return *option;
   if (env == nullptr || *env == '\0') return CudaBackend::kAuto;

@@ -14,6 +14,11 @@
 // do and the group takes the least of them: NCCL only where every rank can.
 // CudaBackend::kNccl that some rank cannot honour is an error on every rank,
 // after that agreement, so that no rank waits for a peer that gave up.
+// Where NCCL cannot run and every rank of the job is on this node and sees
+// a GPU, kAuto tries CUDA IPC (Note [Ranks sharing a GPU]: 0.52x the staged
+// step of two GPT-2 small ranks on an H100): the ranks agree to try, make
+// the group only where every rank can (they all share one GPU), and stage
+// otherwise.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -46,6 +51,10 @@ struct CudaChoice {
 
 /// Note [Choosing what carries CUDA tensors], for one rank.
 CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts);
+
+/// Whether kAuto tries CUDA IPC for this rank, NCCL being `nccl` for the
+/// job (Note [Choosing what carries CUDA tensors]).
+bool auto_tries_cuda_ipc(CudaBackend requested, bool nccl, const CudaFacts& facts, int world_size);
 
 /// `option` if set, else FSDP_CUDA_BACKEND (auto, nccl, staged, ipc, any
 /// case), else kAuto. Another value of the variable is an error naming it.

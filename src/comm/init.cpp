@@ -340,8 +340,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
 
   // See Note [Choosing what carries CUDA tensors]: every rank states what it
   // can do, the group takes the least.
-  const detail::CudaChoice mine = detail::choose_cuda_backend(
-      requested, detail::this_process_cuda_facts(info.local_world_size));
+  const detail::CudaFacts facts = detail::this_process_cuda_facts(info.local_world_size);
+  const detail::CudaChoice mine = detail::choose_cuda_backend(requested, facts);
   // Builds without NCCL (the same on every rank) need no agreement.
   const bool nccl = detail::built_nccl_version() != 0 &&
                     detail::agree_reduce(group.get(), {mine.nccl ? 1 : 0}, ReduceOp::kMin)[0] == 1;
@@ -351,10 +351,18 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
              ". Use CudaBackend::kAuto or kStaged.");
   std::shared_ptr<ProcessGroup> cuda_group;
   std::string cuda_backend = "staged";
+  // Every rank takes part in the agreement once NCCL is out, so that the
+  // ranks try CUDA IPC together or not at all.
+  const bool try_ipc =
+      !nccl && requested == CudaBackend::kAuto && info.world_size > 1 &&
+      detail::agree_reduce(
+          group.get(),
+          {detail::auto_tries_cuda_ipc(requested, nccl, facts, info.world_size) ? 1 : 0},
+          ReduceOp::kMin)[0] == 1;
   if (nccl) {
     cuda_group = detail::make_nccl_group(store, info.rank, info.world_size, options.timeout());
     cuda_backend = "nccl";
-  } else if (requested == CudaBackend::kCudaIpc) {
+  } else if (requested == CudaBackend::kCudaIpc || try_ipc) {
     // Collective (every rank asked, the variable or option being the job's).
     const std::optional<c10::Device> gpu = gpu_of_local_rank(info.local_rank);
     // Every rank takes part, a rank without a GPU saying "no".
@@ -364,13 +372,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     // it): one agreement on the engine, the same answer everywhere.
     const bool all_ipc =
         detail::agree_reduce(group.get(), {cuda_group ? 1 : 0}, ReduceOp::kMin)[0] == 1;
-    FSDP_CHECK(all_ipc, info.rank, "init_process_group",
+    FSDP_CHECK(all_ipc || try_ipc, info.rank, "init_process_group",
                "CudaBackend::kCudaIpc (or FSDP_CUDA_BACKEND=ipc) cannot be honoured: ",
                !gpu ? "this process sees no GPU"
                     : "the ranks are not all on this GPU of one host, or a CUDA call "
                       "failed on some rank",
                ". Use CudaBackend::kAuto or kStaged.");
-    cuda_backend = "cuda_ipc";
+    if (all_ipc) {
+      cuda_backend = "cuda_ipc";
+    } else {
+      cuda_group = nullptr;  // kAuto: the ranks stage
+    }
   }
 
   // CPU tensors to the engine, CUDA tensors to NCCL or staged through the

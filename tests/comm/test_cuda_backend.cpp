@@ -19,6 +19,7 @@
 namespace fsdp::testing {
 namespace test_cuda_backend {
 
+using detail::auto_tries_cuda_ipc;
 using detail::choose_cuda_backend;
 using detail::CudaFacts;
 
@@ -59,6 +60,18 @@ TEST(ChooseCudaBackend, StagedWhereNcclCannotRunAndSaysWhy) {
   EXPECT_TRUE(choose_cuda_backend(CudaBackend::kNccl, facts(23100, 1, 2, true)).nccl);
 }
 
+// Where NCCL cannot run, kAuto tries CUDA IPC for a job on one node whose
+// ranks see a GPU (the group is made only where they all share one).
+TEST(ChooseCudaBackend, AutoTriesCudaIpcOnlyForOneNodeWithoutNccl) {
+  EXPECT_TRUE(auto_tries_cuda_ipc(CudaBackend::kAuto, false, facts(22809, 1, 2), 2));
+  EXPECT_TRUE(auto_tries_cuda_ipc(CudaBackend::kAuto, false, facts(0, 2, 3), 3));
+  EXPECT_FALSE(auto_tries_cuda_ipc(CudaBackend::kAuto, true, facts(22809, 2, 2), 2));  // NCCL
+  EXPECT_FALSE(auto_tries_cuda_ipc(CudaBackend::kStaged, false, facts(22809, 1, 2), 2));
+  EXPECT_FALSE(auto_tries_cuda_ipc(CudaBackend::kAuto, false, facts(22809, 1, 2), 4));  // 2 nodes
+  EXPECT_FALSE(auto_tries_cuda_ipc(CudaBackend::kAuto, false, facts(22809, 0, 2), 2));  // no GPU
+  EXPECT_FALSE(auto_tries_cuda_ipc(CudaBackend::kAuto, false, facts(22809, 1, 1), 1));  // alone
+}
+
 TEST(ChooseCudaBackend, VersionsReadAsNcclWritesThem) {
   EXPECT_EQ(detail::nccl_version_string(22809), "2.28.9");
   EXPECT_EQ(detail::nccl_version_string(23007), "2.30.7");
@@ -93,12 +106,16 @@ class CudaBackendAgreement : public ::testing::TestWithParam<int> {};
 TEST_P(CudaBackendAgreement, EveryRankReportsTheChoice) {
   run_ranks_ok(GetParam(), [](int, int world) {
     auto pg = join(Backend::kGloo);
-    const bool can =
-        choose_cuda_backend(CudaBackend::kAuto, detail::this_process_cuda_facts(world)).nccl;
-    EXPECT_EQ(rank_info().cuda_backend, can ? "nccl" : "staged");
+    const CudaFacts mine = detail::this_process_cuda_facts(world);
+    const bool can = choose_cuda_backend(CudaBackend::kAuto, mine).nccl;
+    // The ranks of this test are processes of one machine: IPC where they
+    // share its one GPU.
+    const bool ipc =
+        auto_tries_cuda_ipc(CudaBackend::kAuto, can, mine, world) && mine.visible_gpus == 1;
+    EXPECT_EQ(rank_info().cuda_backend, can ? "nccl" : ipc ? "cuda_ipc" : "staged");
     auto* routed = dynamic_cast<detail::DeviceRoutedProcessGroup*>(pg.get());
     ASSERT_NE(routed, nullptr);
-    EXPECT_EQ(routed->cuda_group() != nullptr, can);
+    EXPECT_EQ(routed->cuda_group() != nullptr, can || ipc);
   });
 }
 

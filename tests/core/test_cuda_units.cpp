@@ -1,8 +1,9 @@
 // Units on a CUDA device (label cuda): a model moved to GPU 0 and wrapped
 // trains like plain LibTorch on the same GPU, trained on the concatenation of
 // the ranks' different batches, compared every step, at 1-3 ranks sharing the
-// GPU (one rank's collectives over NCCL, several ranks' staged through the
-// host where NCCL refuses them: Note [Choosing what carries CUDA tensors]),
+// GPU (one rank's collectives over NCCL, several ranks' over CUDA IPC where
+// NCCL refuses them, or staged through the host under test_cuda_units_staged:
+// Note [Choosing what carries CUDA tensors]),
 // for every sharding strategy; the flat buffers
 // live on the GPU and are freed there between uses (Note [One seam for
 // devices]), and GPU memory (the CUDA caching allocator's statistics) is the
