@@ -5,7 +5,8 @@
 #   activation checkpointing, libfsdp with CPU offload and activation
 #   checkpointing (the host's FusedAdamW stepping beside backward), and
 #   PyTorch FSDP2 with CPUOffloadPolicy and activation checkpointing (the
-#   same torch's Python, same machine).
+#   same torch's Python, same machine, torch's default threads: its host
+#   AdamW steps with all of them, as libfsdp's does).
 #
 #   bench/largest_gpu_model.sh [BUILD]   (BUILD: a build with bench_gpu_step)
 #
@@ -75,7 +76,7 @@ command_for() {
       echo "${ours[@]}" --mode full_shard --activation-checkpointing 1 --offload during --parts 0 ;;
     pytorch_fsdp2_offload_ac)
       echo timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/bench/pytorch_step.py" step --nproc 1 \
-        --device "$DEVICE" --mode fsdp2 --cpu-offload --activation-checkpointing "${sizes[@]}" ;;
+        --device "$DEVICE" --mode fsdp2 --cpu-offload --activation-checkpointing --threads 0 "${sizes[@]}" ;;
     *) echo "largest_gpu_model.sh: unknown way '$way'" >&2; exit 2 ;;
   esac
 }
@@ -105,6 +106,7 @@ done
 import json, sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+rows = [r for r in rows if "way" in r]  # a note line of RESULTS is no attempt
 summary = {"bench": "largest_gpu_model_summary"}
 largest = {}
 for r in rows:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch's side of bench/vs_pytorch.sh: the GPT-mini training step of
 bench/bench_step.cpp, in PyTorch (tests/interop/gpt_mini.py), with the same
-sizes, AdamW (lr 3e-4) in fp32, one intra-op thread per rank, a barrier before
+sizes, AdamW (lr 3e-4) in fp32, one intra-op thread per rank (--threads), a barrier before
 every step, each rank its own batch:
 
   pytorch_step.py step --mode MODE [--nproc N] [--steps 10] [--warmup 2]
@@ -119,7 +119,8 @@ def worker(rank, args):
                                     "interop"))
     import gpt_mini
 
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     cuda = args.device == "cuda"
     if cuda:
@@ -240,6 +241,9 @@ def cmd_step(argv):
                    help="fsdp2: CPUOffloadPolicy (pinned memory on a GPU)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="fsdp2: every block under checkpoint_wrapper")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per rank; 0 keeps torch's default (a host optimizer's "
+                        "step under --cpu-offload uses them, as libfsdp's does)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.nproc < 1:
         p.error("--steps and --nproc must be at least 1")
