@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -252,6 +253,38 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
     bf16_parity::expect_bf16_matches_reference(group, rank, world, gpu, &bf16_bytes,
                                                CPUOffload().offload_params(true));
     EXPECT_GT(bf16_bytes, 0);
+  });
+}
+
+// HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on the GPU: 4 ranks sharing it, laid
+// out as 2 nodes of 2 (ProcessGroupOptions::local_world_size), trained
+// every step against plain LibTorch on the same GPU. The node groups'
+// reduce-scatters and the all-reduce across nodes chained behind them run
+// on the GPU's streams as across GPUs. Their CUDA tensors go over CUDA IPC,
+// asked for since the layout hides from NCCL's check that all four share
+// one GPU; under test_cuda_units_staged, FSDP_CUDA_BACKEND stages them.
+TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(4, [](int rank, int) {
+    ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
+        std::chrono::seconds(60));
+    if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
+    init_process_group(o);
+    const torch::Device gpu(torch::kCUDA, 0);
+    for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+      const std::string what = to_string(strategy);
+      nn::Sequential reference = seeded_net_on(gpu);
+      nn::Sequential plain = seeded_net_on(gpu);
+      FullyShardedDataParallel<nn::SequentialImpl> model(plain,
+                                                         FSDPOptions().sharding_strategy(strategy));
+      torch::optim::SGD ref_opt(reference->parameters(),
+                                torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      for (int step = 0; step < 4; ++step) {
+        gpu_step(reference, ref_opt, model, opt, step, what);
+        expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+      }
+    }
   });
 }
 
