@@ -385,8 +385,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
     }
   }
 
-  // CPU tensors to the engine, CUDA tensors to NCCL or staged through the
-  // host (Note [Tensors on other devices than the engine's]).
+  // CPU tensors to the engine, CUDA tensors to NCCL or CUDA IPC, or staged
+  // through the host (Note [Tensors on other devices than the engine's]).
   group = std::make_shared<detail::DeviceRoutedProcessGroup>(std::move(group), false,
                                                              std::move(cuda_group));
   group->set_debug_collectives(debug);
