@@ -76,7 +76,8 @@ command_for() {
       echo "${ours[@]}" --mode full_shard --activation-checkpointing 1 --offload during --parts 0 ;;
     pytorch_fsdp2_offload_ac)
       echo timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/bench/pytorch_step.py" step --nproc 1 \
-        --device "$DEVICE" --mode fsdp2 --cpu-offload --activation-checkpointing --threads 0 "${sizes[@]}" ;;
+        --device "$DEVICE" --mode fsdp2 --cpu-offload --activation-checkpointing --threads 0 \
+        "${sizes[@]}" ;;
     *) echo "largest_gpu_model.sh: unknown way '$way'" >&2; exit 2 ;;
   esac
 }

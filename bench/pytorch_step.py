@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """PyTorch's side of bench/vs_pytorch.sh: the GPT-mini training step of
 bench/bench_step.cpp, in PyTorch (tests/interop/gpt_mini.py), with the same
-sizes, AdamW (lr 3e-4) in fp32, one intra-op thread per rank (--threads), a barrier before
-every step, each rank its own batch:
+sizes, AdamW (lr 3e-4) in fp32, one intra-op thread per rank (--threads), a
+barrier before every step, each rank its own batch:
 
   pytorch_step.py step --mode MODE [--nproc N] [--steps 10] [--warmup 2]
                   [--blocks 8] [--d-model 512] [--heads 8] [--seq 128]

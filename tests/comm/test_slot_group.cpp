@@ -2,12 +2,14 @@
 // device-neutral: its collectives are the rounds of Note [Shared memory for
 // same-host ranks] over whatever slots it is given, on a thread of its own.
 // Here it runs with host slots (its only difference from the GPU's) at 3
-// ranks (the closed forms and all-reduce at 1 and 2 too), as threads of one process sharing a
-// store, with slots of 4 KiB so that every collective takes many rounds: each collective against
-// its closed form, all-reduce giving every rank the same bits, broadcast copying the root's bits
-// exactly, collectives issued back to back before any wait, a sub-group, a tensor on another device
-// refused by name, and slots opened outside the segment (as CUDA IPC's are), one rank's failure to
-// open them being every rank's "no".
+// ranks (the closed forms also at 1 and 2, all-reduce and broadcast also at
+// 1), as threads of one process sharing a store, with slots of 4 KiB so that
+// every collective takes many rounds: each collective against its closed
+// form, all-reduce giving every rank the same bits, broadcast copying the
+// root's bits exactly, collectives issued back to back before any wait, a
+// sub-group, a tensor on another device refused by name, and slots opened
+// outside the segment (as CUDA IPC's are), one rank's failure to open them
+// being every rank's "no".
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>

@@ -64,7 +64,7 @@ inline void expect_float16_trains_with_scale(const torch::Device& device) {
       torch::optim::SGD ref_opt(reference->parameters(), sgd);
       torch::optim::SGD opt(model.root.flat_parameters(), sgd);
       ShardedGradScaler scaler(GradScalerOptions().init_scale(std::ldexp(1.0, 40)).enabled(scaled));
-      std::string trace;  // per step: the scale, whether it stepped, the loss
+      std::string trace;  // per step: scale, loss, stepped or not, shards finite or not
       for (int step = 0; step < 4; ++step) {
         torch::manual_seed(step);
         const torch::Tensor x = torch::randn({4 * world, 7}).to(device);
