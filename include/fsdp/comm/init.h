@@ -35,6 +35,7 @@ enum class Backend : uint8_t {
 enum class CudaBackend : uint8_t {
   /// NCCL where it can run: each rank of a node on a GPU of its own, or ranks
   /// sharing GPUs with NCCL 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1;
+  /// else kCudaIpc where every rank of the job shares one GPU of one host;
   /// else kStaged. Every rank agrees on one choice.
   kAuto,
   /// c10d's ProcessGroupNCCL from the LibTorch build; an error on every rank
@@ -45,7 +46,7 @@ enum class CudaBackend : uint8_t {
   kStaged,
   /// Ranks of one host sharing one GPU read each other's GPU memory (CUDA
   /// IPC; Note [Ranks sharing a GPU]); an error on every rank where they do
-  /// not all share one. Not chosen by kAuto yet: not yet measured on a GPU.
+  /// not all share one (kAuto stages there instead).
   kCudaIpc,
 };
 
