@@ -10,6 +10,7 @@
 
 #include "core/device_storage.h"
 #include "core/sharded_placeholder.h"
+#include "detail/torch_compat.h"
 
 namespace fsdp {
 
@@ -21,6 +22,8 @@ const char* to_string(FlatParameter::State state) {
       return "unsharding";
     case FlatParameter::State::kUnsharded:
       return "unsharded";
+    case FlatParameter::State::kSummoned:
+      return "summoned in full precision";
   }
   return "?";
 }
@@ -276,11 +279,57 @@ at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParameter::copy_unsharded_into_shard() {
-  TORCH_INTERNAL_ASSERT(frees_unsharded() && state_ == State::kUnsharded, unit_label_,
+  const bool summoned = state_ == State::kSummoned;
+  TORCH_INTERNAL_ASSERT(summoned || (frees_unsharded() && state_ == State::kUnsharded), unit_label_,
                         ": write-back expected an unsharded buffer apart from the shard, state ",
                         to_string(state_));
   at::NoGradGuard no_grad;
-  shard_.detach().copy_(unsharded_.narrow(0, shard_offset(), shard_numel_));
+  const at::Tensor& full = summoned ? summoned_ : unsharded_;
+  shard_.detach().copy_(full.narrow(0, shard_offset(), shard_numel_));
+}
+
+// Note [Summoning in full precision]
+// Under mixed precision the unsharded buffer holds the param_dtype copies,
+// but SummonFullParams shows the full-precision values, as PyTorch's FSDP1
+// does (its summon_full_params forces full precision): what a user reads,
+// writes back or saves with torch::save is the model, not its compute
+// copies. So SummonFullParams gathers every rank's shard, as it is, into a
+// buffer of its own and points the original parameters at its views; the
+// unsharded buffer stays freed. Two costs of changing the parameters' dtype
+// with set_data: autograd forgets their gradient accumulators (which carry
+// the unit's hooks), so end_summon makes them the accumulators again; and
+// no forward or backward may gather the unit meanwhile (UnitRuntime refuses,
+// as FSDP1 refuses a forward inside summon_full_params). NO_SHARD's shard is
+// the whole buffer: it is copied, so that writes without writeback are
+// dropped as for the other strategies.
+void FlatParameter::begin_summon(at::Tensor full) {
+  TORCH_INTERNAL_ASSERT(low_precision_ && state_ == State::kSharded, unit_label_,
+                        ": begin_summon in state ", to_string(state_));
+  TORCH_INTERNAL_ASSERT(full.numel() == padded_numel_ && full.scalar_type() == shard_.scalar_type(),
+                        unit_label_, ": begin_summon expects the full-precision buffer");
+  if (full.data_ptr() == shard_.data_ptr()) full = full.clone();  // NO_SHARD's shard
+  summoned_ = full.detach();
+  summoned_accumulators_.clear();
+  const detail::UnreportedUses own;  // the unit's own set_data
+  for (auto& slot : slots_) {
+    summoned_accumulators_.push_back(torch::autograd::impl::try_get_grad_accumulator(slot.param));
+    slot.param.set_data(summoned_.narrow(0, slot.offset, slot.numel).view(slot.shape));
+  }
+  state_ = State::kSummoned;
+}
+
+void FlatParameter::end_summon() {
+  TORCH_INTERNAL_ASSERT(state_ == State::kSummoned, unit_label_, ": end_summon in state ",
+                        to_string(state_));
+  point_at_placeholders();
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (summoned_accumulators_[i]) {
+      compat::set_grad_accumulator(slots_[i].param, summoned_accumulators_[i]);
+    }
+  }
+  summoned_accumulators_.clear();
+  summoned_ = at::Tensor();
+  state_ = State::kSharded;
 }
 
 at::Tensor FlatParameter::new_flat_grad() const {

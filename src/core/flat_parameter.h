@@ -4,6 +4,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <functional>
@@ -88,8 +89,11 @@ class FlatParameter {
   /// FlatParameter that never frees its buffer (NO_SHARD in full precision)
   /// is always kUnsharded. Transitions assert the state they start from: the
   /// unit decides when to call them, and its collectives (unit_collectives.h)
-  /// fill the buffer.
-  enum class State { kSharded, kUnsharding, kUnsharded };
+  /// fill the buffer. kSummoned: a low-precision FlatParameter's original
+  /// parameters hold the full-precision values, in a buffer of their own
+  /// (Note [Summoning in full precision]); only SummonFullParams puts it
+  /// there, from kSharded, and nothing may gather it until it returns.
+  enum class State { kSharded, kUnsharding, kUnsharded, kSummoned };
 
   /// Flattens `params` (all one dtype, on CPU) and, unless keep_unsharded,
   /// shards them and frees the unsharded buffer.
@@ -163,10 +167,23 @@ class FlatParameter {
   /// the shard) rather than the shard.
   bool low_precision_copy_current() const;
 
-  /// In kUnsharded, where frees_unsharded(): copies this rank's part of the
-  /// unsharded buffer into the shard (after the full parameters were
+  /// In kUnsharded, where frees_unsharded(), or in kSummoned: copies this
+  /// rank's part of the full parameters into the shard (after they were
   /// modified in place).
   void copy_unsharded_into_shard();
+  /// kSharded -> kSummoned, for a low_precision() FlatParameter: the original
+  /// parameters become views of `full` (padded_numel() elements in the
+  /// shard's dtype on the unit's device, every rank's shard: gather_full in
+  /// runtime/unit_collectives.h), keeping their gradient accumulators.
+  void begin_summon(at::Tensor full);
+  /// kSummoned -> kSharded: the parameters point at their placeholders again
+  /// and the full-precision buffer is dropped.
+  void end_summon();
+  /// Whether the original parameters hold the full-precision values now
+  /// (kSummoned, or kUnsharded without mixed precision).
+  bool holds_full_values() const {
+    return state_ == State::kSummoned || (state_ == State::kUnsharded && !low_precision_);
+  }
   /// Dtype of the unsharded buffer and of the original parameters.
   at::ScalarType param_dtype() const { return unsharded_.scalar_type(); }
   /// Dtype of new_flat_grad() (the reduction's dtype).
@@ -221,6 +238,12 @@ class FlatParameter {
     return low_precision_copy_current() ? low_precision_host_ : shard_;
   }
   at::ScalarType grad_dtype_ = at::kFloat;
+  // In kSummoned: the full-precision buffer, its views (per slot) and the
+  // gradient accumulators that set_data to another dtype made autograd
+  // forget (restored by end_summon).
+  at::Tensor summoned_;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
+      summoned_accumulators_;
 
   State state_ = State::kUnsharded;
 };

@@ -24,8 +24,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -182,6 +185,18 @@ inline void unscale_and_check_(std::vector<at::Tensor>& grads, at::Tensor& found
   }
 #endif
   at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+}
+
+/// Makes `acc` (from try_get_grad_accumulator) `param`'s gradient
+/// accumulator again, after set_data to another dtype made autograd forget
+/// it: autograd refers to it weakly, through a std::weak_ptr in 1.13 and a
+/// c10::weak_intrusive_ptr in later releases.
+template <typename Ref>
+void set_grad_accumulator(const at::Tensor& param, const Ref& acc) {
+  using Node = torch::autograd::Node;
+  using Weak = std::conditional_t<std::is_same_v<Ref, std::shared_ptr<Node>>, std::weak_ptr<Node>,
+                                  c10::weak_intrusive_ptr<Node>>;
+  torch::autograd::impl::set_grad_accumulator(param, Weak(acc));
 }
 
 /// The key torch::optim keeps a parameter's state under in `state` (the

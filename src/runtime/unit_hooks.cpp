@@ -102,7 +102,17 @@ void UnitRuntime::free_unsharded() {
   }
 }
 
+void UnitRuntime::refuse_if_summoned(const char* pass) const {
+  // Before any state changes: SummonFullParams' end needs the unit idle.
+  FSDP_CHECK(!flat_ || flat_->state() != FlatParameter::State::kSummoned, flat_->group().rank(),
+             path_, "cannot run a ", pass, " through ", label(),
+             " inside SummonFullParams: under mixed precision its parameters hold their "
+             "full-precision values there (Note [Summoning in full precision]). Run it after "
+             "the guard ends");
+}
+
 void UnitRuntime::pre_forward() {
+  refuse_if_summoned("forward");
   FSDP_RECORD("pre_forward", path_);
   if (checkpoint_phase() == CheckpointPhase::kRecompute) {
     // Backward recomputes this unit's forward (Note [Activation
@@ -269,6 +279,7 @@ bool UnitRuntime::hook_output(const at::Tensor& output) {
 }
 
 void UnitRuntime::pre_backward() {
+  refuse_if_summoned("backward");
   // Dispatch-driven units learn here that their forward is over; this one's
   // parameters are needed now (Note [Units driven by dispatch]).
   if (root().forward_in_progress()) root().settle_forward(this);

@@ -22,6 +22,7 @@
 #include "memory/cpu_allocator.h"
 #include "runtime/hybrid.h"
 #include "runtime/root_state.h"
+#include "runtime/unit_collectives.h"
 #include "runtime/unit_init.h"
 
 namespace fsdp::detail {
@@ -371,19 +372,33 @@ bool UnitRuntime::gather_full_params() {
     if (!detail::unreported_uses_active()) refresh_gathered();
     return false;
   }
-  if (!flat_ || flat_->state() == FlatParameter::State::kUnsharded) return false;
+  if (!flat_ || flat_->holds_full_values()) return false;
+  if (flat_->low_precision()) {
+    // Note [Summoning in full precision]: the param_dtype copies (kept
+    // gathered after a forward) give way to the shards as they are.
+    reshard();
+    const at::Tensor& shard = flat_->shard();
+    flat_->begin_summon(gather_full(*flat_, shard.detach().to(flat_->unsharded().device())));
+    return true;
+  }
   unshard();
   return true;
 }
 
 void UnitRuntime::release_full_params() {
   check_idle("free the full parameters");
-  if (flat_) reshard();
+  if (!flat_) return;
+  if (flat_->state() == FlatParameter::State::kSummoned) {
+    flat_->end_summon();
+  } else {
+    reshard();
+  }
 }
 
 void UnitRuntime::write_back_full_params() {
   check_idle("write the full parameters back into the shard");
-  if (flat_ && flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded) {
+  if (flat_ && (flat_->state() == FlatParameter::State::kSummoned ||
+                (flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded))) {
     flat_->copy_unsharded_into_shard();
   }
 }

@@ -64,9 +64,10 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 // same names and archive layout as the unwrapped module's Module::save: the
 // file loads into the plain model and back. Where the full values come from:
 //   - a unit that never shards (NO_SHARD): its shard, the whole buffer;
-//   - a unit unsharded in full precision (under SummonFullParams, on rank 0
-//     with rank0_only, or kept unsharded after a forward): its original
-//     parameters, which hold them;
+//   - a unit whose original parameters hold them (under SummonFullParams,
+//     on rank 0 with rank0_only, in full precision under mixed precision
+//     too: Note [Summoning in full precision]; or kept unsharded after a
+//     forward without mixed precision);
 // neither needs communication, so PyTorch's habit works as it is:
 //     { fsdp::SummonFullParams full(*model); if (rank == 0) torch::save(model, path); }
 //   - otherwise (sharded, or unsharded in param_dtype under mixed precision)
@@ -75,14 +76,14 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 //     SummonFullParams every rank must call torch::save, and every rank
 //     writes the (identical) file.
 // Inside SummonFullParams a unit that would need that all-gather (on ranks
-// other than 0 with rank0_only; one outside the summoned module; a
-// mixed-precision unit, whose summoned values are its param_dtype copies) is
-// an error on each rank that saves, issuing nothing: where only rank 0 saves
-// (the habit above), the others do not issue the all-gather, so it would pair
-// with their next collective and break the group. The unit states tell all of this
-// (FlatParameter::State, low_precision()); "inside SummonFullParams" is its open UnreportedUses
-// scope, the only one user code runs in. load_unit needs no communication:
-// each rank reads every full parameter and keeps the part its shard holds.
+// other than 0 with rank0_only; one outside the summoned module) is an error
+// on each rank that saves, issuing nothing: where only rank 0 saves (the
+// habit above), the others do not issue the all-gather, so it would pair
+// with their next collective and break the group. The unit states tell all
+// of this (FlatParameter::State, low_precision()); "inside SummonFullParams"
+// is its open UnreportedUses scope, the only one user code runs in.
+// load_unit needs no communication: each rank reads every full parameter
+// and keeps the part its shard holds.
 void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) const {
   const FlatParameter* flat = flat_param();
   std::unordered_map<const void*, at::Tensor> full;
@@ -91,10 +92,9 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
     // Gathered for a built graph, outside SummonFullParams: maybe stale
     // since an optimizer step (Note [Double backward]).
     const bool stale = !detail::unreported_uses_active() && runtime().held_for_graph();
-    if (flat->keeps_unsharded()) {
+    if (flat->keeps_unsharded() && flat->state() != FlatParameter::State::kSummoned) {
       all = flat->shard().detach();
-    } else if (flat->state() != FlatParameter::State::kUnsharded || flat->low_precision() ||
-               stale) {
+    } else if (!flat->holds_full_values() || stale) {
       const bool low = flat->low_precision() && flat->state() == FlatParameter::State::kUnsharded;
       FSDP_CHECK(!detail::unreported_uses_active(), flat->group().rank(), flat->unit_path(),
                  "expected the full parameters on this rank to save them inside "

@@ -88,19 +88,11 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     std::vector<LocalPiece*> group;
     while (j < pieces.size() && pieces[j].unit == unit) group.push_back(&pieces[j++]);
     FlatParameter& flat = *unit->flat_param();
-    if (model_ && flat.low_precision()) {
-      // Under mixed precision the unsharded parameters are the param_dtype
-      // copies; what is saved is the full-precision shard, gathered as is.
-      at::Tensor full;
-      if (!dry) full = gather_full(flat, flat.shard().detach());
-      for (LocalPiece* p : group) {
-        const FlatParamSlot& slot = flat.slots()[p->slot];
-        emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
-             dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
-      }
-    } else if (model_) {
-      FSDP_CHECK(dry || !summoned || flat.state() == FlatParameter::State::kUnsharded,
-                 flat.group().rank(), flat.unit_path(),
+    if (model_) {
+      // Under mixed precision what is gathered is the full-precision shard
+      // (Note [Summoning in full precision]).
+      FSDP_CHECK(dry || !summoned || flat.holds_full_values(), flat.group().rank(),
+                 flat.unit_path(),
                  "expected the full parameters on this rank inside SummonFullParams, got this "
                  "rank's shard only (with rank0_only only rank 0 keeps them; or the guard "
                  "summons another module). Gathering them would need an all-gather that rank 0 "

@@ -3,8 +3,9 @@
 // for every sharding strategy, for wrapped (FullyShardedDataParallel,
 // auto_wrap) and fully_shard models, at 1-3 ranks, with and without
 // rank0_only. Rank 0's save issues no collective (see Note [Saving a
-// unit]), so the group stays intact; the file loads into the plain model.
-// What still needs one is an error on the saving rank, issuing nothing.
+// unit]), so the group stays intact; the file loads into the plain model,
+// under mixed precision too (the full-precision values). What still needs
+// one is an error on the saving rank, issuing nothing.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -156,52 +157,128 @@ TEST(Rank0Save, UnderSummonFullParamsAtThreeRanks) { save_on_rank0_under_summon(
 
 // What would need an all-gather inside SummonFullParams is an error on the
 // saving rank that issues nothing: a rank without the full parameters
-// (rank0_only), and a mixed-precision unit (its summoned values are the
-// param_dtype copies). The group goes on.
+// (rank0_only). The group goes on.
 TEST(Rank0Save, WhatNeedsACollectiveIsAnErrorOnTheSavingRankOnly) {
   run_ranks_ok(2, [](int rank, int) {
     init();
-    for (bool mixed : {false, true}) {
-      FSDPOptions options;
-      if (mixed) options.mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
-      Case c = make_case("wrapped", options);
-      torch::optim::SGD opt(c.params, torch::optim::SGDOptions(0.1));
-      train_step(c, opt, rank, 0);
-      const std::string path = save_path(std::string("refused_") + std::to_string(rank));
-      std::string msg, dict_msg;
-      {
-        SummonFullParams full(*c.module, SummonOptions().rank0_only(!mixed));
-        if (rank == (mixed ? 0 : 1)) msg = error_of([&] { torch::save(c.module, path); });
-        // full_state_dict on every rank: rank 0 needs no gather under
-        // rank0_only, so the others must not issue one either.
-        if (!mixed && rank == 1) dict_msg = error_of([&] { full_state_dict(*c.module); });
-        if (!mixed && rank == 0)
-          EXPECT_EQ(full_state_dict(*c.module).size(), c.plain->named_parameters().size());
+    Case c = make_case("wrapped", FSDPOptions());
+    torch::optim::SGD opt(c.params, torch::optim::SGDOptions(0.1));
+    train_step(c, opt, rank, 0);
+    const std::string path = save_path(std::string("refused_") + std::to_string(rank));
+    std::string msg, dict_msg;
+    {
+      SummonFullParams full(*c.module, SummonOptions().rank0_only(true));
+      if (rank == 1) msg = error_of([&] { torch::save(c.module, path); });
+      // full_state_dict on every rank: rank 0 needs no gather under
+      // rank0_only, so the others must not issue one either.
+      if (rank == 1) dict_msg = error_of([&] { full_state_dict(*c.module); });
+      if (rank == 0) {
+        EXPECT_EQ(full_state_dict(*c.module).size(), c.plain->named_parameters().size());
       }
-      if (!mixed && rank == 1) {
-        EXPECT_NE(dict_msg.find("[rank 1] fsdp(root): expected the full parameters on this rank "
-                                "inside SummonFullParams, got this rank's shard only"),
-                  std::string::npos)
-            << dict_msg;
+    }
+    if (rank == 1) {
+      EXPECT_NE(dict_msg.find("[rank 1] fsdp(root): expected the full parameters on this rank "
+                              "inside SummonFullParams, got this rank's shard only"),
+                std::string::npos)
+          << dict_msg;
+      EXPECT_NE(msg.find("[rank 1] fsdp(root): expected the full parameters on this rank to "
+                         "save them inside SummonFullParams, got this rank's shard only"),
+                std::string::npos)
+          << msg;
+      EXPECT_NE(msg.find("on rank 0 only"), std::string::npos) << msg;
+    }
+    std::remove(path.c_str());
+    default_process_group()->barrier().wait();
+    train_step(c, opt, rank, 1);
+    // Outside SummonFullParams every rank saves (one all-gather per unit).
+    torch::save(c.module, path);
+    std::remove(path.c_str());
+    default_process_group()->barrier().wait();
+  });
+}
+
+// Under mixed precision SummonFullParams shows the full-precision values, as
+// PyTorch's FSDP1 does (Note [Summoning in full precision]), not the bf16
+// compute copies: they are the shards' values in float32; rank 0's
+// torch::save writes them (a fully_shard model wrote the bf16 copies under
+// float32 metadata, a file LibTorch could not load); writeback keeps float32
+// changes exactly; a forward inside the guard is refused on every rank; and
+// after the guard training goes on as in a twin that never summoned.
+TEST(Rank0Save, UnderMixedPrecisionTheFullPrecisionValues) {
+  run_ranks_ok(2, [](int rank, int) {
+    init();
+    for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                      ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+      for (const char* kind : {"wrapped", "auto_wrap", "fully_shard"}) {
+        const std::string what = std::string(kind) + "_" + to_string(strategy) + "_bf16";
+        SCOPED_TRACE(what);
+        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy).mixed_precision(
+            MixedPrecision().param_dtype(at::kBFloat16));
+        // `ref` gives the values (full_state_dict summons it too); `twin`
+        // is never summoned before the end.
+        Case c = make_case(kind, options), ref = make_case(kind, options),
+             twin = make_case(kind, options);
+        torch::optim::SGD opt(c.params, torch::optim::SGDOptions(0.1));
+        torch::optim::SGD ref_opt(ref.params, torch::optim::SGDOptions(0.1));
+        torch::optim::SGD twin_opt(twin.params, torch::optim::SGDOptions(0.1));
+        for (int step = 0; step < 2; ++step) {
+          train_step(c, opt, rank, step);
+          train_step(ref, ref_opt, rank, step);
+          train_step(twin, twin_opt, rank, step);
+        }
+        {  // a forward without backward: SHARD_GRAD_OP keeps its bf16 copies gathered
+          torch::NoGradGuard no_grad;
+          c.forward(torch::ones({2, 7}));
+        }
+        const auto reference = full_state_dict(*ref.module);  // the shards, gathered in fp32
+        const std::string path = save_path(what);
+        {
+          SummonFullParams full(*c.module);
+          for (const auto& p : c.module->named_parameters()) {
+            EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
+            EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
+          }
+          if (rank == 0) torch::save(c.module, path);
+          if (std::string(kind) != "fully_shard") {
+            const std::string msg = error_of([&] { c.forward(torch::ones({2, 7})); });
+            EXPECT_NE(msg.find("inside SummonFullParams: under mixed precision"), std::string::npos)
+                << msg;
+          }
+        }
+        // Writeback in float32: a change bf16 could not hold lasts exactly.
+        auto changed = reference;
+        {
+          SummonFullParams full(*c.module, SummonOptions().writeback(true));
+          torch::NoGradGuard no_grad;
+          for (const auto& p : c.module->named_parameters()) {
+            p.value().add_(1e-4);
+            changed[p.key()] = reference[p.key()] + 1e-4;
+          }
+        }
+        const auto written = full_state_dict(*c.module);
+        for (const auto& p : changed) {
+          EXPECT_TRUE(torch::equal(written[p.key()], p.value())) << p.key();
+        }
+        load_full_state_dict(*twin.module, changed);
+        train_step(c, opt, rank, 2);
+        train_step(twin, twin_opt, rank, 2);
+        // After the guards the unit's gradient hooks still run (set_data to
+        // float32 and back made autograd forget them): the step moved c as
+        // it moved the twin.
+        const auto got = full_state_dict(*c.module), want = full_state_dict(*twin.module);
+        for (const auto& p : want) {
+          EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+          EXPECT_FALSE(torch::equal(p.value(), changed[p.key()])) << p.key() << " did not train";
+        }
+        default_process_group()->barrier().wait();
+        if (rank != 0) continue;
+        torch::load(c.plain, path);
+        std::remove(path.c_str());
+        for (const auto& p : c.plain->named_parameters()) {
+          EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
+          EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
+        }
       }
-      if (rank == (mixed ? 0 : 1)) {
-        EXPECT_NE(msg.find("[rank " + std::to_string(rank) +
-                           "] fsdp(root): expected the full "
-                           "parameters on this rank to save them inside SummonFullParams, got " +
-                           (mixed ? "their param_dtype copies" : "this rank's shard only")),
-                  std::string::npos)
-            << msg;
-        EXPECT_NE(msg.find(mixed ? "on every rank outside SummonFullParams" : "on rank 0 only"),
-                  std::string::npos)
-            << msg;
-      }
-      std::remove(path.c_str());
-      default_process_group()->barrier().wait();
-      train_step(c, opt, rank, 1);
-      // Outside SummonFullParams every rank saves (one all-gather per unit).
-      torch::save(c.module, path);
-      std::remove(path.c_str());
-      default_process_group()->barrier().wait();
     }
   });
 }

@@ -46,9 +46,9 @@ std::vector<ModuleClass> default_module_classes_to_ignore();
 /// of that buffer, so forward and backward compute in param_dtype. Gradients
 /// are flattened into a buffer of reduce_dtype, reduce-scattered in it, and
 /// cast back to the shard's dtype (unless keep_low_precision_grads) before
-/// they become the shard's .grad. SummonFullParams therefore shows the
-/// param_dtype values of the parameters; the full-precision values are the
-/// shards.
+/// they become the shard's .grad. SummonFullParams shows the full-precision
+/// values (the shards gathered as they are), as PyTorch's FSDP1 does (Note
+/// [Summoning in full precision] in src/core/flat_parameter.cpp).
 struct MixedPrecision {
   /// Dtype of the unsharded parameters: forward and backward compute and the
   /// all-gather. nullopt: the model's dtype.

@@ -21,10 +21,11 @@ struct SummonOptions {
 
 /// While alive, every unit in `root`'s module tree is unsharded, so the
 /// original parameters (named_parameters()) hold the full values on every
-/// rank (rank 0 only with rank0_only). Collective: every rank must create and
-/// destroy it together. Inside it, torch::save(model, path) communicates
-/// nothing, so rank 0 alone may call it (PyTorch's habit; see Note [Saving a
-/// unit]).
+/// rank (rank 0 only with rank0_only), in full precision under mixed
+/// precision (as PyTorch's FSDP1; a forward there is then an error).
+/// Collective: every rank must create and destroy it together. Inside it,
+/// torch::save(model, path) communicates nothing, so rank 0 alone may call
+/// it (PyTorch's habit; see Note [Saving a unit]).
 class SummonFullParams {
  public:
   /// Gathers every unit under (and including) `root`.
