@@ -203,80 +203,88 @@ TEST(Rank0Save, WhatNeedsACollectiveIsAnErrorOnTheSavingRankOnly) {
 // torch::save writes them (a fully_shard model wrote the bf16 copies under
 // float32 metadata, a file LibTorch could not load); writeback keeps float32
 // changes exactly; a forward inside the guard is refused on every rank; and
-// after the guard training goes on as in a twin that never summoned.
+// after the guard training goes on as in a twin that never summoned. With
+// and without CPU offload (the shards in host memory).
 TEST(Rank0Save, UnderMixedPrecisionTheFullPrecisionValues) {
   run_ranks_ok(2, [](int rank, int) {
     init();
     for (ShardingStrategy strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                       ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
       for (const char* kind : {"wrapped", "auto_wrap", "fully_shard"}) {
-        const std::string what = std::string(kind) + "_" + to_string(strategy) + "_bf16";
-        SCOPED_TRACE(what);
-        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy).mixed_precision(
-            MixedPrecision().param_dtype(at::kBFloat16));
-        // `ref` gives the values (full_state_dict summons it too); `twin`
-        // is never summoned before the end.
-        Case c = make_case(kind, options), ref = make_case(kind, options),
-             twin = make_case(kind, options);
-        torch::optim::SGD opt(c.params, torch::optim::SGDOptions(0.1));
-        torch::optim::SGD ref_opt(ref.params, torch::optim::SGDOptions(0.1));
-        torch::optim::SGD twin_opt(twin.params, torch::optim::SGDOptions(0.1));
-        for (int step = 0; step < 2; ++step) {
-          train_step(c, opt, rank, step);
-          train_step(ref, ref_opt, rank, step);
-          train_step(twin, twin_opt, rank, step);
-        }
-        {  // a forward without backward: SHARD_GRAD_OP keeps its bf16 copies gathered
-          torch::NoGradGuard no_grad;
-          c.forward(torch::ones({2, 7}));
-        }
-        const auto reference = full_state_dict(*ref.module);  // the shards, gathered in fp32
-        const std::string path = save_path(what);
-        {
-          SummonFullParams full(*c.module);
-          for (const auto& p : c.module->named_parameters()) {
+        for (bool offload : {false, true}) {
+          const std::string what =
+              std::string(kind) + "_" + to_string(strategy) + "_bf16" + (offload ? "_offload" : "");
+          SCOPED_TRACE(what);
+          const FSDPOptions options =
+              FSDPOptions()
+                  .sharding_strategy(strategy)
+                  .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16))
+                  .cpu_offload(CPUOffload().offload_params(offload));
+          // `ref` gives the values (full_state_dict summons it too); `twin`
+          // is never summoned before the end.
+          Case c = make_case(kind, options), ref = make_case(kind, options),
+               twin = make_case(kind, options);
+          torch::optim::SGD opt(c.params, torch::optim::SGDOptions(0.1));
+          torch::optim::SGD ref_opt(ref.params, torch::optim::SGDOptions(0.1));
+          torch::optim::SGD twin_opt(twin.params, torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < 2; ++step) {
+            train_step(c, opt, rank, step);
+            train_step(ref, ref_opt, rank, step);
+            train_step(twin, twin_opt, rank, step);
+          }
+          {  // a forward without backward: SHARD_GRAD_OP keeps its bf16 copies gathered
+            torch::NoGradGuard no_grad;
+            c.forward(torch::ones({2, 7}));
+          }
+          const auto reference = full_state_dict(*ref.module);  // the shards, gathered in fp32
+          const std::string path = save_path(what);
+          {
+            SummonFullParams full(*c.module);
+            for (const auto& p : c.module->named_parameters()) {
+              EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
+              EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
+            }
+            if (rank == 0) torch::save(c.module, path);
+            if (std::string(kind) != "fully_shard") {
+              const std::string msg = error_of([&] { c.forward(torch::ones({2, 7})); });
+              EXPECT_NE(msg.find("inside SummonFullParams: under mixed precision"),
+                        std::string::npos)
+                  << msg;
+            }
+          }
+          // Writeback in float32: a change bf16 could not hold lasts exactly.
+          auto changed = reference;
+          {
+            SummonFullParams full(*c.module, SummonOptions().writeback(true));
+            torch::NoGradGuard no_grad;
+            for (const auto& p : c.module->named_parameters()) {
+              p.value().add_(1e-4);
+              changed[p.key()] = reference[p.key()] + 1e-4;
+            }
+          }
+          const auto written = full_state_dict(*c.module);
+          for (const auto& p : changed) {
+            EXPECT_TRUE(torch::equal(written[p.key()], p.value())) << p.key();
+          }
+          load_full_state_dict(*twin.module, changed);
+          train_step(c, opt, rank, 2);
+          train_step(twin, twin_opt, rank, 2);
+          // After the guards the unit's gradient hooks still run (set_data to
+          // float32 and back made autograd forget them): the step moved c as
+          // it moved the twin.
+          const auto got = full_state_dict(*c.module), want = full_state_dict(*twin.module);
+          for (const auto& p : want) {
+            EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
+            EXPECT_FALSE(torch::equal(p.value(), changed[p.key()])) << p.key() << " did not train";
+          }
+          default_process_group()->barrier().wait();
+          if (rank != 0) continue;
+          torch::load(c.plain, path);
+          std::remove(path.c_str());
+          for (const auto& p : c.plain->named_parameters()) {
             EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
             EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
           }
-          if (rank == 0) torch::save(c.module, path);
-          if (std::string(kind) != "fully_shard") {
-            const std::string msg = error_of([&] { c.forward(torch::ones({2, 7})); });
-            EXPECT_NE(msg.find("inside SummonFullParams: under mixed precision"), std::string::npos)
-                << msg;
-          }
-        }
-        // Writeback in float32: a change bf16 could not hold lasts exactly.
-        auto changed = reference;
-        {
-          SummonFullParams full(*c.module, SummonOptions().writeback(true));
-          torch::NoGradGuard no_grad;
-          for (const auto& p : c.module->named_parameters()) {
-            p.value().add_(1e-4);
-            changed[p.key()] = reference[p.key()] + 1e-4;
-          }
-        }
-        const auto written = full_state_dict(*c.module);
-        for (const auto& p : changed) {
-          EXPECT_TRUE(torch::equal(written[p.key()], p.value())) << p.key();
-        }
-        load_full_state_dict(*twin.module, changed);
-        train_step(c, opt, rank, 2);
-        train_step(twin, twin_opt, rank, 2);
-        // After the guards the unit's gradient hooks still run (set_data to
-        // float32 and back made autograd forget them): the step moved c as
-        // it moved the twin.
-        const auto got = full_state_dict(*c.module), want = full_state_dict(*twin.module);
-        for (const auto& p : want) {
-          EXPECT_TRUE(torch::equal(got[p.key()], p.value())) << p.key();
-          EXPECT_FALSE(torch::equal(p.value(), changed[p.key()])) << p.key() << " did not train";
-        }
-        default_process_group()->barrier().wait();
-        if (rank != 0) continue;
-        torch::load(c.plain, path);
-        std::remove(path.c_str());
-        for (const auto& p : c.plain->named_parameters()) {
-          EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
-          EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();
         }
       }
     }
