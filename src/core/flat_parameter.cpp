@@ -301,10 +301,13 @@ void FlatParameter::copy_unsharded_into_shard() {
 // no forward or backward may gather the unit meanwhile (UnitRuntime refuses,
 // as FSDP1 refuses a forward inside summon_full_params). NO_SHARD's shard is
 // the whole buffer: it is copied, so that writes without writeback are
-// dropped as for the other strategies.
+// dropped as for the other strategies. SummonOptions::offload_to_cpu takes
+// the same way for every unit that shards on a GPU, with the buffer in host
+// memory (its device copy freed before the next unit gathers).
 void FlatParameter::begin_summon(at::Tensor full) {
-  TORCH_INTERNAL_ASSERT(low_precision_ && state_ == State::kSharded, unit_label_,
-                        ": begin_summon in state ", to_string(state_));
+  TORCH_INTERNAL_ASSERT(
+      state_ == State::kSharded && (low_precision_ || full.device() != unsharded_.device()),
+      unit_label_, ": begin_summon in state ", to_string(state_));
   TORCH_INTERNAL_ASSERT(full.numel() == padded_numel_ && full.scalar_type() == shard_.scalar_type(),
                         unit_label_, ": begin_summon expects the full-precision buffer");
   if (full.data_ptr() == shard_.data_ptr()) full = full.clone();  // NO_SHARD's shard

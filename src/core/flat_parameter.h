@@ -89,10 +89,11 @@ class FlatParameter {
   /// FlatParameter that never frees its buffer (NO_SHARD in full precision)
   /// is always kUnsharded. Transitions assert the state they start from: the
   /// unit decides when to call them, and its collectives (unit_collectives.h)
-  /// fill the buffer. kSummoned: a low-precision FlatParameter's original
-  /// parameters hold the full-precision values, in a buffer of their own
-  /// (Note [Summoning in full precision]); only SummonFullParams puts it
-  /// there, from kSharded, and nothing may gather it until it returns.
+  /// fill the buffer. kSummoned: the original parameters hold the
+  /// full-precision values in a buffer of their own (under mixed precision,
+  /// or in host memory: Note [Summoning in full precision]); only
+  /// SummonFullParams and the state dicts put it there, from kSharded, and
+  /// nothing may gather it until it returns.
   enum class State { kSharded, kUnsharding, kUnsharded, kSummoned };
 
   /// Flattens `params` (all one dtype, on CPU) and, unless keep_unsharded,
@@ -171,10 +172,11 @@ class FlatParameter {
   /// rank's part of the full parameters into the shard (after they were
   /// modified in place).
   void copy_unsharded_into_shard();
-  /// kSharded -> kSummoned, for a low_precision() FlatParameter: the original
-  /// parameters become views of `full` (padded_numel() elements in the
-  /// shard's dtype on the unit's device, every rank's shard: gather_full in
-  /// runtime/unit_collectives.h), keeping their gradient accumulators.
+  /// kSharded -> kSummoned, for a low_precision() FlatParameter or a `full`
+  /// in host memory: the original parameters become views of `full`
+  /// (padded_numel() elements in the shard's dtype, every rank's shard:
+  /// gather_full in runtime/unit_collectives.h), keeping their gradient
+  /// accumulators.
   void begin_summon(at::Tensor full);
   /// kSummoned -> kSharded: the parameters point at their placeholders again
   /// and the full-precision buffer is dropped.

@@ -366,19 +366,25 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
-bool UnitRuntime::gather_full_params() {
+bool UnitRuntime::gather_full_params(bool to_cpu) {
   check_idle("gather the full parameters");
   if (held_for_graph()) {  // gathered for a built graph (Note [Double backward])
     if (!detail::unreported_uses_active()) refresh_gathered();
     return false;
   }
-  if (!flat_ || flat_->holds_full_values()) return false;
-  if (flat_->low_precision()) {
+  if (!flat_ || flat_->state() == FlatParameter::State::kSummoned) return false;
+  // As FSDP1's offload_to_cpu: only a unit that shards (NO_SHARD's full
+  // values are on the device already).
+  const c10::Device device = flat_->unsharded().device();
+  to_cpu = to_cpu && !device.is_cpu() && !flat_->keeps_unsharded();
+  if (flat_->holds_full_values() && !to_cpu) return false;
+  if (flat_->low_precision() || to_cpu) {
     // Note [Summoning in full precision]: the param_dtype copies (kept
     // gathered after a forward) give way to the shards as they are.
     reshard();
-    const at::Tensor& shard = flat_->shard();
-    flat_->begin_summon(gather_full(*flat_, shard.detach().to(flat_->unsharded().device())));
+    at::Tensor full = gather_full(*flat_, flat_->shard().detach().to(device));
+    if (to_cpu) full = full.to(at::kCPU);  // the device's copy is freed here, unit by unit
+    flat_->begin_summon(std::move(full));
     return true;
   }
   unshard();

@@ -96,7 +96,7 @@ class UnitRuntime final : public ParamUseListener {
   c10::optional<at::ScalarType> compute_dtype() const override;
 
   // Outside forward and backward (see Unit::gather_full_params).
-  bool gather_full_params();
+  bool gather_full_params(bool to_cpu);
   void release_full_params();
   // Gathered for a graph a backward with create_graph built, which may still
   // be differentiated (Note [Double backward]).

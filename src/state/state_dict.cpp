@@ -17,7 +17,10 @@ torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
   walker.walk([&](size_t i, const at::Tensor& t) {
     if (!keep) return;
     const std::string& key = walker.specs()[i].key;
-    out.insert(key.substr(key.find('/') + 1), t.detach().clone());
+    out.insert(key.substr(key.find('/') + 1),
+               options.offload_to_cpu() ? t.detach().to(at::kCPU, t.scalar_type(),
+                                                        /*non_blocking=*/false, /*copy=*/true)
+                                        : t.detach().clone());
   });
   return out;
 }

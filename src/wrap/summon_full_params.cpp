@@ -17,16 +17,19 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
              "parameters they never received. Use one of them");
   // Every rank walks the same tree in the same (pre-)order, so the
   // all-gathers pair up. Each unit checks that it is idle.
+  // With rank0_only the other ranks free each unit as soon as it gathered,
+  // so they never hold more than one.
   for (const auto& m : root.modules(/*include_self=*/true)) {
     Unit* unit = unit_of(*m);
     if (unit == nullptr || unit->flat_param() == nullptr) continue;
     units_.push_back(unit);
-    if (unit->gather_full_params()) gathered_.push_back(unit);
-  }
-  const int rank = units_.empty() ? 0 : units_.front()->flat_param()->group().rank();
-  if (options_.rank0_only() && rank != 0) {
-    for (Unit* unit : gathered_) unit->release_full_params();
-    gathered_.clear();
+    const int rank = units_.front()->flat_param()->group().rank();
+    if (!unit->gather_full_params(options.offload_to_cpu())) continue;
+    if (options_.rank0_only() && rank != 0) {
+      unit->release_full_params();
+    } else {
+      gathered_.push_back(unit);
+    }
   }
   // The user's reads and writes of the full parameters are no forward (Note
   // [Units driven by dispatch]); ended in the destructor. Last: a constructor

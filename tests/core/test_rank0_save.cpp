@@ -236,10 +236,12 @@ TEST(Rank0Save, UnderMixedPrecisionTheFullPrecisionValues) {
             torch::NoGradGuard no_grad;
             c.forward(torch::ones({2, 7}));
           }
-          const auto reference = full_state_dict(*ref.module);  // the shards, gathered in fp32
+          // The shards, gathered in fp32 (offload_to_cpu changes nothing on the CPU).
+          const auto reference =
+              full_state_dict(*ref.module, StateDictOptions().offload_to_cpu(offload));
           const std::string path = save_path(what);
           {
-            SummonFullParams full(*c.module);
+            SummonFullParams full(*c.module, SummonOptions().offload_to_cpu(offload));
             for (const auto& p : c.module->named_parameters()) {
               EXPECT_EQ(p.value().scalar_type(), at::kFloat) << p.key();
               EXPECT_TRUE(torch::equal(p.value(), reference[p.key()])) << p.key();

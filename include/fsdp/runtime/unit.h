@@ -136,8 +136,9 @@ class Unit {
   /// state): makes the original parameters hold the full values, gathering
   /// them when sharded. Returns whether it gathered (then release_full_params()
   /// frees them again). Collective when it gathers. Used by SummonFullParams
-  /// and the state dicts.
-  bool gather_full_params();
+  /// and the state dicts. `to_cpu`: a sharded unit on a GPU holds them in
+  /// host memory (SummonOptions::offload_to_cpu).
+  bool gather_full_params(bool to_cpu = false);
   /// Outside forward and backward (checked): frees the full values again,
   /// when this unit frees them at all (not NO_SHARD in full precision).
   void release_full_params();

@@ -18,6 +18,11 @@ struct StateDictOptions {
   /// Only rank 0 receives the tensors (the others return an empty dict but
   /// still take part in the gathers).
   TORCH_ARG(bool, rank0_only) = false;
+  /// The tensors are in host memory (FSDP1's FullStateDictConfig
+  /// offload_to_cpu): each unit's full values leave the GPU as soon as they
+  /// are gathered, so a model larger than the GPU can be gathered (with
+  /// rank0_only, into rank 0's host memory alone).
+  TORCH_ARG(bool, offload_to_cpu) = false;
 };
 
 /// The full parameters and buffers of `model` (FSDP-wrapped or plain), as

@@ -17,6 +17,11 @@ struct SummonOptions {
   /// Only rank 0 keeps the full parameters; the others free them at once
   /// (they still take part in the all-gathers). Not allowed with writeback.
   TORCH_ARG(bool, rank0_only) = false;
+  /// The full parameters of units that shard on a GPU are held in host
+  /// memory, gathered one unit at a time, so the GPU never holds more than
+  /// one unit's full parameters besides what training keeps (FSDP1's
+  /// offload_to_cpu; best with rank0_only). Nothing changes on the CPU.
+  TORCH_ARG(bool, offload_to_cpu) = false;
 };
 
 /// While alive, every unit in `root`'s module tree is unsharded, so the
