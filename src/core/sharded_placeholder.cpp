@@ -72,8 +72,9 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
            "(fsdp::unit_of(*model)), or per-parameter views with "
            "FSDPOptions().use_orig_params(true), named by Unit::named_flat_parameters() for "
            "parameter groups; clip with the root's clip_grad_norm_(). To log gradients, read "
-           "those tensors' .grad(): each rank holds its part (the root's clip_grad_norm_() "
-           "returns the global norm).";
+           "those tensors' .grad() (each rank holds its part; the root's clip_grad_norm_() "
+           "returns the global norm), or the full ones inside fsdp::SummonFullParams(model, "
+           "fsdp::SummonOptions().with_grads(true)).";
   }
   if (writes) {
     return error_prefix(-1, "parameters") + op + " wrote to " + e.what +

@@ -118,7 +118,9 @@ void Unit::pre_forward() { runtime().pre_forward(); }
 void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type) {
   runtime().post_forward(outputs, unknown_output_type);
 }
-bool Unit::gather_full_params(bool to_cpu) { return runtime().gather_full_params(to_cpu); }
+bool Unit::gather_full_params(bool to_cpu, bool with_grads) {
+  return runtime().gather_full_params(to_cpu, with_grads);
+}
 void Unit::release_full_params() { runtime().release_full_params(); }
 void Unit::write_back_full_params() { runtime().write_back_full_params(); }
 void Unit::zero_optim_grads(bool set_to_none) {

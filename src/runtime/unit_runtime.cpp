@@ -17,10 +17,12 @@
 
 #include <fsdp/comm/init.h>
 
+#include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "memory/cpu_allocator.h"
 #include "runtime/hybrid.h"
+#include "runtime/reduced_grad.h"
 #include "runtime/root_state.h"
 #include "runtime/unit_collectives.h"
 #include "runtime/unit_init.h"
@@ -366,7 +368,7 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
-bool UnitRuntime::gather_full_params(bool to_cpu) {
+bool UnitRuntime::gather_full_params(bool to_cpu, bool with_grads) {
   check_idle("gather the full parameters");
   if (held_for_graph()) {  // gathered for a built graph (Note [Double backward])
     if (!detail::unreported_uses_active()) refresh_gathered();
@@ -377,23 +379,80 @@ bool UnitRuntime::gather_full_params(bool to_cpu) {
   // values are on the device already).
   const c10::Device device = flat_->unsharded().device();
   to_cpu = to_cpu && !device.is_cpu() && !flat_->keeps_unsharded();
-  if (flat_->holds_full_values() && !to_cpu) return false;
-  if (flat_->low_precision() || to_cpu) {
-    // Note [Summoning in full precision]: the param_dtype copies (kept
-    // gathered after a forward) give way to the shards as they are.
-    reshard();
-    at::Tensor full = gather_full(*flat_, flat_->shard().detach().to(device));
-    if (to_cpu) full = full.to(at::kCPU);  // the device's copy is freed here, unit by unit
-    flat_->begin_summon(std::move(full));
-    return true;
+  bool gathered = false;
+  if (!flat_->holds_full_values() || to_cpu) {
+    if (flat_->low_precision() || to_cpu) {
+      // Note [Summoning in full precision]: the param_dtype copies (kept
+      // gathered after a forward) give way to the shards as they are.
+      reshard();
+      at::Tensor full = gather_full(*flat_, flat_->shard().detach().to(device));
+      if (to_cpu) full = full.to(at::kCPU);  // the device's copy is freed here, unit by unit
+      flat_->begin_summon(std::move(full));
+    } else {
+      unshard();
+    }
+    gathered = true;
   }
-  unshard();
-  return true;
+  if (with_grads) summon_grads();
+  return gathered || summoned_grads_.defined();
+}
+
+// Note [Summoning gradients]
+// SummonOptions::with_grads, as FSDP1's: while summoned, each original
+// parameter's .grad is its full gradient, gathered from the ranks' gradient
+// shards (the flat shard's .grad, or the use_orig_params pieces') as the
+// parameters are, into one buffer beside them, in their dtype. A parameter
+// gets one where some rank's part of it has a gradient: the ranks agree on
+// that per parameter (one small all-reduce per unit; Note [Parameters
+// without gradients]). The .grad each had before (its moved gradient's
+// placeholder, or none) comes back when the guard ends; with writeback each
+// rank's part of the full gradients is first copied into the shard's
+// gradients that exist, as FSDP1 writes back.
+void UnitRuntime::summon_grads() {
+  if (summoned_grads_.defined()) return;  // an enclosing guard summoned them
+  const auto& slots = flat_->slots();
+  std::vector<int64_t> has(slots.size(), 0);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const at::Tensor& owner = options_.use_orig_params() ? optim_params_[i] : optim_params_[0];
+    has[i] = owner.grad().defined() ? 1 : 0;
+  }
+  has = agree_reduce(&flat_->group(), std::move(has), ReduceOp::kMax);
+  if (std::find(has.begin(), has.end(), 1) == has.end()) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor& shard = flat_->shard();
+  at::Tensor local = at::zeros({shard.numel()}, shard.options());
+  for (const GradTarget& t : grad_targets(nullptr)) {
+    const at::Tensor& g = t.param.grad();
+    if (g.defined())
+      (t.numel < 0 ? local : local.narrow(0, t.offset, t.numel)).copy_(g.reshape({-1}));
+  }
+  const at::Tensor& beside = slots.front().param;
+  summoned_grads_ = gather_full(*flat_, local.to(flat_->unsharded().device()))
+                        .to(beside.device(), beside.scalar_type());
+  grads_before_summon_.clear();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    at::Tensor param = slots[i].param;
+    grads_before_summon_.push_back(param.grad());
+    if (has[i] == 0) continue;
+    param.mutable_grad() =
+        summoned_grads_.narrow(0, slots[i].offset, slots[i].numel).view(slots[i].shape);
+  }
+}
+
+void UnitRuntime::release_grads() {
+  if (!summoned_grads_.defined()) return;
+  const auto& slots = flat_->slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    at::Tensor(slots[i].param).mutable_grad() = grads_before_summon_[i];
+  }
+  grads_before_summon_.clear();
+  summoned_grads_ = at::Tensor();
 }
 
 void UnitRuntime::release_full_params() {
   check_idle("free the full parameters");
   if (!flat_) return;
+  release_grads();
   if (flat_->state() == FlatParameter::State::kSummoned) {
     flat_->end_summon();
   } else {
@@ -406,6 +465,14 @@ void UnitRuntime::write_back_full_params() {
   if (flat_ && (flat_->state() == FlatParameter::State::kSummoned ||
                 (flat_->frees_unsharded() && flat_->state() == FlatParameter::State::kUnsharded))) {
     flat_->copy_unsharded_into_shard();
+  }
+  if (!summoned_grads_.defined()) return;
+  // See Note [Summoning gradients].
+  at::NoGradGuard no_grad;
+  const at::Tensor mine = summoned_grads_.narrow(0, flat_->shard_offset(), flat_->shard().numel());
+  for (const GradTarget& t : grad_targets(nullptr)) {
+    const at::Tensor& g = t.param.grad();
+    if (g.defined()) g.view(-1).copy_(t.numel < 0 ? mine : mine.narrow(0, t.offset, t.numel));
   }
 }
 

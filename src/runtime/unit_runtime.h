@@ -96,7 +96,7 @@ class UnitRuntime final : public ParamUseListener {
   c10::optional<at::ScalarType> compute_dtype() const override;
 
   // Outside forward and backward (see Unit::gather_full_params).
-  bool gather_full_params(bool to_cpu);
+  bool gather_full_params(bool to_cpu, bool with_grads);
   void release_full_params();
   // Gathered for a graph a backward with create_graph built, which may still
   // be differentiated (Note [Double backward]).
@@ -105,6 +105,10 @@ class UnitRuntime final : public ParamUseListener {
   // an optimizer step may have changed). Collective.
   void refresh_gathered();
   void write_back_full_params();
+  // Note [Summoning gradients]: while summoned with them, the full gradients
+  // and each parameter's .grad from before.
+  void summon_grads();
+  void release_grads();
 
   void zero_optim_grads(bool set_to_none);
   c10::optional<at::ScalarType> forward_input_dtype() const;
@@ -231,6 +235,8 @@ class UnitRuntime final : public ParamUseListener {
   // Per slot: what the original parameter's .grad points at once its
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).
   std::vector<at::Tensor> grad_placeholders_;
+  at::Tensor summoned_grads_;  // see Note [Summoning gradients]
+  std::vector<at::Tensor> grads_before_summon_;
   // What the optimizer steps: {shard} or, with use_orig_params, one view of
   // the shard per slot (see Note [FlatParameter vocabulary]).
   std::vector<at::Tensor> optim_params_;

@@ -24,7 +24,7 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
     if (unit == nullptr || unit->flat_param() == nullptr) continue;
     units_.push_back(unit);
     const int rank = units_.front()->flat_param()->group().rank();
-    if (!unit->gather_full_params(options.offload_to_cpu())) continue;
+    if (!unit->gather_full_params(options.offload_to_cpu(), options.with_grads())) continue;
     if (options_.rank0_only() && rank != 0) {
       unit->release_full_params();
     } else {

@@ -196,4 +196,18 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+/// A plain Net and its wrapped twin (nested units fc1 and block in the
+/// root), made with the same initial weights.
+struct NetTwins {
+  Net reference;
+  FullyShardedDataParallel<NetImpl> model;
+};
+inline NetTwins make_net_twins(const FSDPOptions& options) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::manual_seed(0);
+  return {reference,
+          FullyShardedDataParallel<NetImpl>(std::make_shared<NetImpl>(true, options), options)};
+}
+
 }  // namespace fsdp::testing

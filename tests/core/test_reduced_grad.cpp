@@ -97,11 +97,8 @@ TEST(ReducedGrad, ZeroedAndAccumulatedGradientsTrainAsPlainLibTorch) {
       for (bool orig : {false, true}) {
         const std::string what =
             std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
-        torch::manual_seed(0);
-        Net reference(false, FSDPOptions());
-        torch::manual_seed(0);
-        auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
-        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        auto [reference, model] =
+            make_net_twins(FSDPOptions().sharding_strategy(strategy).use_orig_params(orig));
         torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
         torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
         std::vector<at::Tensor> held;

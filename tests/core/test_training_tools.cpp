@@ -147,3 +147,61 @@ TEST(TrainingTools, UnusedParametersMatchPlainTraining) {
 
 }  // namespace test_training_tools
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace test_training_tools {
+
+// SummonOptions::with_grads (FSDP1's): inside the guard each parameter's
+// .grad is its full gradient, the plain model's on the ranks' concatenated
+// batches (different rows per rank), with flat shards and with
+// use_orig_params, sharded or not; a parameter no rank's forward used has
+// none under use_orig_params, as in plain LibTorch; with writeback a change
+// to them is what the optimizer then steps; without it, nothing changes.
+TEST(TrainingTools, SummonWithGradsShowsTheFullGradients) {
+  run_ranks_ok(3, [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      for (bool orig : {false, true}) {
+        const std::string what =
+            std::string(to_string(strategy)) + (orig ? " use_orig_params" : "");
+        auto [reference, model] =
+            make_net_twins(FSDPOptions().sharding_strategy(strategy).use_orig_params(orig));
+        torch::manual_seed(5);
+        const torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+        torch::mse_loss(reference->forward(x), y).backward();
+        torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+        const auto want = reference->named_parameters();
+        for (bool writeback : {false, true}) {
+          SummonFullParams full(*model.ptr(),
+                                SummonOptions().with_grads(true).writeback(writeback));
+          for (const auto& p : model->named_parameters()) {
+            const torch::Tensor& g = p.value().grad();
+            ASSERT_TRUE(g.defined()) << what << " " << p.key();
+            EXPECT_TRUE(torch::allclose(g, want[p.key()].grad(), 1e-5, 1e-6)) << what << p.key();
+            torch::NoGradGuard no_grad;
+            if (writeback) g.mul_(2);    // kept
+            if (!writeback) g.fill_(7);  // dropped
+          }
+        }
+        for (auto& p : reference->parameters()) p.mutable_grad().mul_(2);
+        torch::optim::SGD(reference->parameters(), torch::optim::SGDOptions(1.0)).step();
+        torch::optim::SGD(model->parameters(), torch::optim::SGDOptions(1.0)).step();
+        SummonFullParams full(*model.ptr());
+        expect_same_params(*model.ptr(), *reference.ptr(), what + " after writeback");
+      }
+    }
+    // An unused parameter: no gradient with use_orig_params, as in plain
+    // LibTorch (flat shards give it zeros, with the warning they give).
+    torch::manual_seed(0);
+    const auto options = FSDPOptions().use_orig_params(true);
+    FullyShardedDataParallel<PartlyUsedImpl> partly(std::make_shared<PartlyUsedImpl>(), options);
+    partly->forward(torch::randn({2, 5})).sum().backward();
+    SummonFullParams full(*partly.ptr(), SummonOptions().with_grads(true));
+    for (const auto& p : partly->named_parameters()) {
+      EXPECT_EQ(p.value().grad().defined(), p.key().rfind("used.", 0) == 0) << p.key();
+    }
+  });
+}
+
+}  // namespace test_training_tools
+}  // namespace fsdp::testing

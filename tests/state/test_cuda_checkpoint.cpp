@@ -94,8 +94,9 @@ constexpr int64_t kWidth = 512, kUnits = 6;  // six units of 1 MiB
 // they are gathered, so the caching allocator's peak grows by a unit's full
 // parameters or two (at most 3 of the 6), not the model's (as it does
 // without offload), in float32 and under bf16 mixed precision (whose
-// summoned values are the float32 ones); rank 0's torch::save inside the
-// guard writes a file the plain model on the CPU loads.
+// summoned values are the float32 ones), gradients too (with_grads); rank
+// 0's torch::save inside the guard writes a file the plain model on the CPU
+// loads.
 TEST_P(CudaCheckpoint, OffloadToCpuHoldsOneUnitAtATimeOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   on_gpu_ranks([](int rank, const torch::Device& gpu) {
@@ -137,10 +138,12 @@ TEST_P(CudaCheckpoint, OffloadToCpuHoldsOneUnitAtATimeOnTheGpu) {
       }
       const std::string path = test_dir() + "/offloaded_" + what + ".pt";
       const int64_t summon_growth = peak_growth([&] {
-        SummonFullParams full(*model.ptr(), SummonOptions().offload_to_cpu(true).rank0_only(true));
+        SummonFullParams full(
+            *model.ptr(), SummonOptions().offload_to_cpu(true).rank0_only(true).with_grads(true));
         if (rank != 0) return;
         for (const auto& p : model->named_parameters()) {
           EXPECT_EQ(p.value().device(), torch::Device(torch::kCPU)) << what << p.key();
+          EXPECT_TRUE(p.value().grad().defined() && p.value().grad().is_cpu()) << what << p.key();
           EXPECT_EQ(p.value().scalar_type(), torch::kFloat) << what << p.key();
           EXPECT_TRUE(torch::equal(p.value(), dict[p.key()])) << what << p.key();
         }

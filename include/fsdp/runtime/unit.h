@@ -137,13 +137,17 @@ class Unit {
   /// them when sharded. Returns whether it gathered (then release_full_params()
   /// frees them again). Collective when it gathers. Used by SummonFullParams
   /// and the state dicts. `to_cpu`: a sharded unit on a GPU holds them in
-  /// host memory (SummonOptions::offload_to_cpu).
-  bool gather_full_params(bool to_cpu = false);
+  /// host memory (SummonOptions::offload_to_cpu); `with_grads`: each
+  /// parameter's .grad holds its full gradient too (SummonOptions::with_grads).
+  bool gather_full_params(bool to_cpu = false, bool with_grads = false);
   /// Outside forward and backward (checked): frees the full values again,
-  /// when this unit frees them at all (not NO_SHARD in full precision).
+  /// when this unit frees them at all (not NO_SHARD in full precision), and
+  /// gives the parameters back the gradients they had before.
   void release_full_params();
   /// Outside forward and backward (checked): copies this rank's part of the
-  /// full parameters (modified in place while gathered) into its shard.
+  /// full parameters (modified in place while gathered) into its shard, and
+  /// of their full gradients into the shard's gradients where they were
+  /// gathered too.
   void write_back_full_params();
 
   /// While the returned guard lives, backward passes accumulate gradients

@@ -22,6 +22,11 @@ struct SummonOptions {
   /// one unit's full parameters besides what training keeps (FSDP1's
   /// offload_to_cpu; best with rank0_only). Nothing changes on the CPU.
   TORCH_ARG(bool, offload_to_cpu) = false;
+  /// Each original parameter's .grad holds its full gradient too, where
+  /// some rank's shard has one (FSDP1's with_grads; here also without
+  /// use_orig_params and with offload_to_cpu); with writeback, changes to
+  /// them go back into the shards' gradients.
+  TORCH_ARG(bool, with_grads) = false;
 };
 
 /// While alive, every unit in `root`'s module tree is unsharded, so the
