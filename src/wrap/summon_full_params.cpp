@@ -19,17 +19,31 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
   // all-gathers pair up. Each unit checks that it is idle.
   // With rank0_only the other ranks free each unit as soon as it gathered,
   // so they never hold more than one.
-  for (const auto& m : root.modules(/*include_self=*/true)) {
-    Unit* unit = unit_of(*m);
-    if (unit == nullptr || unit->flat_param() == nullptr) continue;
-    units_.push_back(unit);
-    const int rank = units_.front()->flat_param()->group().rank();
-    if (!unit->gather_full_params(options.offload_to_cpu(), options.with_grads())) continue;
-    if (options_.rank0_only() && rank != 0) {
-      unit->release_full_params();
-    } else {
-      gathered_.push_back(unit);
+  try {
+    for (const auto& m : root.modules(/*include_self=*/true)) {
+      Unit* unit = unit_of(*m);
+      if (unit == nullptr || unit->flat_param() == nullptr) continue;
+      units_.push_back(unit);
+      const int rank = units_.front()->flat_param()->group().rank();
+      if (!unit->gather_full_params(options.offload_to_cpu(), options.with_grads())) continue;
+      if (options_.rank0_only() && rank != 0) {
+        unit->release_full_params();
+      } else {
+        gathered_.push_back(unit);
+      }
     }
+  } catch (...) {
+    // A constructor that throws runs no destructor: give back what was
+    // gathered (a unit left summoned could not train), the unit that failed
+    // part-way included, then report the first error.
+    gathered_.push_back(units_.empty() ? nullptr : units_.back());
+    for (Unit* unit : gathered_) {
+      try {
+        if (unit != nullptr) unit->release_full_params();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+      }
+    }
+    throw;
   }
   // The user's reads and writes of the full parameters are no forward (Note
   // [Units driven by dispatch]); ended in the destructor. Last: a constructor
