@@ -24,7 +24,9 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
       Unit* unit = unit_of(*m);
       if (unit == nullptr || unit->flat_param() == nullptr) continue;
       units_.push_back(unit);
-      const int rank = units_.front()->flat_param()->group().rank();
+      // The job's rank (the unit's world group), not the shard group's:
+      // under HYBRID_SHARD every node has a shard-group rank 0.
+      const int rank = units_.front()->fsdp_options().process_group()->rank();
       if (!unit->gather_full_params(options.offload_to_cpu(), options.with_grads())) continue;
       if (options_.rank0_only() && rank != 0) {
         unit->release_full_params();

@@ -351,3 +351,27 @@ TEST(HybridShard, InconsistentGroupsAreRefused) {
 
 }  // namespace test_hybrid_shard
 }  // namespace fsdp::testing
+
+namespace fsdp::testing {
+namespace test_hybrid_shard {
+
+// SummonFullParams with rank0_only keeps the full parameters on the job's
+// rank 0 only: not on the first rank of every node (rank 0 of its shard
+// group), which would hold a whole model's worth of memory for nothing.
+TEST(HybridShard, Rank0OnlySummonsOnTheJobsRank0Only) {
+  const Layout layout{2, 2};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    Root root = make_root(options);
+    SummonFullParams full(*root.ptr(), SummonOptions().rank0_only(true));
+    for (const auto& m : root->modules()) {
+      const Unit* unit = unit_of(*m);
+      if (unit == nullptr || unit->flat_param() == nullptr) continue;
+      EXPECT_EQ(unit->flat_param()->holds_full_values(), rank == 0) << "rank " << rank;
+    }
+  });
+}
+
+}  // namespace test_hybrid_shard
+}  // namespace fsdp::testing
