@@ -10,6 +10,7 @@
 #include <fsdp/error_message.h>
 
 #include "comm/agreement.h"
+#include "comm/mismatch.h"
 #include "comm/thread_priority.h"
 #include "comm/work_state.h"
 #include "detail/error.h"
@@ -285,11 +286,16 @@ void CommThread::Core::execute(Item& item) {
   } catch (const std::exception& e) {
     health = Health::kBroken;
     // The cause without its backtrace: this message is one sentence.
-    broken_cause = item.state->description + ": " + error_message(e);
-    fail(item,
-         error_prefix(rank, "process group") + item.state->description +
-             " failed: " + error_message(e) +
-             ". A peer rank has probably died or timed out; look at the other ranks' output.");
+    const std::string cause = error_message(e);
+    broken_cause = item.state->description + ": " + cause;
+    // A transport that saw the ranks differ says so and what to do; any
+    // other failure most often means a peer is gone.
+    const bool mismatch = cause.find(kMismatchAdvice) != std::string::npos;
+    fail(item, error_prefix(rank, "process group") + item.state->description + " failed: " + cause +
+                   (!cause.empty() && cause.back() == '.' ? "" : ".") +
+                   (mismatch ? ""
+                             : " A peer rank has probably died or timed out; look at the "
+                               "other ranks' output."));
   }
 }
 

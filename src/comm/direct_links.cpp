@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "comm/mismatch.h"
 #include "comm/thread_priority.h"
 #include "detail/error.h"
 #include "rendezvous/job_token.h"
@@ -306,7 +307,8 @@ void DirectLinks::receive(void* dst, size_t bytes, uint64_t slot) {
     if (!header_done && got >= sizeof(h)) {
       FSDP_CHECK(h.slot == slot && h.bytes == bytes, rank_, "process group", "rank ", prev_,
                  " sent message slot ", h.slot, " of ", h.bytes, " bytes where slot ", slot, " of ",
-                 bytes, " bytes was expected: the ranks issued different collectives.");
+                 bytes, " bytes was expected: the ranks issued different collectives.",
+                 kMismatchAdvice);
     }
   }
 }

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "comm/mismatch.h"
 #include "comm/reduce.h"
 #include "detail/error.h"
 #include "rendezvous/socket.h"
@@ -352,8 +353,7 @@ void ShmLinks::check_descriptor(int peer, uint32_t round, CollectiveKind op, uin
   std::ostringstream os;
   os << "rank " << peer << " issued " << to_string(static_cast<CollectiveKind>(theirs.op)) << " of "
      << theirs.total << " bytes where this rank issued " << to_string(op) << " of " << total
-     << " bytes: the ranks issued different collectives. Make every rank issue the "
-     << "same collectives in the same order (FSDP_DEBUG=detail names the first difference).";
+     << " bytes: the ranks issued different collectives." << kMismatchAdvice;
   fail(os.str());
 }
 

@@ -81,7 +81,9 @@ inline ::testing::AssertionResult tensors_equal(const at::Tensor& actual,
 
 /// Issues an all-gather of `shard_numel`-element shards that the other ranks
 /// issue with other sizes; expects, within 2 s (not a timeout), an error
-/// saying the ranks issued different collectives and containing `names_sizes`.
+/// saying the ranks issued different collectives, containing `names_sizes`,
+/// naming what users' ranks differ in (torch::save outside SummonFullParams
+/// on one rank) and not blaming a dead peer.
 inline void expect_mismatched_all_gather_error(ProcessGroup& pg, int64_t shard_numel,
                                                const std::string& names_sizes) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -93,6 +95,11 @@ inline void expect_mismatched_all_gather_error(ProcessGroup& pg, int64_t shard_n
     std::cout << "got the expected error: " << msg << std::endl;
     EXPECT_NE(msg.find("issued different collectives"), std::string::npos) << msg;
     EXPECT_NE(msg.find(names_sizes), std::string::npos) << msg;
+    EXPECT_NE(msg.find("torch::save of a sharded model outside SummonFullParams"),
+              std::string::npos)
+        << msg;
+    EXPECT_EQ(msg.find("probably died"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("difference).."), std::string::npos) << msg;
   }
   EXPECT_LE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2))
       << "the mismatch waited for a timeout";
