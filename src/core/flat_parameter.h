@@ -240,8 +240,8 @@ class FlatParameter {
     return low_precision_copy_current() ? low_precision_host_ : shard_;
   }
   at::ScalarType grad_dtype_ = at::kFloat;
-  // In kSummoned: the full-precision buffer, its views (per slot) and the
-  // gradient accumulators that set_data to another dtype made autograd
+  // In kSummoned: the full-precision buffer, and per slot the gradient
+  // accumulator that set_data to another dtype or device made autograd
   // forget (restored by end_summon).
   at::Tensor summoned_;
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>

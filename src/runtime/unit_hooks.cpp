@@ -106,9 +106,9 @@ void UnitRuntime::refuse_if_summoned(const char* pass) const {
   // Before any state changes: SummonFullParams' end needs the unit idle.
   FSDP_CHECK(!flat_ || flat_->state() != FlatParameter::State::kSummoned, flat_->group().rank(),
              path_, "cannot run a ", pass, " through ", label(),
-             " inside SummonFullParams: under mixed precision its parameters hold their "
-             "full-precision values there (Note [Summoning in full precision]). Run it after "
-             "the guard ends");
+             " inside SummonFullParams: its parameters hold their full-precision values in a "
+             "buffer of their own there (mixed precision or offload_to_cpu; Note [Summoning in "
+             "full precision]). Run it after the guard ends");
 }
 
 void UnitRuntime::pre_forward() {

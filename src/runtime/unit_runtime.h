@@ -82,8 +82,8 @@ class UnitRuntime final : public ParamUseListener {
   std::string module_name() const;
 
   // Forward and backward (see Note [FSDP and autograd]).
-  // A forward or backward inside SummonFullParams under mixed precision is
-  // an error (Note [Summoning in full precision]).
+  // A forward or backward through a unit SummonFullParams summoned into a
+  // buffer of its own is an error (Note [Summoning in full precision]).
   void refuse_if_summoned(const char* pass) const;
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type);

@@ -26,7 +26,7 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
       units_.push_back(unit);
       // The job's rank (the unit's world group), not the shard group's:
       // under HYBRID_SHARD every node has a shard-group rank 0.
-      const int rank = units_.front()->fsdp_options().process_group()->rank();
+      const int rank = unit->fsdp_options().process_group()->rank();
       if (!unit->gather_full_params(options.offload_to_cpu(), options.with_grads())) continue;
       if (options_.rank0_only() && rank != 0) {
         unit->release_full_params();
@@ -38,10 +38,10 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
     // A constructor that throws runs no destructor: give back what was
     // gathered (a unit left summoned could not train), the unit that failed
     // part-way included, then report the first error.
-    gathered_.push_back(units_.empty() ? nullptr : units_.back());
+    if (!units_.empty()) gathered_.push_back(units_.back());
     for (Unit* unit : gathered_) {
       try {
-        if (unit != nullptr) unit->release_full_params();
+        unit->release_full_params();
       } catch (...) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
       }
     }
