@@ -47,7 +47,13 @@ void wait_all_gather(FlatParameter& flat, Work work) {
 at::Tensor gather_full(const FlatParameter& flat, const at::Tensor& local) {
   if (flat.keeps_unsharded()) return local;
   at::Tensor full = at::empty({flat.padded_numel()}, local.options());
-  flat.group().all_gather_into_tensor(full, local.contiguous()).wait();
+  const Work work = flat.group().all_gather_into_tensor(full, local.contiguous());
+  // The stream wait first: over NCCL it is what hands c10d's hold on the
+  // tensors back (Note [NCCL collectives and their Work]). A host wait alone
+  // left each unit's gather to c10d's watchdog, so summoning a model with
+  // offload_to_cpu at world 1 held every unit's buffers at once on an H200.
+  work.block_current_stream();
+  work.wait();
   return full;
 }
 
