@@ -15,7 +15,9 @@
 #endif
 
 #include <algorithm>
+#include <limits>
 #include <sstream>
+#include <utility>
 
 #include "core/device_streams.h"
 #include "detail/torch_compat.h"
@@ -120,6 +122,69 @@ at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype) {
     return host;
   }
   return t.to(c10::kCPU, dtype);
+}
+
+HostCopyInParts::HostCopyInParts(std::vector<at::Tensor> dsts,
+                                 std::vector<std::vector<Segment>> parts)
+    : dsts_(std::move(dsts)), parts_(std::move(parts)) {}
+
+HostCopyInParts::~HostCopyInParts() {
+  // The copies read src_ on the step-copy stream, not the stream its memory
+  // was allocated on: it goes back to the allocator only after they ran.
+  try {
+    if (!landed_.empty()) compat::synchronize_event(landed_.back());
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the device failed already
+  }
+}
+
+void HostCopyInParts::start(const at::Tensor& src) {
+  TORCH_INTERNAL_ASSERT(!src_.defined(), "fsdp: HostCopyInParts started twice");
+  src_ = src;
+  if (!src_.is_cuda()) {
+    // Copied part by part in wait(), as parts land from a GPU: a read
+    // before its part's wait() sees NaN, not the values (only the tests
+    // cut gradients of CPU units into parts: FSDP_GRAD_PART_ELEMENTS).
+    for (at::Tensor& dst : dsts_) {
+      if (at::isFloatingType(dst.scalar_type()))
+        dst.fill_(std::numeric_limits<double>::quiet_NaN());
+    }
+    return;
+  }
+  // As finished_to_host: a stream of its own, so the copies wait for
+  // nothing else queued on the device.
+  const SideStreamScope step_copy(src_.device(), SideStream::kStepCopy,
+                                  /*wait_for_current=*/false);
+  const c10::impl::VirtualGuardImpl impl(src_.device().type());
+  const c10::Stream stream = impl.getStream(src_.device());
+  landed_.reserve(parts_.size());
+  for (const auto& part : parts_) {
+    copy_part(part, /*non_blocking=*/true);
+    landed_.emplace_back(src_.device().type());
+    landed_.back().record(stream);
+  }
+}
+
+void HostCopyInParts::wait(size_t i) {
+  TORCH_INTERNAL_ASSERT(src_.defined() && i < parts_.size(), "fsdp: HostCopyInParts::wait(", i,
+                        ") before start() or past the parts");
+  if (!src_.is_cuda()) {
+    for (; copied_ <= i; ++copied_) copy_part(parts_[copied_], /*non_blocking=*/false);
+    return;
+  }
+  compat::synchronize_event(landed_[i]);
+}
+
+void HostCopyInParts::copy_part(const std::vector<Segment>& part, bool non_blocking) {
+  for (const Segment& s : part) {
+    dsts_[s.dst]
+        .view({-1})
+        .narrow(0, s.dst_offset, s.numel)
+        .copy_(src_.narrow(0, s.src_offset, s.numel), non_blocking);
+  }
+}
+
+void HostCopyInParts::wait_all() {
+  if (!parts_.empty()) wait(parts_.size() - 1);
 }
 
 int64_t device_free_bytes(c10::Device device) {

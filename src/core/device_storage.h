@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/DispatchKey.h>
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Optional.h>
@@ -18,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fsdp::detail {
 
@@ -60,6 +62,50 @@ void wait_for_device(c10::Device device);
 /// the copy waits for nothing else queued on the device; returns once it is
 /// done. `t` itself for a CPU tensor of that dtype.
 at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype);
+
+/// A finished flat tensor's elements copied into host tensors in parts, each
+/// part with its own completion, so that the host can read the first part
+/// while the others are still in flight (Note [Stepping a gradient as it
+/// lands] in src/runtime/reduced_grad.cpp). From a GPU the copies run on the
+/// step-copy stream, an event after each part; from the CPU each part is
+/// copied when waited for, the host tensors NaN until then.
+class HostCopyInParts {
+ public:
+  /// `numel` elements of the source from `src_offset` go to `dsts[dst]`'s
+  /// elements from `dst_offset`.
+  struct Segment {
+    size_t dst = 0;
+    int64_t dst_offset = 0;
+    int64_t src_offset = 0;
+    int64_t numel = 0;
+  };
+
+  /// `dsts`: contiguous host tensors; `parts`: each part's segments.
+  HostCopyInParts(std::vector<at::Tensor> dsts, std::vector<std::vector<Segment>> parts);
+  /// Waits for the copies still in flight: the source stays alive until then.
+  ~HostCopyInParts();
+  HostCopyInParts(const HostCopyInParts&) = delete;
+  HostCopyInParts& operator=(const HostCopyInParts&) = delete;
+
+  /// Queues every part's copies from `src` (1-D, its producers finished: a
+  /// collective waited for on the host). Once.
+  void start(const at::Tensor& src);
+  /// Blocks the host until part `i` has landed (after start()).
+  void wait(size_t i);
+  /// Blocks the host until every part has landed (after start()).
+  void wait_all();
+  /// The host tensors.
+  const std::vector<at::Tensor>& dsts() const { return dsts_; }
+
+ private:
+  void copy_part(const std::vector<Segment>& part, bool non_blocking);
+
+  std::vector<at::Tensor> dsts_;
+  std::vector<std::vector<Segment>> parts_;
+  at::Tensor src_;
+  std::vector<c10::Event> landed_;  // one per part, from a GPU only
+  size_t copied_ = 0;               // parts copied, from the CPU only
+};
 
 /// Bytes `device` can still provide: for a GPU, the driver's free memory plus
 /// what the CUDA caching allocator holds unused; for the CPU, the host's

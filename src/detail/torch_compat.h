@@ -23,6 +23,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -31,6 +32,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -65,6 +67,17 @@
 #endif
 
 namespace fsdp::compat {
+
+/// Blocks the host until `event` has passed: c10::Event::synchronize() where
+/// LibTorch has it (2.x), else a poll of query() (1.13, whose builds here
+/// have no GPU to wait for).
+inline void synchronize_event(const c10::Event& event) {
+#if FSDP_TORCH_AT_LEAST(2, 5)
+  event.synchronize();
+#else
+  while (!event.query()) std::this_thread::yield();
+#endif
+}
 
 /// What the CUDA caching allocator holds on one device, in bytes.
 struct CudaMemory {

@@ -12,8 +12,8 @@
 
 namespace fsdp::detail {
 
-BackwardSteps::BackwardSteps(std::string owner, StepOne step_one)
-    : owner_(std::move(owner)), step_one_(std::move(step_one)) {}
+BackwardSteps::BackwardSteps(std::string owner, StepRange step_range)
+    : owner_(std::move(owner)), step_range_(std::move(step_range)) {}
 
 BackwardSteps::~BackwardSteps() {
   {
@@ -36,6 +36,7 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   hooks.before_forward = [self] {
     if (auto steps = self.lock()) steps->before_forward();
   };
+  hooks.takes_parts = true;  // each part stepped as it lands
   set_reduced_grad_hooks(model, hooks);
   std::lock_guard<std::mutex> lock(mutex_);
   if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
@@ -96,7 +97,13 @@ void BackwardSteps::run() {
     lock.unlock();
     try {
       if (grad.complete) grad.complete();
-      for (at::Tensor& p : grad.params) step_one_(p);
+      if (grad.parts.empty()) {
+        for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
+      }
+      for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
+        part.arrived();
+        for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
+      }
     } catch (...) {
       lock.lock();
       if (!error_) error_ = std::current_exception();

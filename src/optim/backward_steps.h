@@ -6,6 +6,7 @@
 #include <fsdp/runtime/reduced_grad_hooks.h>
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -33,11 +34,14 @@ namespace fsdp::detail {
 // belongs inside no_sync(), which hands over nothing).
 class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
  public:
-  /// Steps one parameter from its .grad as the optimizer's step() does.
-  using StepOne = std::function<void(at::Tensor& param)>;
+  /// Steps elements [begin, end) of one parameter from its .grad as the
+  /// optimizer's step() does. Each parameter's ranges come in order from 0
+  /// up and cover it once per step (Note [Stepping a gradient as it lands]);
+  /// a range of all its elements is the whole step.
+  using StepRange = std::function<void(at::Tensor& param, int64_t begin, int64_t end)>;
 
   /// `owner` names the optimizer's method in messages.
-  BackwardSteps(std::string owner, StepOne step_one);
+  BackwardSteps(std::string owner, StepRange step_range);
   /// Lets the worker finish its queue, then stops it.
   ~BackwardSteps();
   BackwardSteps(const BackwardSteps&) = delete;
@@ -59,7 +63,7 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   void run();
 
   const std::string owner_;
-  const StepOne step_one_;
+  const StepRange step_range_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<ReducedGrad> queue_;

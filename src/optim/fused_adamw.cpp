@@ -51,21 +51,35 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, AdamWParamState& s,
 }  // namespace
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  return detail::step_rest<AdamWOptions>(param_groups_, closure, "FusedAdamW", backward_steps_,
-                                         [this](at::Tensor& p, const at::Tensor& grad,
-                                                const AdamWOptions& o) { step_param(p, grad, o); });
+  return detail::step_rest<AdamWOptions>(
+      param_groups_, closure, "FusedAdamW", backward_steps_,
+      [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
+        step_param(p, grad, o, 0, p.numel());
+      });
 }
 
 void FusedAdamW::step_during_backward(torch::nn::Module& model) {
   backward_steps_ = detail::attach_backward_steps<AdamWOptions>(
       param_groups_, "FusedAdamW", model,
-      [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
-        step_param(p, grad, o);
-      });
+      [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o, int64_t begin,
+             int64_t end) { step_param(p, grad, o, begin, end); });
 }
 
-void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o) {
+void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o,
+                            int64_t begin, int64_t end) {
+  const int64_t n = p.numel();
   auto& slot = state_[compat::optim_state_key(state_, p)];
+  // Note [Stepping a gradient as it lands]: a range of the parameter where
+  // the fused kernel takes it (the state made and the step counted at its
+  // first range), else the whole parameter at its last range.
+  if (begin != 0 || end != n) {
+    const bool ranged = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+                        (!slot || fusable(p, grad, static_cast<AdamWParamState&>(*slot)));
+    if (!ranged) {
+      if (end == n) step_param(p, grad, o, 0, n);
+      return;
+    }
+  }
   if (!slot) {
     auto fresh = std::make_unique<AdamWParamState>();
     fresh->step(0);
@@ -75,14 +89,14 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
     slot = std::move(fresh);
   }
   auto& s = static_cast<AdamWParamState&>(*slot);
-  s.step(s.step() + 1);
+  if (begin == 0) s.step(s.step() + 1);
   const double beta1 = std::get<0>(o.betas());
   const double beta2 = std::get<1>(o.betas());
   const double bias_correction1 = 1 - std::pow(beta1, s.step());
   const double bias_correction2 = 1 - std::pow(beta2, s.step());
   const auto copy_it = low_precision_copies_.find(p.unsafeGetTensorImpl());
   const at::Tensor* copy = copy_it != low_precision_copies_.end() ? &copy_it->second : nullptr;
-  if (!fusable(p, grad, s)) {
+  if (!fusable(p, grad, s)) {  // whole: a range is fusable
     if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
     reference_step(p, grad, s, o, bias_correction1, bias_correction2);
     if (copy != nullptr) copy->view(p.sizes()).copy_(p);
@@ -98,11 +112,14 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
   c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bias_correction2));
   c.eps = static_cast<float>(o.eps());
   c.neg_step_size = static_cast<float>(-o.lr() / bias_correction1);
-  float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() : nullptr;
-  detail::fused_adamw(p.data_ptr<float>(), grad.data_ptr<float>(), s.exp_avg().data_ptr<float>(),
-                      s.exp_avg_sq().data_ptr<float>(), vmax,
-                      copy != nullptr ? copy->data_ptr() : nullptr,
-                      copy != nullptr ? copy->scalar_type() : at::kFloat, p.numel(), c);
+  float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() + begin : nullptr;
+  void* copy_at = copy != nullptr ? static_cast<char*>(copy->data_ptr()) +
+                                        begin * static_cast<int64_t>(copy->element_size())
+                                  : nullptr;
+  detail::fused_adamw(p.data_ptr<float>() + begin, grad.data_ptr<float>() + begin,
+                      s.exp_avg().data_ptr<float>() + begin,
+                      s.exp_avg_sq().data_ptr<float>() + begin, vmax, copy_at,
+                      copy != nullptr ? copy->scalar_type() : at::kFloat, end - begin, c);
   // Written through pointers: the version counters move as after in-place
   // operations (Note [A host copy in the compute dtype]).
   p.unsafeGetTensorImpl()->bump_version();

@@ -37,20 +37,24 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, SGDParamState* s, con
 }  // namespace
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
-  return detail::step_rest<SGDOptions>(param_groups_, closure, "FusedSGD", backward_steps_,
-                                       [this](at::Tensor& p, const at::Tensor& grad,
-                                              const SGDOptions& o) { step_param(p, grad, o); });
+  return detail::step_rest<SGDOptions>(
+      param_groups_, closure, "FusedSGD", backward_steps_,
+      [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
+        step_param(p, grad, o, 0, p.numel());
+      });
 }
 
 void FusedSGD::step_during_backward(torch::nn::Module& model) {
   backward_steps_ = detail::attach_backward_steps<SGDOptions>(
       param_groups_, "FusedSGD", model,
-      [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
-        step_param(p, grad, o);
-      });
+      [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o, int64_t begin,
+             int64_t end) { step_param(p, grad, o, begin, end); });
 }
 
-void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOptions& o) {
+void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOptions& o, int64_t begin,
+                          int64_t end) {
+  const int64_t n = p.numel();
+  const bool whole = begin == 0 && end == n;
   SGDParamState* s = nullptr;
   bool first = false;
   if (o.momentum() != 0) {
@@ -61,15 +65,21 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     }
     s = static_cast<SGDParamState*>(slot.get());
     first = first || !s->momentum_buffer().defined();
+    // A buffer made at this step's first range (Note [Stepping a gradient
+    // as it lands]).
+    if (begin != 0) first = fresh_buffers_.count(p.unsafeGetTensorImpl()) != 0;
   }
-  const int64_t n = p.numel();
   const bool fused = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
                      (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
-  if (!fused) {
-    reference_step(p, grad, s, o);
+  if (!fused) {  // whole, at the parameter's last range
+    if (end == n) reference_step(p, grad, s, o);
     return;
   }
-  if (first) s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
+  if (first && begin == 0) {
+    s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
+    if (!whole) fresh_buffers_.insert(p.unsafeGetTensorImpl());
+  }
+  if (end == n && begin != 0) fresh_buffers_.erase(p.unsafeGetTensorImpl());
   detail::SGDCoefficients c;
   c.weight_decay = static_cast<float>(o.weight_decay());
   c.momentum = static_cast<float>(o.momentum());
@@ -77,8 +87,9 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
   c.neg_lr = static_cast<float>(-1 * o.lr());
   c.nesterov = o.nesterov();
   c.first = first;
-  float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() : nullptr;
-  detail::fused_sgd(p.data_ptr<float>(), grad.data_ptr<float>(), buf, n, c);
+  float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() + begin : nullptr;
+  detail::fused_sgd(p.data_ptr<float>() + begin, grad.data_ptr<float>() + begin, buf, end - begin,
+                    c);
 }
 
 }  // namespace fsdp::optim

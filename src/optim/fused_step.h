@@ -81,17 +81,18 @@ torch::Tensor step_rest(std::vector<torch::optim::OptimizerParamGroup>& groups,
 }
 
 /// The BackwardSteps of an optimizer's step_during_backward(model): each
-/// handed-over parameter is updated by `update` with its group's options.
+/// handed-over range of a parameter is updated by `update(param, grad,
+/// options, begin, end)` with its group's options.
 template <typename Options, typename Update>
 std::shared_ptr<BackwardSteps> attach_backward_steps(
     std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name,
     torch::nn::Module& model, Update update) {
   auto steps = std::make_shared<BackwardSteps>(
       std::string("fsdp::optim::") + name + "::step_during_backward",
-      [&groups, update](at::Tensor& param) {
+      [&groups, update](at::Tensor& param, int64_t begin, int64_t end) {
         const torch::optim::OptimizerParamGroup* group = group_of(groups, param);
         if (group != nullptr) {
-          update(param, param.grad(), static_cast<const Options&>(group->options()));
+          update(param, param.grad(), static_cast<const Options&>(group->options()), begin, end);
         }
       });
   steps->attach(model);

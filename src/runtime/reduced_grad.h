@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <fsdp/runtime/reduced_grad_hooks.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -20,6 +22,11 @@ bool all_zero_bits(const at::Tensor& t);
 /// gradient of all +0.0 (LibTorch 1.13's zero_grad()) gets `grad`'s storage.
 void accumulate_reduced_grad(at::Tensor& param, const at::Tensor& grad);
 
+/// Whether accumulate_reduced_grad(param, grad) would take `grad` itself
+/// (not a view) without reading its values: param's .grad is undefined, or
+/// all +0.0 of grad's dtype and sizes.
+bool takes_reduced_grad(const at::Tensor& param, const at::Tensor& grad);
+
 /// Where part of a unit's reduced gradient goes: `param`'s .grad gets `numel`
 /// elements of it from `offset`, or all of it when numel < 0 (a flat shard).
 struct GradTarget {
@@ -30,5 +37,18 @@ struct GradTarget {
 
 /// accumulate_reduced_grad for each target, from `grad` (the shard's gradient).
 void set_reduced_grads(const std::vector<GradTarget>& targets, const at::Tensor& grad);
+
+/// Elements in each part of a gradient handed over in parts (Note [Stepping
+/// a gradient as it lands]), 0 for whole: FSDP_GRAD_PART_ELEMENTS where set
+/// (on the CPU too: the tests' way to cut small gradients), else 4 Mi
+/// elements for a gradient that `goes_to_host` from a GPU, else 0.
+int64_t grad_part_elements(bool goes_to_host);
+
+/// Cuts gradients of `sizes` elements, in order, into parts of about
+/// `part_elements` each (the last may be up to half a part longer; a
+/// gradient may span parts, a part may hold several). One part (or none,
+/// for nothing) where the total is under two parts.
+std::vector<std::vector<ParamRange>> plan_grad_parts(const std::vector<int64_t>& sizes,
+                                                     int64_t part_elements);
 
 }  // namespace fsdp::detail

@@ -433,6 +433,50 @@ ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
   return grad;
 }
 
+// Note [Stepping a gradient as it lands]: `reduced` (the targets' gradient,
+// in `plan`'s parts) copied into a host tensor per target, each part
+// readable once it has landed. The targets' .grad take those tensors before
+// anything has landed, so a .grad to add into (kept from an earlier
+// backward) waits for the whole copy first.
+void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
+                        std::vector<GradTarget> targets,
+                        const std::vector<std::vector<ParamRange>>& plan, c10::ScalarType dtype,
+                        bool pinned, const std::string& owner) {
+  // 1-D, as the shard and its pieces, and no views: a .grad takes each
+  // itself before its values have landed, where a view would be cloned.
+  std::vector<at::Tensor> dsts;
+  for (const GradTarget& t : targets) {
+    dsts.push_back(host_buffer(t.numel < 0 ? reduced.numel() : t.numel, dtype, pinned, owner));
+  }
+  std::vector<std::vector<HostCopyInParts::Segment>> segments;
+  for (const auto& part : plan) {
+    segments.emplace_back();
+    for (const ParamRange& r : part) {
+      const int64_t at = targets[r.param].numel < 0 ? 0 : targets[r.param].offset;
+      segments.back().push_back({r.param, r.begin, at + r.begin, r.end - r.begin});
+    }
+  }
+  auto copy = std::make_shared<HostCopyInParts>(std::move(dsts), std::move(segments));
+  for (size_t i = 0; i < plan.size(); ++i) {
+    grad.parts.push_back({[copy, i] { copy->wait(i); }, plan[i]});
+  }
+  grad.complete = [work = std::move(work), reduced = std::move(reduced),
+                   targets = std::move(targets), copy]() mutable {
+    work.wait();
+    bool takes = true;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      takes = takes && takes_reduced_grad(targets[i].param, copy->dsts()[i]);
+    }
+    copy->start(reduced);
+    if (!takes) copy->wait_all();
+    for (size_t i = 0; i < targets.size(); ++i) {
+      at::Tensor param = targets[i].param;
+      accumulate_reduced_grad(param, copy->dsts()[i]);
+    }
+    work = Work();
+  };
+}
+
 }  // namespace
 
 void UnitRuntime::deliver_early() {
@@ -445,20 +489,50 @@ void UnitRuntime::deliver_early() {
   // Everything the completion needs, by value: it runs on the listener's
   // thread, and the unit goes on without it.
   const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
-  grad.complete = [work = std::exchange(grad_work_, Work()),
-                   reduced = std::exchange(grad_shard_, at::Tensor()), targets = std::move(targets),
-                   device = to.device(), dtype = to.dtype().toScalarType(),
-                   pinned = flat_->shard_pinned()]() mutable {
-    work.wait();
-    // As grad_for_shard(); into pinned host memory without queueing behind
-    // backward (Note [Gradients to host memory]).
-    set_reduced_grads(targets,
-                      pinned ? finished_to_host(reduced, dtype) : reduced.to(device, dtype));
-    work = Work();
-    reduced = at::Tensor();
-  };
+  const c10::ScalarType dtype = to.dtype().toScalarType();
+  const bool pinned = flat_->shard_pinned();
+  Work work = std::exchange(grad_work_, Work());
+  at::Tensor reduced = std::exchange(grad_shard_, at::Tensor());
+  const auto plan = grad_parts(targets, reduced);
+  if (plan.size() > 1) {
+    hand_over_in_parts(grad, std::move(work), std::move(reduced), std::move(targets), plan, dtype,
+                       pinned, label());
+  } else {
+    grad.complete = [work = std::move(work), reduced = std::move(reduced),
+                     targets = std::move(targets), device = to.device(), dtype, pinned]() mutable {
+      work.wait();
+      // As grad_for_shard(); into pinned host memory without queueing behind
+      // backward (Note [Gradients to host memory]).
+      set_reduced_grads(targets,
+                        pinned ? finished_to_host(reduced, dtype) : reduced.to(device, dtype));
+      work = Work();
+      reduced = at::Tensor();
+    };
+  }
   delivered_early_ = true;
   grad_hooks_->on_reduced(std::move(grad));
+}
+
+std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<GradTarget>& targets,
+                                                             const at::Tensor& reduced) const {
+  // Only a gradient that lands in host memory, for a listener that reads
+  // parts.
+  if (!grad_hooks_ || !grad_hooks_->takes_parts ||
+      !shard_grad_options(reduced.scalar_type()).device().is_cpu()) {
+    return {};
+  }
+  std::vector<int64_t> sizes;
+  for (const GradTarget& t : targets) sizes.push_back(t.numel < 0 ? reduced.numel() : t.numel);
+  return plan_grad_parts(
+      sizes, grad_part_elements(/*goes_to_host=*/flat_->shard_pinned() && reduced.is_cuda()));
+}
+
+bool UnitRuntime::parts_at_end() const {
+  // The targets are known only after the agreement (received): the whole
+  // shard decides, and assign_reduced_grad copies what a smaller plan
+  // leaves whole.
+  return flat_->shard_pinned() && grad_shard_.is_cuda() &&
+         grad_parts({{optim_params_[0], 0, grad_shard_.numel()}}, grad_shard_).size() > 1;
 }
 
 void UnitRuntime::warn_unused_slots() {
@@ -497,8 +571,9 @@ bool UnitRuntime::finish_reduction() {
     grad_work_.block_current_stream();
     // Under CPU offload: the copy to host memory queued now, the host waits
     // once for every unit's (RootState::end_of_backward; Note [Gradients to
-    // host memory]).
-    if (flat_->shard_pinned() && grad_shard_.is_cuda()) {
+    // host memory]), unless the hooks copy it part by part as they step it
+    // (Note [Stepping a gradient as it lands]).
+    if (flat_->shard_pinned() && grad_shard_.is_cuda() && !parts_at_end()) {
       grad_shard_ = start_grad_copy_to_host(grad_shard_);
       return true;
     }
@@ -541,6 +616,20 @@ std::vector<GradTarget> UnitRuntime::grad_targets(const std::vector<bool>* recei
 
 void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
   std::vector<GradTarget> targets = grad_targets(received);
+  if (grad_hooks_ && !targets.empty()) {
+    // On a GPU, left there by finish_reduction (parts_at_end): the last
+    // unit of backward (the root's token embedding) is stepped part by part
+    // as its copy lands, instead of after the whole copy.
+    const auto plan = grad_parts(targets, grad_shard_);
+    if (plan.size() > 1) {
+      ReducedGrad grad = handed_over(targets);
+      hand_over_in_parts(grad, grad_work_, grad_shard_, std::move(targets), plan,
+                         shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType(),
+                         flat_->shard_pinned(), label());
+      grad_hooks_->on_reduced(std::move(grad));
+      return;
+    }
+  }
   // Note [Mixed precision], [Shards in host memory]
   set_reduced_grads(targets, grad_for_shard(grad_shard_));
   if (grad_hooks_ && !targets.empty()) grad_hooks_->on_reduced(handed_over(targets));

@@ -196,6 +196,15 @@ class UnitRuntime final : public ParamUseListener {
   bool can_deliver_early() const;
   // Hands the launched reduction to the hooks, to be completed by them.
   void deliver_early();
+  // The parts in which `reduced`, the gradient of `targets`, goes to hooks
+  // that take parts (Note [Stepping a gradient as it lands]): one or none
+  // where it goes whole.
+  std::vector<std::vector<ParamRange>> grad_parts(const std::vector<GradTarget>& targets,
+                                                  const at::Tensor& reduced) const;
+  // Whether this unit's reduced gradient, still on the GPU at the end of
+  // backward, goes to the hooks in parts, its copy to host memory left to
+  // them.
+  bool parts_at_end() const;
   // Under CPU offload, a reduction just launched on the GPU (NCCL) during
   // backward: its result's copy to host memory can be queued now, on the
   // copy-out stream (Note [Gradients to host memory]).

@@ -205,7 +205,8 @@ TEST_P(CudaUnits, Float16WithShardedGradScalerOnTheGpu) {
 // its forward), for every strategy; the host's FusedSGD stepping each unit
 // beside backward (step_during_backward: each unit's reduce-scatter waited
 // for and its gradient copied to the host on the optimizer's thread while
-// the GPU goes on) bitwise as stepping after backward; bf16 mixed precision
+// the GPU goes on, in parts stepped as they land) bitwise as stepping after
+// backward; bf16 mixed precision
 // with offload against plain LibTorch with the same casts.
 TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
@@ -213,6 +214,10 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
     auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     const torch::Device gpu(torch::kCUDA, 0);
     const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
+    // The model stepped beside backward gets each gradient in parts of 64
+    // elements, each copied on the step-copy stream and stepped once its
+    // event has passed (Note [Stepping a gradient as it lands]).
+    ::setenv("FSDP_GRAD_PART_ELEMENTS", "64", 1);
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
       const std::string what = std::string("offload ") + to_string(strategy);

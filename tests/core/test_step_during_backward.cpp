@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -144,6 +145,87 @@ TEST(StepDuringBackward, HandsOverEachUnitOnceSomeBeforeBackwardEnds) {
       model->clip_grad_norm_(1.0);
     });
   }
+}
+
+// Note [Stepping a gradient as it lands]: under FSDP_GRAD_PART_ELEMENTS=5
+// each unit's gradient is handed over in parts of about 5 elements (a flat
+// shard or a piece spanning several parts, several small pieces in one),
+// each part stepped by its ranges as it lands: bitwise the same as the same
+// optimizer after backward, for AdamW (amsgrad, weight decay) and SGD with
+// momentum and dampening (whose first step takes the gradient as it is in
+// every range of a parameter, not only its first).
+TEST(StepDuringBackward, StepsInPartsLikeWhole) {
+  in_parity_ranks([] {
+    ::setenv("FSDP_GRAD_PART_ELEMENTS", "5", 1);
+    const auto adamw = adamw_options().amsgrad(true);
+    const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01);
+    for (const bool orig : {false, true}) {
+      const std::string what = orig ? "parts, use_orig_params" : "parts";
+      const FSDPOptions options = FSDPOptions().use_orig_params(orig);
+      train_three_ways<optim::FusedAdamW>(options, adamw, what);
+      train_three_ways<optim::FusedAdamW>(
+          FSDPOptions(options).cpu_offload(CPUOffload().offload_params(true)), adamw,
+          what + ", cpu_offload");
+      train_three_ways<optim::FusedSGD>(options, sgd, what + ", FusedSGD");
+    }
+    ::unsetenv("FSDP_GRAD_PART_ELEMENTS");
+  });
+}
+
+// The parts as a listener sees them: only hooks that take parts get them;
+// their ranges cover each parameter once, in order from 0; once every part
+// has arrived the gradients are those handed over whole.
+TEST(StepDuringBackward, PartsCoverEachParameterOnceInOrder) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    ::setenv("FSDP_GRAD_PART_ELEMENTS", "5", 1);
+    const FSDPOptions options = FSDPOptions().use_orig_params(true);
+    Model parted = make_model(options);
+    Model whole = make_model(options);
+    std::vector<torch::Tensor> parted_grads, whole_grads;
+    int handed_in_parts = 0;
+    ReducedGradHooks takes;
+    takes.owner = "parts";
+    takes.takes_parts = true;
+    takes.on_reduced = [&](ReducedGrad grad) {
+      if (grad.complete) grad.complete();
+      handed_in_parts += grad.parts.size() > 1 ? 1 : 0;
+      std::vector<int64_t> next(grad.params.size(), 0);
+      for (const GradPart& part : grad.parts) {
+        part.arrived();
+        for (const ParamRange& r : part.ranges) {
+          ASSERT_LT(r.param, next.size());
+          EXPECT_EQ(r.begin, next[r.param]);
+          EXPECT_LE(r.end, grad.params[r.param].numel());
+          next[r.param] = r.end;
+        }
+      }
+      for (size_t i = 0; i < grad.params.size(); ++i) {
+        if (!grad.parts.empty()) EXPECT_EQ(next[i], grad.params[i].numel()) << "param " << i;
+        parted_grads.push_back(grad.params[i].grad().clone());
+      }
+    };
+    ReducedGradHooks plain;
+    plain.owner = "whole";
+    plain.on_reduced = [&](ReducedGrad grad) {
+      EXPECT_TRUE(grad.parts.empty());
+      if (grad.complete) grad.complete();
+      for (const at::Tensor& p : grad.params) whole_grads.push_back(p.grad().clone());
+    };
+    set_reduced_grad_hooks(*parted.ptr(), takes);
+    set_reduced_grad_hooks(*whole.ptr(), plain);
+    for (Model* m : {&parted, &whole}) {
+      (*m)->zero_grad(/*set_to_none=*/true);
+      torch::manual_seed(7);
+      (*m)->forward(torch::randn({4, 7})).pow(2).sum().backward();
+    }
+    EXPECT_GE(handed_in_parts, 1);
+    ASSERT_EQ(parted_grads.size(), whole_grads.size());
+    for (size_t i = 0; i < parted_grads.size(); ++i) {
+      EXPECT_TRUE(torch::equal(parted_grads[i], whole_grads[i])) << "gradient " << i;
+    }
+    ::unsetenv("FSDP_GRAD_PART_ELEMENTS");
+  });
 }
 
 TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {

@@ -4,8 +4,10 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cstdint>
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace fsdp::detail {
 class BackwardSteps;  // src/optim/backward_steps.h
@@ -57,7 +59,9 @@ class FusedAdamW : public torch::optim::AdamW {
   void write_compute_copies(torch::nn::Module& model);
 
  private:
-  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::AdamWOptions& o);
+  // Elements [begin, end) of `p` (Note [Stepping a gradient as it lands]).
+  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::AdamWOptions& o,
+                  int64_t begin, int64_t end);
 
   std::unordered_map<const c10::TensorImpl*, torch::Tensor> low_precision_copies_;
   std::shared_ptr<detail::BackwardSteps> backward_steps_;
@@ -78,9 +82,14 @@ class FusedSGD : public torch::optim::SGD {
   bool steps_during_backward() const { return backward_steps_ != nullptr; }
 
  private:
-  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o);
+  // Elements [begin, end) of `p`, as FusedAdamW's.
+  void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o,
+                  int64_t begin, int64_t end);
 
   std::shared_ptr<detail::BackwardSteps> backward_steps_;
+  // Parameters whose momentum buffer was made at the first range of this
+  // step: their later ranges take the gradient as it is too.
+  std::unordered_set<const c10::TensorImpl*> fresh_buffers_;
 };
 
 }  // namespace fsdp::optim

@@ -3,11 +3,32 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace fsdp {
+
+/// Elements [begin, end) of ReducedGrad::params[param].
+struct ParamRange {
+  size_t param = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+/// Part of a reduced gradient that lands in host memory on its own, so that
+/// a listener can step it while the rest is still being copied (Note
+/// [Stepping a gradient as it lands] in src/runtime/reduced_grad.cpp).
+struct GradPart {
+  /// Blocks until this part's elements of the params' .grad are in place.
+  /// Call it after complete(), on the same thread, for the parts in order.
+  std::function<void()> arrived;
+  /// The elements it brings. The parts' ranges, in order, cover each param's
+  /// elements once, from 0 up.
+  std::vector<ParamRange> ranges;
+};
 
 /// One unit's reduced gradient, handed to ReducedGradHooks::on_reduced.
 struct ReducedGrad {
@@ -18,6 +39,10 @@ struct ReducedGrad {
   /// params' .grad. Call it once, before reading them; empty when .grad is
   /// set already (a gradient handed over at the end of backward).
   std::function<void()> complete;
+  /// Empty, or (only for hooks that take parts) the parts in which the
+  /// .grad values complete() set arrive: read an element only after its
+  /// part's arrived() returned.
+  std::vector<GradPart> parts;
 };
 
 /// What a listener (an optimizer that steps during backward: fsdp::optim's
@@ -33,6 +58,9 @@ struct ReducedGradHooks {
   std::function<void(ReducedGrad grad)> on_reduced;
   /// Called when the root's forward begins, before any shard is read.
   std::function<void()> before_forward;
+  /// Whether on_reduced may hand a large gradient over in ReducedGrad::parts
+  /// (each part readable once it has landed) instead of whole.
+  bool takes_parts = false;
 };
 
 /// Installs `hooks` on every FSDP unit of `model`'s tree (the root, after
