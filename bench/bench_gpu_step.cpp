@@ -32,7 +32,13 @@
 // host: bench/gpu_step.sh takes the parts from --offload after),
 // host_optim_ms (FusedAdamW's step over the host shards) and copy_ms (every
 // shard to the GPU in the compute dtype and every gradient back, as the step
-// copies them); bound_ms is the largest of the three.
+// copies them); bound_ms is the largest of the three. With --offload during,
+// per timed step, where the optimizer's thread beside backward spent its time
+// (fsdp::detail::BackwardStepTimes): listener_span_ms from the first unit
+// handed over to the last one stepped, of which listener_complete_ms waiting
+// for reductions and whole copies, listener_arrive_ms for parts to land and
+// listener_step_ms stepping; step_wait_ms is how long step() waited for it
+// once backward had returned.
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -52,6 +58,7 @@
 
 #include "detail/torch_compat.h"
 #include "gpt_mini.h"
+#include "optim/backward_steps.h"
 
 #if FSDP_WITH_CUDA
 #include <ATen/autocast_mode.h>
@@ -240,6 +247,7 @@ int main(int argc, char** argv) try {
   double loss0 = 0;
   for (int i = -args.warmup; i < args.steps; ++i) {
     if (i == 0 && device.is_cuda()) fsdp::compat::reset_cuda_peak(device.index());
+    if (i == 0) (void)fsdp::detail::take_backward_step_times();  // the timed steps' only
     synchronize(device);
     pg->barrier().wait();
     const auto t0 = Clock::now();
@@ -253,6 +261,14 @@ int main(int argc, char** argv) try {
     synchronize(device);
     if (i >= 0) step_ms.push_back(ms_since(t0));
     if (i == -args.warmup) loss0 = loss.item<double>();
+  }
+  // Per timed step, where the host optimizer's thread spent its time
+  // beside backward (--offload during): a span longer than its complete,
+  // arrive and step times together means it waited for gradients.
+  fsdp::detail::BackwardStepTimes listener = fsdp::detail::take_backward_step_times();
+  for (double* ms : {&listener.span_ms, &listener.complete_ms, &listener.arrive_ms,
+                     &listener.step_ms, &listener.step_wait_ms}) {
+    *ms /= std::max(1, args.steps);
   }
   const fsdp::compat::CudaMemory device_memory =
       device.is_cuda() ? fsdp::compat::cuda_memory(device.index()) : fsdp::compat::CudaMemory{};
@@ -296,7 +312,9 @@ int main(int argc, char** argv) try {
         "\"peak_device_bytes\":%lld,\"state_bytes\":%lld,\"loss0\":%.6f,\"torch\":\"%s\","
         "\"offload\":\"%s\",\"fwd_bwd_ms\":%.2f,\"host_optim_ms\":%.2f,\"copy_ms\":%.2f,"
         "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld,"
-        "\"peak_reserved_bytes\":%lld,\"threads\":%d}\n",
+        "\"peak_reserved_bytes\":%lld,\"threads\":%d,\"listener_span_ms\":%.2f,"
+        "\"listener_complete_ms\":%.2f,\"listener_arrive_ms\":%.2f,\"listener_step_ms\":%.2f,"
+        "\"step_wait_ms\":%.2f}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -306,7 +324,8 @@ int main(int argc, char** argv) try {
         args.offload.c_str(), fwd_bwd_ms, host_optim_ms, copy_ms,
         std::max({fwd_bwd_ms, host_optim_ms, copy_ms}),
         args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max),
-        static_cast<long long>(reserved_max), at::get_num_threads());
+        static_cast<long long>(reserved_max), at::get_num_threads(), listener.span_ms,
+        listener.complete_ms, listener.arrive_ms, listener.step_ms, listener.step_wait_ms);
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -26,7 +26,9 @@
 # offload-after run; target <= 1.15), also with GPT-mini's output head as a
 # unit of its own (its gradient stepped on the host while backward goes on),
 # and that again with each gradient stepped only once it has landed whole
-# instead of part by part as it lands: the parts' step over that one's.
+# instead of part by part as it lands: the parts' step over that one's; for
+# each configuration stepping beside backward, where the optimizer's thread
+# spent each step (listener_ms: see bench_gpu_step.cpp's header).
 # FULL_SHARD and both offloads again with everything on the compute stream
 # (FSDP_SIDE_STREAMS=0): the side streams' step over that one's.
 set -euo pipefail
@@ -117,6 +119,10 @@ for config, rs in by.items():
                        "peak_device_bytes_per_rank": med(config, "peak_device_bytes"),
                        "peak_reserved_bytes_per_rank": med(config, "peak_reserved_bytes"),
                        "state_bytes_per_rank": med(config, "state_bytes")}
+    if med(config, "listener_span_ms"):  # the optimizer's thread beside backward, per step
+        summary[config]["listener_ms"] = {
+            k: med(config, k) for k in ("listener_span_ms", "listener_complete_ms",
+                                        "listener_arrive_ms", "listener_step_ms", "step_wait_ms")}
 
 def ratio(a, b, key="median_ms"):
     x, y = med(a, key), med(b, key)

@@ -4,6 +4,9 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <utility>
 
 #include "detail/error.h"
@@ -11,6 +14,38 @@
 // See Note [Stepping beside backward] in backward_steps.h.
 
 namespace fsdp::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// BackwardStepTimes' sums, in nanoseconds.
+struct TimeSums {
+  std::atomic<int64_t> span{0}, complete{0}, arrive{0}, step{0}, step_wait{0};
+};
+TimeSums& time_sums() {
+  static TimeSums sums;
+  return sums;
+}
+
+void add_since(std::atomic<int64_t>& sum, Clock::time_point since) {
+  sum += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count();
+}
+
+double take_ms(std::atomic<int64_t>& sum) { return static_cast<double>(sum.exchange(0)) / 1e6; }
+
+}  // namespace
+
+BackwardStepTimes take_backward_step_times() {
+  TimeSums& sums = time_sums();
+  BackwardStepTimes t;
+  t.span_ms = take_ms(sums.span);
+  t.complete_ms = take_ms(sums.complete);
+  t.arrive_ms = take_ms(sums.arrive);
+  t.step_ms = take_ms(sums.step);
+  t.step_wait_ms = take_ms(sums.step_wait);
+  return t;
+}
 
 BackwardSteps::BackwardSteps(std::string owner, StepRange step_range)
     : owner_(std::move(owner)), step_range_(std::move(step_range)) {}
@@ -55,6 +90,7 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
                  "backward one optimizer step: call step() after every backward, and "
                  "accumulate gradients over several backwards inside model->no_sync()");
     }
+    if (stepped_.size() == grad.params.size()) first_handed_ = Clock::now();  // the first
     queue_.push_back(std::move(grad));
   }
   changed_.notify_all();
@@ -79,8 +115,14 @@ void BackwardSteps::before_forward() {
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {
+  const Clock::time_point called = Clock::now();
   wait();
+  add_since(time_sums().step_wait, called);
   std::lock_guard<std::mutex> lock(mutex_);
+  if (!stepped_.empty()) {
+    time_sums().span +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(last_stepped_ - first_handed_).count();
+  }
   return std::exchange(stepped_, {});
 }
 
@@ -96,14 +138,23 @@ void BackwardSteps::run() {
     busy_ = true;
     lock.unlock();
     try {
+      TimeSums& sums = time_sums();
+      Clock::time_point since = Clock::now();
       if (grad.complete) grad.complete();
+      add_since(sums.complete, since);
+      since = Clock::now();
       if (grad.parts.empty()) {
         for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
       }
       for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
+        add_since(sums.step, since);
+        since = Clock::now();
         part.arrived();
+        add_since(sums.arrive, since);
+        since = Clock::now();
         for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
       }
+      add_since(sums.step, since);
     } catch (...) {
       lock.lock();
       if (!error_) error_ = std::current_exception();
@@ -111,6 +162,7 @@ void BackwardSteps::run() {
     }
     lock.lock();
     busy_ = false;
+    last_stepped_ = Clock::now();
     changed_.notify_all();
   }
 }

@@ -5,6 +5,7 @@
 
 #include <fsdp/runtime/reduced_grad_hooks.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -32,6 +33,21 @@ namespace fsdp::detail {
 // forward after a backward that handed parameters over, with no step() in
 // between, is an error on every rank before any collective (accumulation
 // belongs inside no_sync(), which hands over nothing).
+/// Where the threads stepping beside backward spent their time, summed over
+/// every BackwardSteps of the process since the last take (per backward:
+/// divide by the steps): bench_gpu_step reports it, to tell a host optimizer
+/// that cannot keep up from one that waits for the GPU.
+struct BackwardStepTimes {
+  double span_ms = 0;       ///< from a backward's first hand-over to its last unit stepped
+  double complete_ms = 0;   ///< waiting for reductions and whole copies (complete())
+  double arrive_ms = 0;     ///< waiting for parts to land (GradPart::arrived())
+  double step_ms = 0;       ///< stepping
+  double step_wait_ms = 0;  ///< step() waiting for all that, after backward returned
+};
+
+/// The times since the last call, then zero.
+BackwardStepTimes take_backward_step_times();
+
 class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
  public:
   /// Steps elements [begin, end) of one parameter from its .grad as the
@@ -71,6 +87,10 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   bool stopping_ = false;
   std::exception_ptr error_;
   std::unordered_set<const c10::TensorImpl*> stepped_;
+  // This backward's first hand-over and its last batch stepped, for
+  // BackwardStepTimes::span_ms (under mutex_).
+  std::chrono::steady_clock::time_point first_handed_{};
+  std::chrono::steady_clock::time_point last_stepped_{};
   std::thread worker_;
 };
 
