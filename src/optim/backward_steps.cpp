@@ -28,8 +28,16 @@ TimeSums& time_sums() {
   return sums;
 }
 
-void add_since(std::atomic<int64_t>& sum, Clock::time_point since) {
-  sum += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count();
+void add(std::atomic<int64_t>& sum, Clock::time_point from, Clock::time_point to) {
+  sum += std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
+}
+
+// Runs `f`, adding its time to `sum`.
+template <typename F>
+void timed(std::atomic<int64_t>& sum, F&& f) {
+  const Clock::time_point from = Clock::now();
+  f();
+  add(sum, from, Clock::now());
 }
 
 double take_ms(std::atomic<int64_t>& sum) { return static_cast<double>(sum.exchange(0)) / 1e6; }
@@ -115,14 +123,9 @@ void BackwardSteps::before_forward() {
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {
-  const Clock::time_point called = Clock::now();
-  wait();
-  add_since(time_sums().step_wait, called);
+  timed(time_sums().step_wait, [this] { wait(); });
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!stepped_.empty()) {
-    time_sums().span +=
-        std::chrono::duration_cast<std::chrono::nanoseconds>(last_stepped_ - first_handed_).count();
-  }
+  if (!stepped_.empty()) add(time_sums().span, first_handed_, last_stepped_);
   return std::exchange(stepped_, {});
 }
 
@@ -139,22 +142,18 @@ void BackwardSteps::run() {
     lock.unlock();
     try {
       TimeSums& sums = time_sums();
-      Clock::time_point since = Clock::now();
-      if (grad.complete) grad.complete();
-      add_since(sums.complete, since);
-      since = Clock::now();
+      if (grad.complete) timed(sums.complete, grad.complete);
       if (grad.parts.empty()) {
-        for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
+        timed(sums.step, [&] {
+          for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
+        });
       }
       for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
-        add_since(sums.step, since);
-        since = Clock::now();
-        part.arrived();
-        add_since(sums.arrive, since);
-        since = Clock::now();
-        for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
+        timed(sums.arrive, part.arrived);
+        timed(sums.step, [&] {
+          for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
+        });
       }
-      add_since(sums.step, since);
     } catch (...) {
       lock.lock();
       if (!error_) error_ = std::current_exception();

@@ -47,9 +47,18 @@ void accumulate_reduced_grad(at::Tensor& param, const at::Tensor& grad) {
   if (!current.defined()) {
     current = grad.is_view() ? grad.clone() : grad;
   } else if (!grad.is_view() && takes_reduced_grad(param, grad)) {
-    current.set_(grad);
+    take_reduced_grad(param, grad);
   } else {
     current.add_(grad);
+  }
+}
+
+void take_reduced_grad(at::Tensor& param, const at::Tensor& grad) {
+  at::Tensor& current = param.mutable_grad();
+  if (current.defined()) {
+    current.set_(grad);
+  } else {
+    current = grad;
   }
 }
 

@@ -27,6 +27,11 @@ void accumulate_reduced_grad(at::Tensor& param, const at::Tensor& grad);
 /// all +0.0 of grad's dtype and sizes.
 bool takes_reduced_grad(const at::Tensor& param, const at::Tensor& grad);
 
+/// Makes `grad` (not a view) param's gradient, the same tensor object where
+/// one is defined: what accumulate_reduced_grad does where
+/// takes_reduced_grad(param, grad), without checking it again.
+void take_reduced_grad(at::Tensor& param, const at::Tensor& grad);
+
 /// Where part of a unit's reduced gradient goes: `param`'s .grad gets `numel`
 /// elements of it from `offset`, or all of it when numel < 0 (a flat shard).
 struct GradTarget {

@@ -471,7 +471,11 @@ void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
     if (!takes) copy->wait_all();
     for (size_t i = 0; i < targets.size(); ++i) {
       at::Tensor param = targets[i].param;
-      accumulate_reduced_grad(param, copy->dsts()[i]);
+      if (takes) {
+        take_reduced_grad(param, copy->dsts()[i]);  // checked above, the .grad read once
+      } else {
+        accumulate_reduced_grad(param, copy->dsts()[i]);
+      }
     }
     work = Work();
   };
