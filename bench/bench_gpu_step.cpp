@@ -38,7 +38,11 @@
 // handed over to the last one stepped, of which listener_complete_ms waiting
 // for reductions and whole copies, listener_arrive_ms for parts to land and
 // listener_step_ms stepping; step_wait_ms is how long step() waited for it
-// once backward had returned.
+// once backward had returned. --trace 1: the last timed step's timeline
+// (trace_ms), in ms from its start: when forward, backward and step()
+// returned on the host (*_cpu) and when the GPU had run what each had queued
+// (*_gpu), and per unit handed over [elements, handed, completed, landed,
+// stepped] (fsdp::detail::BackwardStepEvent).
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -62,6 +66,7 @@
 
 #if FSDP_WITH_CUDA
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
@@ -81,6 +86,7 @@ struct Args {
   bool activation_checkpointing = false;
   bool parts = true;
   bool head_unit = false;
+  bool trace = false;
   int steps = 10;
   int warmup = 3;
   int64_t blocks = 12;
@@ -109,6 +115,8 @@ Args parse(int argc, char** argv) {
   cli.option("--parts", &a.parts,
              "0|1: with --offload, also time its parts alone (forward+backward, host "
              "optimizer, copies) after the timed steps");
+  cli.option("--trace", &a.trace,
+             "0|1: print the last timed step's timeline (trace_ms) with --offload during");
   bench::add_gpt_step_options(cli, a);
   cli.option("--peak-tflops", &a.peak_tflops, "the device's dense peak, for MFU");
   cli.parse(argc, argv);
@@ -175,6 +183,73 @@ void set_autocast(const torch::Device& device, bool on) {
   at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
 #endif
 }
+
+// One step's timeline (--trace), in ms from its start: when forward,
+// backward and step() returned on the host, when the GPU had run what
+// forward and backward queued (events, where there is a GPU), and each unit's
+// path through the optimizer's thread beside backward
+// (fsdp::detail::BackwardStepEvent: elements, handed, completed, landed,
+// stepped), as one JSON object.
+class StepTimeline {
+ public:
+  explicit StepTimeline(const torch::Device& device) : device_(device) {}
+
+  void start() {
+    t0_ = Clock::now();
+    marks_.clear();
+#if FSDP_WITH_CUDA
+    gpu_.clear();
+    if (device_.is_cuda()) record_gpu();
+#endif
+  }
+  /// The host reached `name`; where there is a GPU, also when it runs what was queued before.
+  void mark(const char* name) {
+    marks_.emplace_back(name, ms_since(t0_));
+#if FSDP_WITH_CUDA
+    if (device_.is_cuda()) record_gpu();
+#endif
+  }
+  std::string json(const std::vector<fsdp::detail::BackwardStepEvent>& events) {
+    std::string out = "{";
+    for (size_t i = 0; i < marks_.size(); ++i) {
+      out += "\"" + marks_[i].first + "_cpu\":" + fixed(marks_[i].second) + ",";
+#if FSDP_WITH_CUDA
+      if (device_.is_cuda()) {
+        gpu_[i + 1]->synchronize();
+        out +=
+            "\"" + marks_[i].first + "_gpu\":" + fixed(gpu_[0]->elapsed_time(*gpu_[i + 1])) + ",";
+      }
+#endif
+    }
+    out += "\"units\":[";
+    for (size_t i = 0; i < events.size(); ++i) {
+      const auto& e = events[i];
+      out += std::string(i ? "," : "") + "[" + std::to_string(e.elements);
+      for (const auto& t : {e.handed, e.completed, e.landed, e.stepped}) {
+        out += "," + fixed(std::chrono::duration<double, std::milli>(t - t0_).count());
+      }
+      out += "]";
+    }
+    return out + "]}";
+  }
+
+ private:
+  static std::string fixed(double ms) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", ms);
+    return buf;
+  }
+#if FSDP_WITH_CUDA
+  void record_gpu() {
+    gpu_.push_back(std::make_unique<at::cuda::CUDAEvent>(cudaEventDefault));
+    gpu_.back()->record();
+  }
+  std::vector<std::unique_ptr<at::cuda::CUDAEvent>> gpu_;
+#endif
+  torch::Device device_;
+  Clock::time_point t0_;
+  std::vector<std::pair<std::string, double>> marks_;
+};
 
 }  // namespace
 
@@ -245,20 +320,29 @@ int main(int argc, char** argv) try {
 
   std::vector<double> step_ms;
   double loss0 = 0;
+  StepTimeline timeline(device);
+  std::string trace = "null";
   for (int i = -args.warmup; i < args.steps; ++i) {
     if (i == 0 && device.is_cuda()) fsdp::compat::reset_cuda_peak(device.index());
     if (i == 0) (void)fsdp::detail::take_backward_step_times();  // the timed steps' only
+    const bool traced = args.trace && i == args.steps - 1;
+    fsdp::detail::record_backward_step_events(traced);
     synchronize(device);
     pg->barrier().wait();
     const auto t0 = Clock::now();
+    timeline.start();
     opt.zero_grad();
     set_autocast(device, bf16 && args.mode == "local");
     at::Tensor logits = forward(inputs);
     set_autocast(device, false);
     at::Tensor loss = gpt_mini::lm_loss(logits.to(at::kFloat), targets);
+    if (traced) timeline.mark("forward");
     loss.backward();
+    if (traced) timeline.mark("backward");
     opt.step();
+    if (traced) timeline.mark("step");
     synchronize(device);
+    if (traced) trace = timeline.json(fsdp::detail::take_backward_step_events());
     if (i >= 0) step_ms.push_back(ms_since(t0));
     if (i == -args.warmup) loss0 = loss.item<double>();
   }
@@ -314,7 +398,7 @@ int main(int argc, char** argv) try {
         "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld,"
         "\"peak_reserved_bytes\":%lld,\"threads\":%d,\"listener_span_ms\":%.2f,"
         "\"listener_complete_ms\":%.2f,\"listener_arrive_ms\":%.2f,\"listener_step_ms\":%.2f,"
-        "\"step_wait_ms\":%.2f}\n",
+        "\"step_wait_ms\":%.2f,\"trace_ms\":%s}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -325,7 +409,8 @@ int main(int argc, char** argv) try {
         std::max({fwd_bwd_ms, host_optim_ms, copy_ms}),
         args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max),
         static_cast<long long>(reserved_max), at::get_num_threads(), listener.span_ms,
-        listener.complete_ms, listener.arrive_ms, listener.step_ms, listener.step_wait_ms);
+        listener.complete_ms, listener.arrive_ms, listener.step_ms, listener.step_wait_ms,
+        trace.c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "detail/error.h"
 
@@ -42,6 +44,17 @@ void timed(std::atomic<int64_t>& sum, F&& f) {
 
 double take_ms(std::atomic<int64_t>& sum) { return static_cast<double>(sum.exchange(0)) / 1e6; }
 
+// BackwardStepEvent's record.
+struct EventLog {
+  std::atomic<bool> on{false};
+  std::mutex mutex;
+  std::vector<BackwardStepEvent> events;
+};
+EventLog& event_log() {
+  static EventLog log;
+  return log;
+}
+
 }  // namespace
 
 BackwardStepTimes take_backward_step_times() {
@@ -53,6 +66,14 @@ BackwardStepTimes take_backward_step_times() {
   t.step_ms = take_ms(sums.step);
   t.step_wait_ms = take_ms(sums.step_wait);
   return t;
+}
+
+void record_backward_step_events(bool on) { event_log().on = on; }
+
+std::vector<BackwardStepEvent> take_backward_step_events() {
+  EventLog& log = event_log();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  return std::exchange(log.events, {});
 }
 
 BackwardSteps::BackwardSteps(std::string owner, StepRange step_range)
@@ -98,8 +119,9 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
                  "backward one optimizer step: call step() after every backward, and "
                  "accumulate gradients over several backwards inside model->no_sync()");
     }
-    if (stepped_.size() == grad.params.size()) first_handed_ = Clock::now();  // the first
-    queue_.push_back(std::move(grad));
+    const Clock::time_point now = Clock::now();
+    if (stepped_.size() == grad.params.size()) first_handed_ = now;  // the first
+    queue_.push_back(Handed{std::move(grad), now});
   }
   changed_.notify_all();
 }
@@ -136,24 +158,12 @@ void BackwardSteps::run() {
   while (true) {
     changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, and nothing left
-    ReducedGrad grad = std::move(queue_.front());
+    Handed handed = std::move(queue_.front());
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
     try {
-      TimeSums& sums = time_sums();
-      if (grad.complete) timed(sums.complete, grad.complete);
-      if (grad.parts.empty()) {
-        timed(sums.step, [&] {
-          for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
-        });
-      }
-      for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
-        timed(sums.arrive, part.arrived);
-        timed(sums.step, [&] {
-          for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
-        });
-      }
+      step(handed);
     } catch (...) {
       lock.lock();
       if (!error_) error_ = std::current_exception();
@@ -164,6 +174,33 @@ void BackwardSteps::run() {
     last_stepped_ = Clock::now();
     changed_.notify_all();
   }
+}
+
+void BackwardSteps::step(Handed& handed) {
+  ReducedGrad& grad = handed.grad;
+  TimeSums& sums = time_sums();
+  BackwardStepEvent event;
+  event.handed = handed.at;
+  if (grad.complete) timed(sums.complete, grad.complete);
+  event.completed = event.landed = Clock::now();
+  if (grad.parts.empty()) {
+    timed(sums.step, [&] {
+      for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
+    });
+  }
+  for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
+    timed(sums.arrive, part.arrived);
+    event.landed = Clock::now();
+    timed(sums.step, [&] {
+      for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
+    });
+  }
+  EventLog& log = event_log();
+  if (!log.on) return;
+  event.stepped = Clock::now();
+  for (const at::Tensor& p : grad.params) event.elements += p.numel();
+  std::lock_guard<std::mutex> lock(log.mutex);
+  log.events.push_back(event);
 }
 
 }  // namespace fsdp::detail

@@ -48,6 +48,21 @@ struct BackwardStepTimes {
 /// The times since the last call, then zero.
 BackwardStepTimes take_backward_step_times();
 
+/// One hand-over's path through the thread stepping beside backward, for a
+/// profile of the step (bench_gpu_step --trace): when backward handed it
+/// over, when its reduction (or whole copy) had completed, when its last
+/// part had landed, when its last element was stepped.
+struct BackwardStepEvent {
+  std::chrono::steady_clock::time_point handed, completed, landed, stepped;
+  int64_t elements = 0;  ///< the parameters' elements stepped
+};
+
+/// Starts (true) or stops recording a BackwardStepEvent per hand-over, for
+/// every BackwardSteps of the process; off by default.
+void record_backward_step_events(bool on);
+/// The events recorded since the last call, in the order they were stepped.
+std::vector<BackwardStepEvent> take_backward_step_events();
+
 class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
  public:
   /// Steps elements [begin, end) of one parameter from its .grad as the
@@ -75,14 +90,21 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 
  private:
+  // A hand-over waiting for the worker, and when it came.
+  struct Handed {
+    ReducedGrad grad;
+    std::chrono::steady_clock::time_point at;
+  };
+
   void hand_over(ReducedGrad grad);
   void run();
+  void step(Handed& handed);
 
   const std::string owner_;
   const StepRange step_range_;
   std::mutex mutex_;
   std::condition_variable changed_;
-  std::deque<ReducedGrad> queue_;
+  std::deque<Handed> queue_;
   bool busy_ = false;  // the worker is stepping a batch it took off queue_
   bool stopping_ = false;
   std::exception_ptr error_;

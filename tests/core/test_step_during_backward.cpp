@@ -22,6 +22,7 @@
 #include "core/flat_parameter.h"
 #include "error_of.h"
 #include "multi_rank.h"
+#include "optim/backward_steps.h"
 #include "parity_ranks.h"
 #include "test_models.h"
 
@@ -223,6 +224,46 @@ TEST(StepDuringBackward, PartsCoverEachParameterOnceInOrder) {
     ASSERT_EQ(parted_grads.size(), whole_grads.size());
     for (size_t i = 0; i < parted_grads.size(); ++i) {
       EXPECT_TRUE(torch::equal(parted_grads[i], whole_grads[i])) << "gradient " << i;
+    }
+    ::unsetenv("FSDP_GRAD_PART_ELEMENTS");
+  });
+}
+
+// The profile bench_gpu_step --trace prints (fsdp::detail::BackwardStepEvent):
+// when asked, one event per hand-over, each unit's elements once, its times
+// in order (handed, completed, landed, stepped) and within the step; none
+// when not asked.
+TEST(StepDuringBackward, RecordsEachHandOverWhenAsked) {
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    ::setenv("FSDP_GRAD_PART_ELEMENTS", "5", 1);
+    Model model = make_model(FSDPOptions().cpu_offload(CPUOffload().offload_params(true)));
+    optim::FusedAdamW opt(model->parameters(), adamw_options());
+    opt.step_during_backward(*model.ptr());
+    int64_t elements = 0;
+    for (const at::Tensor& p : model->parameters()) elements += p.numel();
+    for (const bool on : {true, false}) {
+      detail::record_backward_step_events(on);
+      const auto start = std::chrono::steady_clock::now();
+      user_step(model, opt, torch::randn({4, 7}), torch::randn({4, 3}));
+      const auto end = std::chrono::steady_clock::now();
+      detail::record_backward_step_events(false);
+      const std::vector<detail::BackwardStepEvent> events = detail::take_backward_step_events();
+      if (!on) {
+        EXPECT_TRUE(events.empty());
+        continue;
+      }
+      EXPECT_EQ(events.size(), units_of(*model.ptr()).size());
+      int64_t stepped = 0;
+      for (const auto& e : events) {
+        stepped += e.elements;
+        EXPECT_LE(start, e.handed);
+        EXPECT_LE(e.handed, e.completed);
+        EXPECT_LE(e.completed, e.landed);
+        EXPECT_LE(e.landed, e.stepped);
+        EXPECT_LE(e.stepped, end);
+      }
+      EXPECT_EQ(stepped, elements);
     }
     ::unsetenv("FSDP_GRAD_PART_ELEMENTS");
   });
