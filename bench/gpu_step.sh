@@ -26,9 +26,14 @@
 # offload-after run; target <= 1.15), also with GPT-mini's output head as a
 # unit of its own (its gradient stepped on the host while backward goes on),
 # and that again with each gradient stepped only once it has landed whole
-# instead of part by part as it lands: the parts' step over that one's; for
+# instead of part by part as it lands: the parts' step over that one's; and
+# with each gradient's copy to the host queued by the optimizer's thread
+# instead of at the hand-over: the hand-over's step over that one's; for
 # each configuration stepping beside backward, where the optimizer's thread
-# spent each step (listener_ms: see bench_gpu_step.cpp's header).
+# spent each step (listener_ms: see bench_gpu_step.cpp's header), and for
+# two of them the last step's timeline (trace_ms, --trace); the offloaded
+# step beside backward at 2 ranks sharing the GPU over CUDA IPC (issue 35,
+# item 3's N ranks), each rank's parts alone measured in the same run.
 # FULL_SHARD and both offloads again with everything on the compute stream
 # (FSDP_SIDE_STREAMS=0): the side streams' step over that one's.
 set -euo pipefail
@@ -78,11 +83,20 @@ for ((round = 0; round < ROUNDS; ++round)); do
   run libfsdp_offload_after "$round" "${ours[@]}" --mode full_shard --offload after
   run libfsdp_offload_during "$round" "${ours[@]}" --mode full_shard --offload during
   run libfsdp_offload_during_head_unit "$round" "${ours[@]}" --mode full_shard --offload during \
-    --head-unit 1
+    --head-unit 1 --trace 1
   # The same, each unit's gradient stepped only once it has landed whole
   # (Note [Stepping a gradient as it lands]).
   run libfsdp_offload_during_head_unit_whole "$round" env FSDP_GRAD_PART_ELEMENTS=0 "${ours[@]}" \
     --mode full_shard --offload during --head-unit 1
+  # The same, each gradient's copy to host memory queued by the optimizer's
+  # thread once it reaches it, not at the hand-over (Note [Copies queued at
+  # the hand-over]).
+  run libfsdp_offload_during_head_unit_listener_copies "$round" env FSDP_COPY_AT_HAND_OVER=0 \
+    "${ours[@]}" --mode full_shard --offload during --head-unit 1 --trace 1
+  # Two ranks sharing the GPU over CUDA IPC, each offloaded with its host
+  # AdamW beside backward on half the cores (fsdprun would give each 1).
+  run libfsdp_offload_during_head_unit_2ranks_ipc "$round" env FSDP_CUDA_BACKEND=ipc \
+    OMP_NUM_THREADS=$(($(nproc) / 2)) "${two[@]}" --mode full_shard --offload during --head-unit 1
   # Everything on the compute stream (FSDP_SIDE_STREAMS=0): what the copy-in
   # and copy-out streams bring (Note [Copy-in on a stream of its own]).
   run libfsdp_full_shard_one_stream "$round" env FSDP_SIDE_STREAMS=0 "${ours[@]}" --mode full_shard
@@ -123,6 +137,9 @@ for config, rs in by.items():
         summary[config]["listener_ms"] = {
             k: med(config, k) for k in ("listener_span_ms", "listener_complete_ms",
                                         "listener_arrive_ms", "listener_step_ms", "step_wait_ms")}
+    trace = rs[-1].get("trace_ms")  # the last round's last step: when each phase returned
+    if trace:
+        summary[config]["trace_ms"] = {k: v for k, v in trace.items() if k != "units"}
 
 def ratio(a, b, key="median_ms"):
     x, y = med(a, key), med(b, key)
@@ -152,6 +169,14 @@ summary["offload_during_head_unit_whole_over_bound"] = (round(whole / bound, 3)
                                                         if whole and bound else None)
 summary["offload_in_parts_over_whole"] = ratio("libfsdp_offload_during_head_unit",
                                                "libfsdp_offload_during_head_unit_whole")
+two_parts = {k: med("libfsdp_offload_during_head_unit_2ranks_ipc", k)
+             for k in ("fwd_bwd_ms", "host_optim_ms", "copy_ms")}
+two_bound = max(v or 0 for v in two_parts.values())
+two = med("libfsdp_offload_during_head_unit_2ranks_ipc", "median_ms")
+summary["offload_2ranks_parts_ms"] = two_parts
+summary["offload_2ranks_over_bound"] = round(two / two_bound, 3) if two and two_bound else None
+summary["copies_at_hand_over_over_listener_copies"] = ratio(
+    "libfsdp_offload_during_head_unit", "libfsdp_offload_during_head_unit_listener_copies")
 for way in ("full_shard", "offload_after", "offload_during"):
     summary[way + "_side_streams_over_one_stream"] = ratio("libfsdp_" + way,
                                                            "libfsdp_" + way + "_one_stream")

@@ -113,7 +113,26 @@ class NcclCompletions {
     wake_.notify_all();
   }
 
+  /// A host waits for `state`'s Work: poll at the shortest interval until it
+  /// has finished, so the waiter learns of its end within microseconds, not
+  /// the 1 ms the polling otherwise backs off to while the GPU works (the
+  /// optimizer's thread beside backward waits so for every unit's
+  /// reduction).
+  void hurry(const WorkState* state) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      bool pending = false;
+      for (const Pending& p : pending_) pending = pending || p.state.get() == state;
+      if (!pending) return;  // finished already
+      hurried_ = state;
+      poll_ = kFirstPoll;
+    }
+    wake_.notify_all();
+  }
+
  private:
+  static constexpr std::chrono::microseconds kFirstPoll{20};
+
   struct Pending {
     c10::intrusive_ptr<c10d::Work> work;
     std::shared_ptr<WorkState> state;
@@ -122,7 +141,6 @@ class NcclCompletions {
 
   void run() {
     std::unique_lock<std::mutex> lock(mutex_);
-    auto poll = std::chrono::microseconds(20);
     while (true) {
       wake_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
       if (pending_.empty()) return;  // stopping, nothing left
@@ -130,12 +148,14 @@ class NcclCompletions {
       const bool done = front.work->isCompleted();
       const bool late = !done && std::chrono::steady_clock::now() > front.deadline;
       if (!done && !late) {
-        // Back off from 20 us to 1 ms while the GPU works.
-        wake_.wait_for(lock, poll);
-        poll = std::min(poll * 2, std::chrono::microseconds(1000));
+        // Back off from 20 us to 1 ms while the GPU works, unless a host
+        // waits (hurry()).
+        wake_.wait_for(lock, poll_);
+        if (hurried_ == nullptr) poll_ = std::min(poll_ * 2, std::chrono::microseconds(1000));
         continue;
       }
-      poll = std::chrono::microseconds(20);
+      poll_ = kFirstPoll;
+      if (hurried_ == front.state.get()) hurried_ = nullptr;
       Pending item = std::move(front);
       pending_.pop_front();
       lock.unlock();
@@ -160,6 +180,8 @@ class NcclCompletions {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<Pending> pending_;
+  std::chrono::microseconds poll_ = kFirstPoll;
+  const WorkState* hurried_ = nullptr;  // a Work a host waits for, until it finished
   bool stopping_ = false;
   std::thread thread_;  // last: started once the rest exists
 };
@@ -187,7 +209,7 @@ class NcclProcessGroup final : public ProcessGroup {
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     nccl_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store_, rank, size, options);
-    completions_ = std::make_unique<NcclCompletions>(rank, timeout);
+    completions_ = std::make_shared<NcclCompletions>(rank, timeout);
   }
   ~NcclProcessGroup() override;
 
@@ -292,6 +314,11 @@ class NcclProcessGroup final : public ProcessGroup {
         describe_collective(kind, seq_++, what.empty() ? "nccl" : what + ", nccl"), rank(),
         timeout() + kWaitGrace, std::move(tensors));
     state->stream_wait = [work] { work->wait(); };
+    state->run_here = [weak =
+                           std::weak_ptr<NcclCompletions>(completions_)](const WorkState* state) {
+      if (auto completions = weak.lock()) completions->hurry(state);
+      return false;  // the GPU runs it; the waiter only asks for an early look
+    };
     completions_->add(std::move(work), state);
     // Once the runtime is surely up (Note [NCCL groups at exit]).
     std::call_once(registered_live_, [this] { register_live(); });
@@ -306,7 +333,7 @@ class NcclProcessGroup final : public ProcessGroup {
   std::once_flag registered_live_;
   std::atomic<int> last_gpu_{-1};
   int subgroups_made_ = 0;  // caller thread only
-  std::unique_ptr<NcclCompletions> completions_;
+  std::shared_ptr<NcclCompletions> completions_;
 };
 
 // The groups alive, for the exit handler (Note [NCCL groups at exit]).

@@ -50,7 +50,9 @@ struct WorkState {
   std::vector<std::function<void(std::exception_ptr)>> continuations;  // see then()
 
   /// Set before the Work is handed out: runs the collective on the calling
-  /// thread if it may (Note [Running on the waiter] in comm_thread.h).
+  /// thread if it may (Note [Running on the waiter] in comm_thread.h), or,
+  /// for one the GPU runs, asks for an early look at its end (NCCL's
+  /// completion polling). Called by wait(); true if it ran the collective.
   std::function<bool(const WorkState*)> run_here;
 
   /// Set before the Work is handed out by a collective that runs on a GPU

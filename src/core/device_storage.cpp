@@ -94,9 +94,12 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
 // the backward kernels that follow, as FSDP2 copies on its reduction
 // stream; the reduced shard on the GPU is kept until the host waited.
 // Otherwise the end of backward queues it on the compute stream. A unit
-// stepped beside backward copies on the optimizer's thread, on a stream of
-// its own (finished_to_host), so its copy does not queue behind the backward
-// kernels issued since.
+// stepped beside backward copies on a stream of its own, the step-copy
+// stream, so its copy does not queue behind the backward kernels issued
+// since: queued at the hand-over behind the reduction where a stream can
+// wait for it (Note [Copies queued at the hand-over] in
+// src/runtime/unit_hooks.cpp), else by the optimizer's thread after its
+// host wait (finished_to_host).
 at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype) {
   at::Tensor host =
       at::empty(t.sizes(), at::TensorOptions().dtype(dtype).device(c10::kCPU).pinned_memory(true));

@@ -88,7 +88,8 @@ class HostCopyInParts {
   HostCopyInParts& operator=(const HostCopyInParts&) = delete;
 
   /// Queues every part's copies from `src` (1-D, its producers finished: a
-  /// collective waited for on the host). Once.
+  /// collective waited for on the host, or on a GPU the step-copy stream
+  /// made to wait for them). Once.
   void start(const at::Tensor& src);
   /// Blocks the host until part `i` has landed (after start()).
   void wait(size_t i);

@@ -7,7 +7,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <fsdp/core/activation_checkpoint.h>
@@ -426,6 +428,36 @@ bool UnitRuntime::can_deliver_early() const {
 
 namespace {
 
+// Note [Copies queued at the hand-over]
+// A gradient handed to a listener (Note [Steps during backward]) goes to host
+// memory under CPU offload. Where it is on a GPU and a stream can wait for
+// its reduction, the copy is queued at the hand-over, on backward's thread,
+// on the step-copy stream behind the reduction: each unit's copy then runs
+// while the listener still steps the units handed over before it. Queued by
+// the listener after its host wait for the reduction, as it was, every copy
+// started only once everything before it was stepped, and the host's cores
+// idled through it: on GPT-2 small, 12 blocks' gradients of 28 MB each in
+// series with their steps, a step the listener could not keep up with
+// beside an H200's backward. Elsewhere (the CPU, a reduction the host must
+// wait for) the listener still copies after its wait.
+bool copies_at_hand_over(const Work& work, const at::Tensor& reduced, bool pinned) {
+  static const bool enabled = [] {  // FSDP_COPY_AT_HAND_OVER=0: the listener copies (an A/B)
+    const char* env = std::getenv("FSDP_COPY_AT_HAND_OVER");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled && pinned && reduced.is_cuda() && has_streams(reduced.device()) &&
+         stream_can_wait(work);
+}
+
+// Queues `copy`'s parts from `reduced` behind `work` on the step-copy stream
+// (copies_at_hand_over), without blocking the host.
+void start_behind(HostCopyInParts& copy, const Work& work, const at::Tensor& reduced) {
+  const SideStreamScope step_copy(reduced.device(), SideStream::kStepCopy,
+                                  /*wait_for_current=*/false);
+  work.block_current_stream();
+  copy.start(reduced);
+}
+
 // What the hooks are told of `targets`; complete() is left to the caller.
 ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
   ReducedGrad grad;
@@ -460,14 +492,16 @@ void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
   for (size_t i = 0; i < plan.size(); ++i) {
     grad.parts.push_back({[copy, i] { copy->wait(i); }, plan[i]});
   }
+  const bool started = copies_at_hand_over(work, reduced, pinned);
+  if (started) start_behind(*copy, work, reduced);
   grad.complete = [work = std::move(work), reduced = std::move(reduced),
-                   targets = std::move(targets), copy]() mutable {
+                   targets = std::move(targets), copy, started]() mutable {
     work.wait();
     bool takes = true;
     for (size_t i = 0; i < targets.size(); ++i) {
       takes = takes && takes_reduced_grad(targets[i].param, copy->dsts()[i]);
     }
-    copy->start(reduced);
+    if (!started) copy->start(reduced);
     if (!takes) copy->wait_all();
     for (size_t i = 0; i < targets.size(); ++i) {
       at::Tensor param = targets[i].param;
@@ -501,6 +535,19 @@ void UnitRuntime::deliver_early() {
   if (plan.size() > 1) {
     hand_over_in_parts(grad, std::move(work), std::move(reduced), std::move(targets), plan, dtype,
                        pinned, label());
+  } else if (copies_at_hand_over(work, reduced, pinned)) {
+    // The whole shard as one part: set_reduced_grads takes the targets' pieces of it.
+    const int64_t numel = reduced.numel();
+    auto copy = std::make_shared<HostCopyInParts>(
+        std::vector<at::Tensor>{host_buffer(numel, dtype, pinned, label())},
+        std::vector<std::vector<HostCopyInParts::Segment>>{{{0, 0, 0, numel}}});
+    start_behind(*copy, work, reduced);
+    grad.complete = [work = std::move(work), targets = std::move(targets), copy]() mutable {
+      work.wait();
+      copy->wait_all();
+      set_reduced_grads(targets, copy->dsts()[0]);
+      work = Work();
+    };
   } else {
     grad.complete = [work = std::move(work), reduced = std::move(reduced),
                      targets = std::move(targets), device = to.device(), dtype, pinned]() mutable {
