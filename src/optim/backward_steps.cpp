@@ -158,18 +158,20 @@ void BackwardSteps::run() {
   while (true) {
     changed_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopping, and nothing left
-    Handed handed = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    try {
-      step(handed);
-    } catch (...) {
-      lock.lock();
-      if (!error_) error_ = std::current_exception();
+    std::exception_ptr error;
+    {
+      Handed handed = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
       lock.unlock();
-    }
+      try {
+        step(handed);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }  // the gradient's buffers (a GPU's reduced shard) let go before wait() returns
     lock.lock();
+    if (error && !error_) error_ = error;
     busy_ = false;
     last_stepped_ = Clock::now();
     changed_.notify_all();

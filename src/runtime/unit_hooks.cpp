@@ -441,20 +441,21 @@ namespace {
 // beside an H200's backward. Elsewhere (the CPU, a reduction the host must
 // wait for) the listener still copies after its wait.
 bool copies_at_hand_over(const Work& work, const at::Tensor& reduced, bool pinned) {
-  static const bool enabled = [] {  // FSDP_COPY_AT_HAND_OVER=0: the listener copies (an A/B)
-    const char* env = std::getenv("FSDP_COPY_AT_HAND_OVER");
-    return env == nullptr || std::string(env) != "0";
-  }();
-  return enabled && pinned && reduced.is_cuda() && has_streams(reduced.device()) &&
-         stream_can_wait(work);
+  // FSDP_COPY_AT_HAND_OVER=0: the listener copies (an A/B of the two).
+  const char* env = std::getenv("FSDP_COPY_AT_HAND_OVER");
+  return (env == nullptr || std::string(env) != "0") && pinned && reduced.is_cuda() &&
+         has_streams(reduced.device()) && stream_can_wait(work);
 }
 
 // Queues `copy`'s parts from `reduced` behind `work` on the step-copy stream
-// (copies_at_hand_over), without blocking the host.
+// (copies_at_hand_over), without blocking the host. FSDP_FAULT_STEP_COPY_NO_WAIT=1
+// drops the wait: a GPU test shows the copies then read the reduced shard
+// before the reduction wrote it (tests/core/test_cuda_streams.cpp).
 void start_behind(HostCopyInParts& copy, const Work& work, const at::Tensor& reduced) {
   const SideStreamScope step_copy(reduced.device(), SideStream::kStepCopy,
                                   /*wait_for_current=*/false);
-  work.block_current_stream();
+  const char* fault = std::getenv("FSDP_FAULT_STEP_COPY_NO_WAIT");
+  if (fault == nullptr || std::string(fault) != "1") work.block_current_stream();
   copy.start(reduced);
 }
 

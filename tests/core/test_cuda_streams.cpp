@@ -9,9 +9,12 @@
 // step at 1-3 ranks, with and without forward prefetch and CPU offload; and
 // with the copy-in stream's waits dropped (FSDP_FAULT_COPY_IN_NO_WAIT=1),
 // or only its wait before held memory is handed back (=held), the same
-// comparison fails, so it can. GPU memory does not grow from step to
-// step, and a forward holds at most two units' gathered parameters. Reported
-// skipped, by name, without a GPU.
+// comparison fails, so it can. With the host's optimizer stepping each unit
+// beside backward under offload, the gradients it steps are plain
+// LibTorch's too, and without the step-copy stream's wait for the reduction
+// (FSDP_FAULT_STEP_COPY_NO_WAIT=1) they are not. GPU memory does not grow
+// from step to step, and a forward holds at most two units' gathered
+// parameters. Reported skipped, by name, without a GPU.
 
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -25,6 +28,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -104,19 +108,36 @@ struct Config {
   bool forward_prefetch;
   BackwardPrefetch backward_prefetch;
   bool offload;
+  // The host's FusedSGD steps each unit beside backward (step_during_backward),
+  // its gradient copied to host memory whole or, with part_elements, in
+  // parts of that many elements (Note [Copies queued at the hand-over]).
+  bool beside_backward = false;
+  int64_t part_elements = 0;
 };
 
 std::vector<Config> configs() {
   return {{"own gathers", false, BackwardPrefetch::kNone, false},
           {"prefetch", true, BackwardPrefetch::kBackwardPre, false},
-          {"offload", false, BackwardPrefetch::kBackwardPre, true}};
+          {"offload", false, BackwardPrefetch::kBackwardPre, true},
+          {"offload beside backward", false, BackwardPrefetch::kBackwardPre, true, true},
+          {"offload beside backward, in parts", false, BackwardPrefetch::kBackwardPre, true, true,
+           kWidth * kWidth / 4}};
 }
 
-// The largest difference to plain LibTorch seen in `steps` steps of SGD on
+// The largest differences to plain LibTorch: outputs and parameters
+// (absolute), and with a config stepping beside backward the gradients the
+// host stepped (relative to the largest of each, as they are small).
+struct Worst {
+  double values = 0;
+  double grads = 0;
+};
+
+// The largest differences to plain LibTorch seen in `steps` steps of SGD on
 // the ranks' different batches (the reference on their concatenation): the
-// outputs of this rank's block, then every parameter after the step. With
-// `memory`, also checks that GPU memory does not grow from step to step.
-double train_and_compare(const Config& config, int steps, bool memory) {
+// outputs of this rank's block, then every parameter (and its gradient)
+// after the step. With `memory`, also checks that GPU memory does not grow
+// from step to step.
+Worst train_and_compare(const Config& config, int steps, bool memory) {
   const int world = rank_and_world().second;
   const torch::Device gpu(torch::kCUDA, 0);
   Stack reference(seeded_layers(gpu), nullptr);
@@ -127,7 +148,18 @@ double train_and_compare(const Config& config, int steps, bool memory) {
   FullyShardedDataParallel<StackImpl> model(Stack(seeded_layers(gpu), &options).ptr(), options);
   const auto sgd = torch::optim::SGDOptions(0.05);
   torch::optim::SGD ref_opt(reference->parameters(), sgd);
-  torch::optim::SGD opt(model->parameters(), sgd);
+  std::unique_ptr<torch::optim::SGD> owned_opt;
+  if (config.beside_backward) {
+    auto fused = std::make_unique<optim::FusedSGD>(model->parameters(), sgd);
+    fused->step_during_backward(*model.ptr());
+    owned_opt = std::move(fused);
+  } else {
+    owned_opt = std::make_unique<torch::optim::SGD>(model->parameters(), sgd);
+  }
+  torch::optim::SGD& opt = *owned_opt;
+  if (config.part_elements > 0) {
+    setenv("FSDP_GRAD_PART_ELEMENTS", std::to_string(config.part_elements).c_str(), 1);
+  }
   // What a step may leave allocated: the gradients (the reference's and the
   // shards'), and the step's batch and outputs. Measured from a baseline
   // taken after one untimed reference step, which makes the cuBLAS
@@ -144,10 +176,13 @@ double train_and_compare(const Config& config, int steps, bool memory) {
     for (auto& p : reference->parameters()) p.mutable_grad().reset();
   }
   const int64_t baseline = settled_cuda_allocated();
-  double worst = 0;
-  const auto compare = [&worst](const torch::Tensor& a, const torch::Tensor& b) {
-    const double d = (a.to(torch::kCPU) - b.to(torch::kCPU)).abs().max().item<double>();
-    worst = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(worst, d);
+  Worst worst;
+  const auto compare = [](double& most, const torch::Tensor& a, const torch::Tensor& b,
+                          bool relative) {
+    const torch::Tensor want = b.to(torch::kCPU);
+    double d = (a.to(torch::kCPU) - want).abs().max().item<double>();
+    if (relative) d /= want.abs().max().item<double>() + 1e-30;
+    most = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(most, d);
   };
   for (int step = 0; step < steps; ++step) {
     torch::manual_seed(100 + step);
@@ -171,11 +206,17 @@ double train_and_compare(const Config& config, int steps, bool memory) {
     if (memory) {
       EXPECT_LE(after - baseline, grad_bytes + (1 << 20)) << config.name << " step " << step;
     }
-    compare(out, local_block(ref_out));
-    SummonFullParams full(*model.ptr());
+    compare(worst.values, out, local_block(ref_out), false);
+    SummonFullParams full(*model.ptr(), SummonOptions().with_grads(config.beside_backward));
     const auto expected = reference->named_parameters();
-    for (const auto& p : model->named_parameters()) compare(p.value(), expected[p.key()]);
+    for (const auto& p : model->named_parameters()) {
+      compare(worst.values, p.value(), expected[p.key()], false);
+      if (config.beside_backward) {
+        compare(worst.grads, p.value().grad(), expected[p.key()].grad(), true);
+      }
+    }
   }
+  unsetenv("FSDP_GRAD_PART_ELEMENTS");
   return worst;
 }
 
@@ -187,7 +228,9 @@ TEST_P(CudaStreams, CopyInWaitsForTheKernelsThatReadItsMemory) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     for (const Config& config : configs()) {
       // Different batch sizes sum in another order: within fp32 rounding.
-      EXPECT_LT(train_and_compare(config, 3, /*memory=*/true), 1e-4) << config.name;
+      const Worst worst = train_and_compare(config, 3, /*memory=*/true);
+      EXPECT_LT(worst.values, 1e-4) << config.name;
+      EXPECT_LT(worst.grads, 1e-3) << config.name;
     }
   });
 }
@@ -226,7 +269,7 @@ void expect_comparison_fails_under(const char* fault) {
   run_ranks_ok(1, [fault](int, int) {
     setenv("FSDP_FAULT_COPY_IN_NO_WAIT", fault, 1);
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false), 1e-2) << fault;
+    EXPECT_GT(train_and_compare(configs()[0], 3, /*memory=*/false).values, 1e-2) << fault;
   });
 }
 
@@ -243,6 +286,24 @@ TEST(CudaStreamsFault, WithoutTheWaitsTheComparisonFails) {
 TEST(CudaStreamsFault, WithoutTheHeldMemoryWaitTheComparisonFails) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   expect_comparison_fails_under("held");
+}
+
+// Stepping beside backward at 1 rank (NCCL: its copies to host memory
+// queued at the hand-over, behind the reduction) with
+// FSDP_FAULT_STEP_COPY_NO_WAIT=1, which drops the step-copy stream's wait for
+// the reduction: the spinning backward has not reduced yet when the copies
+// run, so the host steps other gradients than plain LibTorch's, which the
+// comparison must catch, whole and in parts.
+TEST(CudaStreamsFault, WithoutTheStepCopyWaitTheGradientsDiffer) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(1, [](int, int) {
+    setenv("FSDP_FAULT_STEP_COPY_NO_WAIT", "1", 1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    for (const Config& config : configs()) {
+      if (!config.beside_backward) continue;
+      EXPECT_GT(train_and_compare(config, 3, /*memory=*/false).grads, 0.1) << config.name;
+    }
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CudaStreams, ::testing::Values(1, 2, 3),

@@ -202,12 +202,12 @@ TEST_P(CudaUnits, Float16WithShardedGradScalerOnTheGpu) {
 // the same results as plain LibTorch on the GPU, every step, and nothing of
 // the model's stays in GPU memory from one step to the next (the caching
 // allocator holds no more bytes after the sharded model's step than before
-// its forward), for every strategy; the host's FusedSGD stepping each unit
-// beside backward (step_during_backward: each unit's reduce-scatter waited
-// for and its gradient copied to the host on the optimizer's thread while
-// the GPU goes on, in parts stepped as they land) bitwise as stepping after
-// backward; bf16 mixed precision
-// with offload against plain LibTorch with the same casts.
+// its forward), for every strategy; the host's FusedSGD stepping the model
+// beside backward (step_during_backward: this one-unit model's gradient,
+// handed over at the end of backward, copied to the host in parts stepped as
+// they land) bitwise as stepping after backward (units handed over while
+// backward goes on: test_cuda_streams); bf16 mixed precision with offload
+// against plain LibTorch with the same casts.
 TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int rank, int world) {
