@@ -26,11 +26,14 @@
 // gradients and AdamW state in pinned host memory, stepped by
 // fsdp::optim::FusedAdamW after backward or unit by unit beside it
 // (step_during_backward), which also writes the bf16 copies each unshard
-// sends to the GPU (write_compute_copies). Then, in the same run after the
+// sends to the GPU (write_compute_copies); --offload-root 0 keeps the root
+// unit (GPT-mini's token embedding, whose gradient backward makes last) on
+// the GPU, stepped there. Then, in the same run after the
 // timed steps, the three parts alone: fwd_bwd_ms (forward and backward, the step left out;
 // with --offload during the units stepped beside it still compete for the
 // host: bench/gpu_step.sh takes the parts from --offload after),
-// host_optim_ms (FusedAdamW's step over the host shards) and copy_ms (every
+// host_optim_ms (FusedAdamW's step over the shards, --offload-root 0's on the
+// GPU) and copy_ms (every
 // shard to the GPU in the compute dtype and every gradient back, as the step
 // copies them); bound_ms is the largest of the three. With --offload during,
 // per timed step, where the optimizer's thread beside backward spent its time
@@ -86,6 +89,7 @@ struct Args {
   bool activation_checkpointing = false;
   bool parts = true;
   bool head_unit = false;
+  bool offload_root = true;
   bool trace = false;
   int steps = 10;
   int warmup = 3;
@@ -110,6 +114,9 @@ Args parse(int argc, char** argv) {
       .one_of({"none", "after", "during"});
   cli.option("--activation-checkpointing", &a.activation_checkpointing,
              "0|1: recompute each block's activations in backward");
+  cli.option("--offload-root", &a.offload_root,
+             "0|1: with --offload, the root unit (the token embedding) offloaded too, or kept "
+             "on the GPU with its optimizer state (FSDP2's offload_policy per unit)");
   cli.option("--head-unit", &a.head_unit,
              "0|1: libfsdp's output head as a unit of its own (GPTConfig::head_unit)");
   cli.option("--parts", &a.parts,
@@ -158,10 +165,13 @@ double timed_ms(const torch::Device& device, int rounds, const std::function<voi
   return median(ms);
 }
 
-// The PCIe traffic of an offloaded step alone: each shard to the device in
-// `dtype`, each (fp32) gradient back into pinned host memory.
-std::function<void()> offload_copies(const std::vector<at::Tensor>& shards,
-                                     const torch::Device& device, at::ScalarType dtype) {
+// The PCIe traffic of an offloaded step alone: each host shard to the device
+// in `dtype`, each (fp32) gradient back into pinned host memory.
+std::function<void()> offload_copies(std::vector<at::Tensor> shards, const torch::Device& device,
+                                     at::ScalarType dtype) {
+  shards.erase(
+      std::remove_if(shards.begin(), shards.end(), [](const at::Tensor& s) { return !s.is_cpu(); }),
+      shards.end());  // --offload-root 0: the root's stays on the GPU
   std::vector<at::Tensor> grads_on_device, grads_on_host;
   for (const auto& s : shards) {
     grads_on_device.push_back(at::empty({s.numel()}, s.options().device(device)));
@@ -286,9 +296,10 @@ int main(int argc, char** argv) try {
                     .sharding_strategy(bench::strategy_names().at(args.mode))
                     .device_id(device);
     if (bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+    const fsdp::FSDPOptions root_opts = opts;  // the root's offload: --offload-root
     if (args.offload != "none") opts.cpu_offload(fsdp::CPUOffload().offload_params(true));
     sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
-        std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
+        std::make_shared<gpt_mini::GPTImpl>(config, opts), args.offload_root ? opts : root_opts);
     forward = [&](const at::Tensor& x) { return sharded->forward(x); };
     params = sharded->parameters();
   }

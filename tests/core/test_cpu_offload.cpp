@@ -28,12 +28,31 @@ torch::optim::AdamW adamw(const std::vector<torch::Tensor>& params) {
   return torch::optim::AdamW(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
 }
 
+using Wrapped = FullyShardedDataParallel<NetImpl>;
+
+// Step `step`'s batches: plain LibTorch steps on the ranks' batches
+// concatenated; each of `models` runs forward and backward on this rank's
+// (its optimizer's step is left to the caller).
+void step_reference_and_backward(Net& reference, torch::optim::Optimizer& ref_opt, int step,
+                                 const std::vector<Wrapped*>& models) {
+  const int world = rank_and_world().second;
+  torch::manual_seed(1000 + step);
+  const torch::Tensor x = torch::randn({5 * world, 7});
+  const torch::Tensor target = torch::randn({5 * world, 3});
+  ref_opt.zero_grad();
+  torch::mse_loss(reference->forward(x), target).backward();
+  ref_opt.step();
+  for (Wrapped* m : models) {
+    (*m)->zero_grad();  // Module::zero_grad, as users write it
+    torch::mse_loss((*m)->forward(local_block(x)), local_block(target)).backward();
+  }
+}
+
 // Trains the same Net three ways on different per-rank batches: plain
 // LibTorch on their concatenation, FSDP with `options`, FSDP with `options`
 // and offload; the offloaded one must match the reference and, bitwise, the
 // one without offload, after every step.
 void train_three_ways(const FSDPOptions& options, const std::string& what) {
-  const int world = rank_and_world().second;
   const FSDPOptions offload = FSDPOptions(options).cpu_offload(CPUOffload().offload_params(true));
   torch::manual_seed(0);
   Net reference(false, FSDPOptions());
@@ -54,16 +73,7 @@ void train_three_ways(const FSDPOptions& options, const std::string& what) {
     EXPECT_EQ(flat.state(), FlatParameter::State::kSharded) << what;
   }
   for (int step = 0; step < 4; ++step) {
-    torch::manual_seed(1000 + step);
-    const torch::Tensor x = torch::randn({5 * world, 7});
-    const torch::Tensor target = torch::randn({5 * world, 3});
-    ref_opt.zero_grad();
-    torch::mse_loss(reference->forward(x), target).backward();
-    ref_opt.step();
-    for (auto* m : {&on_device, &offloaded}) {
-      (*m)->zero_grad();  // Module::zero_grad, as users write it
-      torch::mse_loss((*m)->forward(local_block(x)), local_block(target)).backward();
-    }
+    step_reference_and_backward(reference, ref_opt, step, {&on_device, &offloaded});
     dev_opt.step();
     off_opt.step();
     for (size_t i = 0; i < off_units.size(); ++i) {
@@ -103,6 +113,41 @@ TEST(CpuOffload, TrainsLikePlainLibTorchAndLikeNoOffload) {
     }
     train_three_ways(FSDPOptions().use_orig_params(true), "use_orig_params");
     train_three_ways(FSDPOptions().forward_prefetch(true), "forward_prefetch");
+  });
+}
+
+// Offload unit by unit, as FSDP2's offload_policy per fully_shard call: the
+// nested units offloaded, the root not (on a GPU its shard, gradient and
+// optimizer state stay there). Trains like plain LibTorch, with the
+// optimizer after backward and FusedAdamW beside it.
+TEST(CpuOffload, SomeUnitsOffloadedTheRootNot) {
+  in_parity_ranks([] {
+    const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> after(std::make_shared<NetImpl>(true, offload),
+                                            FSDPOptions());
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> during(std::make_shared<NetImpl>(true, offload),
+                                             FSDPOptions());
+    const std::vector<Unit*> units = units_of(*during.ptr());
+    ASSERT_EQ(units.size(), 3u);
+    EXPECT_FALSE(units[0]->flat_param()->offloaded()) << "the root";
+    EXPECT_TRUE(units[1]->flat_param()->offloaded());
+    EXPECT_TRUE(units[2]->flat_param()->offloaded());
+    auto ref_opt = adamw(reference->parameters());
+    auto after_opt = adamw(after->parameters());
+    optim::FusedAdamW during_opt(during->parameters(),
+                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    during_opt.step_during_backward(*during.ptr());
+    for (int step = 0; step < 4; ++step) {
+      step_reference_and_backward(reference, ref_opt, step, {&after, &during});
+      after_opt.step();
+      during_opt.step();
+      expect_same_after_step(*after.ptr(), *reference.ptr(), "after backward", step);
+      expect_same_after_step(*during.ptr(), *reference.ptr(), "beside backward", step);
+    }
   });
 }
 

@@ -261,6 +261,40 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   });
 }
 
+// Offload unit by unit, as FSDP2's offload_policy per fully_shard call: the
+// two Linear layers offloaded (shards, gradients and momentum in pinned host
+// memory), the root (the LayerNorm between them) kept on the GPU. FusedSGD
+// steps the host shards with its fused kernel and the root's shard on the
+// GPU with LibTorch's operations, after backward and beside it (the root's
+// there from the optimizer's thread): like plain LibTorch every step.
+TEST_P(CudaUnits, SomeUnitsOffloadedTheRootOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device gpu(torch::kCUDA, 0);
+    const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+    for (const bool beside : {false, true}) {
+      const std::string what = beside ? "root on the GPU, beside backward" : "root on the GPU";
+      nn::Sequential reference = seeded_net_on(gpu);
+      nn::Sequential model = seeded_net_on(gpu);
+      fully_shard(*model->ptr(0), offload);
+      fully_shard(*model->ptr(3), offload);
+      const std::vector<at::Tensor> params = fully_shard(*model).flat_parameters();
+      int on_gpu = 0;
+      for (const auto& p : params) on_gpu += p.is_cuda() ? 1 : 0;
+      EXPECT_EQ(on_gpu, 1) << what << ": the root's shard only";
+      torch::optim::SGD ref_opt(reference->parameters(), sgd);
+      optim::FusedSGD opt(params, sgd);
+      if (beside) opt.step_during_backward(*model);
+      for (int step = 0; step < 4; ++step) {
+        gpu_step(reference, ref_opt, model, opt, step, what);
+        expect_same_after_step(*model, *reference, what, step);
+      }
+    }
+  });
+}
+
 // HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on the GPU: 4 ranks sharing it, laid
 // out as 2 nodes of 2 (ProcessGroupOptions::local_world_size), trained
 // every step against plain LibTorch on the same GPU. The node groups'
