@@ -113,6 +113,7 @@ struct Config {
   // parts of that many elements (Note [Copies queued at the hand-over]).
   bool beside_backward = false;
   int64_t part_elements = 0;
+  ShardingStrategy strategy = ShardingStrategy::kFullShard;
 };
 
 std::vector<Config> configs() {
@@ -121,7 +122,9 @@ std::vector<Config> configs() {
           {"offload", false, BackwardPrefetch::kBackwardPre, true},
           {"offload beside backward", false, BackwardPrefetch::kBackwardPre, true, true},
           {"offload beside backward, in parts", false, BackwardPrefetch::kBackwardPre, true, true,
-           kWidth * kWidth / 4}};
+           kWidth * kWidth / 4},
+          {"offload beside backward, NO_SHARD (all-reduced)", false, BackwardPrefetch::kBackwardPre,
+           true, true, 0, ShardingStrategy::kNoShard}};
 }
 
 // The largest differences to plain LibTorch: outputs and parameters
@@ -142,6 +145,7 @@ Worst train_and_compare(const Config& config, int steps, bool memory) {
   const torch::Device gpu(torch::kCUDA, 0);
   Stack reference(seeded_layers(gpu), nullptr);
   FSDPOptions options = FSDPOptions()
+                            .sharding_strategy(config.strategy)
                             .forward_prefetch(config.forward_prefetch)
                             .backward_prefetch(config.backward_prefetch);
   if (config.offload) options.cpu_offload(CPUOffload().offload_params(true));
