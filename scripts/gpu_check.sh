@@ -49,6 +49,9 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
   "nccl", ".".join(map(str, torch.cuda.nccl.version())))' >>"$out/gpu.txt" 2>&1
+# The host the offloaded step's AdamW runs on: its cores and memory nodes,
+# which bound that step (docs/benchmarks.md, the fourth run).
+{ nproc; lscpu | grep -iE 'model name|socket|numa'; free -g | head -2; } >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 if [[ -z ${GPU_BUILD_DIR:-} ]]; then
   step build 300 bash .gpu/build.sh comm_tests core_tests state_tests train_gpt fsdprun bench_gpu_step
