@@ -121,10 +121,11 @@ class NcclCompletions {
   void hurry(const WorkState* state) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      bool pending = false;
-      for (const Pending& p : pending_) pending = pending || p.state.get() == state;
-      if (!pending) return;  // finished already
-      hurried_ = state;
+      const auto it = std::find_if(pending_.begin(), pending_.end(),
+                                   [state](const Pending& p) { return p.state.get() == state; });
+      if (it == pending_.end()) return;  // finished already
+      if (!it->hurried) ++hurried_;
+      it->hurried = true;
       poll_ = kFirstPoll;
     }
     wake_.notify_all();
@@ -137,6 +138,7 @@ class NcclCompletions {
     c10::intrusive_ptr<c10d::Work> work;
     std::shared_ptr<WorkState> state;
     std::chrono::steady_clock::time_point deadline;
+    bool hurried = false;  // a host waits for it (hurry())
   };
 
   void run() {
@@ -151,11 +153,11 @@ class NcclCompletions {
         // Back off from 20 us to 1 ms while the GPU works, unless a host
         // waits (hurry()).
         wake_.wait_for(lock, poll_);
-        if (hurried_ == nullptr) poll_ = std::min(poll_ * 2, std::chrono::microseconds(1000));
+        if (hurried_ == 0) poll_ = std::min(poll_ * 2, std::chrono::microseconds(1000));
         continue;
       }
       poll_ = kFirstPoll;
-      if (hurried_ == front.state.get()) hurried_ = nullptr;
+      if (front.hurried) --hurried_;
       Pending item = std::move(front);
       pending_.pop_front();
       lock.unlock();
@@ -181,7 +183,7 @@ class NcclCompletions {
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   std::chrono::microseconds poll_ = kFirstPoll;
-  const WorkState* hurried_ = nullptr;  // a Work a host waits for, until it finished
+  int hurried_ = 0;  // pending Works a host waits for
   bool stopping_ = false;
   std::thread thread_;  // last: started once the rest exists
 };
