@@ -34,12 +34,14 @@ void add(std::atomic<int64_t>& sum, Clock::time_point from, Clock::time_point to
   sum += std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
 }
 
-// Runs `f`, adding its time to `sum`.
+// Runs `f`, adding its time to `sum`; when it ended.
 template <typename F>
-void timed(std::atomic<int64_t>& sum, F&& f) {
+Clock::time_point timed(std::atomic<int64_t>& sum, F&& f) {
   const Clock::time_point from = Clock::now();
   f();
-  add(sum, from, Clock::now());
+  const Clock::time_point to = Clock::now();
+  add(sum, from, to);
+  return to;
 }
 
 double take_ms(std::atomic<int64_t>& sum) { return static_cast<double>(sum.exchange(0)) / 1e6; }
@@ -183,23 +185,21 @@ void BackwardSteps::step(Handed& handed) {
   TimeSums& sums = time_sums();
   BackwardStepEvent event;
   event.handed = handed.at;
-  if (grad.complete) timed(sums.complete, grad.complete);
-  event.completed = event.landed = Clock::now();
+  event.completed = grad.complete ? timed(sums.complete, grad.complete) : Clock::now();
+  event.landed = event.stepped = event.completed;
   if (grad.parts.empty()) {
-    timed(sums.step, [&] {
+    event.stepped = timed(sums.step, [&] {
       for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
     });
   }
   for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
-    timed(sums.arrive, part.arrived);
-    event.landed = Clock::now();
-    timed(sums.step, [&] {
+    event.landed = timed(sums.arrive, part.arrived);
+    event.stepped = timed(sums.step, [&] {
       for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
     });
   }
   EventLog& log = event_log();
   if (!log.on) return;
-  event.stepped = Clock::now();
   for (const at::Tensor& p : grad.params) event.elements += p.numel();
   std::lock_guard<std::mutex> lock(log.mutex);
   log.events.push_back(event);

@@ -459,6 +459,14 @@ void start_behind(HostCopyInParts& copy, const Work& work, const at::Tensor& red
   copy.start(reduced);
 }
 
+// The elements each of `targets` gets of `reduced`.
+std::vector<int64_t> target_sizes(const std::vector<GradTarget>& targets,
+                                  const at::Tensor& reduced) {
+  std::vector<int64_t> sizes;
+  for (const GradTarget& t : targets) sizes.push_back(t.numel < 0 ? reduced.numel() : t.numel);
+  return sizes;
+}
+
 // What the hooks are told of `targets`; complete() is left to the caller.
 ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
   ReducedGrad grad;
@@ -468,13 +476,14 @@ ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
 
 // Note [Stepping a gradient as it lands]: `reduced` (the targets' gradient,
 // in `plan`'s parts) copied into a host tensor per target, each part
-// readable once it has landed. The targets' .grad take those tensors before
-// anything has landed, so a .grad to add into (kept from an earlier
-// backward) waits for the whole copy first.
+// readable once it has landed where the hooks see the parts (`parts_seen`;
+// else complete() waits for them all). The targets' .grad take those
+// tensors before anything has landed, so a .grad to add into (kept from an
+// earlier backward) waits for the whole copy first.
 void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
                         std::vector<GradTarget> targets,
-                        const std::vector<std::vector<ParamRange>>& plan, c10::ScalarType dtype,
-                        bool pinned, const std::string& owner) {
+                        const std::vector<std::vector<ParamRange>>& plan, bool parts_seen,
+                        c10::ScalarType dtype, bool pinned, const std::string& owner) {
   // 1-D, as the shard and its pieces, and no views: a .grad takes each
   // itself before its values have landed, where a view would be cloned.
   std::vector<at::Tensor> dsts;
@@ -490,20 +499,20 @@ void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
     }
   }
   auto copy = std::make_shared<HostCopyInParts>(std::move(dsts), std::move(segments));
-  for (size_t i = 0; i < plan.size(); ++i) {
+  for (size_t i = 0; parts_seen && i < plan.size(); ++i) {
     grad.parts.push_back({[copy, i] { copy->wait(i); }, plan[i]});
   }
   const bool started = copies_at_hand_over(work, reduced, pinned);
   if (started) start_behind(*copy, work, reduced);
   grad.complete = [work = std::move(work), reduced = std::move(reduced),
-                   targets = std::move(targets), copy, started]() mutable {
+                   targets = std::move(targets), copy, started, parts_seen]() mutable {
     work.wait();
     bool takes = true;
     for (size_t i = 0; i < targets.size(); ++i) {
       takes = takes && takes_reduced_grad(targets[i].param, copy->dsts()[i]);
     }
     if (!started) copy->start(reduced);
-    if (!takes) copy->wait_all();
+    if (!takes || !parts_seen) copy->wait_all();
     for (size_t i = 0; i < targets.size(); ++i) {
       at::Tensor param = targets[i].param;
       if (takes) {
@@ -532,23 +541,13 @@ void UnitRuntime::deliver_early() {
   const bool pinned = flat_->shard_pinned();
   Work work = std::exchange(grad_work_, Work());
   at::Tensor reduced = std::exchange(grad_shard_, at::Tensor());
-  const auto plan = grad_parts(targets, reduced);
-  if (plan.size() > 1) {
-    hand_over_in_parts(grad, std::move(work), std::move(reduced), std::move(targets), plan, dtype,
-                       pinned, label());
-  } else if (copies_at_hand_over(work, reduced, pinned)) {
-    // The whole shard as one part: set_reduced_grads takes the targets' pieces of it.
-    const int64_t numel = reduced.numel();
-    auto copy = std::make_shared<HostCopyInParts>(
-        std::vector<at::Tensor>{host_buffer(numel, dtype, pinned, label())},
-        std::vector<std::vector<HostCopyInParts::Segment>>{{{0, 0, 0, numel}}});
-    start_behind(*copy, work, reduced);
-    grad.complete = [work = std::move(work), targets = std::move(targets), copy]() mutable {
-      work.wait();
-      copy->wait_all();
-      set_reduced_grads(targets, copy->dsts()[0]);
-      work = Work();
-    };
+  std::vector<std::vector<ParamRange>> plan = grad_parts(targets, reduced);
+  const bool in_parts = plan.size() > 1;
+  if (in_parts || copies_at_hand_over(work, reduced, pinned)) {
+    // Whole, the copy queued now all the same: one part the hooks do not see.
+    if (!in_parts) plan = plan_grad_parts(target_sizes(targets, reduced), 0);
+    hand_over_in_parts(grad, std::move(work), std::move(reduced), std::move(targets), plan,
+                       in_parts, dtype, pinned, label());
   } else {
     grad.complete = [work = std::move(work), reduced = std::move(reduced),
                      targets = std::move(targets), device = to.device(), dtype, pinned]() mutable {
@@ -573,10 +572,9 @@ std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<G
       !shard_grad_options(reduced.scalar_type()).device().is_cpu()) {
     return {};
   }
-  std::vector<int64_t> sizes;
-  for (const GradTarget& t : targets) sizes.push_back(t.numel < 0 ? reduced.numel() : t.numel);
   return plan_grad_parts(
-      sizes, grad_part_elements(/*goes_to_host=*/flat_->shard_pinned() && reduced.is_cuda()));
+      target_sizes(targets, reduced),
+      grad_part_elements(/*goes_to_host=*/flat_->shard_pinned() && reduced.is_cuda()));
 }
 
 bool UnitRuntime::parts_at_end() const {
@@ -676,6 +674,7 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
     if (plan.size() > 1) {
       ReducedGrad grad = handed_over(targets);
       hand_over_in_parts(grad, grad_work_, grad_shard_, std::move(targets), plan,
+                         /*parts_seen=*/true,
                          shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType(),
                          flat_->shard_pinned(), label());
       grad_hooks_->on_reduced(std::move(grad));
