@@ -6,7 +6,7 @@
 //   build/bin/fsdprun --nproc-per-node 2 build/bin/bench_gpu_step --mode full_shard
 // Modes: local | full_shard | shard_grad_op | no_shard. --precision bf16 (the
 // default) computes in bfloat16: autocast for local, MixedPrecision(param_dtype
-// bf16) with fp32 shards and reduction for libfsdp. --device cpu runs the
+// bf16) with fp32 shards and a bf16 reduction for libfsdp. --device cpu runs the
 // same on the CPU (a smoke test where no GPU is visible).
 // Each timed step is bracketed by a device synchronisation and a barrier, so
 // step_ms is the slowest rank's wall time of a whole step.
@@ -28,7 +28,9 @@
 // (step_during_backward), which also writes the bf16 copies each unshard
 // sends to the GPU (write_compute_copies); --offload-root 0 keeps the root
 // unit (GPT-mini's token embedding, whose gradient backward makes last) on
-// the GPU, stepped there. Then, in the same run after the
+// the GPU, stepped there; --keep-low-precision-grads 1 keeps the reduced
+// gradients in bf16 (half the bytes over PCIe; the fused step reads them as
+// floats). Then, in the same run after the
 // timed steps, the three parts alone: fwd_bwd_ms (forward and backward, the step left out;
 // with --offload during the units stepped beside it still compete for the
 // host: bench/gpu_step.sh takes the parts from --offload after),
@@ -90,6 +92,7 @@ struct Args {
   bool parts = true;
   bool head_unit = false;
   bool offload_root = true;
+  bool keep_low_precision_grads = false;
   bool trace = false;
   int steps = 10;
   int warmup = 3;
@@ -117,6 +120,9 @@ Args parse(int argc, char** argv) {
   cli.option("--offload-root", &a.offload_root,
              "0|1: with --offload, the root unit (the token embedding) offloaded too, or kept "
              "on the GPU with its optimizer state (FSDP2's offload_policy per unit)");
+  cli.option("--keep-low-precision-grads", &a.keep_low_precision_grads,
+             "0|1: with bf16, MixedPrecision::keep_low_precision_grads: gradients stay bf16, "
+             "half the bytes to host memory under offload, read as floats by the fused step");
   cli.option("--head-unit", &a.head_unit,
              "0|1: libfsdp's output head as a unit of its own (GPTConfig::head_unit)");
   cli.option("--parts", &a.parts,
@@ -295,7 +301,11 @@ int main(int argc, char** argv) try {
     auto opts = fsdp::FSDPOptions()
                     .sharding_strategy(bench::strategy_names().at(args.mode))
                     .device_id(device);
-    if (bf16) opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
+    if (bf16) {
+      opts.mixed_precision(fsdp::MixedPrecision()
+                               .param_dtype(at::kBFloat16)
+                               .keep_low_precision_grads(args.keep_low_precision_grads));
+    }
     const fsdp::FSDPOptions root_opts = opts;  // the root's offload: --offload-root
     if (args.offload != "none") opts.cpu_offload(fsdp::CPUOffload().offload_params(true));
     sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
@@ -409,7 +419,7 @@ int main(int argc, char** argv) try {
         "\"bound_ms\":%.2f,\"activation_checkpointing\":%s,\"peak_host_rss_bytes\":%lld,"
         "\"peak_reserved_bytes\":%lld,\"threads\":%d,\"listener_span_ms\":%.2f,"
         "\"listener_complete_ms\":%.2f,\"listener_arrive_ms\":%.2f,\"listener_step_ms\":%.2f,"
-        "\"step_wait_ms\":%.2f,\"trace_ms\":%s}\n",
+        "\"step_wait_ms\":%.2f,\"keep_low_precision_grads\":%s,\"trace_ms\":%s}\n",
         args.mode.c_str(), world, device.str().c_str(), fsdp::rank_info().cuda_backend.c_str(),
         args.precision.c_str(), static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -421,7 +431,7 @@ int main(int argc, char** argv) try {
         args.activation_checkpointing ? "true" : "false", static_cast<long long>(rss_max),
         static_cast<long long>(reserved_max), at::get_num_threads(), listener.span_ms,
         listener.complete_ms, listener.arrive_ms, listener.step_ms, listener.step_wait_ms,
-        trace.c_str());
+        args.keep_low_precision_grads ? "true" : "false", trace.c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

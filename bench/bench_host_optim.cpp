@@ -9,14 +9,15 @@
 // so that drift of the machine hits them alike, after two warm-up steps that
 // create the optimizer state. bytes_moved counts what the step must read and
 // write once (AdamW: value, gradient and both moments read, value and moments
-// written: 28 bytes an element; 30 with the bfloat16 copy for a GPU; SGD
-// with momentum: 20); copy_gbps is a
+// written: 28 bytes an element; 30 with the bfloat16 copy for a GPU, 28
+// again with the gradient in bfloat16; SGD with momentum: 20); copy_gbps is a
 // multi-threaded copy of as many bytes (read + write). One JSON line per
 // optimizer: median step times, speedup = torch / fused, and
 // bandwidth_fraction = (bytes_moved / fused step) / copy bandwidth, and the
 // process's resident memory above its level before the step at the step's
 // peak (VmHWM reset before each step; median over the rounds): what a step
-// allocates besides the parameters and their state.
+// allocates besides the parameters and their state. A last line gives the
+// fused step with bfloat16 gradients over the one with float32 gradients.
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -97,20 +98,36 @@ int main(int argc, char** argv) {
   runs.emplace_back("adamw", 28, std::make_unique<torch::optim::AdamW>(torch_params),
                     std::make_unique<fsdp::optim::FusedAdamW>(fused_params));
   // With the bfloat16 copy a GPU computes with under CPU offload: written in
-  // the fused pass, and by Tensor::copy_ after LibTorch's step.
+  // the fused pass, and by Tensor::copy_ after LibTorch's step. Then the
+  // same with the gradients kept in bfloat16 (keep_low_precision_grads: what
+  // a GPU sends under offload with a bf16 reduce dtype), 2 bytes an element
+  // fewer to read.
   auto copied_params = shards(elements, count, 1);
-  std::vector<torch::Tensor> torch_low, fused_low;
-  auto with_copies = std::make_unique<fsdp::optim::FusedAdamW>(copied_params);
-  for (size_t i = 0; i < copied_params.size(); ++i) {
-    torch_low.push_back(torch::empty_like(torch_params[i], torch::kBFloat16));
-    fused_low.push_back(torch::empty_like(copied_params[i], torch::kBFloat16));
-    with_copies->set_low_precision_copy(copied_params[i], fused_low.back());
+  auto low_grad_torch = shards(elements, count, 1), low_grad_fused = shards(elements, count, 1);
+  for (auto* set : {&low_grad_torch, &low_grad_fused}) {
+    for (auto& p : *set) p.mutable_grad() = p.grad().to(torch::kBFloat16);
   }
-  runs.emplace_back("adamw_bf16_copy", 30, std::make_unique<torch::optim::AdamW>(torch_params),
-                    std::move(with_copies));
-  runs.back().after_torch_step = [&] {
-    for (size_t i = 0; i < torch_params.size(); ++i) torch_low[i].copy_(torch_params[i]);
+  std::vector<torch::Tensor> torch_low, fused_low, low_grad_torch_low, low_grad_fused_low;
+  // `params`' FusedAdamW writing bfloat16 copies into `copies`, and
+  // LibTorch's AdamW on `reference` followed by its copies' copy_.
+  auto add_copy_run = [&](const char* name, int64_t bytes, std::vector<torch::Tensor>& reference,
+                          std::vector<torch::Tensor>& reference_copies,
+                          std::vector<torch::Tensor>& params, std::vector<torch::Tensor>& copies) {
+    auto fused = std::make_unique<fsdp::optim::FusedAdamW>(params);
+    for (size_t i = 0; i < params.size(); ++i) {
+      reference_copies.push_back(torch::empty_like(reference[i], torch::kBFloat16));
+      copies.push_back(torch::empty_like(params[i], torch::kBFloat16));
+      fused->set_low_precision_copy(params[i], copies.back());
+    }
+    runs.emplace_back(name, bytes, std::make_unique<torch::optim::AdamW>(reference),
+                      std::move(fused));
+    runs.back().after_torch_step = [&reference, &reference_copies] {
+      for (size_t i = 0; i < reference.size(); ++i) reference_copies[i].copy_(reference[i]);
+    };
   };
+  add_copy_run("adamw_bf16_copy", 30, torch_params, torch_low, copied_params, fused_low);
+  add_copy_run("adamw_bf16_copy_bf16_grads", 28, low_grad_torch, low_grad_torch_low, low_grad_fused,
+               low_grad_fused_low);
   const auto sgd = torch::optim::SGDOptions(1e-3).momentum(0.9);
   runs.emplace_back("sgd_momentum", 20, std::make_unique<torch::optim::SGD>(torch_params, sgd),
                     std::make_unique<fsdp::optim::FusedSGD>(fused_params, sgd));
@@ -154,5 +171,8 @@ int main(int argc, char** argv) {
         fused_gbps / copy_gbps, median(run.torch_peak_extra) / (1 << 20),
         median(run.fused_peak_extra) / (1 << 20));
   }
+  // The fused step with bfloat16 gradients against float32 ones, same run.
+  std::printf("{\"bench\": \"host_optim_summary\", \"bf16_grads_over_fp32_grads\": %.3f}\n",
+              median(runs[2].fused_ms) / median(runs[1].fused_ms));
   return 0;
 }

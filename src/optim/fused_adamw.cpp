@@ -22,10 +22,11 @@ using torch::optim::AdamWOptions;
 using torch::optim::AdamWParamState;
 
 // Whether every tensor of the step is a contiguous float32 CPU tensor of the
-// parameter's size: the fused kernel's case.
+// parameter's size (the gradient may be bfloat16 or float16): the fused
+// kernel's case.
 bool fusable(const at::Tensor& p, const at::Tensor& grad, const AdamWParamState& s) {
   const int64_t n = p.numel();
-  return detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+  return detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
          detail::fused_layout(s.exp_avg(), n) && detail::fused_layout(s.exp_avg_sq(), n) &&
          (!s.max_exp_avg_sq().defined() || detail::fused_layout(s.max_exp_avg_sq(), n));
 }
@@ -73,7 +74,7 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
   // the fused kernel takes it (the state made and the step counted at its
   // first range), else the whole parameter at its last range.
   if (begin != 0 || end != n) {
-    const bool ranged = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+    const bool ranged = detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
                         (!slot || fusable(p, grad, static_cast<AdamWParamState&>(*slot)));
     if (!ranged) {
       if (end == n) step_param(p, grad, o, 0, n);
@@ -98,7 +99,7 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
   const at::Tensor* copy = copy_it != low_precision_copies_.end() ? &copy_it->second : nullptr;
   if (!fusable(p, grad, s)) {  // whole: a range is fusable
     if (o.weight_decay() != 0) p.mul_(1 - o.lr() * o.weight_decay());
-    reference_step(p, grad, s, o, bias_correction1, bias_correction2);
+    reference_step(p, detail::grad_as_param(grad, p), s, o, bias_correction1, bias_correction2);
     if (copy != nullptr) copy->view(p.sizes()).copy_(p);
     return;
   }
@@ -113,11 +114,9 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
   c.eps = static_cast<float>(o.eps());
   c.neg_step_size = static_cast<float>(-o.lr() / bias_correction1);
   float* vmax = o.amsgrad() ? s.max_exp_avg_sq().data_ptr<float>() + begin : nullptr;
-  void* copy_at = copy != nullptr ? static_cast<char*>(copy->data_ptr()) +
-                                        begin * static_cast<int64_t>(copy->element_size())
-                                  : nullptr;
-  detail::fused_adamw(p.data_ptr<float>() + begin, grad.data_ptr<float>() + begin,
-                      s.exp_avg().data_ptr<float>() + begin,
+  void* copy_at = copy != nullptr ? detail::element_at(*copy, begin) : nullptr;
+  detail::fused_adamw(p.data_ptr<float>() + begin, detail::element_at(grad, begin),
+                      grad.scalar_type(), s.exp_avg().data_ptr<float>() + begin,
                       s.exp_avg_sq().data_ptr<float>() + begin, vmax, copy_at,
                       copy != nullptr ? copy->scalar_type() : at::kFloat, end - begin, c);
   // Written through pointers: the version counters move as after in-place

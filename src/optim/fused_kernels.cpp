@@ -23,8 +23,23 @@ constexpr int64_t kGrain = int64_t{1} << 15;
 // kernels: mul_ then add_ with alpha, addcmul_, sqrt then the division by
 // sqrt(bias_correction2) then add_(eps), addcdiv_ (value * t1 / t2).
 // Copy is NoCopy, or the low-precision type the new values are also written
-// in (c10::BFloat16, c10::Half: the conversions of Tensor::to()).
+// in (c10::BFloat16, c10::Half: the conversions of Tensor::to()). Grad is
+// the gradient's type: float, or the reduce dtype a gradient keeps under
+// keep_low_precision_grads, read as its float value (exact, as Tensor::to()).
 struct NoCopy {};
+
+// Calls `f` with a value of the C++ type of `dtype`, a gradient's: float,
+// c10::BFloat16 or c10::Half.
+template <typename F>
+void with_grad_type(c10::ScalarType dtype, F&& f) {
+  if (dtype == c10::kBFloat16) {
+    f(c10::BFloat16());
+  } else if (dtype == c10::kHalf) {
+    f(c10::Half());
+  } else {
+    f(0.0F);
+  }
+}
 
 // Each loop is compiled twice on x86-64, for AVX2 and for the baseline
 // (SSE2), and the loader picks the one the CPU runs: 8 floats a vector
@@ -41,8 +56,8 @@ struct NoCopy {};
 #define FSDP_VECTOR_CLONES
 #endif
 
-template <bool kDecay, bool kAmsgrad, typename Copy>
-FSDP_VECTOR_CLONES void adamw_range(float* __restrict p, const float* __restrict g,
+template <bool kDecay, bool kAmsgrad, typename Copy, typename Grad>
+FSDP_VECTOR_CLONES void adamw_range(float* __restrict p, const Grad* __restrict g,
                                     float* __restrict m, float* __restrict v,
                                     float* __restrict vmax, Copy* __restrict copy, int64_t n,
                                     const AdamWCoefficients& c) {
@@ -52,7 +67,7 @@ FSDP_VECTOR_CLONES void adamw_range(float* __restrict p, const float* __restrict
   for (int64_t i = 0; i < n; ++i) {
     float value = p[i];
     if (kDecay) value = value * decay;
-    const float grad = g[i];
+    const auto grad = static_cast<float>(g[i]);
     const float avg = m[i] * b1 + a1 * grad;
     const float sq = v[i] * b2 + a2 * grad * grad;
     m[i] = avg;
@@ -69,8 +84,8 @@ FSDP_VECTOR_CLONES void adamw_range(float* __restrict p, const float* __restrict
   }
 }
 
-template <bool kDecay, bool kAmsgrad>
-void adamw_copy_dispatch(float* p, const float* g, float* m, float* v, float* vmax, void* copy,
+template <bool kDecay, bool kAmsgrad, typename Grad>
+void adamw_copy_dispatch(float* p, const Grad* g, float* m, float* v, float* vmax, void* copy,
                          c10::ScalarType copy_dtype, int64_t begin, int64_t n,
                          const AdamWCoefficients& c) {
   if (copy == nullptr) {
@@ -83,13 +98,13 @@ void adamw_copy_dispatch(float* p, const float* g, float* m, float* v, float* vm
   }
 }
 
-template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov>
-FSDP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g,
+template <bool kDecay, bool kMomentum, bool kFirst, bool kNesterov, typename Grad>
+FSDP_VECTOR_CLONES void sgd_range(float* __restrict p, const Grad* __restrict g,
                                   float* __restrict buf, int64_t n, const SGDCoefficients& c) {
   const float wd = c.weight_decay, mom = c.momentum, keep = c.one_minus_dampening;
   const float lr = c.neg_lr;
   for (int64_t i = 0; i < n; ++i) {
-    float d = g[i];
+    auto d = static_cast<float>(g[i]);
     if (kDecay) d = d + wd * p[i];
     if (kMomentum) {
       const float b = kFirst ? d : buf[i] * mom + keep * d;
@@ -100,8 +115,8 @@ FSDP_VECTOR_CLONES void sgd_range(float* __restrict p, const float* __restrict g
   }
 }
 
-template <bool kDecay, bool kMomentum, bool kFirst>
-void sgd_dispatch(float* p, const float* g, float* buf, int64_t n, const SGDCoefficients& c) {
+template <bool kDecay, bool kMomentum, bool kFirst, typename Grad>
+void sgd_dispatch(float* p, const Grad* g, float* buf, int64_t n, const SGDCoefficients& c) {
   if (c.nesterov) {
     sgd_range<kDecay, kMomentum, kFirst, true>(p, g, buf, n, c);
   } else {
@@ -111,46 +126,52 @@ void sgd_dispatch(float* p, const float* g, float* buf, int64_t n, const SGDCoef
 
 }  // namespace
 
-void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype, int64_t n,
-                 const AdamWCoefficients& c) {
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    float* vmax = max_exp_avg_sq != nullptr ? max_exp_avg_sq + begin : nullptr;
-    const int64_t count = end - begin;
-    float* p = param + begin;
-    float* m = exp_avg + begin;
-    float* v = exp_avg_sq + begin;
-    const float* g = grad + begin;
-    const auto t = copy_dtype;
-    if (c.decay) {
+void fused_adamw(float* param, const void* grad, c10::ScalarType grad_dtype, float* exp_avg,
+                 float* exp_avg_sq, float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype,
+                 int64_t n, const AdamWCoefficients& c) {
+  with_grad_type(grad_dtype, [&](auto tag) {
+    using Grad = decltype(tag);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      float* vmax = max_exp_avg_sq != nullptr ? max_exp_avg_sq + begin : nullptr;
+      const int64_t count = end - begin;
+      float* p = param + begin;
+      float* m = exp_avg + begin;
+      float* v = exp_avg_sq + begin;
+      const Grad* g = static_cast<const Grad*>(grad) + begin;
+      const auto t = copy_dtype;
+      if (c.decay) {
+        if (vmax != nullptr)
+          return adamw_copy_dispatch<true, true>(p, g, m, v, vmax, copy, t, begin, count, c);
+        return adamw_copy_dispatch<true, false>(p, g, m, v, vmax, copy, t, begin, count, c);
+      }
       if (vmax != nullptr)
-        return adamw_copy_dispatch<true, true>(p, g, m, v, vmax, copy, t, begin, count, c);
-      return adamw_copy_dispatch<true, false>(p, g, m, v, vmax, copy, t, begin, count, c);
-    }
-    if (vmax != nullptr)
-      return adamw_copy_dispatch<false, true>(p, g, m, v, vmax, copy, t, begin, count, c);
-    adamw_copy_dispatch<false, false>(p, g, m, v, vmax, copy, t, begin, count, c);
+        return adamw_copy_dispatch<false, true>(p, g, m, v, vmax, copy, t, begin, count, c);
+      adamw_copy_dispatch<false, false>(p, g, m, v, vmax, copy, t, begin, count, c);
+    });
   });
 }
 
-void fused_sgd(float* param, const float* grad, float* momentum_buffer, int64_t n,
-               const SGDCoefficients& c) {
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    float* p = param + begin;
-    const float* g = grad + begin;
-    float* buf = momentum_buffer != nullptr ? momentum_buffer + begin : nullptr;
-    const int64_t count = end - begin;
-    const bool decay = c.weight_decay != 0.0F;
-    if (buf == nullptr) {
-      if (decay) return sgd_dispatch<true, false, false>(p, g, buf, count, c);
-      return sgd_dispatch<false, false, false>(p, g, buf, count, c);
-    }
-    if (c.first) {
-      if (decay) return sgd_dispatch<true, true, true>(p, g, buf, count, c);
-      return sgd_dispatch<false, true, true>(p, g, buf, count, c);
-    }
-    if (decay) return sgd_dispatch<true, true, false>(p, g, buf, count, c);
-    sgd_dispatch<false, true, false>(p, g, buf, count, c);
+void fused_sgd(float* param, const void* grad, c10::ScalarType grad_dtype, float* momentum_buffer,
+               int64_t n, const SGDCoefficients& c) {
+  with_grad_type(grad_dtype, [&](auto tag) {
+    using Grad = decltype(tag);
+    at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+      float* p = param + begin;
+      const Grad* g = static_cast<const Grad*>(grad) + begin;
+      float* buf = momentum_buffer != nullptr ? momentum_buffer + begin : nullptr;
+      const int64_t count = end - begin;
+      const bool decay = c.weight_decay != 0.0F;
+      if (buf == nullptr) {
+        if (decay) return sgd_dispatch<true, false, false>(p, g, buf, count, c);
+        return sgd_dispatch<false, false, false>(p, g, buf, count, c);
+      }
+      if (c.first) {
+        if (decay) return sgd_dispatch<true, true, true>(p, g, buf, count, c);
+        return sgd_dispatch<false, true, true>(p, g, buf, count, c);
+      }
+      if (decay) return sgd_dispatch<true, true, false>(p, g, buf, count, c);
+      sgd_dispatch<false, true, false>(p, g, buf, count, c);
+    });
   });
 }
 

@@ -12,7 +12,11 @@
 // own operations are. Each element is computed with AdamW's operations in
 // AdamW's order, in float as its CPU kernels compute, so the results agree
 // to rounding. FusedSGD does the same for SGD (momentum, dampening,
-// Nesterov, weight decay): 20 bytes an element with momentum.
+// Nesterov, weight decay): 20 bytes an element with momentum. A gradient
+// kept in bfloat16 or float16 (keep_low_precision_grads: half the bytes from
+// a GPU under CPU offload) is read as its float values, 2 bytes an element
+// fewer: the exact cast Tensor::to() would make, so the step is bitwise that
+// of the float32 gradient.
 // bench/bench_host_optim.cpp measures both against LibTorch's and against a
 // copy of the same bytes.
 
@@ -36,12 +40,13 @@ struct AdamWCoefficients {
 };
 
 /// One AdamW step over `n` contiguous elements, in place, on the intra-op
-/// threads. `max_exp_avg_sq` is null without amsgrad. Unless `copy` is null,
-/// the new values are also written there as `copy_dtype` (kBFloat16 or
-/// kHalf), in the same pass.
-void fused_adamw(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype, int64_t n,
-                 const AdamWCoefficients& c);
+/// threads. `grad` holds `grad_dtype` (kFloat, or kBFloat16 or kHalf, read
+/// as their float values). `max_exp_avg_sq` is null without amsgrad. Unless
+/// `copy` is null, the new values are also written there as `copy_dtype`
+/// (kBFloat16 or kHalf), in the same pass.
+void fused_adamw(float* param, const void* grad, c10::ScalarType grad_dtype, float* exp_avg,
+                 float* exp_avg_sq, float* max_exp_avg_sq, void* copy, c10::ScalarType copy_dtype,
+                 int64_t n, const AdamWCoefficients& c);
 
 /// SGD's per-step constants, as float values.
 struct SGDCoefficients {
@@ -54,9 +59,10 @@ struct SGDCoefficients {
 };
 
 /// One SGD step over `n` contiguous elements, in place, on the intra-op
-/// threads. `momentum_buffer` is null without momentum.
-void fused_sgd(float* param, const float* grad, float* momentum_buffer, int64_t n,
-               const SGDCoefficients& c);
+/// threads. `grad` as fused_adamw's; `momentum_buffer` is null without
+/// momentum.
+void fused_sgd(float* param, const void* grad, c10::ScalarType grad_dtype, float* momentum_buffer,
+               int64_t n, const SGDCoefficients& c);
 
 /// How many intra-op threads the kernels' loop splits `n` elements over (the
 /// most at::get_num_threads() allows): the check that this file compiles

@@ -69,10 +69,10 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     // as it lands]).
     if (begin != 0) first = fresh_buffers_.count(p.unsafeGetTensorImpl()) != 0;
   }
-  const bool fused = detail::fused_layout(p, n) && detail::fused_layout(grad, n) &&
+  const bool fused = detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
                      (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
   if (!fused) {  // whole, at the parameter's last range
-    if (end == n) reference_step(p, grad, s, o);
+    if (end == n) reference_step(p, detail::grad_as_param(grad, p), s, o);
     return;
   }
   if (first && begin == 0) {
@@ -88,8 +88,8 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
   c.nesterov = o.nesterov();
   c.first = first;
   float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() + begin : nullptr;
-  detail::fused_sgd(p.data_ptr<float>() + begin, grad.data_ptr<float>() + begin, buf, end - begin,
-                    c);
+  detail::fused_sgd(p.data_ptr<float>() + begin, detail::element_at(grad, begin),
+                    grad.scalar_type(), buf, end - begin, c);
 }
 
 }  // namespace fsdp::optim

@@ -20,6 +20,27 @@ inline bool fused_layout(const at::Tensor& t, int64_t numel) {
          t.layout() == at::kStrided && t.numel() == numel;
 }
 
+/// Whether `grad` is a gradient the fused kernels take for a float32
+/// parameter of `numel` elements: fused_layout's, in float32 or in a
+/// low-precision dtype (bfloat16, float16: a gradient kept in the reduce
+/// dtype, MixedPrecision::keep_low_precision_grads), read as its float values.
+inline bool fused_grad_layout(const at::Tensor& grad, int64_t numel) {
+  const at::ScalarType t = grad.scalar_type();
+  return grad.device().is_cpu() && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
+         grad.is_contiguous() && grad.layout() == at::kStrided && grad.numel() == numel;
+}
+
+/// Where element `i` of contiguous `t` lies, whatever its dtype.
+inline void* element_at(const at::Tensor& t, int64_t i) {
+  return static_cast<char*>(t.data_ptr()) + i * static_cast<int64_t>(t.element_size());
+}
+
+/// `grad` in `param`'s dtype: what LibTorch's optimizer operations take for
+/// a gradient kept in low precision, on the paths the kernels do not take.
+inline at::Tensor grad_as_param(const at::Tensor& grad, const at::Tensor& param) {
+  return grad.scalar_type() == param.scalar_type() ? grad : grad.to(param.scalar_type());
+}
+
 /// The frame of a torch::optim step: runs `closure` (if any) with gradients
 /// on, then, without gradients, `update(param, grad, options)` for every
 /// parameter of every group that has a dense gradient; returns the loss.

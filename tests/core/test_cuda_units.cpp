@@ -23,6 +23,7 @@
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "float16_scaling.h"
+#include "kept_grads.h"
 #include "multi_rank.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
@@ -258,6 +259,19 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
     bf16_parity::expect_bf16_matches_reference(group, rank, world, gpu, &bf16_bytes,
                                                CPUOffload().offload_params(true));
     EXPECT_GT(bf16_bytes, 0);
+  });
+}
+
+// MixedPrecision::keep_low_precision_grads under offload on the GPU: each
+// bf16 gradient copied to host memory as it is (half the bytes), on the
+// step-copy stream, whole and in parts of 64 elements, and stepped by the
+// host's FusedAdamW as its float values: bitwise the shards of the gradients
+// cast to float32 on the GPU (tests/core/kept_grads.h).
+TEST_P(CudaUnits, KeptBf16GradientsStepAsTheirFloatValues) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    kept_grads::expect_kept_grads_step_as_cast(torch::Device(torch::kCUDA, 0), "64");
   });
 }
 

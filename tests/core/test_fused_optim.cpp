@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -168,12 +169,57 @@ TEST(FusedOptim, AdamWKernelComputesAdamWsOperations) {
   c.sqrt_bias_correction2 = static_cast<float>(std::sqrt(bc2));
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-lr / bc1);
-  detail::fused_adamw(p.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(),
+  detail::fused_adamw(p.data_ptr<float>(), g.data_ptr<float>(), at::kFloat, m.data_ptr<float>(),
                       v.data_ptr<float>(), vmax.data_ptr<float>(), nullptr, at::kFloat, n, c);
   EXPECT_TRUE(torch::allclose(m, rm, 1e-6, 1e-7));
   EXPECT_TRUE(torch::allclose(v, rv, 1e-6, 1e-9));
   EXPECT_TRUE(torch::equal(vmax, torch::max(vmax, v)));
   EXPECT_TRUE(torch::allclose(p, rp, 1e-6, 1e-6)) << (p - rp).abs().max().item<double>();
+}
+
+// A gradient kept in the reduce dtype (MixedPrecision::keep_low_precision_grads:
+// half the bytes from a GPU under CPU offload) steps exactly as its float32
+// values do: bitwise, every step, with each group's options, the fused
+// parameters and those on LibTorch's operations (the float64 one, the
+// transposed one) alike.
+template <typename MakeOptimizer>
+void expect_low_precision_grads_step_as_float(const MakeOptimizer& make, at::ScalarType dtype) {
+  auto low = make_params();
+  auto full = copies(low);
+  auto low_opt = make(low);
+  auto full_opt = make(full);
+  for (int step = 0; step < 20; ++step) {
+    set_grads(low, full, step);
+    for (size_t i = 0; i < low.size(); ++i) {
+      if (!low[i].grad().defined() || low[i].scalar_type() != at::kFloat) continue;
+      // The gradient rounded to `dtype` on one side, its float values on the other.
+      at::Tensor rounded = full[i].grad().to(dtype);
+      if (!low[i].is_contiguous()) rounded = full[i].grad().t().to(dtype).t();
+      low[i].mutable_grad() = rounded;
+      full[i].mutable_grad() = rounded.to(at::kFloat);
+    }
+    low_opt->step();
+    full_opt->step();
+    for (size_t i = 0; i < low.size(); ++i) {
+      ASSERT_TRUE(torch::equal(low[i], full[i])) << dtype << " parameter " << i << " step " << step;
+    }
+  }
+}
+
+TEST(FusedOptim, LowPrecisionGradientsStepAsTheirFloatValues) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    expect_low_precision_grads_step_as_float(
+        [](const std::vector<torch::Tensor>& params) {
+          return std::make_unique<fsdp::optim::FusedAdamW>(groups(params, adamw_options()));
+        },
+        dtype);
+    expect_low_precision_grads_step_as_float(
+        [](const std::vector<torch::Tensor>& params) {
+          return std::make_unique<fsdp::optim::FusedSGD>(groups(params, sgd_options()),
+                                                         torch::optim::SGDOptions(0.1));
+        },
+        dtype);
+  }
 }
 
 TEST(FusedOptim, StateSavedByOneLoadsIntoTheOther) {
