@@ -103,6 +103,17 @@ for ((round = 0; round < ROUNDS; ++round)); do
   # memory, 2 bytes an element fewer for the host AdamW to read.
   run libfsdp_offload_during_head_unit_bf16_grads "$round" "${ours[@]}" --mode full_shard \
     --offload during --head-unit 1 --keep-low-precision-grads 1 --trace 1
+  # The same as the head-unit one, the root's compute copy sent to the GPU
+  # only by the next forward's unshard, not as its step writes it (Note
+  # [Copy-in at the step]).
+  run libfsdp_offload_during_head_unit_no_copy_in_at_step "$round" env FSDP_COPY_IN_AT_STEP=0 \
+    "${ours[@]}" --mode full_shard --offload during --head-unit 1
+  # The same as the head-unit one, the host AdamW's OpenMP threads sleeping
+  # between its parallel loops instead of spinning (libgomp spins first by
+  # default): the cores they would spin on are those the threads queueing
+  # backward's kernels and copies need.
+  run libfsdp_offload_during_head_unit_passive_omp "$round" env OMP_WAIT_POLICY=PASSIVE \
+    "${ours[@]}" --mode full_shard --offload during --head-unit 1 --trace 1
   # Two ranks sharing the GPU over CUDA IPC, each offloaded with its host
   # AdamW beside backward on half the cores (fsdprun would give each 1).
   run libfsdp_offload_during_head_unit_2ranks_ipc "$round" env FSDP_CUDA_BACKEND=ipc \
@@ -197,6 +208,10 @@ summary["offload_bf16_grads_over_bound"] = (round(bf16_grads / bound, 3)
                                             if bf16_grads and bound else None)
 summary["bf16_grads_over_fp32_grads"] = ratio("libfsdp_offload_during_head_unit_bf16_grads",
                                               "libfsdp_offload_during_head_unit")
+summary["copy_in_at_step_over_without"] = ratio(
+    "libfsdp_offload_during_head_unit", "libfsdp_offload_during_head_unit_no_copy_in_at_step")
+summary["passive_omp_over_spinning"] = ratio("libfsdp_offload_during_head_unit_passive_omp",
+                                             "libfsdp_offload_during_head_unit")
 summary["copies_at_hand_over_over_listener_copies"] = ratio(
     "libfsdp_offload_during_head_unit", "libfsdp_offload_during_head_unit_listener_copies")
 for way in ("full_shard", "offload_after", "offload_during"):

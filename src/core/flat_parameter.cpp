@@ -274,6 +274,15 @@ bool FlatParameter::low_precision_copy_current() const {
                                               low_precision_host_._version() - copy_version_base_;
 }
 
+std::function<void(int64_t, int64_t)> FlatParameter::copy_in_ahead_sender() {
+  if (!offloaded_ || !low_precision_ || keep_unsharded_ || !low_precision_copy_current()) return {};
+  if (!ahead_) ahead_ = std::make_shared<detail::CopyInAhead>(unsharded_.device());
+  // By value: the sender may outlive this unit's use on the optimizer's thread.
+  return [ahead = ahead_, shard = shard_, copy = low_precision_host_](int64_t begin, int64_t end) {
+    ahead->send(copy, begin, end, {shard._version(), copy._version()});
+  };
+}
+
 at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
   return flat.narrow(0, slots_[i].offset, slots_[i].numel);
 }
@@ -368,8 +377,18 @@ at::Tensor FlatParameter::begin_unshard() {
   // what is all-gathered (the Work keeps it alive). See Note [Shards in
   // host memory].
   if (low_precision_ || offloaded_) {
-    input = unshard_source().detach().to(unsharded_.device(), unsharded_.scalar_type(),
-                                         /*non_blocking=*/pinned_shard_);
+    // Sent to the device at the step, if nothing wrote the shard or its
+    // copy since (Note [Copy-in at the step]).
+    std::optional<at::Tensor> ahead;
+    if (ahead_) {
+      ahead = ahead_->take(
+          low_precision_copy_current()
+              ? detail::CopyInAhead::Versions{shard_._version(), low_precision_host_._version()}
+              : detail::CopyInAhead::Versions{-1, -1});
+    }
+    input = ahead ? *ahead
+                  : unshard_source().detach().to(unsharded_.device(), unsharded_.scalar_type(),
+                                                 /*non_blocking=*/pinned_shard_);
   }
   state_ = State::kUnsharding;
   return input;

@@ -15,6 +15,7 @@
 
 #include <fsdp/comm/process_group.h>
 
+#include "core/copy_in_ahead.h"
 #include "core/device_streams.h"
 
 namespace fsdp::detail {
@@ -167,6 +168,14 @@ class FlatParameter {
   /// Whether begin_unshard() sends low_precision_host_copy() (it is as new as
   /// the shard) rather than the shard.
   bool low_precision_copy_current() const;
+  /// Where the host copy is current and the buffer sharded (not NO_SHARD): a
+  /// function to call with each range [begin, end) of the shard, in order,
+  /// once the optimizer has written it, which sends the range's new host
+  /// copy to the device for the next begin_unshard() to take instead of
+  /// copying (Note [Copy-in at the step] in core/copy_in_ahead.h). Else empty.
+  std::function<void(int64_t begin, int64_t end)> copy_in_ahead_sender();
+  /// Where copy_in_ahead_sender() sends to (nullptr before its first call).
+  const detail::CopyInAhead* copy_in_ahead() const { return ahead_.get(); }
 
   /// In kUnsharded, where frees_unsharded(), or in kSummoned: copies this
   /// rank's part of the full parameters into the shard (after they were
@@ -235,6 +244,8 @@ class FlatParameter {
   at::Tensor low_precision_host_;
   int64_t shard_version_base_ = 0;
   int64_t copy_version_base_ = 0;
+  // See copy_in_ahead_sender(); shared with the senders it made.
+  std::shared_ptr<detail::CopyInAhead> ahead_;
   // The shard as begin_unshard() sends it to the device.
   const at::Tensor& unshard_source() const {
     return low_precision_copy_current() ? low_precision_host_ : shard_;

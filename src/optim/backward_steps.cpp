@@ -187,15 +187,20 @@ void BackwardSteps::step(Handed& handed) {
   event.handed = handed.at;
   event.completed = grad.complete ? timed(sums.complete, grad.complete) : Clock::now();
   event.landed = event.stepped = event.completed;
+  // Each range stepped, then handed back (ReducedGrad::stepped).
+  const auto step_range = [&](const ParamRange& r) {
+    step_range_(grad.params[r.param], r.begin, r.end);
+    if (grad.stepped) grad.stepped(r);
+  };
   if (grad.parts.empty()) {
     event.stepped = timed(sums.step, [&] {
-      for (at::Tensor& p : grad.params) step_range_(p, 0, p.numel());
+      for (size_t i = 0; i < grad.params.size(); ++i) step_range({i, 0, grad.params[i].numel()});
     });
   }
   for (const GradPart& part : grad.parts) {  // Note [Stepping a gradient as it lands]
     event.landed = timed(sums.arrive, part.arrived);
     event.stepped = timed(sums.step, [&] {
-      for (const ParamRange& r : part.ranges) step_range_(grad.params[r.param], r.begin, r.end);
+      for (const ParamRange& r : part.ranges) step_range(r);
     });
   }
   EventLog& log = event_log();

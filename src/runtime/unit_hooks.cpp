@@ -15,10 +15,12 @@
 #include <fsdp/core/activation_checkpoint.h>
 
 #include "comm/work_state.h"
+#include "core/copy_in_ahead.h"
 #include "core/device_storage.h"
 #include "core/device_streams.h"
 #include "core/sharded_placeholder.h"
 #include "detail/error.h"
+#include "runtime/exec_order.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/root_state.h"
 #include "runtime/unit_collectives.h"
@@ -533,7 +535,7 @@ void UnitRuntime::deliver_early() {
   std::vector<bool> filled = slot_filled_;
   filled.resize(flat_->slots().size(), false);
   std::vector<GradTarget> targets = grad_targets(options_.use_orig_params() ? &filled : nullptr);
-  ReducedGrad grad = handed_over(targets);
+  ReducedGrad grad = reduced_grad_for(targets);
   // Everything the completion needs, by value: it runs on the listener's
   // thread, and the unit goes on without it.
   const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
@@ -562,6 +564,24 @@ void UnitRuntime::deliver_early() {
   }
   delivered_early_ = true;
   grad_hooks_->on_reduced(std::move(grad));
+}
+
+ReducedGrad UnitRuntime::reduced_grad_for(const std::vector<GradTarget>& targets) {
+  ReducedGrad grad = handed_over(targets);
+  // The flat shard only (use_orig_params' pieces step apart), of the unit
+  // the recorded forward order unshards first.
+  if (!copy_in_at_step_enabled() || !flat_ || targets.size() != 1 || targets[0].numel >= 0) {
+    return grad;
+  }
+  const ExecOrder& order = root().exec_order();
+  if (order.phase() != ExecOrder::Phase::kRecorded || order.order().empty() ||
+      order.order().front() != &handle_) {
+    return grad;
+  }
+  if (auto send = flat_->copy_in_ahead_sender()) {
+    grad.stepped = [send = std::move(send)](const ParamRange& r) { send(r.begin, r.end); };
+  }
+  return grad;
 }
 
 std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<GradTarget>& targets,
@@ -672,7 +692,7 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
     // as its copy lands, instead of after the whole copy.
     const auto plan = grad_parts(targets, grad_shard_);
     if (plan.size() > 1) {
-      ReducedGrad grad = handed_over(targets);
+      ReducedGrad grad = reduced_grad_for(targets);
       hand_over_in_parts(grad, grad_work_, grad_shard_, std::move(targets), plan,
                          /*parts_seen=*/true,
                          shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType(),
@@ -683,7 +703,7 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
   }
   // Note [Mixed precision], [Shards in host memory]
   set_reduced_grads(targets, grad_for_shard(grad_shard_));
-  if (grad_hooks_ && !targets.empty()) grad_hooks_->on_reduced(handed_over(targets));
+  if (grad_hooks_ && !targets.empty()) grad_hooks_->on_reduced(reduced_grad_for(targets));
 }
 
 }  // namespace fsdp::detail

@@ -196,6 +196,10 @@ class UnitRuntime final : public ParamUseListener {
   bool can_deliver_early() const;
   // Hands the launched reduction to the hooks, to be completed by them.
   void deliver_early();
+  // What the hooks are told of `targets` (complete() left to the caller):
+  // for the unit the next forward unshards first, under offload, also what
+  // sends each stepped range on to the device (Note [Copy-in at the step]).
+  ReducedGrad reduced_grad_for(const std::vector<GradTarget>& targets);
   // The parts in which `reduced`, the gradient of `targets`, goes to hooks
   // that take parts (Note [Stepping a gradient as it lands]): one or none
   // where it goes whole.

@@ -18,6 +18,7 @@
 #include "bf16_parity.h"
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
+#include "offloaded_steps.h"
 #include "parity_ranks.h"
 #include "test_models.h"
 
@@ -260,6 +261,12 @@ TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
       }
     }
   });
+}
+
+// Note [Copy-in at the step], at 1-3 ranks (tests/core/offloaded_steps.h;
+// the GPU's in test_cuda_units).
+TEST(CpuOffload, FirstUnitCopiedInAtTheStep) {
+  in_parity_ranks([] { offloaded_steps::expect_copy_in_at_step_as_without(torch::kCPU, "5"); });
 }
 
 }  // namespace test_cpu_offload

@@ -23,8 +23,8 @@
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "float16_scaling.h"
-#include "kept_grads.h"
 #include "multi_rank.h"
+#include "offloaded_steps.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
 
@@ -266,12 +266,24 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
 // bf16 gradient copied to host memory as it is (half the bytes), on the
 // step-copy stream, whole and in parts of 64 elements, and stepped by the
 // host's FusedAdamW as its float values: bitwise the shards of the gradients
-// cast to float32 on the GPU (tests/core/kept_grads.h).
+// cast to float32 on the GPU (tests/core/offloaded_steps.h).
 TEST_P(CudaUnits, KeptBf16GradientsStepAsTheirFloatValues) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    kept_grads::expect_kept_grads_step_as_cast(torch::Device(torch::kCUDA, 0), "64");
+    offloaded_steps::expect_kept_grads_step_as_cast(torch::Device(torch::kCUDA, 0), "64");
+  });
+}
+
+// Note [Copy-in at the step] on the GPU: the first unit's compute copy sent
+// on the copy-in stream part by part as the host steps it, taken by the
+// next forward's unshard, dropped after a write of the shard: bitwise the
+// results without it (tests/core/offloaded_steps.h).
+TEST_P(CudaUnits, FirstUnitCopiedInAtTheStep) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    offloaded_steps::expect_copy_in_at_step_as_without(torch::Device(torch::kCUDA, 0), "64");
   });
 }
 

@@ -21,8 +21,8 @@
 
 #include "core/flat_parameter.h"
 #include "error_of.h"
-#include "kept_grads.h"
 #include "multi_rank.h"
+#include "offloaded_steps.h"
 #include "optim/backward_steps.h"
 #include "parity_ranks.h"
 #include "test_models.h"
@@ -176,10 +176,10 @@ TEST(StepDuringBackward, StepsInPartsLikeWhole) {
 
 // MixedPrecision::keep_low_precision_grads: bf16 gradients stepped as their
 // float values, during backward (whole and in parts) and after it, bitwise
-// as the gradients cast to float32, at 1-3 ranks (tests/core/kept_grads.h;
+// as the gradients cast to float32, at 1-3 ranks (tests/core/offloaded_steps.h;
 // the GPU's in test_cuda_units).
 TEST(StepDuringBackward, LowPrecisionGradientsStepAsTheirFloatValues) {
-  in_parity_ranks([] { kept_grads::expect_kept_grads_step_as_cast(torch::kCPU, "5"); });
+  in_parity_ranks([] { offloaded_steps::expect_kept_grads_step_as_cast(torch::kCPU, "5"); });
 }
 
 // The parts as a listener sees them: only hooks that take parts get them;

@@ -43,6 +43,11 @@ struct ReducedGrad {
   /// .grad values complete() set arrive: read an element only after its
   /// part's arrived() returned.
   std::vector<GradPart> parts;
+  /// Empty, or to call with each range of params once the listener has
+  /// stepped it (a part's ranges, or each whole parameter), in order: the
+  /// unit sends the new values on to its device ahead of the next forward
+  /// (Note [Copy-in at the step] in src/core/copy_in_ahead.h).
+  std::function<void(const ParamRange& range)> stepped;
 };
 
 /// What a listener (an optimizer that steps during backward: fsdp::optim's
