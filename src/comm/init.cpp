@@ -25,6 +25,7 @@
 #include "comm/device_routed.h"
 #include "comm/gloo_process_group.h"
 #include "comm/thread_priority.h"
+#include "detail/env.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 #include "rendezvous/job_token.h"
@@ -215,8 +216,7 @@ int64_t size_knob(int64_t option, const char* env, int64_t fallback, int64_t env
 // else off only when the variable is "0".
 bool switch_knob(const std::optional<bool>& option, const char* env) {
   if (option.has_value()) return *option;
-  const char* text = std::getenv(env);
-  return text == nullptr || std::string(text) != "0";
+  return detail::env_switch_on(env);
 }
 
 }  // namespace

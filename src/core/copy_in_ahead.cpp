@@ -3,19 +3,14 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "core/device_streams.h"
+#include "detail/env.h"
 
 // See Note [Copy-in at the step] in copy_in_ahead.h.
 
 namespace fsdp::detail {
 
-bool copy_in_at_step_enabled() {
-  const char* env = std::getenv("FSDP_COPY_IN_AT_STEP");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}
+bool copy_in_at_step_enabled() { return env_switch_on("FSDP_COPY_IN_AT_STEP"); }
 
 CopyInAhead::CopyInAhead(c10::Device device) : device_(device) {}
 

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <utility>
 
+#include "detail/env.h"
+
 namespace fsdp::detail {
 
 namespace {
@@ -61,10 +63,7 @@ void side_waits(c10::Device device, SideStream side, const c10::Event& event,
 bool has_streams(c10::Device device) {
   // FSDP_SIDE_STREAMS=0 keeps everything on the compute stream, as before
   // the side streams: bench/gpu_step.sh measures what they bring.
-  static const bool enabled = [] {
-    const char* env = std::getenv("FSDP_SIDE_STREAMS");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = env_switch_on("FSDP_SIDE_STREAMS");
   return enabled && device.is_cuda();
 }
 

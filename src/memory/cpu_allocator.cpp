@@ -3,6 +3,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include "detail/env.h"
 #include "detail/torch_compat.h"
 #include "memory/block_cache.h"
 #include "memory/cpu_allocator.h"
@@ -243,10 +244,7 @@ namespace detail {
 BlockCache::Stats block_cache_stats() { return block_cache().stats(); }
 
 void enable_cpu_block_cache_by_default() {
-  static const bool wanted = [] {
-    const char* env = std::getenv("FSDP_CPU_BLOCK_CACHE");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool wanted = env_switch_on("FSDP_CPU_BLOCK_CACHE");
   if (wanted) enable_cpu_block_cache();
 }
 

@@ -19,6 +19,7 @@
 #include "core/device_storage.h"
 #include "core/device_streams.h"
 #include "core/sharded_placeholder.h"
+#include "detail/env.h"
 #include "detail/error.h"
 #include "runtime/exec_order.h"
 #include "runtime/reduced_grad.h"
@@ -444,8 +445,7 @@ namespace {
 // wait for) the listener still copies after its wait.
 bool copies_at_hand_over(const Work& work, const at::Tensor& reduced, bool pinned) {
   // FSDP_COPY_AT_HAND_OVER=0: the listener copies (an A/B of the two).
-  const char* env = std::getenv("FSDP_COPY_AT_HAND_OVER");
-  return (env == nullptr || std::string(env) != "0") && pinned && reduced.is_cuda() &&
+  return env_switch_on("FSDP_COPY_AT_HAND_OVER") && pinned && reduced.is_cuda() &&
          has_streams(reduced.device()) && stream_can_wait(work);
 }
 
@@ -467,13 +467,6 @@ std::vector<int64_t> target_sizes(const std::vector<GradTarget>& targets,
   std::vector<int64_t> sizes;
   for (const GradTarget& t : targets) sizes.push_back(t.numel < 0 ? reduced.numel() : t.numel);
   return sizes;
-}
-
-// What the hooks are told of `targets`; complete() is left to the caller.
-ReducedGrad handed_over(const std::vector<GradTarget>& targets) {
-  ReducedGrad grad;
-  for (const GradTarget& t : targets) grad.params.push_back(t.param);
-  return grad;
 }
 
 // Note [Stepping a gradient as it lands]: `reduced` (the targets' gradient,
@@ -567,7 +560,8 @@ void UnitRuntime::deliver_early() {
 }
 
 ReducedGrad UnitRuntime::reduced_grad_for(const std::vector<GradTarget>& targets) {
-  ReducedGrad grad = handed_over(targets);
+  ReducedGrad grad;
+  for (const GradTarget& t : targets) grad.params.push_back(t.param);
   // The flat shard only (use_orig_params' pieces step apart), of the unit
   // the recorded forward order unshards first.
   if (!copy_in_at_step_enabled() || !flat_ || targets.size() != 1 || targets[0].numel >= 0) {
