@@ -66,7 +66,7 @@
 #include "bench_util.h"
 
 #include "detail/torch_compat.h"
-#include "gpt_mini.h"
+#include "gpt_step.h"
 #include "optim/backward_steps.h"
 
 #if FSDP_WITH_CUDA
@@ -279,24 +279,13 @@ int main(int argc, char** argv) try {
 #endif
   const bool bf16 = args.precision == "bf16";
 
-  const auto config = gpt_mini::GPTConfig()
-                          .vocab_size(args.vocab)
-                          .block_size(args.seq)
-                          .d_model(args.d_model)
-                          .n_head(args.heads)
-                          .n_layer(args.blocks)
+  const auto config = bench::gpt_config(args)
                           .activation_checkpointing(args.activation_checkpointing)
                           .head_unit(args.head_unit);
   torch::manual_seed(0);
-  std::function<at::Tensor(const at::Tensor&)> forward;
-  std::vector<at::Tensor> params;
-  gpt_mini::GPT local{nullptr};
-  fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
+  bench::GptUnderTest model;
   if (args.mode == "local") {
-    local = gpt_mini::GPT(config);
-    local->to(device);
-    forward = [&](const at::Tensor& x) { return local->forward(x); };
-    params = local->parameters();
+    model.plain(config, device);
   } else {
     auto opts = fsdp::FSDPOptions()
                     .sharding_strategy(bench::strategy_names().at(args.mode))
@@ -308,11 +297,11 @@ int main(int argc, char** argv) try {
     }
     const fsdp::FSDPOptions root_opts = opts;  // the root's offload: --offload-root
     if (args.offload != "none") opts.cpu_offload(fsdp::CPUOffload().offload_params(true));
-    sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
-        std::make_shared<gpt_mini::GPTImpl>(config, opts), args.offload_root ? opts : root_opts);
-    forward = [&](const at::Tensor& x) { return sharded->forward(x); };
-    params = sharded->parameters();
+    model.wrapped(config, opts, args.offload_root ? opts : root_opts);
   }
+  const std::vector<at::Tensor>& params = model.params;
+  const auto& sharded = model.sharded;
+  const auto forward = [&model](const at::Tensor& x) { return model.forward(x); };
   // With offload the shards are host memory: libfsdp's fused host AdamW.
   std::unique_ptr<torch::optim::AdamW> owned_opt;
   fsdp::optim::FusedAdamW* host_opt = nullptr;
@@ -334,10 +323,9 @@ int main(int argc, char** argv) try {
   for (const auto& p : params) total_params += p.numel();
   if (args.mode == "full_shard" || args.mode == "shard_grad_op") total_params *= world;
 
-  torch::manual_seed(1000 + rank);
-  at::Tensor data = torch::randint(args.vocab, {args.batch, args.seq + 1}, torch::kLong);
-  const at::Tensor inputs = data.slice(1, 0, args.seq).contiguous().to(device);
-  const at::Tensor targets = data.slice(1, 1, args.seq + 1).contiguous().to(device);
+  const bench::TokenBatch batch = bench::rank_batch(args, rank, device);
+  const at::Tensor& inputs = batch.inputs;
+  const at::Tensor& targets = batch.targets;
 
   std::vector<double> step_ms;
   double loss0 = 0;

@@ -75,7 +75,7 @@
 #include "bench_cli.h"
 #include "bench_util.h"
 
-#include "gpt_mini.h"
+#include "gpt_step.h"
 #include "memory/cpu_allocator.h"
 #include "recording_process_group.h"
 #include "runtime/strategy.h"
@@ -190,21 +190,13 @@ int main(int argc, char** argv) {
   fsdp::reset_peak_memory_stats();
   int64_t run_peak = 0;  // the tracker's peak over the whole run, across resets
 
-  const auto config = gpt_mini::GPTConfig()
-                          .vocab_size(args.vocab)
-                          .block_size(args.seq)
-                          .d_model(args.d_model)
-                          .n_head(args.heads)
-                          .n_layer(args.blocks)
-                          .activation_checkpointing(args.activation_checkpointing);
+  const auto config =
+      bench::gpt_config(args).activation_checkpointing(args.activation_checkpointing);
 
   // The model behind one forward function: plain GPT, or an FSDP root around
-  // a GPT whose blocks are units.
+  // a GPT whose blocks are units (wrappers, or made in place).
   torch::manual_seed(0);
-  std::function<at::Tensor(const at::Tensor&)> forward;
-  std::vector<at::Tensor> params;
-  gpt_mini::GPT local{nullptr};
-  fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};
+  bench::GptUnderTest model;
   std::shared_ptr<bench::RecordingProcessGroup> counting;
   if (strategy) {
     counting = std::make_shared<bench::RecordingProcessGroup>(pg);
@@ -217,32 +209,24 @@ int main(int argc, char** argv) {
       opts.mixed_precision(fsdp::MixedPrecision().param_dtype(at::kBFloat16));
     }
     if (args.in_place) {
-      local = gpt_mini::GPT(config);
-      fsdp::Unit& root =
-          fsdp::fully_shard(local, fsdp::module_type_policy<gpt_mini::BlockImpl>(), opts);
-      forward = [&](const at::Tensor& x) { return local->forward(x); };
-      params = root.flat_parameters();
+      model.in_place(config, opts);
     } else {
-      sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
-          std::make_shared<gpt_mini::GPTImpl>(config, opts), opts);
-      forward = [&](const at::Tensor& x) { return sharded->forward(x); };
-      params = sharded->parameters();
+      model.wrapped(config, opts, opts);
     }
   } else {
     TORCH_CHECK(args.precision == "fp32",
                 "bench_step: --mixed-precision bf16 needs a sharded mode");
-    local = gpt_mini::GPT(config);
-    forward = [&](const at::Tensor& x) { return local->forward(x); };
-    params = local->parameters();
+    model.plain(config, torch::kCPU);
   }
+  const std::vector<at::Tensor>& params = model.params;
+  const auto forward = [&model](const at::Tensor& x) { return model.forward(x); };
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(3e-4));
 
   // Each rank its own batch; rank 0's equals the local run's, so loss0 (the
   // first step's loss on rank 0) must agree between every mode.
-  torch::manual_seed(1000 + rank);
-  at::Tensor data = torch::randint(args.vocab, {args.batch, args.seq + 1}, torch::kLong);
-  at::Tensor inputs = data.slice(1, 0, args.seq).contiguous();
-  at::Tensor targets = data.slice(1, 1, args.seq + 1).contiguous();
+  const bench::TokenBatch batch = bench::rank_batch(args, rank, torch::kCPU);
+  const at::Tensor& inputs = batch.inputs;
+  const at::Tensor& targets = batch.targets;
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
   // The tracker's bytes as the last timed step starts and as its forward
