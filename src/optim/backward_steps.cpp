@@ -102,6 +102,9 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   hooks.before_forward = [self] {
     if (auto steps = self.lock()) steps->before_forward();
   };
+  hooks.before_backward = [self] {
+    if (auto steps = self.lock()) steps->before_backward();
+  };
   hooks.takes_parts = true;  // each part stepped as it lands
   set_reduced_grad_hooks(model, hooks);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -112,9 +115,10 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const at::Tensor& p : grad.params) {
-      // A second backward through a retained graph, with no step() in
-      // between (before_forward() refuses a second forward); every rank
-      // hands the same units over in the same order, so every rank fails here.
+      // Each parameter once per backward (before_backward() refuses a
+      // second backward before step(), before_forward() a second forward);
+      // every rank hands the same units over in the same order, so every
+      // rank fails here alike.
       FSDP_CHECK(stepped_.insert(p.unsafeGetTensorImpl()).second, -1, owner_,
                  "a second backward reduced gradients that an earlier one's step already "
                  "used, with no step() in between; stepping during backward makes each "
@@ -144,6 +148,22 @@ void BackwardSteps::before_forward() {
              "in between; stepping during backward makes each backward one optimizer step: "
              "call step() after every backward, before the next forward, and accumulate "
              "gradients over several backwards inside model->no_sync()");
+}
+
+void BackwardSteps::before_backward() {
+  // The worker may still be writing the last backward's shards, which this
+  // one would gather (a data race ThreadSanitizer found: a second backward
+  // through a retained graph read them while they were stepped).
+  wait();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Every rank runs the same backwards, so every rank fails here alike,
+  // before any collective of this backward.
+  FSDP_CHECK(stepped_.empty(), -1, owner_,
+             "a backward began after a backward whose gradients were stepped, with no step() "
+             "in between (a second backward through a retained graph, or one inside "
+             "no_sync() after it); stepping during backward makes each backward one optimizer "
+             "step: call step() after every backward, and accumulate gradients over several "
+             "backwards inside model->no_sync(), the last one outside");
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {

@@ -30,9 +30,11 @@ namespace fsdp::detail {
 // so backward goes on meanwhile. step() waits for the worker, then steps
 // only what was not handed over; the root's next forward waits for it too,
 // so no shard is read while it is written. One step() per backward: a
-// forward after a backward that handed parameters over, with no step() in
-// between, is an error on every rank before any collective (accumulation
-// belongs inside no_sync(), which hands over nothing).
+// forward or a backward after a backward that handed parameters over, with
+// no step() in between, is an error on every rank before any collective
+// (accumulation belongs inside no_sync(), which hands over nothing); the
+// backward waits for the worker first, so that not even its error path
+// reads a shard being written.
 /// Where the threads stepping beside backward spent their time, summed over
 /// every BackwardSteps of the process since the last take (per backward:
 /// divide by the steps): bench_gpu_step reports it, to tell a host optimizer
@@ -86,6 +88,9 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   /// The root's forward begins: wait(), and refuse it while the last
   /// backward's steps were not taken by step() (an error on every rank).
   void before_forward();
+  /// A backward begins: wait(), and refuse it while the last backward's
+  /// steps were not taken by step() (an error on every rank).
+  void before_backward();
   /// wait(), then the parameters stepped since the last call (forgotten).
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 

@@ -123,6 +123,11 @@ bool RootState::holds_for_graph(const UnitRuntime& unit) const {
 
 void RootState::queue_end_of_backward() {
   if (in_backward()) return;
+  // Before this backward's state: a listener that refuses it (Note [Stepping
+  // beside backward]) leaves the root as the last backward left it.
+  if (const ReducedGradHooks* hooks = root_.grad_hooks(); hooks && hooks->before_backward) {
+    hooks->before_backward();
+  }
   // Hooks run in grad mode exactly when backward builds a graph
   // (create_graph), and see whether it keeps its graph: see Note [Double
   // backward].

@@ -63,6 +63,9 @@ struct ReducedGradHooks {
   std::function<void(ReducedGrad grad)> on_reduced;
   /// Called when the root's forward begins, before any shard is read.
   std::function<void()> before_forward;
+  /// Called when a backward begins (its first hook, on the thread that runs
+  /// it), before any shard is read: a throw there fails that backward.
+  std::function<void()> before_backward;
   /// Whether on_reduced may hand a large gradient over in ReducedGrad::parts
   /// (each part readable once it has landed) instead of whole.
   bool takes_parts = false;
