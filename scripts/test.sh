@@ -23,13 +23,14 @@
 #           2 MiB sweeps and test_routes) and test_collectives_without_shm
 #           (110 s under ASan: Gloo above the direct-link size, which
 #           test_collectives_without_direct_links runs for every size).
-#   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: only the
-#           comm layer (Note [The comm layer builds alone] in
-#           src/CMakeLists.txt) and the comm tests; those tests but
-#           the fault-injection ones and the two full sweeps (test_collectives,
-#           test_collectives_over_links: 5 and 1.5 minutes under TSan; the
-#           threads they use run in test_direct_links, test_shm_links,
-#           test_routes and the 2 MiB sweeps).
+#   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: the comm
+#           tests but the fault-injection ones and the two full sweeps
+#           (test_collectives, test_collectives_over_links: 5 and 1.5
+#           minutes under TSan; the threads they use run in
+#           test_direct_links, test_shm_links, test_routes and the 2 MiB
+#           sweeps), and the core tests labelled tsan (the optimizer's thread
+#           beside backward: test_step_during_backward, test_cpu_offload),
+#           which build the whole library and core_tests.
 # Every target is compiled with -Werror (FSDP_TEST_WERROR, default ON), with
 # LibTorch's headers precompiled (Note [Library build time] in
 # src/CMakeLists.txt, Note [Test build time] in tests/CMakeLists.txt). Each
@@ -131,8 +132,8 @@ fi
 
 if has_stage tsan; then
   # Not the full sweeps (see the header).
-  tsan_args=(-L comm -LE faults -E '^test_collectives(_over_links)?$')
-  echo "=== ThreadSanitizer (LibTorch 2.15): build the comm tests into build-tsan/"
+  tsan_args=(-L 'comm|tsan' -LE faults -E '^test_collectives(_over_links)?$')
+  echo "=== ThreadSanitizer (LibTorch 2.15): build the comm and tsan-labelled tests into build-tsan/"
   (build_for_tests 2.15 build-tsan thread -O3 "${tsan_args[@]}") || fail "tsan build"
   lap "tsan build"
   echo "=== ThreadSanitizer: tests"
