@@ -323,6 +323,13 @@ TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
     during->zero_grad();
     const torch::Tensor loss = during->forward(x2).pow(2).sum();
     loss.backward({}, /*retain_graph=*/true);
+    {
+      // Inside no_sync() it would hand nothing over, and once went on
+      // unrefused, its gradient left for the next step.
+      auto guard = during->no_sync();
+      EXPECT_CONTAINS(error_of([&] { loss.backward({}, /*retain_graph=*/true); }),
+                      "a backward began after a backward whose gradients were stepped");
+    }
     EXPECT_CONTAINS(error_of([&] { loss.backward(); }),
                     "a backward began after a backward whose gradients were stepped");
     // Nothing is lost: step() takes the steps and training goes on alike.
