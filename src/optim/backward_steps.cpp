@@ -138,32 +138,28 @@ void BackwardSteps::wait() {
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
-void BackwardSteps::before_forward() {
-  wait();
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Every rank's backward handed over the same units by its end, so every
-  // rank fails here alike, before any collective of this forward.
-  FSDP_CHECK(stepped_.empty(), -1, owner_,
-             "a forward began after a backward whose gradients were stepped, with no step() "
-             "in between; stepping during backward makes each backward one optimizer step: "
-             "call step() after every backward, before the next forward, and accumulate "
-             "gradients over several backwards inside model->no_sync()");
-}
+void BackwardSteps::before_forward() { refuse_before_step("forward", ""); }
 
 void BackwardSteps::before_backward() {
   // The worker may still be writing the last backward's shards, which this
   // one would gather (a data race ThreadSanitizer found: a second backward
   // through a retained graph read them while they were stepped).
+  refuse_before_step("backward",
+                     " (a second backward through a retained graph, or one inside no_sync() "
+                     "after it)");
+}
+
+void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
   wait();
   std::lock_guard<std::mutex> lock(mutex_);
-  // Every rank runs the same backwards, so every rank fails here alike,
-  // before any collective of this backward.
-  FSDP_CHECK(stepped_.empty(), -1, owner_,
-             "a backward began after a backward whose gradients were stepped, with no step() "
-             "in between (a second backward through a retained graph, or one inside "
-             "no_sync() after it); stepping during backward makes each backward one optimizer "
-             "step: call step() after every backward, and accumulate gradients over several "
-             "backwards inside model->no_sync(), the last one outside");
+  // Every rank runs the same forwards and backwards, and hands the same units
+  // over, so every rank fails here alike, before any collective of the pass.
+  FSDP_CHECK(stepped_.empty(), -1, owner_, "a ", pass,
+             " began after a backward whose gradients were stepped, with no step() in between",
+             cases,
+             "; stepping during backward makes each backward one optimizer step: call step() "
+             "after every backward, and accumulate gradients over several backwards inside "
+             "model->no_sync(), the last one outside");
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {

@@ -102,6 +102,9 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   };
 
   void hand_over(ReducedGrad grad);
+  // wait(), then the error, on every rank, if the last backward's steps were
+  // not taken by step(); `pass` begins ("forward"), `cases` says when.
+  void refuse_before_step(const char* pass, const char* cases);
   void run();
   void step(Handed& handed);
 
