@@ -254,8 +254,9 @@ const at::Tensor& FlatParameter::low_precision_host_copy() {
   // write the shard too (load_state_dict, another optimizer, the user), so
   // the copy is used only while the shard's version counter and the copy's
   // have moved alike since it was filled here: the fused step bumps each once
-  // per step (in place through a pointer, it bumps them itself); any other
-  // write bumps the shard's alone, and unsharding sends the shard as before.
+  // per step (in place through a pointer, it bumps them itself; so does a
+  // sharded checkpoint's reader); any other write bumps the shard's alone,
+  // and the next begin_unshard fills the copy here again before sending it.
   TORCH_INTERNAL_ASSERT(offloaded_ && low_precision_, unit_label_,
                         ": a compute-dtype host copy is for an offloaded low-precision shard");
   if (!low_precision_host_.defined()) {
@@ -366,6 +367,14 @@ at::Tensor FlatParameter::begin_unshard() {
                         to_string(state_));
   resize_unsharded_storage(true);
   point_at_views();
+  if (low_precision_host_.defined() && !low_precision_copy_current()) {
+    // Something other than the fused step wrote the shard (a checkpoint
+    // loaded, the user): cast the copy anew, once, so the unshards that
+    // follow still send 2 bytes an element. Earlier sends of the copy (on
+    // the copy-in stream) finish first.
+    detail::wait_for_side_stream(unsharded_.device(), detail::SideStream::kCopyIn);
+    low_precision_host_copy();
+  }
   at::Tensor input = shard_.detach();
   if (keep_unsharded_) {
     at::NoGradGuard no_grad;

@@ -90,6 +90,10 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
   }
   FSDP_CHECK(cur >= end, /*rank=*/-1, reader_.dir(), "elements [", cur, ", ", end, ") of ", key,
              " are in no file of the checkpoint (an incomplete sharded checkpoint?)");
+  // Written through the pointer: the version counter moves as after copy_,
+  // or what keeps a copy of the shard (its bf16 host copy, Note [A host copy
+  // in the compute dtype]) would take the old copy for current.
+  dst.unsafeGetTensorImpl()->bump_version();
 }
 
 void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {

@@ -113,8 +113,8 @@ inline void expect_kept_grads_step_as_cast(const torch::Device& device, const ch
 // takes it; the shards are bitwise the same every step, the gradients whole
 // and in parts of `part_elements`. A write of that unit's shard between a
 // step and the next forward (before step 2) makes the unshard drop the copy
-// and send the shard, as its host copy is stale from then on (Note [A host
-// copy in the compute dtype]): still the same results.
+// and cast its host copy anew (Note [A host copy in the compute dtype]),
+// which the step sends again: still the same results.
 inline void expect_copy_in_at_step_as_without(const torch::Device& device,
                                               const char* part_elements) {
   const int world = rank_and_world().second;
@@ -153,14 +153,12 @@ inline void expect_copy_in_at_step_as_without(const torch::Device& device,
         opt->step();
         ::unsetenv("FSDP_COPY_IN_AT_STEP");
       }
-      // Step 0's hand-over came after the forward order was recorded; only
-      // step 1's forward took a copy (step 0's); from step 2 on the host
-      // copy is stale and none is sent.
+      // Step 0's hand-over came after the forward order was recorded, so
+      // step 0's forward took no copy; step 2's dropped the one sent before
+      // the write; steps 1 and 3 took theirs.
       ASSERT_NE(first->copy_in_ahead(), nullptr) << at;
-      EXPECT_EQ(first->copy_in_ahead()->state(),
-                step < 2 ? detail::CopyInAhead::State::kReady : detail::CopyInAhead::State::kEmpty)
-          << at;
-      EXPECT_EQ(first->copy_in_ahead()->taken(), step == 0 ? 0 : 1) << at;
+      EXPECT_EQ(first->copy_in_ahead()->state(), detail::CopyInAhead::State::kReady) << at;
+      EXPECT_EQ(first->copy_in_ahead()->taken(), step == 0 ? 0 : step < 3 ? 1 : 2) << at;
       EXPECT_EQ(first_flat(plain)->copy_in_ahead(), nullptr) << at;
       for (size_t i = 0; i < ahead_params.size(); ++i) {
         EXPECT_TRUE(torch::equal(ahead_params[i], plain_params[i])) << at << ", shard " << i;

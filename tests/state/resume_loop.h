@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include <fsdp/fsdp.h>
@@ -16,17 +17,41 @@
 
 namespace fsdp::testing {
 
+/// How resume_loop trains.
+enum class ResumeModel {
+  kPlain,  ///< fp32 units, torch::optim::AdamW
+  /// Offloaded bf16 units; FusedAdamW writing their bf16 host copies,
+  /// stepping during backward.
+  kOffloadedBf16,
+};
+
 /// Runs steps [resumed, steps) (resuming from the latest checkpoint under
 /// `parent` if any), saving every `save_every` steps; `on_step(step)` runs
 /// after each step (before its save). Saves the final state fully to `final_dir`.
 inline void resume_loop(const std::string& parent, int64_t steps, int64_t save_every,
                         const std::string& final_dir,
-                        const std::function<void(int64_t)>& on_step = {}) {
+                        const std::function<void(int64_t)>& on_step = {},
+                        ResumeModel kind = ResumeModel::kPlain) {
   const int rank = default_process_group()->rank();
-  const auto o = FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard);
+  auto o = FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard);
+  if (kind == ResumeModel::kOffloadedBf16) {
+    o.cpu_offload(CPUOffload().offload_params(true))
+        .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16));
+  }
   torch::manual_seed(0);
   FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, o), o);
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  if (kind == ResumeModel::kOffloadedBf16) {
+    auto fused =
+        std::make_unique<optim::FusedAdamW>(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    fused->write_compute_copies(*model);
+    fused->step_during_backward(*model);
+    optimizer = std::move(fused);
+  } else {
+    optimizer = std::make_unique<torch::optim::AdamW>(model->parameters(),
+                                                      torch::optim::AdamWOptions(1e-2));
+  }
+  torch::optim::AdamW& opt = *optimizer;
   torch::manual_seed(1000 + rank);  // per-rank data
   int64_t position = 0;             // the "data loader"
   Checkpointer ckpt(*model, &opt);
@@ -40,7 +65,7 @@ inline void resume_loop(const std::string& parent, int64_t steps, int64_t save_e
     torch::Tensor y = torch::full({4, 3}, static_cast<double>(position % 5));
     position += 4;
     opt.zero_grad();
-    torch::mse_loss(model->forward(x), y).backward();
+    torch::mse_loss(model->forward(x).to(at::kFloat), y).backward();
     opt.step();
     if (on_step) on_step(step + 1);
     if ((step + 1) % save_every == 0) ckpt.save_step(parent, step + 1);

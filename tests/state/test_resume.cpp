@@ -15,7 +15,7 @@ namespace test_resume {
 
 void init() { init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30))); }
 
-TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
+void expect_bit_identical_resume(ResumeModel kind) {
   const std::string dir = test_dir();
   const auto env = with_dir(dir);
   // Uninterrupted: 10 steps (saving along the way, as the other run does).
@@ -23,7 +23,7 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
       2,
       [&](int, int) {
         init();
-        resume_loop(dir + "/a", 10, 6, dir + "/final_a");
+        resume_loop(dir + "/a", 10, 6, dir + "/final_a", {}, kind);
       },
       env);
   // 6 steps and a (sharded) save at step 6, then the processes stop.
@@ -31,7 +31,7 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
       2,
       [&](int, int) {
         init();
-        resume_loop(dir + "/b", 6, 6, dir + "/final_b6");
+        resume_loop(dir + "/b", 6, 6, dir + "/final_b6", {}, kind);
       },
       env);
   // New processes resume from step 6 and run steps 7..10 only.
@@ -40,7 +40,8 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
       [&](int, int) {
         init();
         std::vector<int64_t> ran;
-        resume_loop(dir + "/b", 10, 6, dir + "/final_b", [&](int64_t s) { ran.push_back(s); });
+        resume_loop(
+            dir + "/b", 10, 6, dir + "/final_b", [&](int64_t s) { ran.push_back(s); }, kind);
         EXPECT_EQ(ran, (std::vector<int64_t>{7, 8, 9, 10}));
       },
       env);
@@ -51,6 +52,18 @@ TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
     EXPECT_TRUE(a == file_bytes(dir + "/final_b/" + f)) << f << " differs after resume";
   }
   remove_test_dir(dir);
+}
+
+TEST(Resume, StoppedAndResumedRunIsBitIdentical) {
+  expect_bit_identical_resume(ResumeModel::kPlain);
+}
+
+// Offloaded bf16 units whose bf16 host copies FusedAdamW writes: the resumed
+// process made its copies from its initial weights, and the checkpoint's
+// shards, read from the files into host memory, must replace them before the
+// first unshard sends them (Note [A host copy in the compute dtype]).
+TEST(Resume, OffloadedBf16WithHostCopiesIsBitIdentical) {
+  expect_bit_identical_resume(ResumeModel::kOffloadedBf16);
 }
 
 }  // namespace test_resume
