@@ -115,15 +115,16 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const at::Tensor& p : grad.params) {
-      // Each parameter once per backward (before_backward() refuses a
-      // second backward before step(), before_forward() a second forward);
-      // every rank hands the same units over in the same order, so every
-      // rank fails here alike.
+      // Each parameter once per step: before_backward() refuses a second
+      // backward before step(), before_forward() a second forward, so only
+      // a unit reducing twice within one backward reaches this guard.
+      // Every rank hands the same units over in the same order, so every
+      // rank fails here alike, before the second step of the same shard.
       FSDP_CHECK(stepped_.insert(p.unsafeGetTensorImpl()).second, -1, owner_,
-                 "a second backward reduced gradients that an earlier one's step already "
-                 "used, with no step() in between; stepping during backward makes each "
-                 "backward one optimizer step: call step() after every backward, and "
-                 "accumulate gradients over several backwards inside model->no_sync()");
+                 "one backward handed the same parameter's reduced gradient over twice, which "
+                 "would step its shard twice; this is a libfsdp fault (a second backward "
+                 "before step() is refused as it begins): please report it with the model's "
+                 "units");
     }
     const Clock::time_point now = Clock::now();
     if (stepped_.size() == grad.params.size()) first_handed_ = now;  // the first
