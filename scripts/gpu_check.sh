@@ -13,6 +13,7 @@
 # 2. ctest -L cuda: the GPU tests, each reported passed, failed or skipped by
 #    name, unless GPU_CHECK_TESTS=0;
 # 3. train_gpt --device cuda --bf16 at 1 rank and at 2 ranks sharing the GPU,
+#    and at 1 rank offloaded, stepping during backward,
 #    unless GPU_CHECK_TRAIN=0;
 # 4. bench/gpu_step.sh (ROUNDS, default 1; CONFIGS picks configurations;
 #    at most GPU_CHECK_BENCH_LIMIT seconds, 300) unless GPU_CHECK_BENCH=0;
@@ -63,6 +64,8 @@ data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
 if [[ ${GPU_CHECK_TRAIN:-1} != 0 ]]; then
   step train_gpt_1rank 60 "$build/bin/train_gpt" "${data[@]}"
   step train_gpt_2ranks 90 "$build/bin/fsdprun" --nproc-per-node 2 "$build/bin/train_gpt" "${data[@]}"
+  step train_gpt_offload_during_backward 60 "$build/bin/train_gpt" "${data[@]}" --cpu-offload \
+    --step-during-backward --grad-clip 0
 fi
 if [[ ${GPU_CHECK_BENCH:-1} != 0 ]]; then
   step gpu_step "${GPU_CHECK_BENCH_LIMIT:-300}" env ROUNDS="${ROUNDS:-1}" PYTHON=python3 BENCH_KEEP_GOING=1 \

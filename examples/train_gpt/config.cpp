@@ -71,6 +71,17 @@ void check_combinations(TrainConfig& c) {
       }
     }
   }
+  if (c.step_during_backward && !c.cpu_offload) {
+    throw CLI::ValidationError("--step-during-backward",
+                               "--step-during-backward steps the host shards of --cpu-offload; "
+                               "pass --cpu-offload with it");
+  }
+  if (c.step_during_backward && c.grad_clip > 0) {
+    throw CLI::ValidationError(
+        "--step-during-backward",
+        "--step-during-backward steps each unit before backward has made the others' "
+        "gradients, so no global norm exists to clip by: pass --grad-clip 0 with it");
+  }
   if (c.stop_after > c.steps) {
     throw CLI::ValidationError("--stop-after", "--stop-after " + std::to_string(c.stop_after) +
                                                    " exceeds --steps " + std::to_string(c.steps));
@@ -159,6 +170,11 @@ std::optional<int> parse_command_line(int argc, char** argv, TrainConfig* config
                "CPU offload: fp32 shards, gradients and AdamW state in host memory (pinned for a "
                "GPU), stepped by libfsdp's fused host AdamW, which with --bf16 also writes the "
                "bf16 copies sent to the GPU")
+      ->group("FSDP");
+  app.add_flag("--step-during-backward", c.step_during_backward,
+               "With --cpu-offload: step each unit's host shard as soon as backward has reduced "
+               "its gradient, beside the rest of backward (needs --grad-clip 0; no gradient "
+               "norm is reported)")
       ->group("FSDP");
 
   const char* ckpt = "Checkpoints";

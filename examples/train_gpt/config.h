@@ -57,6 +57,10 @@ struct TrainConfig {
   /// Shards, gradients and AdamW state in host memory, stepped by
   /// fsdp::optim::FusedAdamW (FSDPOptions::cpu_offload).
   bool cpu_offload = false;
+  /// With cpu_offload: each unit's host shard stepped as backward hands its
+  /// reduced gradient over (FusedAdamW::step_during_backward); no global
+  /// gradient norm exists before it, so grad_clip must be 0.
+  bool step_during_backward = false;
   DeviceChoice device = DeviceChoice::kAuto;
 
   // Evaluation and sampling.

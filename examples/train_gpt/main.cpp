@@ -88,6 +88,7 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
           {"sharding", fsdp::to_string(c.sharding)},
           {"bf16", c.bf16},
           {"cpu_offload", c.cpu_offload},
+          {"optimizer", trainer.optimizer_name()},
           {"device", trainer.device().str()},
           {"cuda_backend", fsdp::rank_info().cuda_backend},
           {"data", corpus.source},
@@ -99,10 +100,12 @@ nlohmann::json config_json(const TrainConfig& c, const Corpus& corpus, const Tra
 
 // Stops the run when a step diverged (see Note [Stopping on divergence]).
 void check_finite_step(int64_t step, const StepResult& r) {
-  if (std::isfinite(r.loss) && std::isfinite(r.grad_norm)) return;
+  const bool norm_finite = !r.grad_norm || std::isfinite(*r.grad_norm);
+  if (std::isfinite(r.loss) && norm_finite) return;
   std::ostringstream s;
-  s << "step " << step << ": the loss is " << r.loss << " and the gradient norm " << r.grad_norm
-    << ": training diverged, stopping before this step is checkpointed. Lower --lr, raise "
+  s << "step " << step << ": the loss is " << r.loss;
+  if (r.grad_norm) s << " and the gradient norm " << *r.grad_norm;
+  s << ": training diverged, stopping before this step is checkpointed. Lower --lr, raise "
        "--warmup-steps or --grad-clip, then --resume from the last checkpoint";
   throw std::runtime_error(s.str());
 }
@@ -188,7 +191,7 @@ int train(const TrainConfig& c, const Corpus& corpus) {
                                      : "")
       << ", " << c.n_layer << " blocks as FSDP units, " << trainer.total_params() << " parameters ("
       << trainer.undecayed_params() << " without weight decay), global batch " << c.batch_size
-      << " x " << c.seq_len << " tokens";
+      << " x " << c.seq_len << " tokens, " << trainer.optimizer_name();
     progress.message(s.str());
   }
 
@@ -214,7 +217,9 @@ int train(const TrainConfig& c, const Corpus& corpus) {
     // same on every rank (all-gathered, all-reduced), so every rank stops at
     // the same step, with no collective left waiting. A loss computed before
     // the update cannot see an update that poisoned the parameters, so a
-    // save first checks them too (Trainer::parameters_finite).
+    // save first checks them too (Trainer::parameters_finite). With
+    // --step-during-backward there is no norm: a gradient that was not
+    // finite shows in the next step's loss, or in that check.
     check_finite_step(state.step, r);
 
     StepReport report;
@@ -232,7 +237,7 @@ int train(const TrainConfig& c, const Corpus& corpus) {
                    {"loss", r.loss},
                    {"local_loss", r.local_loss},
                    {"lr", lr},
-                   {"grad_norm", r.grad_norm},
+                   {"grad_norm", r.grad_norm ? nlohmann::json(*r.grad_norm) : nullptr},
                    {"step_ms", dt * 1e3},
                    {"tokens_per_s", report.tokens_per_s},
                    {"tokens_seen", state.tokens_seen},

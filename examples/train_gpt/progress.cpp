@@ -77,8 +77,9 @@ std::string ProgressDisplay::bar_line(const StepReport& r) const {
 std::string ProgressDisplay::log_line(const StepReport& r) const {
   std::ostringstream s;
   s << "step " << r.step << "/" << r.total << " loss " << fixed(r.loss, 4) << " lr "
-    << fixed(r.lr * 1e3, 3) << "e-3 grad_norm " << fixed(r.grad_norm, 3) << " | "
-    << static_cast<int64_t>(r.tokens_per_s) << " tok/s | ETA " << format_duration(r.eta_s)
+    << fixed(r.lr * 1e3, 3) << "e-3";
+  if (r.grad_norm) s << " grad_norm " << fixed(*r.grad_norm, 3);
+  s << " | " << static_cast<int64_t>(r.tokens_per_s) << " tok/s | ETA " << format_duration(r.eta_s)
     << " | peak mem " << memory_per_rank(r.peak_bytes);
   return s.str();
 }

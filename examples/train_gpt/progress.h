@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,8 +22,8 @@ struct StepReport {
   int64_t total = 0;  ///< Steps of the run.
   double loss = 0;    ///< Mean training loss over all ranks.
   double lr = 0;
-  double grad_norm = 0;
-  double tokens_per_s = 0;  ///< All ranks together, averaged over recent steps.
+  std::optional<double> grad_norm;  ///< None when stepped during backward.
+  double tokens_per_s = 0;          ///< All ranks together, averaged over recent steps.
   double eta_s = 0;
   std::vector<int64_t> peak_bytes;  ///< Peak tracked memory of each rank.
 };

@@ -94,7 +94,15 @@ void Trainer::build_optimizer() {
   // writing the bf16 copies each unshard sends to the GPU.
   auto fused = std::make_unique<fsdp::optim::FusedAdamW>(std::move(groups), base);
   fused->write_compute_copies(*model_.ptr());
+  if (config_.step_during_backward) fused->step_during_backward(*model_.ptr());
   optimizer_ = std::move(fused);
+}
+
+std::string Trainer::optimizer_name() const {
+  const auto* fused = dynamic_cast<const fsdp::optim::FusedAdamW*>(optimizer_.get());
+  if (fused == nullptr) return "torch::optim::AdamW";
+  return fused->steps_during_backward() ? "fsdp::optim::FusedAdamW, stepping during backward"
+                                        : "fsdp::optim::FusedAdamW";
 }
 
 namespace {
@@ -121,9 +129,11 @@ StepResult Trainer::train_step(const Batch& batch, double lr) {
       gpt_mini::lm_loss(model_->forward(batch.inputs.to(device_)), batch.targets.to(device_));
   loss.backward();
   StepResult out;
-  // clip_grad_norm_ with an infinite bound only measures the norm.
-  const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 1e30;
-  out.grad_norm = model_->clip_grad_norm_(max_norm);
+  if (!config_.step_during_backward) {
+    // clip_grad_norm_ with an infinite bound only measures the norm.
+    const double max_norm = config_.grad_clip > 0 ? config_.grad_clip : 1e30;
+    out.grad_norm = model_->clip_grad_norm_(max_norm);
+  }
   optimizer_->step();
   out.local_loss = loss.item<double>();
 

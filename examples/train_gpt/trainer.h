@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,9 +26,11 @@ using ShardedGPT = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>;
 
 /// What one training step produced (the same on every rank unless noted).
 struct StepResult {
-  double loss = 0;                     ///< Mean loss over all ranks' rows.
-  double local_loss = 0;               ///< This rank's rows only.
-  double grad_norm = 0;                ///< Global gradient norm before clipping.
+  double loss = 0;        ///< Mean loss over all ranks' rows.
+  double local_loss = 0;  ///< This rank's rows only.
+  /// Global gradient norm before clipping; none when the optimizer stepped
+  /// during backward (no norm exists before it).
+  std::optional<double> grad_norm;
   std::vector<int64_t> current_bytes;  ///< Tracked memory of each rank after the step.
   std::vector<int64_t> peak_bytes;     ///< Peak tracked memory of each rank so far.
 };
@@ -68,6 +71,9 @@ class Trainer {
   /// The model and optimizer (what a checkpoint saves next to TrainState).
   ShardedGPT& model() { return model_; }
   torch::optim::AdamW& optimizer() { return *optimizer_; }
+  /// Which AdamW steps the shards, and when ("fsdp::optim::FusedAdamW,
+  /// stepping during backward"), as the optimizer itself reports it.
+  std::string optimizer_name() const;
 
  private:
   void build_optimizer();

@@ -157,6 +157,45 @@ TEST(TrainGpt, CpuOffloadTrainsAsWithout) {
   remove_dir(offload);
 }
 
+// --step-during-backward: each unit's host shard stepped as backward hands
+// its gradient over, bit for bit the losses of the step after backward (in
+// bf16, so the compute copies are written during backward too), with no
+// gradient norm logged, since none exists before the step.
+TEST(TrainGpt, StepDuringBackwardTrainsAsAfterIt) {
+  const std::string after = fresh_dir("after"), during = fresh_dir("during");
+  auto common = [](const std::string& dir) {
+    auto args = short_run(dir, 8, 2);
+    for (const char* a : {"--cpu-offload", "--bf16", "--grad-clip", "0"}) args.push_back(a);
+    return args;
+  };
+  auto beside = common(during);
+  beside.push_back("--step-during-backward");
+  expect_success(run_launcher(launch(2, common(after)), {}, std::chrono::seconds(120)));
+  const RunResult r = run_launcher(launch(2, beside), {}, std::chrono::seconds(120));
+  expect_success(r);
+  const auto a = losses(after + "/rank0.jsonl");
+  const auto b = losses(during + "/rank0.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  EXPECT_LT(b.back(), b.front());
+  for (const auto& rec : read_jsonl(during + "/rank0.jsonl", "train")) {
+    EXPECT_TRUE(rec.at("grad_norm").is_null()) << rec.dump();
+  }
+  for (const auto& rec : read_jsonl(after + "/rank0.jsonl", "train")) {
+    EXPECT_TRUE(rec.at("grad_norm").is_number()) << rec.dump();
+  }
+  // As the optimizer reports itself, not as the flag asked.
+  EXPECT_EQ(read_jsonl(during + "/rank0.jsonl", "config").at(0).at("optimizer"),
+            "fsdp::optim::FusedAdamW, stepping during backward");
+  EXPECT_EQ(read_jsonl(after + "/rank0.jsonl", "config").at(0).at("optimizer"),
+            "fsdp::optim::FusedAdamW");
+  EXPECT_EQ(r.out.find("grad_norm"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step 8/8 loss"), std::string::npos) << r.out;
+  remove_dir(after);
+  remove_dir(during);
+}
+
 // Losses by step from a metrics file.
 std::map<int64_t, double> losses_by_step(const std::string& path) {
   std::map<int64_t, double> out;
@@ -169,9 +208,12 @@ std::map<int64_t, double> losses_by_step(const std::string& path) {
 // A run stopped after step 10 (its last checkpoint at step 8) and resumed
 // with --resume logs, for steps 9..20, exactly the losses of the run that was
 // never stopped: the checkpoint holds model, AdamW moments, RNG and the data
-// position. Once in fp32 with sharded checkpoints, once in bf16 with full ones.
+// position. Once in fp32 with sharded checkpoints, once in bf16 with full
+// ones, once offloaded in bf16 with AdamW stepping during backward (its
+// state saved after step(), as it must be).
 struct ResumeCase {
-  const char* precision;
+  const char*
+      precision;     // fp32, bf16, or bf16_offload_during: --cpu-offload --step-during-backward
   const char* type;  // --checkpoint-type
 };
 // Names the case in ctest's listing (instead of two pointers).
@@ -194,7 +236,12 @@ TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
     }
     a.push_back("--checkpoint-dir");
     a.push_back(ckpt_dir);
-    if (std::string(precision) == "bf16") a.push_back("--bf16");
+    if (std::string(precision) != "fp32") a.push_back("--bf16");
+    if (std::string(precision) == "bf16_offload_during") {
+      for (const char* x : {"--cpu-offload", "--step-during-backward", "--grad-clip", "0"}) {
+        a.push_back(x);
+      }
+    }
     return a;
   };
   expect_success(run_launcher(launch(2, args(whole, ckpt_whole)), {}, std::chrono::seconds(120)));
@@ -246,7 +293,8 @@ TEST_P(TrainGptResume, StoppedAndResumedRunLogsTheSameLosses) {
 
 INSTANTIATE_TEST_SUITE_P(TrainGpt, TrainGptResume,
                          ::testing::Values(ResumeCase{"fp32", "sharded"},
-                                           ResumeCase{"bf16", "full"}),
+                                           ResumeCase{"bf16", "full"},
+                                           ResumeCase{"bf16_offload_during", "sharded"}),
                          [](const auto& info) { return ::testing::PrintToString(info.param); });
 
 TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {

@@ -106,6 +106,15 @@ TEST(TrainGptFaults, NonFiniteNumbersAreRefusedForEveryFlag) {
   }
   const Outcome o = run_direct("--keep-last 2");
   EXPECT_NE(o.output.find("--keep-last needs --checkpoint-dir"), std::string::npos) << o.output;
+  // Stepping during backward needs host shards and no clipping by a norm
+  // that does not exist yet (the default --grad-clip is 1).
+  for (const auto& [flags, says] :
+       {std::pair<const char*, const char*>{"--step-during-backward", "pass --cpu-offload"},
+        {"--cpu-offload --step-during-backward", "pass --grad-clip 0"}}) {
+    const Outcome refused = run_direct(flags);
+    EXPECT_NE(refused.code, 0) << flags << "\n" << refused.output;
+    EXPECT_NE(refused.output.find(says), std::string::npos) << flags << "\n" << refused.output;
+  }
 }
 
 std::vector<int64_t> checkpoint_steps(const std::string& dir) {
@@ -119,15 +128,32 @@ std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   return out;
 }
 
-TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
+// Runs to divergence with `more` flags; every rank names the step, and no
+// checkpoint or metric of that step or later exists.
+void expect_divergence_stops_before_checkpoint(const std::vector<std::string>& more) {
   // Decoupled weight decay of lr * wd = 100 multiplies every weight by -99
   // each step: an overflow within about twenty steps.
   const std::string dir = fresh_dir("faults_diverge");
-  const RunResult r = run_launcher(
-      launch(2, tiny({"--steps", "200", "--lr", "10", "--min-lr", "10", "--warmup-steps", "0",
-                      "--weight-decay", "10", "--grad-clip", "0", "--checkpoint-every", "1",
-                      "--checkpoint-dir", dir + "/ckpt", "--metrics-dir", dir + "/m"})),
-      {}, std::chrono::seconds(120));
+  std::vector<std::string> args = {"--steps",
+                                   "200",
+                                   "--lr",
+                                   "10",
+                                   "--min-lr",
+                                   "10",
+                                   "--warmup-steps",
+                                   "0",
+                                   "--weight-decay",
+                                   "10",
+                                   "--grad-clip",
+                                   "0",
+                                   "--checkpoint-every",
+                                   "1",
+                                   "--checkpoint-dir",
+                                   dir + "/ckpt",
+                                   "--metrics-dir",
+                                   dir + "/m"};
+  args.insert(args.end(), more.begin(), more.end());
+  const RunResult r = run_launcher(launch(2, tiny(args)), {}, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   // Every rank names the step.
@@ -149,6 +175,16 @@ TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
     if (j.at("type") == "train") EXPECT_LT(j.at("step").get<int64_t>(), step) << line;
   }
   remove_dir(dir);
+}
+
+TEST(TrainGptFaults, DivergedRunStopsNamingTheStepBeforeCheckpointingIt) {
+  expect_divergence_stops_before_checkpoint({});
+}
+
+// Stepping during backward there is no gradient norm to check: the step
+// whose update overflowed is still caught, by its parameters at the save.
+TEST(TrainGptFaults, DivergedRunSteppedDuringBackwardStopsTheSame) {
+  expect_divergence_stops_before_checkpoint({"--cpu-offload", "--step-during-backward"});
 }
 
 TEST(TrainGptFaults, FullDiskForMetricsFailsNamingTheFileAndKeepsWholeLines) {
