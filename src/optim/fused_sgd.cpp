@@ -90,6 +90,10 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
   float* buf = s != nullptr ? s->momentum_buffer().data_ptr<float>() + begin : nullptr;
   detail::fused_sgd(p.data_ptr<float>() + begin, detail::element_at(grad, begin),
                     grad.scalar_type(), buf, end - begin, c);
+  // Written through a pointer: the version counter moves as after an
+  // in-place operation, so a host copy of the shard that FusedAdamW wrote
+  // before is seen to be stale (Note [A host copy in the compute dtype]).
+  p.unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace fsdp::optim

@@ -211,7 +211,8 @@ TEST(CpuOffload, NoSyncClippingAndLoadingBack) {
 // shard, with bitwise the results of the same model without the copies (so
 // the copies hold the cast shards); a write of a shard by anything else
 // leaves the copy stale until the next unshard casts it anew, still with the
-// same results (Note [A host copy in the compute dtype]).
+// same results (Note [A host copy in the compute dtype]); so does an
+// optimizer that writes no copies, FusedSGD taking over after step 3.
 TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
   run_ranks_ok(2, [](int, int world) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -228,9 +229,11 @@ TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
       optim::FusedAdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
       optim::FusedAdamW copied_opt(copied->parameters(), torch::optim::AdamWOptions(1e-2));
       copied_opt.write_compute_copies(*copied.ptr());
+      const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+      optim::FusedSGD plain_sgd(plain->parameters(), sgd), copied_sgd(copied->parameters(), sgd);
       const std::vector<Unit*> a = units_of(*plain.ptr());
       const std::vector<Unit*> b = units_of(*copied.ptr());
-      for (int step = 0; step < 4; ++step) {
+      for (int step = 0; step < 6; ++step) {
         if (step == 2) {
           // Another write of a shard: the copy is stale, and sending it
           // would differ from the plain model's.
@@ -240,7 +243,9 @@ TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
           EXPECT_FALSE(b[0]->flat_param()->low_precision_copy_current()) << what;
         }
         for (Unit* u : b) {
-          EXPECT_EQ(u->flat_param()->low_precision_copy_current(), step != 2 || u != b[0])
+          // FusedSGD's steps (from step 4) leave every copy stale.
+          EXPECT_EQ(u->flat_param()->low_precision_copy_current(),
+                    step < 5 && (step != 2 || u != b[0]))
               << what << " step " << step;
           EXPECT_FALSE(a[0]->flat_param()->low_precision_copy_current());
         }
@@ -251,6 +256,7 @@ TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
                                                                                       &plain_opt},
               std::pair<FullyShardedDataParallel<NetImpl>*, torch::optim::Optimizer*>{
                   &copied, &copied_opt}}) {
+          if (step >= 4) opt = model == &plain ? &plain_sgd : &copied_sgd;
           (*model)->zero_grad();
           (*model)->forward(local_block(x)).to(at::kFloat).pow(2).mean().backward();
           opt->step();
