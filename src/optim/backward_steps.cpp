@@ -105,6 +105,9 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   hooks.before_backward = [self] {
     if (auto steps = self.lock()) steps->before_backward();
   };
+  hooks.before_state_use = [self] {
+    if (auto steps = self.lock()) steps->before_state_use();
+  };
   hooks.takes_parts = true;  // each part stepped as it lands
   set_reduced_grad_hooks(model, hooks);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -148,6 +151,15 @@ void BackwardSteps::before_backward() {
   refuse_before_step("backward",
                      " (a second backward through a retained graph, or one inside no_sync() "
                      "after it)");
+}
+
+void BackwardSteps::before_state_use() {
+  // Between such a backward and step() some shards hold the values after
+  // the step and the others those before it, and the worker may still be
+  // writing them: no state that plain LibTorch would have at any point.
+  refuse_before_step("state dict, checkpoint, SummonFullParams or torch::save/load of the model",
+                     " (the stepped units' shards would mix with the others' from before the "
+                     "step)");
 }
 
 void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {

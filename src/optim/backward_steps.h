@@ -91,6 +91,10 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   /// A backward begins: wait(), and refuse it while the last backward's
   /// steps were not taken by step() (an error on every rank).
   void before_backward();
+  /// The model's state is read or written (a state dict, a checkpoint,
+  /// SummonFullParams): wait(), and refuse it while the last backward's
+  /// steps were not taken by step() (some shards stepped, the rest not).
+  void before_state_use();
   /// wait(), then the parameters stepped since the last call (forgotten).
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 

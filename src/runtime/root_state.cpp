@@ -248,7 +248,11 @@ void RootState::limit_reductions_in_flight(const Work& work) {
 // units are handed over at the end of backward, .grad already set. Without
 // hooks nothing changes. Values are those of a step after backward: the
 // same gradients, the same per-parameter updates; only when they happen
-// differs.
+// differs. Between such a backward and step() the model is neither before
+// nor after the step, and the listener's thread may still write shards:
+// the hooks refuse a forward (before_forward), another backward
+// (before_backward) and any use of the model's state (before_state_use:
+// state dicts, checkpoints, SummonFullParams, torch::save and torch::load).
 
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");

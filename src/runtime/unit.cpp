@@ -57,6 +57,8 @@ detail::UnitRuntime& Unit::runtime() const {
   return *runtime_;
 }
 
+void Unit::before_state_use() const { runtime().before_state_use(); }
+
 void Unit::check_not_a_unit(const torch::nn::Module& module) {
   const auto* unit = dynamic_cast<const Unit*>(&module);
   FSDP_CHECK(unit == nullptr, -1, module.name(),

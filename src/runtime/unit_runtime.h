@@ -122,6 +122,11 @@ class UnitRuntime final : public ParamUseListener {
     grad_hooks_ = std::move(hooks);
   }
   const ReducedGradHooks* grad_hooks() const { return grad_hooks_.get(); }
+  /// Before the unit's state is read or written outside forward and
+  /// backward: the listener's ReducedGradHooks::before_state_use, if any.
+  void before_state_use() const {
+    if (grad_hooks_ && grad_hooks_->before_state_use) grad_hooks_->before_state_use();
+  }
 
  private:
   friend class RootState;

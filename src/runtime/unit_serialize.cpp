@@ -85,6 +85,7 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 // load_unit needs no communication: each rank reads every full parameter
 // and keeps the part its shard holds.
 void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) const {
+  runtime().before_state_use();  // Note [Steps during backward]
   const FlatParameter* flat = flat_param();
   std::unordered_map<const void*, at::Tensor> full;
   if (flat != nullptr) {
@@ -120,6 +121,7 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
 }
 
 void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
+  runtime().before_state_use();  // Note [Steps during backward]
   FlatParameter* flat = flat_param();
   std::unordered_map<const void*, size_t> slot_of;
   if (flat != nullptr) {

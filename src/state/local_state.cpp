@@ -104,6 +104,7 @@ std::vector<LocalPiece> local_pieces(torch::nn::Module& root) {
   std::vector<LocalPiece> out;
   std::unordered_set<const void*> managed;
   for (const UnitEntry& e : units_with_params(root)) {
+    e.unit->before_state_use();  // Note [Steps during backward]
     const auto& slots = e.unit->flat_param()->slots();
     for (size_t i = 0; i < slots.size(); ++i) {
       managed.insert(slots[i].param.unsafeGetTensorImpl());

@@ -23,6 +23,7 @@ SummonFullParams::SummonFullParams(torch::nn::Module& root, SummonOptions option
     for (const auto& m : root.modules(/*include_self=*/true)) {
       Unit* unit = unit_of(*m);
       if (unit == nullptr || unit->flat_param() == nullptr) continue;
+      unit->before_state_use();  // Note [Steps during backward]
       units_.push_back(unit);
       // The job's rank (the unit's world group), not the shard group's:
       // under HYBRID_SHARD every node has a shard-group rank 0.

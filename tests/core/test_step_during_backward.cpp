@@ -355,5 +355,45 @@ TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
   });
 }
 
+// Between a backward whose units were stepped and step(), the model is
+// neither before nor after the step (and the optimizer's thread may still
+// write shards): a state dict, SummonFullParams (the rank-0 save's guard)
+// and torch::save are refused on every rank, before any collective; after
+// step() they give the state of the same model stepped after backward.
+TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    Model after = make_model(FSDPOptions());
+    Model during = make_model(FSDPOptions());
+    optim::FusedAdamW after_opt(after->parameters(), adamw_options());
+    optim::FusedAdamW during_opt(during->parameters(), adamw_options());
+    during_opt.step_during_backward(*during.ptr());
+    torch::manual_seed(100 + rank);
+    const torch::Tensor x = torch::randn({3, 7});
+    for (auto [m, opt] : {std::pair<Model*, torch::optim::Optimizer*>{&after, &after_opt},
+                          std::pair<Model*, torch::optim::Optimizer*>{&during, &during_opt}}) {
+      (*m)->zero_grad();
+      (*m)->forward(x).pow(2).sum().backward();
+    }
+    const std::string refused = "a state dict, checkpoint, SummonFullParams or torch::save/load";
+    EXPECT_CONTAINS(error_of([&] { full_state_dict(*during.ptr()); }), refused);
+    EXPECT_CONTAINS(error_of([&] { SummonFullParams guard(*during.ptr()); }), refused);
+    const std::string path = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") +
+                             "/sdb_state_" + std::to_string(::getpid()) + ".pt";
+    EXPECT_CONTAINS(error_of([&] { torch::save(during, path); }), refused);
+    after_opt.step();
+    during_opt.step();
+    expect_equal_shards(during, after, "after the refusals");
+    const auto want = full_state_dict(*after.ptr());
+    const auto got = full_state_dict(*during.ptr());
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& item : want) {
+      EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
+    }
+    torch::save(during, path);  // collective outside SummonFullParams: every rank
+    std::remove(path.c_str());
+  });
+}
+
 }  // namespace test_step_during_backward
 }  // namespace fsdp::testing

@@ -66,6 +66,10 @@ struct ReducedGradHooks {
   /// Called when a backward begins (its first hook, on the thread that runs
   /// it), before any shard is read: a throw there fails that backward.
   std::function<void()> before_backward;
+  /// Called before libfsdp reads or writes the model's state outside
+  /// forward and backward (state dicts, checkpoints, SummonFullParams,
+  /// torch::save and torch::load of the model): a throw there refuses it.
+  std::function<void()> before_state_use;
   /// Whether on_reduced may hand a large gradient over in ReducedGrad::parts
   /// (each part readable once it has landed) instead of whole.
   bool takes_parts = false;

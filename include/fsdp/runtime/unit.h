@@ -144,6 +144,11 @@ class Unit {
   /// when this unit frees them at all (not NO_SHARD in full precision), and
   /// gives the parameters back the gradients they had before.
   void release_full_params();
+  /// Called before libfsdp reads or writes this unit's state outside forward
+  /// and backward (state dicts, SummonFullParams): the error, where an
+  /// optimizer stepping during backward has stepped some units and step()
+  /// has not come yet (Note [Steps during backward]).
+  void before_state_use() const;
   /// Outside forward and backward (checked): copies this rank's part of the
   /// full parameters (modified in place while gathered) into its shard, and
   /// of their full gradients into the shard's gradients where they were
