@@ -50,6 +50,19 @@ void user_step(Wrapped& model, torch::optim::Optimizer& opt, const torch::Tensor
   opt.step();
 }
 
+// The same model twice, with FusedAdamW stepping after backward and during
+// it (the process group initialised first).
+struct AfterAndDuring {
+  AfterAndDuring() { during_opt.step_during_backward(*during.ptr()); }
+  // First: the models need the process group.
+  bool initialised =
+      (init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30))), true);
+  Model after = make_model(FSDPOptions());
+  Model during = make_model(FSDPOptions());
+  optim::FusedAdamW after_opt{after->parameters(), adamw_options()};
+  optim::FusedAdamW during_opt{during->parameters(), adamw_options()};
+};
+
 void expect_equal_shards(Model& a, Model& b, const std::string& what) {
   const std::vector<Unit*> ua = units_of(*a.ptr());
   const std::vector<Unit*> ub = units_of(*b.ptr());
@@ -280,12 +293,8 @@ TEST(StepDuringBackward, RecordsEachHandOverWhenAsked) {
 
 TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
   run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    Model after = make_model(FSDPOptions());
-    Model during = make_model(FSDPOptions());
-    optim::FusedAdamW after_opt(after->parameters(), adamw_options());
-    optim::FusedAdamW during_opt(during->parameters(), adamw_options());
-    during_opt.step_during_backward(*during.ptr());
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
     // Accumulating over micro-batches inside no_sync hands nothing over
     // until the last backward: the same as stepping after backward.
     for (int step = 0; step < 2; ++step) {
@@ -362,12 +371,8 @@ TEST(StepDuringBackward, MisuseIsAClearErrorAndNoSyncAccumulates) {
 // step() they give the state of the same model stepped after backward.
 TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
   run_ranks_ok(2, [](int rank, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    Model after = make_model(FSDPOptions());
-    Model during = make_model(FSDPOptions());
-    optim::FusedAdamW after_opt(after->parameters(), adamw_options());
-    optim::FusedAdamW during_opt(during->parameters(), adamw_options());
-    during_opt.step_during_backward(*during.ptr());
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
     torch::manual_seed(100 + rank);
     const torch::Tensor x = torch::randn({3, 7});
     for (auto [m, opt] : {std::pair<Model*, torch::optim::Optimizer*>{&after, &after_opt},
