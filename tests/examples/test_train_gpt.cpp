@@ -212,8 +212,8 @@ std::map<int64_t, double> losses_by_step(const std::string& path) {
 // ones, once offloaded in bf16 with AdamW stepping during backward (its
 // state saved after step(), as it must be).
 struct ResumeCase {
-  const char*
-      precision;     // fp32, bf16, or bf16_offload_during: --cpu-offload --step-during-backward
+  // fp32, bf16, or bf16_offload_during (bf16 with --cpu-offload --step-during-backward)
+  const char* precision;
   const char* type;  // --checkpoint-type
 };
 // Names the case in ctest's listing (instead of two pointers).

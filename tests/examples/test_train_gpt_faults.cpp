@@ -134,26 +134,12 @@ void expect_divergence_stops_before_checkpoint(const std::vector<std::string>& m
   // Decoupled weight decay of lr * wd = 100 multiplies every weight by -99
   // each step: an overflow within about twenty steps.
   const std::string dir = fresh_dir("faults_diverge");
-  std::vector<std::string> args = {"--steps",
-                                   "200",
-                                   "--lr",
-                                   "10",
-                                   "--min-lr",
-                                   "10",
-                                   "--warmup-steps",
-                                   "0",
-                                   "--weight-decay",
-                                   "10",
-                                   "--grad-clip",
-                                   "0",
-                                   "--checkpoint-every",
-                                   "1",
-                                   "--checkpoint-dir",
-                                   dir + "/ckpt",
-                                   "--metrics-dir",
-                                   dir + "/m"};
+  std::vector<std::string> args =
+      tiny({"--steps", "200", "--lr", "10", "--min-lr", "10", "--warmup-steps", "0",
+            "--weight-decay", "10", "--grad-clip", "0", "--checkpoint-every", "1",
+            "--checkpoint-dir", dir + "/ckpt", "--metrics-dir", dir + "/m"});
   args.insert(args.end(), more.begin(), more.end());
-  const RunResult r = run_launcher(launch(2, tiny(args)), {}, std::chrono::seconds(120));
+  const RunResult r = run_launcher(launch(2, args), {}, std::chrono::seconds(120));
   ASSERT_FALSE(r.timed_out) << r.out << r.err;
   EXPECT_NE(r.exit_code, 0) << r.out << r.err;
   // Every rank names the step.
