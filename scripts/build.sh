@@ -59,12 +59,8 @@ case "$TORCH" in
     exit 2
     ;;
 esac
-if command -v ccache >/dev/null; then
-  args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-  # What ccache needs to cache compiles that use the tests' precompiled
-  # header (Note [Test build time] in tests/CMakeLists.txt).
-  export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
-fi
+if command -v ccache >/dev/null; then args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+. scripts/ccache_env.sh
 
 if ((build_only == 0)); then cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}" "${settings[@]}"; fi
 if ((configure_only)); then exit 0; fi

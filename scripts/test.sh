@@ -55,9 +55,8 @@ jobs="${FSDP_TEST_JOBS:-3}"
 sanitize_113="${FSDP_TEST_SANITIZE_113-address,undefined}"
 if [[ -n ${FSDP_TEST_TORCH:-} ]]; then stages="$FSDP_TEST_TORCH"; fi
 if (($# > 0)); then stages="${stages//tsan/}"; fi
-# CI has no ccache configuration: these let it reuse objects across the
-# three build folders and keep the cache inside the machine's disk.
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-10G}"
+# For the builds and the tests that compile (install_and_find_package).
+. scripts/ccache_env.sh
 status=0
 failed=()
 t_start=$SECONDS

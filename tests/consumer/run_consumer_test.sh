@@ -8,10 +8,15 @@
 # was built against] in cmake/fsdpFindTorch.cmake).
 set -euo pipefail
 build_dir="$1"; source_dir="$2"; torch_dir="$3"; other_torch_dir="${4:-}"
-tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+# A folder of the same path every run, and ccache where there is one: CI's
+# next run compiles the consumer from the cache (Note [One compiler cache] in
+# scripts/ccache_env.sh) instead of parsing LibTorch again (~40 s of a core).
+tmp="$build_dir/consumer_test"; rm -rf "$tmp"; mkdir -p "$tmp"; trap 'rm -rf "$tmp"' EXIT
+launcher=()
+if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 unset CMAKE_PREFIX_PATH Torch_DIR Torch_ROOT  # the prefix alone, as a user names it
 cmake --install "$build_dir" --prefix "$tmp/prefix" > /dev/null
-configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$tmp/prefix" "$@"; }
 
 if [[ -n $other_torch_dir ]]; then
