@@ -1,9 +1,11 @@
 // Every collective against a closed-form result, world sizes 1-4, every dtype,
-// lengths from one element per rank to 64 MiB, for both engines.
+// lengths from one element per rank to 8 MiB (FSDP_TEST_SWEEP_MIB), for both
+// engines.
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "comm_test_util.h"
@@ -20,7 +22,7 @@ at::Tensor pattern(int64_t n, int64_t offset, int64_t modulus, at::ScalarType dt
 }
 
 // Shard sizes (elements per rank): tiny, uneven against the 1 MiB ring
-// segment, several segments, and the one that makes the flat buffer 64 MiB.
+// segment, several segments, and the one that makes the flat buffer max_bytes.
 /// Shard sizes from one element up to a flat buffer of `max_bytes`.
 std::vector<int64_t> shard_sizes(at::ScalarType dtype, int world, int64_t max_bytes) {
   const int64_t elem = c10::elementSize(dtype);
@@ -81,7 +83,7 @@ class Collectives : public ::testing::TestWithParam<Backend> {};
 /// `max_bytes`, against closed-form results.
 void closed_form_sweep(Backend backend, int64_t max_bytes) {
   for (int world : {1, 2, 3, 4}) {
-    // 64 MiB at 4 ranks takes about a minute on 2 cores; more when loaded.
+    // 64 MiB at 4 ranks takes about a minute on 2 cores (Note [Sweep sizes]).
     MultiRankOptions options;
     options.deadline = std::chrono::seconds(180);
     run_ranks_ok(
@@ -108,8 +110,20 @@ void closed_form_sweep(Backend backend, int64_t max_bytes) {
   }
 }
 
+// Note [Sweep sizes]
+// The largest flat buffer is 8 MiB: a rank's part then spans two or more ring
+// segments (kDefaultRingSegmentBytes, 1 MiB) and at 1-2 ranks several
+// shared-memory slots (kDefaultShmSlotBytes, 2 MiB), so every path of a long
+// message runs. A larger one adds no path, only time: up to 64 MiB this test
+// and test_collectives_over_links took 108 and 104 s of the 2.15 stage's
+// tests on 2 cores. FSDP_TEST_SWEEP_MIB=64 runs that sweep again.
+int64_t sweep_bytes() {
+  const char* mib = std::getenv("FSDP_TEST_SWEEP_MIB");
+  return (mib != nullptr ? std::atoll(mib) : 8) << 20;
+}
+
 TEST_P(Collectives, ClosedFormAllDtypesAllSizes) {
-  closed_form_sweep(GetParam(), GetParam() == Backend::kGloo ? (64 << 20) : (4 << 20));
+  closed_form_sweep(GetParam(), GetParam() == Backend::kGloo ? sweep_bytes() : (4 << 20));
 }
 
 // Up to 2 MiB: every path below and just above the direct-link threshold,

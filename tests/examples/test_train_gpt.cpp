@@ -320,35 +320,17 @@ TEST(TrainGpt, ProgressBarOnATerminalLogLinesOtherwise) {
 }
 
 TEST(TrainGpt, BadCommandLineGivesMessageAndNonZeroExit) {
+  // One refusal of each kind that main() reports: the parser's, the text's,
+  // the prompt's, the metrics folder's (after the process group exists).
+  // Every flag's refusal is checked in process by TrainGptParts, 0.5-1.5 s
+  // of LibTorch loading less per case.
   const std::string dir = fresh_dir("bad");
-  {
-    std::ofstream(dir + "/short.txt") << "A short text, far shorter than the sequence length.\n";
-    std::ofstream(dir + "/empty.txt");
-  }
   const std::string tiny = "--layers 1 --d-model 16 --heads 2 --steps 1 ";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"--no-such-flag 3", "--no-such-flag"},
       {"--data " + (dir + "/missing.txt"), "missing.txt"},
-      {"--data " + (dir + "/short.txt") + " --seq-len 64",
-       "--seq-len 64 needs at least 65 characters"},
-      {"--data " + (dir + "/empty.txt"), "is empty"},
-      {"--layers 0", "--layers"},
-      {"--layers many", "--layers"},
-      {"--seq-len -5", "--seq-len"},
-      {"--lr -1", "--lr"},
-      {"--batch-size 0", "--batch-size"},
-      {"--d-model 30 --heads 4", "not a multiple of --heads 4"},
-      {"--sharding half", "--sharding"},
-      {"--progress fancy", "--progress"},
-      {"--steps 10 --warmup-steps 50", "exceeds --steps"},
-      {"--val-fraction 2", "--val-fraction"},
       {"--prompt '~~~'", "--prompt"},
       {"--metrics-dir /proc/no/such/dir", "cannot write metrics file"},
-      {"--resume", "--resume needs --checkpoint-dir"},
-      {"--checkpoint-every 5", "--checkpoint-every needs --checkpoint-dir"},
-      {"--checkpoint-dir " + (dir + "/c") + " --checkpoint-type zip", "--checkpoint-type"},
-      {"--stop-after 5", "--stop-after 5 exceeds --steps 1"},
-      {"--device tpu", "--device"},
   };
   for (const auto& [args, message] : cases) {
     const Outcome o = run_direct(tiny + args);

@@ -84,39 +84,6 @@ TEST(TrainGptFaults, HelpPrintsChoiceNamesNotRawBytes) {
   EXPECT_EQ(bad.output.find('\x01'), std::string::npos) << bad.output;
 }
 
-TEST(TrainGptFaults, NonFiniteNumbersAreRefusedForEveryFlag) {
-  const std::vector<std::string> flags = {"--lr",           "--min-lr",      "--weight-decay",
-                                          "--beta1",        "--beta2",       "--grad-clip",
-                                          "--val-fraction", "--temperature", "--timeout"};
-  for (const std::string& flag : flags) {
-    for (const char* value : {"nan", "inf"}) {
-      const Outcome o = run_direct("--steps 1 " + flag + " " + value);
-      EXPECT_NE(o.code, 0) << flag << " " << value << "\n" << o.output;
-      EXPECT_NE(o.code, 124) << flag << " " << value << ": timed out";
-      EXPECT_NE(o.output.find(flag), std::string::npos) << flag << " " << value << "\n" << o.output;
-      EXPECT_NE(o.output.find("finite"), std::string::npos) << flag << " " << value << "\n"
-                                                            << o.output;
-    }
-  }
-  for (const char* flag : {"--lr -inf", "--steps nan", "--keep-last nan", "--warmup-steps inf"}) {
-    const Outcome o = run_direct(flag);
-    EXPECT_NE(o.code, 0) << flag << "\n" << o.output;
-    const std::string name = std::string(flag).substr(0, std::string(flag).find(' '));
-    EXPECT_NE(o.output.find(name + ": "), std::string::npos) << flag << "\n" << o.output;
-  }
-  const Outcome o = run_direct("--keep-last 2");
-  EXPECT_NE(o.output.find("--keep-last needs --checkpoint-dir"), std::string::npos) << o.output;
-  // Stepping during backward needs host shards and no clipping by a norm
-  // that does not exist yet (the default --grad-clip is 1).
-  for (const auto& [flags, says] :
-       {std::pair<const char*, const char*>{"--step-during-backward", "pass --cpu-offload"},
-        {"--cpu-offload --step-during-backward", "pass --grad-clip 0"}}) {
-    const Outcome refused = run_direct(flags);
-    EXPECT_NE(refused.code, 0) << flags << "\n" << refused.output;
-    EXPECT_NE(refused.output.find(says), std::string::npos) << flags << "\n" << refused.output;
-  }
-}
-
 std::vector<int64_t> checkpoint_steps(const std::string& dir) {
   std::vector<int64_t> out;
   if (!fsdp::detail::path_exists(dir)) return out;

@@ -1,17 +1,126 @@
 // The pieces of examples/train_gpt that the end-to-end tests rely on,
-// checked directly: deterministic batches split over ranks, the generated
-// corpus, the vocabulary, the learning-rate schedule, the progress formats.
+// checked directly: the command line's refusals, deterministic batches split
+// over ranks, the generated corpus, the vocabulary, the learning-rate
+// schedule, the progress formats.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
 #include "batches.h"
+#include "config.h"
 #include "corpus.h"
 #include "lr_schedule.h"
 #include "progress.h"
 
 namespace train_gpt {
 namespace {
+
+struct Parsed {
+  std::optional<int> code;  ///< What main() returns at once; nullopt: it trains.
+  std::string err;          ///< What the parser printed to stderr.
+};
+
+// parse_command_line on `args` (words split at spaces), as main() calls it.
+Parsed parse(const std::string& args) {
+  std::vector<std::string> words{"train_gpt"};
+  std::istringstream in(args);
+  for (std::string w; in >> w;) words.push_back(w);
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  TrainConfig config;
+  ::testing::internal::CaptureStderr();
+  const std::optional<int> code =
+      parse_command_line(static_cast<int>(argv.size()), argv.data(), &config);
+  return {code, ::testing::internal::GetCapturedStderr()};
+}
+
+// Every refusal of the command line, in this process: TrainGpt's
+// BadCommandLineGivesMessageAndNonZeroExit runs train_gpt on one of each
+// kind (the parser's, the text's, the prompt's, the metrics folder's).
+TEST(TrainGptParts, BadFlagsAreRefusedNamingThem) {
+  const std::string tiny = "--layers 1 --d-model 16 --heads 2 --steps 1 ";
+  const Parsed good = parse(tiny + "--sharding shard_grad_op");
+  EXPECT_EQ(good.code, std::nullopt) << good.err;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--no-such-flag 3", "--no-such-flag"},
+      {"--layers 0", "--layers"},
+      {"--layers many", "--layers"},
+      {"--seq-len -5", "--seq-len"},
+      {"--lr -1", "--lr"},
+      {"--batch-size 0", "--batch-size"},
+      {"--d-model 30 --heads 4", "not a multiple of --heads 4"},
+      {"--sharding half", "--sharding"},
+      {"--progress fancy", "--progress"},
+      {"--steps 10 --warmup-steps 50", "exceeds --steps"},
+      {"--val-fraction 2", "--val-fraction"},
+      {"--resume", "--resume needs --checkpoint-dir"},
+      {"--checkpoint-every 5", "--checkpoint-every needs --checkpoint-dir"},
+      {"--checkpoint-dir c --checkpoint-type zip", "--checkpoint-type"},
+      {"--stop-after 5", "--stop-after 5 exceeds --steps 1"},
+      {"--device tpu", "--device"},
+      {"--keep-last 2", "--keep-last needs --checkpoint-dir"},
+      // Stepping during backward needs host shards and no clipping by a norm
+      // that does not exist yet (the default --grad-clip is 1).
+      {"--step-during-backward --grad-clip 0", "pass --cpu-offload with it"},
+      {"--step-during-backward --cpu-offload", "pass --grad-clip 0 with it"},
+      {"--lr -inf", "--lr: "},
+      {"--steps nan", "--steps: "},
+      {"--keep-last nan", "--keep-last: "},
+      {"--warmup-steps inf", "--warmup-steps: "},
+  };
+  for (const auto& [args, message] : cases) {
+    const Parsed p = parse(tiny + args);
+    ASSERT_TRUE(p.code.has_value()) << args << ": accepted";
+    EXPECT_NE(*p.code, 0) << args << "\n" << p.err;
+    EXPECT_NE(p.err.find(message), std::string::npos)
+        << args << ": expected a message with '" << message << "', got:\n"
+        << p.err;
+  }
+  const Parsed help = parse("--help");
+  EXPECT_EQ(help.code, std::optional<int>(0));
+}
+
+TEST(TrainGptParts, NonFiniteNumbersAreRefusedForEveryFlag) {
+  for (const char* flag : {"--lr", "--min-lr", "--weight-decay", "--beta1", "--beta2",
+                           "--grad-clip", "--val-fraction", "--temperature", "--timeout"}) {
+    for (const char* value : {"nan", "inf"}) {
+      const Parsed p = parse(std::string("--steps 1 ") + flag + " " + value);
+      ASSERT_TRUE(p.code.has_value()) << flag << " " << value << ": accepted";
+      EXPECT_NE(*p.code, 0);
+      EXPECT_NE(p.err.find(flag), std::string::npos) << flag << " " << value << "\n" << p.err;
+      EXPECT_NE(p.err.find("finite"), std::string::npos) << flag << " " << value << "\n" << p.err;
+    }
+  }
+}
+
+// The message load_corpus's refusal carries (main() prints it).
+std::string corpus_error(const std::string& path, int64_t seq_len) {
+  try {
+    load_corpus(path, 0, 0.1, seq_len, 1);
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(TrainGptParts, UnusableTextIsRefusedNamingTheFile) {
+  const std::string dir = ::testing::TempDir();
+  const std::string short_text = dir + "train_gpt_short.txt", empty = dir + "train_gpt_empty.txt";
+  std::ofstream(short_text) << "A short text, far shorter than the sequence length.\n";
+  std::ofstream{empty};
+  EXPECT_NE(corpus_error(dir + "missing.txt", 8).find("missing.txt"), std::string::npos);
+  EXPECT_NE(corpus_error(short_text, 64).find("--seq-len 64 needs at least 65 characters"),
+            std::string::npos)
+      << corpus_error(short_text, 64);
+  EXPECT_NE(corpus_error(empty, 8).find("is empty"), std::string::npos) << corpus_error(empty, 8);
+  std::remove(short_text.c_str());
+  std::remove(empty.c_str());
+}
 
 TEST(TrainGptParts, TwoRanksSplitTheOneRankBatch) {
   // See Note [Deterministic batches].
