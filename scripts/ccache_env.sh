@@ -10,12 +10,17 @@
 # run of the same commit, right after it on the same machine, took 45, most
 # of it compiling anew. These are pinned for the compiles. CCACHE_BASEDIR
 # keeps the clone's path out of the keys (CI clones into a folder of its
-# own); CCACHE_MAXSIZE keeps a developer's builds (ccache's default: 5 GB)
-# from evicting what CI's five builds need (about 3 GB). The sloppiness is
+# own), and with it CCACHE_NOHASHDIR the folder a compile ran in, which ccache
+# otherwise hashes where debug information names it (-g1 in the sanitizer
+# builds): a cached object's line tables then name the folder of the clone
+# that compiled it first, and a sanitizer's stack still says file and line.
+# CCACHE_MAXSIZE keeps a developer's builds (ccache's default: 5 GB) from
+# evicting what CI's five builds need (about 3 GB). The sloppiness is
 # what ccache needs to cache compiles that use a precompiled header (Note
 # [Test build time] in tests/CMakeLists.txt).
 if command -v ccache > /dev/null; then
-  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-10G}"
+  export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}" CCACHE_NOHASHDIR=1
+  export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-10G}"
   export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
   export LANG=C.UTF-8
   unset LC_ALL LC_CTYPE LC_MESSAGES

@@ -19,18 +19,18 @@
 #           under ASan they would add minutes CI has not got; without
 #           sanitizers they pass on 1.13 too, see docs/cluster.md; the fuzz
 #           target links no LibTorch, so one stage runs it), the full
-#           test_collectives sweep (103 s under ASan; its paths run in the
-#           2 MiB sweeps and test_routes) and test_collectives_without_shm
+#           test_collectives sweep (its paths run in the 2 MiB sweeps and
+#           test_routes) and test_collectives_without_shm
 #           (110 s under ASan: Gloo above the direct-link size, which
 #           test_collectives_without_direct_links runs for every size).
 #   tsan    pip's torch 2.15 into build-tsan/ with ThreadSanitizer: the comm
 #           tests but the fault-injection ones and the two full sweeps
-#           (test_collectives, test_collectives_over_links: 5 and 1.5
-#           minutes under TSan; the threads they use run in
-#           test_direct_links, test_shm_links, test_routes and the 2 MiB
-#           sweeps), and the core tests labelled tsan (the optimizer's thread
-#           beside backward: test_step_during_backward, test_cpu_offload),
-#           which build the whole library and core_tests.
+#           (test_collectives, test_collectives_over_links; the threads
+#           they use run in test_direct_links, test_shm_links, test_routes
+#           and the 2 MiB sweeps), and the core tests labelled tsan (the
+#           optimizer's thread beside backward: test_step_during_backward,
+#           test_cpu_offload), which build the whole library and a program
+#           of their own (core_tsan_tests).
 # Every target is compiled with -Werror (FSDP_TEST_WERROR, default ON), with
 # LibTorch's headers precompiled (Note [Library build time] in
 # src/CMakeLists.txt, Note [Test build time] in tests/CMakeLists.txt). Each
