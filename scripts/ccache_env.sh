@@ -8,7 +8,8 @@
 # (LANG=C.UTF-8) and CI's run of the same tree (another environment) shared
 # no object: on 2026-11-28 a fresh clone built warm in 19 minutes, and CI's
 # run of the same commit, right after it on the same machine, took 45, most
-# of it compiling anew. These are pinned for the compiles. CCACHE_BASEDIR
+# of it compiling anew. These are pinned for every build (and, under
+# scripts/test.sh, for its tests, which then run in C.UTF-8). CCACHE_BASEDIR
 # keeps the clone's path out of the keys (CI clones into a folder of its
 # own), and with it CCACHE_NOHASHDIR the folder a compile ran in, which ccache
 # otherwise hashes where debug information names it (-g1 in the sanitizer
