@@ -69,6 +69,20 @@ PY
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$version" numpy safetensors
 }
+# Disk first: a full disk makes pip fail halfway, after minutes. A venv is
+# about 5 GiB (the CUDA wheels), the four test builds about 8 GiB more.
+# has_torch DIR VERSION: DIR's venv already has torch VERSION.
+has_torch() {
+  [[ "$("$1/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" == "$2" ]]
+}
+need_gib=8
+has_torch "${FSDP_VENV:-.venv}" "$TORCH_VERSION" || need_gib=$((need_gib + 6))
+has_torch "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION" || need_gib=$((need_gib + 6))
+free_gib=$(($(df -Pk . | awk 'NR == 2 { print $4 }') / 1048576))
+if ((free_gib < need_gib)); then
+  echo "setup: $PWD's disk has ${free_gib} GiB free and the venvs and builds need about ${need_gib} GiB; free some (old clones, build-* folders) and rerun scripts/setup.sh" >&2
+  exit 1
+fi
 # Debian's python3 makes venvs only with python3-venv (ensurepip).
 if ! python3 -c "import ensurepip" 2> /dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends python3-venv
