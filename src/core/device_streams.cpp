@@ -36,11 +36,6 @@ c10::Stream side_stream(c10::Device device, SideStream side) {
   return it->second;
 }
 
-c10::Stream current_stream(c10::Device device) {
-  const c10::impl::VirtualGuardImpl impl(device.type());
-  return impl.getStream(device.has_index() ? device : impl.getDevice());
-}
-
 // FSDP_FAULT_COPY_IN_NO_WAIT=1 drops the copy-in stream's waits for the
 // compute stream, =held only the one before held memory is handed back: a
 // GPU test shows that its buffers are then overwritten while kernels still
@@ -82,6 +77,20 @@ SideStreamScope::~SideStreamScope() {
 
 void wait_for_side_stream(c10::Device device, SideStream side) {
   if (has_streams(device)) side_stream(device, side).synchronize();
+}
+
+void wait_for_current_stream(c10::Device device) {
+  if (!device.is_cpu()) current_stream(device).synchronize();
+}
+
+c10::Stream current_stream(c10::Device device) {
+  if (device.is_cpu()) return c10::Stream(c10::Stream::DEFAULT, device);
+  const c10::impl::VirtualGuardImpl impl(device.type());
+  return impl.getStream(device.has_index() ? device : impl.getDevice());
+}
+
+OnStream::OnStream(c10::Stream stream) {
+  if (!stream.device().is_cpu()) guard_.reset_stream(stream);
 }
 
 void side_stream_waits_for_current(c10::Device device, SideStream side) {

@@ -36,6 +36,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <optional>
 
@@ -71,6 +72,28 @@ class SideStreamScope {
 /// Blocks the host until what `device`'s `side` stream has queued has run;
 /// nothing for the CPU.
 void wait_for_side_stream(c10::Device device, SideStream side);
+
+/// Blocks the host until what this thread's current stream on `device` has
+/// queued has run; nothing for the CPU.
+void wait_for_current_stream(c10::Device device);
+
+/// This thread's current stream on `device`; the CPU's default stream for
+/// the CPU.
+c10::Stream current_stream(c10::Device device);
+
+/// While alive, `stream` (another thread's current_stream()) is this
+/// thread's current stream and its device the current device, so that what
+/// this thread queues is ordered as that thread's work is; the previous ones
+/// come back at the end. Nothing for the CPU.
+class OnStream {
+ public:
+  explicit OnStream(c10::Stream stream);
+  OnStream(const OnStream&) = delete;
+  OnStream& operator=(const OnStream&) = delete;
+
+ private:
+  c10::OptionalStreamGuard guard_;
+};
 
 /// Makes `device`'s `side` stream wait for what the current stream has
 /// queued, without blocking the host.

@@ -370,9 +370,11 @@ at::Tensor FlatParameter::begin_unshard() {
   if (low_precision_host_.defined() && !low_precision_copy_current()) {
     // Something other than the fused step wrote the shard (a checkpoint
     // loaded, the user): cast the copy anew, once, so the unshards that
-    // follow still send 2 bytes an element. Earlier sends of the copy (on
-    // the copy-in stream) finish first.
+    // follow still send 2 bytes an element. Earlier reads of the copy finish
+    // first: sends on the copy-in stream, and NO_SHARD's copies (or all of
+    // them, without side streams) on the current one.
     detail::wait_for_side_stream(unsharded_.device(), detail::SideStream::kCopyIn);
+    detail::wait_for_current_stream(unsharded_.device());
     low_precision_host_copy();
   }
   at::Tensor input = shard_.detach();

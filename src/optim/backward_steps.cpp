@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/device_streams.h"
 #include "detail/error.h"
 
 // See Note [Stepping beside backward] in backward_steps.h.
@@ -211,6 +212,9 @@ void BackwardSteps::run() {
 
 void BackwardSteps::step(Handed& handed) {
   ReducedGrad& grad = handed.grad;
+  // Ordered as backward's work is, before the next forward's (the user's
+  // stream, not this thread's default one), on the unit's device.
+  const OnStream on_backwards_stream(grad.stream);
   TimeSums& sums = time_sums();
   BackwardStepEvent event;
   event.handed = handed.at;

@@ -21,19 +21,22 @@
 namespace fsdp::detail {
 
 // Note [Stepping beside backward]
-// The optimizer's half of Note [Steps during backward] (runtime/root_state.cpp):
-// FSDP hands over each unit's reduced gradient, on the thread that runs
-// backward, as soon as its reduction is launched; this class queues it for a
-// worker thread of its own, which completes it (waits for the collective,
-// sets .grad) and steps its parameters with the optimizer's own
-// per-parameter update (on LibTorch's intra-op threads, without grad mode),
-// so backward goes on meanwhile. step() waits for the worker, then steps
-// only what was not handed over; the root's next forward waits for it too,
-// so no shard is read while it is written. One step() per backward: a
-// forward or a backward after a backward that handed parameters over, with
-// no step() in between, is an error on every rank before any collective
-// (accumulation belongs inside no_sync(), which hands over nothing); the
-// backward waits for the worker first, so that not even its error path
+// The optimizer's half of Note [Steps during backward]
+// (runtime/root_state.cpp): FSDP hands over each unit's reduced gradient, on
+// the thread that runs backward, as soon as its reduction is launched; this
+// class queues it for a worker thread of its own, which completes it (waits for
+// the collective, sets .grad) and steps its parameters with the optimizer's own
+// per-parameter update (on LibTorch's intra-op threads, without grad mode), so
+// backward goes on meanwhile. On a GPU it queues that work on the stream
+// backward handed the gradient over on (ReducedGrad::stream), not its own
+// thread's default stream: under a user's CUDAStreamGuard the next forward
+// waits for nothing else (test_cuda_streams' user's-stream tests). step() waits
+// for the worker, then steps only what was not handed over; the root's next
+// forward waits for it too, so no shard is read while it is written. One step()
+// per backward: a forward or a backward after a backward that handed parameters
+// over, with no step() in between, is an error on every rank before any
+// collective (accumulation belongs inside no_sync(), which hands over nothing);
+// the backward waits for the worker first, so that not even its error path
 // reads a shard being written.
 /// Where the threads stepping beside backward spent their time, summed over
 /// every BackwardSteps of the process since the last take (per backward:

@@ -562,6 +562,12 @@ void UnitRuntime::deliver_early() {
 ReducedGrad UnitRuntime::reduced_grad_for(const std::vector<GradTarget>& targets) {
   ReducedGrad grad;
   for (const GradTarget& t : targets) grad.params.push_back(t.param);
+  // FSDP_FAULT_STEP_OFF_STREAM=1 leaves the listener on its own thread's
+  // stream: a GPU test shows the next forward then reads shards before their
+  // step (tests/core/test_cuda_streams.cpp).
+  if (grad_shard_.defined() && std::getenv("FSDP_FAULT_STEP_OFF_STREAM") == nullptr) {
+    grad.stream = current_stream(grad_shard_.device());
+  }
   // The flat shard only (use_orig_params' pieces step apart), of the unit
   // the recorded forward order unshards first.
   if (!copy_in_at_step_enabled() || !flat_ || targets.size() != 1 || targets[0].numel >= 0) {

@@ -12,7 +12,9 @@
 // comparison fails, so it can. With the host's optimizer stepping each unit
 // beside backward under offload, the gradients it steps are plain
 // LibTorch's too, and without the step-copy stream's wait for the reduction
-// (FSDP_FAULT_STEP_COPY_NO_WAIT=1) they are not. GPU memory does not grow
+// (FSDP_FAULT_STEP_COPY_NO_WAIT=1) they are not; on a user's stream, its
+// steps of units on the GPU are ordered before the next forward, and off it
+// (FSDP_FAULT_STEP_OFF_STREAM=1) they are not. GPU memory does not grow
 // from step to step, and a forward holds at most two units' gathered
 // parameters. Reported skipped, by name, without a GPU.
 
@@ -22,6 +24,8 @@
 
 #if FSDP_WITH_CUDA
 #include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 #include <algorithm>
@@ -307,6 +311,86 @@ TEST(CudaStreamsFault, WithoutTheStepCopyWaitTheGradientsDiffer) {
       if (!config.beside_backward) continue;
       EXPECT_GT(train_and_compare(config, 3, /*memory=*/false).grads, 0.1) << config.name;
     }
+  });
+}
+
+// A user's stream: training under a CUDAStreamGuard of a stream from
+// LibTorch's pool, which does not wait for the legacy default stream, with
+// the units on the GPU stepped beside backward by the optimizer's thread
+// (FusedSGD's LibTorch path). That thread must queue each step on the
+// stream backward ran on: the default stream, kept busy meanwhile (a spin
+// queued there before backward, as another library's work would be), must
+// not hold the steps back while the next forward reads the shards. Returns
+// the largest difference of this rank's outputs to plain LibTorch's, each
+// step, relative to the largest output.
+double users_stream_worst(int steps) {
+#if FSDP_WITH_CUDA
+  const int world = rank_and_world().second;
+  const torch::Device gpu(torch::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard on_users(c10::cuda::getStreamFromPool());
+  const auto seeded = [&] {
+    torch::manual_seed(0);
+    nn::Sequential net(nn::Linear(kWidth, kWidth), nn::Tanh(), nn::Linear(kWidth, kWidth));
+    net->to(gpu);
+    return net;
+  };
+  nn::Sequential reference = seeded();
+  nn::Sequential model = seeded();
+  fully_shard(*model->ptr(0));  // handed over as its reduction starts
+  const std::vector<at::Tensor> params = fully_shard(*model).flat_parameters();  // at the end
+  // Large steps, so that a forward reading a shard before its step is far off.
+  const auto sgd = torch::optim::SGDOptions(0.1);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd);
+  optim::FusedSGD opt(params, sgd);
+  opt.step_during_backward(*model);
+  double worst = 0;
+  for (int step = 0; step < steps; ++step) {
+    torch::manual_seed(100 + step);
+    const torch::Tensor global = torch::randn({4 * world, kWidth}).to(gpu);
+    ref_opt.zero_grad();
+    const torch::Tensor ref_out = reference->forward(global);
+    // The ranks' gradients are averaged: the sum over the global batch / (4 world).
+    (ref_out.sum() / (4 * world)).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    const torch::Tensor out = model->forward(local_block(global));
+    {
+      const c10::cuda::CUDAStreamGuard on_default(c10::cuda::getDefaultCUDAStream());
+      at::cuda::sleep(10 * kSpinCycles);
+    }
+    (out.sum() / 4).backward();
+    opt.step();
+    const torch::Tensor want = local_block(ref_out).to(torch::kCPU);
+    const double d =
+        (out.to(torch::kCPU) - want).abs().max().item<double>() / want.abs().max().item<double>();
+    worst = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(worst, d);
+  }
+  c10::cuda::getDefaultCUDAStream().synchronize();
+  return worst;
+#else
+  (void)steps;
+  return 0;
+#endif
+}
+
+TEST_P(CudaStreams, StepsBesideBackwardOnTheUsersStream) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    EXPECT_LT(users_stream_worst(3), 1e-4);
+  });
+}
+
+// The test above with FSDP_FAULT_STEP_OFF_STREAM=1, which leaves the
+// optimizer's thread on its own (the default) stream: the steps queue behind
+// the spin there, the next forward reads the shards before them, and the
+// outputs differ from plain LibTorch's.
+TEST(CudaStreamsFault, StepsOffTheUsersStreamAreReadBeforeTheyRun) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(1, [](int, int) {
+    setenv("FSDP_FAULT_STEP_OFF_STREAM", "1", 1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    EXPECT_GT(users_stream_worst(3), 1e-2);
   });
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 #include <torch/nn/module.h>
 
 #include <cstddef>
@@ -48,6 +49,12 @@ struct ReducedGrad {
   /// unit sends the new values on to its device ahead of the next forward
   /// (Note [Copy-in at the step] in src/core/copy_in_ahead.h).
   std::function<void(const ParamRange& range)> stepped;
+  /// The stream backward handed this over on (its current stream on the
+  /// unit's GPU; the CPU's default stream for a unit on the CPU). Run the
+  /// step's device work on it (complete() and stepped too): then the next
+  /// forward, queued on the same stream, reads what the step wrote, as
+  /// plain LibTorch's does under a user's CUDAStreamGuard.
+  c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
 };
 
 /// What a listener (an optimizer that steps during backward: fsdp::optim's
