@@ -1,14 +1,17 @@
 #include "comm/cuda_backend.h"
 
 #include <ATen/Context.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <functional>
 
 #include "detail/error.h"
 
 #if FSDP_WITH_CUDA
+#include <cuda_runtime_api.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -47,10 +50,12 @@ CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
   if (facts.visible_gpus == 0) {
     return {false, "this process sees no GPU (check CUDA_VISIBLE_DEVICES and the driver)"};
   }
-  if (facts.local_world_size > facts.visible_gpus) {
-    const std::string shared = std::to_string(facts.local_world_size) +
-                               " ranks on this node share " + std::to_string(facts.visible_gpus) +
-                               " GPU(s)";
+  const bool known = facts.ranks_on_gpu > 0;
+  if (known ? facts.ranks_on_gpu > 1 : facts.local_world_size > facts.visible_gpus) {
+    const std::string shared =
+        known ? std::to_string(facts.ranks_on_gpu) + " ranks share this rank's GPU"
+              : std::to_string(facts.local_world_size) + " ranks on this node share " +
+                    std::to_string(facts.visible_gpus) + " GPU(s)";
     if (facts.nccl_version < kMultiRankNccl) {
       return {false, shared + ", which NCCL " + nccl_version_string(facts.nccl_version) +
                          " refuses (ranks sharing a GPU need NCCL 2.30 or later with "
@@ -62,6 +67,30 @@ CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
     }
   }
   return {true, ""};
+}
+
+int64_t gpu_identity(std::optional<c10::Device> gpu) {
+#if FSDP_WITH_CUDA
+  cudaDeviceProp prop{};
+  if (!gpu || cudaGetDeviceProperties(&prop, gpu->index()) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it for LibTorch's next check
+    return 0;
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  std::string key(host);
+  key.append("/").append(reinterpret_cast<const char*>(&prop.uuid), sizeof(prop.uuid));
+  const auto h = static_cast<int64_t>(std::hash<std::string>{}(key));
+  return h == 0 ? 1 : h;
+#else
+  (void)gpu;
+  return 0;
+#endif
+}
+
+int ranks_on_same_gpu(const std::vector<int64_t>& identities, int64_t mine) {
+  if (mine == 0) return 0;
+  return static_cast<int>(std::count(identities.begin(), identities.end(), mine));
 }
 
 bool auto_tries_cuda_ipc(CudaBackend requested, bool nccl, const CudaFacts& facts, int world_size) {

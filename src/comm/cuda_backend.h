@@ -7,7 +7,11 @@
 // a LibTorch without NCCL (CPU builds, Debian's 1.13), a process that sees no
 // GPU, and ranks that share one GPU, which NCCL before 2.30 refuses outright
 // ("Duplicate GPU") and 2.30 and later accept only behind its experimental
-// NCCL_MULTI_RANK_GPU_ENABLE=1. Everywhere else the staged path (Note
+// NCCL_MULTI_RANK_GPU_ENABLE=1. Which ranks share a GPU is read from its
+// identity (host and GPU UUID, gathered from every rank), not from ranks per
+// node against GPUs visible: under a launcher that shows each rank one GPU
+// of its own (srun --gpus-per-task=1), four ranks on a node each see one
+// GPU and share none. Everywhere else the staged path (Note
 // [Tensors on other devices than the engine's]) carries them: slower, never
 // wrong. The facts differ between nodes (GPUs per node, environment), and
 // making a NCCL group is a collective act, so every rank states what it can
@@ -26,6 +30,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <fsdp/comm/init.h>
 
@@ -37,7 +42,21 @@ struct CudaFacts {
   int visible_gpus = 0;            ///< GPUs this process sees
   int local_world_size = 1;        ///< ranks on this node
   bool multi_rank_switch = false;  ///< NCCL_MULTI_RANK_GPU_ENABLE=1
+  /// Ranks of the job on this rank's GPU (the same host and GPU UUID: see
+  /// gpu_identity), itself included; 0 where not known, and then
+  /// local_world_size against visible_gpus decides whether ranks share one.
+  int ranks_on_gpu = 0;
 };
+
+/// A number that only processes on the same GPU of the same host share (a
+/// hash of the host's name and `gpu`'s UUID); 0 without a GPU. Ranks that
+/// each see one GPU of their own (a launcher's per-rank CUDA_VISIBLE_DEVICES)
+/// then do not count as ranks sharing one.
+int64_t gpu_identity(std::optional<c10::Device> gpu);
+
+/// How many of `identities` (every rank's gpu_identity) are `mine`; 0 for a
+/// rank without a GPU (mine == 0).
+int ranks_on_same_gpu(const std::vector<int64_t>& identities, int64_t mine);
 
 /// This process's CudaFacts (it queries the CUDA runtime only when NCCL is built).
 CudaFacts this_process_cuda_facts(int local_world_size);

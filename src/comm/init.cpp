@@ -340,7 +340,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
 
   // See Note [Choosing what carries CUDA tensors]: every rank states what it
   // can do, the group takes the least.
-  const detail::CudaFacts facts = detail::this_process_cuda_facts(info.local_world_size);
+  detail::CudaFacts facts = detail::this_process_cuda_facts(info.local_world_size);
+  // Which ranks share a GPU, by its identity, not by counting (every rank
+  // takes part: the build, and so this branch, is the same everywhere).
+  if (detail::built_nccl_version() != 0) {
+    const int64_t my_gpu =
+        facts.visible_gpus > 0 ? detail::gpu_identity(gpu_of_local_rank(info.local_rank)) : 0;
+    facts.ranks_on_gpu =
+        detail::ranks_on_same_gpu(detail::agree_gather(group.get(), {my_gpu}), my_gpu);
+  }
   const detail::CudaChoice mine = detail::choose_cuda_backend(requested, facts);
   // Builds without NCCL (the same on every rank) need no agreement.
   const bool nccl = detail::built_nccl_version() != 0 &&

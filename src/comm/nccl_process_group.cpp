@@ -104,11 +104,13 @@ class NcclCompletions {
     thread_.join();
   }
 
-  void add(c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<WorkState> state) {
+  /// `gpu`: the collective's device, current on this thread while it polls.
+  void add(c10::intrusive_ptr<c10d::Work> work, std::shared_ptr<WorkState> state,
+           c10::DeviceIndex gpu) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       pending_.push_back(
-          {std::move(work), std::move(state), std::chrono::steady_clock::now() + timeout_});
+          {std::move(work), std::move(state), std::chrono::steady_clock::now() + timeout_, gpu});
     }
     wake_.notify_all();
   }
@@ -138,6 +140,7 @@ class NcclCompletions {
     c10::intrusive_ptr<c10d::Work> work;
     std::shared_ptr<WorkState> state;
     std::chrono::steady_clock::time_point deadline;
+    c10::DeviceIndex gpu;
     bool hurried = false;  // a host waits for it (hurry())
   };
 
@@ -147,6 +150,13 @@ class NcclCompletions {
       wake_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
       if (pending_.empty()) return;  // stopping, nothing left
       Pending& front = pending_.front();
+      // The event query, and the tensors let go below, on the collective's
+      // GPU: a thread that never set its device would make a context on
+      // GPU 0 (hundreds of MB of another rank's GPU, where rank k is on k).
+      if (front.gpu >= 0 && front.gpu != gpu_) {
+        c10::cuda::set_device(front.gpu);
+        gpu_ = front.gpu;
+      }
       const bool done = front.work->isCompleted();
       const bool late = !done && std::chrono::steady_clock::now() > front.deadline;
       if (!done && !late) {
@@ -183,7 +193,8 @@ class NcclCompletions {
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   std::chrono::microseconds poll_ = kFirstPoll;
-  int hurried_ = 0;  // pending Works a host waits for
+  int hurried_ = 0;            // pending Works a host waits for
+  c10::DeviceIndex gpu_ = -1;  // this thread's current device, once set
   bool stopping_ = false;
   std::thread thread_;  // last: started once the rest exists
 };
@@ -312,6 +323,8 @@ class NcclProcessGroup final : public ProcessGroup {
 
   Work track(CollectiveKind kind, const std::string& what, c10::intrusive_ptr<c10d::Work> work,
              std::vector<at::Tensor> tensors) {
+    const auto gpu = static_cast<c10::DeviceIndex>(
+        tensors.empty() ? last_gpu_.load() : tensors.front().device().index());
     auto state = std::make_shared<WorkState>(
         describe_collective(kind, seq_++, what.empty() ? "nccl" : what + ", nccl"), rank(),
         timeout() + kWaitGrace, std::move(tensors));
@@ -321,7 +334,7 @@ class NcclProcessGroup final : public ProcessGroup {
       if (auto completions = weak.lock()) completions->hurry(state);
       return false;  // the GPU runs it; the waiter only asks for an early look
     };
-    completions_->add(std::move(work), state);
+    completions_->add(std::move(work), state, gpu);
     // Once the runtime is surely up (Note [NCCL groups at exit]).
     std::call_once(registered_live_, [this] { register_live(); });
     return Work(state);

@@ -4,11 +4,14 @@
 #include "detail/error.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <deque>
+#include <optional>
 
+#include <fsdp/comm/init.h>
 #include <fsdp/core/reset_parameters.h>
 #include <fsdp/runtime/unit.h>
 
@@ -133,6 +136,23 @@ void broadcast_in_place(ProcessGroup& group, const at::Tensor& t) {
   t.copy_(tmp);
 }
 
+// device_id(torch::kCUDA), without an index: the current device, as
+// LibTorch reads "cuda" and PyTorch's FSDP reads device_id, with its
+// warning where that is not this rank's GPU as launchers lay ranks out (no
+// c10::cuda::set_device(local rank) before wrapping: every rank on GPU 0).
+c10::Device current_device_for(c10::Device device, int rank, const std::string& where) {
+  const c10::Device current = c10::impl::VirtualGuardImpl(device.type()).getDevice();
+  const std::optional<c10::Device> gpu = is_initialized() ? local_gpu() : std::nullopt;
+  if (gpu && gpu->type() == current.type() && *gpu != current) {
+    TORCH_WARN(error_prefix(rank, where), "device_id ", device,
+               " has no index, so the unit goes to the current device, ", current,
+               " (as in PyTorch's FSDP), but this rank's GPU is ", *gpu,
+               " (fsdp::local_gpu()). Call c10::cuda::set_device(", int(gpu->index()),
+               ") before wrapping, or set device_id(*fsdp::local_gpu()).");
+  }
+  return current;
+}
+
 }  // namespace
 
 c10::Device resolve_unit_device(const FSDPOptions& options,
@@ -145,9 +165,9 @@ c10::Device resolve_unit_device(const FSDPOptions& options,
       break;
     }
   }
-  const c10::Device device = options.device_id() ? *options.device_id()
-                             : first != nullptr  ? first->second.device()
-                                                 : c10::Device(c10::kCPU);
+  c10::Device device = options.device_id() ? *options.device_id()
+                       : first != nullptr  ? first->second.device()
+                                           : c10::Device(c10::kCPU);
   const std::string origin = options.device_id() ? "FSDPOptions::device_id"
                              : first != nullptr  ? "parameter '" + first->first + "'"
                                                  : "the default";
@@ -156,6 +176,7 @@ c10::Device resolve_unit_device(const FSDPOptions& options,
              "), but libfsdp places units on the CPU and on CUDA devices (which this process "
              "does not see). Build the model on the CPU or a visible GPU, or set device_id to "
              "one of them");
+  if (!device.is_cpu() && !device.has_index()) device = current_device_for(device, rank, where);
   return device;
 }
 

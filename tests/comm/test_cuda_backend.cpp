@@ -60,6 +60,27 @@ TEST(ChooseCudaBackend, StagedWhereNcclCannotRunAndSaysWhy) {
   EXPECT_TRUE(choose_cuda_backend(CudaBackend::kNccl, facts(23100, 1, 2, true)).nccl);
 }
 
+// Ranks counted by their GPU's identity (init_process_group gathers every
+// rank's gpu_identity): ranks that each see one GPU of their own (srun
+// --gpus-per-task=1, a container per rank) run NCCL, however many share the
+// node; ranks on one GPU do not, however many GPUs the node has.
+TEST(ChooseCudaBackend, RanksSharingAGpuCountedByItsIdentity) {
+  CudaFacts own = facts(22809, 1, 4);
+  own.ranks_on_gpu = 1;
+  EXPECT_TRUE(choose_cuda_backend(CudaBackend::kAuto, own).nccl);
+  CudaFacts shared = facts(22809, 8, 8);
+  shared.ranks_on_gpu = 2;
+  const auto choice = choose_cuda_backend(CudaBackend::kAuto, shared);
+  EXPECT_FALSE(choice.nccl);
+  EXPECT_NE(choice.why_not.find("2 ranks share this rank's GPU, which NCCL 2.28.9 refuses"),
+            std::string::npos)
+      << choice.why_not;
+  EXPECT_EQ(detail::ranks_on_same_gpu({7, 9, 7, 7}, 7), 3);
+  EXPECT_EQ(detail::ranks_on_same_gpu({7, 9, 7, 7}, 9), 1);
+  EXPECT_EQ(detail::ranks_on_same_gpu({0, 0}, 0), 0);  // no GPU: not known
+  EXPECT_EQ(detail::gpu_identity(std::nullopt), 0);
+}
+
 // Where NCCL cannot run, kAuto tries CUDA IPC for a job on one node whose
 // ranks see a GPU (the group is made only where they all share one).
 TEST(ChooseCudaBackend, AutoTriesCudaIpcOnlyForOneNodeWithoutNccl) {

@@ -40,6 +40,7 @@
 
 #include "detail/torch_compat.h"
 #include "multi_rank.h"
+#include "rank_gpu.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
 
@@ -146,7 +147,7 @@ struct Worst {
 // from step to step.
 Worst train_and_compare(const Config& config, int steps, bool memory) {
   const int world = rank_and_world().second;
-  const torch::Device gpu(torch::kCUDA, 0);
+  const torch::Device gpu = rank_gpu();
   Stack reference(seeded_layers(gpu), nullptr);
   FSDPOptions options = FSDPOptions()
                             .sharding_strategy(config.strategy)
@@ -183,7 +184,7 @@ Worst train_and_compare(const Config& config, int steps, bool memory) {
     ref_opt.zero_grad();
     for (auto& p : reference->parameters()) p.mutable_grad().reset();
   }
-  const int64_t baseline = settled_cuda_allocated();
+  const int64_t baseline = settled_cuda_allocated(rank_gpu_index());
   Worst worst;
   const auto compare = [](double& most, const torch::Tensor& a, const torch::Tensor& b,
                           bool relative) {
@@ -199,14 +200,15 @@ Worst train_and_compare(const Config& config, int steps, bool memory) {
     const torch::Tensor ref_out = reference->forward(global);
     ref_out.pow(2).mean().backward();
     ref_opt.step();
-    const int64_t before = settled_cuda_allocated();
+    const int64_t before = settled_cuda_allocated(rank_gpu_index());
     opt.zero_grad();
     const torch::Tensor out = model->forward(local_block(global));
     out.pow(2).mean().backward();
     opt.step();
     // The output is still held here (compared below); the one of the step
     // before was freed before `before`.
-    const int64_t after = settled_cuda_allocated() - static_cast<int64_t>(out.nbytes());
+    const int64_t after =
+        settled_cuda_allocated(rank_gpu_index()) - static_cast<int64_t>(out.nbytes());
     // Step 0 makes the gradients that every later step reuses. Nothing a
     // unit gathered outlives the step (held memory is released at the end
     // of backward, not at the next forward): a unit is 4.2 MB.
@@ -247,7 +249,7 @@ TEST_P(CudaStreams, AForwardHoldsAtMostTwoUnitsGathered) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int world) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     const int64_t padded = (kWidth * kWidth + kWidth + world - 1) / world * world;
     const int64_t unit_bytes = padded * 4;
     for (const bool prefetch : {false, true}) {
@@ -259,13 +261,14 @@ TEST_P(CudaStreams, AForwardHoldsAtMostTwoUnitsGathered) {
       // which it keeps: not a unit's.
       model->forward(x);
       for (int pass = 0; pass < 3; ++pass) {
-        const int64_t before = settled_cuda_allocated();
-        compat::reset_cuda_peak(0);
+        const int64_t before = settled_cuda_allocated(rank_gpu_index());
+        compat::reset_cuda_peak(rank_gpu_index());
         model->forward(x);
-        const int64_t peak = compat::cuda_memory(0).peak_allocated - before;
+        const int64_t peak = compat::cuda_memory(rank_gpu_index()).peak_allocated - before;
         EXPECT_GE(peak, unit_bytes) << "prefetch " << prefetch << " pass " << pass;
         EXPECT_LE(peak, 2 * unit_bytes + (1 << 20)) << "prefetch " << prefetch << " pass " << pass;
-        EXPECT_LE(settled_cuda_allocated(), before) << "prefetch " << prefetch << " pass " << pass;
+        EXPECT_LE(settled_cuda_allocated(rank_gpu_index()), before)
+            << "prefetch " << prefetch << " pass " << pass;
       }
     }
   });
@@ -326,7 +329,7 @@ TEST(CudaStreamsFault, WithoutTheStepCopyWaitTheGradientsDiffer) {
 double users_stream_worst(int steps) {
 #if FSDP_WITH_CUDA
   const int world = rank_and_world().second;
-  const torch::Device gpu(torch::kCUDA, 0);
+  const torch::Device gpu = rank_gpu();
   const c10::cuda::CUDAStreamGuard on_users(c10::cuda::getStreamFromPool());
   const auto seeded = [&] {
     torch::manual_seed(0);

@@ -1,15 +1,18 @@
-// Units on a CUDA device (label cuda): a model moved to GPU 0 and wrapped
-// trains like plain LibTorch on the same GPU, trained on the concatenation of
-// the ranks' different batches, compared every step, at 1-3 ranks sharing the
-// GPU (one rank's collectives over NCCL, several ranks' over CUDA IPC where
-// NCCL refuses them, or staged through the host under test_cuda_units_staged:
-// Note [Choosing what carries CUDA tensors]),
+// Units on a CUDA device (label cuda): a model moved to the rank's GPU
+// (rank_gpu(): GPU 0 where there is one) and wrapped trains like plain
+// LibTorch on the same GPU, trained on the concatenation of the ranks'
+// different batches, compared every step, at 1-3 ranks sharing the GPU (one
+// rank's collectives over NCCL, several ranks' over CUDA IPC where NCCL
+// refuses them, or staged through the host under test_cuda_units_staged:
+// Note [Choosing what carries CUDA tensors]; on a machine with several GPUs,
+// rank k on GPU k, over NCCL),
 // for every sharding strategy; the flat buffers
 // live on the GPU and are freed there between uses (Note [One seam for
 // devices]), and GPU memory (the CUDA caching allocator's statistics) is the
 // same after every step. Reported skipped, by name, without a GPU.
 
 #include <ATen/Context.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -25,6 +28,7 @@
 #include "float16_scaling.h"
 #include "multi_rank.h"
 #include "offloaded_steps.h"
+#include "rank_gpu.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
 
@@ -65,12 +69,12 @@ StepMemory gpu_step(nn::Sequential& reference, torch::optim::Optimizer& ref_opt,
                     torch::optim::Optimizer& opt, int step, const std::string& what) {
   const int world = rank_and_world().second;
   torch::manual_seed(100 + step);
-  const torch::Tensor global = torch::randn({5 * world, 7}).to(torch::Device(torch::kCUDA, 0));
+  const torch::Tensor global = torch::randn({5 * world, 7}).to(rank_gpu());
   ref_opt.zero_grad();
   reference->forward(global).pow(2).mean().backward();
   ref_opt.step();
   StepMemory memory;
-  memory.before = settled_cuda_allocated();
+  memory.before = settled_cuda_allocated(rank_gpu_index());
   opt.zero_grad();
   {
     const torch::Tensor out = model->forward(local_block(global));
@@ -78,7 +82,7 @@ StepMemory gpu_step(nn::Sequential& reference, torch::optim::Optimizer& ref_opt,
     out.pow(2).mean().backward();  // FSDP averages the ranks' gradients
   }
   opt.step();
-  memory.after = settled_cuda_allocated();
+  memory.after = settled_cuda_allocated(rank_gpu_index());
   return memory;
 }
 
@@ -88,7 +92,7 @@ TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
       const std::string what = to_string(strategy);
@@ -102,9 +106,9 @@ TEST_P(CudaUnits, TrainLikePlainLibTorchOnTheGpu) {
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       std::vector<int64_t> after_step, peak;
       for (int step = 0; step < 4; ++step) {
-        compat::reset_cuda_peak(0);
+        compat::reset_cuda_peak(rank_gpu_index());
         const StepMemory memory = gpu_step(reference, ref_opt, model, opt, step, what);
-        peak.push_back(compat::cuda_memory(0).peak_allocated);
+        peak.push_back(compat::cuda_memory(rank_gpu_index()).peak_allocated);
         after_step.push_back(memory.after);
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
       }
@@ -125,7 +129,7 @@ TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     torch::manual_seed(0);
     nn::Sequential reference = small_net();
     reference->to(gpu);
@@ -137,14 +141,15 @@ TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
     EXPECT_TRUE(first_weight.is_cuda()) << "the user's handle follows the module";
     // The habit of moving a built model changes nothing here, and moving the
     // units off their GPU is refused (Note [Module::to on a sharded model]).
-    model->to(torch::kCUDA);
+    // torch::kCUDA is LibTorch's current device: GPU 0, where no program set
+    // another, so rank k's on GPU k would be refused.
+    if (gpu.index() == 0) model->to(torch::kCUDA);
     model->to(gpu, torch::kFloat);
     const std::string refused = error_of([&] { model->to(torch::kCPU); });
-    EXPECT_NE(
-        refused.find(
-            "to(cpu) would move or convert the FSDP unit around a torch::nn::SequentialImpl (on "
-            "cuda:0, Float)"),
-        std::string::npos)
+    EXPECT_NE(refused.find("to(cpu) would move or convert the FSDP unit around a "
+                           "torch::nn::SequentialImpl (on " +
+                           gpu.str() + ", Float)"),
+              std::string::npos)
         << refused;
     torch::manual_seed(7);
     const torch::Tensor x = torch::randn({5, 7}).to(gpu);
@@ -152,11 +157,31 @@ TEST_P(CudaUnits, DeviceIdMovesAModelBuiltOnTheCpu) {
   });
 }
 
+// device_id(torch::kCUDA), without an index, as PyTorch's FSDP reads it:
+// the current device (no error comparing "cuda" with "cuda:0"), where the
+// units live and train.
+TEST(CudaUnitsDevice, DeviceIdWithoutAnIndexIsTheCurrentDevice) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device current = c10::impl::VirtualGuardImpl(c10::kCUDA).getDevice();
+    torch::manual_seed(0);
+    nn::Sequential plain = small_net();
+    FullyShardedDataParallel<nn::SequentialImpl> model(plain,
+                                                       FSDPOptions().device_id(torch::kCUDA));
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.device(), current);
+    torch::manual_seed(7);
+    const torch::Tensor x = torch::randn({5, 7}).to(current);
+    model->forward(x).pow(2).mean().backward();
+    for (const auto& p : model->parameters()) EXPECT_EQ(p.grad().device(), current);
+  });
+}
+
 // A checkpointed region's dropout on the GPU draws the same mask when it is
 // recomputed: the GPU's generator is restored as the CPU's is.
 TEST(CudaCheckpointing, DropoutOnTheGpuRecomputesTheSameMask) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  const torch::Device gpu(torch::kCUDA, 0);
+  const torch::Device gpu = rank_gpu();
   torch::manual_seed(0);
   nn::Linear lin(16, 16);
   lin->to(gpu);
@@ -182,8 +207,7 @@ TEST_P(CudaUnits, Bf16MixedPrecisionMatchesPlainBf16OnTheGpu) {
   run_ranks_ok(GetParam(), [](int rank, int world) {
     auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     int64_t bf16_bytes = 0;
-    bf16_parity::expect_bf16_matches_reference(group, rank, world, torch::Device(torch::kCUDA, 0),
-                                               &bf16_bytes);
+    bf16_parity::expect_bf16_matches_reference(group, rank, world, rank_gpu(), &bf16_bytes);
     EXPECT_GT(bf16_bytes, 0);
   });
 }
@@ -194,7 +218,7 @@ TEST_P(CudaUnits, Float16WithShardedGradScalerOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    float16_scaling::expect_float16_trains_with_scale(torch::Device(torch::kCUDA, 0));
+    float16_scaling::expect_float16_trains_with_scale(rank_gpu());
   });
 }
 
@@ -213,7 +237,7 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int rank, int world) {
     auto group = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
     // The model stepped beside backward gets each gradient in parts of 64
     // elements, each copied on the step-copy stream and stepped once its
@@ -271,7 +295,7 @@ TEST_P(CudaUnits, KeptBf16GradientsStepAsTheirFloatValues) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    offloaded_steps::expect_kept_grads_step_as_cast(torch::Device(torch::kCUDA, 0), "64");
+    offloaded_steps::expect_kept_grads_step_as_cast(rank_gpu(), "64");
   });
 }
 
@@ -283,7 +307,7 @@ TEST_P(CudaUnits, FirstUnitCopiedInAtTheStep) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    offloaded_steps::expect_copy_in_at_step_as_without(torch::Device(torch::kCUDA, 0), "64");
+    offloaded_steps::expect_copy_in_at_step_as_without(rank_gpu(), "64");
   });
 }
 
@@ -297,7 +321,7 @@ TEST_P(CudaUnits, SomeUnitsOffloadedTheRootOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
     const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
     for (const bool beside : {false, true}) {
@@ -330,12 +354,16 @@ TEST_P(CudaUnits, SomeUnitsOffloadedTheRootOnTheGpu) {
 // one GPU; under test_cuda_units_staged, FSDP_CUDA_BACKEND stages them.
 TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr && at::getNumGPUs() > 1) {
+    GTEST_SKIP() << "its 2 nodes of 2 ranks share one GPU over CUDA IPC: run it with "
+                    "CUDA_VISIBLE_DEVICES=0";
+  }
   run_ranks_ok(4, [](int rank, int) {
     ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
         std::chrono::seconds(60));
     if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
     init_process_group(o);
-    const torch::Device gpu(torch::kCUDA, 0);
+    const torch::Device gpu = rank_gpu();
     for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
       const std::string what = to_string(strategy);
       nn::Sequential reference = seeded_net_on(gpu);

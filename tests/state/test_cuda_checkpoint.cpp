@@ -12,6 +12,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "rank_gpu.h"
 #include "settled_cuda_memory.h"
 #include "state_test_util.h"
 
@@ -39,15 +40,15 @@ torch::OrderedDict<std::string, torch::Tensor> on_cpu(
 
 class CudaCheckpoint : public ::testing::TestWithParam<int> {
  protected:
-  // Runs `body(rank, gpu)` on GetParam() ranks sharing GPU 0, each joined to
-  // the job, with a test directory of its own.
+  // Runs `body(rank, gpu)` on GetParam() ranks, each on its rank_gpu() (GPU 0
+  // for all where there is one) and joined to the job, with a test directory of its own.
   void on_gpu_ranks(const std::function<void(int rank, const torch::Device& gpu)>& body) {
     const std::string dir = test_dir();
     run_ranks_ok(
         GetParam(),
         [&body](int rank, int) {
           init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
-          body(rank, torch::Device(torch::kCUDA, 0));
+          body(rank, rank_gpu());
         },
         with_dir(dir));
     remove_test_dir(dir);
@@ -121,10 +122,10 @@ TEST_P(CudaCheckpoint, OffloadToCpuHoldsOneUnitAtATimeOnTheGpu) {
       opt.step();
       // Growth of the peak over what is in use before `f`.
       auto peak_growth = [&](const std::function<void()>& f) {
-        const int64_t before = settled_cuda_allocated();
-        compat::reset_cuda_peak(0);
+        const int64_t before = settled_cuda_allocated(rank_gpu_index());
+        compat::reset_cuda_peak(rank_gpu_index());
         f();
-        return compat::cuda_memory(0).peak_allocated - before;
+        return compat::cuda_memory(rank_gpu_index()).peak_allocated - before;
       };
       torch::OrderedDict<std::string, torch::Tensor> dict;
       const int64_t dict_growth = peak_growth([&] {
