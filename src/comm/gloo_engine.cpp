@@ -18,6 +18,7 @@
 
 #include <fsdp/error_message.h>
 
+#include <deque>
 #include <map>
 #include <mutex>
 
@@ -66,20 +67,57 @@ std::shared_ptr<gloo::transport::Device> device_for(const std::string& addr) {
   return dev;
 }
 
+// Note [Gloo's buffers let go later]
+// Destroying a gloo::transport::UnboundBuffer spins (sched_yield) until
+// Gloo's loop thread has dropped its reference to it, which it does just
+// after the transfer completed. Destroyed at once after each wait, as
+// before, that spin lasted scheduler slices wherever threads outnumber
+// cores: the small collectives of test_collectives_without_direct_links took
+// 22 s over Gloo's pairs against 5 s over the direct links (Debian's 1.13,
+// 2 cores, both busy yielding: perf). A buffer whose transfer completed is
+// kept instead and destroyed kKept transfers later, when the loop thread has
+// long let go; one whose transfer did not complete goes at once, as before.
+class RetiredBuffers {
+ public:
+  void retire(std::unique_ptr<gloo::transport::UnboundBuffer> buf) {
+    std::unique_ptr<gloo::transport::UnboundBuffer> oldest;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      kept_.push_back(std::move(buf));
+      if (kept_.size() <= kKept) return;
+      oldest = std::move(kept_.front());
+      kept_.pop_front();
+    }
+  }
+
+ private:
+  static constexpr size_t kKept = 64;
+  std::mutex mutex_;
+  std::deque<std::unique_ptr<gloo::transport::UnboundBuffer>> kept_;
+};
+
 class GlooTransfer : public PendingTransfer {
  public:
   GlooTransfer(std::unique_ptr<gloo::transport::UnboundBuffer> buf, bool is_send,
-               std::chrono::milliseconds timeout)
-      : buf_(std::move(buf)), is_send_(is_send), timeout_(timeout) {}
+               std::chrono::milliseconds timeout, RetiredBuffers& retired)
+      : buf_(std::move(buf)), is_send_(is_send), timeout_(timeout), retired_(retired) {}
+  ~GlooTransfer() override {
+    if (completed_) retired_.retire(std::move(buf_));
+  }
+  GlooTransfer(const GlooTransfer&) = delete;
+  GlooTransfer& operator=(const GlooTransfer&) = delete;
   void wait() override {
     const bool ok = is_send_ ? buf_->waitSend(timeout_) : buf_->waitRecv(timeout_);
     FSDP_CHECK(ok, -1, "process group", "gloo ", is_send_ ? "send" : "receive", " was aborted");
+    completed_ = true;
   }
 
  private:
   std::unique_ptr<gloo::transport::UnboundBuffer> buf_;
   bool is_send_;
   std::chrono::milliseconds timeout_;
+  RetiredBuffers& retired_;
+  bool completed_ = false;
 };
 
 class GlooPointToPoint : public PointToPoint {
@@ -89,17 +127,18 @@ class GlooPointToPoint : public PointToPoint {
   std::unique_ptr<PendingTransfer> isend(const at::Tensor& src, int peer, uint64_t slot) override {
     auto buf = ctx_.createUnboundBuffer(src.data_ptr(), src.nbytes());
     buf->send(peer, slot);
-    return std::make_unique<GlooTransfer>(std::move(buf), true, timeout_);
+    return std::make_unique<GlooTransfer>(std::move(buf), true, timeout_, retired_);
   }
   std::unique_ptr<PendingTransfer> irecv(const at::Tensor& dst, int peer, uint64_t slot) override {
     auto buf = ctx_.createUnboundBuffer(dst.data_ptr(), dst.nbytes());
     buf->recv(peer, slot);
-    return std::make_unique<GlooTransfer>(std::move(buf), false, timeout_);
+    return std::make_unique<GlooTransfer>(std::move(buf), false, timeout_, retired_);
   }
 
  private:
   gloo::Context& ctx_;
   std::chrono::milliseconds timeout_;
+  RetiredBuffers retired_;  // Note [Gloo's buffers let go later]
 };
 
 // Gloo's reduce callback: Note [One reduction] on views of Gloo's buffers
