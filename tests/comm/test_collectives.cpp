@@ -23,11 +23,9 @@ at::Tensor pattern(int64_t n, int64_t offset, int64_t modulus, at::ScalarType dt
 
 // Shard sizes (elements per rank): tiny, uneven against the 1 MiB ring
 // segment, several segments, and the one that makes the flat buffer max_bytes.
-/// Shard sizes from one element up to a flat buffer of `max_bytes`; only the
-/// small ones (up to 1000 elements) for max_bytes 0.
+/// Shard sizes from one element up to a flat buffer of `max_bytes`.
 std::vector<int64_t> shard_sizes(at::ScalarType dtype, int world, int64_t max_bytes) {
   const int64_t elem = c10::elementSize(dtype);
-  if (max_bytes == 0) return {1, 7, 1000};
   return {1, 7, 1000, (1 << 20) / elem + 3, max_bytes / elem / world};
 }
 
@@ -82,18 +80,15 @@ void check_broadcast(ProcessGroup& pg, at::ScalarType dtype, int64_t numel) {
 class Collectives : public ::testing::TestWithParam<Backend> {};
 
 /// Every collective at world sizes 1-4, all dtypes, flat buffers up to
-/// `max_bytes` (0: small messages only, up to 1000 elements), against
-/// closed-form results.
+/// `max_bytes`, against closed-form results.
 void closed_form_sweep(Backend backend, int64_t max_bytes) {
-  const int64_t reduce_numel = max_bytes > 0 ? 100003 : 1000;
-  const int64_t broadcast_numel = max_bytes > 0 ? 300001 : 1000;
   for (int world : {1, 2, 3, 4}) {
     // 64 MiB at 4 ranks takes about a minute on 2 cores (Note [Sweep sizes]).
     MultiRankOptions options;
     options.deadline = std::chrono::seconds(180);
     run_ranks_ok(
         world,
-        [backend, max_bytes, reduce_numel, broadcast_numel](int, int) {
+        [backend, max_bytes](int, int) {
           auto pg = join(backend);
           for (at::ScalarType dtype : kDtypes) {
             for (int64_t s : shard_sizes(dtype, pg->size(), max_bytes)) {
@@ -104,10 +99,10 @@ void closed_form_sweep(Backend backend, int64_t max_bytes) {
             check_reduce_scatter(*pg, dtype, 1000, ReduceOp::kAvg);
             for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
               check_all_reduce(*pg, dtype, 1, op);
-              check_all_reduce(*pg, dtype, reduce_numel, op);
+              check_all_reduce(*pg, dtype, 100003, op);
             }
             check_broadcast(*pg, dtype, 1);
-            check_broadcast(*pg, dtype, broadcast_numel);
+            check_broadcast(*pg, dtype, 300001);
           }
           pg->barrier().wait();
         },
@@ -134,8 +129,6 @@ TEST_P(Collectives, ClosedFormAllDtypesAllSizes) {
 // Up to 2 MiB: every path below and just above the direct-link threshold,
 // cheap enough to run again with direct links off (see CMakeLists.txt).
 TEST_P(Collectives, ClosedFormUpTo2MiB) { closed_form_sweep(GetParam(), 2 << 20); }
-
-TEST_P(Collectives, ClosedFormSmallMessages) { closed_form_sweep(GetParam(), 0); }
 
 TEST_P(Collectives, HandlesWaitedInAnotherOrderThanIssued) {
   run_ranks_ok(3, [](int rank, int world) {
