@@ -55,13 +55,17 @@ fi
 
 # The virtual environments with pip's torch (what C++ users of LibTorch 2.x
 # have: its CMake package is found through torch.utils.cmake_prefix_path).
-# venv_with_torch DIR VERSION: DIR has torch VERSION, numpy and safetensors.
-venv_with_torch() {
-  local venv="$1" version="$2"
-  if "$venv/bin/python" - "$version" 2>/dev/null <<'PY'; then
+# venv_ready DIR VERSION: DIR has torch VERSION, numpy and safetensors.
+venv_ready() {
+  "$1/bin/python" - "$2" 2>/dev/null <<'PY'
 import sys, torch, numpy, safetensors
 sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] else 1)
 PY
+}
+# venv_with_torch DIR VERSION: makes DIR venv_ready.
+venv_with_torch() {
+  local venv="$1" version="$2"
+  if venv_ready "$venv" "$version"; then
     echo "setup: $venv has torch $version"
     return
   fi
@@ -71,13 +75,9 @@ PY
 }
 # Disk first: a full disk makes pip fail halfway, after minutes. A venv is
 # about 5 GiB (the CUDA wheels), the four test builds about 8 GiB more.
-# has_torch DIR VERSION: DIR's venv already has torch VERSION.
-has_torch() {
-  [[ "$("$1/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" == "$2" ]]
-}
 need_gib=8
-has_torch "${FSDP_VENV:-.venv}" "$TORCH_VERSION" || need_gib=$((need_gib + 6))
-has_torch "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION" || need_gib=$((need_gib + 6))
+venv_ready "${FSDP_VENV:-.venv}" "$TORCH_VERSION" || need_gib=$((need_gib + 6))
+venv_ready "${FSDP_VENV_211:-.venv-2.11}" "$TORCH_211_VERSION" || need_gib=$((need_gib + 6))
 free_gib=$(($(df -Pk . | awk 'NR == 2 { print $4 }') / 1048576))
 if ((free_gib < need_gib)); then
   echo "setup: $PWD's disk has ${free_gib} GiB free and the venvs and builds need about ${need_gib} GiB; free some (old clones, build-* folders) and rerun scripts/setup.sh" >&2

@@ -70,9 +70,10 @@ CudaChoice choose_cuda_backend(CudaBackend requested, const CudaFacts& facts) {
 }
 
 int64_t gpu_identity(std::optional<c10::Device> gpu) {
+  if (!gpu) return 0;  // no question to the CUDA runtime without a GPU
 #if FSDP_WITH_CUDA
   cudaDeviceProp prop{};
-  if (!gpu || cudaGetDeviceProperties(&prop, gpu->index()) != cudaSuccess) {
+  if (cudaGetDeviceProperties(&prop, gpu->index()) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: clear it for LibTorch's next check
     return 0;
   }
@@ -83,7 +84,6 @@ int64_t gpu_identity(std::optional<c10::Device> gpu) {
   const auto h = static_cast<int64_t>(std::hash<std::string>{}(key));
   return h == 0 ? 1 : h;
 #else
-  (void)gpu;
   return 0;
 #endif
 }

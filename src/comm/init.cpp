@@ -344,8 +344,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
   // Which ranks share a GPU, by its identity, not by counting (every rank
   // takes part: the build, and so this branch, is the same everywhere).
   if (detail::built_nccl_version() != 0) {
-    const int64_t my_gpu =
-        facts.visible_gpus > 0 ? detail::gpu_identity(gpu_of_local_rank(info.local_rank)) : 0;
+    const int64_t my_gpu = detail::gpu_identity(gpu_of_local_rank(info.local_rank));
     facts.ranks_on_gpu =
         detail::ranks_on_same_gpu(detail::agree_gather(group.get(), {my_gpu}), my_gpu);
   }
