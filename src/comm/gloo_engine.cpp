@@ -2,15 +2,9 @@
 
 #if FSDP_WITH_GLOO
 
-#include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <c10/util/Half.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <gloo/allreduce.h>
-#include <gloo/barrier.h>
-#include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
@@ -22,7 +16,6 @@
 #include <map>
 #include <mutex>
 
-#include "comm/reduce.h"
 #include "detail/error.h"
 
 // See Note [Gloo or not].
@@ -77,7 +70,11 @@ std::shared_ptr<gloo::transport::Device> device_for(const std::string& addr) {
 // (Debian's 1.13, 2 cores, both busy yielding: perf); 12 s now. A buffer
 // whose transfer completed is kept instead and destroyed kKept transfers
 // later, when the loop thread has long let go; one whose transfer did not
-// complete goes at once, as before.
+// complete goes at once, as before. Gloo's own all-reduce, broadcast and
+// barrier destroy their buffers at once, out of our reach, and spun the
+// same way (80% of the CPU of a 3-rank test over Gloo, perf): libfsdp runs
+// them as rings over these transfers instead (gloo_process_group.cpp), and
+// the 3-rank route tests over Gloo took 0.7 s instead of 4.5.
 class RetiredBuffers {
  public:
   void retire(std::unique_ptr<gloo::transport::UnboundBuffer> buf) {
@@ -142,85 +139,14 @@ class GlooPointToPoint : public PointToPoint {
   RetiredBuffers retired_;  // Note [Gloo's buffers let go later]
 };
 
-// Gloo's reduce callback: Note [One reduction] on views of Gloo's buffers
-// (`out` is one of the inputs in Gloo's ring).
-gloo::AllreduceOptions::Func reduce_function(at::ScalarType dtype, ReduceOp op) {
-  return [dtype, op](void* out, const void* a, const void* b, size_t n) {
-    auto view = [&](const void* p) {
-      return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)},
-                           at::TensorOptions().dtype(dtype));
-    };
-    reduce_into(view(out), view(a), view(b), op);
-  };
-}
-
-template <typename T>
-void gloo_all_reduce_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t,
-                           ReduceOp op, uint32_t tag, std::chrono::milliseconds timeout) {
-  gloo::AllreduceOptions opts(ctx);
-  opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
-  opts.setReduceFunction(reduce_function(t.scalar_type(), op));
-  opts.setTag(tag);
-  opts.setTimeout(timeout);
-  gloo::allreduce(opts);
-}
-
-template <typename T>
-void gloo_broadcast_typed(const std::shared_ptr<gloo::Context>& ctx, const at::Tensor& t, int root,
-                          uint32_t tag, std::chrono::milliseconds timeout) {
-  gloo::BroadcastOptions opts(ctx);
-  opts.setOutput(static_cast<T*>(t.data_ptr()), static_cast<size_t>(t.numel()));
-  opts.setRoot(root);
-  opts.setTag(tag);
-  opts.setTimeout(timeout);
-  gloo::broadcast(opts);
-}
-
-// Calls fn.template operator()<T>() for the C++ type of `dtype`.
-template <typename Fn>
-void dispatch_dtype(at::ScalarType dtype, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kDouble:
-      return fn(double{});
-    case at::kBFloat16:
-      return fn(c10::BFloat16{});
-    case at::kHalf:
-      return fn(c10::Half{});
-    default:
-      TORCH_INTERNAL_ASSERT(false, "unchecked dtype ", dtype);
-  }
-}
-
 class Engine final : public GlooEngine {
  public:
   Engine(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout)
-      : context_(std::move(context)), timeout_(timeout), p2p_(*context_, timeout) {}
+      : context_(std::move(context)), p2p_(*context_, timeout) {}
   PointToPoint& p2p() override { return p2p_; }
-  void all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t seq) override {
-    dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
-      using T = decltype(tag_value);
-      gloo_all_reduce_typed<T>(context_, tensor, op, static_cast<uint32_t>(seq), timeout_);
-    });
-    finish_reduction(tensor, op, context_->size);
-  }
-  void broadcast(const at::Tensor& tensor, int root, uint64_t seq) override {
-    dispatch_dtype(tensor.scalar_type(), [&](auto tag_value) {
-      using T = decltype(tag_value);
-      gloo_broadcast_typed<T>(context_, tensor, root, static_cast<uint32_t>(seq), timeout_);
-    });
-  }
-  void barrier(uint64_t seq) override {
-    gloo::BarrierOptions opts(context_);
-    opts.setTag(static_cast<uint32_t>(seq));
-    opts.setTimeout(timeout_);
-    gloo::barrier(opts);
-  }
 
  private:
   std::shared_ptr<gloo::Context> context_;
-  std::chrono::milliseconds timeout_;
   GlooPointToPoint p2p_;
 };
 

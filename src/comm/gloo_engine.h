@@ -15,7 +15,8 @@ namespace fsdp::detail {
 /// Note [Gloo or not]
 /// With Debian's LibTorch 1.13 libfsdp calls Debian's Gloo (libgloo-dev)
 /// directly: a full mesh of Gloo pairs carries the ring collectives between
-/// hosts, and Gloo's own all-reduce, broadcast and barrier. pip's torch wheel
+/// hosts, broadcast and barrier included (Gloo's own collectives are not
+/// called: Note [Gloo's buffers let go later]). pip's torch wheel
 /// (LibTorch 2.x) links its own, newer Gloo into libtorch_cpu.so and exports
 /// its symbols but ships none of its headers; Debian's headers describe
 /// another version of the same classes, so calling either copy through them
@@ -30,12 +31,6 @@ class GlooEngine {
   virtual ~GlooEngine() = default;
   /// Gloo's unbound buffers, for the ring collectives.
   virtual PointToPoint& p2p() = 0;
-  /// Gloo's all-reduce of `tensor` in place (kAvg divides afterwards).
-  virtual void all_reduce(const at::Tensor& tensor, ReduceOp op, uint64_t seq) = 0;
-  /// Gloo's broadcast of `tensor` from `root`.
-  virtual void broadcast(const at::Tensor& tensor, int root, uint64_t seq) = 0;
-  /// Gloo's barrier.
-  virtual void barrier(uint64_t seq) = 0;
 };
 
 /// Connects a full mesh of Gloo pairs for rank `rank` of `size` through

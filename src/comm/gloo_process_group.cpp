@@ -106,18 +106,20 @@ Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
 // |-----------------|-----------------------|--------|----------------------------------|
 // | all-gather,     | links open and C <= L | kLinks | ring over the direct links       |
 // | reduce-scatter, | shared memory open    | kShm   | rounds through the segment       |
-// | all-reduce      | Gloo built            | kGloo  | ring over Gloo's pairs;          |
-// |                 |                       |        | all-reduce: gloo::allreduce      |
+// | all-reduce      | Gloo built            | kGloo  | ring over Gloo's pairs           |
 // |                 | otherwise             | kLinks | ring over the direct links       |
-// | broadcast       | Gloo built            | kGloo  | gloo::broadcast                  |
+// | broadcast       | Gloo built            | kGloo  | chain over Gloo's pairs          |
 // |                 | otherwise             | kLinks | chain over the direct links      |
-// | barrier         | Gloo built            | kGloo  | gloo::barrier                    |
+// | barrier         | Gloo built            | kGloo  | 1-element all-reduce, Gloo pairs |
 // |                 | otherwise             | kLinks | 1-element all-reduce, links      |
 // | fingerprints    | routed as an all-gather of their size; not in route_count()     |
 //
-// All-reduce over the links is a reduce-scatter ring then an all-gather ring
-// on a copy padded to a multiple of the group size; over shared memory every
-// rank sums all slots in rank order (the same bits everywhere).
+// All-reduce over the links or Gloo's pairs is a reduce-scatter ring then an
+// all-gather ring on a copy padded to a multiple of the group size; over
+// shared memory every rank sums all slots in rank order (the same bits
+// everywhere). Gloo's own all-reduce, broadcast and barrier are not used:
+// each destroys its buffers at once, which spins (Note [Gloo's buffers let
+// go later]); their rings over the same pairs keep them for later.
 //
 // What a group opens (its constructor):
 // | transport     | opened when                                                    |
@@ -136,7 +138,6 @@ Work GlooProcessGroup::submit(CollectiveKind kind, const std::string& what,
 // |                                   | links for large collectives])                     |
 // | ring_segment_bytes (1 MiB)        | segment of every ring, over links or Gloo's pairs |
 // | shm_slot_bytes (2 MiB)            | bytes per rank and round through shared memory    |
-// Gloo's all-reduce, broadcast and barrier segment as Gloo does.
 //
 // So by default a build with Gloo (1.13) sends C <= 64 KiB over the links,
 // larger chunks through shared memory on one host and over Gloo across
@@ -238,21 +239,17 @@ Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
                   if (size() == 1 || tensor.numel() == 0) return;
                   const int64_t chunk = (tensor.numel() + size() - 1) / size() *
                                         static_cast<int64_t>(tensor.element_size());
-                  switch (take_route(CollectiveKind::kAllReduce, chunk)) {
-                    case Route::kLinks:
-                      return ring_all_reduce_over_links(tensor, op, seq);
-                    case Route::kShm:
-                      return shm_->all_reduce(tensor, op);
-                    case Route::kGloo:
-                      return gloo_->all_reduce(tensor, op, seq);
-                  }
+                  const Route r = take_route(CollectiveKind::kAllReduce, chunk);
+                  if (r == Route::kShm) return shm_->all_reduce(tensor, op);
+                  ring_all_reduce(r, tensor, op, seq);
                 });
 }
 
-void GlooProcessGroup::ring_all_reduce_over_links(const at::Tensor& tensor, ReduceOp op,
-                                                  uint64_t seq) {
-  // A reduce-scatter then an all-gather over the direct links, on a copy
-  // padded to a multiple of the group size (the padding is never read back).
+void GlooProcessGroup::ring_all_reduce(Route route, const at::Tensor& tensor, ReduceOp op,
+                                       uint64_t seq) {
+  // A reduce-scatter then an all-gather ring, on a copy padded to a multiple
+  // of the group size (the padding is never read back).
+  PointToPoint& p2p = ring_transport(route);
   const int64_t numel = tensor.numel(), per = (numel + size() - 1) / size();
   at::Tensor flat = at::zeros({per * size()}, tensor.options());
   flat.narrow(0, 0, numel).copy_(tensor.view({-1}));
@@ -260,8 +257,8 @@ void GlooProcessGroup::ring_all_reduce_over_links(const at::Tensor& tensor, Redu
   at::Tensor scratch = size() >= 3 ? scratch_like(shard) : at::Tensor();
   const uint64_t base = ring_slot_base(seq);
   const int64_t segment = config_.ring_segment_bytes;
-  ring_reduce_scatter(*links_, rank(), size(), flat, shard, scratch, op, base, segment);
-  ring_all_gather(*links_, rank(), size(), flat, shard, base + (uint64_t{1} << 20), segment);
+  ring_reduce_scatter(p2p, rank(), size(), flat, shard, scratch, op, base, segment);
+  ring_all_gather(p2p, rank(), size(), flat, shard, base + (uint64_t{1} << 20), segment);
   tensor.view({-1}).copy_(flat.narrow(0, 0, numel));
 }
 
@@ -273,10 +270,8 @@ Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
                 [this, tensor, root](uint64_t seq) {
                   if (size() == 1 || tensor.numel() == 0) return;
                   const auto bytes = static_cast<int64_t>(tensor.nbytes());
-                  if (take_route(CollectiveKind::kBroadcast, bytes) == Route::kGloo) {
-                    return gloo_->broadcast(tensor, root, seq);
-                  }
-                  ring_broadcast(*links_, rank(), size(), tensor.view({-1}), root,
+                  const Route r = take_route(CollectiveKind::kBroadcast, bytes);
+                  ring_broadcast(ring_transport(r), rank(), size(), tensor.view({-1}), root,
                                  ring_slot_base(seq), config_.ring_segment_bytes);
                 });
 }
@@ -284,9 +279,9 @@ Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
 Work GlooProcessGroup::barrier() {
   return submit(CollectiveKind::kBarrier, "", {}, -1, [this](uint64_t seq) {
     if (size() == 1) return;
-    if (take_route(CollectiveKind::kBarrier, 0) == Route::kGloo) return gloo_->barrier(seq);
+    const Route r = take_route(CollectiveKind::kBarrier, 0);
     at::Tensor token = at::zeros({1}, at::kFloat);
-    ring_all_reduce_over_links(token, ReduceOp::kSum, seq);
+    ring_all_reduce(r, token, ReduceOp::kSum, seq);
   });
 }
 

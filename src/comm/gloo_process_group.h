@@ -27,8 +27,8 @@ enum class Route : uint8_t {
   kLinks,
   /// The group's shared-memory segment (every rank on this host).
   kShm,
-  /// Gloo: rings over Gloo's pairs, or Gloo's own all-reduce, broadcast and
-  /// barrier (LibTorch 1.13 builds only).
+  /// Gloo: rings over Gloo's pairs, broadcast and barrier included
+  /// (LibTorch 1.13 builds only).
   kGloo,
 };
 /// Number of Route values.
@@ -85,8 +85,8 @@ class GlooProcessGroup final : public ProcessGroup {
   PointToPoint& ring_transport(Route route);
   // All-gather of 1-D `shard` into `flat` over `route`, under ring slots `base`.
   void all_gather_over(Route route, const at::Tensor& flat, const at::Tensor& shard, uint64_t base);
-  // all_reduce as reduce-scatter + all-gather rings over the direct links.
-  void ring_all_reduce_over_links(const at::Tensor& tensor, ReduceOp op, uint64_t seq);
+  // all_reduce as reduce-scatter + all-gather rings over `route` (kLinks or kGloo).
+  void ring_all_reduce(Route route, const at::Tensor& tensor, ReduceOp op, uint64_t seq);
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;

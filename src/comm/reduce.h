@@ -8,7 +8,7 @@ namespace fsdp::detail {
 
 // Note [One reduction]
 // Every route that reduces (the rings over the direct links or Gloo's pairs,
-// shared memory, Gloo's own all-reduce) combines with reduce_into() and ends
+// shared memory, c10d's backends) combines with reduce_into() and ends
 // with finish_reduction(), so a ReduceOp means the same on every route: kSum
 // and kAvg add in the tensor's own dtype, kMax and kMin are ATen's maximum
 // and minimum (a NaN on any rank wins), and kAvg divides the sum by the group
