@@ -42,8 +42,9 @@
 // (fsdp::detail::BackwardStepTimes): listener_span_ms from the first unit
 // handed over to the last one stepped, of which listener_complete_ms waiting
 // for reductions and whole copies, listener_arrive_ms for parts to land and
-// listener_step_ms stepping; step_wait_ms is how long step() waited for it
-// once backward had returned. --trace 1: the last timed step's timeline
+// listener_step_ms stepping; step_wait_ms is how long the end of backward
+// waited for it (before 2026-11-29: step(), once backward had returned; the
+// same wait). --trace 1: the last timed step's timeline
 // (trace_ms), in ms from its start: when forward, backward and step()
 // returned on the host (*_cpu) and when the GPU had run what each had queued
 // (*_gpu), and per unit handed over [elements, handed, completed, landed,

@@ -79,8 +79,11 @@ std::vector<BackwardStepEvent> take_backward_step_events() {
   return std::exchange(log.events, {});
 }
 
-BackwardSteps::BackwardSteps(std::string owner, StepRange step_range)
-    : owner_(std::move(owner)), step_range_(std::move(step_range)) {}
+BackwardSteps::BackwardSteps(std::string owner, StepRange step_range,
+                             std::function<void()> on_taken)
+    : owner_(std::move(owner)),
+      step_range_(std::move(step_range)),
+      on_taken_(std::move(on_taken)) {}
 
 BackwardSteps::~BackwardSteps() {
   {
@@ -93,7 +96,7 @@ BackwardSteps::~BackwardSteps() {
 
 void BackwardSteps::attach(torch::nn::Module& model) {
   // The hooks hold the optimizer's half weakly: an optimizer destroyed
-  // before its model leaves hooks that do nothing.
+  // before its model leaves hooks that act as if removed (listening).
   std::weak_ptr<BackwardSteps> self = shared_from_this();
   ReducedGradHooks hooks;
   hooks.owner = owner_;
@@ -106,9 +109,16 @@ void BackwardSteps::attach(torch::nn::Module& model) {
   hooks.before_backward = [self] {
     if (auto steps = self.lock()) steps->before_backward();
   };
+  hooks.before_zero_grad = [self] {
+    if (auto steps = self.lock()) steps->wait();
+  };
+  hooks.after_backward = [self] {
+    if (auto steps = self.lock()) steps->after_backward();
+  };
   hooks.before_state_use = [self] {
     if (auto steps = self.lock()) steps->before_state_use();
   };
+  hooks.listening = [self] { return !self.expired(); };
   hooks.takes_parts = true;  // each part stepped as it lands
   set_reduced_grad_hooks(model, hooks);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -131,10 +141,21 @@ void BackwardSteps::hand_over(ReducedGrad grad) {
                  "units");
     }
     const Clock::time_point now = Clock::now();
-    if (stepped_.size() == grad.params.size()) first_handed_ = now;  // the first
+    if (phase_ == Phase::kIdle) {  // this backward's first
+      set_phase(Phase::kInBackward);
+      first_handed_ = now;
+    }
     queue_.push_back(Handed{std::move(grad), now});
   }
   changed_.notify_all();
+}
+
+void BackwardSteps::set_phase(Phase next) {
+  const bool ok = next == Phase::kIdle || (phase_ == Phase::kIdle && next == Phase::kInBackward) ||
+                  (phase_ == Phase::kInBackward && next == Phase::kEnded);
+  TORCH_INTERNAL_ASSERT(ok, owner_, ": no step phase transition ", static_cast<int>(phase_), " -> ",
+                        static_cast<int>(next));
+  phase_ = next;
 }
 
 void BackwardSteps::wait() {
@@ -154,6 +175,18 @@ void BackwardSteps::before_backward() {
                      "after it)");
 }
 
+void BackwardSteps::after_backward() {
+  timed(time_sums().step_wait, [this] { wait(); });
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (phase_ == Phase::kInBackward) set_phase(Phase::kEnded);
+}
+
+void BackwardSteps::before_replaced() {
+  refuse_before_step("step_during_backward() call",
+                     " (attaching again would forget what it stepped, and step() would step "
+                     "it twice)");
+}
+
 void BackwardSteps::before_state_use() {
   // Between such a backward and step() some shards hold the values after
   // the step and the others those before it, and the worker may still be
@@ -168,7 +201,14 @@ void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Every rank runs the same forwards and backwards, and hands the same units
   // over, so every rank fails here alike, before any collective of the pass.
-  FSDP_CHECK(stepped_.empty(), -1, owner_, "a ", pass,
+  // A backward that threw midway (on one rank, maybe) never ended: its
+  // stepped units cannot be unstepped, so step() closes that step.
+  FSDP_CHECK(phase_ != Phase::kInBackward, -1, owner_, "a ", pass,
+             " began after a backward that stopped midway (it threw) once some of its units "
+             "were stepped during it; call step() to close that step (the units it did not "
+             "reach keep their values, as under PyTorch's optimizer-in-backward), or load a "
+             "checkpoint, then go on");
+  FSDP_CHECK(phase_ == Phase::kIdle, -1, owner_, "a ", pass,
              " began after a backward whose gradients were stepped, with no step() in between",
              cases,
              "; stepping during backward makes each backward one optimizer step: call step() "
@@ -177,9 +217,11 @@ void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {
-  timed(time_sums().step_wait, [this] { wait(); });
+  wait();
+  if (on_taken_) on_taken_();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!stepped_.empty()) add(time_sums().span, first_handed_, last_stepped_);
+  if (phase_ != Phase::kIdle) add(time_sums().span, first_handed_, last_stepped_);
+  set_phase(Phase::kIdle);
   return std::exchange(stepped_, {});
 }
 

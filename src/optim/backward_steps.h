@@ -32,12 +32,17 @@ namespace fsdp::detail {
 // thread's default stream: under a user's CUDAStreamGuard the next forward
 // waits for nothing else (test_cuda_streams' user's-stream tests). step() waits
 // for the worker, then steps only what was not handed over; the root's next
-// forward waits for it too, so no shard is read while it is written. One step()
-// per backward: a forward or a backward after a backward that handed parameters
-// over, with no step() in between, is an error on every rank before any
-// collective (accumulation belongs inside no_sync(), which hands over nothing);
-// the backward waits for the worker first, so that not even its error path
-// reads a shard being written.
+// forward waits for it too, so no shard is read while it is written. The end
+// of backward waits for the worker (after_backward): when backward returns,
+// what it handed over is stepped and its .grad set, and the worker is idle
+// until the next backward, so reading .grad, or changing an option, between
+// backward and step() races with nothing. One step() per backward: a forward
+// or a backward after a backward that handed parameters over, with no step()
+// in between, is an error on every rank before any collective (accumulation
+// belongs inside no_sync(), which hands over nothing); the backward waits for
+// the worker first, so that not even its error path reads a shard being
+// written. The phase (Phase) tells a backward that ended from one that threw
+// midway, for the error's advice.
 /// Where the threads stepping beside backward spent their time, summed over
 /// every BackwardSteps of the process since the last take (per backward:
 /// divide by the steps): bench_gpu_step reports it, to tell a host optimizer
@@ -47,7 +52,7 @@ struct BackwardStepTimes {
   double complete_ms = 0;   ///< waiting for reductions and whole copies (complete())
   double arrive_ms = 0;     ///< waiting for parts to land (GradPart::arrived())
   double step_ms = 0;       ///< stepping
-  double step_wait_ms = 0;  ///< step() waiting for all that, after backward returned
+  double step_wait_ms = 0;  ///< the end of backward waiting for all that (after_backward)
 };
 
 /// The times since the last call, then zero.
@@ -76,8 +81,9 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   /// a range of all its elements is the whole step.
   using StepRange = std::function<void(at::Tensor& param, int64_t begin, int64_t end)>;
 
-  /// `owner` names the optimizer's method in messages.
-  BackwardSteps(std::string owner, StepRange step_range);
+  /// `owner` names the optimizer's method in messages; `on_taken`, if set,
+  /// runs in take_stepped() once the worker is idle.
+  BackwardSteps(std::string owner, StepRange step_range, std::function<void()> on_taken = nullptr);
   /// Lets the worker finish its queue, then stops it.
   ~BackwardSteps();
   BackwardSteps(const BackwardSteps&) = delete;
@@ -94,6 +100,12 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   /// A backward begins: wait(), and refuse it while the last backward's
   /// steps were not taken by step() (an error on every rank).
   void before_backward();
+  /// A backward ended: wait() (rethrowing the worker's error there).
+  void after_backward();
+  /// The optimizer attaches anew (step_during_backward() again): refused
+  /// while the last backward's steps were not taken by step(), which would
+  /// step them twice.
+  void before_replaced();
   /// The model's state is read or written (a state dict, a checkpoint,
   /// SummonFullParams): wait(), and refuse it while the last backward's
   /// steps were not taken by step() (some shards stepped, the rest not).
@@ -102,6 +114,14 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 
  private:
+  // Where the steps of one backward stand (under mutex_).
+  enum class Phase {
+    kIdle,        // nothing stepped since step() took the last
+    kInBackward,  // a backward handed parameters over; its end not reached
+    kEnded,       // it ended (after_backward); step() takes what it stepped
+  };
+  void set_phase(Phase next);  // checked transitions
+
   // A hand-over waiting for the worker, and when it came.
   struct Handed {
     ReducedGrad grad;
@@ -117,11 +137,13 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
 
   const std::string owner_;
   const StepRange step_range_;
+  const std::function<void()> on_taken_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<Handed> queue_;
   bool busy_ = false;  // the worker is stepping a batch it took off queue_
   bool stopping_ = false;
+  Phase phase_ = Phase::kIdle;
   std::exception_ptr error_;
   std::unordered_set<const c10::TensorImpl*> stepped_;
   // This backward's first hand-over and its last batch stepped, for

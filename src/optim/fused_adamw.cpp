@@ -61,7 +61,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 
 void FusedAdamW::step_during_backward(torch::nn::Module& model) {
   backward_steps_ = detail::attach_backward_steps<AdamWOptions>(
-      param_groups_, "FusedAdamW", model,
+      backward_steps_, param_groups_, "FusedAdamW", model,
       [this](at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o, int64_t begin,
              int64_t end) { step_param(p, grad, o, begin, end); });
 }

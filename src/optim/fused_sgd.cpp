@@ -46,7 +46,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
 
 void FusedSGD::step_during_backward(torch::nn::Module& model) {
   backward_steps_ = detail::attach_backward_steps<SGDOptions>(
-      param_groups_, "FusedSGD", model,
+      backward_steps_, param_groups_, "FusedSGD", model,
       [this](at::Tensor& p, const at::Tensor& grad, const SGDOptions& o, int64_t begin,
              int64_t end) { step_param(p, grad, o, begin, end); });
 }

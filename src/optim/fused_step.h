@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/optimizer.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -101,21 +102,45 @@ torch::Tensor step_rest(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                       });
 }
 
-/// The BackwardSteps of an optimizer's step_during_backward(model): each
-/// handed-over range of a parameter is updated by `update(param, grad,
-/// options, begin, end)` with its group's options.
+/// The BackwardSteps of an optimizer's step_during_backward(model), replacing
+/// `current` (refused while its steps wait for step()): each handed-over
+/// range of a parameter is updated by `update(param, grad, options, begin,
+/// end)` with its group's options. A group whose options changed between
+/// backward and step() is warned about at step(): its units stepped during
+/// backward took them as they were.
 template <typename Options, typename Update>
 std::shared_ptr<BackwardSteps> attach_backward_steps(
+    const std::shared_ptr<BackwardSteps>& current,
     std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name,
     torch::nn::Module& model, Update update) {
+  if (current) current->before_replaced();
+  const std::string owner = std::string("fsdp::optim::") + name + "::step_during_backward";
+  // Each group's options as the worker stepped with them, by group index
+  // (written by the worker, read once it is idle).
+  auto used = std::make_shared<std::map<size_t, Options>>();
+  const auto check_options = [&groups, used, owner] {
+    for (const auto& [index, options] : *used) {
+      if (index < groups.size() &&
+          !(static_cast<const Options&>(groups[index].options()) == options)) {
+        TORCH_WARN_ONCE(owner, ": the options of parameter group ", index,
+                        " changed between backward and step(); the units stepped during backward "
+                        "took them as they were, so the change reaches them from the next step "
+                        "(change options before the forward to apply them at once)");
+      }
+    }
+    used->clear();
+  };
   auto steps = std::make_shared<BackwardSteps>(
-      std::string("fsdp::optim::") + name + "::step_during_backward",
-      [&groups, update](at::Tensor& param, int64_t begin, int64_t end) {
+      owner,
+      [&groups, update, used](at::Tensor& param, int64_t begin, int64_t end) {
         const torch::optim::OptimizerParamGroup* group = group_of(groups, param);
         if (group != nullptr) {
-          update(param, param.grad(), static_cast<const Options&>(group->options()), begin, end);
+          const auto& options = static_cast<const Options&>(group->options());
+          used->emplace(static_cast<size_t>(group - groups.data()), options);
+          update(param, param.grad(), options, begin, end);
         }
-      });
+      },
+      check_options);
   steps->attach(model);
   return steps;
 }

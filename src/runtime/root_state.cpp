@@ -248,11 +248,16 @@ void RootState::limit_reductions_in_flight(const Work& work) {
 // units are handed over at the end of backward, .grad already set. Without
 // hooks nothing changes. Values are those of a step after backward: the
 // same gradients, the same per-parameter updates; only when they happen
-// differs. Between such a backward and step() the model is neither before
-// nor after the step, and the listener's thread may still write shards:
-// the hooks refuse a forward (before_forward), another backward
-// (before_backward) and any use of the model's state (before_state_use:
-// state dicts, checkpoints, SummonFullParams, torch::save and torch::load).
+// differs. The end of backward waits for the listener (after_backward), so
+// when backward returns every unit handed over is stepped and its .grad set,
+// as PyTorch's optimizer-in-backward leaves them, and no thread of ours
+// writes what the user may read. Until step(), the model is neither before
+// nor after the step (the rest is stepped by step()): the hooks refuse a
+// forward (before_forward), another backward (before_backward) and any use
+// of the model's state (before_state_use: state dicts, checkpoints,
+// SummonFullParams, torch::save and torch::load). A backward that throws
+// midway leaves the units it handed over stepped (its end never comes), as
+// PyTorch's optimizer-in-backward does: step() closes that step.
 
 void RootState::end_of_backward() {
   RECORD_USER_SCOPE("fsdp::end_of_backward");
@@ -266,6 +271,7 @@ void RootState::end_of_backward() {
       }
     }
     set_phase(BackwardPhase::kGraphKept);
+    after_backward_hooks();
     return;
   }
   // A backward with retain_graph through a built graph: a second may follow
@@ -300,6 +306,14 @@ void RootState::end_of_backward() {
     units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
   }
   release_held(/*keep_newest=*/false);  // Note [Copy-in on a stream of its own]
+  after_backward_hooks();
+}
+
+void RootState::after_backward_hooks() {
+  // The listener's steps settle before backward returns (Note [Steps during backward]).
+  if (const ReducedGradHooks* hooks = root_.grad_hooks(); hooks && hooks->after_backward) {
+    hooks->after_backward();
+  }
 }
 
 // Note [Double backward]

@@ -115,6 +115,8 @@ class RootState {
   void set_phase(BackwardPhase to);
 
   void end_of_backward();
+  // The reduced-gradient hooks' after_backward, at each end of backward.
+  void after_backward_hooks();
   std::vector<std::vector<bool>> agree_received_grads() const;
 
   UnitRuntime& root_;

@@ -137,8 +137,9 @@ void UnitRuntime::pre_forward() {
 void UnitRuntime::begin_forward_state() {
   if (root_ != nullptr) root_->release_kept();  // Note [The first unit of backward stays gathered]
   if (state_ != State::kIdle) abandon_iteration();
-  if (is_root() && grad_hooks_ && grad_hooks_->before_forward) {
-    grad_hooks_->before_forward();  // See Note [Steps during backward].
+  const ReducedGradHooks* hooks = is_root() ? grad_hooks() : nullptr;
+  if (hooks && hooks->before_forward) {
+    hooks->before_forward();  // See Note [Steps during backward].
   }
   transition(State::kForward);
   if (is_root()) {
@@ -412,7 +413,7 @@ at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const
 }
 
 bool UnitRuntime::can_deliver_early() const {
-  if (!grad_hooks_ || !require_sync_ || root_ == nullptr || !root_->in_backward() || !grad_work_ ||
+  if (!grad_hooks() || !require_sync_ || root_ == nullptr || !root_->in_backward() || !grad_work_ ||
       slot_filled_.empty()) {
     return false;
   }
@@ -556,7 +557,7 @@ void UnitRuntime::deliver_early() {
     };
   }
   delivered_early_ = true;
-  grad_hooks_->on_reduced(std::move(grad));
+  grad_hooks()->on_reduced(std::move(grad));
 }
 
 ReducedGrad UnitRuntime::reduced_grad_for(const std::vector<GradTarget>& targets) {
@@ -588,7 +589,7 @@ std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<G
                                                              const at::Tensor& reduced) const {
   // Only a gradient that lands in host memory, for a listener that reads
   // parts.
-  if (!grad_hooks_ || !grad_hooks_->takes_parts ||
+  if (!grad_hooks() || !grad_hooks()->takes_parts ||
       !shard_grad_options(reduced.scalar_type()).device().is_cpu()) {
     return {};
   }
@@ -686,7 +687,8 @@ std::vector<GradTarget> UnitRuntime::grad_targets(const std::vector<bool>* recei
 
 void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
   std::vector<GradTarget> targets = grad_targets(received);
-  if (grad_hooks_ && !targets.empty()) {
+  const ReducedGradHooks* hooks = grad_hooks();
+  if (hooks && !targets.empty()) {
     // On a GPU, left there by finish_reduction (parts_at_end): the last
     // unit of backward (the root's token embedding) is stepped part by part
     // as its copy lands, instead of after the whole copy.
@@ -697,13 +699,13 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
                          /*parts_seen=*/true,
                          shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType(),
                          flat_->shard_pinned(), label());
-      grad_hooks_->on_reduced(std::move(grad));
+      hooks->on_reduced(std::move(grad));
       return;
     }
   }
   // Note [Mixed precision], [Shards in host memory]
   set_reduced_grads(targets, grad_for_shard(grad_shard_));
-  if (grad_hooks_ && !targets.empty()) grad_hooks_->on_reduced(reduced_grad_for(targets));
+  if (hooks && !targets.empty()) hooks->on_reduced(reduced_grad_for(targets));
 }
 
 }  // namespace fsdp::detail

@@ -477,6 +477,9 @@ void UnitRuntime::write_back_full_params() {
 }
 
 void UnitRuntime::zero_optim_grads(bool set_to_none) {
+  if (const ReducedGradHooks* hooks = grad_hooks(); hooks && hooks->before_zero_grad) {
+    hooks->before_zero_grad();
+  }
   at::NoGradGuard no_grad;
   // What no_sync() accumulated (unsharded, not yet in .grad) is part of the
   // gradient that Module::zero_grad clears in plain LibTorch; a backward

@@ -121,11 +121,17 @@ class UnitRuntime final : public ParamUseListener {
   void set_grad_hooks(std::shared_ptr<const ReducedGradHooks> hooks) {
     grad_hooks_ = std::move(hooks);
   }
-  const ReducedGradHooks* grad_hooks() const { return grad_hooks_.get(); }
+  /// The hooks installed, or null: none, or their listener has gone
+  /// (ReducedGradHooks::listening).
+  const ReducedGradHooks* grad_hooks() const {
+    if (!grad_hooks_ || (grad_hooks_->listening && !grad_hooks_->listening())) return nullptr;
+    return grad_hooks_.get();
+  }
   /// Before the unit's state is read or written outside forward and
   /// backward: the listener's ReducedGradHooks::before_state_use, if any.
   void before_state_use() const {
-    if (grad_hooks_ && grad_hooks_->before_state_use) grad_hooks_->before_state_use();
+    const ReducedGradHooks* hooks = grad_hooks();
+    if (hooks && hooks->before_state_use) hooks->before_state_use();
   }
 
  private:

@@ -5,14 +5,17 @@
 // bitwise equal after every step, and both match plain LibTorch on the
 // concatenated per-rank batches, at 1-3 ranks, for every strategy,
 // use_orig_params and CPU offload. Units are handed over before backward
-// ends; misuse (two backwards per step, clipping) is a clear error; no_sync
-// accumulation works as without it.
+// ends, and stepped when it returns; misuse (two backwards per step,
+// clipping, attaching again before step()) is a clear error; no_sync
+// accumulation works as without it; options changed late, a backward that
+// throws midway and a destroyed optimizer lose nothing.
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <initializer_list>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -21,6 +24,7 @@
 #include <fsdp/fsdp.h>
 
 #include "core/flat_parameter.h"
+#include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "offloaded_steps.h"
@@ -63,6 +67,24 @@ struct AfterAndDuring {
   optim::FusedAdamW after_opt{after->parameters(), adamw_options()};
   optim::FusedAdamW during_opt{during->parameters(), adamw_options()};
 };
+
+// zero_grad, forward and backward on each model, without step().
+void backward_each(std::initializer_list<Model*> models, const torch::Tensor& x) {
+  for (Model* m : models) {
+    (*m)->zero_grad();
+    (*m)->forward(x).pow(2).sum().backward();
+  }
+}
+
+// .grad of `b`'s parameters, each defined and equal to `a`'s.
+void expect_equal_grads(Model& a, Model& b, const std::string& what) {
+  const std::vector<torch::Tensor> pa = a->parameters(), pb = b->parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    ASSERT_TRUE(pb[i].grad().defined()) << what << ", parameter " << i;
+    EXPECT_TRUE(torch::equal(pb[i].grad(), pa[i].grad())) << what << ", parameter " << i;
+  }
+}
 
 void expect_equal_shards(Model& a, Model& b, const std::string& what) {
   const std::vector<Unit*> ua = units_of(*a.ptr());
@@ -396,6 +418,126 @@ TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
       EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
     }
     torch::save(during, saved);  // collective outside SummonFullParams: every rank
+  });
+}
+
+// The end of backward waits for the optimizer's thread: when backward
+// returns, the units it handed over are stepped and their .grad set, so the
+// user's reads between backward and step() (a gradient's norm logged, a NaN
+// check) race with nothing and see what stepping after backward sees.
+TEST(StepDuringBackward, BackwardReturnsWithItsUnitsStepped) {
+  run_ranks_ok(2, [](int rank, int) {
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(200 + 10 * step + rank);
+      const torch::Tensor x = torch::randn({3, 7});
+      backward_each({&after, &during}, x);
+      expect_equal_grads(after, during, "step " + std::to_string(step));
+      after_opt.step();
+      expect_equal_shards(during, after, "before step(), step " + std::to_string(step));
+      during_opt.step();
+      expect_equal_shards(during, after, "after step(), step " + std::to_string(step));
+    }
+  });
+}
+
+// A learning rate set between backward and step() comes too late for the
+// units stepped during backward: they take it from the next step on, every
+// one alike, with a warning (not some units at once and others later).
+TEST(StepDuringBackward, OptionsChangedAfterBackwardReachTheNextStepWithAWarning) {
+  run_ranks_ok(2, [](int rank, int) {
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(300 + 10 * step + rank);
+      const torch::Tensor x = torch::randn({3, 7});
+      backward_each({&after, &during}, x);
+      std::vector<std::string> warnings;
+      {
+        compat::WarningCollector collect(&warnings);
+        const double lr = 1e-3 * (step + 1);
+        for (auto& group : during_opt.param_groups()) group.options().set_lr(lr);
+        after_opt.step();  // the lr before, set for after's next step
+        for (auto& group : after_opt.param_groups()) group.options().set_lr(lr);
+        during_opt.step();
+      }
+      expect_equal_shards(during, after, "lr changed after backward, step " + std::to_string(step));
+      ASSERT_EQ(warnings.size(), step == 0 ? 1u : 0u);  // once a process
+      if (step == 0) EXPECT_CONTAINS(warnings[0], "changed between backward and step()");
+    }
+  });
+}
+
+// A backward that throws midway (an error in a hook, out of memory) leaves
+// the units it handed over stepped, as PyTorch's optimizer-in-backward does:
+// the next forward says so on every rank, step() closes that step, and
+// training goes on.
+TEST(StepDuringBackward, ABackwardThatThrowsMidwayIsClosedByStep) {
+  run_ranks_ok(2, [](int rank, int) {
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
+    torch::manual_seed(400 + rank);
+    const torch::Tensor x = torch::randn({3, 7}).requires_grad_();
+    x.register_hook([](torch::Tensor) -> torch::Tensor { TORCH_CHECK(false, "bad batch"); });
+    during->zero_grad();
+    EXPECT_CONTAINS(error_of([&] { during->forward(x).pow(2).sum().backward(); }), "bad batch");
+    during->zero_grad();
+    const std::string refused = error_of([&] { during->forward(torch::randn({3, 7})); });
+    EXPECT_CONTAINS(refused, "stopped midway");
+    EXPECT_CONTAINS(refused, "call step() to close that step");
+    int stepped = 0;
+    const std::vector<Unit*> ua = units_of(*after.ptr()), ud = units_of(*during.ptr());
+    for (size_t i = 0; i < ua.size(); ++i) {
+      stepped += torch::equal(ua[i]->flat_param()->shard(), ud[i]->flat_param()->shard()) ? 0 : 1;
+    }
+    EXPECT_GE(stepped, 1);  // handed over before the throw (the refusal waited for them)
+    during_opt.step();
+    for (int step = 0; step < 2; ++step) {
+      user_step(during, during_opt, torch::randn({3, 7}), torch::randn({3, 3}));
+    }
+    for (Unit* unit : ud) EXPECT_EQ(unit->training_state(), Unit::TrainingState::kIdle);
+  });
+}
+
+// Attaching again before step() would forget what the backward stepped and
+// step it twice: refused; between steps it is allowed. An optimizer
+// destroyed before its model leaves hooks that act as if removed: gradients
+// reach .grad, clipping works, and another optimizer trains the model as
+// one that never had it.
+TEST(StepDuringBackward, AttachingAgainOrDestroyingTheOptimizerLosesNothing) {
+  run_ranks_ok(2, [](int rank, int) {
+    AfterAndDuring models;
+    auto& [initialised, after, during, after_opt, during_opt] = models;
+    torch::manual_seed(500 + rank);
+    const torch::Tensor x = torch::randn({3, 7});
+    backward_each({&after, &during}, x);
+    EXPECT_CONTAINS(error_of([&] { during_opt.step_during_backward(*during.ptr()); }),
+                    "a step_during_backward() call began after a backward whose gradients were "
+                    "stepped");
+    after_opt.step();
+    during_opt.step();
+    during_opt.step_during_backward(*during.ptr());  // between steps
+    expect_equal_shards(during, after, "attached again");
+
+    Model plain = make_model(FSDPOptions());
+    Model left = make_model(FSDPOptions());
+    {
+      optim::FusedAdamW gone(left->parameters(), adamw_options());
+      gone.step_during_backward(*left.ptr());
+    }
+    torch::optim::AdamW plain_opt(plain->parameters(), adamw_options());
+    torch::optim::AdamW left_opt(left->parameters(), adamw_options());
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(600 + 10 * step + rank);
+      const torch::Tensor y = torch::randn({3, 7});
+      backward_each({&plain, &left}, y);
+      expect_equal_grads(plain, left, "step " + std::to_string(step));
+      EXPECT_EQ(left->clip_grad_norm_(1e-3), plain->clip_grad_norm_(1e-3));
+      plain_opt.step();
+      left_opt.step();
+      expect_equal_shards(left, plain, "the optimizer destroyed, step " + std::to_string(step));
+    }
   });
 }
 

@@ -40,11 +40,12 @@ class FusedAdamW : public torch::optim::AdamW {
   /// root) on a thread of its own, which waits for the unit's gradient
   /// reduction as soon as backward launches it, while backward goes on (Note
   /// [Steps during backward] in
-  /// src/runtime/root_state.cpp); step() then waits for those steps and
-  /// steps what no unit handed over. The results are step()'s. Call step()
-  /// after every backward (accumulate inside model->no_sync()), and before
-  /// reading the optimizer's state; clip_grad_norm_ is refused, step()'s
-  /// closure too.
+  /// src/runtime/root_state.cpp); backward returns once those steps are
+  /// done, and step() steps what no unit handed over. The results are
+  /// step()'s. Call step() after every backward (accumulate inside
+  /// model->no_sync()), and before reading the optimizer's state;
+  /// clip_grad_norm_ is refused, step()'s closure too. Calling it again
+  /// before step() is refused (it would step twice).
   void step_during_backward(torch::nn::Module& model);
   /// Whether step_during_backward() is on (ShardedGradScaler refuses it: a
   /// step already taken cannot be skipped).

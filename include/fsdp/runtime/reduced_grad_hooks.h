@@ -73,6 +73,20 @@ struct ReducedGradHooks {
   /// Called when a backward begins (its first hook, on the thread that runs
   /// it), before any shard is read: a throw there fails that backward.
   std::function<void()> before_backward;
+  /// Called at the end of each backward that finished its reductions, on
+  /// the thread that ran it, after the last on_reduced; backward returns
+  /// once it has (a listener waits there for its steps: when backward
+  /// returns, .grad and the shards hold what a step after it would see). A
+  /// throw there fails that backward.
+  std::function<void()> after_backward;
+  /// Called when model->zero_grad() begins, before any .grad is cleared (a
+  /// listener still stepping, after a backward that threw midway, waits
+  /// there, so that the .grad it sets and the clearing do not race).
+  std::function<void()> before_zero_grad;
+  /// Empty, or whether the listener is still there: once it says no (an
+  /// optimizer destroyed before its model) the hooks act as if removed, and
+  /// gradients go to .grad as without them.
+  std::function<bool()> listening;
   /// Called before libfsdp reads or writes the model's state outside
   /// forward and backward (state dicts, checkpoints, SummonFullParams,
   /// torch::save and torch::load of the model): a throw there refuses it.
