@@ -60,7 +60,9 @@ class ShardedGradScaler {
   explicit ShardedGradScaler(GradScalerOptions options = {});
 
   /// `loss` times the current scale (a 0-dim float32 factor, so a float16
-  /// loss scales in float32, as in PyTorch); `loss` itself when disabled.
+  /// loss scales in float32, as torch.amp.GradScaler's does; PyTorch's
+  /// ShardedGradScaler casts back to float16, where 65536 overflows); `loss`
+  /// itself when disabled.
   torch::Tensor scale(const torch::Tensor& loss) const;
 
   /// Divides the gradients `optimizer` steps by the scale, in place, and
