@@ -277,7 +277,8 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, double>& sta
   options_ = loaded;
   scale_ = static_cast<float>(loaded.init_scale());
   growth_tracker_ = tracker;
-  per_optimizer_.clear();
+  // What unscale_() and step() did this iteration stays, as in PyTorch's
+  // load_state_dict: a step() after it does not unscale a second time.
 }
 
 void ShardedGradScaler::save(torch::serialize::OutputArchive& archive) const {

@@ -1,7 +1,9 @@
 #include "state/atomic_file.h"
 
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -9,6 +11,8 @@
 #include <vector>
 
 #include <fsdp/state/error.h>
+
+#include "detail/posix_files.h"
 
 namespace fsdp::detail {
 namespace {
@@ -104,6 +108,39 @@ uint32_t write_file_atomically(const std::string& path, const std::string& conte
   const uint32_t crc = w.crc32();
   w.commit();
   return crc;
+}
+
+std::string parent_directory(const std::string& path) {
+  const size_t end = path.find_last_not_of('/');
+  const size_t slash = end == std::string::npos ? std::string::npos : path.find_last_of('/', end);
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+void replace_directory(const std::string& staged, const std::string& dir) {
+  const std::string parent = parent_directory(dir);
+  const auto renamed = [](const std::string& from, const std::string& to) {
+    if (::rename(from.c_str(), to.c_str()) != 0)
+      throw CheckpointError(to, "cannot rename " + from + " to it: " + errno_text());
+  };
+  std::error_code ec;
+  if (!entry_exists(dir)) {
+    renamed(staged, dir);
+  } else if (::syscall(SYS_renameat2, AT_FDCWD, staged.c_str(), AT_FDCWD, dir.c_str(),
+                       RENAME_EXCHANGE) == 0) {
+    fsync_directory(parent);
+    remove_tree(staged, ec);  // the older one, now under the staged name
+  } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {
+    const std::string aside = dir + ".replaced";  // NFS, older kernels: no exchange
+    remove_tree(aside, ec);
+    renamed(dir, aside);
+    renamed(staged, dir);
+    fsync_directory(parent);
+    remove_tree(aside, ec);
+  } else {
+    throw CheckpointError(dir, "cannot exchange it with " + staged + ": " + errno_text());
+  }
+  fsync_directory(parent);
 }
 
 void fsync_directory(const std::string& dir) {

@@ -54,6 +54,15 @@ uint32_t write_file_atomically(const std::string& path, const std::string& conte
 
 /// fsyncs a directory, so that renames and creations in it are durable.
 void fsync_directory(const std::string& dir);
+/// The directory that holds `path` ("." for a bare name).
+std::string parent_directory(const std::string& path);
+
+/// Puts the complete directory `staged` in place of `dir` (which may hold an
+/// older one, or nothing), durably: an atomic exchange where the file system
+/// has one (RENAME_EXCHANGE), after which the older one is removed; else the
+/// older one moves aside first (a crash between the two renames leaves it
+/// under `<dir>.replaced`). Throws CheckpointError naming what failed.
+void replace_directory(const std::string& staged, const std::string& dir);
 
 /// A file opened for reading at offsets; every read is checked.
 class FileReader {

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <charconv>
 #include <map>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include "state/checkpoint_dir.h"
 #include "state/checkpoint_writer.h"
 #include "state/local_state.h"
+#include "state/manifest.h"
 #include "state/piece_io.h"
 #include "state/retention.h"
 
@@ -37,27 +39,15 @@ std::string cpu_rng_state() {
     std::lock_guard<std::mutex> lock(gen.mutex());
     state = gen.get_state();
   }
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  const auto* p = state.data_ptr<uint8_t>();
-  for (int64_t i = 0; i < state.numel(); ++i) {
-    out += digits[p[i] >> 4];
-    out += digits[p[i] & 15];
-  }
-  return out;
+  return detail::to_hex(
+      std::string(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel())));
 }
 
 void set_cpu_rng_state(const std::string& hex, const std::string& file, int64_t rank) {
-  FSDP_CHECK(hex.size() % 2 == 0, rank, file, "rng_state is not hex bytes");
-  at::Tensor state = at::empty({static_cast<int64_t>(hex.size() / 2)}, at::kByte);
-  auto* p = state.data_ptr<uint8_t>();
-  auto nibble = [&](char c) -> int {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    FSDP_FAIL(rank, file, "rng_state is not hex bytes");
-  };
-  for (size_t i = 0; i < hex.size() / 2; ++i)
-    p[i] = (nibble(hex[2 * i]) << 4) | nibble(hex[2 * i + 1]);
+  std::string bytes;
+  FSDP_CHECK(detail::from_hex(hex, bytes), rank, file, "rng_state is not hex bytes");
+  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::copy(bytes.begin(), bytes.end(), static_cast<char*>(state.data_ptr()));
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
@@ -213,18 +203,37 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   detail::write_checkpoint(impl_->model, impl_->optimizer, request);
 }
 
+// Note [Saving beside the checkpoint]
+// save_step writes into a staging directory beside the step's own
+// (detail::staging_name) and rank 0 puts it in place once every rank's files
+// and the marker are durable (detail::replace_directory). A save of a step
+// that already has a checkpoint (a loop that saves at the top of the step
+// it resumed from) leaves that one whole until the new one is: a save that
+// fails (a full disk, a rank killed) loses nothing already saved. What an
+// interrupted save leaves is removed by the next save_step or resume().
 std::string Checkpointer::save_step(const std::string& parent, int64_t step, StateDictType type) {
   std::string dir = checkpoint_path(parent, step);  // not const: returned by move
+  const std::string staged = parent + "/" + detail::staging_name(step);
   ProcessGroup* group = detail::state_group(impl_->model);
   const bool root = group == nullptr || group->rank() == 0;
   // See Note [Removing leftovers]: every exit below is after an agreement.
   try {
-    save(dir, step, type);
+    save(staged, step, type);
   } catch (...) {
     // A torn directory only takes space (a full disk is the likely cause).
-    if (root) detail::remove_if_torn(dir);
+    if (root) detail::remove_if_torn(staged);
     throw;
   }
+  std::exception_ptr error;
+  if (root) {
+    try {
+      detail::replace_directory(staged, dir);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  detail::agree(group, error, dir, "putting the checkpoint in place",
+                "the new checkpoint stays complete beside it, under " + staged);
   if (root) {
     std::vector<std::string> keep = {dir};
     if (!impl_->resumed_from.empty()) keep.push_back(impl_->resumed_from);

@@ -164,6 +164,18 @@ std::string step_name(int64_t step) {
   return name;
 }
 
+std::string staging_name(int64_t step) { return "." + step_name(step) + ".saving"; }
+
+bool is_staging_name(const std::string& name) {
+  const auto ends = [&](const std::string& suffix) {
+    return name.size() > suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (name.size() > 1 && name[0] == '.' && ends(".saving"))
+    return step_of_name(name.substr(1, name.size() - 1 - 7)) >= 0;
+  return ends(".replaced") && step_of_name(name.substr(0, name.size() - 9)) >= 0;
+}
+
 int64_t step_of_name(const std::string& name) {
   // Only names step_name() makes, so that a step number names the
   // directory (Checkpointer::resume broadcasts the step, not the name).

@@ -77,6 +77,14 @@ std::vector<StepDirectory> step_directories(const std::string& parent);
 /// names sort by step); fsdp::checkpoint_path() puts it under a parent.
 std::string step_name(int64_t step);
 
+/// Where save_step writes step `step`'s checkpoint before it is put in place
+/// (Note [Saving beside the checkpoint]): ".step-<10 digits>.saving" under
+/// the same parent, a name step_directories() does not list.
+std::string staging_name(int64_t step);
+/// Whether `name` is a staging_name() or what replace_directory() moves
+/// aside ("step-<10 digits>.replaced"): what an interrupted save left.
+bool is_staging_name(const std::string& name);
+
 /// The step a step_name() says ("step-0000000020" -> 20), or -1 for another
 /// name.
 int64_t step_of_name(const std::string& name);

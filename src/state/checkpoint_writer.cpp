@@ -37,6 +37,9 @@ void make_dirs(const std::string& dir) {
   std::error_code ec;
   detail::make_dirs(dir, ec);
   if (ec) throw CheckpointError(dir, "cannot create directory: " + ec.message());
+  // Its entry in the parent is durable too, before older checkpoints are
+  // removed for it: a power loss must not take the new one's name away.
+  fsync_directory(parent_directory(dir));
 }
 
 void write_bytes(AtomicFileWriter& w, const at::Tensor& t) {

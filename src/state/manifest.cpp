@@ -20,6 +20,17 @@ namespace {
 using nlohmann::json;
 constexpr int kFormatVersion = 1;
 
+// Whether JSON can hold `s` as a string: valid UTF-8, as nlohmann's writer
+// checks it (overlong forms and surrogates refused too).
+bool is_json_text(const std::string& s) {
+  try {
+    (void)json(s).dump();
+    return true;
+  } catch (const json::type_error&) {
+    return false;
+  }
+}
+
 json file_json(const FileRecord& f) {
   return {{"name", f.name}, {"size", f.size}, {"crc32", f.crc32}};
 }
@@ -158,6 +169,14 @@ std::string encode_manifest(const RankManifest& m) {
                        {"begin", t.begin},
                        {"end", t.end}});
   }
+  std::map<std::string, std::string> text, bytes;
+  for (const auto& [name, value] : m.extra) {
+    if (is_json_text(value)) {
+      text[name] = value;
+    } else {
+      bytes[name] = to_hex(value);
+    }
+  }
   json j = {{"format", "libfsdp-checkpoint"},
             {"version", kFormatVersion},
             {"rank", m.rank},
@@ -165,11 +184,38 @@ std::string encode_manifest(const RankManifest& m) {
             {"kind", m.kind},
             {"step", m.step},
             {"rng_state", m.rng_state},
-            {"extra", m.extra},
+            {"extra", text},
             {"scalars", m.scalars},
             {"files", files},
             {"tensors", tensors}};
+  if (!bytes.empty()) j["extra_hex"] = bytes;
   return j.dump(1);
+}
+
+std::string to_hex(const std::string& bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (const char c : bytes) {
+    const auto b = static_cast<unsigned char>(c);
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
+bool from_hex(const std::string& hex, std::string& bytes) {
+  if (hex.size() % 2 != 0) return false;
+  const auto nibble = [](char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+  };
+  bytes.assign(hex.size() / 2, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const int hi = nibble(hex[2 * i]), lo = nibble(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0) return false;
+    bytes[i] = static_cast<char>((hi << 4) | lo);
+  }
+  return true;
 }
 
 RankManifest parse_manifest(const std::string& text, const std::string& file) {
@@ -186,6 +232,13 @@ RankManifest parse_manifest(const std::string& text, const std::string& file) {
   m.step = field<int64_t>(j, "step", file);
   m.rng_state = field<std::string>(j, "rng_state", file);
   m.extra = field<std::map<std::string, std::string>>(j, "extra", file);
+  if (j.contains("extra_hex")) {  // registered state that is bytes, not text
+    for (const auto& [name, hex] :
+         field<std::map<std::string, std::string>>(j, "extra_hex", file)) {
+      if (!from_hex(hex, m.extra[name]))
+        throw CheckpointError(file, "registered state '" + name + "' is not hex bytes");
+    }
+  }
   m.scalars = field<std::map<std::string, int64_t>>(j, "scalars", file);
   const json files = field<json>(j, "files", file), tensors = field<json>(j, "tensors", file);
   if (!files.is_array() || !tensors.is_array())

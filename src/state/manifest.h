@@ -54,7 +54,13 @@ struct CompletionMarker {
   std::vector<FileRecord> manifests;  ///< rank<R>.json, one per rank
 };
 
-/// JSON text of a manifest.
+/// `bytes` as lowercase hex digits, two a byte.
+std::string to_hex(const std::string& bytes);
+/// The bytes `hex` spells (to_hex's inverse); false if it is no hex bytes.
+bool from_hex(const std::string& hex, std::string& bytes);
+
+/// JSON text of a manifest. Registered state that is no UTF-8 text (bytes
+/// from torch::save, say) goes in hex under "extra_hex" (JSON holds text).
 std::string encode_manifest(const RankManifest& m);
 /// Parses and validates a manifest; errors name `file`.
 RankManifest parse_manifest(const std::string& text, const std::string& file);

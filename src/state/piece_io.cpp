@@ -38,19 +38,38 @@ at::ScalarType DictSource::dtype(const std::string& key) const {
   return dict_[key.substr(prefix_.size())].scalar_type();
 }
 
-void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
-                      int64_t end, const at::Tensor& dst) const {
+void DictSource::check(const std::string& key, const std::vector<int64_t>& shape,
+                       at::ScalarType dtype) const {
   const std::string name = key.substr(prefix_.size());
   const at::Tensor& t = dict_[name];
   FSDP_CHECK(t.sizes().vec() == shape, /*rank=*/-1, name, "has shape ", t.sizes(),
              " in the state dict, expected ", shape_text(shape),
              " (the model's). Load a state dict saved from the same model.");
-  FSDP_CHECK(t.scalar_type() == dst.scalar_type(), /*rank=*/-1, name, "is ", t.scalar_type(),
-             " in the state dict, expected ", dst.scalar_type());
+  FSDP_CHECK(t.scalar_type() == dtype, /*rank=*/-1, name, "is ", t.scalar_type(),
+             " in the state dict, expected ", dtype);
+}
+
+void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
+                      int64_t end, const at::Tensor& dst) const {
+  check(key, shape, dst.scalar_type());
+  const at::Tensor& t = dict_[key.substr(prefix_.size())];
   dst.copy_(t.detach().reshape({-1}).narrow(0, begin, end - begin));
 }
 
 bool FileSource::has(const std::string& key) const { return !reader_.pieces(key).empty(); }
+
+void FileSource::check(const std::string& key, const std::vector<int64_t>& shape,
+                       at::ScalarType dtype) const {
+  const std::string want = safetensors_dtype(dtype);
+  for (const TensorRecord* p : reader_.pieces(key)) {
+    const std::string file = reader_.dir() + "/" + p->file;
+    FSDP_CHECK(p->shape == shape, /*rank=*/-1, file, key, " has shape ", shape_text(p->shape),
+               ", the model expects ", shape_text(shape),
+               ". Load a checkpoint saved from the same model.");
+    FSDP_CHECK(p->dtype == want, /*rank=*/-1, file, key, " is ", p->dtype, ", the model expects ",
+               want);
+  }
+}
 
 at::ScalarType FileSource::dtype(const std::string& key) const {
   const auto pieces = reader_.pieces(key);
@@ -68,20 +87,14 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
     dst.copy_(host);
     return;
   }
+  check(key, shape, dst.scalar_type());
   auto pieces = reader_.pieces(key);
   std::sort(pieces.begin(), pieces.end(),
             [](const TensorRecord* a, const TensorRecord* b) { return a->begin < b->begin; });
-  const std::string dtype = safetensors_dtype(dst.scalar_type());
   auto* out = static_cast<char*>(dst.data_ptr());
   const int64_t elem = static_cast<int64_t>(dst.element_size());
   int64_t cur = begin;
   for (const TensorRecord* p : pieces) {
-    const std::string file = reader_.dir() + "/" + p->file;
-    FSDP_CHECK(p->shape == shape, /*rank=*/-1, file, key, " has shape ", shape_text(p->shape),
-               ", the model expects ", shape_text(shape),
-               ". Load a checkpoint saved from the same model.");
-    FSDP_CHECK(p->dtype == dtype, /*rank=*/-1, file, key, " is ", p->dtype, ", the model expects ",
-               dtype);
     if (cur >= end) break;
     if (p->begin > cur || p->end <= cur) continue;
     const int64_t hi = std::min(end, p->end);
@@ -102,22 +115,27 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   for (const UnitEntry& e : units_with_params(root)) e.unit->release_full_params();
   at::NoGradGuard no_grad;
   UnreportedUses unreported;  // writes outside forward (Note [Units driven by dispatch])
+  // Every entry checked before any is written, on every rank whatever its
+  // shard holds: bad input is refused alike everywhere, and changes nothing.
+  std::vector<LocalPiece> pieces = local_pieces(root);
   std::set<std::string> expected;
-  for (LocalPiece& p : local_pieces(root)) {
+  for (const LocalPiece& p : pieces) {
     const std::string key = "model/" + p.name;
     expected.insert(key);
     FSDP_CHECK(src.has(key), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
                p.is_buffer ? "buffer " : "parameter ", p.name,
                ". Load a checkpoint saved from the same model (names are the original "
                "module paths).");
-    if (p.end == p.begin) continue;
-    src.read(key, p.shape, p.begin, p.end, p.data);
+    src.check(key, p.shape, p.data.scalar_type());
   }
   for (const std::string& key : src.keys()) {
     if (key.rfind("model/", 0) != 0) continue;
     FSDP_CHECK(expected.count(key) != 0, /*rank=*/-1, key.substr(6), "the checkpoint has ",
                key.substr(6),
                ", which the model does not have. Load a checkpoint saved from the same model.");
+  }
+  for (LocalPiece& p : pieces) {
+    if (p.end > p.begin) src.read("model/" + p.name, p.shape, p.begin, p.end, p.data);
   }
 }
 
@@ -137,6 +155,36 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
       groups.emplace_back();
     }
     groups[it->second].push_back(&p);
+  }
+  // Every "optim/" key names a state of one of the model's parameters: a
+  // model's state dict passed instead, or another model's optimizer, is an
+  // error on every rank, not optimizer state silently reset.
+  std::set<std::string> expected;
+  for (const LocalPiece& p : pieces) {
+    if (p.is_buffer) continue;
+    for (const std::string& name : access.state_names())
+      expected.insert("optim/" + p.name + "/" + name);
+    if (access.has_step()) {  // Adam's, amsgrad's too (loaded into one without, unused)
+      expected.insert("optim/" + p.name + "/step");
+      expected.insert("optim/" + p.name + "/max_exp_avg_sq");
+    }
+  }
+  for (const std::string& key : src.keys()) {
+    if (key.rfind("optim/", 0) != 0) continue;
+    FSDP_CHECK(expected.count(key) != 0, /*rank=*/-1, "optimizer state", "the state has ",
+               key.substr(6),
+               ", which is no state this optimizer keeps for this model's parameters (names "
+               "are parameter/state, e.g. fc.weight/exp_avg). Load the optimizer state saved "
+               "with this model and optimizer (a model's state dict is not one).");
+  }
+  for (const auto& group : groups) {  // checked before any state is replaced
+    const at::ScalarType dtype = group.front()->optim_param.scalar_type();
+    for (const std::string& name : access.state_names()) {
+      for (const LocalPiece* p : group) {
+        const std::string key = "optim/" + p->name + "/" + name;
+        if (src.has(key)) src.check(key, p->shape, dtype);
+      }
+    }
   }
   at::NoGradGuard no_grad;
   for (const auto& group : groups) {

@@ -25,8 +25,13 @@ class PieceSource {
   virtual std::vector<std::string> keys() const = 0;
   /// The dtype `key` is stored in (which must be stored).
   virtual at::ScalarType dtype(const std::string& key) const = 0;
+  /// Checks that `key` is stored with full shape `shape` in `dtype` (an
+  /// error naming it otherwise): called on every rank, whatever elements it
+  /// reads, so that every rank refuses the same bad input.
+  virtual void check(const std::string& key, const std::vector<int64_t>& shape,
+                     at::ScalarType dtype) const = 0;
   /// Fills `dst` (1-D, end - begin elements) with elements [begin, end) of
-  /// the flattened `key`, whose full shape must be `shape`.
+  /// the flattened `key`, whose full shape must be `shape` (check()ed).
   virtual void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                     int64_t end, const at::Tensor& dst) const = 0;
 };
@@ -38,6 +43,8 @@ class DictSource : public PieceSource {
   bool has(const std::string& key) const override;
   std::vector<std::string> keys() const override;
   at::ScalarType dtype(const std::string& key) const override;
+  void check(const std::string& key, const std::vector<int64_t>& shape,
+             at::ScalarType dtype) const override;
   void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
             const at::Tensor& dst) const override;
 
@@ -53,6 +60,8 @@ class FileSource : public PieceSource {
   bool has(const std::string& key) const override;
   std::vector<std::string> keys() const override { return reader_.keys(); }
   at::ScalarType dtype(const std::string& key) const override;
+  void check(const std::string& key, const std::vector<int64_t>& shape,
+             at::ScalarType dtype) const override;
   void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
             const at::Tensor& dst) const override;
 

@@ -71,6 +71,10 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
     TORCH_WARN(error_prefix(/*rank=*/-1, parent), "not tidying it: ", cause_of(e));
     return;
   }
+  std::error_code ec;
+  for (const std::string& name : list_dir(parent, ec)) {  // Note [Saving beside the checkpoint]
+    if (is_staging_name(name)) remove_path(parent + "/" + name, /*tree=*/true);
+  }
   int64_t complete = 0;  // complete ones seen so far, newest first
   for (const StepDirectory& s : dirs) {
     const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=

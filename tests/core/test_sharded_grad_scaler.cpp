@@ -307,6 +307,17 @@ TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
                   "the saved growth_factor must be above 1, got 0.5. Load what an enabled scaler");
   EXPECT_EQ(loaded.get_scale(), 1024);  // a refused state changes nothing
 
+  // A state loaded between unscale_() and step() leaves what unscale_() did
+  // (PyTorch's too): step() does not unscale again.
+  opt.zero_grad();
+  scaler.scale(layer(torch::ones({1, 3})).sum()).backward();
+  scaler.unscale_(opt);
+  const torch::Tensor unscaled = layer->weight.grad().clone();
+  scaler.load_state_dict(scaler.state_dict());
+  EXPECT_TRUE(scaler.step(opt));
+  EXPECT_TRUE(torch::equal(layer->weight.grad(), unscaled));
+  scaler.update();
+
   // Disabled: the loss as it is, a plain step, nothing saved or loaded.
   ShardedGradScaler off(GradScalerOptions().enabled(false));
   const torch::Tensor loss = layer(torch::ones({1, 3})).sum();

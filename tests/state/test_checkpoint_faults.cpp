@@ -16,6 +16,7 @@
 #include "detail/torch_compat.h"
 #include "marker_edit.h"
 #include "small_disk.h"
+#include "state/checkpoint_dir.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -265,7 +266,10 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
   ASSERT_FALSE(error.empty()) << "five checkpoints fit in 2 MiB?";
   ASSERT_GE(saved, 1);
   const std::string failed = checkpoint_path(disk.path(), saved + 1);
-  EXPECT_NE(error.find(failed + "/"), std::string::npos) << error;
+  // Written beside its place (Note [Saving beside the checkpoint]).
+  EXPECT_NE(error.find(disk.path() + "/" + detail::staging_name(saved + 1) + "/"),
+            std::string::npos)
+      << error;
   EXPECT_NE(error.find("No space left on device"), std::string::npos) << error;
   // The failed directory and every temporary are gone; the earlier ones load.
   for (const std::string& path : detail::walk_tree(disk.path())) {
@@ -289,6 +293,44 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
     kept.save_step(disk.path(), s);
   }
   EXPECT_EQ(entries(disk.path()).size(), 1u);
+}
+
+// A loop that saves at the top of the step it resumed from saves that step
+// again. If that save fails (here the disk is full), the checkpoint already
+// there stays whole and loads (Note [Saving beside the checkpoint]); once the
+// disk has room, the new save replaces it.
+TEST(CheckpointFaults, AFailedSaveKeepsTheCheckpointOfTheSameStep) {
+  SmallDisk disk("2m");
+  if (!disk.ok()) GTEST_SKIP() << disk.why_not();
+  torch::manual_seed(0);
+  torch::nn::Linear model(256, 256);  // with Adam's moments ~0.8 MB a checkpoint
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+  auto step = [&] {
+    opt.zero_grad();
+    model->forward(torch::randn({4, 256})).sum().backward();
+    opt.step();
+  };
+  step();
+  Checkpointer ckpt(*model, &opt);
+  const std::string path = ckpt.save_step(disk.path(), 7);
+  const torch::Tensor first = model->weight.detach().clone();
+  step();
+  // Leave the disk ~0.25 MB: too little for a second checkpoint.
+  const std::string filler = disk.path() + "/filler";
+  put_file_bytes(filler, std::string(static_cast<size_t>(1) << 20, 'x'));
+  EXPECT_THROW(ckpt.save_step(disk.path(), 7), CheckpointError);
+  verify_checkpoint(path);
+  EXPECT_EQ(entries(disk.path()), (std::set<std::string>{"step-0000000007", "filler"}));
+  torch::nn::Linear other(256, 256);
+  torch::optim::Adam other_opt(other->parameters(), torch::optim::AdamOptions(1e-3));
+  EXPECT_EQ(Checkpointer(*other, &other_opt).resume(disk.path()), 7);
+  EXPECT_TRUE(torch::equal(other->weight, first));
+  ::unlink(filler.c_str());
+  EXPECT_EQ(ckpt.save_step(disk.path(), 7), path);
+  EXPECT_EQ(entries(disk.path()), (std::set<std::string>{"step-0000000007"}));
+  EXPECT_EQ(Checkpointer(*other, &other_opt).resume(disk.path()), 7);
+  EXPECT_TRUE(torch::equal(other->weight, model->weight));
+  EXPECT_FALSE(torch::equal(other->weight, first));
 }
 
 // Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,

@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
+#include <sstream>
 
 #include <fsdp/fsdp.h>
 
@@ -188,6 +190,39 @@ TEST(CheckpointDir, PlainModelRoundTripBothTypes) {
     expect_bitwise_equal(full_state_dict(*other), full_state_dict(*saved.model), "after training");
     remove_test_dir(root);
   }
+}
+
+// Registered state may be bytes (a data loader's position from torch::save,
+// say), not only text: each value comes back as it was saved, whatever its
+// bytes (JSON holds text: bytes go in hex).
+TEST(CheckpointDir, RegisteredStateKeepsItsBytes) {
+  const std::string root = test_dir(), dir = root + "/ckpt";
+  std::string bytes = {'\x80', '\xff', '\0', 'a', '\xc0', '\x80'};  // invalid UTF-8, a NUL
+  std::stringstream saved_tensor;
+  torch::save(torch::arange(5), saved_tensor);
+  const std::map<std::string, std::string> states = {
+      {"bytes", bytes}, {"tensor", saved_tensor.str()}, {"text", "step 7 \xc3\xa9"}, {"empty", ""}};
+  Net model(false, FSDPOptions());
+  Checkpointer saving(*model);
+  for (const auto& [name, value] : states) {
+    saving.register_state(
+        name, [value = value] { return value; }, [](const std::string&) {});
+  }
+  saving.save(dir, 1);
+  std::map<std::string, std::string> loaded;
+  Checkpointer loading(*model);
+  for (const auto& [name, value] : states) {
+    loading.register_state(
+        name, [] { return std::string(); },
+        [&loaded, name = name](const std::string& s) { loaded[name] = s; });
+  }
+  EXPECT_EQ(loading.load(dir), 1);
+  EXPECT_EQ(loaded, states);
+  torch::Tensor back;
+  std::stringstream in(loaded["tensor"]);
+  torch::load(back, in);
+  EXPECT_TRUE(torch::equal(back, torch::arange(5)));
+  remove_test_dir(root);
 }
 
 // Rewrites the CRC-32 and size of `target` in the "files" or "manifests"

@@ -9,6 +9,7 @@
 #include <fsdp/fsdp.h>
 #include "comm/counting_process_group.h"
 
+#include "error_of.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -248,6 +249,44 @@ TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
       },
       with_dir(dir));
   remove_test_dir(dir);
+}
+
+// A full state dict is on every rank, so bad input is refused on every
+// rank, whatever part of a tensor a rank's shard holds (a rank holding none
+// of a mis-shaped tensor once went on, partly loaded, while the others
+// threw); a model's state dict passed as the optimizer's is refused, not
+// taken for an optimizer without state.
+TEST(StateDict, BadInputIsRefusedOnEveryRank) {
+  for (const int world : {2, 3}) {
+    run_ranks_ok(world, [&](int, int) {
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      auto model = make_model(FSDPOptions());
+      auto opt = make_optimizer("adamw", model->parameters());
+      torch::manual_seed(3);
+      train(*model, *opt, 1);
+      const auto sd = full_state_dict(*model);
+      for (const auto& item : sd) {
+        auto shape = sd;
+        shape[item.key()] = torch::zeros({item.value().numel() + 1});
+        EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*model, shape); }), "has shape");
+        auto dtype = sd;
+        dtype[item.key()] = item.value().to(torch::kDouble);
+        EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*model, dtype); }),
+                        "in the state dict");
+      }
+      const auto osd = full_optim_state_dict(*model, *opt);
+      for (const auto& item : osd) {
+        if (item.value().dim() == 0) continue;  // a step
+        auto shape = osd;
+        shape[item.key()] = torch::zeros({item.value().numel() + 1});
+        EXPECT_CONTAINS(error_of([&] { load_full_optim_state_dict(*model, *opt, shape); }),
+                        "has shape");
+      }
+      EXPECT_CONTAINS(error_of([&] { load_full_optim_state_dict(*model, *opt, sd); }),
+                      "which is no state this optimizer keeps");
+      expect_bitwise_equal(full_optim_state_dict(*model, *opt), osd, "after the refusals");
+    });
+  }
 }
 
 // Under bf16 mixed precision the unsharded parameters are bf16 copies; the

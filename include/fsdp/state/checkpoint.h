@@ -92,11 +92,12 @@ class Checkpointer {
   /// there is invalidated first). Returns once the completion marker is
   /// durable on every rank.
   void save(const std::string& dir, int64_t step, StateDictType type = StateDictType::kSharded);
-  /// save() into checkpoint_path(parent, step); returns that path. Then rank
-  /// 0 removes what interrupted saves left under `parent` (torn step
-  /// directories, temporary files) and the checkpoints beyond keep_last; if
-  /// the save fails, the directory it was writing. `parent` must belong to
-  /// this job alone.
+  /// save() into checkpoint_path(parent, step), written beside it and put in
+  /// place once complete, so that a failed save leaves a checkpoint already
+  /// there for that step whole; returns that path. Then rank 0 removes what
+  /// interrupted saves left under `parent` (torn step directories, temporary
+  /// files) and the checkpoints beyond keep_last; if the save fails, what it
+  /// was writing. `parent` must belong to this job alone.
   std::string save_step(const std::string& parent, int64_t step,
                         StateDictType type = StateDictType::kSharded);
 
