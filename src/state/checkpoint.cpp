@@ -195,6 +195,9 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   try {
     request.rng_state = cpu_rng_state();
     for (const auto& kv : impl_->registered) request.extra[kv.first] = kv.second.save();
+    if (impl_->optimizer != nullptr) {  // the learning rate a scheduler set, and the rest
+      request.param_groups = detail::OptimAccess(*impl_->optimizer).group_options();
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -277,6 +280,9 @@ void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* gro
   const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
   const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
   if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file, rank_of(group));
+  if (optimizer != nullptr && !m.param_groups.empty()) {
+    detail::OptimAccess(*optimizer).set_group_options(m.param_groups, file);
+  }
   for (const auto& kv : registered) {
     const auto it = m.extra.find(kv.first);
     FSDP_CHECK(it != m.extra.end(), rank_of(group), file, "has no registered state '", kv.first,

@@ -211,6 +211,7 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   manifest.step = request.step;
   manifest.rng_state = request.rng_state;
   manifest.extra = request.extra;
+  manifest.param_groups = request.param_groups;
   try {
     if (request.full) {
       error = write_full(root, opt, rank, dir, manifest);

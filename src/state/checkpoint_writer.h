@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace fsdp::detail {
 
@@ -16,6 +17,7 @@ struct SaveRequest {
   int64_t step = 0;
   std::string rng_state;
   std::map<std::string, std::string> extra;
+  std::vector<std::map<std::string, double>> param_groups;  ///< the optimizer's options
 };
 
 /// Writes a checkpoint directory (collective). See Note [Checkpoint directory].

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <tuple>
 #include <unordered_set>
 
 #include <fsdp/comm/init.h>
@@ -216,6 +217,83 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
 }
 
 void OptimAccess::clear(const at::Tensor& param) { opt_.state().erase(optim_key(opt_, param)); }
+
+namespace {
+
+// Adam's and AdamW's options to and from names.
+template <typename Options>
+std::map<std::string, double> adam_options(const Options& o) {
+  return {{"lr", o.lr()},
+          {"beta1", std::get<0>(o.betas())},
+          {"beta2", std::get<1>(o.betas())},
+          {"eps", o.eps()},
+          {"weight_decay", o.weight_decay()}};
+}
+
+template <typename Options>
+void set_adam_options(Options& o, const std::map<std::string, double>& v) {
+  o.lr(v.at("lr"));
+  o.betas(std::make_tuple(v.at("beta1"), v.at("beta2")));
+  o.eps(v.at("eps"));
+  o.weight_decay(v.at("weight_decay"));
+}
+
+}  // namespace
+
+std::vector<std::map<std::string, double>> OptimAccess::group_options() const {
+  std::vector<std::map<std::string, double>> out;
+  for (const auto& g : opt_.param_groups()) {
+    switch (kind_) {
+      case Kind::kSgd: {
+        const auto& o = static_cast<const torch::optim::SGDOptions&>(g.options());
+        out.push_back({{"lr", o.lr()},
+                       {"momentum", o.momentum()},
+                       {"dampening", o.dampening()},
+                       {"weight_decay", o.weight_decay()}});
+        break;
+      }
+      case Kind::kAdam:
+        out.push_back(adam_options(static_cast<const torch::optim::AdamOptions&>(g.options())));
+        break;
+      case Kind::kAdamW:
+        out.push_back(adam_options(static_cast<const torch::optim::AdamWOptions&>(g.options())));
+        break;
+    }
+  }
+  return out;
+}
+
+void OptimAccess::set_group_options(const std::vector<std::map<std::string, double>>& groups,
+                                    const std::string& where) {
+  auto& mine = opt_.param_groups();
+  FSDP_CHECK(groups.size() == mine.size(), -1, where, "holds the options of ", groups.size(),
+             " parameter group(s), the optimizer has ", mine.size(),
+             ". Make the optimizer with the same parameter groups as the one saved.");
+  const std::map<std::string, double> want = group_options().front();
+  for (size_t i = 0; i < groups.size(); ++i) {
+    for (const auto& [name, unused] : want) {
+      FSDP_CHECK(groups[i].count(name) == 1, -1, where, "parameter group ", i, " has no ", name,
+                 ": it was saved from another kind of optimizer. Load it into the kind saved.");
+    }
+    const auto& v = groups[i];
+    switch (kind_) {
+      case Kind::kSgd: {
+        auto& o = static_cast<torch::optim::SGDOptions&>(mine[i].options());
+        o.lr(v.at("lr"));
+        o.momentum(v.at("momentum"));
+        o.dampening(v.at("dampening"));
+        o.weight_decay(v.at("weight_decay"));
+        break;
+      }
+      case Kind::kAdam:
+        set_adam_options(static_cast<torch::optim::AdamOptions&>(mine[i].options()), v);
+        break;
+      case Kind::kAdamW:
+        set_adam_options(static_cast<torch::optim::AdamWOptions&>(mine[i].options()), v);
+        break;
+    }
+  }
+}
 
 std::string safetensors_dtype(at::ScalarType t) {
   switch (t) {

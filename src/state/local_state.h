@@ -75,6 +75,15 @@ class OptimAccess {
   void set(const at::Tensor& param, const ParamState& state);
   /// Drops the state of `param` (as if it was never stepped).
   void clear(const at::Tensor& param);
+  /// Each parameter group's hyperparameters that training changes (lr,
+  /// betas, eps, weight_decay; SGD's momentum and dampening), by name: what
+  /// PyTorch's optimizer state_dict keeps in its param_groups.
+  std::vector<std::map<std::string, double>> group_options() const;
+  /// Sets what group_options() returned, group by group (the same number of
+  /// groups, else an error naming `where`). amsgrad and nesterov stay as
+  /// constructed: they decide which state exists.
+  void set_group_options(const std::vector<std::map<std::string, double>>& groups,
+                         const std::string& where);
 
  private:
   torch::optim::Optimizer& opt_;

@@ -189,6 +189,7 @@ std::string encode_manifest(const RankManifest& m) {
             {"files", files},
             {"tensors", tensors}};
   if (!bytes.empty()) j["extra_hex"] = bytes;
+  if (!m.param_groups.empty()) j["param_groups"] = m.param_groups;
   return j.dump(1);
 }
 
@@ -240,6 +241,9 @@ RankManifest parse_manifest(const std::string& text, const std::string& file) {
     }
   }
   m.scalars = field<std::map<std::string, int64_t>>(j, "scalars", file);
+  if (j.contains("param_groups")) {
+    m.param_groups = field<std::vector<std::map<std::string, double>>>(j, "param_groups", file);
+  }
   const json files = field<json>(j, "files", file), tensors = field<json>(j, "tensors", file);
   if (!files.is_array() || !tensors.is_array())
     throw CheckpointError(file, "files and tensors must be arrays");

@@ -42,8 +42,11 @@ struct RankManifest {
   std::string rng_state;                     ///< CPU generator state, hex
   std::map<std::string, std::string> extra;  ///< registered training-loop state
   std::map<std::string, int64_t> scalars;    ///< e.g. "optim/<name>/step"
-  std::vector<FileRecord> files;             ///< data files this rank wrote
-  std::vector<TensorRecord> tensors;         ///< pieces in those files
+  /// The optimizer's parameter groups' options (OptimAccess::group_options);
+  /// empty without an optimizer, and in checkpoints from before 2026-11-29.
+  std::vector<std::map<std::string, double>> param_groups;
+  std::vector<FileRecord> files;      ///< data files this rank wrote
+  std::vector<TensorRecord> tensors;  ///< pieces in those files
 };
 
 /// The completion marker.

@@ -251,6 +251,51 @@ TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
   remove_test_dir(dir);
 }
 
+// A checkpoint keeps each parameter group's options, as PyTorch's and
+// LibTorch's optimizer state does: a learning rate a schedule lowered, betas
+// and weight decay come back on load (the next steps then equal the
+// uninterrupted run's); an optimizer with other groups is refused by name.
+TEST(StateDict, CheckpointKeepsEachGroupsOptions) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        const auto groups_of = [](auto& m) {
+          std::vector<torch::Tensor> p = m->parameters();
+          return std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup({p.front()}),
+              torch::optim::OptimizerParamGroup(
+                  std::vector<torch::Tensor>(p.begin() + 1, p.end()))};
+        };
+        auto model = make_model(FSDPOptions());
+        torch::optim::AdamW opt(groups_of(model), torch::optim::AdamWOptions(1e-2));
+        torch::manual_seed(3);
+        train(*model, opt, 2);
+        auto& lowered = static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[1].options());
+        lowered.lr(1e-3).betas(std::make_tuple(0.8, 0.95)).weight_decay(0.1);
+        Checkpointer(*model, &opt).save(dir + "/ckpt", 2);
+
+        auto other = make_model(FSDPOptions(), /*seed=*/11);
+        torch::optim::AdamW other_opt(groups_of(other), torch::optim::AdamWOptions(1e-2));
+        EXPECT_EQ(Checkpointer(*other, &other_opt).load(dir + "/ckpt"), 2);
+        const auto& loaded =
+            static_cast<const torch::optim::AdamWOptions&>(other_opt.param_groups()[1].options());
+        EXPECT_TRUE(loaded == lowered);
+        torch::manual_seed(4);
+        train(*model, opt, 2);
+        torch::manual_seed(4);
+        train(*other, other_opt, 2);
+        expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after training");
+
+        torch::optim::AdamW one_group(other->parameters(), torch::optim::AdamWOptions(1e-2));
+        EXPECT_CONTAINS(error_of([&] { Checkpointer(*other, &one_group).load(dir + "/ckpt"); }),
+                        "holds the options of 2 parameter group(s), the optimizer has 1");
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
 // A full state dict is on every rank, so bad input is refused on every
 // rank, whatever part of a tensor a rank's shard holds (a rank holding none
 // of a mis-shaped tensor once went on, partly loaded, while the others
