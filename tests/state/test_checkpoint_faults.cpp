@@ -239,19 +239,23 @@ TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
   remove_test_dir(root);
 }
 
-TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoints) {
-  SmallDisk disk("2m");
-  if (!disk.ok()) GTEST_SKIP() << disk.why_not();
-  // 256x256 weights and Adam's two moments: ~0.8 MB a checkpoint.
-  torch::manual_seed(0);
-  torch::nn::Linear model(256, 256);
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
-  auto step = [&] {
+// 256x256 weights and Adam's two moments (~0.8 MB a checkpoint), one step taken.
+struct LinearAndAdam {
+  torch::nn::Linear model = (torch::manual_seed(0), torch::nn::Linear(256, 256));
+  torch::optim::Adam opt{model->parameters(), torch::optim::AdamOptions(1e-3)};
+  LinearAndAdam() { step(); }
+  void step() {
     opt.zero_grad();
     model->forward(torch::randn({4, 256})).sum().backward();
     opt.step();
-  };
-  step();
+  }
+};
+
+TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoints) {
+  SmallDisk disk("2m");
+  if (!disk.ok()) GTEST_SKIP() << disk.why_not();
+  LinearAndAdam trained;
+  auto& [model, opt] = trained;
   Checkpointer ckpt(*model, &opt);
   std::string error;
   int64_t saved = 0;
@@ -289,7 +293,7 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
   }
   Checkpointer kept(*model, &opt, CheckpointerOptions().keep_last(1));
   for (int64_t s = saved + 1; s <= saved + 6; ++s) {
-    step();
+    trained.step();
     kept.save_step(disk.path(), s);
   }
   EXPECT_EQ(entries(disk.path()).size(), 1u);
@@ -302,19 +306,12 @@ TEST(CheckpointFaults, FullDiskFailsTheSaveNamingTheFileAndKeepsEarlierCheckpoin
 TEST(CheckpointFaults, AFailedSaveKeepsTheCheckpointOfTheSameStep) {
   SmallDisk disk("2m");
   if (!disk.ok()) GTEST_SKIP() << disk.why_not();
-  torch::manual_seed(0);
-  torch::nn::Linear model(256, 256);  // with Adam's moments ~0.8 MB a checkpoint
-  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
-  auto step = [&] {
-    opt.zero_grad();
-    model->forward(torch::randn({4, 256})).sum().backward();
-    opt.step();
-  };
-  step();
+  LinearAndAdam trained;
+  auto& [model, opt] = trained;
   Checkpointer ckpt(*model, &opt);
   const std::string path = ckpt.save_step(disk.path(), 7);
   const torch::Tensor first = model->weight.detach().clone();
-  step();
+  trained.step();
   // Leave the disk ~0.25 MB: too little for a second checkpoint.
   const std::string filler = disk.path() + "/filler";
   put_file_bytes(filler, std::string(static_cast<size_t>(1) << 20, 'x'));
