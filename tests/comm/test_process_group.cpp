@@ -104,6 +104,15 @@ int realtime_threads() {
   return n;
 }
 
+// realtime_threads() once it is `expected`, or when `limit` has passed.
+int realtime_threads_within(int expected, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (realtime_threads() != expected && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return realtime_threads();
+}
+
 // Whether this process may give a thread real-time priority at all.
 bool realtime_allowed() {
   bool ok = false;
@@ -137,16 +146,16 @@ void expect_realtime_comm_threads(const char* env, std::optional<bool> field, bo
     // not have waited for (it can run on the waiter): under load that came
     // after the count (1 of 10 runs with both cores busy), so wait a while.
     const int expected = allowed && on ? 2 : 0;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (realtime_threads() != expected && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    EXPECT_EQ(realtime_threads(), expected) << "allowed " << allowed;
+    EXPECT_EQ(realtime_threads_within(expected, std::chrono::seconds(5)), expected)
+        << "allowed " << allowed;
     EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);
     pg->barrier().wait();
     pg.reset();
     destroy_process_group();
-    EXPECT_EQ(realtime_threads(), 0);
+    // A joined thread's entry in /proc/self/task can outlive the join by a
+    // moment (the kernel reaps it after clearing its tid): 1 of ~50 runs
+    // under load counted it.
+    EXPECT_EQ(realtime_threads_within(0, std::chrono::seconds(5)), 0);
     unsetenv("FSDP_COMM_REALTIME");
   });
 }
