@@ -589,7 +589,8 @@ std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<G
                                                              const at::Tensor& reduced) const {
   // Only a gradient that lands in host memory, for a listener that reads
   // parts.
-  if (!grad_hooks() || !grad_hooks()->takes_parts ||
+  const ReducedGradHooks* hooks = grad_hooks();
+  if (!hooks || !hooks->takes_parts ||
       !shard_grad_options(reduced.scalar_type()).device().is_cpu()) {
     return {};
   }

@@ -124,23 +124,22 @@ void replace_directory(const std::string& staged, const std::string& dir) {
       throw CheckpointError(to, "cannot rename " + from + " to it: " + errno_text());
   };
   std::error_code ec;
+  std::string older;  // where the older one is once the new one is in place
   if (!entry_exists(dir)) {
     renamed(staged, dir);
   } else if (::syscall(SYS_renameat2, AT_FDCWD, staged.c_str(), AT_FDCWD, dir.c_str(),
                        RENAME_EXCHANGE) == 0) {
-    fsync_directory(parent);
-    remove_tree(staged, ec);  // the older one, now under the staged name
+    older = staged;
   } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {
-    const std::string aside = dir + ".replaced";  // NFS, older kernels: no exchange
-    remove_tree(aside, ec);
-    renamed(dir, aside);
+    older = dir + ".replaced";  // NFS, older kernels: no exchange
+    remove_tree(older, ec);
+    renamed(dir, older);
     renamed(staged, dir);
-    fsync_directory(parent);
-    remove_tree(aside, ec);
   } else {
     throw CheckpointError(dir, "cannot exchange it with " + staged + ": " + errno_text());
   }
-  fsync_directory(parent);
+  fsync_directory(parent);  // the new one in place before the older one goes
+  if (!older.empty()) remove_tree(older, ec);
 }
 
 void fsync_directory(const std::string& dir) {

@@ -167,13 +167,14 @@ std::string step_name(int64_t step) {
 std::string staging_name(int64_t step) { return "." + step_name(step) + ".saving"; }
 
 bool is_staging_name(const std::string& name) {
-  const auto ends = [&](const std::string& suffix) {
-    return name.size() > suffix.size() &&
-           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  // Whether `name` is `prefix` + a step_name() + `suffix`.
+  const auto around_a_step = [&](const std::string& prefix, const std::string& suffix) {
+    return name.size() > prefix.size() + suffix.size() && name.rfind(prefix, 0) == 0 &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+           step_of_name(name.substr(prefix.size(), name.size() - prefix.size() - suffix.size())) >=
+               0;
   };
-  if (name.size() > 1 && name[0] == '.' && ends(".saving"))
-    return step_of_name(name.substr(1, name.size() - 1 - 7)) >= 0;
-  return ends(".replaced") && step_of_name(name.substr(0, name.size() - 9)) >= 0;
+  return around_a_step(".", ".saving") || around_a_step("", ".replaced");
 }
 
 int64_t step_of_name(const std::string& name) {
