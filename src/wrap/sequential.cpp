@@ -51,8 +51,8 @@ void AnyUnitImpl::train(bool on) {
 }
 
 void AnyUnitImpl::zero_grad(bool set_to_none) {
+  zero_optim_grads(set_to_none);  // first, as FullyShardedDataParallelImpl::zero_grad
   torch::nn::Module::zero_grad(set_to_none);
-  zero_optim_grads(set_to_none);
 }
 
 void AnyUnitImpl::save(torch::serialize::OutputArchive& archive) const {

@@ -163,11 +163,27 @@ TEST(StepDuringBackward, HandsOverEachUnitOnceSomeBeforeBackwardEnds) {
           handed.push_back(p.unsafeGetTensorImpl());
         }
       };
+      // model->zero_grad() calls before_zero_grad before it clears any
+      // gradient (a listener still stepping waits there): none is cleared
+      // when the first call comes.
+      int zero_grad_calls = 0;
+      int64_t cleared_before = -1;
+      hooks.before_zero_grad = [&] {
+        if (zero_grad_calls++ > 0) return;
+        cleared_before = 0;
+        for (const at::Tensor& p : model->parameters()) cleared_before += !p.grad().defined();
+        for (const auto& p : model->module().named_parameters()) {  // the original ones
+          cleared_before += !p.value().grad().defined();
+        }
+      };
       set_reduced_grad_hooks(*model.ptr(), hooks);
       for (int step = 0; step < 2; ++step) {
         handed.clear();
         early = 0;
+        zero_grad_calls = 0;
         model->zero_grad(/*set_to_none=*/true);
+        EXPECT_GE(zero_grad_calls, 1) << "step " << step;
+        if (step > 0) EXPECT_EQ(cleared_before, 0) << "gradients cleared before before_zero_grad";
         model->forward(torch::randn({4, 7})).pow(2).sum().backward();
         EXPECT_EQ(handed.size(), units.size()) << "step " << step;
         for (Unit* unit : units) {

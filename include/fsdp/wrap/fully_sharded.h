@@ -155,8 +155,10 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
   /// shard or per-parameter views; nested units through the recursion).
   /// The default of set_to_none is LibTorch's (false in 1.13, true in 2.x).
   void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override {
-    torch::nn::Module::zero_grad(set_to_none);
+    // First: it waits for an optimizer still stepping this unit's shard
+    // (ReducedGradHooks::before_zero_grad) before any .grad is cleared.
     zero_optim_grads(set_to_none);  // nothing for a pass-through
+    torch::nn::Module::zero_grad(set_to_none);
   }
 
   /// What the unwrapped module's save() writes: full parameters. Under
