@@ -236,15 +236,18 @@ void UnitInit::fill(const at::Tensor& unsharded) {
   for (const auto& b : buffers_) broadcast_in_place(group, b);
 }
 
-void UnitInit::cast_buffers() {
+std::vector<CastBuffer> UnitInit::cast_buffers() {
+  std::vector<CastBuffer> cast;
   const auto& mp = options_.mixed_precision();
-  if (!mp || !mp->buffer_dtype()) return;
+  if (!mp || !mp->buffer_dtype()) return cast;
   at::NoGradGuard no_grad;
   for (const auto& b : buffers_) {
     if (b.is_floating_point() && b.scalar_type() != *mp->buffer_dtype()) {
+      cast.push_back({b, b.scalar_type()});
       at::Tensor(b).set_data(b.to(*mp->buffer_dtype()));  // the module's own buffer object
     }
   }
+  return cast;
 }
 
 }  // namespace fsdp::detail

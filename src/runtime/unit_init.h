@@ -61,6 +61,15 @@ class UnitPathScope {
   const std::string* previous_;
 };
 
+/// A buffer MixedPrecision::buffer_dtype cast when the unit was made, and its
+/// dtype before: the one state dicts, checkpoints and torch::save hold it in
+/// (PyTorch's FSDP saves buffers in their original dtypes too), so that they
+/// load into the unwrapped model unchanged.
+struct CastBuffer {
+  at::Tensor buffer;  ///< the module's own buffer object
+  at::ScalarType saved_dtype;
+};
+
 /// What a unit does to its modules' state when it is made, in three steps:
 /// the constructor finds the modules the unit manages and gives their meta
 /// buffers storage; fill() (inside the FlatParameter's construction, with the
@@ -77,8 +86,9 @@ class UnitInit {
   bool needs_fill() const { return !deferred_.empty() || options_.sync_module_states(); }
   /// See the class comment; `unsharded` may be undefined (no parameters).
   void fill(const at::Tensor& unsharded);
-  /// Casts the managed floating-point buffers to buffer_dtype, if set.
-  void cast_buffers();
+  /// Casts the managed floating-point buffers to buffer_dtype, if set;
+  /// returns those it cast.
+  std::vector<CastBuffer> cast_buffers();
 
  private:
   const FSDPOptions& options_;

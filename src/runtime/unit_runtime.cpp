@@ -46,6 +46,19 @@ ParamRegistry& param_registry() {
   return *registry;
 }
 
+// Buffers units cast to buffer_dtype, with their dtype before (see
+// CastBuffer), until the unit that cast them is destroyed: one module's
+// buffer registered in several units' modules (a shared rotary table) is
+// cast by the first and found by the others.
+struct BufferRegistry {
+  std::mutex mutex;
+  std::unordered_map<const void*, std::pair<const UnitRuntime*, at::ScalarType>> saved;
+};
+BufferRegistry& buffer_registry() {
+  static BufferRegistry* registry = new BufferRegistry();  // outlives static units
+  return *registry;
+}
+
 // Parameters of `m` and its children, skipping the subtrees of other units
 // (they manage their own) and parameters shared with one seen before.
 // Ignored modules (FSDPOptions::ignored_modules) keep their parameters.
@@ -95,6 +108,14 @@ UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
 
 UnitRuntime::~UnitRuntime() {
   for (const auto& p : grad_placeholders_) release_placeholder(p);
+  if (!cast_buffers_.empty()) {
+    BufferRegistry& r = buffer_registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const CastBuffer& c : cast_buffers_) {
+      auto it = r.saved.find(c.buffer.unsafeGetTensorImpl());
+      if (it != r.saved.end() && it->second.first == this) r.saved.erase(it);
+    }
+  }
   if (flat_ == nullptr) return;
   ParamRegistry& r = param_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -115,6 +136,23 @@ std::vector<UnitRuntime*> UnitRuntime::all_in(const torch::nn::Module& model) {
     if (UnitRuntime* unit = of(*m)) out.push_back(unit);
   }
   return out;
+}
+
+c10::optional<at::ScalarType> saved_buffer_dtype(const at::Tensor& buffer) {
+  BufferRegistry& r = buffer_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.saved.find(buffer.unsafeGetTensorImpl());
+  if (it == r.saved.end()) return c10::nullopt;
+  return it->second.second;
+}
+
+void UnitRuntime::remember_cast_buffers(std::vector<CastBuffer> cast) {
+  cast_buffers_ = std::move(cast);
+  BufferRegistry& r = buffer_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const CastBuffer& c : cast_buffers_) {
+    r.saved.emplace(c.buffer.unsafeGetTensorImpl(), std::make_pair(this, c.saved_dtype));
+  }
 }
 
 bool UnitRuntime::is_root() const { return root_ != nullptr && &root_->root() == this; }
@@ -201,7 +239,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
   UnitInit init(wrapped != nullptr ? *wrapped : self, options_, device);
   if (params.empty()) {
     if (init.needs_fill()) init.fill(at::Tensor());
-    init.cast_buffers();
+    remember_cast_buffers(init.cast_buffers());
     return;
   }
   flat_ = std::make_unique<FlatParameter>(std::move(params), std::move(shard_group),
@@ -211,7 +249,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
     std::lock_guard<std::mutex> lock(r.mutex);
     for (const auto& slot : flat_->slots()) r.owner[slot.param.unsafeGetTensorImpl()] = this;
   }
-  init.cast_buffers();
+  remember_cast_buffers(init.cast_buffers());
   register_grad_hooks();
   make_optim_params();
 }

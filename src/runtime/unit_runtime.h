@@ -17,6 +17,7 @@
 #include "core/sharded_placeholder.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/strategy.h"
+#include "runtime/unit_init.h"
 
 namespace fsdp::detail {
 
@@ -137,6 +138,7 @@ class UnitRuntime final : public ParamUseListener {
  private:
   friend class RootState;
   void transition(Unit::TrainingState to);
+  void remember_cast_buffers(std::vector<CastBuffer> cast);
   void abandon_iteration();
   // pre_forward once the root is known: enters the forward state, gathers.
   void begin_forward_state();
@@ -249,6 +251,7 @@ class UnitRuntime final : public ParamUseListener {
   torch::nn::Module* self_ = nullptr;
   Driver driver_ = Driver::kWrapper;
   bool full_precision_override_ = false;  // see Unit::keep_full_precision()
+  std::vector<CastBuffer> cast_buffers_;  // registered for saved_buffer_dtype()
   // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
       grad_accumulators_;
@@ -307,5 +310,9 @@ class UnitRuntime final : public ParamUseListener {
   // See fsdp::set_reduced_grad_hooks.
   std::shared_ptr<const ReducedGradHooks> grad_hooks_;
 };
+
+/// The dtype `buffer` is saved in where it is not its own: its dtype before
+/// a unit cast it to MixedPrecision::buffer_dtype (see CastBuffer).
+c10::optional<at::ScalarType> saved_buffer_dtype(const at::Tensor& buffer);
 
 }  // namespace fsdp::detail

@@ -30,7 +30,8 @@ using torch::serialize::OutputArchive;
 // parameters belong to the enclosing unit.
 bool is_own_unit(const torch::nn::Module& m) { return unit_of(m) != nullptr; }
 
-// Module::save, with each parameter in `full` written as its full copy.
+// Module::save, with each parameter in `full` written as its full copy and
+// each buffer in the dtype it is saved in (detail::saved_buffer_dtype).
 void save_tree(const torch::nn::Module& m, OutputArchive& archive,
                const std::unordered_map<const void*, at::Tensor>& full) {
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
@@ -38,7 +39,8 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
     archive.write(p.key(), it != full.end() ? it->second : p.value());
   }
   for (const auto& b : m.named_buffers(/*recurse=*/false)) {
-    archive.write(b.key(), b.value(), /*is_buffer=*/true);
+    const auto saved = detail::saved_buffer_dtype(b.value());
+    archive.write(b.key(), saved ? b.value().to(*saved) : b.value(), /*is_buffer=*/true);
   }
   for (const auto& c : m.named_children()) {
     if (!c.value()->is_serializable()) continue;
@@ -158,7 +160,19 @@ void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
               .copy_(value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
         }
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
-          in.read(b.key(), b.value(), /*is_buffer=*/true);
+          if (!detail::saved_buffer_dtype(b.value())) {
+            in.read(b.key(), b.value(), /*is_buffer=*/true);
+            continue;
+          }
+          // Saved in its own dtype; kept in buffer_dtype.
+          at::Tensor value;
+          in.read(b.key(), value, /*is_buffer=*/true);
+          FSDP_CHECK(value.sizes() == b.value().sizes(), /*rank=*/-1, prefix + b.key(),
+                     "expected buffer '", prefix + b.key(), "' of shape ", b.value().sizes(),
+                     " in the archive, got ", value.sizes(),
+                     ". The file was saved from a different model; load it into the model that "
+                     "saved it");
+          b.value().copy_(value);
         }
         for (const auto& c : m.named_children()) {
           if (!c.value()->is_serializable()) continue;

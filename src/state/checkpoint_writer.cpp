@@ -88,7 +88,8 @@ void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int ra
     if ((p.replicated && rank != 0) || p.saved_elsewhere) continue;
     const int64_t len = p.end - p.begin;
     if (len > 0)
-      model.push_back(make_item("model/" + p.name, p.name, p.data, p.shape, {len}, p.begin, p.end));
+      model.push_back(make_item("model/" + p.name, p.name, p.data.to(p.saved_dtype), p.shape, {len},
+                                p.begin, p.end));
     ParamState st;
     if (!access || p.is_buffer || !access->get(p.optim_param, st)) continue;
     for (const std::string& name : access->state_names()) {

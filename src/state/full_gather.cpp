@@ -33,10 +33,20 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
   return out;
 }
 
+// A piece's name, and its aliases when `aliases` (Note [Tied parameters]).
+std::vector<const std::string*> names_of(const LocalPiece& p, bool aliases) {
+  std::vector<const std::string*> out{&p.name};
+  if (aliases) {
+    for (const std::string& a : p.aliases) out.push_back(&a);
+  }
+  return out;
+}
+
 }  // namespace
 
-FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model)
-    : root_(root), opt_(opt), model_(model) {
+FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model,
+                       bool aliases)
+    : root_(root), opt_(opt), model_(model), aliases_(aliases) {
   if (opt_ != nullptr) {
     // Agree on which parameters have optimizer state, and their steps: a
     // rank whose piece is empty may have none (see Note [State pieces]).
@@ -65,9 +75,9 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
   if (dry) specs_.clear();
   size_t index = 0;
   auto emit = [&](const std::string& key, at::ScalarType dtype, const std::vector<int64_t>& shape,
-                  const at::Tensor& t) {
+                  const at::Tensor& t, bool alias = false) {
     if (dry) {
-      specs_.push_back({key, dtype, shape});
+      specs_.push_back({key, dtype, shape, alias});
     } else {
       TORCH_INTERNAL_ASSERT(specs_.at(index).key == key, "fsdp: full walk out of order at ", key);
       (*fn)(index, t);
@@ -99,8 +109,10 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
                  "does not issue. Call it outside SummonFullParams, on every rank");
       const bool gathered = !dry && unit->gather_full_params();
       for (LocalPiece* p : group) {
-        emit("model/" + p->name, flat.shard().scalar_type(), p->shape,
-             dry ? at::Tensor() : flat.slots()[p->slot].param.detach());
+        const at::Tensor full = dry ? at::Tensor() : flat.slots()[p->slot].param.detach();
+        for (const std::string* name : names_of(*p, aliases_)) {
+          emit("model/" + *name, flat.shard().scalar_type(), p->shape, full, name != &p->name);
+        }
       }
       if (gathered) unit->release_full_params();
     }
@@ -131,7 +143,12 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
   for (; i < pieces.size(); ++i) {
     const LocalPiece& p = pieces[i];
     const at::ScalarType dtype = p.data.scalar_type();
-    if (model_) emit("model/" + p.name, dtype, p.shape, dry ? at::Tensor() : p.data.view(p.shape));
+    if (model_) {
+      const at::Tensor full = dry ? at::Tensor() : p.data.view(p.shape).to(p.saved_dtype);
+      for (const std::string* name : names_of(p, aliases_)) {
+        emit("model/" + *name, p.saved_dtype, p.shape, full, name != &p.name);
+      }
+    }
     if (opt_ == nullptr || p.is_buffer || !has_state(i)) continue;
     ParamState st;
     if (!dry) access->get(p.optim_param, st);

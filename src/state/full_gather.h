@@ -17,6 +17,8 @@ struct FullSpec {
   std::string key;
   at::ScalarType dtype;
   std::vector<int64_t> shape;
+  /// Another name of the tensor before (Note [Tied parameters]).
+  bool alias = false;
 };
 
 /// Walks the full tensors of `root` (and of `opt` when given) in a fixed
@@ -26,8 +28,11 @@ struct FullSpec {
 /// walker is built (one all-reduce), so every rank walks the same specs.
 class FullWalker {
  public:
-  /// Collective when `opt` is given.
-  FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model);
+  /// Collective when `opt` is given. `aliases`: a tied parameter's full
+  /// tensor comes again under each of its other names (full state dicts;
+  /// Note [Tied parameters]).
+  FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model,
+             bool aliases = false);
   /// The tensors walk() produces, in its order.
   const std::vector<FullSpec>& specs() const { return specs_; }
   /// Gathers each full tensor (collective per unit) and calls fn with its
@@ -41,6 +46,7 @@ class FullWalker {
   torch::nn::Module& root_;
   torch::optim::Optimizer* opt_;
   bool model_;
+  bool aliases_;
   std::vector<int64_t> agreed_;  // per optimizer parameter piece: (has state, step)
   std::vector<FullSpec> specs_;
 };

@@ -3,6 +3,7 @@
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 #include "runtime/strategy.h"
+#include "runtime/unit_runtime.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <sstream>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <fsdp/comm/init.h>
@@ -63,6 +65,7 @@ LocalPiece unit_piece(const UnitEntry& e, size_t i) {
   p.begin = lo < hi ? lo - slot.offset : 0;
   p.end = lo < hi ? hi - slot.offset : 0;
   p.data = shard.narrow(0, lo < hi ? lo - flat.shard_offset() : 0, p.end - p.begin);
+  p.saved_dtype = p.data.scalar_type();
   p.unit = e.unit;
   p.slot = i;
   p.replicated = flat.keeps_unsharded();
@@ -93,6 +96,7 @@ LocalPiece whole_piece(const std::string& name, const at::Tensor& t, bool is_buf
              "is not contiguous; expected the "
              "module's parameters and buffers to be contiguous tensors");
   p.data = t.detach().view({-1});
+  p.saved_dtype = p.data.scalar_type();
   if (!is_buffer) p.optim_param = t;
   p.replicated = true;
   p.is_buffer = is_buffer;
@@ -101,23 +105,45 @@ LocalPiece whole_piece(const std::string& name, const at::Tensor& t, bool is_buf
 
 }  // namespace
 
+// Note [Tied parameters]
+// A tensor registered under two names (an output projection sharing the
+// embedding's weight) is one parameter: a unit flattens it once, and
+// LibTorch's named_parameters() reaches it under both names. It is one
+// piece, under the first name, with the others as aliases. Full state dicts
+// hold it under every name, one tensor for all, as the unwrapped model's
+// named_parameters() and PyTorch's state_dict() do; checkpoints and
+// optimizer state hold it once, under the first name (as safetensors files
+// of tied models do). Loading reads it under the last of its names the
+// source has, as the last name wins in the unwrapped model's torch::load
+// and in PyTorch's load_state_dict, and checks the others' shapes. A buffer
+// registered twice is the same.
 std::vector<LocalPiece> local_pieces(torch::nn::Module& root) {
   std::vector<LocalPiece> out;
-  std::unordered_set<const void*> managed;
+  std::unordered_map<const void*, size_t> piece_of;
   for (const UnitEntry& e : units_with_params(root)) {
     e.unit->before_state_use();  // Note [Steps during backward]
     const auto& slots = e.unit->flat_param()->slots();
     for (size_t i = 0; i < slots.size(); ++i) {
-      managed.insert(slots[i].param.unsafeGetTensorImpl());
+      piece_of.emplace(slots[i].param.unsafeGetTensorImpl(), out.size());
       out.push_back(unit_piece(e, i));
     }
   }
-  for (const auto& p : root.named_parameters()) {
-    if (managed.count(p.value().unsafeGetTensorImpl()) == 0) {
-      out.push_back(whole_piece(p.key(), p.value(), false));
+  // The new piece, or nullptr where `t` has one already (then an alias).
+  auto add = [&](const std::string& name, const at::Tensor& t, bool is_buffer) -> LocalPiece* {
+    const auto [it, fresh] = piece_of.emplace(t.unsafeGetTensorImpl(), out.size());
+    if (!fresh) {
+      LocalPiece& first = out[it->second];
+      if (first.name != name) first.aliases.push_back(name);
+      return nullptr;
     }
+    out.push_back(whole_piece(name, t, is_buffer));
+    return &out.back();
+  };
+  for (const auto& p : root.named_parameters()) add(p.key(), p.value(), false);
+  for (const auto& b : root.named_buffers()) {
+    LocalPiece* p = add(b.key(), b.value(), true);
+    if (p != nullptr) p->saved_dtype = saved_buffer_dtype(b.value()).value_or(p->saved_dtype);
   }
-  for (const auto& b : root.named_buffers()) out.push_back(whole_piece(b.key(), b.value(), true));
   return out;
 }
 

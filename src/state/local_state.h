@@ -21,17 +21,22 @@ namespace fsdp::detail {
 /// Elements [begin, end) of an original parameter or buffer, flattened, that
 /// this rank holds.
 struct LocalPiece {
-  std::string name;            ///< original name ("block.0.weight")
+  std::string name;  ///< original name ("block.0.weight")
+  /// Its other names, where the tensor is tied (Note [Tied parameters]).
+  std::vector<std::string> aliases;
   std::vector<int64_t> shape;  ///< original full shape
   int64_t numel = 0;           ///< original numel
   int64_t begin = 0, end = 0;  ///< element range held here
   at::Tensor data;             ///< 1-D view of the local values (end - begin elements)
-  at::Tensor optim_param;      ///< what the optimizer steps (undefined for buffers)
-  int64_t optim_offset = 0;    ///< where `data` starts inside optim_param, flattened
-  Unit* unit = nullptr;        ///< the unit that shards it, nullptr when not sharded
-  size_t slot = 0;             ///< its slot in unit->flat_param()
-  bool replicated = false;     ///< every rank holds it whole (buffers, NO_SHARD, unmanaged)
-  bool is_buffer = false;      ///< a buffer (no optimizer state)
+  /// The dtype it is saved and loaded in: data's, but a buffer's from
+  /// before MixedPrecision::buffer_dtype (see CastBuffer).
+  at::ScalarType saved_dtype = at::kFloat;
+  at::Tensor optim_param;    ///< what the optimizer steps (undefined for buffers)
+  int64_t optim_offset = 0;  ///< where `data` starts inside optim_param, flattened
+  Unit* unit = nullptr;      ///< the unit that shards it, nullptr when not sharded
+  size_t slot = 0;           ///< its slot in unit->flat_param()
+  bool replicated = false;   ///< every rank holds it whole (buffers, NO_SHARD, unmanaged)
+  bool is_buffer = false;    ///< a buffer (no optimizer state)
   /// A copy of a shard that a rank of the first node saves (HYBRID_SHARD on
   /// the other nodes, Note [Hybrid sharding]).
   bool saved_elsewhere = false;
@@ -47,7 +52,8 @@ struct UnitEntry {
 std::vector<UnitEntry> units_with_params(torch::nn::Module& root);
 
 /// Every piece this rank holds: units' slots (pre-order), then parameters no
-/// unit manages, then buffers.
+/// unit manages, then buffers; each tensor once, under the first name the
+/// root's named_parameters() (named_buffers()) reaches it by.
 std::vector<LocalPiece> local_pieces(torch::nn::Module& root);
 
 /// The whole job's group of the first unit (for HYBRID_SHARD its world, not

@@ -19,6 +19,26 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return c10::IntArrayRef(s).vec().empty() ? "[]" : c10::str(c10::IntArrayRef(s));
 }
 
+// A piece's name, then its aliases (Note [Tied parameters]).
+std::vector<std::string> names_of(const LocalPiece& p) {
+  std::vector<std::string> names{p.name};
+  names.insert(names.end(), p.aliases.begin(), p.aliases.end());
+  return names;
+}
+
+// The key `src` holds `p`'s entry under (prefix + name + suffix): of its
+// names the last the source has, as the last of a tied tensor's names wins
+// in the unwrapped model's torch::load and PyTorch's load_state_dict; its
+// own name where the source has none.
+std::string stored_key(const PieceSource& src, const std::string& prefix, const LocalPiece& p,
+                       const std::string& suffix) {
+  std::string found = prefix + p.name + suffix;
+  for (const std::string& name : names_of(p)) {
+    if (src.has(prefix + name + suffix)) found = prefix + name + suffix;
+  }
+  return found;
+}
+
 }  // namespace
 
 DictSource::DictSource(const torch::OrderedDict<std::string, at::Tensor>& dict, std::string prefix)
@@ -119,14 +139,24 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   // shard holds: bad input is refused alike everywhere, and changes nothing.
   std::vector<LocalPiece> pieces = local_pieces(root);
   std::set<std::string> expected;
-  for (const LocalPiece& p : pieces) {
-    const std::string key = "model/" + p.name;
-    expected.insert(key);
-    FSDP_CHECK(src.has(key), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
+  std::vector<std::string> from(pieces.size());       // the key each piece is read from
+  std::vector<at::ScalarType> stored(pieces.size());  // and the dtype it is stored in
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const LocalPiece& p = pieces[i];
+    for (const std::string& name : names_of(p)) expected.insert("model/" + name);
+    from[i] = stored_key(src, "model/", p, "");
+    FSDP_CHECK(src.has(from[i]), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
                p.is_buffer ? "buffer " : "parameter ", p.name,
                ". Load a checkpoint saved from the same model (names are the original "
                "module paths).");
-    src.check(key, p.shape, p.data.scalar_type());
+    // A buffer in buffer_dtype is saved in its own dtype; one saved before
+    // 2026-11-29 is in buffer_dtype.
+    const bool cast = p.saved_dtype != p.data.scalar_type();
+    stored[i] =
+        cast && src.dtype(from[i]) == p.data.scalar_type() ? p.data.scalar_type() : p.saved_dtype;
+    for (const std::string& name : names_of(p)) {
+      if (src.has("model/" + name)) src.check("model/" + name, p.shape, stored[i]);
+    }
   }
   for (const std::string& key : src.keys()) {
     if (key.rfind("model/", 0) != 0) continue;
@@ -134,8 +164,16 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
                key.substr(6),
                ", which the model does not have. Load a checkpoint saved from the same model.");
   }
-  for (LocalPiece& p : pieces) {
-    if (p.end > p.begin) src.read("model/" + p.name, p.shape, p.begin, p.end, p.data);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    LocalPiece& p = pieces[i];
+    if (p.end <= p.begin) continue;
+    if (stored[i] == p.data.scalar_type()) {
+      src.read(from[i], p.shape, p.begin, p.end, p.data);
+    } else {  // a buffer in buffer_dtype, saved in its own dtype
+      const at::Tensor saved = at::empty(p.data.sizes(), p.data.options().dtype(stored[i]));
+      src.read(from[i], p.shape, p.begin, p.end, saved);
+      p.data.copy_(saved);
+    }
   }
 }
 
@@ -162,11 +200,13 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   std::set<std::string> expected;
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
-    for (const std::string& name : access.state_names())
-      expected.insert("optim/" + p.name + "/" + name);
-    if (access.has_step()) {  // Adam's, amsgrad's too (loaded into one without, unused)
-      expected.insert("optim/" + p.name + "/step");
-      expected.insert("optim/" + p.name + "/max_exp_avg_sq");
+    for (const std::string& param : names_of(p)) {
+      for (const std::string& name : access.state_names())
+        expected.insert("optim/" + param + "/" + name);
+      if (access.has_step()) {  // Adam's, amsgrad's too (loaded into one without, unused)
+        expected.insert("optim/" + param + "/step");
+        expected.insert("optim/" + param + "/max_exp_avg_sq");
+      }
     }
   }
   for (const std::string& key : src.keys()) {
@@ -181,7 +221,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     const at::ScalarType dtype = group.front()->optim_param.scalar_type();
     for (const std::string& name : access.state_names()) {
       for (const LocalPiece* p : group) {
-        const std::string key = "optim/" + p->name + "/" + name;
+        const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (src.has(key)) src.check(key, p->shape, dtype);
       }
     }
@@ -195,7 +235,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
       at::Tensor t = at::zeros_like(param.detach(), at::MemoryFormat::Contiguous);
       at::Tensor flat = t.view({-1});
       for (LocalPiece* p : group) {
-        const std::string key = "optim/" + p->name + "/" + name;
+        const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (!src.has(key)) continue;
         found = true;
         if (p->end > p->begin)
@@ -206,7 +246,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     }
     if (access.has_step()) {
       for (LocalPiece* p : group) {
-        const std::string key = "optim/" + p->name + "/step";
+        const std::string key = stored_key(src, "optim/", *p, "/step");
         if (!src.has(key)) continue;
         at::Tensor step = at::zeros({1}, src.dtype(key));
         src.read(key, {}, 0, 1, step);

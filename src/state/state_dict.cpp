@@ -10,17 +10,20 @@ namespace {
 torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
                                                    torch::optim::Optimizer* optimizer,
                                                    const StateDictOptions& options) {
-  detail::FullWalker walker(model, optimizer, /*model=*/optimizer == nullptr);
+  detail::FullWalker walker(model, optimizer, /*model=*/optimizer == nullptr, /*aliases=*/true);
   ProcessGroup* group = detail::state_group(model);
   const bool keep = !options.rank0_only() || group == nullptr || group->rank() == 0;
   torch::OrderedDict<std::string, at::Tensor> out;
+  at::Tensor last_copy;
   walker.walk([&](size_t i, const at::Tensor& t) {
     if (!keep) return;
     const std::string& key = walker.specs()[i].key;
-    out.insert(key.substr(key.find('/') + 1),
-               options.offload_to_cpu() ? t.detach().to(at::kCPU, t.scalar_type(),
-                                                        /*non_blocking=*/false, /*copy=*/true)
-                                        : t.detach().clone());
+    if (!walker.specs()[i].alias) {  // a tied tensor's names share one copy, as in the model
+      last_copy = options.offload_to_cpu() ? t.detach().to(at::kCPU, t.scalar_type(),
+                                                           /*non_blocking=*/false, /*copy=*/true)
+                                           : t.detach().clone();
+    }
+    out.insert(key.substr(key.find('/') + 1), last_copy);
   });
   return out;
 }

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+
 #include <fsdp/fsdp.h>
 #include "comm/counting_process_group.h"
 
@@ -390,6 +392,221 @@ TEST(StateDict, MixedPrecisionSavesTheFullPrecisionShards) {
             mp_train(*other, *other_opt, 2);
             expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model),
                                  name + " after training");
+          }
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// A module with a floating-point buffer its forward reads, like BatchNorm's
+// running statistics or a rotary table.
+struct ScaledImpl : torch::nn::Module {
+  ScaledImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 7));
+    // Values bf16 cannot hold: the saved dtype shows.
+    scale = register_buffer("scale", 1 + 1e-3 * torch::arange(7, torch::kFloat));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(x) * scale.to(x.scalar_type()); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(Scaled);
+
+struct BufferedNetImpl : torch::nn::Module {
+  explicit BufferedNetImpl(const c10::optional<FSDPOptions>& wrap) {
+    if (wrap) {
+      inner_wrapped =
+          register_module("inner", FullyShardedDataParallel<ScaledImpl>(Scaled(), *wrap));
+    } else {
+      inner = register_module("inner", Scaled());
+    }
+    head = register_module("head", torch::nn::Linear(7, 3));
+    shift = register_buffer("shift", 1e-3 * torch::arange(3, torch::kFloat) + 0.1);
+    // One table in two units, as a rotary table shared by blocks.
+    table = register_buffer("table", wrap ? inner_wrapped->module().scale : inner->scale);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = inner_wrapped ? inner_wrapped->forward(x) : inner->forward(x);
+    return head->forward(x) + shift.to(x.scalar_type());
+  }
+  Scaled inner{nullptr};
+  FullyShardedDataParallel<ScaledImpl> inner_wrapped{nullptr};
+  torch::nn::Linear head{nullptr};
+  torch::Tensor shift, table;
+};
+TORCH_MODULE(BufferedNet);
+
+// PyTorch's FSDP keeps buffers in MixedPrecision::buffer_dtype for compute but
+// saves them in their own dtype (FSDP1's _get_orig_buffer_dtypes): every way
+// out (state dict, checkpoints, torch::save) gives float32 buffers that load
+// into the unwrapped model, and every way in takes them.
+TEST(StateDict, BuffersAreSavedInTheirOwnDtypeUnderBufferDtype) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        const auto o = FSDPOptions().mixed_precision(
+            MixedPrecision().param_dtype(torch::kBFloat16).buffer_dtype(torch::kBFloat16));
+        auto make = [&](int seed) {
+          torch::manual_seed(seed);
+          return FullyShardedDataParallel<BufferedNetImpl>(BufferedNet(o), o);
+        };
+        torch::manual_seed(0);
+        BufferedNet plain(c10::nullopt);
+        auto model = make(0);
+        for (const auto& b : model->named_buffers()) {
+          ASSERT_EQ(b.value().scalar_type(), torch::kBFloat16) << b.key() << ": not cast";
+        }
+        const auto rounded = [](const torch::Tensor& t) {
+          return t.to(torch::kBFloat16).to(torch::kFloat);
+        };
+        const auto sd = full_state_dict(*model);
+        for (const auto& b : plain->named_buffers()) {
+          ASSERT_NE(sd.find(b.key()), nullptr) << b.key();
+          EXPECT_EQ(sd[b.key()].scalar_type(), torch::kFloat) << b.key();
+          EXPECT_TRUE(torch::equal(sd[b.key()], rounded(b.value()))) << b.key();
+        }
+        // The plain model's state dict loads (dtypes as the model was built).
+        torch::OrderedDict<std::string, torch::Tensor> plain_sd;
+        for (const auto& p : plain->named_parameters()) plain_sd.insert(p.key(), p.value());
+        for (const auto& b : plain->named_buffers()) plain_sd.insert(b.key(), b.value());
+        auto other = make(5);
+        load_full_state_dict(*other, plain_sd);
+        expect_bitwise_equal(full_state_dict(*other), sd, "plain state dict loaded");
+        EXPECT_EQ(other->module().inner_wrapped->module().scale.scalar_type(), torch::kBFloat16);
+        // As libfsdp saved them before (in buffer_dtype): they load too.
+        auto legacy = sd;
+        for (const auto& b : plain->named_buffers())
+          legacy[b.key()] = sd[b.key()].to(torch::kBFloat16);
+        auto from_legacy = make(9);
+        load_full_state_dict(*from_legacy, legacy);
+        expect_bitwise_equal(full_state_dict(*from_legacy), sd, "buffers in buffer_dtype loaded");
+        // torch::save on every rank: the unwrapped model loads the file.
+        const std::string file = dir + "/model-" + std::to_string(rank) + ".pt";
+        torch::save(model, file);
+        torch::manual_seed(7);
+        BufferedNet loaded(c10::nullopt);
+        torch::load(loaded, file);
+        for (const auto& b : loaded->named_buffers()) {
+          EXPECT_EQ(b.value().scalar_type(), torch::kFloat) << b.key();
+          EXPECT_TRUE(torch::equal(b.value(), sd[b.key()])) << b.key();
+        }
+        // And the unwrapped model's file loads into the wrapped one.
+        torch::save(plain, file);
+        auto from_file = make(6);
+        torch::load(from_file, file);
+        expect_bitwise_equal(full_state_dict(*from_file), sd, "plain file loaded");
+        EXPECT_EQ(from_file->module().shift.scalar_type(), torch::kBFloat16);
+        // Checkpoints, full and sharded: float32 entries, loaded back into bf16 buffers.
+        for (auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+          const std::string name = dir + "/" + fsdp::to_string(type);
+          Checkpointer(*model).save(name, 1, type);
+          auto back = make(8);
+          EXPECT_EQ(Checkpointer(*back).load(name), 1);
+          expect_bitwise_equal(full_state_dict(*back), sd, name);
+          EXPECT_EQ(back->module().inner_wrapped->module().scale.scalar_type(), torch::kBFloat16)
+              << name;
+          // Trains on as the model it was saved from.
+          torch::Tensor x = torch::randn({4, 7});
+          EXPECT_TRUE(torch::equal(back->forward(x), model->forward(x))) << name;
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// GPT's tied embedding: the output projection is the embedding's weight,
+// registered under a second name, in the root unit beside a nested one.
+struct TiedNetImpl : torch::nn::Module {
+  explicit TiedNetImpl(const c10::optional<FSDPOptions>& wrap) {
+    embed = register_module("embed", torch::nn::Embedding(10, 4));
+    if (wrap) {
+      block_wrapped = register_module(
+          "block", FullyShardedDataParallel<torch::nn::LinearImpl>(torch::nn::Linear(4, 4), *wrap));
+    } else {
+      block = register_module("block", torch::nn::Linear(4, 4));
+    }
+    out_weight = register_parameter("out_weight", embed->weight);
+  }
+  torch::Tensor forward(torch::Tensor ids) {
+    torch::Tensor h = embed->forward(ids);
+    h = block_wrapped ? block_wrapped->forward(h) : block->forward(h);
+    return torch::matmul(h, out_weight.t());
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear block{nullptr};
+  FullyShardedDataParallel<torch::nn::LinearImpl> block_wrapped{nullptr};
+  torch::Tensor out_weight;
+};
+TORCH_MODULE(TiedNet);
+
+// Note [Tied parameters]: a full state dict has the tied weight under both
+// names, as the unwrapped model's named_parameters(), and loads from either;
+// checkpoints hold it once.
+TEST(StateDict, ATiedParameterKeepsEveryName) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        auto make = [](int seed) {
+          torch::manual_seed(seed);
+          return FullyShardedDataParallel<TiedNetImpl>(TiedNet(FSDPOptions()), FSDPOptions());
+        };
+        torch::manual_seed(0);
+        TiedNet plain(c10::nullopt);
+        auto model = make(0);
+        torch::OrderedDict<std::string, torch::Tensor> plain_sd;
+        for (const auto& p : plain->named_parameters()) plain_sd.insert(p.key(), p.value());
+        const auto sd = full_state_dict(*model);
+        EXPECT_EQ(sd.keys(), plain_sd.keys());
+        expect_bitwise_equal(sd, plain_sd, "tied");
+        EXPECT_TRUE(sd["out_weight"].is_same(sd["embed.weight"])) << "one tensor, as in the model";
+        // Loads from the plain model's dict, and from either name alone.
+        auto other = make(3);
+        load_full_state_dict(*other, plain_sd);
+        expect_bitwise_equal(full_state_dict(*other), sd, "both names");
+        for (const std::string name : {"out_weight", "embed.weight"}) {
+          auto one = plain_sd;
+          one.erase(name);
+          auto loaded = make(4);
+          load_full_state_dict(*loaded, one);
+          expect_bitwise_equal(full_state_dict(*loaded), sd, "without " + name);
+        }
+        // Two different values: the last name wins, as in the plain model's
+        // torch::load and PyTorch's load_state_dict.
+        auto two = plain_sd;
+        two["out_weight"] = plain_sd["out_weight"] + 1;
+        two["embed.weight"] = plain_sd["out_weight"] + 2;
+        load_full_state_dict(*other, two);
+        EXPECT_TRUE(torch::equal(full_state_dict(*other)["out_weight"], two["embed.weight"]));
+        auto bad = plain_sd;
+        bad["embed.weight"] = torch::zeros({10, 5});
+        EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*other, bad); }),
+                        "fsdp(embed.weight): has shape [10, 5] in the state dict");
+        // torch::save of the wrapped model loads into the plain one.
+        const std::string file = dir + "/tied-" + std::to_string(rank) + ".pt";
+        torch::save(model, file);
+        torch::manual_seed(5);
+        TiedNet reloaded(c10::nullopt);
+        torch::load(reloaded, file);
+        for (const auto& p : reloaded->named_parameters()) {
+          EXPECT_TRUE(torch::equal(p.value(), sd[p.key()])) << p.key();
+        }
+        for (auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+          const std::string name = dir + "/" + fsdp::to_string(type);
+          Checkpointer(*model).save(name, 1, type);
+          auto back = make(6);
+          EXPECT_EQ(Checkpointer(*back).load(name), 1);
+          expect_bitwise_equal(full_state_dict(*back), sd, name);
+          // Once: no file names the second name.
+          for (const auto& f : std::filesystem::recursive_directory_iterator(name)) {
+            if (f.is_regular_file()) {
+              EXPECT_EQ(file_bytes(f.path().string()).find("embed.weight"), std::string::npos)
+                  << f.path();
+            }
           }
         }
       },
