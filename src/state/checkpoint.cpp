@@ -31,9 +31,8 @@ using detail::CheckpointReader;
 // The rank for error messages: the group's, else the launcher's.
 int64_t rank_of(ProcessGroup* group) { return group != nullptr ? group->rank() : -1; }
 
-// The default CPU generator's state as hex text, and back.
-std::string cpu_rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
+// A generator's state as hex text, and back.
+std::string rng_state(at::Generator gen) {
   at::Tensor state;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -43,14 +42,26 @@ std::string cpu_rng_state() {
       std::string(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel())));
 }
 
-void set_cpu_rng_state(const std::string& hex, const std::string& file, int64_t rank) {
+void set_rng_state(at::Generator gen, const std::string& hex, const std::string& file,
+                   int64_t rank) {
   std::string bytes;
-  FSDP_CHECK(detail::from_hex(hex, bytes), rank, file, "rng_state is not hex bytes");
+  FSDP_CHECK(detail::from_hex(hex, bytes), rank, file, "a generator's state is not hex bytes");
   at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::copy(bytes.begin(), bytes.end(), static_cast<char*>(state.data_ptr()));
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
+}
+
+// The default generators of the GPUs this process sees (what at::manual_seed
+// seeds), by index; none without.
+std::vector<at::Generator> cuda_generators() {
+  std::vector<at::Generator> out;
+  if (!at::hasCUDA()) return out;
+  for (size_t i = 0; i < at::getNumGPUs(); ++i) {
+    out.push_back(at::globalContext().defaultGenerator(
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
+  }
+  return out;
 }
 
 /// Note [Collective load]
@@ -193,7 +204,10 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   request.step = step;
   std::exception_ptr error;
   try {
-    request.rng_state = cpu_rng_state();
+    request.rng_state = rng_state(at::detail::getDefaultCPUGenerator());
+    for (const at::Generator& gen : cuda_generators()) {
+      request.cuda_rng_states.push_back(rng_state(gen));
+    }
     for (const auto& kv : impl_->registered) request.extra[kv.first] = kv.second.save();
     if (impl_->optimizer != nullptr) {  // the learning rate a scheduler set, and the rest
       request.param_groups = detail::OptimAccess(*impl_->optimizer).group_options();
@@ -279,7 +293,14 @@ void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* gro
   const int saved = reader.marker().world_size;
   const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
   const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
-  if (!m.rng_state.empty()) set_cpu_rng_state(m.rng_state, file, rank_of(group));
+  if (!m.rng_state.empty()) {
+    set_rng_state(at::detail::getDefaultCPUGenerator(), m.rng_state, file, rank_of(group));
+  }
+  // The GPUs both jobs see, by index (each rank its own where each sees one).
+  const std::vector<at::Generator> gpus = cuda_generators();
+  for (size_t i = 0; i < std::min(gpus.size(), m.cuda_rng_states.size()); ++i) {
+    set_rng_state(gpus[i], m.cuda_rng_states[i], file, rank_of(group));
+  }
   if (optimizer != nullptr && !m.param_groups.empty()) {
     detail::OptimAccess(*optimizer).set_group_options(m.param_groups, file);
   }

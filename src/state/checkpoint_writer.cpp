@@ -211,6 +211,7 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   manifest.kind = request.full ? "full" : "sharded";
   manifest.step = request.step;
   manifest.rng_state = request.rng_state;
+  manifest.cuda_rng_states = request.cuda_rng_states;
   manifest.extra = request.extra;
   manifest.param_groups = request.param_groups;
   try {

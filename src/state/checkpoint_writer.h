@@ -16,6 +16,7 @@ struct SaveRequest {
   bool full = false;
   int64_t step = 0;
   std::string rng_state;
+  std::vector<std::string> cuda_rng_states;
   std::map<std::string, std::string> extra;
   std::vector<std::map<std::string, double>> param_groups;  ///< the optimizer's options
 };

@@ -190,6 +190,7 @@ std::string encode_manifest(const RankManifest& m) {
             {"tensors", tensors}};
   if (!bytes.empty()) j["extra_hex"] = bytes;
   if (!m.param_groups.empty()) j["param_groups"] = m.param_groups;
+  if (!m.cuda_rng_states.empty()) j["cuda_rng_states"] = m.cuda_rng_states;
   return j.dump(1);
 }
 
@@ -232,6 +233,9 @@ RankManifest parse_manifest(const std::string& text, const std::string& file) {
   check_kind(m.kind, file);
   m.step = field<int64_t>(j, "step", file);
   m.rng_state = field<std::string>(j, "rng_state", file);
+  if (j.contains("cuda_rng_states")) {
+    m.cuda_rng_states = field<std::vector<std::string>>(j, "cuda_rng_states", file);
+  }
   m.extra = field<std::map<std::string, std::string>>(j, "extra", file);
   if (j.contains("extra_hex")) {  // registered state that is bytes, not text
     for (const auto& [name, hex] :

@@ -35,11 +35,14 @@ struct TensorRecord {
 
 /// What one rank wrote.
 struct RankManifest {
-  int rank = 0;                              ///< the writer's rank
-  int world_size = 1;                        ///< ranks of the saving job
-  std::string kind;                          ///< "full" or "sharded"
-  int64_t step = 0;                          ///< the training step saved
-  std::string rng_state;                     ///< CPU generator state, hex
+  int rank = 0;           ///< the writer's rank
+  int world_size = 1;     ///< ranks of the saving job
+  std::string kind;       ///< "full" or "sharded"
+  int64_t step = 0;       ///< the training step saved
+  std::string rng_state;  ///< CPU generator state, hex
+  /// Each visible GPU's default generator state, hex (torch.cuda's
+  /// get_rng_state_all); empty without GPUs and before 2026-11-29.
+  std::vector<std::string> cuda_rng_states;
   std::map<std::string, std::string> extra;  ///< registered training-loop state
   std::map<std::string, int64_t> scalars;    ///< e.g. "optim/<name>/step"
   /// The optimizer's parameter groups' options (OptimAccess::group_options);

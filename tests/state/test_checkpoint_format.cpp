@@ -18,6 +18,7 @@
 #include "error_of.h"
 #include "marker_edit.h"
 #include "state/crc32.h"
+#include "state/manifest.h"
 #include "state/safetensors.h"
 #include "state_test_util.h"
 
@@ -222,6 +223,33 @@ TEST(CheckpointDir, RegisteredStateKeepsItsBytes) {
   std::stringstream in(loaded["tensor"]);
   torch::load(back, in);
   EXPECT_TRUE(torch::equal(back, torch::arange(5)));
+  remove_test_dir(root);
+}
+
+// A resumed run draws the random numbers the saved one would have drawn
+// next: the CPU generator's state, and each visible GPU's (in the manifest
+// only where there are GPUs; those of checkpoints from before, without the
+// field, still parse).
+TEST(CheckpointDir, ResumeRestoresTheGeneratorsStates) {
+  const std::string root = test_dir(), dir = root + "/ckpt";
+  Net model(false, FSDPOptions());
+  torch::manual_seed(5);
+  Checkpointer(*model).save(dir, 1);
+  const torch::Tensor next = torch::rand({16});
+  torch::manual_seed(6);
+  EXPECT_EQ(Checkpointer(*model).load(dir), 1);
+  EXPECT_TRUE(torch::equal(torch::rand({16}), next));
+  const auto manifest = nlohmann::json::parse(file_bytes(dir + "/rank0.json"));
+  EXPECT_EQ(manifest.contains("cuda_rng_states"), at::hasCUDA() && at::getNumGPUs() > 0);
+  detail::RankManifest m;
+  m.kind = "full";
+  m.cuda_rng_states = {"00ff", "a1b2"};
+  EXPECT_EQ(detail::parse_manifest(detail::encode_manifest(m), "m").cuda_rng_states,
+            m.cuda_rng_states);
+  m.cuda_rng_states.clear();
+  const std::string without = detail::encode_manifest(m);
+  EXPECT_EQ(without.find("cuda_rng_states"), std::string::npos);
+  EXPECT_TRUE(detail::parse_manifest(without, "m").cuda_rng_states.empty());
   remove_test_dir(root);
 }
 

@@ -2,7 +2,8 @@
 // checkpoints written from GPU memory load into a fresh model on the GPU
 // and into one on the CPU with the same parameters and AdamW state, at 1-3
 // ranks; and the full values gathered into host memory one unit at a time
-// (offload_to_cpu). Reported skipped, by name, without a GPU.
+// (offload_to_cpu); resume restores the GPU's generator. Reported skipped,
+// by name, without a GPU.
 
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
@@ -165,6 +166,26 @@ TEST_P(CudaCheckpoint, OffloadToCpuHoldsOneUnitAtATimeOnTheGpu) {
         EXPECT_TRUE(torch::equal(p.value(), dict[p.key()])) << what << p.key();
       }
     }
+  });
+}
+
+// Dropout on a GPU draws from that GPU's generator: a resumed run draws
+// what the saved one would have drawn next on it (and on the CPU).
+TEST_P(CudaCheckpoint, ResumeRestoresTheGpuGenerator) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  on_gpu_ranks([](int rank, const torch::Device& gpu) {
+    const std::string path = test_dir() + "/rng";
+    Wrapped model = make_on(gpu);
+    torch::manual_seed(40 + rank);
+    Checkpointer(*model.ptr()).save(path, 1);
+    const torch::Tensor next = torch::rand({64}, torch::TensorOptions().device(gpu));
+    const torch::Tensor dropped =
+        torch::dropout(torch::ones({64}, torch::TensorOptions().device(gpu)), 0.5, true);
+    torch::manual_seed(7);
+    EXPECT_EQ(Checkpointer(*model.ptr()).load(path), 1);
+    EXPECT_TRUE(torch::equal(torch::rand({64}, torch::TensorOptions().device(gpu)), next));
+    EXPECT_TRUE(torch::equal(
+        torch::dropout(torch::ones({64}, torch::TensorOptions().device(gpu)), 0.5, true), dropped));
   });
 }
 
