@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <unordered_set>
+#include <utility>
 
 #include "detail/error.h"
 #include "runtime/in_place_units.h"
@@ -139,12 +141,29 @@ std::vector<Unit*> Unit::units_in_tree() const {
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Unit::unmanaged_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  torch::nn::Module* self = runtime_ ? runtime_->self() : nullptr;
+  if (self == nullptr) return out;
+  std::unordered_set<const void*> seen;  // managed, or listed (a tied one once)
+  for (const Unit* unit : units_in_tree()) {
+    if (const FlatParameter* flat = unit->flat_param()) {
+      for (const auto& slot : flat->slots()) seen.insert(slot.param.unsafeGetTensorImpl());
+    }
+  }
+  for (const auto& p : self->named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) out.emplace_back(p.key(), p.value());
+  }
+  return out;
+}
+
 std::vector<at::Tensor> Unit::flat_parameters() const {
   std::vector<at::Tensor> out;
   for (const Unit* unit : units_in_tree()) {
     const auto& params = unit->runtime_->optim_params();
     out.insert(out.end(), params.begin(), params.end());
   }
+  for (auto& [name, p] : unmanaged_parameters()) out.push_back(std::move(p));
   return out;
 }
 
@@ -165,6 +184,7 @@ torch::OrderedDict<std::string, at::Tensor> Unit::named_flat_parameters() const 
       out.insert(prefix + unit->flat()->slots()[i].name, params[i]);
     }
   }
+  for (auto& [name, p] : unmanaged_parameters()) out.insert(name, std::move(p));
   return out;
 }
 
@@ -190,24 +210,28 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
              "to clip, or clip nothing");
   const bool inf = std::isinf(norm_type);
   // Sharded gradients are disjoint pieces (reduced over the group);
-  // NO_SHARD gradients are whole copies (counted once, locally).
+  // NO_SHARD gradients are whole copies (counted once, locally), and so are
+  // those of parameters no unit manages (as PyTorch's FSDP counts them).
   double sharded = 0, replicated = 0;
   std::vector<at::Tensor> grads;
   ProcessGroup* group = nullptr;
+  const auto add = [&](const at::Tensor& p, double& acc) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined() || g.numel() == 0) return;
+    grads.push_back(g);
+    const double part = inf ? g.abs().max().item<double>()
+                            : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
+    acc = inf ? std::max(acc, part) : acc + part;
+  };
   for (Unit* unit : units_in_tree()) {
     const FlatParameter* flat = unit->flat_param();
     if (flat == nullptr) continue;
     group = &flat->group();
     for (const at::Tensor& p : unit->runtime_->optim_params()) {
-      const at::Tensor& g = p.grad();
-      if (!g.defined() || g.numel() == 0) continue;
-      grads.push_back(g);
-      const double part = inf ? g.abs().max().item<double>()
-                              : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
-      double& acc = flat->keeps_unsharded() ? replicated : sharded;
-      acc = inf ? std::max(acc, part) : acc + part;
+      add(p, flat->keeps_unsharded() ? replicated : sharded);
     }
   }
+  for (const auto& [name, p] : unmanaged_parameters()) add(p, replicated);
   if (group == nullptr) return 0.0;
   at::Tensor total = at::full({1}, sharded, at::kDouble);
   group->all_reduce(total, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();

@@ -126,7 +126,8 @@ TEST(WrapRules, IgnoredModulesStayUnmanaged) {
     // The ignored Linear keeps its full tensors, outside every unit.
     auto* lin = ignored->as<nn::Linear>();
     EXPECT_EQ(lin->weight.storage().nbytes(), 8u * 2u * 4u);
-    EXPECT_EQ(root->parameters().size(), 1u) << "the shard of unit 0 only";
+    EXPECT_EQ(root->parameters().size(), 3u) << "the shard of unit 0, then the ignored Linear's";
+    EXPECT_TRUE(root->parameters()[1].is_same(lin->weight));
     EXPECT_EQ(root->named_parameters().size(), 4u) << "names still list every parameter";
     root->forward(torch::randn({3, 4})).sum().backward();
     EXPECT_TRUE(lin->weight.grad().defined()) << "its gradient stays local, on the tensor";
@@ -140,6 +141,45 @@ TEST(WrapRules, IgnoredModulesStayUnmanaged) {
     std::vector<std::string> names;
     for (const auto& s : root2->flat_param()->slots()) names.push_back(s.name);
     EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias"}));
+    group->barrier().wait();
+  });
+}
+
+// As in PyTorch's FSDP: an ignored module's parameters are in parameters(),
+// so the usual optimizer trains them (at one rank exactly as plain
+// LibTorch), and clip_grad_norm_ counts and clips their gradients.
+TEST(WrapRules, IgnoredModulesTrainThroughParameters) {
+  run_ranks_ok(1, [](int, int) {
+    const auto group = start_rank();
+    const auto make = [] {
+      torch::manual_seed(0);
+      return nn::Sequential(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
+    };
+    nn::Sequential plain = make(), seq = make();
+    FullyShardedDataParallel<nn::SequentialImpl> root(
+        seq, FSDPOptions().ignored_modules(std::vector<std::shared_ptr<nn::Module>>{seq->ptr(2)}));
+    ASSERT_EQ(root->named_flat_parameters().keys(),
+              (std::vector<std::string>{"_flat_param", "2.weight", "2.bias"}));
+    torch::optim::AdamW opt(root->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(10 + step);
+      const torch::Tensor x = torch::randn({5, 4});
+      opt.zero_grad();
+      plain_opt.zero_grad();
+      root->forward(x).pow(2).sum().backward();
+      plain->forward(x).pow(2).sum().backward();
+      const double norm = root->clip_grad_norm_(0.5);
+      const double plain_norm = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.5);
+      EXPECT_NEAR(norm, plain_norm, 1e-5 * plain_norm) << "step " << step;
+      opt.step();
+      plain_opt.step();
+    }
+    SummonFullParams full(*root.ptr());
+    const auto mine = root->named_parameters(), theirs = plain->named_parameters();
+    for (const auto& p : theirs) {
+      EXPECT_TRUE(torch::allclose(mine[p.key()], p.value(), 1e-5, 1e-6)) << p.key();
+    }
     group->barrier().wait();
   });
 }

@@ -135,7 +135,8 @@ struct FSDPOptions {
   TORCH_ARG(bool, sync_module_states) = false;
   /// Modules (and their subtrees) whose parameters and buffers no unit
   /// manages: they keep their own full tensors on every rank, are neither
-  /// sharded nor reduced, and are not returned by parameters() of a unit.
+  /// sharded nor reduced (their gradients stay local), and come last in a
+  /// unit's parameters(), as in PyTorch's FSDP.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
   /// Run the unit's wrapped forward under fsdp::activation_checkpoint(): its
   /// activations are recomputed in backward from the parameters that FSDP

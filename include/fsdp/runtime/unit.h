@@ -60,14 +60,16 @@ class Unit {
   /// kIdle -> kForward -> kIdle -> kPreBackward -> kPostBackward -> kIdle.
   enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
-  /// The flat shards of this unit and of every unit nested in it: what an
-  /// optimizer steps. Shards of fully frozen units are included (their
-  /// requires_grad is false).
+  /// The flat shards of this unit and of every unit nested in it, then the
+  /// parameters no unit in its tree manages (FSDPOptions::ignored_modules'):
+  /// what an optimizer steps, as PyTorch's FSDP's parameters(). Shards of
+  /// fully frozen units are included (their requires_grad is false).
   std::vector<at::Tensor> flat_parameters() const;
 
   /// flat_parameters() with names: with use_orig_params, each original
   /// parameter's path from this unit ("block.0.weight"); otherwise each unit's
-  /// path followed by "_flat_param" ("block._flat_param").
+  /// path followed by "_flat_param" ("block._flat_param"); an unmanaged
+  /// parameter's path from this unit.
   torch::OrderedDict<std::string, at::Tensor> named_flat_parameters() const;
 
   /// Internal (libfsdp's own layers and tests, which include
@@ -226,6 +228,9 @@ class Unit {
   friend class detail::RootState;
   // Units (active, with a runtime) of this unit's module tree, pre-order.
   std::vector<Unit*> units_in_tree() const;
+  // The parameters of this unit's module tree that no unit manages (those
+  // of ignored modules), each once, with their paths.
+  std::vector<std::pair<std::string, at::Tensor>> unmanaged_parameters() const;
   // The runtime, checked to exist (an active unit).
   detail::UnitRuntime& runtime() const;
 
