@@ -82,9 +82,13 @@ void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int ra
                    const std::string& dir, RankManifest& manifest) {
   std::vector<Item> model, optim;
   std::unique_ptr<OptimAccess> access;
-  if (opt != nullptr) access = std::make_unique<OptimAccess>(*opt);
+  const std::vector<LocalPiece> pieces = local_pieces(root);
+  if (opt != nullptr) {
+    access = std::make_unique<OptimAccess>(*opt);
+    access->check_steps_only(pieces);
+  }
   const std::string suffix = "-rank" + std::to_string(rank) + ".safetensors";
-  for (const LocalPiece& p : local_pieces(root)) {
+  for (const LocalPiece& p : pieces) {
     if ((p.replicated && rank != 0) || p.saved_elsewhere) continue;
     const int64_t len = p.end - p.begin;
     if (len > 0)

@@ -52,6 +52,7 @@ FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bo
     // rank whose piece is empty may have none (see Note [State pieces]).
     OptimAccess access(*opt_);
     auto pieces = local_pieces(root_);
+    access.check_steps_only(pieces);
     std::vector<int64_t> flags(2 * pieces.size(), -1);
     for (size_t i = 0; i < pieces.size(); ++i) {
       ParamState st;

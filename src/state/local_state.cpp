@@ -208,6 +208,25 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
   if (amsgrad) names_.push_back("max_exp_avg_sq");
 }
 
+void OptimAccess::check_steps_only(const std::vector<LocalPiece>& pieces) const {
+  std::unordered_set<const void*> known;
+  for (const LocalPiece& p : pieces) {
+    if (p.optim_param.defined()) known.insert(p.optim_param.unsafeGetTensorImpl());
+  }
+  const auto& groups = opt_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      FSDP_CHECK(known.count(params[i].unsafeGetTensorImpl()) != 0, /*rank=*/-1, "optimizer",
+                 "parameter group ", g, " steps a tensor of shape ", params[i].sizes(),
+                 " (its parameter ", i,
+                 ") that is no parameter of the model, so the model's state would not hold its "
+                 "values and optimizer state. Register it in the model (register_parameter), or "
+                 "step it with an optimizer of its own saved with torch::save");
+    }
+  }
+}
+
 bool OptimAccess::get(const at::Tensor& param, ParamState& out) const {
   out = ParamState();
   switch (kind_) {

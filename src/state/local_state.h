@@ -81,6 +81,10 @@ class OptimAccess {
   void set(const at::Tensor& param, const ParamState& state);
   /// Drops the state of `param` (as if it was never stepped).
   void clear(const at::Tensor& param);
+  /// Refuses (alike on every rank) an optimizer that steps a tensor no piece
+  /// of the model is (one added with add_param_group): its values and state
+  /// would be left out of the state saved, or not restored.
+  void check_steps_only(const std::vector<LocalPiece>& pieces) const;
   /// Each parameter group's hyperparameters that training changes (lr,
   /// betas, eps, weight_decay; SGD's momentum and dampening), by name: what
   /// PyTorch's optimizer state_dict keeps in its param_groups.

@@ -181,6 +181,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
                        const PieceSource& src) {
   OptimAccess access(opt);
   auto pieces = local_pieces(root);
+  access.check_steps_only(pieces);
   // Pieces grouped by the tensor the optimizer steps (a flat shard holds many).
   std::vector<std::vector<LocalPiece*>> groups;
   std::map<const void*, size_t> where;

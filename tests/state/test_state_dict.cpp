@@ -336,6 +336,38 @@ TEST(StateDict, BadInputIsRefusedOnEveryRank) {
   }
 }
 
+// A tensor the optimizer steps besides the model's (add_param_group, e.g.
+// learned loss weights) would be left out of the saved state without a
+// word, and a resumed run would restart it: refused on every rank, naming
+// it, by the state dicts and checkpoints, and the checkpoint saved before
+// stays the latest.
+TEST(StateDict, AnOptimizerTensorOutsideTheModelIsRefused) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        auto model = make_model(FSDPOptions());
+        auto opt = make_optimizer("adamw", model->parameters());
+        torch::manual_seed(3);
+        train(*model, *opt, 1);
+        Checkpointer ckpt(*model, opt.get());
+        ckpt.save_step(dir + "/run", 1);
+        const auto osd = full_optim_state_dict(*model, *opt);
+        opt->add_param_group(torch::optim::OptimizerParamGroup(
+            {torch::zeros({2}, torch::requires_grad())}, opt->defaults().clone()));
+        const std::string expected = "parameter group 1 steps a tensor of shape [2]";
+        EXPECT_CONTAINS(error_of([&] { full_optim_state_dict(*model, *opt); }), expected);
+        EXPECT_CONTAINS(error_of([&] { load_full_optim_state_dict(*model, *opt, osd); }), expected);
+        EXPECT_CONTAINS(error_of([&] { ckpt.save_step(dir + "/run", 2); }), expected);
+        EXPECT_CONTAINS(error_of([&] { ckpt.save(dir + "/full", 2, StateDictType::kFull); }),
+                        expected);
+        EXPECT_EQ(latest_checkpoint(dir + "/run"), checkpoint_path(dir + "/run", 1));
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
 // Under bf16 mixed precision the unsharded parameters are bf16 copies; the
 // state (in memory and on disk) is the fp32 shards, and it round-trips.
 TEST(StateDict, MixedPrecisionSavesTheFullPrecisionShards) {
