@@ -35,14 +35,18 @@ class Unit;
 /// - later training iterations (kRecorded): each rank compares its units with
 ///   the recorded order locally, without communication, and warns once (then
 ///   stops checking) at the first difference.
-/// - eval mode (the root not training): nothing is checked or recorded.
+/// - eval mode with gradients off (the root not training, under
+///   NoGradGuard: evaluation): nothing is checked or recorded. In eval mode
+///   with gradients on (fine-tuning with dropout and BatchNorm statistics
+///   frozen) backward may follow, so it counts as training: PyTorch's FSDP
+///   records the order whatever the mode.
 /// Not covered: a rank whose divergence involves no unit (e.g. a collective of
 /// its own issued on one rank only), and backward order changes that come
 /// with an identical forward order; FSDP_DEBUG=detail (Note [Collective
 /// fingerprints]) catches those at the collective itself.
 class ExecOrder {
  public:
-  /// kUnrecorded: no training forward ran yet. kRecording: inside the first
+  /// kUnrecorded: no training forward (see begin_forward) ran yet. kRecording: inside the first
   /// training forward. kRecorded: order() holds the first iteration's order.
   enum class Phase { kUnrecorded, kRecording, kRecorded };
 
@@ -52,7 +56,8 @@ class ExecOrder {
   /// stays, for prefetch).
   ExecOrder(torch::nn::Module& root_module, std::shared_ptr<ProcessGroup> group, bool check);
 
-  /// The root's forward starts; `training` is the root's mode.
+  /// The root's forward starts; `training`: the root is in training mode or
+  /// gradients are on (a backward may follow).
   void begin_forward(bool training);
   /// `unit` is about to all-gather its parameters in forward. First
   /// iteration: agrees with the other ranks (collective; throws "Forward

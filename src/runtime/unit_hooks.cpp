@@ -143,7 +143,8 @@ void UnitRuntime::begin_forward_state() {
   }
   transition(State::kForward);
   if (is_root()) {
-    root().exec_order().begin_forward(self_->is_training());
+    // Note [Forward order]: a forward backward may follow is a training one.
+    root().exec_order().begin_forward(self_->is_training() || at::GradMode::is_enabled());
     root().begin_forward();
   }
   forward_position_ = root().next_forward_position();

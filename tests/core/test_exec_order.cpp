@@ -1,7 +1,7 @@
 // Port of PyTorch's test_fsdp_exec_order (seed 004): the forward order of
 // units is agreed across ranks in the first iteration (an error on every rank
 // when it differs), compared locally later (one warning), and not checked in
-// eval mode. See Note [Forward order].
+// eval mode without gradients. See Note [Forward order].
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -96,14 +96,15 @@ std::vector<std::string> with_prefix(const std::vector<std::string>& messages,
   return out;
 }
 
-// Every rank runs its forward and expects the agreement error, naming what
-// each rank was about to do.
+// Every rank runs its forward (in eval mode: `eval`) and expects the
+// agreement error, naming what each rank was about to do.
 void expect_first_iteration_error(int rank, int world, Path others,
                                   const std::vector<std::string>& expected_parts,
-                                  const torch::Device& device = torch::kCPU) {
+                                  const torch::Device& device = torch::kCPU, bool eval = false) {
   init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
   for (const ShardingStrategy strategy : parity_strategies()) {
     Root model = wrap(strategy, device);
+    if (eval) model->eval();
     if (rank != 0) {
       if (others == Path::kAlternate) model->module().flip_path();
       if (others == Path::kNone) model->module().path = Path::kNone;
@@ -147,6 +148,18 @@ TEST(ExecOrder, DifferentUnitInFirstIterationIsAnErrorOnEveryRank) {
 
 TEST(ExecOrder, DifferentUnitInFirstIterationThreeRanks) {
   check_first_iteration_order_error(torch::kCPU, 3);
+}
+
+// Fine-tuning in eval mode (dropout off, BatchNorm statistics frozen) with
+// gradients on is a training iteration: its order is agreed and recorded
+// (for prefetch) as PyTorch's FSDP records it whatever the mode.
+TEST(ExecOrder, TrainingInEvalModeIsAgreedToo) {
+  run_ranks_ok(2, [](int rank, int world) {
+    expect_first_iteration_error(rank, world, Path::kAlternate,
+                                 {"rank 0 was about to all-gather unit `layer1`",
+                                  "rank 1 was about to all-gather unit `layer2`"},
+                                 torch::kCPU, /*eval=*/true);
+  });
 }
 
 // A rank that runs fewer units would otherwise wait in a backward collective
