@@ -95,6 +95,17 @@ const Unit* unit_of(const torch::nn::Module& module) {
   return detail::in_place_unit_of(module);
 }
 
+std::vector<torch::nn::Module*> original_modules(torch::nn::Module& model) {
+  std::vector<torch::nn::Module*> out;
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    const auto* wrapper = dynamic_cast<const Unit*>(m.get());
+    out.push_back(wrapper != nullptr && wrapper->wrapped_module() != nullptr
+                      ? wrapper->wrapped_module()
+                      : m.get());
+  }
+  return out;
+}
+
 void Unit::deactivate(torch::nn::Module* wrapped) {
   runtime_.reset();
   wrapped_ = wrapped;

@@ -50,6 +50,12 @@ void AnyUnitImpl::train(bool on) {
   module_.ptr()->train(on);
 }
 
+void AnyUnitImpl::pretty_print(std::ostream& stream) const {
+  stream << "fsdp::AnyUnit<";
+  module_.ptr()->pretty_print(stream);
+  stream << ">";
+}
+
 void AnyUnitImpl::zero_grad(bool set_to_none) {
   zero_optim_grads(set_to_none);  // first, as FullyShardedDataParallelImpl::zero_grad
   torch::nn::Module::zero_grad(set_to_none);

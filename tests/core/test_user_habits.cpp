@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -316,6 +317,36 @@ struct NormNetImpl : nn::Module {
   nn::BatchNorm1d bn{nullptr};
   FullyShardedDataParallel<nn::BatchNorm1dImpl> bn_wrapped{nullptr};
 };
+
+// Walking the modules by type (freezing BatchNorm statistics, setting an
+// option on every block): modules() gives a unit as its wrapper, which
+// Module::as<T>() does not find; original_modules() gives the wrapped
+// module, as the unwrapped model's modules() would. Printing names it.
+TEST(UserHabits, WalkingModulesByTypeFindsWrappedOnes) {
+  run_ranks_ok(2, [](int, int) {
+    join_test_group();
+    FullyShardedDataParallel<NormNetImpl> model(std::make_shared<NormNetImpl>(true, FSDPOptions()),
+                                                FSDPOptions());
+    int through_modules = 0, through_original = 0;
+    for (const auto& m : model->modules())
+      through_modules += m->as<nn::BatchNorm1dImpl>() != nullptr;
+    for (nn::Module* m : original_modules(*model)) {
+      if (auto* bn = m->as<nn::BatchNorm1dImpl>()) {
+        ++through_original;
+        bn->eval();  // its statistics frozen
+      }
+    }
+    EXPECT_EQ(through_modules, 0) << "LibTorch's modules() lists the wrapper";
+    EXPECT_EQ(through_original, 1);
+    EXPECT_EQ(original_modules(*model).size(), model->modules().size());
+    const torch::Tensor before = model->module().bn_wrapped->module().running_mean.clone();
+    model->forward(torch::randn({8, 4})).sum().backward();
+    EXPECT_TRUE(torch::equal(model->module().bn_wrapped->module().running_mean, before));
+    std::ostringstream printed;
+    printed << *model;
+    EXPECT_CONTAINS(printed.str(), "fsdp::FullyShardedDataParallel<torch::nn::BatchNorm1d(6");
+  });
+}
 
 // Item 5: BatchNorm under bf16 in typed units: a unit of its own is kept in
 // full precision; inside a bf16 unit it is refused with the fix.

@@ -145,6 +145,14 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
     return out;
   }
 
+  /// Prints the wrapped module inside (std::cout << *model names it; the
+  /// children follow as LibTorch prints them).
+  void pretty_print(std::ostream& stream) const override {
+    stream << "fsdp::FullyShardedDataParallel<";
+    module_->pretty_print(stream);
+    stream << ">";
+  }
+
   /// Sets training mode on the wrapper, the wrapped module and their children.
   void train(bool on = true) override {
     torch::nn::Module::train(on);

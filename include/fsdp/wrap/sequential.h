@@ -23,6 +23,8 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   at::Tensor forward(at::Tensor input);
   /// Sets training mode on the wrapper, the wrapped module and their children.
   void train(bool on = true) override;
+  /// See FullyShardedDataParallelImpl::pretty_print.
+  void pretty_print(std::ostream& stream) const override;
   /// Module::zero_grad, and the gradients the optimizer steps (see
   /// FullyShardedDataParallelImpl::zero_grad).
   void zero_grad(bool set_to_none = kModuleZeroGradSetsToNone) override;
@@ -36,7 +38,7 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// See FullyShardedDataParallelImpl::to.
   void to(torch::Device device, bool non_blocking = false) override;
-  /// The flat shards of this unit and the units nested in it.
+  /// See Unit::flat_parameters.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
   /// See FullyShardedDataParallelImpl::clone: refused, naming what works.
   std::shared_ptr<torch::nn::Module> clone(
