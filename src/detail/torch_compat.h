@@ -227,4 +227,21 @@ typename StateMap::key_type optim_state_key(const StateMap&, const at::Tensor& p
   }
 }
 
+/// Bytes of a GPU generator's state that a checkpoint keeps: its seed and
+/// offset, the last 16 bytes of get_state() (all of it from LibTorch 2.1
+/// on; 1.13 and 2.0 put 800 unused bytes before them), so that a state saved
+/// by one release restores in another.
+constexpr int64_t kCudaRngStateBytes = 16;
+/// The kept part of a GPU generator's get_state().
+inline at::Tensor portable_cuda_rng_state(const at::Tensor& state) {
+  return state.narrow(0, state.numel() - kCudaRngStateBytes, kCudaRngStateBytes).clone();
+}
+/// What this release's set_state takes for `portable`: `current` (the
+/// generator's get_state()) with its seed and offset replaced.
+inline at::Tensor native_cuda_rng_state(const at::Tensor& portable, const at::Tensor& current) {
+  at::Tensor out = current.clone();
+  out.narrow(0, out.numel() - kCudaRngStateBytes, kCudaRngStateBytes).copy_(portable);
+  return out;
+}
+
 }  // namespace fsdp::compat

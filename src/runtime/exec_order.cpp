@@ -17,6 +17,10 @@ const char* to_string(ExecOrder::Phase phase) {
   switch (phase) {
     case ExecOrder::Phase::kUnrecorded:
       return "unrecorded";
+    case ExecOrder::Phase::kRecordingInEval:
+      return "recording in eval mode";
+    case ExecOrder::Phase::kRecordedInEval:
+      return "recorded in eval mode";
     case ExecOrder::Phase::kRecording:
       return "recording";
     case ExecOrder::Phase::kRecorded:
@@ -38,27 +42,31 @@ ExecOrder::ExecOrder(torch::nn::Module& root_module, std::shared_ptr<ProcessGrou
   }
 }
 
-void ExecOrder::begin_forward(bool training) {
+void ExecOrder::begin_forward(bool training, bool grad_enabled) {
   seen_ = 0;
   checking_ = false;
-  if (!training) return;  // eval: nothing recorded, nothing checked
+  if (!training && !grad_enabled) return;  // evaluation: nothing recorded, nothing checked
   switch (phase_) {
-    case Phase::kRecording:  // the first forward did not finish (it threw): start again
-    case Phase::kUnrecorded:
-      order_.clear();
-      position_.clear();
-      phase_ = Phase::kRecording;
-      checking_ = check_;
-      return;
     case Phase::kRecorded:
-      checking_ = check_ && !warned_;
+      checking_ = training && check_ && !warned_;
       return;
+    case Phase::kRecordedInEval:
+      if (!training) return;
+      break;  // the first training forward records again
+    case Phase::kUnrecorded:
+    case Phase::kRecordingInEval:  // the first forward did not finish (it threw): start again
+    case Phase::kRecording:
+      break;
   }
+  order_.clear();
+  position_.clear();
+  phase_ = training ? Phase::kRecording : Phase::kRecordingInEval;
+  checking_ = check_;
 }
 
 void ExecOrder::before_unshard(Unit& unit) {
   const size_t at = seen_++;
-  if (phase_ == Phase::kRecording) {
+  if (phase_ == Phase::kRecording || phase_ == Phase::kRecordingInEval) {
     if (checking_) agree(Mark::kUnit, index_of(unit), at + 1);
     position_[&unit] = order_.size();
     order_.push_back(&unit);
@@ -74,9 +82,9 @@ void ExecOrder::before_unshard(Unit& unit) {
 }
 
 void ExecOrder::end_forward() {
-  if (phase_ == Phase::kRecording) {
+  if (phase_ == Phase::kRecording || phase_ == Phase::kRecordingInEval) {
     if (checking_) agree(Mark::kEndOfForward, static_cast<int64_t>(order_.size()), seen_ + 1);
-    phase_ = Phase::kRecorded;
+    phase_ = phase_ == Phase::kRecording ? Phase::kRecorded : Phase::kRecordedInEval;
     checking_ = false;
     return;
   }
@@ -89,14 +97,14 @@ void ExecOrder::end_forward() {
 }
 
 Unit* ExecOrder::next(const Unit& unit) const {
-  if (phase_ != Phase::kRecorded) return nullptr;
+  if (!recorded()) return nullptr;
   auto it = position_.find(&unit);
   if (it == position_.end() || it->second + 1 >= order_.size()) return nullptr;
   return order_[it->second + 1];
 }
 
 Unit* ExecOrder::previous(const Unit& unit) const {
-  if (phase_ != Phase::kRecorded) return nullptr;
+  if (!recorded()) return nullptr;
   auto it = position_.find(&unit);
   if (it == position_.end() || it->second == 0) return nullptr;
   return order_[it->second - 1];

@@ -36,19 +36,26 @@ class Unit;
 ///   the recorded order locally, without communication, and warns once (then
 ///   stops checking) at the first difference.
 /// - eval mode with gradients off (the root not training, under
-///   NoGradGuard: evaluation): nothing is checked or recorded. In eval mode
-///   with gradients on (fine-tuning with dropout and BatchNorm statistics
-///   frozen) backward may follow, so it counts as training: PyTorch's FSDP
-///   records the order whatever the mode.
+///   NoGradGuard: evaluation): nothing is checked or recorded.
+/// - eval mode with gradients on: backward may follow (fine-tuning with
+///   dropout and BatchNorm statistics frozen), so its first forward is
+///   agreed and recorded as above (kRecordingInEval), for prefetch, as
+///   PyTorch's FSDP records the order whatever the mode; it is never
+///   compared later (as in PyTorch, only training forwards are), and the
+///   first training forward records again (a validation pass without
+///   NoGradGuard before training does not decide the order).
 /// Not covered: a rank whose divergence involves no unit (e.g. a collective of
 /// its own issued on one rank only), and backward order changes that come
 /// with an identical forward order; FSDP_DEBUG=detail (Note [Collective
 /// fingerprints]) catches those at the collective itself.
 class ExecOrder {
  public:
-  /// kUnrecorded: no training forward (see begin_forward) ran yet. kRecording: inside the first
-  /// training forward. kRecorded: order() holds the first iteration's order.
-  enum class Phase { kUnrecorded, kRecording, kRecorded };
+  /// kUnrecorded: no forward backward may follow ran yet. kRecording: inside
+  /// the first training forward; kRecordingInEval: inside the first forward
+  /// in eval mode with gradients on, before any training one. kRecorded:
+  /// order() holds the first training forward's order; kRecordedInEval: the
+  /// eval one's, until a training forward records again.
+  enum class Phase { kUnrecorded, kRecordingInEval, kRecordedInEval, kRecording, kRecorded };
 
   /// Indexes the active units of `root_module`'s tree in pre-order (their
   /// identity across ranks) with their module paths. `check`: false turns
@@ -56,9 +63,9 @@ class ExecOrder {
   /// stays, for prefetch).
   ExecOrder(torch::nn::Module& root_module, std::shared_ptr<ProcessGroup> group, bool check);
 
-  /// The root's forward starts; `training`: the root is in training mode or
-  /// gradients are on (a backward may follow).
-  void begin_forward(bool training);
+  /// The root's forward starts; `training`: the root's mode; `grad_enabled`:
+  /// autograd records (a backward may follow).
+  void begin_forward(bool training, bool grad_enabled);
   /// `unit` is about to all-gather its parameters in forward. First
   /// iteration: agrees with the other ranks (collective; throws "Forward
   /// order differs across ranks" on every rank when they disagree) and
@@ -69,12 +76,14 @@ class ExecOrder {
 
   /// Current phase.
   Phase phase() const { return phase_; }
+  /// Whether order() is complete (kRecorded or kRecordedInEval).
+  bool recorded() const { return phase_ == Phase::kRecorded || phase_ == Phase::kRecordedInEval; }
   /// The first iteration's order of units with parameters (complete once
-  /// phase() is kRecorded).
+  /// recorded()).
   const std::vector<Unit*>& order() const { return order_; }
-  /// The unit recorded after `unit`, or nullptr (also before kRecorded).
+  /// The unit recorded after `unit`, or nullptr (also before recorded()).
   Unit* next(const Unit& unit) const;
-  /// The unit recorded before `unit`, or nullptr (also before kRecorded).
+  /// The unit recorded before `unit`, or nullptr (also before recorded()).
   Unit* previous(const Unit& unit) const;
   /// True once the later-iteration warning was issued.
   bool warned() const { return warned_; }

@@ -95,17 +95,6 @@ const Unit* unit_of(const torch::nn::Module& module) {
   return detail::in_place_unit_of(module);
 }
 
-std::vector<torch::nn::Module*> original_modules(torch::nn::Module& model) {
-  std::vector<torch::nn::Module*> out;
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    const auto* wrapper = dynamic_cast<const Unit*>(m.get());
-    out.push_back(wrapper != nullptr && wrapper->wrapped_module() != nullptr
-                      ? wrapper->wrapped_module()
-                      : m.get());
-  }
-  return out;
-}
-
 void Unit::deactivate(torch::nn::Module* wrapped) {
   runtime_.reset();
   wrapped_ = wrapped;
@@ -221,9 +210,11 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
              "to clip, or clip nothing");
   const bool inf = std::isinf(norm_type);
   // Sharded gradients are disjoint pieces (reduced over the group);
-  // NO_SHARD gradients are whole copies (counted once, locally), and so are
-  // those of parameters no unit manages (as PyTorch's FSDP counts them).
-  double sharded = 0, replicated = 0;
+  // NO_SHARD gradients are whole copies (counted once, locally). Those of
+  // parameters no unit manages are this rank's own, counted once as PyTorch's
+  // FSDP does; they differ across ranks, so the largest norm over the ranks
+  // is the one every rank clips by (the same everywhere, as documented).
+  double sharded = 0, replicated = 0, local = 0;
   std::vector<at::Tensor> grads;
   ProcessGroup* group = nullptr;
   const auto add = [&](const at::Tensor& p, double& acc) {
@@ -242,12 +233,23 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
       add(p, flat->keeps_unsharded() ? replicated : sharded);
     }
   }
-  for (const auto& [name, p] : unmanaged_parameters()) add(p, replicated);
-  if (group == nullptr) return 0.0;
-  at::Tensor total = at::full({1}, sharded, at::kDouble);
-  group->all_reduce(total, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
-  const double combined = inf ? std::max(total.item<double>(), replicated)
-                              : std::pow(total.item<double>() + replicated, 1.0 / norm_type);
+  const auto unmanaged = unmanaged_parameters();
+  for (const auto& [name, p] : unmanaged) add(p, local);
+  if (group == nullptr && unmanaged.empty()) return 0.0;
+  double total = sharded;
+  if (group != nullptr) {
+    at::Tensor t = at::full({1}, sharded, at::kDouble);
+    group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
+    total = t.item<double>();
+  }
+  double combined = inf ? std::max({total, replicated, local})
+                        : std::pow(total + replicated + local, 1.0 / norm_type);
+  ProcessGroup* job = fsdp_options().process_group().get();  // every rank's
+  if (!unmanaged.empty() && job != nullptr) {
+    at::Tensor t = at::full({1}, combined, at::kDouble);
+    job->all_reduce(t, ReduceOp::kMax).wait();
+    combined = t.item<double>();
+  }
   const double coef = max_norm / (combined + 1e-6);
   if (coef < 1.0) {
     for (auto& g : grads) g.mul_(coef);

@@ -143,8 +143,7 @@ void UnitRuntime::begin_forward_state() {
   }
   transition(State::kForward);
   if (is_root()) {
-    // Note [Forward order]: a forward backward may follow is a training one.
-    root().exec_order().begin_forward(self_->is_training() || at::GradMode::is_enabled());
+    root().exec_order().begin_forward(self_->is_training(), at::GradMode::is_enabled());
     root().begin_forward();
   }
   forward_position_ = root().next_forward_position();
@@ -576,8 +575,7 @@ ReducedGrad UnitRuntime::reduced_grad_for(const std::vector<GradTarget>& targets
     return grad;
   }
   const ExecOrder& order = root().exec_order();
-  if (order.phase() != ExecOrder::Phase::kRecorded || order.order().empty() ||
-      order.order().front() != &handle_) {
+  if (!order.recorded() || order.order().empty() || order.order().front() != &handle_) {
     return grad;
   }
   if (auto send = flat_->copy_in_ahead_sender()) {

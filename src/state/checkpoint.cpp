@@ -15,6 +15,7 @@
 #include <fsdp/optim/sharded_grad_scaler.h>
 
 #include "detail/error.h"
+#include "detail/torch_compat.h"
 #include "state/agreement.h"
 #include "state/checkpoint_dir.h"
 #include "state/checkpoint_writer.h"
@@ -31,25 +32,28 @@ using detail::CheckpointReader;
 // The rank for error messages: the group's, else the launcher's.
 int64_t rank_of(ProcessGroup* group) { return group != nullptr ? group->rank() : -1; }
 
-// A generator's state as hex text, and back.
-std::string rng_state(at::Generator gen) {
-  at::Tensor state;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    state = gen.get_state();
-  }
-  return detail::to_hex(
-      std::string(static_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel())));
+// A generator's state (bytes), taken and set under its lock.
+at::Tensor state_of(at::Generator& gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
 }
-
-void set_rng_state(at::Generator gen, const std::string& hex, const std::string& file,
-                   int64_t rank) {
-  std::string bytes;
-  FSDP_CHECK(detail::from_hex(hex, bytes), rank, file, "a generator's state is not hex bytes");
-  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  std::copy(bytes.begin(), bytes.end(), static_cast<char*>(state.data_ptr()));
+void set_state_of(at::Generator& gen, const at::Tensor& state) {
   std::lock_guard<std::mutex> lock(gen.mutex());
   gen.set_state(state);
+}
+
+// Bytes as hex text, and back (`what` and `file` name it in the error).
+std::string hex_of(const at::Tensor& bytes) {
+  return detail::to_hex(
+      std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel())));
+}
+at::Tensor bytes_of(const std::string& hex, const char* what, const std::string& file,
+                    int64_t rank) {
+  std::string bytes;
+  FSDP_CHECK(detail::from_hex(hex, bytes), rank, file, what, " is not hex bytes");
+  at::Tensor out = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::copy(bytes.begin(), bytes.end(), static_cast<char*>(out.data_ptr()));
+  return out;
 }
 
 // The default generators of the GPUs this process sees (what at::manual_seed
@@ -204,9 +208,10 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   request.step = step;
   std::exception_ptr error;
   try {
-    request.rng_state = rng_state(at::detail::getDefaultCPUGenerator());
-    for (const at::Generator& gen : cuda_generators()) {
-      request.cuda_rng_states.push_back(rng_state(gen));
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    request.rng_state = hex_of(state_of(cpu));
+    for (at::Generator& gpu : cuda_generators()) {
+      request.cuda_rng_states.push_back(hex_of(compat::portable_cuda_rng_state(state_of(gpu))));
     }
     for (const auto& kv : impl_->registered) request.extra[kv.first] = kv.second.save();
     if (impl_->optimizer != nullptr) {  // the learning rate a scheduler set, and the rest
@@ -267,6 +272,10 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
   ProcessGroup* group = detail::state_group(model);
   std::exception_ptr error;
   try {
+    // Refused before anything is loaded, as loading would leave it out.
+    if (optimizer != nullptr) {
+      detail::OptimAccess(*optimizer).check_steps_only(detail::local_pieces(model));
+    }
     if (!reader) reader = std::make_unique<CheckpointReader>(dir);
   } catch (...) {
     error = std::current_exception();
@@ -294,12 +303,18 @@ void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* gro
   const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
   const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
   if (!m.rng_state.empty()) {
-    set_rng_state(at::detail::getDefaultCPUGenerator(), m.rng_state, file, rank_of(group));
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    set_state_of(cpu, bytes_of(m.rng_state, "rng_state", file, rank_of(group)));
   }
   // The GPUs both jobs see, by index (each rank its own where each sees one).
-  const std::vector<at::Generator> gpus = cuda_generators();
+  std::vector<at::Generator> gpus = cuda_generators();
   for (size_t i = 0; i < std::min(gpus.size(), m.cuda_rng_states.size()); ++i) {
-    set_rng_state(gpus[i], m.cuda_rng_states[i], file, rank_of(group));
+    const at::Tensor saved =
+        bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, rank_of(group));
+    FSDP_CHECK(saved.numel() == compat::kCudaRngStateBytes, rank_of(group), file,
+               "a GPU generator's state has ", saved.numel(), " bytes, expected ",
+               compat::kCudaRngStateBytes, " (its seed and offset)");
+    set_state_of(gpus[i], compat::native_cuda_rng_state(saved, state_of(gpus[i])));
   }
   if (optimizer != nullptr && !m.param_groups.empty()) {
     detail::OptimAccess(*optimizer).set_group_options(m.param_groups, file);

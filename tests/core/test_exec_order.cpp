@@ -230,6 +230,29 @@ TEST(ExecOrder, TrainAndEvalEpochsGiveNoWarning) {
   });
 }
 
+// A validation pass in eval mode without NoGradGuard (a common habit) is
+// recorded for want of a training one, but does not decide the order: the
+// first training forward records again, and later eval passes on another
+// path are not compared.
+TEST(ExecOrder, EvalWithGradientsBeforeTrainingDoesNotDecideTheOrder) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    Root model = wrap(ShardingStrategy::kFullShard);
+    torch::manual_seed(100 + rank);
+    compat::WarningCollector warnings;
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      model->eval();
+      model->module().path = Path::kNone;  // validation skips the units
+      model->forward(torch::randn({8, 5})).sum();
+      model->train();
+      model->module().path = Path::kNormal;
+      for (int i = 0; i < 2; ++i) train_step(model);
+    }
+    auto warned = with_prefix(warnings.messages, "Forward order differs");
+    EXPECT_TRUE(warned.empty()) << warned[0];
+  });
+}
+
 // Eval mode checks nothing: ranks may even run different paths there (the
 // seed's model would then exchange parameters of the wrong unit, but the
 // check must not be what fails).

@@ -345,6 +345,11 @@ TEST(UserHabits, WalkingModulesByTypeFindsWrappedOnes) {
     std::ostringstream printed;
     printed << *model;
     EXPECT_CONTAINS(printed.str(), "fsdp::FullyShardedDataParallel<torch::nn::BatchNorm1d(6");
+    // A checkpoint wrapper stands for its module too.
+    CheckpointWrapper<nn::LinearImpl> checkpointed(nn::Linear(2, 2));
+    const auto found = original_modules(*checkpointed);
+    ASSERT_EQ(found.size(), 1u);
+    EXPECT_NE(found[0]->as<nn::LinearImpl>(), nullptr);
   });
 }
 

@@ -147,41 +147,52 @@ TEST(WrapRules, IgnoredModulesStayUnmanaged) {
 
 // As in PyTorch's FSDP: an ignored module's parameters are in parameters(),
 // so the usual optimizer trains them (at one rank exactly as plain
-// LibTorch), and clip_grad_norm_ counts and clips their gradients.
+// LibTorch), and clip_grad_norm_ counts and clips their gradients, by one
+// norm on every rank (at two, each its own batch).
 TEST(WrapRules, IgnoredModulesTrainThroughParameters) {
-  run_ranks_ok(1, [](int, int) {
-    const auto group = start_rank();
-    const auto make = [] {
-      torch::manual_seed(0);
-      return nn::Sequential(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
-    };
-    nn::Sequential plain = make(), seq = make();
-    FullyShardedDataParallel<nn::SequentialImpl> root(
-        seq, FSDPOptions().ignored_modules(std::vector<std::shared_ptr<nn::Module>>{seq->ptr(2)}));
-    ASSERT_EQ(root->named_flat_parameters().keys(),
-              (std::vector<std::string>{"_flat_param", "2.weight", "2.bias"}));
-    torch::optim::AdamW opt(root->parameters(), torch::optim::AdamWOptions(1e-2));
-    torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
-    for (int step = 0; step < 3; ++step) {
-      torch::manual_seed(10 + step);
-      const torch::Tensor x = torch::randn({5, 4});
-      opt.zero_grad();
-      plain_opt.zero_grad();
-      root->forward(x).pow(2).sum().backward();
-      plain->forward(x).pow(2).sum().backward();
-      const double norm = root->clip_grad_norm_(0.5);
-      const double plain_norm = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.5);
-      EXPECT_NEAR(norm, plain_norm, 1e-5 * plain_norm) << "step " << step;
-      opt.step();
-      plain_opt.step();
-    }
-    SummonFullParams full(*root.ptr());
-    const auto mine = root->named_parameters(), theirs = plain->named_parameters();
-    for (const auto& p : theirs) {
-      EXPECT_TRUE(torch::allclose(mine[p.key()], p.value(), 1e-5, 1e-6)) << p.key();
-    }
-    group->barrier().wait();
-  });
+  for (const int world : {1, 2}) {
+    run_ranks_ok(world, [](int rank, int world) {
+      const auto group = start_rank();
+      const auto make = [] {
+        torch::manual_seed(0);
+        return nn::Sequential(nn::Linear(4, 8), nn::ReLU(), nn::Linear(8, 2));
+      };
+      nn::Sequential plain = make(), seq = make();
+      FullyShardedDataParallel<nn::SequentialImpl> root(
+          seq,
+          FSDPOptions().ignored_modules(std::vector<std::shared_ptr<nn::Module>>{seq->ptr(2)}));
+      ASSERT_EQ(root->named_flat_parameters().keys(),
+                (std::vector<std::string>{"_flat_param", "2.weight", "2.bias"}));
+      torch::optim::AdamW opt(root->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::optim::AdamW plain_opt(plain->parameters(), torch::optim::AdamWOptions(1e-2));
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(10 * rank + step);  // each rank its own batch
+        const torch::Tensor x = torch::randn({5, 4});
+        opt.zero_grad();
+        plain_opt.zero_grad();
+        root->forward(x).pow(2).sum().backward();
+        plain->forward(x).pow(2).sum().backward();
+        const double norm = root->clip_grad_norm_(0.5);
+        // The ignored head's gradients are each rank's own: every rank still
+        // clips by one norm.
+        at::Tensor largest = at::full({1}, norm, at::kDouble);
+        group->all_reduce(largest, ReduceOp::kMax).wait();
+        EXPECT_EQ(largest.item<double>(), norm) << "step " << step;
+        const double plain_norm = torch::nn::utils::clip_grad_norm_(plain->parameters(), 0.5);
+        if (world == 1) EXPECT_NEAR(norm, plain_norm, 1e-5 * plain_norm) << "step " << step;
+        opt.step();
+        plain_opt.step();
+      }
+      if (world == 1) {
+        SummonFullParams full(*root.ptr());
+        const auto mine = root->named_parameters(), theirs = plain->named_parameters();
+        for (const auto& p : theirs) {
+          EXPECT_TRUE(torch::allclose(mine[p.key()], p.value(), 1e-5, 1e-6)) << p.key();
+        }
+      }
+      group->barrier().wait();
+    });
+  }
 }
 
 TEST(WrapRules, BatchNormUnderMixedPrecisionStaysFullPrecision) {

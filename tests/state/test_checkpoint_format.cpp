@@ -15,6 +15,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "detail/torch_compat.h"
 #include "error_of.h"
 #include "marker_edit.h"
 #include "state/crc32.h"
@@ -250,6 +251,18 @@ TEST(CheckpointDir, ResumeRestoresTheGeneratorsStates) {
   const std::string without = detail::encode_manifest(m);
   EXPECT_EQ(without.find("cuda_rng_states"), std::string::npos);
   EXPECT_TRUE(detail::parse_manifest(without, "m").cuda_rng_states.empty());
+  // A GPU generator's state is kept as its seed and offset, which LibTorch
+  // 1.13 and 2.0 put after 800 unused bytes (816 in all) and 2.1 on alone
+  // (16): saved by one, it restores in the other.
+  const torch::Tensor seed_offset = torch::arange(16, torch::kByte) + 1;
+  const torch::Tensor old_layout = torch::cat({torch::full({800}, 255, torch::kByte), seed_offset});
+  EXPECT_TRUE(torch::equal(compat::portable_cuda_rng_state(old_layout), seed_offset));
+  EXPECT_TRUE(torch::equal(compat::portable_cuda_rng_state(seed_offset), seed_offset));
+  const torch::Tensor unused_kept = torch::cat({torch::zeros({800}, torch::kByte), seed_offset});
+  EXPECT_TRUE(torch::equal(
+      compat::native_cuda_rng_state(seed_offset, torch::zeros({816}, torch::kByte)), unused_kept));
+  EXPECT_TRUE(torch::equal(
+      compat::native_cuda_rng_state(seed_offset, torch::zeros({16}, torch::kByte)), seed_offset));
   remove_test_dir(root);
 }
 

@@ -362,6 +362,12 @@ TEST(StateDict, AnOptimizerTensorOutsideTheModelIsRefused) {
         EXPECT_CONTAINS(error_of([&] { ckpt.save_step(dir + "/run", 2); }), expected);
         EXPECT_CONTAINS(error_of([&] { ckpt.save(dir + "/full", 2, StateDictType::kFull); }),
                         expected);
+        // Resuming is refused before the model is loaded: it keeps its values.
+        torch::manual_seed(4);
+        train(*model, *opt, 1);
+        const auto trained = full_state_dict(*model);
+        EXPECT_CONTAINS(error_of([&] { ckpt.resume(dir + "/run"); }), expected);
+        expect_bitwise_equal(full_state_dict(*model), trained, "after the refused resume");
         EXPECT_EQ(latest_checkpoint(dir + "/run"), checkpoint_path(dir + "/run", 1));
       },
       with_dir(dir));

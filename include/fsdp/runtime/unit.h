@@ -248,10 +248,4 @@ Unit* unit_of(torch::nn::Module& module);
 /// unit_of for a const module.
 const Unit* unit_of(const torch::nn::Module& module);
 
-/// model.modules() as in the unwrapped model: each wrapper stands for the
-/// module it wraps (modules() gives a BatchNorm2d made a unit as its
-/// FullyShardedDataParallel<BatchNorm2dImpl>, which Module::as<T>() does not
-/// find; PyTorch's FSDP lists both). Pre-order, `model` itself first.
-std::vector<torch::nn::Module*> original_modules(torch::nn::Module& model);
-
 }  // namespace fsdp

@@ -100,7 +100,8 @@ template <typename Impl, typename Sig = typename detail::ForwardSignature<Impl>:
 class CheckpointWrapperImpl;
 
 template <typename Impl, typename C, typename R, typename... Args>
-class CheckpointWrapperImpl<Impl, R (C::*)(Args...)> : public torch::nn::Module {
+class CheckpointWrapperImpl<Impl, R (C::*)(Args...)> : public torch::nn::Module,
+                                                       public detail::ModuleWrapper {
  public:
   /// Wraps the module held by `module`.
   explicit CheckpointWrapperImpl(const torch::nn::ModuleHolder<Impl>& module)
@@ -125,6 +126,8 @@ class CheckpointWrapperImpl<Impl, R (C::*)(Args...)> : public torch::nn::Module 
   }
   /// The wrapped module.
   Impl& module() const { return *module_; }
+  /// See detail::ModuleWrapper.
+  torch::nn::Module& original_module() const override { return *module_; }
 
  private:
   std::shared_ptr<Impl> module_;
@@ -141,7 +144,7 @@ class CheckpointWrapper : public torch::nn::ModuleHolder<CheckpointWrapperImpl<I
 /// A checkpoint wrapper around a type-erased module whose forward takes and
 /// returns one Tensor: what a Sequential entry is (see
 /// apply_activation_checkpointing()).
-class AnyCheckpointWrapperImpl : public torch::nn::Module {
+class AnyCheckpointWrapperImpl : public torch::nn::Module, public detail::ModuleWrapper {
  public:
   /// Wraps `module`.
   explicit AnyCheckpointWrapperImpl(torch::nn::AnyModule module);
@@ -149,6 +152,8 @@ class AnyCheckpointWrapperImpl : public torch::nn::Module {
   at::Tensor forward(at::Tensor input);
   /// Sets training mode on the wrapper, the wrapped module and their children.
   void train(bool on = true) override;
+  /// See detail::ModuleWrapper.
+  torch::nn::Module& original_module() const override { return *module_.ptr(); }
 
  private:
   torch::nn::AnyModule module_;

@@ -98,8 +98,8 @@ class FullyShardedDataParallelImpl;
 // C: the class that declares forward (Impl or a base, as BatchNormImplBase
 // for BatchNorm1dImpl).
 template <typename Impl, typename C, typename R, typename... Args>
-class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torch::nn::Module,
-                                                                     public Unit {
+class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
+    : public torch::nn::Module, public Unit, public detail::ModuleWrapper {
  public:
   /// Wraps the module held by `module` (flattening and sharding its
   /// parameters now). With enabled == false the wrapper is a pass-through:
@@ -223,6 +223,8 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false> : public torc
 
   /// The wrapped module.
   Impl& module() const { return *module_; }
+  /// See detail::ModuleWrapper.
+  torch::nn::Module& original_module() const override { return *module_; }
 
  private:
   // A Cloneable parent's clone() copies its children through clone_: a

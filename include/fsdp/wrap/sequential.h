@@ -15,7 +15,7 @@ namespace fsdp {
 /// An FSDP unit around a type-erased module whose forward takes and returns
 /// one Tensor: what a Sequential entry is. Its parameters, buffers and
 /// children keep their names, as with FullyShardedDataParallel<Impl>.
-class AnyUnitImpl : public torch::nn::Module, public Unit {
+class AnyUnitImpl : public torch::nn::Module, public Unit, public detail::ModuleWrapper {
  public:
   /// Wraps `module` (flattening and sharding its parameters now).
   AnyUnitImpl(torch::nn::AnyModule module, FSDPOptions options = {});
@@ -38,6 +38,8 @@ class AnyUnitImpl : public torch::nn::Module, public Unit {
   void to(torch::Dtype dtype, bool non_blocking = false) override;
   /// See FullyShardedDataParallelImpl::to.
   void to(torch::Device device, bool non_blocking = false) override;
+  /// See detail::ModuleWrapper.
+  torch::nn::Module& original_module() const override { return *module_.ptr(); }
   /// See Unit::flat_parameters.
   std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
   /// See FullyShardedDataParallelImpl::clone: refused, naming what works.

@@ -15,7 +15,24 @@
 #include <vector>
 
 namespace fsdp {
+
+/// model.modules() as in the unwrapped model: each libfsdp wrapper (an FSDP
+/// unit, a checkpoint wrapper) stands for the module it wraps. modules()
+/// gives a BatchNorm2d made a unit as its FullyShardedDataParallel<
+/// BatchNorm2dImpl>, which Module::as<T>() does not find (PyTorch's FSDP
+/// lists both). Pre-order, `model` itself first.
+std::vector<torch::nn::Module*> original_modules(torch::nn::Module& model);
+
 namespace detail {
+
+/// What every libfsdp module wrapper is besides a Module: it stands for the
+/// module it wraps, whose contents it adopted (see original_modules()).
+class ModuleWrapper {
+ public:
+  virtual ~ModuleWrapper() = default;
+  /// The wrapped module.
+  virtual torch::nn::Module& original_module() const = 0;
+};
 
 /// Registers `inner`'s direct parameters and buffers and its children on
 /// `outer`, so a wrapper is transparent to names and state dicts.
