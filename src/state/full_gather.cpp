@@ -33,15 +33,6 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
   return out;
 }
 
-// A piece's name, and its aliases when `aliases` (Note [Tied parameters]).
-std::vector<const std::string*> names_of(const LocalPiece& p, bool aliases) {
-  std::vector<const std::string*> out{&p.name};
-  if (aliases) {
-    for (const std::string& a : p.aliases) out.push_back(&a);
-  }
-  return out;
-}
-
 }  // namespace
 
 FullWalker::FullWalker(torch::nn::Module& root, torch::optim::Optimizer* opt, bool model,
@@ -111,8 +102,9 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
       const bool gathered = !dry && unit->gather_full_params();
       for (LocalPiece* p : group) {
         const at::Tensor full = dry ? at::Tensor() : flat.slots()[p->slot].param.detach();
-        for (const std::string* name : names_of(*p, aliases_)) {
-          emit("model/" + *name, flat.shard().scalar_type(), p->shape, full, name != &p->name);
+        const auto names = p->names();
+        for (size_t k = 0; k < (aliases_ ? names.size() : 1); ++k) {
+          emit("model/" + names[k], flat.shard().scalar_type(), p->shape, full, k > 0);
         }
       }
       if (gathered) unit->release_full_params();
@@ -146,8 +138,9 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     const at::ScalarType dtype = p.data.scalar_type();
     if (model_) {
       const at::Tensor full = dry ? at::Tensor() : p.data.view(p.shape).to(p.saved_dtype);
-      for (const std::string* name : names_of(p, aliases_)) {
-        emit("model/" + *name, p.saved_dtype, p.shape, full, name != &p.name);
+      const auto names = p.names();
+      for (size_t k = 0; k < (aliases_ ? names.size() : 1); ++k) {
+        emit("model/" + names[k], p.saved_dtype, p.shape, full, k > 0);  // aliases follow
       }
     }
     if (opt_ == nullptr || p.is_buffer || !has_state(i)) continue;

@@ -40,6 +40,13 @@ struct LocalPiece {
   /// A copy of a shard that a rank of the first node saves (HYBRID_SHARD on
   /// the other nodes, Note [Hybrid sharding]).
   bool saved_elsewhere = false;
+
+  /// Its name, then its aliases.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out{name};
+    out.insert(out.end(), aliases.begin(), aliases.end());
+    return out;
+  }
 };
 
 /// A unit with parameters and its module path.

@@ -19,13 +19,6 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return c10::IntArrayRef(s).vec().empty() ? "[]" : c10::str(c10::IntArrayRef(s));
 }
 
-// A piece's name, then its aliases (Note [Tied parameters]).
-std::vector<std::string> names_of(const LocalPiece& p) {
-  std::vector<std::string> names{p.name};
-  names.insert(names.end(), p.aliases.begin(), p.aliases.end());
-  return names;
-}
-
 // The key `src` holds `p`'s entry under (prefix + name + suffix): of its
 // names the last the source has, as the last of a tied tensor's names wins
 // in the unwrapped model's torch::load and PyTorch's load_state_dict; its
@@ -33,7 +26,7 @@ std::vector<std::string> names_of(const LocalPiece& p) {
 std::string stored_key(const PieceSource& src, const std::string& prefix, const LocalPiece& p,
                        const std::string& suffix) {
   std::string found = prefix + p.name + suffix;
-  for (const std::string& name : names_of(p)) {
+  for (const std::string& name : p.names()) {
     if (src.has(prefix + name + suffix)) found = prefix + name + suffix;
   }
   return found;
@@ -143,7 +136,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
   std::vector<at::ScalarType> stored(pieces.size());  // and the dtype it is stored in
   for (size_t i = 0; i < pieces.size(); ++i) {
     const LocalPiece& p = pieces[i];
-    for (const std::string& name : names_of(p)) expected.insert("model/" + name);
+    for (const std::string& name : p.names()) expected.insert("model/" + name);
     from[i] = stored_key(src, "model/", p, "");
     FSDP_CHECK(src.has(from[i]), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
                p.is_buffer ? "buffer " : "parameter ", p.name,
@@ -154,7 +147,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
     const bool cast = p.saved_dtype != p.data.scalar_type();
     stored[i] =
         cast && src.dtype(from[i]) == p.data.scalar_type() ? p.data.scalar_type() : p.saved_dtype;
-    for (const std::string& name : names_of(p)) {
+    for (const std::string& name : p.names()) {
       if (src.has("model/" + name)) src.check("model/" + name, p.shape, stored[i]);
     }
   }
@@ -201,7 +194,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   std::set<std::string> expected;
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
-    for (const std::string& param : names_of(p)) {
+    for (const std::string& param : p.names()) {
       for (const std::string& name : access.state_names())
         expected.insert("optim/" + param + "/" + name);
       if (access.has_step()) {  // Adam's, amsgrad's too (loaded into one without, unused)
