@@ -137,7 +137,44 @@ void RootState::queue_end_of_backward() {
     set_phase(torch::autograd::get_current_graph_task_keep_graph() ? BackwardPhase::kRetaining
                                                                    : BackwardPhase::kRunning);
   }
+  note_units_without_grads();
   torch::autograd::Engine::get_default_engine().queue_callback([this] { end_of_backward(); });
+}
+
+// Note [Backward with respect to inputs]
+// A backward given the tensors to differentiate (torch::autograd::grad({loss},
+// {input}): FGSM's adversarial examples, saliency maps; or backward with
+// `inputs`) runs through the units and gives their parameters no gradient:
+// autograd runs only the nodes on the way to those tensors, and a
+// parameter's AccumulateGrad runs only when the parameter is one of them.
+// Launching, at its end, a reduction of zeros for every unit (Note
+// [Reduction order]) cost a whole backward's communication, only for the
+// agreement to find that no rank got anything. Which AccumulateGrad nodes
+// run is decided by the tensors named, not by the data, so it is the same
+// on every rank: at the first hook of a backward (inside autograd's graph
+// task), the units none of whose parameters' nodes will run are noted, and
+// at its end they launch no reduction, on any rank, and keep what they hold:
+// .grad as it was, and a gradient accumulated under no_sync() for the next
+// backward, as PyTorch's FSDP (whose reduction hooks do not run there)
+// leaves them. A unit noted that gets a gradient all the same (a nested
+// backward of the user's own) reduces as before.
+void RootState::note_units_without_grads() {
+  without_grads_.clear();
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  if (info == nullptr || info->empty()) return;  // every node runs
+  for (const UnitRuntime* unit : units_) {
+    const bool runs = std::any_of(unit->grad_accumulators_.begin(), unit->grad_accumulators_.end(),
+                                  [&](const auto& acc) {
+                                    const auto it = info->find(acc.get());
+                                    return it != info->end() && it->second.needed_;
+                                  });
+    if (unit->flat_ && !runs) without_grads_.push_back(unit);
+  }
+}
+
+bool RootState::reduces_at_end(const UnitRuntime& unit) const {
+  if (unit.grads_ready_ > 0 || unit.grad_work_ || unit.delivered_early_) return true;
+  return std::find(without_grads_.begin(), without_grads_.end(), &unit) == without_grads_.end();
 }
 
 // Note [Reduction order]
@@ -159,7 +196,8 @@ void RootState::queue_end_of_backward() {
 // complete launches together with every complete unit after it, up to the
 // first incomplete one. Backward completes units in about that order, so
 // nothing waits in the usual case. At the end of backward the rest launch in
-// the same order, with zeros for what this rank did not get; then the ranks
+// the same order, with zeros for what this rank did not get (but Note
+// [Backward with respect to inputs]); then the ranks
 // agree which units and parameters got a gradient anywhere (Note
 // [Parameters without gradients]), and those that got none on any rank keep
 // their .grad as it was. That is the whole story for SHARD_GRAD_OP and
@@ -279,31 +317,38 @@ void RootState::end_of_backward() {
   const bool retained = phase_ == BackwardPhase::kRetaining && !graph_units_.empty();
   set_phase(retained ? BackwardPhase::kGraphKept : BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
+  // See Note [Backward with respect to inputs].
+  std::vector<bool> reduces(units_.size());
+  for (size_t i = 0; i < units_.size(); ++i) reduces[i] = reduces_at_end(*units_[i]);
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
   for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
     UnitRuntime* unit = reduction_order_[reduction_order_.size() - 1 - i];
-    if (unit->require_sync_ && !unit->grad_work_) unit->launch_grad_reduction();
+    if (unit->require_sync_ && !unit->grad_work_ && reduces_at_end(*unit)) {
+      unit->launch_grad_reduction();
+    }
   }
   reduction_order_.clear();
   reductions_launched_ = 0;
   // The devices whose streams carry copies to host memory, waited for once
   // the agreement has overlapped them (Note [Gradients to host memory]).
   std::vector<c10::Device> copying;
-  for (UnitRuntime* unit : units_) {
+  for (size_t i = 0; i < units_.size(); ++i) {
+    UnitRuntime* unit = units_[i];
     const c10::Device device = unit->flat_ ? unit->flat_->unsharded().device() : c10::kCPU;
-    if (unit->finish_reduction() &&
+    if (reduces[i] && unit->finish_reduction() &&
         std::find(copying.begin(), copying.end(), device) == copying.end()) {
       copying.push_back(device);
     }
   }
+  without_grads_.clear();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
   for (const c10::Device& device : copying) {
     wait_for_device(device);
     wait_for_side_stream(device, SideStream::kCopyOut);
   }
   for (size_t i = 0; i < units_.size(); ++i) {
-    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i]);
+    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i], reduces[i]);
   }
   release_held(/*keep_newest=*/false);  // Note [Copy-in on a stream of its own]
   after_backward_hooks();

@@ -118,6 +118,10 @@ class RootState {
   // The reduced-gradient hooks' after_backward, at each end of backward.
   void after_backward_hooks();
   std::vector<std::vector<bool>> agree_received_grads() const;
+  // See Note [Backward with respect to inputs].
+  void note_units_without_grads();
+  // `unit` launches its reduction, or finishes it, at this end of backward.
+  bool reduces_at_end(const UnitRuntime& unit) const;
 
   UnitRuntime& root_;
   std::vector<UnitRuntime*> units_;
@@ -129,6 +133,9 @@ class RootState {
   // first `reductions_launched_` of them already.
   std::vector<UnitRuntime*> reduction_order_;
   size_t reductions_launched_ = 0;
+  // The units whose parameters this backward gives no gradient on any rank
+  // (Note [Backward with respect to inputs]).
+  std::vector<const UnitRuntime*> without_grads_;
   // Launched reductions that may be unfinished, oldest first.
   std::deque<Work> reductions_in_flight_;
   // Dispatch-driven units in forward, outermost first: each holds the next.

@@ -652,15 +652,17 @@ bool UnitRuntime::finish_reduction() {
   return false;
 }
 
-void UnitRuntime::finish_backward(const std::vector<bool>* received) {
-  if (require_sync_) {
+void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduced) {
+  // Under no_sync(), or with no reduction (Note [Backward with respect to
+  // inputs]), the unsharded gradient stays for the next backward.
+  if (require_sync_ && reduced) {
     if (grad_work_) assign_reduced_grad(received);
     delivered_early_ = false;
     grad_work_ = Work();
     grad_shard_ = at::Tensor();
     grad_on_device_ = at::Tensor();  // the host waited for its copy
     flat_grad_ = at::Tensor();
-  }  // else no_sync(): the unsharded gradient stays for the next backward
+  }
   grads_ready_ = 0;
   if (flat_) reshard();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it

@@ -193,7 +193,10 @@ class UnitRuntime final : public ParamUseListener {
   /// compute stream wait for it; true when it also queued the reduced
   /// shard's copy to host memory (Note [Gradients to host memory]).
   bool finish_reduction();
-  void finish_backward(const std::vector<bool>* received);
+  /// Ends this backward: sets the reduced gradient (`received`: the agreed
+  /// slots, null for all); `reduced` false keeps an unreduced gradient for
+  /// the next backward (Note [Backward with respect to inputs]).
+  void finish_backward(const std::vector<bool>* received, bool reduced);
   void warn_unused_slots();
   void clear_moved_grads();
   void keep_full_precision_classes(

@@ -93,6 +93,109 @@ TEST(UnitRuntime, CollectivesPerUnitPerStep) {
   });
 }
 
+// Note [Backward with respect to inputs]: a backward that
+// differentiates only the input (FGSM's adversarial example) gathers what it
+// must (FULL_SHARD's units again) and reduces nothing: no reduce-scatter or
+// all-reduce of zeros per unit, only the small all-reduce of the agreement,
+// and every .grad stays as the step before left it. The input's gradient is
+// the one a full backward gives.
+TEST(UnitRuntime, InputGradientsAloneReduceNothing) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      std::vector<std::shared_ptr<CountingGroup>> groups;
+      for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+      auto root_group = std::make_shared<CountingGroup>(world);
+      auto o = FSDPOptions().sharding_strategy(strategy).process_group(root_group);
+      torch::manual_seed(0);
+      FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy), o);
+      torch::manual_seed(10 + rank);
+      const torch::Tensor x = torch::randn({2, 512}).requires_grad_(true);
+      model->forward(x).pow(2).sum().backward();  // the .grad the next backward must keep
+      const torch::Tensor full_backward_grad = x.grad().clone();
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : model->parameters()) grads.push_back(p.grad().clone());
+      const auto count = [&](const std::shared_ptr<CountingGroup>& g) {
+        return std::vector<int64_t>{g->all_gathers, g->reduce_scatters, g->all_reduces};
+      };
+      std::vector<std::vector<int64_t>> before;
+      for (const auto& g : groups) before.push_back(count(g));
+      const int64_t agreements = root_group->all_reduces;
+
+      // torch::autograd::grad, then backward with `inputs`.
+      const torch::Tensor input = x.detach().requires_grad_(true);
+      const torch::Tensor g =
+          torch::autograd::grad({model->forward(input).pow(2).sum()}, {input})[0];
+      EXPECT_TRUE(torch::allclose(g, full_backward_grad, 1e-5, 1e-6));
+      torch::autograd::backward({model->forward(input).pow(2).sum()}, {}, {}, false, {input});
+      EXPECT_TRUE(torch::allclose(input.grad(), full_backward_grad, 1e-5, 1e-6));
+
+      EXPECT_EQ(root_group->all_reduces, agreements + 2) << "one agreement per backward";
+      for (size_t u = 0; u < groups.size(); ++u) {
+        const std::vector<int64_t> now = count(groups[u]);
+        EXPECT_EQ(now[1], before[u][1]) << "unit " << u << " reduce-scattered zeros";
+        EXPECT_EQ(now[2], before[u][2]) << "unit " << u << " all-reduced zeros";
+        // FULL_SHARD gathers again in backward, but for the unit kept
+        // gathered (Note [The first unit of backward stays gathered]).
+        const bool regathers = strategy == ShardingStrategy::kFullShard && u + 1 < groups.size();
+        const int64_t forward_gathers = strategy == ShardingStrategy::kNoShard ? 0 : 1;
+        EXPECT_EQ(now[0] - before[u][0], 2 * (forward_gathers + (regathers ? 1 : 0)))
+            << "unit " << u;
+        if (strategy != ShardingStrategy::kNoShard) {
+          EXPECT_EQ(model->module().units[u]->flat_param()->state(), FlatParameter::State::kSharded)
+              << "unit " << u << " is sharded again after backward";
+        }
+      }
+      const auto params = model->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << "parameter " << i;
+      }
+    }
+  });
+}
+
+// What no_sync() accumulated is reduced by the next backward that gives
+// the units gradients, not dropped nor reduced early by a backward with
+// respect to the input in between: the gradients equal those of the same
+// backwards without it.
+TEST(UnitRuntime, InputGradientsKeepWhatNoSyncAccumulated) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      std::vector<std::vector<torch::Tensor>> grads;
+      for (const bool input_grad_between : {false, true}) {
+        std::vector<std::shared_ptr<CountingGroup>> groups;
+        for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+        torch::manual_seed(0);
+        FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
+                                                 FSDPOptions().sharding_strategy(strategy));
+        torch::manual_seed(10 + rank);
+        const torch::Tensor a = torch::randn({2, 512}), b = torch::randn({2, 512});
+        {
+          auto no_sync = model->no_sync();
+          model->forward(a).pow(2).sum().backward();
+        }
+        if (input_grad_between) {
+          const torch::Tensor input = b.detach().requires_grad_(true);
+          torch::autograd::grad({model->forward(input).sum()}, {input});
+          for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
+        }
+        model->forward(b).pow(2).sum().backward();
+        for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
+        grads.emplace_back();
+        for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
+      }
+      ASSERT_EQ(grads[0].size(), grads[1].size());
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        EXPECT_TRUE(torch::allclose(grads[1][i], grads[0][i], 1e-5, 1e-6)) << "parameter " << i;
+      }
+    }
+  });
+}
+
 TEST(UnitRuntime, FullShardHoldsOnlyShardsAfterForward) {
   run_ranks_ok(2, [](int, int) {
     enable_memory_tracking();

@@ -901,6 +901,78 @@ TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
   }
 }
 
+// FGSM's adversarial example as usually written: the gradient of the loss
+// with respect to the input alone (no parameter gets one), then the input
+// moved along its sign.
+template <typename Model>
+torch::Tensor fgsm(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  const torch::Tensor input = x.detach().requires_grad_(true);
+  const torch::Tensor loss = torch::mse_loss(model->forward(input), y);
+  return (x + 0.05 * torch::autograd::grad({loss}, {input})[0].sign()).detach();
+}
+
+// Adversarial training trains `model` (rooted at `root`) as plain LibTorch
+// trains a Net: each step's adversarial batch is the plain one's block, the
+// input-only backward leaves every .grad as the step before left it (Note
+// [Backward with respect to inputs]), and the step on it matches.
+template <typename Model>
+void expect_adversarial_training(Model& model, Unit& root, int world, const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+  for (int step = 0; step < 3; ++step) {
+    const std::string at = what + " step " + std::to_string(step);
+    torch::manual_seed(step);
+    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : root.flat_parameters()) {
+      grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+    }
+    const torch::Tensor ref_adv = fgsm(reference, x, y);
+    const torch::Tensor adv = fgsm(model, local_block(x), local_block(y));
+    EXPECT_TRUE(torch::allclose(adv, local_block(ref_adv))) << at;
+    const auto params = root.flat_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].grad().defined(), grads[i].defined()) << at << " parameter " << i;
+      if (grads[i].defined()) EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << at;
+    }
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(ref_adv), y).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    torch::mse_loss(model->forward(adv), local_block(y)).backward();
+    opt.step();
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference, at);
+  }
+}
+
+TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (const bool orig : {false, true}) {
+          const FSDPOptions options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+          torch::manual_seed(0);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
+                                                  options);
+          expect_adversarial_training(model, *unit_of(*model), world,
+                                      std::string(to_string(strategy)) + (orig ? " orig" : ""));
+        }
+        torch::manual_seed(0);
+        Net model(false, FSDPOptions());
+        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                                 FSDPOptions().sharding_strategy(strategy));
+        expect_adversarial_training(model, root, world,
+                                    std::string(to_string(strategy)) + " fully_shard");
+      }
+    });
+  }
+}
+
 // A WGAN-GP step as usually written: the critic's scores, its gradient
 // penalty, a score logged under no_grad (which reshards what it gathers)
 // and the critic's backward; then the generator's loss through the critic.
