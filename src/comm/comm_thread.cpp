@@ -1,10 +1,12 @@
 #include "comm/comm_thread.h"
 
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 
 #include <fsdp/error_message.h>
@@ -100,6 +102,8 @@ struct CommThread::Core {
     std::shared_ptr<WorkState> state;
     Fingerprint fingerprint;
     bool check = false;  // debug mode was on when it was issued
+    // Issued under c10::InferenceMode: runs under it (Note [Inference mode]).
+    bool inference = false;
     std::function<void(uint64_t)> body;
   };
 
@@ -184,6 +188,7 @@ CommThread::Core::Item CommThread::Core::make_item(CollectiveKind kind, const st
     item.fingerprint.numel = tensors[0].numel();
   }
   item.check = debug.load();
+  item.inference = c10::InferenceMode::is_enabled();
   item.state = std::make_shared<WorkState>(describe_collective(kind, item.fingerprint.seq, what),
                                            rank, timeout + kWaitGrace, std::move(tensors));
   item.body = std::move(body);
@@ -281,7 +286,11 @@ void CommThread::Core::execute(Item& item) {
       fail(item, mismatch);
       return;
     }
-    item.body(item.fingerprint.seq);
+    {
+      std::optional<c10::InferenceMode> inference;
+      if (item.inference) inference.emplace();
+      item.body(item.fingerprint.seq);
+    }
     item.state->finish(nullptr);
   } catch (const std::exception& e) {
     health = Health::kBroken;

@@ -12,6 +12,7 @@
 #include "comm/ring.h"
 #include "comm/shm_links.h"
 #include "detail/error.h"
+#include "detail/inference_mode.h"
 
 namespace fsdp::detail {
 
@@ -194,7 +195,12 @@ void GlooProcessGroup::all_gather_over(Route route, const at::Tensor& flat, cons
 
 at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
   const int64_t bytes = static_cast<int64_t>(shard.nbytes());
-  if (!scratch_.defined() || scratch_.numel() < bytes) scratch_ = at::empty({bytes}, at::kByte);
+  if (!scratch_.defined() || scratch_.numel() < bytes) {
+    // Kept for later collectives: a normal tensor, also when this one runs
+    // under c10::InferenceMode (Note [Inference mode]).
+    const OutsideInferenceMode outside;
+    scratch_ = at::empty({bytes}, at::kByte);
+  }
   return scratch_.narrow(0, 0, bytes).view(shard.scalar_type()).view(shard.sizes());
 }
 

@@ -12,6 +12,7 @@
 
 #include <fsdp/core/activation_checkpoint.h>
 
+#include "detail/inference_mode.h"
 #include "runtime/in_place_units.h"
 #include "runtime/root_state.h"
 #include "runtime/unit_runtime.h"
@@ -72,12 +73,14 @@ namespace fsdp::detail {
 // wrapper's per-unit cost), bench/fully_shard_step.sh the GPT-mini step.
 
 void UnitRuntime::hold_for_operator() {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   TORCH_INTERNAL_ASSERT(operator_hold_ == OperatorHold::kNone, "fsdp: ", label(),
                         " held for two operators at once");
   operator_hold_ = OperatorHold::kHeld;
 }
 
 void UnitRuntime::before_param_use(bool sharded) {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   if (checkpoint_phase() == CheckpointPhase::kRecompute) {
     if (flat_ && sharded) unshard();
     return;
@@ -109,6 +112,7 @@ void UnitRuntime::before_param_use(bool sharded) {
 }
 
 void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   const bool reshard_now =
       std::exchange(operator_hold_, OperatorHold::kNone) == OperatorHold::kReshardAfter;
   // A write in place (an initialiser after fully_shard, a clamp_ under

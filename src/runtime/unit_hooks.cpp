@@ -21,6 +21,7 @@
 #include "core/sharded_placeholder.h"
 #include "detail/env.h"
 #include "detail/error.h"
+#include "detail/inference_mode.h"
 #include "runtime/exec_order.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/root_state.h"
@@ -117,6 +118,7 @@ void UnitRuntime::refuse_if_summoned(const char* pass) const {
 }
 
 void UnitRuntime::pre_forward() {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   refuse_if_summoned("forward");
   FSDP_RECORD("pre_forward", path_);
   if (checkpoint_phase() == CheckpointPhase::kRecompute) {
@@ -201,6 +203,7 @@ void UnitRuntime::prefetch_forward() {
 
 void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
                                const char* unknown_output_type) {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   FSDP_RECORD("post_forward", path_);
   const CheckpointPhase phase = checkpoint_phase();
   if (phase == CheckpointPhase::kRecompute) {

@@ -973,6 +973,180 @@ TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
   }
 }
 
+// Two forwards of the whole model before one backward (siamese networks,
+// contrastive losses, consistency regularisation): the loss compares the
+// model's outputs on two views of the batch. Trains as plain LibTorch does,
+// wrapped and fully_shard, every strategy, with a forward without backward
+// (validation) between steps.
+template <typename Model>
+void expect_siamese_training(Model& model, Unit& root, int world, const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+  const auto loss_of = [](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& y) {
+    return torch::mse_loss(a, y) + 0.5 * (a - b).pow(2).mean();
+  };
+  for (int step = 0; step < 3; ++step) {
+    const std::string at = what + " step " + std::to_string(step);
+    torch::manual_seed(step);
+    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    const torch::Tensor view = x + 0.1 * torch::randn({4 * world, 7});
+    ref_opt.zero_grad();
+    loss_of(reference->forward(x), reference->forward(view), y).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    loss_of(model->forward(local_block(x)), model->forward(local_block(view)), local_block(y))
+        .backward();
+    opt.step();
+    {
+      torch::NoGradGuard no_grad;
+      model->forward(local_block(x));
+    }
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference, at);
+  }
+}
+
+TEST(UserHabits, TwoForwardsBeforeOneBackwardAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (const bool orig : {false, true}) {
+          const FSDPOptions options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+          torch::manual_seed(0);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
+                                                  options);
+          expect_siamese_training(model, *unit_of(*model), world,
+                                  std::string(to_string(strategy)) + (orig ? " orig" : ""));
+        }
+        torch::manual_seed(0);
+        Net model(false, FSDPOptions());
+        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                                 FSDPOptions().sharding_strategy(strategy));
+        expect_siamese_training(model, root, world,
+                                std::string(to_string(strategy)) + " fully_shard");
+      }
+    });
+  }
+}
+
+// Inference as LibTorch recommends it, under c10::InferenceMode: before the
+// first training step (the model's first forward) and between steps. The
+// outputs are plain LibTorch's, and training after it is too.
+template <typename Model>
+void expect_training_around_inference(Model& model, Unit& root, int world,
+                                      const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+  for (int step = 0; step < 3; ++step) {
+    const std::string at = what + " step " + std::to_string(step);
+    torch::manual_seed(step);
+    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    {
+      c10::InferenceMode inference;
+      const torch::Tensor expected = reference->forward(x);
+      const torch::Tensor got = model->forward(local_block(x));
+      EXPECT_TRUE(torch::allclose(got, local_block(expected), 1.3e-6, 1e-5)) << at;
+    }
+    ref_opt.zero_grad();
+    torch::mse_loss(reference->forward(x), y).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+    opt.step();
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference, at);
+  }
+}
+
+TEST(UserHabits, InferenceModeAroundTrainingAsInPlainLibTorch) {
+  for (int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (const bool orig : {false, true}) {
+          const FSDPOptions options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+          torch::manual_seed(0);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
+                                                  options);
+          expect_training_around_inference(
+              model, *unit_of(*model), world,
+              std::string(to_string(strategy)) + (orig ? " orig" : ""));
+        }
+        torch::manual_seed(0);
+        Net model(false, FSDPOptions());
+        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                                 FSDPOptions().sharding_strategy(strategy));
+        expect_training_around_inference(model, root, world,
+                                         std::string(to_string(strategy)) + " fully_shard");
+      }
+    });
+  }
+}
+
+// What a unit makes in a forward under c10::InferenceMode (Note [Inference
+// mode]): its first forward there allocates its buffers (compute copies
+// under mixed precision, offload's copies), and the state dict and
+// SummonFullParams taken there communicate. Training after them is bitwise
+// the training without them, and the state dict is the one taken outside.
+TEST(UserHabits, InferenceModeFirstLeavesNothingTrainingCannotUse) {
+  for (int world : {2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (const bool orig : {false, true}) {
+        const FSDPOptions options =
+            FSDPOptions()
+                .use_orig_params(orig)
+                .mixed_precision(MixedPrecision().param_dtype(at::kBFloat16))
+                .cpu_offload(CPUOffload().offload_params(true));
+        const std::string what = orig ? "use_orig_params" : "flat";
+        std::vector<std::vector<torch::Tensor>> params;
+        for (const bool inference_first : {false, true}) {
+          torch::manual_seed(0);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
+                                                  options);
+          torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+          torch::manual_seed(1);
+          const torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+          if (inference_first) {
+            c10::InferenceMode inference;
+            model->forward(local_block(x));
+            const auto inside = full_state_dict(*model.ptr());
+            c10::InferenceMode off(false);
+            const auto outside = full_state_dict(*model.ptr());
+            ASSERT_EQ(inside.size(), outside.size()) << what;
+            for (size_t i = 0; i < inside.size(); ++i) {
+              EXPECT_TRUE(torch::equal(inside[i].value(), outside[i].value())) << what;
+            }
+          }
+          if (inference_first) {
+            c10::InferenceMode inference;
+            SummonFullParams full(*model.ptr());
+          }
+          for (int step = 0; step < 2; ++step) {
+            opt.zero_grad();
+            torch::mse_loss(model->forward(local_block(x)).to(torch::kFloat), local_block(y))
+                .backward();
+            opt.step();
+          }
+          params.emplace_back();
+          for (const auto& p : model->parameters()) params.back().push_back(p.detach().clone());
+        }
+        ASSERT_EQ(params[0].size(), params[1].size());
+        for (size_t i = 0; i < params[0].size(); ++i) {
+          EXPECT_TRUE(torch::equal(params[0][i], params[1][i])) << what << " parameter " << i;
+        }
+      }
+    });
+  }
+}
+
 // A WGAN-GP step as usually written: the critic's scores, its gradient
 // penalty, a score logged under no_grad (which reshards what it gathers)
 // and the critic's backward; then the generator's loss through the critic.
