@@ -12,6 +12,7 @@
 #include "comm/reduce.h"
 #include "comm/ring.h"
 #include "detail/error.h"
+#include "detail/inference_mode.h"
 #include "detail/torch_compat.h"
 
 namespace fsdp {
@@ -138,6 +139,8 @@ Work C10dProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                             if (size() >= 3) {
                               if (!scratch_.defined() || scratch_.numel() < s.numel() ||
                                   scratch_.scalar_type() != s.scalar_type()) {
+                                // Kept: a normal tensor (Note [Inference mode]).
+                                const detail::OutsideInferenceMode outside;
                                 scratch_ = at::empty({s.numel()}, s.options());
                               }
                               scratch = scratch_.narrow(0, 0, s.numel());

@@ -16,6 +16,7 @@
 #include "comm/thread_priority.h"
 #include "comm/work_state.h"
 #include "detail/error.h"
+#include "detail/inference_mode.h"
 
 // Note [Collective fingerprints]
 // Ranks that issue different collectives (another operation, size or dtype)
@@ -287,11 +288,19 @@ void CommThread::Core::execute(Item& item) {
       return;
     }
     {
+      // Under the mode it was issued under, whichever thread runs it, its
+      // continuations (copies back to the caller's tensors) too (Note
+      // [Inference mode]).
       std::optional<c10::InferenceMode> inference;
-      if (item.inference) inference.emplace();
+      std::optional<OutsideInferenceMode> outside;
+      if (item.inference) {
+        inference.emplace();
+      } else {
+        outside.emplace();
+      }
       item.body(item.fingerprint.seq);
+      item.state->finish(nullptr);
     }
-    item.state->finish(nullptr);
   } catch (const std::exception& e) {
     health = Health::kBroken;
     // The cause without its backtrace: this message is one sentence.

@@ -152,12 +152,15 @@ void RootState::queue_end_of_backward() {
 // agreement to find that no rank got anything. Which AccumulateGrad nodes
 // run is decided by the tensors named, not by the data, so it is the same
 // on every rank: at the first hook of a backward (inside autograd's graph
-// task), the units none of whose parameters' nodes will run are noted, and
-// at its end they launch no reduction, on any rank, and keep what they hold:
-// .grad as it was, and a gradient accumulated under no_sync() for the next
-// backward, as PyTorch's FSDP (whose reduction hooks do not run there)
-// leaves them. A unit noted that gets a gradient all the same (a nested
-// backward of the user's own) reduces as before.
+// task), the units none of whose parameters' nodes will run are noted. In
+// this backward they reduce nothing, on any rank: they keep .grad as it
+// was, and a gradient accumulated under no_sync() for the next backward, as
+// PyTorch's FSDP (whose reduction hooks do not run there) leaves them; the
+// reductions behind them in the order do not wait for them. A noted unit
+// that gets a gradient all the same (a nested backward of the user's own,
+// on some ranks maybe) keeps it for the next backward too, as under
+// no_sync(): reducing it on the ranks that got it would pair their
+// collectives with others.
 void RootState::note_units_without_grads() {
   without_grads_.clear();
   const auto* info = torch::autograd::get_current_graph_task_exec_info();
@@ -172,8 +175,7 @@ void RootState::note_units_without_grads() {
   }
 }
 
-bool RootState::reduces_at_end(const UnitRuntime& unit) const {
-  if (unit.grads_ready_ > 0 || unit.grad_work_ || unit.delivered_early_) return true;
+bool RootState::reduces_in_backward(const UnitRuntime& unit) const {
   return std::find(without_grads_.begin(), without_grads_.end(), &unit) == without_grads_.end();
 }
 
@@ -233,6 +235,10 @@ void RootState::launch_ready_reductions() {
   auto& order = reduction_order_;
   while (reductions_launched_ < order.size()) {
     UnitRuntime* unit = order[order.size() - 1 - reductions_launched_];
+    if (!reduces_in_backward(*unit)) {  // See Note [Backward with respect to inputs].
+      ++reductions_launched_;
+      continue;
+    }
     if (!unit->require_sync_ || unit->grads_ready_ < unit->trainable_slots_) return;
     if (!unit->grad_work_) unit->launch_grad_reduction();
     ++reductions_launched_;
@@ -319,12 +325,12 @@ void RootState::end_of_backward() {
   reductions_in_flight_.clear();  // each unit waits for its own below
   // See Note [Backward with respect to inputs].
   std::vector<bool> reduces(units_.size());
-  for (size_t i = 0; i < units_.size(); ++i) reduces[i] = reduces_at_end(*units_[i]);
+  for (size_t i = 0; i < units_.size(); ++i) reduces[i] = reduces_in_backward(*units_[i]);
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
   for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
     UnitRuntime* unit = reduction_order_[reduction_order_.size() - 1 - i];
-    if (unit->require_sync_ && !unit->grad_work_ && reduces_at_end(*unit)) {
+    if (unit->require_sync_ && !unit->grad_work_ && reduces_in_backward(*unit)) {
       unit->launch_grad_reduction();
     }
   }

@@ -47,6 +47,10 @@ class RootState {
   /// reduction order (see Note [Reduction order]).
   void join_reduction_order(UnitRuntime& unit);
   bool in_reduction_order(const UnitRuntime& unit) const;
+  /// `unit` reduces its gradient in this backward: false where it gives no
+  /// parameter of the unit a gradient on any rank (Note [Backward with
+  /// respect to inputs]).
+  bool reduces_in_backward(const UnitRuntime& unit) const;
   /// Launches the reductions whose turn it is (see Note [Reduction order]).
   void launch_ready_reductions();
   /// Counts a reduction just launched; waits for the oldest while more than
@@ -120,8 +124,6 @@ class RootState {
   std::vector<std::vector<bool>> agree_received_grads() const;
   // See Note [Backward with respect to inputs].
   void note_units_without_grads();
-  // `unit` launches its reduction, or finishes it, at this end of backward.
-  bool reduces_at_end(const UnitRuntime& unit) const;
 
   UnitRuntime& root_;
   std::vector<UnitRuntime*> units_;

@@ -359,6 +359,7 @@ void UnitRuntime::on_grad_ready(size_t slot) {
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
   if (++grads_ready_ != trainable_slots_ || !require_sync_) return;
+  if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
   if (root_ == nullptr || !root_->in_reduction_order(*this)) {
     launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
   } else {

@@ -152,6 +152,22 @@ TEST(UnitRuntime, InputGradientsAloneReduceNothing) {
       for (size_t i = 0; i < params.size(); ++i) {
         EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << "parameter " << i;
       }
+
+      // backward with `inputs` naming the first unit's parameters: it
+      // reduces (adding to .grad, as LibTorch's backward does), the units
+      // behind which it is reduced reduce nothing, and it does not wait for them.
+      for (size_t u = 0; u < groups.size(); ++u) before[u] = count(groups[u]);
+      auto& first = model->module().units.front()->module();
+      torch::autograd::backward({model->forward(input).pow(2).sum()}, {}, {}, false,
+                                {first.weight, first.bias});
+      for (size_t u = 0; u < groups.size(); ++u) {
+        const std::vector<int64_t> now = count(groups[u]);
+        EXPECT_EQ(now[1] + now[2], before[u][1] + before[u][2] + (u == 0 ? 1 : 0)) << "unit " << u;
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        const torch::Tensor want = i == 0 ? 2 * grads[i] : grads[i];
+        EXPECT_TRUE(torch::allclose(params[i].grad(), want, 1e-5, 1e-6)) << "parameter " << i;
+      }
     }
   });
 }

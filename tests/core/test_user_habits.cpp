@@ -1094,7 +1094,8 @@ TEST(UserHabits, InferenceModeAroundTrainingAsInPlainLibTorch) {
 // mode]): its first forward there allocates its buffers (compute copies
 // under mixed precision, offload's copies), and the state dict and
 // SummonFullParams taken there communicate. Training after them is bitwise
-// the training without them, and the state dict is the one taken outside.
+// the training without them, and the state dict is the one taken outside;
+// a fully_shard model used first there trains as plain LibTorch.
 TEST(UserHabits, InferenceModeFirstLeavesNothingTrainingCannotUse) {
   for (int world : {2, 3}) {
     run_ranks_ok(world, [](int, int world) {
@@ -1143,6 +1144,33 @@ TEST(UserHabits, InferenceModeFirstLeavesNothingTrainingCannotUse) {
           EXPECT_TRUE(torch::equal(params[0][i], params[1][i])) << what << " parameter " << i;
         }
       }
+      // A fully_shard model whose first use is a state dict and
+      // SummonFullParams under the mode, then a forward there: it trains
+      // as plain LibTorch afterwards.
+      torch::manual_seed(0);
+      Net reference(false, FSDPOptions());
+      torch::manual_seed(0);
+      Net model(false, FSDPOptions());
+      Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(), FSDPOptions());
+      torch::manual_seed(1);
+      const torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+      {
+        c10::InferenceMode inference;
+        const auto state = full_state_dict(*model);
+        ASSERT_EQ(state.size(), reference->named_parameters().size());
+        for (const auto& p : reference->named_parameters()) {
+          EXPECT_TRUE(torch::equal(state[p.key()], p.value())) << p.key();
+        }
+        { SummonFullParams full(*model); }
+        model->forward(local_block(x));
+      }
+      torch::optim::SGD ref_opt(reference->parameters(), 0.1), opt(root.flat_parameters(), 0.1);
+      torch::mse_loss(reference->forward(x), y).backward();
+      ref_opt.step();
+      torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+      opt.step();
+      SummonFullParams full(*model);
+      expect_same_params(*model, *reference, "fully_shard after inference mode");
     });
   }
 }
