@@ -953,14 +953,16 @@ TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
     run_ranks_ok(world, [](int, int world) {
       join_test_group();
       for (ShardingStrategy strategy : parity_strategies()) {
-        for (const bool orig : {false, true}) {
+        for (const std::string kind : {"flat", "orig", "checkpointed"}) {
           const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(kind == "orig");
+          // Checkpointed: the inner units recompute their forward in backward.
+          const FSDPOptions inner =
+              FSDPOptions(options).activation_checkpointing(kind == "checkpointed");
           torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
-                                                  options);
+          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, inner), options);
           expect_adversarial_training(model, *unit_of(*model), world,
-                                      std::string(to_string(strategy)) + (orig ? " orig" : ""));
+                                      std::string(to_string(strategy)) + " " + kind);
         }
         torch::manual_seed(0);
         Net model(false, FSDPOptions());
@@ -1504,6 +1506,59 @@ TEST(UserHabits, SparseEmbeddingTrainsAsInPlainLibTorch) {
       }
     }
   });
+}
+
+// NetImpl whose forward runs fc1 (a unit when wrapped) under NoGradGuard:
+// a frozen feature extractor, as users freeze one without requires_grad.
+// Its parameters keep no gradient (weight decay and momentum leave them),
+// as in plain LibTorch, every strategy, flat and use_orig_params.
+struct FrozenFeaturesImpl : NetImpl {
+  using NetImpl::NetImpl;
+  torch::Tensor forward(torch::Tensor input) {
+    torch::Tensor x;
+    {
+      torch::NoGradGuard no_grad;
+      x = torch::relu(fc1.forward(input));
+    }
+    x = x + (plain_block ? plain_block->forward(x) : block.forward(x));
+    return head(x) * scale;
+  }
+};
+TORCH_MODULE(FrozenFeatures);
+
+TEST(UserHabits, FeatureExtractorUnderNoGradAsInPlainLibTorch) {
+  for (int world : {1, 2, 3}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        for (const bool orig : {false, true}) {
+          const FSDPOptions options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
+          torch::manual_seed(0);
+          FrozenFeatures reference(false, FSDPOptions());
+          torch::manual_seed(0);
+          FullyShardedDataParallel<FrozenFeaturesImpl> model(
+              std::make_shared<FrozenFeaturesImpl>(true, options), options);
+          const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.1);
+          torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(model->parameters(), sgd);
+          for (int step = 0; step < 3; ++step) {
+            torch::manual_seed(step);
+            torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+            ref_opt.zero_grad();
+            torch::mse_loss(reference->forward(x), y).backward();
+            ref_opt.step();
+            opt.zero_grad();
+            torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+            opt.step();
+            SummonFullParams full(*model.ptr());
+            expect_same_params(*model.ptr(), *reference,
+                               std::string(to_string(strategy)) + (orig ? " orig" : "") + " step " +
+                                   std::to_string(step));
+          }
+        }
+      }
+    });
+  }
 }
 
 }  // namespace test_user_habits
