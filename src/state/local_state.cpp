@@ -7,8 +7,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
 #include <cmath>
@@ -181,13 +183,71 @@ void set_adam(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamStat
   opt.state()[optim_key(opt, p)] = std::move(s);
 }
 
+bool get_rmsprop(const torch::optim::Optimizer& opt, const at::Tensor& p, ParamState& out) {
+  const auto it = opt.state().find(optim_key(opt, p));
+  if (it == opt.state().end()) return false;
+  const auto& s = static_cast<const torch::optim::RMSpropParamState&>(*it->second);
+  out.step = s.step();
+  out.tensors["square_avg"] = s.square_avg();
+  if (s.momentum_buffer().defined()) out.tensors["momentum_buffer"] = s.momentum_buffer();
+  if (s.grad_avg().defined()) out.tensors["grad_avg"] = s.grad_avg();
+  return true;
+}
+
+// The options of the group that steps `p`; nullptr if none does.
+const torch::optim::OptimizerOptions* options_of(const torch::optim::Optimizer& opt,
+                                                 const at::Tensor& p) {
+  for (const auto& g : opt.param_groups()) {
+    for (const auto& q : g.params()) {
+      if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return &g.options();
+    }
+  }
+  return nullptr;
+}
+
+void set_rmsprop(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamState& in) {
+  auto s = std::make_unique<torch::optim::RMSpropParamState>();
+  s->step(in.step);
+  s->square_avg(in.tensors.at("square_avg"));
+  // What the parameter's group uses, as torch::optim::RMSprop makes its state.
+  const auto* o = static_cast<const torch::optim::RMSpropOptions*>(options_of(opt, p));
+  const auto take = [&](const char* name, bool used) {
+    const auto it = in.tensors.find(name);
+    return used && it != in.tensors.end() ? it->second : at::Tensor();
+  };
+  s->momentum_buffer(take("momentum_buffer", o == nullptr || o->momentum() > 0));
+  s->grad_avg(take("grad_avg", o == nullptr || o->centered()));
+  opt.state()[optim_key(opt, p)] = std::move(s);
+}
+
 }  // namespace
 
 OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
   bool amsgrad = false;
   if (dynamic_cast<torch::optim::SGD*>(&opt) != nullptr) {
     kind_ = Kind::kSgd;
-    names_ = {"momentum_buffer"};
+    names_ = possible_ = {"momentum_buffer"};
+    return;
+  }
+  if (dynamic_cast<torch::optim::RMSprop*>(&opt) != nullptr) {
+    kind_ = Kind::kRmsprop;
+    has_step_ = true;
+    names_ = {"square_avg"};
+    possible_ = {"square_avg", "momentum_buffer", "grad_avg"};
+    bool momentum = false, centered = false;
+    for (const auto& g : opt.param_groups()) {
+      const auto& o = static_cast<const torch::optim::RMSpropOptions&>(g.options());
+      momentum |= o.momentum() > 0;
+      centered |= o.centered();
+    }
+    if (momentum) names_.push_back("momentum_buffer");
+    if (centered) names_.push_back("grad_avg");
+    return;
+  }
+  if (dynamic_cast<torch::optim::Adagrad*>(&opt) != nullptr) {
+    kind_ = Kind::kAdagrad;
+    has_step_ = true;
+    names_ = possible_ = {"sum"};
     return;
   }
   if (dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr) {
@@ -200,12 +260,14 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
       amsgrad |= static_cast<const torch::optim::AdamOptions&>(g.options()).amsgrad();
   } else {
     FSDP_FAIL(/*rank=*/-1, "checkpoint",
-              "unsupported optimizer; expected torch::optim::SGD, Adam "
-              "or AdamW. Save other optimizers' state yourself with the registered state.");
+              "unsupported optimizer; expected torch::optim::SGD, Adam, AdamW, RMSprop or "
+              "Adagrad (or fsdp::optim's). Save another optimizer's state yourself, each rank "
+              "its own with torch::save, or as Checkpointer's registered state.");
   }
   has_step_ = true;
   names_ = {"exp_avg", "exp_avg_sq"};
   if (amsgrad) names_.push_back("max_exp_avg_sq");
+  possible_ = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 }
 
 void OptimAccess::check_steps_only(const std::vector<LocalPiece>& pieces) const {
@@ -242,6 +304,17 @@ bool OptimAccess::get(const at::Tensor& param, ParamState& out) const {
       return get_adam<torch::optim::AdamParamState>(opt_, param, out);
     case Kind::kAdamW:
       return get_adam<torch::optim::AdamWParamState>(opt_, param, out);
+    case Kind::kRmsprop:
+      return get_rmsprop(opt_, param, out);
+    case Kind::kAdagrad: {
+      // Made for every parameter when the optimizer is.
+      const auto it = opt_.state().find(optim_key(opt_, param));
+      if (it == opt_.state().end()) return false;
+      const auto& s = static_cast<const torch::optim::AdagradParamState&>(*it->second);
+      out.step = s.step();
+      out.tensors["sum"] = s.sum();
+      return true;
+    }
   }
   return false;
 }
@@ -258,6 +331,15 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
       return set_adam<torch::optim::AdamParamState>(opt_, param, state);
     case Kind::kAdamW:
       return set_adam<torch::optim::AdamWParamState>(opt_, param, state);
+    case Kind::kRmsprop:
+      return set_rmsprop(opt_, param, state);
+    case Kind::kAdagrad: {
+      auto s = std::make_unique<torch::optim::AdagradParamState>();
+      s->step(state.step);
+      s->sum(state.tensors.at("sum"));
+      opt_.state()[optim_key(opt_, param)] = std::move(s);
+      return;
+    }
   }
 }
 
@@ -303,6 +385,25 @@ std::vector<std::map<std::string, double>> OptimAccess::group_options() const {
       case Kind::kAdamW:
         out.push_back(adam_options(static_cast<const torch::optim::AdamWOptions&>(g.options())));
         break;
+      case Kind::kRmsprop: {
+        const auto& o = static_cast<const torch::optim::RMSpropOptions&>(g.options());
+        out.push_back({{"lr", o.lr()},
+                       {"alpha", o.alpha()},
+                       {"eps", o.eps()},
+                       {"weight_decay", o.weight_decay()},
+                       {"momentum", o.momentum()},
+                       {"centered", o.centered() ? 1.0 : 0.0}});
+        break;
+      }
+      case Kind::kAdagrad: {
+        const auto& o = static_cast<const torch::optim::AdagradOptions&>(g.options());
+        out.push_back({{"lr", o.lr()},
+                       {"lr_decay", o.lr_decay()},
+                       {"weight_decay", o.weight_decay()},
+                       {"initial_accumulator_value", o.initial_accumulator_value()},
+                       {"eps", o.eps()}});
+        break;
+      }
     }
   }
   return out;
@@ -336,6 +437,23 @@ void OptimAccess::set_group_options(const std::vector<std::map<std::string, doub
       case Kind::kAdamW:
         set_adam_options(static_cast<torch::optim::AdamWOptions&>(mine[i].options()), v);
         break;
+      case Kind::kRmsprop: {
+        auto& o = static_cast<torch::optim::RMSpropOptions&>(mine[i].options());
+        o.lr(v.at("lr"));
+        o.alpha(v.at("alpha"));
+        o.eps(v.at("eps"));
+        o.weight_decay(v.at("weight_decay"));
+        break;
+      }
+      case Kind::kAdagrad: {
+        auto& o = static_cast<torch::optim::AdagradOptions&>(mine[i].options());
+        o.lr(v.at("lr"));
+        o.lr_decay(v.at("lr_decay"));
+        o.weight_decay(v.at("weight_decay"));
+        o.initial_accumulator_value(v.at("initial_accumulator_value"));
+        o.eps(v.at("eps"));
+        break;
+      }
     }
   }
 }

@@ -74,13 +74,18 @@ struct ParamState {
 };
 
 /// Reads and writes torch::optim state by parameter (see Note [Optimizer keys]).
-/// Supports SGD, Adam and AdamW.
+/// Supports SGD, Adam, AdamW, RMSprop and Adagrad: every torch::optim
+/// optimizer whose state is elementwise (LBFGS's is not).
 class OptimAccess {
  public:
   explicit OptimAccess(torch::optim::Optimizer& opt);
   /// The tensor state names this optimizer keeps.
   const std::vector<std::string>& state_names() const { return names_; }
-  /// True for optimizers with a step count (Adam, AdamW).
+  /// Every tensor state name this kind of optimizer may keep with other
+  /// options (Adam's max_exp_avg_sq with amsgrad; RMSprop's momentum_buffer
+  /// and grad_avg): saved by one, loaded into another, they go unused.
+  const std::vector<std::string>& possible_state_names() const { return possible_; }
+  /// True for optimizers with a step count (Adam, AdamW, RMSprop, Adagrad).
   bool has_step() const { return has_step_; }
   /// The state of `param`; false if it has none yet.
   bool get(const at::Tensor& param, ParamState& out) const;
@@ -93,19 +98,21 @@ class OptimAccess {
   /// would be left out of the state saved, or not restored.
   void check_steps_only(const std::vector<LocalPiece>& pieces) const;
   /// Each parameter group's hyperparameters that training changes (lr,
-  /// betas, eps, weight_decay; SGD's momentum and dampening), by name: what
-  /// PyTorch's optimizer state_dict keeps in its param_groups.
+  /// betas, eps, weight_decay; SGD's momentum and dampening; RMSprop's
+  /// alpha; Adagrad's lr_decay), by name: what PyTorch's optimizer
+  /// state_dict keeps in its param_groups.
   std::vector<std::map<std::string, double>> group_options() const;
   /// Sets what group_options() returned, group by group (the same number of
-  /// groups, else an error naming `where`). amsgrad and nesterov stay as
-  /// constructed: they decide which state exists.
+  /// groups, else an error naming `where`). amsgrad, nesterov, and RMSprop's
+  /// momentum and centered stay as constructed: they decide which state
+  /// exists.
   void set_group_options(const std::vector<std::map<std::string, double>>& groups,
                          const std::string& where);
 
  private:
   torch::optim::Optimizer& opt_;
-  enum class Kind { kSgd, kAdam, kAdamW } kind_;
-  std::vector<std::string> names_;
+  enum class Kind { kSgd, kAdam, kAdamW, kRmsprop, kAdagrad } kind_;
+  std::vector<std::string> names_, possible_;
   bool has_step_ = false;
 };
 

@@ -195,12 +195,11 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
     for (const std::string& param : p.names()) {
-      for (const std::string& name : access.state_names())
+      // What another optimizer of the kind keeps too (amsgrad's; loaded
+      // into one without, unused).
+      for (const std::string& name : access.possible_state_names())
         expected.insert("optim/" + param + "/" + name);
-      if (access.has_step()) {  // Adam's, amsgrad's too (loaded into one without, unused)
-        expected.insert("optim/" + param + "/step");
-        expected.insert("optim/" + param + "/max_exp_avg_sq");
-      }
+      if (access.has_step()) expected.insert("optim/" + param + "/step");
     }
   }
   for (const std::string& key : src.keys()) {

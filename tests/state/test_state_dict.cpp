@@ -6,11 +6,17 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include <fsdp/fsdp.h>
 #include "comm/counting_process_group.h"
 
+#include "detail/torch_compat.h"
 #include "error_of.h"
 #include "state_test_util.h"
 
@@ -644,6 +650,105 @@ TEST(StateDict, ATiedParameterKeepsEveryName) {
             if (f.is_regular_file()) {
               EXPECT_EQ(file_bytes(f.path().string()).find("embed.weight"), std::string::npos)
                   << f.path();
+            }
+          }
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// RMSprop (momentum, centered) and Adagrad, LibTorch's other elementwise
+// optimizers: trained on different per-rank batches, the full optimizer
+// state equals plain LibTorch's on their concatenation (under PyTorch's
+// names: square_avg, momentum_buffer, grad_avg; sum; step), and a
+// checkpoint, full or sharded, resumes them bit for bit with each group's
+// options.
+std::unique_ptr<torch::optim::Optimizer> other_optimizer(const std::string& kind,
+                                                         std::vector<torch::Tensor> params) {
+  if (kind == "rmsprop") {
+    return std::make_unique<torch::optim::RMSprop>(
+        params, torch::optim::RMSpropOptions(1e-2).momentum(0.9).centered(true).weight_decay(0.01));
+  }
+  return std::make_unique<torch::optim::Adagrad>(
+      params, torch::optim::AdagradOptions(0.1).lr_decay(0.01).initial_accumulator_value(0.1));
+}
+
+// The state plain LibTorch's optimizer keeps for `p`, by PyTorch's names.
+std::map<std::string, torch::Tensor> plain_state(torch::optim::Optimizer& opt,
+                                                 const torch::Tensor& p) {
+  std::map<std::string, torch::Tensor> out;
+  const auto& state = *opt.state().at(compat::optim_state_key(opt.state(), p));
+  if (const auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(&state)) {
+    out = {{"square_avg", r->square_avg()},
+           {"momentum_buffer", r->momentum_buffer()},
+           {"grad_avg", r->grad_avg()},
+           {"step", torch::scalar_tensor(static_cast<double>(r->step()))}};
+  } else {
+    const auto& a = dynamic_cast<const torch::optim::AdagradParamState&>(state);
+    out = {{"sum", a.sum()}, {"step", torch::scalar_tensor(static_cast<double>(a.step()))}};
+  }
+  return out;
+}
+
+TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int world) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        const auto step = [&](auto& model, torch::optim::Optimizer& opt, bool sharded, int seed) {
+          torch::manual_seed(seed);
+          const torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+          opt.zero_grad();
+          torch::mse_loss(model.forward(batch_for(x, sharded)), batch_for(y, sharded)).backward();
+          opt.step();
+        };
+        for (const std::string kind : {"rmsprop", "adagrad"}) {
+          for (const bool orig : {false, true}) {
+            for (const auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+              const std::string what = kind + (orig ? " orig" : " flat") +
+                                       (type == StateDictType::kFull ? " full" : " sharded");
+              const auto o = FSDPOptions().use_orig_params(orig);
+              auto model = make_model(o);
+              auto opt = other_optimizer(kind, model->parameters());
+              torch::manual_seed(0);
+              Net reference(false, FSDPOptions());
+              auto ref_opt = other_optimizer(kind, reference->parameters());
+              for (int s = 0; s < 3; ++s) {
+                step(*model, *opt, true, s);
+                step(*reference, *ref_opt, false, s);
+              }
+              const auto state = full_optim_state_dict(*model, *opt);
+              for (const auto& p : reference->named_parameters()) {
+                for (const auto& [name, want] : plain_state(*ref_opt, p.value())) {
+                  const torch::Tensor* got = state.find(p.key() + "/" + name);
+                  ASSERT_NE(got, nullptr) << what << " " << p.key() << "/" << name;
+                  // RMSprop's momentum buffer sums steps divided by centered
+                  // root-mean-squares, which magnify the gradients' rounding
+                  // (a sum over ranks, not over the batch): within 1e-5 of the
+                  // tensor's largest value (26).
+                  const double scale = want.abs().max().item<double>();
+                  EXPECT_TRUE(torch::allclose(*got, want, 1.3e-6, 1e-5 * std::max(1.0, scale)))
+                      << what << " " << p.key() << "/" << name << " max diff "
+                      << (*got - want).abs().max().item<double>() << " of "
+                      << want.abs().max().item<double>();
+                }
+              }
+              // A schedule's change to the options comes back on load.
+              auto& options = opt->param_groups()[0].options();
+              options.set_lr(options.get_lr() / 2);
+              Checkpointer(*model, opt.get()).save(dir + "/" + kind, 3, type);
+              auto other = make_model(o, /*seed=*/11);
+              auto other_opt = other_optimizer(kind, other->parameters());
+              EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(dir + "/" + kind), 3);
+              EXPECT_EQ(other_opt->param_groups()[0].options().get_lr(), options.get_lr());
+              expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), state, what);
+              for (int s = 3; s < 5; ++s) {
+                step(*model, *opt, true, s);
+                step(*other, *other_opt, true, s);
+              }
+              expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), what);
             }
           }
         }

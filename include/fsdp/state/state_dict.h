@@ -36,9 +36,11 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(torch::nn::Module& m
 /// The full optimizer state of `model`'s parameters, keyed by original name:
 /// "<name>/momentum_buffer" (SGD), "<name>/exp_avg", "<name>/exp_avg_sq",
 /// ["<name>/max_exp_avg_sq"] and "<name>/step" (a 0-d float32 tensor, as
-/// PyTorch's Adam keeps it) for Adam and AdamW; full shapes, whether the optimizer steps flat
-/// shards or, with use_orig_params, per-parameter pieces. Parameters without state (never stepped)
-/// are absent. Collective.
+/// PyTorch's Adam keeps it) for Adam and AdamW; "<name>/square_avg",
+/// ["<name>/momentum_buffer"], ["<name>/grad_avg"] and the step for RMSprop;
+/// "<name>/sum" and the step for Adagrad. Full shapes, whether the optimizer
+/// steps flat shards or, with use_orig_params, per-parameter pieces.
+/// Parameters without state (never stepped) are absent. Collective.
 torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
     torch::nn::Module& model, torch::optim::Optimizer& optimizer,
     const StateDictOptions& options = {});
