@@ -172,6 +172,42 @@ TEST(UnitRuntime, InputGradientsAloneReduceNothing) {
   });
 }
 
+// An input's gradient taken with retain_graph (a saliency map logged), then
+// backward through the same graph: the first reduces nothing, the second
+// reduces once per unit and gives the gradients of a backward alone.
+TEST(UnitRuntime, InputGradientThenBackwardThroughTheSameGraph) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      std::vector<std::vector<torch::Tensor>> grads;
+      for (const bool input_grad_first : {false, true}) {
+        std::vector<std::shared_ptr<CountingGroup>> groups;
+        for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+        torch::manual_seed(0);
+        FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
+                                                 FSDPOptions().sharding_strategy(strategy));
+        torch::manual_seed(10 + rank);
+        const torch::Tensor x = torch::randn({2, 512}).requires_grad_(true);
+        const torch::Tensor loss = model->forward(x).pow(2).sum();
+        if (input_grad_first) {
+          torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true);
+          for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
+        }
+        loss.backward();
+        for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
+        grads.emplace_back();
+        for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
+      }
+      ASSERT_EQ(grads[0].size(), grads[1].size());
+      for (size_t i = 0; i < grads[0].size(); ++i) {
+        EXPECT_TRUE(torch::equal(grads[1][i], grads[0][i])) << "parameter " << i;
+      }
+    }
+  });
+}
+
 // What no_sync() accumulated is reduced by the next backward that gives
 // the units gradients, not dropped nor reduced early by a backward with
 // respect to the input in between: the gradients equal those of the same
