@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <c10/core/Event.h>
@@ -67,6 +68,17 @@
 #endif
 
 namespace fsdp::compat {
+
+/// Turns autocast on the CPU on or off: at::autocast's per-device calls
+/// (2.4+) or set_cpu_enabled (before).
+inline void set_cpu_autocast(bool on) {
+#if FSDP_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(at::kCPU, on);
+#else
+  at::autocast::set_cpu_enabled(on);
+#endif
+  if (!on) at::autocast::clear_cache();
+}
 
 /// Blocks the host until `event` has passed: c10::Event::synchronize() where
 /// LibTorch has it (2.x), else a poll of query() (1.13, whose builds here

@@ -1177,6 +1177,76 @@ TEST(UserHabits, InferenceModeFirstLeavesNothingTrainingCannotUse) {
   }
 }
 
+// Mixed precision as LibTorch code writes it without FSDP's MixedPrecision:
+// the forward under CPU autocast (bf16 matmuls of fp32 parameters), the
+// loss and backward after it. Wrapped and fully_shard (whose parameters the
+// autocast kernels cast through libfsdp's dispatch), every strategy: as
+// plain LibTorch under the same autocast.
+template <typename Model>
+void expect_autocast_training(Model& model, Unit& root, int world, const std::string& what) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(step);
+    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    compat::set_cpu_autocast(true);
+    const torch::Tensor ref_out = reference->forward(x).to(torch::kFloat);
+    const torch::Tensor out = model->forward(local_block(x)).to(torch::kFloat);
+    compat::set_cpu_autocast(false);
+    ref_opt.zero_grad();
+    torch::mse_loss(ref_out, y).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    torch::mse_loss(out, local_block(y)).backward();
+    opt.step();
+    SummonFullParams full(*model.ptr());
+    const std::string at = what + " step " + std::to_string(step);
+    if (world == 1) {
+      expect_same_params(*model.ptr(), *reference, at);
+      continue;
+    }
+    // The gradients' sums over the batch are bf16 matmuls: over each rank's
+    // block, then averaged, they round apart from one over the whole batch
+    // (as DDP's do), by bf16's resolution times the step.
+    for (const auto& p : reference->named_parameters()) {
+      const torch::Tensor* got = model.ptr()->named_parameters().find(p.key());
+      ASSERT_NE(got, nullptr) << at << " " << p.key();
+      EXPECT_TRUE(torch::allclose(*got, p.value(), 1e-2, 2e-3))
+          << at << " " << p.key() << " max diff " << (*got - p.value()).abs().max().item<double>();
+    }
+  }
+}
+
+TEST(UserHabits, CpuAutocastAsInPlainLibTorch) {
+  {
+    // LibTorch 1.13's CPU autocast cannot run the plain model (its LayerNorm
+    // gets bf16 inputs and fp32 weights).
+    Net plain(false, FSDPOptions());
+    compat::set_cpu_autocast(true);
+    const std::string error = error_of([&] { plain->forward(torch::randn({2, 7})); });
+    compat::set_cpu_autocast(false);
+    if (!error.empty()) GTEST_SKIP() << "plain LibTorch fails under CPU autocast: " << error;
+  }
+  for (int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (ShardingStrategy strategy : parity_strategies()) {
+        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
+        torch::manual_seed(0);
+        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        expect_autocast_training(model, *unit_of(*model), world, to_string(strategy));
+        torch::manual_seed(0);
+        Net plain(false, FSDPOptions());
+        Unit& root = fully_shard(plain, module_type_policy<nn::LinearImpl>(), options);
+        expect_autocast_training(plain, root, world,
+                                 std::string(to_string(strategy)) + " fully_shard");
+      }
+    });
+  }
+}
+
 // A WGAN-GP step as usually written: the critic's scores, its gradient
 // penalty, a score logged under no_grad (which reshards what it gathers)
 // and the critic's backward; then the generator's loss through the critic.
