@@ -870,35 +870,54 @@ void expect_penalty_training(Model& model, Unit& root, int world, const std::str
       << what << ": " << refused;
 }
 
+// Runs `expect(model, root, what)` on the habit tests' models under every
+// strategy: the wrapped Net with each of `kinds` ("flat" shards, "orig"
+// for use_orig_params, "checkpointed" inner units), then the fully_shard one.
+template <typename Expect>
+void for_each_net(const std::vector<std::string>& kinds, const Expect& expect) {
+  for (ShardingStrategy strategy : parity_strategies()) {
+    for (const std::string& kind : kinds) {
+      const FSDPOptions options =
+          FSDPOptions().sharding_strategy(strategy).use_orig_params(kind == "orig");
+      // Checkpointed: the inner units recompute their forward in backward.
+      const FSDPOptions inner =
+          FSDPOptions(options).activation_checkpointing(kind == "checkpointed");
+      torch::manual_seed(0);
+      FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, inner), options);
+      expect(model, *unit_of(*model), std::string(to_string(strategy)) + " " + kind);
+    }
+    torch::manual_seed(0);
+    Net model(false, FSDPOptions());
+    Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
+                             FSDPOptions().sharding_strategy(strategy));
+    expect(model, root, std::string(to_string(strategy)) + " fully_shard");
+  }
+}
+
+// Runs `expect(model, root, world, what)` at each world size, on every rank,
+// for each model for_each_net makes.
+template <typename Expect>
+void expect_on_each_net(std::initializer_list<int> worlds, const std::vector<std::string>& kinds,
+                        const Expect& expect) {
+  for (int world : worlds) {
+    run_ranks_ok(world, [&](int, int world) {
+      join_test_group();
+      for_each_net(kinds, [&](auto& model, Unit& root, const std::string& what) {
+        expect(model, root, world, what);
+      });
+    });
+  }
+}
+
 // Item 12: a gradient penalty (WGAN-GP, R1) differentiates through a graph
 // that backward built: the units stay gathered for it (Note [Double
 // backward]), for wrapped models (flat shards, use_orig_params, activation
 // checkpointing) and fully_shard ones, under every strategy.
 TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int world) {
-      join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
-        for (const std::string kind : {"flat", "orig", "checkpointed"}) {
-          const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(kind == "orig");
-          // Checkpointed: the inner units recompute their forward in backward.
-          const FSDPOptions inner =
-              FSDPOptions(options).activation_checkpointing(kind == "checkpointed");
-          torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, inner), options);
-          expect_penalty_training(model, *unit_of(*model), world,
-                                  std::string(to_string(strategy)) + " " + kind);
-        }
-        torch::manual_seed(0);
-        Net model(false, FSDPOptions());
-        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
-                                 FSDPOptions().sharding_strategy(strategy));
-        expect_penalty_training(model, root, world,
-                                std::string(to_string(strategy)) + " fully_shard");
-      }
-    });
-  }
+  expect_on_each_net({1, 2, 3}, {"flat", "orig", "checkpointed"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_penalty_training(model, root, world, what);
+                     });
 }
 
 // FGSM's adversarial example as usually written: the gradient of the loss
@@ -949,30 +968,10 @@ void expect_adversarial_training(Model& model, Unit& root, int world, const std:
 }
 
 TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int world) {
-      join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
-        for (const std::string kind : {"flat", "orig", "checkpointed"}) {
-          const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(kind == "orig");
-          // Checkpointed: the inner units recompute their forward in backward.
-          const FSDPOptions inner =
-              FSDPOptions(options).activation_checkpointing(kind == "checkpointed");
-          torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, inner), options);
-          expect_adversarial_training(model, *unit_of(*model), world,
-                                      std::string(to_string(strategy)) + " " + kind);
-        }
-        torch::manual_seed(0);
-        Net model(false, FSDPOptions());
-        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
-                                 FSDPOptions().sharding_strategy(strategy));
-        expect_adversarial_training(model, root, world,
-                                    std::string(to_string(strategy)) + " fully_shard");
-      }
-    });
-  }
+  expect_on_each_net({1, 2, 3}, {"flat", "orig", "checkpointed"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_adversarial_training(model, root, world, what);
+                     });
 }
 
 // Two forwards of the whole model before one backward (siamese networks,
@@ -1011,28 +1010,10 @@ void expect_siamese_training(Model& model, Unit& root, int world, const std::str
 }
 
 TEST(UserHabits, TwoForwardsBeforeOneBackwardAsInPlainLibTorch) {
-  for (int world : {1, 2, 3}) {
-    run_ranks_ok(world, [](int, int world) {
-      join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
-        for (const bool orig : {false, true}) {
-          const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
-          torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
-                                                  options);
-          expect_siamese_training(model, *unit_of(*model), world,
-                                  std::string(to_string(strategy)) + (orig ? " orig" : ""));
-        }
-        torch::manual_seed(0);
-        Net model(false, FSDPOptions());
-        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
-                                 FSDPOptions().sharding_strategy(strategy));
-        expect_siamese_training(model, root, world,
-                                std::string(to_string(strategy)) + " fully_shard");
-      }
-    });
-  }
+  expect_on_each_net({1, 2, 3}, {"flat", "orig"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_siamese_training(model, root, world, what);
+                     });
 }
 
 // Inference as LibTorch recommends it, under c10::InferenceMode: before the
@@ -1067,29 +1048,10 @@ void expect_training_around_inference(Model& model, Unit& root, int world,
 }
 
 TEST(UserHabits, InferenceModeAroundTrainingAsInPlainLibTorch) {
-  for (int world : {1, 2}) {
-    run_ranks_ok(world, [](int, int world) {
-      join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
-        for (const bool orig : {false, true}) {
-          const FSDPOptions options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig);
-          torch::manual_seed(0);
-          FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options),
-                                                  options);
-          expect_training_around_inference(
-              model, *unit_of(*model), world,
-              std::string(to_string(strategy)) + (orig ? " orig" : ""));
-        }
-        torch::manual_seed(0);
-        Net model(false, FSDPOptions());
-        Unit& root = fully_shard(model, module_type_policy<nn::LinearImpl>(),
-                                 FSDPOptions().sharding_strategy(strategy));
-        expect_training_around_inference(model, root, world,
-                                         std::string(to_string(strategy)) + " fully_shard");
-      }
-    });
-  }
+  expect_on_each_net({1, 2}, {"flat", "orig"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_training_around_inference(model, root, world, what);
+                     });
 }
 
 // What a unit makes in a forward under c10::InferenceMode (Note [Inference
@@ -1229,22 +1191,10 @@ TEST(UserHabits, CpuAutocastAsInPlainLibTorch) {
     compat::set_cpu_autocast(false);
     if (!error.empty()) GTEST_SKIP() << "plain LibTorch fails under CPU autocast: " << error;
   }
-  for (int world : {1, 2}) {
-    run_ranks_ok(world, [](int, int world) {
-      join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
-        const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
-        torch::manual_seed(0);
-        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
-        expect_autocast_training(model, *unit_of(*model), world, to_string(strategy));
-        torch::manual_seed(0);
-        Net plain(false, FSDPOptions());
-        Unit& root = fully_shard(plain, module_type_policy<nn::LinearImpl>(), options);
-        expect_autocast_training(plain, root, world,
-                                 std::string(to_string(strategy)) + " fully_shard");
-      }
-    });
-  }
+  expect_on_each_net({1, 2}, {"flat"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_autocast_training(model, root, world, what);
+                     });
 }
 
 // A WGAN-GP step as usually written: the critic's scores, its gradient
