@@ -261,8 +261,9 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
   } else {
     FSDP_FAIL(/*rank=*/-1, "checkpoint",
               "unsupported optimizer; expected torch::optim::SGD, Adam, AdamW, RMSprop or "
-              "Adagrad (or fsdp::optim's). Save another optimizer's state yourself, each rank "
-              "its own with torch::save, or as Checkpointer's registered state.");
+              "Adagrad (or fsdp::optim's), whose state is elementwise (LBFGS's is not). Save "
+              "another optimizer's state yourself, each rank its own with torch::save, or as "
+              "Checkpointer's registered state.");
   }
   has_step_ = true;
   names_ = {"exp_avg", "exp_avg_sq"};
@@ -343,7 +344,35 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
   }
 }
 
-void OptimAccess::clear(const at::Tensor& param) { opt_.state().erase(optim_key(opt_, param)); }
+void OptimAccess::clear(const at::Tensor& param) {
+  if (kind_ != Kind::kAdagrad) {
+    opt_.state().erase(optim_key(opt_, param));
+    return;
+  }
+  // Adagrad makes every parameter's state with the optimizer, and its step
+  // expects it: made afresh, as its constructor makes it.
+  const auto* o = static_cast<const torch::optim::AdagradOptions*>(options_of(opt_, param));
+  const double initial = o != nullptr ? o->initial_accumulator_value() : 0.0;
+  auto s = std::make_unique<torch::optim::AdagradParamState>();
+  s->step(0);
+  s->sum(at::full_like(param.detach(), initial, at::MemoryFormat::Preserve));
+  opt_.state()[optim_key(opt_, param)] = std::move(s);
+}
+
+std::vector<std::string> OptimAccess::required_state_names() const {
+  switch (kind_) {
+    case Kind::kSgd:
+      return {"momentum_buffer"};
+    case Kind::kAdam:
+    case Kind::kAdamW:
+      return {"exp_avg", "exp_avg_sq", "step"};
+    case Kind::kRmsprop:
+      return {"square_avg", "step"};
+    case Kind::kAdagrad:
+      return {"sum", "step"};
+  }
+  return {};
+}
 
 namespace {
 
@@ -439,6 +468,8 @@ void OptimAccess::set_group_options(const std::vector<std::map<std::string, doub
         break;
       case Kind::kRmsprop: {
         auto& o = static_cast<torch::optim::RMSpropOptions&>(mine[i].options());
+        // A momentum buffer exists either way: a schedule's momentum comes back.
+        if (o.momentum() > 0 && v.at("momentum") > 0) o.momentum(v.at("momentum"));
         o.lr(v.at("lr"));
         o.alpha(v.at("alpha"));
         o.eps(v.at("eps"));

@@ -91,8 +91,12 @@ class OptimAccess {
   bool get(const at::Tensor& param, ParamState& out) const;
   /// Replaces the state of `param`.
   void set(const at::Tensor& param, const ParamState& state);
-  /// Drops the state of `param` (as if it was never stepped).
+  /// Drops the state of `param` (as if it was never stepped); Adagrad's,
+  /// which its constructor makes, is made afresh.
   void clear(const at::Tensor& param);
+  /// The states ("step" among them) that a parameter with any state saved
+  /// must have: what every optimizer of the kind keeps.
+  std::vector<std::string> required_state_names() const;
   /// Refuses (alike on every rank) an optimizer that steps a tensor no piece
   /// of the model is (one added with add_param_group): its values and state
   /// would be left out of the state saved, or not restored.
@@ -103,9 +107,9 @@ class OptimAccess {
   /// state_dict keeps in its param_groups.
   std::vector<std::map<std::string, double>> group_options() const;
   /// Sets what group_options() returned, group by group (the same number of
-  /// groups, else an error naming `where`). amsgrad, nesterov, and RMSprop's
-  /// momentum and centered stay as constructed: they decide which state
-  /// exists.
+  /// groups, else an error naming `where`). amsgrad, nesterov, RMSprop's
+  /// centered and whether its momentum is 0 stay as constructed: they decide
+  /// which state exists.
   void set_group_options(const std::vector<std::map<std::string, double>>& groups,
                          const std::string& where);
 

@@ -210,6 +210,23 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
                "are parameter/state, e.g. fc.weight/exp_avg). Load the optimizer state saved "
                "with this model and optimizer (a model's state dict is not one).");
   }
+  // A parameter with some state has what every optimizer of the kind keeps:
+  // SGD's momentum loaded into RMSprop, or a dict cut short, is refused.
+  for (const LocalPiece& p : pieces) {
+    if (p.is_buffer) continue;
+    std::vector<std::string> stored, missing;
+    for (const std::string& name : access.possible_state_names()) {
+      if (src.has(stored_key(src, "optim/", p, "/" + name))) stored.push_back(name);
+    }
+    if (stored.empty()) continue;  // never stepped
+    for (const std::string& name : access.required_state_names()) {
+      if (!src.has(stored_key(src, "optim/", p, "/" + name))) missing.push_back(name);
+    }
+    FSDP_CHECK(missing.empty(), /*rank=*/-1, "optimizer state", "the state of ", p.name, " has ",
+               stored.front(), " but no ", missing.front(),
+               ": it was saved by another kind of optimizer, or cut short. Load the optimizer "
+               "state saved with this model and optimizer.");
+  }
   for (const auto& group : groups) {  // checked before any state is replaced
     const at::ScalarType dtype = group.front()->optim_param.scalar_type();
     for (const std::string& name : access.state_names()) {

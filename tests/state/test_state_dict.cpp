@@ -691,6 +691,27 @@ std::map<std::string, torch::Tensor> plain_state(torch::optim::Optimizer& opt,
   return out;
 }
 
+// Every option a schedule may change, changed.
+void change_options(torch::optim::Optimizer& opt) {
+  auto& options = opt.param_groups()[0].options();
+  if (auto* r = dynamic_cast<torch::optim::RMSpropOptions*>(&options)) {
+    r->lr(r->lr() / 2).alpha(0.95).eps(1e-6).weight_decay(0.02).momentum(0.8);
+  } else {
+    auto& a = dynamic_cast<torch::optim::AdagradOptions&>(options);
+    a.lr(a.lr() / 2).lr_decay(0.02).weight_decay(0.01).eps(1e-9).initial_accumulator_value(0.2);
+  }
+}
+
+bool same_options(torch::optim::Optimizer& a, torch::optim::Optimizer& b) {
+  const auto& x = a.param_groups()[0].options();
+  const auto& y = b.param_groups()[0].options();
+  if (const auto* r = dynamic_cast<const torch::optim::RMSpropOptions*>(&x)) {
+    return *r == dynamic_cast<const torch::optim::RMSpropOptions&>(y);
+  }
+  return dynamic_cast<const torch::optim::AdagradOptions&>(x) ==
+         dynamic_cast<const torch::optim::AdagradOptions&>(y);
+}
+
 TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
   const std::string dir = test_dir();
   run_ranks_ok(
@@ -735,20 +756,53 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
                       << want.abs().max().item<double>();
                 }
               }
-              // A schedule's change to the options comes back on load.
-              auto& options = opt->param_groups()[0].options();
-              options.set_lr(options.get_lr() / 2);
+              // A schedule's changes to the options come back on load.
+              change_options(*opt);
               Checkpointer(*model, opt.get()).save(dir + "/" + kind, 3, type);
               auto other = make_model(o, /*seed=*/11);
               auto other_opt = other_optimizer(kind, other->parameters());
               EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(dir + "/" + kind), 3);
-              EXPECT_EQ(other_opt->param_groups()[0].options().get_lr(), options.get_lr());
+              EXPECT_TRUE(same_options(*other_opt, *opt)) << what;
               expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), state, what);
               for (int s = 3; s < 5; ++s) {
                 step(*model, *opt, true, s);
                 step(*other, *other_opt, true, s);
               }
               expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), what);
+              if (orig || type != StateDictType::kFull) continue;
+              // A model-only checkpoint leaves Adagrad's state as its
+              // constructor made it: the next step finds it, and moves as a
+              // fresh Adagrad's.
+              Checkpointer(*model, nullptr).save(dir + "/model-only-" + kind, 5);
+              auto fresh = make_model(o, /*seed=*/12);
+              auto fresh_opt = other_optimizer(kind, fresh->parameters());
+              Checkpointer(*fresh, fresh_opt.get()).load(dir + "/model-only-" + kind);
+              auto twin = make_model(o, /*seed=*/13);
+              auto twin_opt = other_optimizer(kind, twin->parameters());
+              load_full_state_dict(*twin, full_state_dict(*model));
+              step(*fresh, *fresh_opt, true, 9);
+              step(*twin, *twin_opt, true, 9);
+              expect_bitwise_equal(full_state_dict(*fresh), full_state_dict(*twin), what);
+              // Another optimizer's state (SGD's momentum) is refused, and
+              // nothing loaded.
+              auto sgd_model = make_model(o);
+              torch::optim::SGD sgd(sgd_model->parameters(),
+                                    torch::optim::SGDOptions(0.1).momentum(0.9));
+              step(*sgd_model, sgd, true, 0);
+              const auto sgd_state = full_optim_state_dict(*sgd_model, sgd);
+              const auto before = full_optim_state_dict(*other, *other_opt);
+              const std::string error =
+                  error_of([&] { load_full_optim_state_dict(*other, *other_opt, sgd_state); });
+              if (kind == "rmsprop") {
+                EXPECT_CONTAINS(error, "has momentum_buffer but no square_avg");
+              } else {
+                EXPECT_CONTAINS(error, "which is no state this optimizer keeps");
+              }
+              expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), before, what);
+              // LBFGS's state is not elementwise: refused by name.
+              torch::optim::LBFGS lbfgs(other->parameters());
+              EXPECT_CONTAINS(error_of([&] { full_optim_state_dict(*other, lbfgs); }),
+                              "LBFGS's is not");
             }
           }
         }
