@@ -323,9 +323,6 @@ void RootState::end_of_backward() {
   const bool retained = phase_ == BackwardPhase::kRetaining && !graph_units_.empty();
   set_phase(retained ? BackwardPhase::kGraphKept : BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
-  // See Note [Backward with respect to inputs].
-  std::vector<bool> reduces(units_.size());
-  for (size_t i = 0; i < units_.size(); ++i) reduces[i] = reduces_in_backward(*units_[i]);
   // What did not launch during backward launches now, in the same order on
   // every rank (Note [Reduction order]).
   for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
@@ -339,23 +336,23 @@ void RootState::end_of_backward() {
   // The devices whose streams carry copies to host memory, waited for once
   // the agreement has overlapped them (Note [Gradients to host memory]).
   std::vector<c10::Device> copying;
-  for (size_t i = 0; i < units_.size(); ++i) {
-    UnitRuntime* unit = units_[i];
+  for (UnitRuntime* unit : units_) {
     const c10::Device device = unit->flat_ ? unit->flat_->unsharded().device() : c10::kCPU;
-    if (reduces[i] && unit->finish_reduction() &&
+    if (reduces_in_backward(*unit) && unit->finish_reduction() &&
         std::find(copying.begin(), copying.end(), device) == copying.end()) {
       copying.push_back(device);
     }
   }
-  without_grads_.clear();
   const auto received = agree_received_grads();  // See Note [Parameters without gradients].
   for (const c10::Device& device : copying) {
     wait_for_device(device);
     wait_for_side_stream(device, SideStream::kCopyOut);
   }
   for (size_t i = 0; i < units_.size(); ++i) {
-    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i], reduces[i]);
+    units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i],
+                               reduces_in_backward(*units_[i]));
   }
+  without_grads_.clear();               // See Note [Backward with respect to inputs].
   release_held(/*keep_newest=*/false);  // Note [Copy-in on a stream of its own]
   after_backward_hooks();
 }

@@ -73,7 +73,6 @@ namespace fsdp::detail {
 // wrapper's per-unit cost), bench/fully_shard_step.sh the GPT-mini step.
 
 void UnitRuntime::hold_for_operator() {
-  const OutsideInferenceMode outside;  // See Note [Inference mode].
   TORCH_INTERNAL_ASSERT(operator_hold_ == OperatorHold::kNone, "fsdp: ", label(),
                         " held for two operators at once");
   operator_hold_ = OperatorHold::kHeld;

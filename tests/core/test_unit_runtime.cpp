@@ -172,6 +172,28 @@ TEST(UnitRuntime, InputGradientsAloneReduceNothing) {
   });
 }
 
+// The gradients of two fresh Wide models (one counting group per unit),
+// after `backwards(model, groups, with)` with `with` false, then true: the
+// same backwards without and with what `with` adds.
+template <typename Backwards>
+std::vector<std::vector<torch::Tensor>> grads_without_and_with(
+    const std::shared_ptr<ProcessGroup>& world, ShardingStrategy strategy, int rank,
+    const Backwards& backwards) {
+  std::vector<std::vector<torch::Tensor>> grads;
+  for (const bool with : {false, true}) {
+    std::vector<std::shared_ptr<CountingGroup>> groups;
+    for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+    torch::manual_seed(0);
+    FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
+                                             FSDPOptions().sharding_strategy(strategy));
+    torch::manual_seed(10 + rank);
+    backwards(model, groups, with);
+    grads.emplace_back();
+    for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
+  }
+  return grads;
+}
+
 // An input's gradient taken with retain_graph (a saliency map logged), then
 // backward through the same graph: the first reduces nothing, the second
 // reduces once per unit and gives the gradients of a backward alone.
@@ -181,25 +203,17 @@ TEST(UnitRuntime, InputGradientThenBackwardThroughTheSameGraph) {
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                           ShardingStrategy::kNoShard}) {
       SCOPED_TRACE(to_string(strategy));
-      std::vector<std::vector<torch::Tensor>> grads;
-      for (const bool input_grad_first : {false, true}) {
-        std::vector<std::shared_ptr<CountingGroup>> groups;
-        for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
-        torch::manual_seed(0);
-        FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
-                                                 FSDPOptions().sharding_strategy(strategy));
-        torch::manual_seed(10 + rank);
-        const torch::Tensor x = torch::randn({2, 512}).requires_grad_(true);
-        const torch::Tensor loss = model->forward(x).pow(2).sum();
-        if (input_grad_first) {
-          torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true);
-          for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
-        }
-        loss.backward();
-        for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
-        grads.emplace_back();
-        for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
-      }
+      const auto grads = grads_without_and_with(
+          world, strategy, rank, [](auto& model, const auto& groups, bool input_grad_first) {
+            const torch::Tensor x = torch::randn({2, 512}).requires_grad_(true);
+            const torch::Tensor loss = model->forward(x).pow(2).sum();
+            if (input_grad_first) {
+              torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true);
+              for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
+            }
+            loss.backward();
+            for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
+          });
       ASSERT_EQ(grads[0].size(), grads[1].size());
       for (size_t i = 0; i < grads[0].size(); ++i) {
         EXPECT_TRUE(torch::equal(grads[1][i], grads[0][i])) << "parameter " << i;
@@ -217,29 +231,21 @@ TEST(UnitRuntime, InputGradientsKeepWhatNoSyncAccumulated) {
     auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
     for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
       SCOPED_TRACE(to_string(strategy));
-      std::vector<std::vector<torch::Tensor>> grads;
-      for (const bool input_grad_between : {false, true}) {
-        std::vector<std::shared_ptr<CountingGroup>> groups;
-        for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
-        torch::manual_seed(0);
-        FullyShardedDataParallel<WideImpl> model(Wide(groups, strategy),
-                                                 FSDPOptions().sharding_strategy(strategy));
-        torch::manual_seed(10 + rank);
-        const torch::Tensor a = torch::randn({2, 512}), b = torch::randn({2, 512});
-        {
-          auto no_sync = model->no_sync();
-          model->forward(a).pow(2).sum().backward();
-        }
-        if (input_grad_between) {
-          const torch::Tensor input = b.detach().requires_grad_(true);
-          torch::autograd::grad({model->forward(input).sum()}, {input});
-          for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
-        }
-        model->forward(b).pow(2).sum().backward();
-        for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
-        grads.emplace_back();
-        for (const auto& p : model->parameters()) grads.back().push_back(p.grad().clone());
-      }
+      const auto grads = grads_without_and_with(
+          world, strategy, rank, [](auto& model, const auto& groups, bool input_grad_between) {
+            const torch::Tensor a = torch::randn({2, 512}), b = torch::randn({2, 512});
+            {
+              auto no_sync = model->no_sync();
+              model->forward(a).pow(2).sum().backward();
+            }
+            if (input_grad_between) {
+              const torch::Tensor input = b.detach().requires_grad_(true);
+              torch::autograd::grad({model->forward(input).sum()}, {input});
+              for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 0);
+            }
+            model->forward(b).pow(2).sum().backward();
+            for (const auto& g : groups) EXPECT_EQ(g->reduce_scatters + g->all_reduces, 1);
+          });
       ASSERT_EQ(grads[0].size(), grads[1].size());
       for (size_t i = 0; i < grads[0].size(); ++i) {
         EXPECT_TRUE(torch::allclose(grads[1][i], grads[0][i], 1e-5, 1e-6)) << "parameter " << i;

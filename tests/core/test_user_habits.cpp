@@ -841,26 +841,46 @@ void penalty_step(Model& model, torch::optim::Optimizer& opt, const torch::Tenso
   opt.step();
 }
 
+// Trains a plain Net (seed 0) beside `root`'s model, each with SGD
+// (`sgd`), for three steps: `step_fn(reference, ref_opt, opt, x, y, step)`
+// steps both on the global batch (x, y) drawn from seed `step`, and compares.
+template <typename StepFn>
+void train_beside_plain(Unit& root, int world, const torch::optim::SGDOptions& sgd,
+                        const StepFn& step_fn) {
+  torch::manual_seed(0);
+  Net reference(false, FSDPOptions());
+  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(step);
+    const torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+    step_fn(reference, ref_opt, opt, x, y, step);
+  }
+}
+
+// One plain training step of `model` on (x, y): zero_grad, MSE, backward, step.
+template <typename Model>
+void mse_step(Model& model, torch::optim::Optimizer& opt, const torch::Tensor& x,
+              const torch::Tensor& y) {
+  opt.zero_grad();
+  torch::mse_loss(model->forward(x), y).backward();
+  opt.step();
+}
+
 // Trains `model` (rooted at `root`) beside a plain Net with the gradient
 // penalty (penalty_step), comparing after each step but the one whose
 // logged graph the next forward must not read stale. Then checks that gradients
 // of the parameters with create_graph are refused.
 template <typename Model>
 void expect_penalty_training(Model& model, Unit& root, int world, const std::string& what) {
-  torch::manual_seed(0);
-  Net reference(false, FSDPOptions());
   // SGD: its step follows the gradient's size, which Adam's first steps hide.
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
-  for (int step = 0; step < 3; ++step) {
-    torch::manual_seed(step);
-    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    penalty_step(reference, ref_opt, x, y, step);
-    penalty_step(model, opt, local_block(x), local_block(y), step);
-    if (step == 1) continue;  // the next forward reads what the logged graph held
-    SummonFullParams full(*model.ptr());
-    expect_same_params(*model.ptr(), *reference, what + " step " + std::to_string(step));
-  }
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       penalty_step(reference, ref_opt, x, y, step);
+                       penalty_step(model, opt, local_block(x), local_block(y), step);
+                       // The next forward reads what the logged graph held.
+                       if (step != 1) expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
   const torch::Tensor x = local_block(torch::randn({4 * world, 7}));
   const std::string refused = error_of(
       [&] { model->forward(x).sum().backward({}, /*retain_graph=*/true, /*create_graph=*/true); });
@@ -936,35 +956,28 @@ torch::Tensor fgsm(Model& model, const torch::Tensor& x, const torch::Tensor& y)
 // [Backward with respect to inputs]), and the step on it matches.
 template <typename Model>
 void expect_adversarial_training(Model& model, Unit& root, int world, const std::string& what) {
-  torch::manual_seed(0);
-  Net reference(false, FSDPOptions());
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
-  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
-  for (int step = 0; step < 3; ++step) {
-    const std::string at = what + " step " + std::to_string(step);
-    torch::manual_seed(step);
-    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    std::vector<torch::Tensor> grads;
-    for (const auto& p : root.flat_parameters()) {
-      grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
-    }
-    const torch::Tensor ref_adv = fgsm(reference, x, y);
-    const torch::Tensor adv = fgsm(model, local_block(x), local_block(y));
-    EXPECT_TRUE(torch::allclose(adv, local_block(ref_adv))) << at;
-    const auto params = root.flat_parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      EXPECT_EQ(params[i].grad().defined(), grads[i].defined()) << at << " parameter " << i;
-      if (grads[i].defined()) EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << at;
-    }
-    ref_opt.zero_grad();
-    torch::mse_loss(reference->forward(ref_adv), y).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    torch::mse_loss(model->forward(adv), local_block(y)).backward();
-    opt.step();
-    SummonFullParams full(*model.ptr());
-    expect_same_params(*model.ptr(), *reference, at);
-  }
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       const std::string at = what + " step " + std::to_string(step);
+                       std::vector<torch::Tensor> grads;
+                       for (const auto& p : root.flat_parameters()) {
+                         grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+                       }
+                       const torch::Tensor ref_adv = fgsm(reference, x, y);
+                       const torch::Tensor adv = fgsm(model, local_block(x), local_block(y));
+                       EXPECT_TRUE(torch::allclose(adv, local_block(ref_adv))) << at;
+                       const auto params = root.flat_parameters();
+                       for (size_t i = 0; i < params.size(); ++i) {
+                         EXPECT_EQ(params[i].grad().defined(), grads[i].defined())
+                             << at << " parameter " << i;
+                         if (grads[i].defined())
+                           EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << at;
+                       }
+                       mse_step(reference, ref_opt, ref_adv, y);
+                       mse_step(model, opt, adv, local_block(y));
+                       expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
 }
 
 TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
@@ -981,32 +994,27 @@ TEST(UserHabits, AdversarialTrainingAsInPlainLibTorch) {
 // (validation) between steps.
 template <typename Model>
 void expect_siamese_training(Model& model, Unit& root, int world, const std::string& what) {
-  torch::manual_seed(0);
-  Net reference(false, FSDPOptions());
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
-  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
   const auto loss_of = [](const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& y) {
     return torch::mse_loss(a, y) + 0.5 * (a - b).pow(2).mean();
   };
-  for (int step = 0; step < 3; ++step) {
-    const std::string at = what + " step " + std::to_string(step);
-    torch::manual_seed(step);
-    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    const torch::Tensor view = x + 0.1 * torch::randn({4 * world, 7});
-    ref_opt.zero_grad();
-    loss_of(reference->forward(x), reference->forward(view), y).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    loss_of(model->forward(local_block(x)), model->forward(local_block(view)), local_block(y))
-        .backward();
-    opt.step();
-    {
-      torch::NoGradGuard no_grad;
-      model->forward(local_block(x));
-    }
-    SummonFullParams full(*model.ptr());
-    expect_same_params(*model.ptr(), *reference, at);
-  }
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       const torch::Tensor view = x + 0.1 * torch::randn({4 * world, 7});
+                       ref_opt.zero_grad();
+                       loss_of(reference->forward(x), reference->forward(view), y).backward();
+                       ref_opt.step();
+                       opt.zero_grad();
+                       loss_of(model->forward(local_block(x)), model->forward(local_block(view)),
+                               local_block(y))
+                           .backward();
+                       opt.step();
+                       {
+                         torch::NoGradGuard no_grad;
+                         model->forward(local_block(x));
+                       }
+                       expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
 }
 
 TEST(UserHabits, TwoForwardsBeforeOneBackwardAsInPlainLibTorch) {
@@ -1022,29 +1030,20 @@ TEST(UserHabits, TwoForwardsBeforeOneBackwardAsInPlainLibTorch) {
 template <typename Model>
 void expect_training_around_inference(Model& model, Unit& root, int world,
                                       const std::string& what) {
-  torch::manual_seed(0);
-  Net reference(false, FSDPOptions());
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
-  for (int step = 0; step < 3; ++step) {
-    const std::string at = what + " step " + std::to_string(step);
-    torch::manual_seed(step);
-    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    {
-      c10::InferenceMode inference;
-      const torch::Tensor expected = reference->forward(x);
-      const torch::Tensor got = model->forward(local_block(x));
-      EXPECT_TRUE(torch::allclose(got, local_block(expected), 1.3e-6, 1e-5)) << at;
-    }
-    ref_opt.zero_grad();
-    torch::mse_loss(reference->forward(x), y).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
-    opt.step();
-    SummonFullParams full(*model.ptr());
-    expect_same_params(*model.ptr(), *reference, at);
-  }
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       {
+                         c10::InferenceMode inference;
+                         const torch::Tensor expected = reference->forward(x);
+                         const torch::Tensor got = model->forward(local_block(x));
+                         EXPECT_TRUE(torch::allclose(got, local_block(expected), 1.3e-6, 1e-5))
+                             << what << " step " << step;
+                       }
+                       mse_step(reference, ref_opt, x, y);
+                       mse_step(model, opt, local_block(x), local_block(y));
+                       expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
 }
 
 TEST(UserHabits, InferenceModeAroundTrainingAsInPlainLibTorch) {
@@ -1146,39 +1145,36 @@ TEST(UserHabits, InferenceModeFirstLeavesNothingTrainingCannotUse) {
 // plain LibTorch under the same autocast.
 template <typename Model>
 void expect_autocast_training(Model& model, Unit& root, int world, const std::string& what) {
-  torch::manual_seed(0);
-  Net reference(false, FSDPOptions());
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
-  for (int step = 0; step < 3; ++step) {
-    torch::manual_seed(step);
-    torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
-    compat::set_cpu_autocast(true);
-    const torch::Tensor ref_out = reference->forward(x).to(torch::kFloat);
-    const torch::Tensor out = model->forward(local_block(x)).to(torch::kFloat);
-    compat::set_cpu_autocast(false);
-    ref_opt.zero_grad();
-    torch::mse_loss(ref_out, y).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    torch::mse_loss(out, local_block(y)).backward();
-    opt.step();
-    SummonFullParams full(*model.ptr());
-    const std::string at = what + " step " + std::to_string(step);
-    if (world == 1) {
-      expect_same_params(*model.ptr(), *reference, at);
-      continue;
-    }
-    // The gradients' sums over the batch are bf16 matmuls: over each rank's
-    // block, then averaged, they round apart from one over the whole batch
-    // (as DDP's do), by bf16's resolution times the step.
-    for (const auto& p : reference->named_parameters()) {
-      const torch::Tensor* got = model.ptr()->named_parameters().find(p.key());
-      ASSERT_NE(got, nullptr) << at << " " << p.key();
-      EXPECT_TRUE(torch::allclose(*got, p.value(), 1e-2, 2e-3))
-          << at << " " << p.key() << " max diff " << (*got - p.value()).abs().max().item<double>();
-    }
-  }
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       compat::set_cpu_autocast(true);
+                       const torch::Tensor ref_out = reference->forward(x).to(torch::kFloat);
+                       const torch::Tensor out = model->forward(local_block(x)).to(torch::kFloat);
+                       compat::set_cpu_autocast(false);
+                       ref_opt.zero_grad();
+                       torch::mse_loss(ref_out, y).backward();
+                       ref_opt.step();
+                       opt.zero_grad();
+                       torch::mse_loss(out, local_block(y)).backward();
+                       opt.step();
+                       if (world == 1) {
+                         expect_same_after_step(*model.ptr(), *reference, what, step);
+                         return;
+                       }
+                       // The gradients' sums over the batch are bf16 matmuls: over each
+                       // rank's block, then averaged, they round apart from one over the
+                       // whole batch (as DDP's do), by bf16's resolution times the step.
+                       SummonFullParams full(*model.ptr());
+                       const std::string at = what + " step " + std::to_string(step);
+                       for (const auto& p : reference->named_parameters()) {
+                         const torch::Tensor* got = model.ptr()->named_parameters().find(p.key());
+                         ASSERT_NE(got, nullptr) << at << " " << p.key();
+                         EXPECT_TRUE(torch::allclose(*got, p.value(), 1e-2, 2e-3))
+                             << at << " " << p.key() << " max diff "
+                             << (*got - p.value()).abs().max().item<double>();
+                       }
+                     });
 }
 
 TEST(UserHabits, CpuAutocastAsInPlainLibTorch) {
