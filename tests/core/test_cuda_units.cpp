@@ -286,6 +286,54 @@ TEST_P(CudaUnits, CpuOffloadTrainsLikePlainLibTorchOnTheGpu) {
   });
 }
 
+// What users do around their steps, on the GPU with offloaded units:
+// validation under c10::InferenceMode (the collectives' continuations, the
+// staged route's copies back included, run under it: Note [Inference
+// mode]), then adversarial training (FGSM's input gradient, a backward that
+// reaches no parameter and reduces nothing: Note [Backward with respect to
+// inputs]) before the step on the perturbed batch; FusedSGD stepping the
+// host shards after backward and beside it. Like plain LibTorch every step.
+TEST_P(CudaUnits, InferenceModeAndInputGradientsWithOffload) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device gpu = rank_gpu();
+    const FSDPOptions offload = FSDPOptions().cpu_offload(CPUOffload().offload_params(true));
+    const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+    for (const bool beside : {false, true}) {
+      const std::string what = beside ? "offload, beside backward" : "offload";
+      nn::Sequential reference = seeded_net_on(gpu);
+      FullyShardedDataParallel<nn::SequentialImpl> model(seeded_net_on(gpu), offload);
+      torch::optim::SGD ref_opt(reference->parameters(), sgd);
+      optim::FusedSGD opt(model->parameters(), sgd);
+      if (beside) opt.step_during_backward(*model.ptr());
+      for (int step = 0; step < 4; ++step) {
+        const std::string at = what + " step " + std::to_string(step);
+        torch::manual_seed(100 + step);
+        const torch::Tensor x = torch::randn({5 * world, 7}).to(gpu);
+        const torch::Tensor y = torch::randn({5 * world, 3}).to(gpu);
+        {
+          c10::InferenceMode inference;
+          const torch::Tensor expected = reference->forward(x);
+          const torch::Tensor got = model->forward(local_block(x));
+          EXPECT_TRUE(got.is_cuda() && got.is_inference()) << at;
+          EXPECT_TRUE(torch::allclose(got, local_block(expected), 1.3e-6, 1e-5)) << at;
+        }
+        const torch::Tensor ref_adv = fgsm(reference, x, y);
+        const torch::Tensor adv = fgsm(model, local_block(x), local_block(y));
+        EXPECT_TRUE(torch::allclose(adv, local_block(ref_adv))) << at;
+        ref_opt.zero_grad();
+        torch::mse_loss(reference->forward(ref_adv), y).backward();
+        ref_opt.step();
+        opt.zero_grad();
+        torch::mse_loss(model->forward(adv), local_block(y)).backward();
+        opt.step();
+        expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+      }
+    }
+  });
+}
+
 // MixedPrecision::keep_low_precision_grads under offload on the GPU: each
 // bf16 gradient copied to host memory as it is (half the bytes), on the
 // step-copy stream, whole and in parts of 64 elements, and stepped by the

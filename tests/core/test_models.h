@@ -126,6 +126,16 @@ inline const std::vector<ShardingStrategy>& parity_strategies() {
   return strategies;
 }
 
+/// FGSM's adversarial example as usually written: the gradient of the mse
+/// loss with respect to the input alone (no parameter gets one), then the
+/// input moved along its sign.
+template <typename Model>
+torch::Tensor fgsm(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  const torch::Tensor input = x.detach().requires_grad_(true);
+  const torch::Tensor loss = torch::mse_loss(model->forward(input), y);
+  return (x + 0.05 * torch::autograd::grad({loss}, {input})[0].sign()).detach();
+}
+
 /// Parity after one step: gathers `model`'s full parameters and compares
 /// them with `reference`'s (expect_same_params). Collective.
 template <typename Wrapped>

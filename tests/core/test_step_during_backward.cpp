@@ -96,10 +96,12 @@ void expect_equal_shards(Model& a, Model& b, const std::string& what) {
   }
 }
 
-// Plain LibTorch, FSDP stepping after backward, FSDP stepping during it.
-template <typename Optimizer, typename Options>
+// Plain LibTorch, FSDP stepping after backward, FSDP stepping during it,
+// each trained by `train(model, optimizer, x, target)` (user_step unless
+// given) on the step's batch (its block for the FSDP models).
+template <typename Optimizer, typename Options, typename Train>
 void train_three_ways(const FSDPOptions& options, const Options& opt_options,
-                      const std::string& what) {
+                      const std::string& what, Train train) {
   const int world = rank_and_world().second;
   torch::manual_seed(0);
   Net reference(false, FSDPOptions());
@@ -113,12 +115,21 @@ void train_three_ways(const FSDPOptions& options, const Options& opt_options,
     torch::manual_seed(1000 + step);
     const torch::Tensor x = torch::randn({5 * world, 7});
     const torch::Tensor target = torch::randn({5 * world, 3});
-    user_step(reference, ref_opt, x, target);
-    user_step(after, after_opt, local_block(x), local_block(target));
-    user_step(during, during_opt, local_block(x), local_block(target));
+    train(reference, ref_opt, x, target);
+    train(after, after_opt, local_block(x), local_block(target));
+    train(during, during_opt, local_block(x), local_block(target));
     expect_equal_shards(during, after, what + " step " + std::to_string(step));
     expect_same_after_step(*during.ptr(), *reference.ptr(), what, step);
   }
+}
+
+template <typename Optimizer, typename Options>
+void train_three_ways(const FSDPOptions& options, const Options& opt_options,
+                      const std::string& what) {
+  train_three_ways<Optimizer>(
+      options, opt_options, what,
+      [](auto& model, torch::optim::Optimizer& opt, const torch::Tensor& x,
+         const torch::Tensor& target) { user_step(model, opt, x, target); });
 }
 
 TEST(StepDuringBackward, StepsLikeTheSameOptimizerAfterBackward) {
@@ -135,6 +146,35 @@ TEST(StepDuringBackward, StepsLikeTheSameOptimizerAfterBackward) {
     train_three_ways<optim::FusedSGD>(
         FSDPOptions(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01),
         "FusedSGD with momentum");
+  });
+}
+
+// What users do around their steps: validation under c10::InferenceMode,
+// then adversarial training (FGSM's input gradient, a backward that reaches
+// no parameter, before the step on the perturbed batch; Note [Backward with
+// respect to inputs]). The input-only backward hands nothing over and needs
+// no step() of its own; stepped beside the training backward, the shards
+// stay bitwise those stepped after it, and plain LibTorch's.
+TEST(StepDuringBackward, AroundInputGradientsAndInferenceMode) {
+  const auto adversarial_step = [](auto& model, torch::optim::Optimizer& opt,
+                                   const torch::Tensor& x, const torch::Tensor& target) {
+    {
+      c10::InferenceMode inference;
+      EXPECT_TRUE(model->forward(x).is_inference());
+    }
+    user_step(model, opt, fgsm(model, x, target), target);
+  };
+  in_parity_ranks([&] {
+    train_three_ways<optim::FusedAdamW>(FSDPOptions(), adamw_options(), "flat", adversarial_step);
+    train_three_ways<optim::FusedAdamW>(FSDPOptions().use_orig_params(true), adamw_options(),
+                                        "use_orig_params", adversarial_step);
+    train_three_ways<optim::FusedAdamW>(
+        FSDPOptions().cpu_offload(CPUOffload().offload_params(true)), adamw_options(),
+        "cpu_offload", adversarial_step);
+    train_three_ways<optim::FusedSGD>(
+        FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp),
+        torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01), "FusedSGD, SHARD_GRAD_OP",
+        adversarial_step);
   });
 }
 

@@ -940,16 +940,6 @@ TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
                      });
 }
 
-// FGSM's adversarial example as usually written: the gradient of the loss
-// with respect to the input alone (no parameter gets one), then the input
-// moved along its sign.
-template <typename Model>
-torch::Tensor fgsm(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
-  const torch::Tensor input = x.detach().requires_grad_(true);
-  const torch::Tensor loss = torch::mse_loss(model->forward(input), y);
-  return (x + 0.05 * torch::autograd::grad({loss}, {input})[0].sign()).detach();
-}
-
 // Adversarial training trains `model` (rooted at `root`) as plain LibTorch
 // trains a Net: each step's adversarial batch is the plain one's block, the
 // input-only backward leaves every .grad as the step before left it (Note
