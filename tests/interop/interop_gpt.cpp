@@ -2,16 +2,19 @@
 // drives it under fsdprun). GPT-mini (examples/models/gpt_mini.h), every block
 // an FSDP unit inside an FSDP root, FULL_SHARD:
 //
-//   interop_gpt save DIR [config]   trains --steps AdamW steps (each rank its
-//       own batch), saves a full checkpoint to DIR/ckpt, then writes an eval
-//       batch (the same on every rank) to DIR/batch.safetensors and the
-//       model's loss on it to DIR/loss.txt (rank 0).
+//   interop_gpt save DIR [config]   saves the initial model to DIR/init,
+//       trains --steps steps of --optim (adamw, rmsprop or adagrad; each rank
+//       its own batches, written to DIR/data_rank<r>.safetensors as step<k>),
+//       saves a full checkpoint to DIR/ckpt, then writes an eval batch (the
+//       same on every rank) to DIR/batch.safetensors and the model's loss on
+//       it to DIR/loss.txt (rank 0).
 //   interop_gpt load CKPT BATCH OUT [config]   loads the checkpoint CKPT
 //       (written by libfsdp or by PyTorch in its layout) and writes the loss
 //       on the batch in BATCH (safetensors: "inputs", "targets", int64) to OUT.
 //
-// config: --vocab --block-size --d-model --heads --layers --steps (the Python
-// side passes the same values to its mirror, tests/interop/gpt_mini.py).
+// config: --vocab --block-size --d-model --heads --layers --steps --optim (the
+// Python side passes the same values to its mirror, tests/interop/gpt_mini.py,
+// and builds PyTorch's optimizer with the options of make_optimizer below).
 
 #include <torch/torch.h>
 
@@ -38,12 +41,14 @@ struct Args {
   gpt_mini::GPTConfig config =
       gpt_mini::GPTConfig().vocab_size(64).block_size(16).d_model(32).n_head(4).n_layer(2);
   int steps = 3;
+  std::string optim = "adamw";
 };
 
 [[noreturn]] void usage(const std::string& why) {
-  std::cerr << "interop_gpt: " << why
-            << "\nusage: interop_gpt save DIR | load CKPT BATCH OUT  [--vocab N] [--block-size N] "
-               "[--d-model N] [--heads N] [--layers N] [--steps N]\n";
+  std::cerr
+      << "interop_gpt: " << why
+      << "\nusage: interop_gpt save DIR | load CKPT BATCH OUT  [--vocab N] [--block-size N] "
+         "[--d-model N] [--heads N] [--layers N] [--steps N] [--optim adamw|rmsprop|adagrad]\n";
   std::exit(2);
 }
 
@@ -58,6 +63,12 @@ Args parse(int argc, char** argv) {
       continue;
     }
     if (i + 1 == argc) usage("expected a value after " + arg);
+    if (arg == "--optim") {
+      a.optim = argv[++i];
+      if (a.optim != "adamw" && a.optim != "rmsprop" && a.optim != "adagrad")
+        usage("unknown optimizer '" + a.optim + "'");
+      continue;
+    }
     const int64_t v = std::stoll(argv[++i]);
     if (arg == "--vocab") {
       a.config.vocab_size(v);
@@ -86,6 +97,26 @@ using Model = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>;
 Model build(const gpt_mini::GPTConfig& config) {
   const auto options = fsdp::FSDPOptions().sharding_strategy(fsdp::ShardingStrategy::kFullShard);
   return Model(std::make_shared<gpt_mini::GPTImpl>(config, options), options);
+}
+
+// The optimizer `name` with the options test_interop.py's PYTORCH_OPTIMIZERS
+// gives PyTorch's: every state each keeps (RMSprop's momentum buffer and
+// centred average; Adagrad's sum from a nonzero start).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
+                                                        const std::vector<at::Tensor>& params) {
+  if (name == "rmsprop") {
+    return std::make_unique<torch::optim::RMSprop>(
+        params,
+        torch::optim::RMSpropOptions(1e-3).eps(1e-4).momentum(0.9).centered(true).weight_decay(
+            0.01));
+  }
+  if (name == "adagrad") {
+    return std::make_unique<torch::optim::Adagrad>(params, torch::optim::AdagradOptions(1e-2)
+                                                               .lr_decay(0.01)
+                                                               .weight_decay(0.01)
+                                                               .initial_accumulator_value(0.1));
+  }
+  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).eps(1e-6));
 }
 
 // Int64 tensors written as one safetensors file.
@@ -153,18 +184,23 @@ int main(int argc, char** argv) {
     const std::string& dir = args.paths[0];
     torch::manual_seed(0);
     Model model = build(c);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    fsdp::Checkpointer(*model).save(dir + "/init", 0, fsdp::StateDictType::kFull);
+    const auto opt = make_optimizer(args.optim, model->parameters());
     // Each rank its own data, as in data-parallel training.
     torch::manual_seed(100 + rank);
+    std::map<std::string, at::Tensor> batches;
     for (int step = 0; step < args.steps; ++step) {
       at::Tensor data = torch::randint(c.vocab_size(), {4, c.block_size() + 1}, torch::kLong);
-      opt.zero_grad();
+      batches["step" + std::to_string(step)] = data;
+      opt->zero_grad();
       gpt_mini::lm_loss(model->forward(data.slice(1, 0, c.block_size())),
                         data.slice(1, 1, c.block_size() + 1))
           .backward();
-      opt.step();
+      opt->step();
     }
-    fsdp::Checkpointer(*model, &opt).save(dir + "/ckpt", args.steps, fsdp::StateDictType::kFull);
+    write_tensors(dir + "/data_rank" + std::to_string(rank) + ".safetensors", batches);
+    fsdp::Checkpointer(*model, opt.get())
+        .save(dir + "/ckpt", args.steps, fsdp::StateDictType::kFull);
     // The eval batch: the same on every rank.
     torch::manual_seed(7);
     at::Tensor data = torch::randint(c.vocab_size(), {3, c.block_size() + 1}, torch::kLong);

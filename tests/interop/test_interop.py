@@ -15,6 +15,12 @@ CASE is one of
   optim_state_names      PyTorch FSDP (FSDP1, CPU, gloo, 2 ranks, AdamW) gives
                          its optim_state_dict; its parameter names, state names,
                          shapes and dtypes equal those of libfsdp's optim.safetensors.
+  optimizer_parity       for AdamW, RMSprop (momentum, centred) and Adagrad:
+                         libfsdp trains at 2 ranks from its initial checkpoint;
+                         PyTorch's optimizer trains the mirror from the same
+                         weights on the two ranks' batches concatenated; the
+                         weights and every optimizer state in libfsdp's full
+                         checkpoint equal PyTorch's, under PyTorch's names.
 Exits non-zero with a message naming what differs.
 """
 
@@ -50,6 +56,29 @@ def config_args():
 def fail(message):
     print(f"test_interop: FAIL: {message}", file=sys.stderr)
     sys.exit(1)
+
+
+# PyTorch's optimizers with the options interop_gpt's make_optimizer gives
+# libfsdp's. The attention's key biases get gradients of rounding noise only
+# (softmax ignores them), which AdamW and RMSprop with the default eps blow
+# up to steps of about lr, of a sign no two orders of sums share: their eps
+# is raised above that noise.
+PYTORCH_OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-6),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, eps=1e-4, momentum=0.9,
+                                                  centered=True, weight_decay=0.01),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2, lr_decay=0.01,
+                                                  weight_decay=0.01,
+                                                  initial_accumulator_value=0.1),
+}
+# Two implementations' fp32 sums in other orders, over STEPS steps. Weights:
+# the seeds' tolerance. A state (exp_avg, sum...): relative, plus an absolute
+# part scaled by that state's largest value over the model, since a moment's
+# values are as small as the squares of the gradients (an absolute tolerance
+# of the weights' would pass any of them), and the moments of the key biases'
+# noise (below) differ in every element.
+WEIGHT_RTOL, WEIGHT_ATOL = 1.3e-6, 1e-5
+STATE_RTOL, STATE_ATOL_OF_LARGEST = 1e-4, 1e-5
 
 
 def run_libfsdp(args, *command):
@@ -185,6 +214,63 @@ def case_pytorch_to_libfsdp(args):
                    "PyTorch's weights in libfsdp (2 ranks, FULL_SHARD)")
 
 
+def case_optimizer_parity(args):
+    for name, make_optimizer in PYTORCH_OPTIMIZERS.items():
+        work = os.path.join(args.work, name)
+        os.makedirs(work)
+        run_libfsdp(args, "save", work, "--optim", name)
+        model = gpt_mini.GPT(CONFIG)
+        model.load_state_dict(load_file(os.path.join(work, "init", "model.safetensors")),
+                              strict=True)
+        opt = make_optimizer(model.parameters())
+        ranks = [load_file(os.path.join(work, f"data_rank{r}.safetensors")) for r in range(2)]
+        model.train()
+        for step in range(STEPS):
+            data = torch.cat([batches[f"step{step}"] for batches in ranks])
+            opt.zero_grad()
+            gpt_mini.lm_loss(model(data[:, :-1]), data[:, 1:]).backward()
+            opt.step()
+        weights = load_file(os.path.join(work, "ckpt", "model.safetensors"))
+        ours = load_file(os.path.join(work, "ckpt", "optim.safetensors"))
+        problems, theirs = [], {}
+        for fqn, p in model.named_parameters():
+            theirs[fqn] = p.detach()
+            for state, value in opt.state[p].items():
+                theirs[f"{fqn}/{state}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        if set(ours) != set(theirs) - {fqn for fqn, _ in model.named_parameters()}:
+            problems.append(f"optimizer state names differ: only libfsdp "
+                            f"{sorted(set(ours) - set(theirs))}, only PyTorch "
+                            f"{sorted(set(theirs) - set(ours) - set(weights))}")
+        largest = {}
+        for key, expected in theirs.items():
+            kind = key.rsplit("/", 1)[1] if key in ours else "weight"
+            largest[kind] = max(largest.get(kind, 0.0), expected.float().abs().max().item())
+        worst = {}
+        for key, expected in theirs.items():
+            got = ours.get(key, weights.get(key))
+            if got is None:
+                continue
+            if got.dtype != expected.dtype or got.shape != expected.shape:
+                problems.append(f"{key}: libfsdp {got.dtype} {list(got.shape)}, PyTorch "
+                                f"{expected.dtype} {list(expected.shape)}")
+                continue
+            kind = key.rsplit("/", 1)[1] if key in ours else "weight"
+            rtol, atol = ((WEIGHT_RTOL, WEIGHT_ATOL) if kind == "weight" else
+                          (STATE_RTOL, STATE_ATOL_OF_LARGEST * largest[kind]))
+            diff = (got.float() - expected.float()).abs()
+            # How much of its tolerance each tensor uses (1: all of it).
+            used = (diff / (atol + rtol * expected.float().abs())).max().item()
+            worst[kind] = max(worst.get(kind, 0.0), used)
+            if not used <= 1.0:
+                problems.append(f"{key}: differs by up to {diff.max().item():.3g} "
+                                f"(rtol {rtol:.3g}, atol {atol:.3g})")
+        print(f"test_interop: {name}: {len(theirs)} tensors compared; of its tolerance each "
+              f"kind used at most " + ", ".join(f"{k} {v:.2g}" for k, v in sorted(worst.items())))
+        if problems:
+            fail(f"{name}: libfsdp's checkpoint after {STEPS} steps is not PyTorch's "
+                 f"{type(opt).__name__} on the concatenated batches:\n  " + "\n  ".join(problems))
+
+
 def fsdp_worker(rank, world, port, out):
     """One rank of PyTorch FSDP1 on the CPU: AdamW steps, then optim_state_dict."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -287,7 +373,7 @@ def case_optim_state_names(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("case", choices=["checkpoint_to_pytorch", "pytorch_to_libfsdp",
-                                         "optim_state_names"])
+                                         "optim_state_names", "optimizer_parity"])
     parser.add_argument("--fsdprun", required=True)
     parser.add_argument("--exe", required=True, help="build/bin/interop_gpt")
     parser.add_argument("--work", required=True, help="scratch directory (emptied first)")
