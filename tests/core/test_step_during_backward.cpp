@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -175,6 +176,34 @@ TEST(StepDuringBackward, AroundInputGradientsAndInferenceMode) {
         FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp),
         torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01), "FusedSGD, SHARD_GRAD_OP",
         adversarial_step);
+  });
+}
+
+// A learning-rate schedule as LibTorch's users write it: StepLR stepped after
+// each optimizer step. The steps beside the next backward take the new rate
+// (as plain LibTorch's step() does), with no warning: the options changed
+// after step(), not between backward and step().
+TEST(StepDuringBackward, LearningRateSchedulesAsInPlainLibTorch) {
+  in_parity_ranks([] {
+    std::vector<std::string> warnings;
+    compat::WarningCollector collect(&warnings);
+    std::map<torch::optim::Optimizer*, std::unique_ptr<torch::optim::StepLR>> schedules;
+    const auto scheduled_step = [&](auto& model, torch::optim::Optimizer& opt,
+                                    const torch::Tensor& x, const torch::Tensor& target) {
+      std::unique_ptr<torch::optim::StepLR>& schedule = schedules[&opt];
+      if (!schedule) schedule = std::make_unique<torch::optim::StepLR>(opt, 1, 0.5);
+      user_step(model, opt, x, target);
+      schedule->step();
+    };
+    train_three_ways<optim::FusedAdamW>(
+        FSDPOptions().cpu_offload(CPUOffload().offload_params(true)), adamw_options(),
+        "cpu_offload, StepLR", scheduled_step);
+    schedules.clear();  // the optimizers are gone; their addresses may come again
+    train_three_ways<optim::FusedSGD>(
+        FSDPOptions(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01),
+        "FusedSGD, StepLR", scheduled_step);
+    schedules.clear();
+    for (const std::string& w : warnings) ADD_FAILURE() << "unexpected warning: " << w;
   });
 }
 
