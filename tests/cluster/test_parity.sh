@@ -5,6 +5,7 @@
 # same ring, so the same order of additions); within 1e-6 (relative) with
 # 1 x 4 through shared memory, which adds in another order. Then
 # HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 2 x 2 against FULL_SHARD on 1 x 4.
+# FULL_SHARD once more with the nodes meeting at fsdprun's c10d rendezvous.
 # Usage: test_parity.sh FSDPRUN CLUSTER_TRAIN WORKDIR
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,6 +33,23 @@ for s in full_shard shard_grad_op no_shard; do
     cluster_fail "$s: 2 x 2 and 1 x 4 differ"
   echo "$s: 2 x 2 in $((mid - start)) s, two 1 x 4 runs in $((SECONDS - mid)) s"
 done
+
+# torchrun's multi-node line, the same on both nodes (Note [fsdprun's
+# rendezvous]): node 1 starts first and waits; node 0, whose address the
+# endpoint names, serves the rendezvous, is node 0, and its rank 0's store
+# then takes the port. Bit for bit the 1 x 4 run over TCP.
+rdzv=(--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d
+  --rdzv-endpoint "$CLUSTER_MASTER_ADDR:$CLUSTER_PORT" --rdzv-id parity)
+args=(--strategy full_shard --steps 5 --optimizer sgd --timeout 30 --out "$work/c10d.pt")
+cluster_spawn 1 c10d.node1 "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}"
+sleep 2
+cluster_spawn 0 c10d.node0 "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}"
+cluster_wait 90 || cluster_fail "c10d: the 2 x 2 run failed"
+grep -q "node rank 1 of 2" "$work/c10d.node1.log" || cluster_fail "c10d: node 1 is not node 1"
+grep -q "rank 3/4 on node1" "$work/c10d.node1.log" || cluster_fail "c10d: rank 3 did not run on node1"
+"$prog" --compare "$work/tcp-full_shard.pt" "$work/c10d.pt" --tol 0 ||
+  cluster_fail "c10d: 2 x 2 met at the c10d rendezvous and 1 x 4 over TCP differ"
+echo "c10d rendezvous: 2 x 2 equals 1 x 4"
 
 # HYBRID_SHARD across the two nodes (groups from fsdprun's topology: each
 # node shards, the shards are all-reduced across nodes) trains as FULL_SHARD

@@ -5,7 +5,9 @@
 #include <string>
 #include <vector>
 
+#include "device_count.h"
 #include "launch_test_util.h"
+#include "options.h"
 
 namespace fsdp::launch::testing {
 namespace {
@@ -14,11 +16,30 @@ TEST(FsdprunCli, HelpMentionsEveryFlag) {
   const RunResult r = run_launcher({"--help"});
   ASSERT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* flag :
-       {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-        "--standalone", "--max-restarts", "--kill-timeout", "--no-prefix", "--help"}) {
+  for (const std::string& flag : flag_names()) {
     EXPECT_NE(r.out.find(flag), std::string::npos) << flag;
   }
+}
+
+// torchrun's --nproc-per-node gpu: one rank per GPU the CUDA driver shows
+// (CUDA_VISIBLE_DEVICES applied); where it shows none, an error saying so
+// and what to give instead, before anything starts.
+TEST(FsdprunCli, NprocPerNodeGpuCountsTheVisibleGpus) {
+  std::string why;
+  const int gpus = visible_cuda_gpus(&why);
+  const RunResult r = run_launcher({"--nproc-per-node", "gpu", test_rank_path(), "--print-env"});
+  ASSERT_FALSE(r.timed_out);
+  if (gpus == 0) {
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("fsdprun: error: --nproc-per-node gpu: no CUDA GPU is visible (" + why +
+                         "); give a number of ranks instead"),
+              std::string::npos)
+        << r.err;
+    return;
+  }
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(parse_env(r.out).size(), static_cast<size_t>(gpus)) << r.out;
+  EXPECT_NE(r.err.find("one per visible CUDA GPU"), std::string::npos) << r.err;
 }
 
 TEST(FsdprunCli, BadFlagsExitWithUsageError) {

@@ -12,21 +12,6 @@
 namespace fsdp::launch::testing {
 namespace {
 
-using EnvByRank = std::map<int, std::map<std::string, std::string>>;
-
-/// Collects "[rankN]: KEY=VALUE" lines printed by --print-env.
-EnvByRank parse_env(const std::string& out) {
-  static const std::regex kLine(R"(^\[rank(\d+)\]: ([A-Z_]+)=(.*)$)");
-  EnvByRank env;
-  for (const std::string& line : split_lines(out)) {
-    std::smatch m;
-    if (std::regex_match(line, m, kLine)) {
-      env[std::stoi(m[1])][m[2]] = m[3];
-    }
-  }
-  return env;
-}
-
 TEST(FsdprunEnv, SingleNodeRanksAndFreePort) {
   const RunResult r = run_launcher({"--nproc-per-node", "3", test_rank_path(), "--print-env"},
                                    {{"OMP_NUM_THREADS", std::nullopt}});

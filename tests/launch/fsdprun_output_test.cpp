@@ -82,5 +82,21 @@ TEST(FsdprunOutput, NoPrefix) {
   check_stdout(r.out, /*prefixed=*/false, 2, 200);
 }
 
+// torchrun's --local-ranks-filter: only the local ranks named are shown,
+// both streams; the others still run to the end.
+TEST(FsdprunOutput, LocalRanksFilterShowsOnlyTheRanksNamed) {
+  const RunResult r = run_launcher({"--nproc-per-node", "3", "--local-ranks-filter", "0,2",
+                                    test_rank_path(), "--print-env", "--stderr-lines", "2"},
+                                   {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const EnvByRank env = parse_env(r.out);
+  EXPECT_EQ(env.size(), 2u) << r.out;
+  EXPECT_EQ(env.count(0) + env.count(2), 2u) << r.out;
+  EXPECT_EQ(r.out.find("[rank1]"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("[rank1]"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[rank2]: err"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace fsdp::launch::testing

@@ -58,6 +58,7 @@ constexpr const char* kEnvNames[] = {
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
     "FSDP_JOB_TOKEN",
     "OMP_NUM_THREADS",
 };

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "device_count.h"
 #include "exit_status.h"
 #include "line_prefixer.h"
 #include "options.h"
@@ -111,11 +112,153 @@ TEST(FsdprunOptions, StandaloneIsSingleNode) {
 
 TEST(FsdprunOptions, UsageMentionsEveryFlag) {
   const std::string usage = usage_text();
-  for (const char* flag :
-       {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-        "--standalone", "--max-restarts", "--kill-timeout", "--no-prefix", "--help"}) {
+  ASSERT_GE(flag_names().size(), 17u);
+  for (const std::string& flag : flag_names()) {
     EXPECT_NE(usage.find(flag), std::string::npos) << flag;
   }
+}
+
+// "Contains" for the warnings and errors below.
+bool mentions(const std::vector<std::string>& lines, const std::string& text) {
+  return std::any_of(lines.begin(), lines.end(),
+                     [&](const std::string& l) { return l.find(text) != std::string::npos; });
+}
+
+// torchrun's multi-node command line, the same on every node: the c10d
+// rendezvous at the endpoint assigns the node ranks (--node-rank ignored,
+// with a warning, as torchrun ignores it), and rank 0's store takes over the
+// endpoint's port.
+TEST(FsdprunOptions, TorchrunsC10dRendezvous) {
+  ParseResult r =
+      parse_options({"--nnodes=2", "--nproc-per-node=8", "--rdzv-id=100", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=node01:29401", "--node-rank", "1", "--no-python", "prog"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_TRUE(r.options.assigns_node_ranks());
+  EXPECT_EQ(r.options.rdzv_host, "node01");
+  EXPECT_EQ(r.options.rdzv_port, 29401);
+  EXPECT_EQ(r.options.rdzv_id, "100");
+  EXPECT_EQ(r.options.master_addr, "node01");
+  EXPECT_EQ(r.options.master_port, 29401);
+  EXPECT_EQ(r.options.node_rank, 0);
+  EXPECT_DOUBLE_EQ(r.options.join_timeout_s, 600.0);
+  EXPECT_TRUE(mentions(r.warnings, "--node-rank is ignored")) << r.warnings.size();
+  EXPECT_EQ(r.options.command, std::vector<std::string>{"prog"});
+
+  // torchrun's defaults: port 29400, host localhost.
+  r = parse_options({"--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "node01", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.rdzv_port, 29400);
+  EXPECT_TRUE(r.warnings.empty());
+  r = parse_options({"--nnodes", "2", "--rdzv-backend", "c10d", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.rdzv_host, "localhost");
+  EXPECT_EQ(r.options.rdzv_port, 29400);
+
+  // IPv6, and one node: the endpoint is simply rank 0's (port 0: a free one).
+  r = parse_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]:1234", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_FALSE(r.options.assigns_node_ranks());
+  EXPECT_EQ(r.options.master_addr, "::1");
+  EXPECT_EQ(r.options.master_port, 1234);
+  r = parse_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_FALSE(r.options.master_port.has_value());
+
+  // join_timeout is read; the store's other settings are ignored, saying so.
+  r = parse_options({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5",
+                     "--rdzv-conf", "join_timeout=5,read_timeout=3", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_DOUBLE_EQ(r.options.join_timeout_s, 5.0);
+  EXPECT_TRUE(mentions(r.warnings, "'read_timeout' is ignored"));
+
+  // --master-addr with c10d: ignored, as torchrun.
+  r = parse_options(
+      {"--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5", "--master-addr", "x", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.master_addr, "h");
+  EXPECT_TRUE(mentions(r.warnings, "--master-addr and --master-port are ignored"));
+}
+
+// The static backend (the default) meets at --rdzv-endpoint when given, as
+// at --master-addr:--master-port.
+TEST(FsdprunOptions, StaticRendezvousAtTheEndpoint) {
+  ParseResult r =
+      parse_options({"--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:1234", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_FALSE(r.options.assigns_node_ranks());
+  EXPECT_EQ(r.options.node_rank, 1);
+  EXPECT_EQ(r.options.master_addr, "10.0.0.1");
+  EXPECT_EQ(r.options.master_port, 1234);
+  r = parse_options({"--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.master_port, 29500);
+}
+
+TEST(FsdprunOptions, BadRendezvousFlagsNameTheFix) {
+  const auto error_of = [](const std::vector<std::string>& args) {
+    const ParseResult r = parse_options(args);
+    EXPECT_EQ(r.kind, ParseResult::Kind::kError);
+    return r.error;
+  };
+  EXPECT_NE(error_of({"--rdzv-backend", "etcd", "p"}).find("use c10d"), std::string::npos);
+  EXPECT_NE(error_of({"--rdzv-backend", "zmq", "p"}).find("must be static or c10d"),
+            std::string::npos);
+  for (const char* bad : {":12", "h:70000", "h:x", "[::1", "[::1]x"}) {
+    EXPECT_NE(error_of({"--rdzv-endpoint", bad, "p"}).find("expected HOST"), std::string::npos)
+        << bad;
+  }
+  EXPECT_NE(error_of({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:0", "p"})
+                .find("needs a port every node knows"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--rdzv-endpoint", "h:1", "--master-port", "2", "p"}).find("not both"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--standalone", "--rdzv-endpoint", "h:1", "p"}).find("--standalone"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--rdzv-conf", "join_timeout=0", "p"}).find("join_timeout"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--rdzv-id", "", "p"}).find("non-empty"), std::string::npos);
+  EXPECT_NE(error_of({"--nproc-per-node", "gpus", "p"}).find("gpu, cpu or auto"),
+            std::string::npos);
+  for (const char* bad : {"", "a", "0,,1", "-1"}) {
+    EXPECT_NE(error_of({"--local-ranks-filter", bad, "p"}).find("expected local ranks"),
+              std::string::npos)
+        << bad;
+  }
+}
+
+// torchrun's --nproc-per-node gpu, cpu and auto, counted by visible_cuda_gpus
+// and usable_cpus (here, a machine of 4 GPUs and 16 CPUs, or none), and
+// --local-ranks-filter checked against the count.
+TEST(FsdprunOptions, NprocPerNodeByDevice) {
+  const auto resolved = [](const std::string& device, int gpus, std::string* note,
+                           std::string* error, std::vector<int> filter = {}) {
+    ParseResult r = parse_options({"--nproc-per-node", device, "p"});
+    EXPECT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+    r.options.local_ranks_filter = std::move(filter);
+    const auto count = [gpus](std::string* why) {
+      if (gpus == 0) *why = "no CUDA driver";
+      return gpus;
+    };
+    return resolve_nproc_per_node(&r.options, count, 16, note, error) ? r.options.nproc_per_node
+                                                                      : -1;
+  };
+  std::string note, error;
+  EXPECT_EQ(resolved("gpu", 4, &note, &error), 4);
+  EXPECT_EQ(note, "--nproc-per-node gpu: 4 ranks, one per visible CUDA GPU");
+  EXPECT_EQ(resolved("auto", 4, &note, &error), 4);
+  EXPECT_EQ(resolved("auto", 0, &note, &error), 16);
+  EXPECT_EQ(note, "--nproc-per-node auto: 16 ranks, one per usable CPU");
+  EXPECT_EQ(resolved("cpu", 4, &note, &error), 16);
+  EXPECT_EQ(resolved("3", 4, &note, &error), 3);
+  EXPECT_EQ(note, "");
+  EXPECT_EQ(resolved("gpu", 0, &note, &error), -1);
+  EXPECT_EQ(error,
+            "--nproc-per-node gpu: no CUDA GPU is visible (no CUDA driver); give a number of ranks "
+            "instead");
+  EXPECT_EQ(resolved("gpu", 4, &note, &error, {0, 3}), 4);
+  EXPECT_EQ(resolved("gpu", 2, &note, &error, {0, 3}), -1);
+  EXPECT_EQ(error, "--local-ranks-filter: local rank 3 does not exist on a node of 2 ranks");
+  EXPECT_GE(usable_cpus(), 1);
 }
 
 TEST(FsdprunLinePrefixer, PrefixesCompleteLinesOnly) {
@@ -182,6 +325,7 @@ TEST(FsdprunRankEnv, SetsTorchrunVariables) {
   EXPECT_EQ(env_value(env, "MASTER_PORT"), "2222");
   EXPECT_EQ(env_value(env, "TORCHELASTIC_RESTART_COUNT"), "1");
   EXPECT_EQ(env_value(env, "TORCHELASTIC_MAX_RESTARTS"), "4");
+  EXPECT_EQ(env_value(env, "TORCHELASTIC_RUN_ID"), "none");
   EXPECT_EQ(env_value(env, "OMP_NUM_THREADS"), "1");
   EXPECT_EQ(env_value(env, "PATH"), "/bin");
   EXPECT_EQ(std::count_if(env.begin(), env.end(),

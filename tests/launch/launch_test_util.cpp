@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -290,6 +291,16 @@ int count_occurrences(const std::string& text, const std::string& needle) {
     ++count;
   }
   return count;
+}
+
+EnvByRank parse_env(const std::string& out) {
+  static const std::regex kLine(R"(^\[rank(\d+)\]: ([A-Z_]+)=(.*)$)");
+  EnvByRank env;
+  for (const std::string& line : split_lines(out)) {
+    std::smatch m;
+    if (std::regex_match(line, m, kLine)) env[std::stoi(m[1])][m[2]] = m[3];
+  }
+  return env;
 }
 
 }  // namespace fsdp::launch::testing

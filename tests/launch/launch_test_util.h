@@ -126,4 +126,10 @@ std::vector<std::string> split_lines(const std::string& text);
 /// Number of non-overlapping occurrences of `needle` in `text`.
 int count_occurrences(const std::string& text, const std::string& needle);
 
+/// Each rank's launcher variables, by RANK.
+using EnvByRank = std::map<int, std::map<std::string, std::string>>;
+
+/// Collects the "[rankN]: KEY=VALUE" lines fsdprun_test_rank --print-env printed.
+EnvByRank parse_env(const std::string& out);
+
 }  // namespace fsdp::launch::testing

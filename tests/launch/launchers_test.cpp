@@ -12,6 +12,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "launch_test_util.h"
 #include "multi_rank.h"
@@ -144,6 +145,35 @@ TEST(Launchers, FsdprunTwoRanks) {
                          " local_world=2 node=0 nodes=1 launcher=torchrun ok"),
               std::string::npos)
         << describe(r);
+  }
+}
+
+// torchrun's multi-node command, the same on both "nodes" (two fsdprun on
+// this host): the c10d rendezvous gives the node ranks, and the four libfsdp
+// ranks form one job over the endpoint's port, which rank 0's store serves
+// once the rendezvous has let go of it.
+TEST(Launchers, FsdprunNodesMeetAtTheC10dRendezvous) {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(fsdp::testing::free_port());
+  const std::vector<std::string> args = {
+      "--nnodes",       "2",     "--nproc-per-node", "2",
+      "--rdzv-backend", "c10d",  "--rdzv-endpoint",  endpoint,
+      "--rdzv-id",      "probe", "--no-python",      LAUNCH_PROBE_PATH};
+  Env env = clean_env();
+  env["FSDP_JOB_TOKEN"] = "0123456789abcdef0123456789abcdef";
+  LauncherProcess first(fsdprun_path(), args, env);
+  LauncherProcess second(fsdprun_path(), args, env);
+  std::string out;
+  for (LauncherProcess* node : {&first, &second}) {
+    const RunResult r = node->wait(kDeadline);
+    ASSERT_FALSE(r.timed_out) << describe(r);
+    EXPECT_EQ(r.exit_code, 0) << describe(r);
+    out += r.out;
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::string line =
+        "probe rank=" + std::to_string(rank) + " world=4 local_rank=" + std::to_string(rank % 2) +
+        " local_world=2 node=" + std::to_string(rank / 2) + " nodes=2 launcher=torchrun ok";
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   }
 }
 

@@ -11,12 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "device_count.h"
 #include "exit_status.h"
 #include "free_port.h"
 #include "job_token.h"
 #include "options.h"
 #include "output_writer.h"
 #include "rank_env.h"
+#include "rendezvous.h"
 #include "signal_pipe.h"
 #include "supervisor.h"
 
@@ -41,11 +43,26 @@ void ensure_standard_fds_open() {
   }
 }
 
+/// The value of `key` in a "KEY=VALUE" environment, or "".
+std::string env_value(const std::vector<std::string>& env, const std::string& key) {
+  for (const std::string& entry : env) {
+    if (entry.compare(0, key.size() + 1, key + "=") == 0) return entry.substr(key.size() + 1);
+  }
+  return "";
+}
+
 /// Everything after argument parsing; returns fsdprun's exit code.
-int launch(const LaunchOptions& options) {
+int launch(LaunchOptions options) {
   ensure_standard_fds_open();
   OutputWriter out(STDOUT_FILENO);
   OutputWriter err(STDERR_FILENO);
+
+  std::string note, nproc_error;
+  if (!resolve_nproc_per_node(&options, visible_cuda_gpus, usable_cpus(), &note, &nproc_error)) {
+    err.write("fsdprun: error: " + nproc_error + "\n");
+    return kUsageExitCode;
+  }
+  if (!note.empty()) err.write("fsdprun: " + note + "\n");
 
   // See Note [Job token] (src/rendezvous/job_token.cpp): before anything is started.
   std::vector<std::string> base_env = environment_from(environ);
@@ -53,6 +70,20 @@ int launch(const LaunchOptions& options) {
   if (!ensure_job_token(options, &base_env, &token_error)) {
     err.write("fsdprun: error: " + token_error + "\n");
     return options.nnodes > 1 ? kUsageExitCode : 1;
+  }
+
+  // Before the signal handlers: until ranks run, a signal just ends fsdprun.
+  if (options.assigns_node_ranks()) {
+    std::string rendezvous_error;
+    options.node_rank = join_rendezvous(
+        options, env_value(base_env, "FSDP_JOB_TOKEN"),
+        [&err](const std::string& line) { err.write(line + "\n"); }, &rendezvous_error);
+    if (options.node_rank < 0) {
+      err.write("fsdprun: error: " + rendezvous_error + "\n");
+      return 1;
+    }
+    err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
+              std::to_string(options.nnodes) + "\n");
   }
 
   int port = options.master_port.value_or(0);
@@ -132,5 +163,6 @@ int main(int argc, char** argv) {
     case ParseResult::Kind::kRun:
       break;
   }
+  for (const std::string& warning : parsed.warnings) std::cerr << "fsdprun: " << warning << "\n";
   return fsdp::launch::launch(parsed.options);
 }

@@ -24,6 +24,12 @@ enum class Flag {
   kMaxRestarts,
   kKillTimeout,
   kNoPrefix,
+  kRdzvBackend,
+  kRdzvEndpoint,
+  kRdzvId,
+  kRdzvConf,
+  kNoPython,
+  kLocalRanksFilter,
   kHelp,
 };
 
@@ -44,6 +50,12 @@ constexpr FlagSpec kFlags[] = {
     {"--max-restarts", Flag::kMaxRestarts, true},
     {"--kill-timeout", Flag::kKillTimeout, true},
     {"--no-prefix", Flag::kNoPrefix, false},
+    {"--rdzv-backend", Flag::kRdzvBackend, true},
+    {"--rdzv-endpoint", Flag::kRdzvEndpoint, true},
+    {"--rdzv-id", Flag::kRdzvId, true},
+    {"--rdzv-conf", Flag::kRdzvConf, true},
+    {"--no-python", Flag::kNoPython, false},
+    {"--local-ranks-filter", Flag::kLocalRanksFilter, true},
     {"--help", Flag::kHelp, false},
     {"-h", Flag::kHelp, false},
 };
@@ -91,6 +103,49 @@ std::string bad_value(const std::string& flag, const std::string& value, const s
   return flag + ": invalid value '" + value + "' (" + why + ")";
 }
 
+/// torchrun's default rendezvous port for --rdzv-backend c10d.
+constexpr int kDefaultRendezvousPort = 29400;
+
+/// Splits "host[:port]" ("[v6 address]:port" for IPv6) as torchrun's
+/// parse_rendezvous_endpoint does; the port defaults to 29400. False on a
+/// malformed endpoint. `port_given`: whether the text had one.
+bool parse_endpoint(const std::string& text, std::string* host, int* port, bool* port_given) {
+  std::string rest;
+  if (!text.empty() && text[0] == '[') {
+    const size_t close = text.find(']');
+    if (close == std::string::npos) return false;
+    *host = text.substr(1, close - 1);
+    rest = text.substr(close + 1);
+    if (!rest.empty() && rest[0] != ':') return false;
+  } else {
+    const size_t colon = text.rfind(':');
+    // A bare IPv6 address has several colons and no port.
+    const bool has_port = colon != std::string::npos && text.find(':') == colon;
+    *host = has_port ? text.substr(0, colon) : text;
+    rest = has_port ? text.substr(colon) : "";
+  }
+  if (host->empty()) return false;
+  *port = kDefaultRendezvousPort;
+  *port_given = !rest.empty();
+  if (rest.empty()) return true;
+  const auto value = parse_int(rest.substr(1), 0, 65535);
+  if (!value) return false;
+  *port = static_cast<int>(*value);
+  return true;
+}
+
+/// A number of seconds in (0, 1e6], or nullopt.
+std::optional<double> parse_seconds(const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const double seconds = std::strtod(text.c_str(), &end);
+  if (text.empty() || errno != 0 || end != text.c_str() + text.size() || !std::isfinite(seconds) ||
+      seconds < 0 || seconds > 1e6) {
+    return std::nullopt;
+  }
+  return seconds;
+}
+
 }  // namespace
 
 ParseResult parse_options(const std::vector<std::string>& args) {
@@ -101,6 +156,8 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   bool nnodes_given = false;
   bool node_rank_given = false;
   bool master_addr_given = false;
+  std::optional<std::string> endpoint;
+  bool endpoint_port_given = false;
 
   size_t i = 0;
   for (; i < args.size(); ++i) {
@@ -130,9 +187,14 @@ ParseResult parse_options(const std::vector<std::string>& args) {
 
     switch (spec->flag) {
       case Flag::kNprocPerNode: {
+        if (*value == "gpu" || *value == "cpu" || *value == "auto") {
+          opts.nproc_per_node_device = *value;
+          break;
+        }
         auto n = parse_int(*value, 1, 1 << 20);
-        if (!n) return error_result(bad_value(name, *value, "must be >= 1"));
+        if (!n) return error_result(bad_value(name, *value, "must be >= 1, gpu, cpu or auto"));
         opts.nproc_per_node = static_cast<int>(*n);
+        opts.nproc_per_node_device.clear();
         break;
       }
       case Flag::kNnodes: {
@@ -177,19 +239,83 @@ ParseResult parse_options(const std::vector<std::string>& args) {
         break;
       }
       case Flag::kKillTimeout: {
-        errno = 0;
-        char* end = nullptr;
-        const double seconds = std::strtod(value->c_str(), &end);
-        if (value->empty() || errno != 0 || end != value->c_str() + value->size() ||
-            !std::isfinite(seconds) || seconds < 0 || seconds > 1e6) {
+        const auto seconds = parse_seconds(*value);
+        if (!seconds) {
           return error_result(bad_value(name, *value, "must be a number of seconds >= 0"));
         }
-        opts.kill_timeout_s = seconds;
+        opts.kill_timeout_s = *seconds;
         break;
       }
       case Flag::kNoPrefix:
         opts.prefix_output = false;
         break;
+      case Flag::kRdzvBackend:
+        if (*value == "etcd" || *value == "etcd-v2") {
+          return error_result(bad_value(name, *value,
+                                        "fsdprun has no etcd rendezvous: use c10d, which "
+                                        "fsdprun serves at --rdzv-endpoint"));
+        }
+        if (*value != "static" && *value != "c10d") {
+          return error_result(bad_value(name, *value, "must be static or c10d"));
+        }
+        opts.rdzv_backend = *value;
+        break;
+      case Flag::kRdzvEndpoint:
+        if (!parse_endpoint(*value, &opts.rdzv_host, &opts.rdzv_port, &endpoint_port_given)) {
+          return error_result(
+              bad_value(name, *value, "expected HOST, HOST:PORT or [IPv6]:PORT, port 0..65535"));
+        }
+        endpoint = *value;
+        break;
+      case Flag::kRdzvId:
+        if (value->empty() || value->find('\n') != std::string::npos) {
+          return error_result(bad_value(name, *value, "must be one non-empty line"));
+        }
+        opts.rdzv_id = *value;
+        break;
+      case Flag::kRdzvConf: {
+        // "key=value,...": join_timeout is fsdprun's; the others are the
+        // c10d store's own and have nothing to act on here.
+        std::istringstream pairs(*value);
+        std::string pair;
+        while (std::getline(pairs, pair, ',')) {
+          const size_t eq_at = pair.find('=');
+          const std::string key = pair.substr(0, eq_at);
+          const std::string setting = eq_at == std::string::npos ? "" : pair.substr(eq_at + 1);
+          if (key == "join_timeout") {
+            const auto seconds = parse_seconds(setting);
+            if (!seconds || *seconds == 0) {
+              return error_result(
+                  bad_value(name, *value, "join_timeout must be a number of seconds > 0"));
+            }
+            opts.join_timeout_s = *seconds;
+          } else if (!key.empty()) {
+            result.warnings.push_back(name + ": '" + key +
+                                      "' is ignored (fsdprun reads join_timeout only)");
+          }
+        }
+        break;
+      }
+      case Flag::kNoPython:
+        // torchrun's "run the program itself, not through python": fsdprun
+        // always does, so command lines written for torchrun work unchanged.
+        break;
+      case Flag::kLocalRanksFilter: {
+        opts.local_ranks_filter.clear();
+        std::istringstream ranks(*value);
+        std::string item;
+        while (std::getline(ranks, item, ',')) {
+          const auto local_rank = parse_int(item, 0, 1 << 20);
+          if (!local_rank) {
+            return error_result(bad_value(name, *value, "expected local ranks such as 0 or 0,1,3"));
+          }
+          opts.local_ranks_filter.push_back(static_cast<int>(*local_rank));
+        }
+        if (opts.local_ranks_filter.empty()) {
+          return error_result(bad_value(name, *value, "expected local ranks such as 0 or 0,1,3"));
+        }
+        break;
+      }
       case Flag::kHelp:
         result.kind = ParseResult::Kind::kHelp;
         return result;
@@ -199,6 +325,47 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   opts.command.assign(args.begin() + static_cast<long>(i), args.end());
   if (opts.command.empty()) {
     return error_result("missing the program to run");
+  }
+  if (opts.standalone && endpoint) {
+    return error_result(
+        "--standalone: cannot be combined with --rdzv-endpoint (it picks 127.0.0.1 and a free "
+        "port)");
+  }
+  if (opts.standalone) opts.rdzv_backend = "static";  // as torchrun, which ignores the others
+  if (opts.rdzv_backend == "static" && endpoint) {
+    // torchrun's static backend meets at the endpoint when one is given.
+    if (master_addr_given || opts.master_port) {
+      return error_result(
+          "--rdzv-endpoint: give rank 0's node either as --rdzv-endpoint or as --master-addr "
+          "and --master-port, not both");
+    }
+    opts.master_addr = opts.rdzv_host;
+    if (endpoint_port_given && opts.rdzv_port > 0) {
+      opts.master_port = opts.rdzv_port;
+    }
+    master_addr_given = true;
+  }
+  if (opts.rdzv_backend == "c10d") {
+    if (master_addr_given || opts.master_port) {
+      result.warnings.push_back(
+          "--master-addr and --master-port are ignored with --rdzv-backend c10d: the job meets "
+          "at --rdzv-endpoint (as torchrun)");
+    }
+    opts.master_addr = opts.rdzv_host;
+    opts.master_port.reset();
+    if (opts.rdzv_port > 0) opts.master_port = opts.rdzv_port;
+    if (opts.nnodes > 1) {
+      if (opts.rdzv_port == 0) {
+        return error_result(bad_value("--rdzv-endpoint", endpoint.value_or(""),
+                                      "a job of several nodes needs a port every node knows"));
+      }
+      if (node_rank_given) {
+        result.warnings.push_back(
+            "--node-rank is ignored with --rdzv-backend c10d: node ranks are assigned as the "
+            "nodes join (as torchrun)");
+      }
+      opts.node_rank = 0;  // until the rendezvous assigns it
+    }
   }
   if (opts.node_rank >= opts.nnodes) {
     return error_result(bad_value("--node-rank", std::to_string(opts.node_rank),
@@ -226,6 +393,12 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   return result;
 }
 
+std::vector<std::string> flag_names() {
+  std::vector<std::string> names;
+  for (const FlagSpec& spec : kFlags) names.emplace_back(spec.name);
+  return names;
+}
+
 std::string usage_text() {
   std::ostringstream out;
   out << "Usage: fsdprun [options] [--] program [program args...]\n"
@@ -240,7 +413,9 @@ std::string usage_text() {
          "--flag=value.\n"
          "\n"
          "Options:\n"
-         "  --nproc-per-node N   ranks to start on this node (default 1)\n"
+         "  --nproc-per-node N   ranks to start on this node (default 1); gpu: one\n"
+         "                       per visible CUDA GPU, cpu: one per usable CPU,\n"
+         "                       auto: gpu where there is one, else cpu\n"
          "  --nnodes M           number of nodes in the job (default 1)\n"
          "  --node-rank R        this node's index, 0 <= R < M (default 0)\n"
          "  --master-addr A      address of the rank-0 node (default "
@@ -260,12 +435,26 @@ std::string usage_text() {
          "                       ranks (default 10)\n"
          "  --no-prefix          do not prefix output lines with "
          "\"[rank<N>]: \"\n"
+         "  --local-ranks-filter L\n"
+         "                       show only these local ranks' output (0, or 0,2)\n"
+         "  --rdzv-backend B     static (default: each node passes --node-rank) or\n"
+         "                       c10d: node ranks assigned as the nodes join at the\n"
+         "                       endpoint (--node-rank is then ignored)\n"
+         "  --rdzv-endpoint H[:P]\n"
+         "                       where the nodes meet (default localhost:29400); with\n"
+         "                       c10d the node that can listen there serves it and\n"
+         "                       is node 0, and rank 0's store then takes the port\n"
+         "  --rdzv-id ID         the job's id, the same on every node (default none)\n"
+         "  --rdzv-conf K=V,...  join_timeout=S: how long the nodes wait for one\n"
+         "                       another (default 600)\n"
+         "  --no-python          accepted from torchrun's command lines (fsdprun\n"
+         "                       always runs the program itself)\n"
          "  -h, --help           show this help and exit\n"
          "\n"
          "Each rank's environment: RANK, LOCAL_RANK, WORLD_SIZE, "
          "LOCAL_WORLD_SIZE,\n"
          "GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\n"
-         "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, and "
+         "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, and "
          "OMP_NUM_THREADS=1\n"
          "when N > 1 and it is not already set, and FSDPRUN_STDOUT_TTY=1 when\n"
          "fsdprun's stdout is a terminal (the ranks' own stdout is a pipe).\n"

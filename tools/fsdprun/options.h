@@ -12,6 +12,9 @@ namespace fsdp::launch {
 /// Everything fsdprun was asked to do, after defaults have been applied.
 struct LaunchOptions {
   int nproc_per_node = 1;
+  /// "" when --nproc-per-node was a number; else torchrun's "gpu", "cpu" or
+  /// "auto", which resolve_nproc_per_node() (device_count.h) turns into one.
+  std::string nproc_per_node_device;
   int nnodes = 1;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
@@ -22,8 +25,25 @@ struct LaunchOptions {
   int max_restarts = 0;
   double kill_timeout_s = 10.0;
   bool prefix_output = true;
+  /// torchrun's --rdzv-backend: "static" (each node given its --node-rank)
+  /// or "c10d" (node ranks assigned as the nodes join at the endpoint).
+  std::string rdzv_backend = "static";
+  /// The c10d rendezvous' host and port (--rdzv-endpoint; torchrun's
+  /// defaults: localhost, 29400). After it, rank 0's store serves that port.
+  std::string rdzv_host = "localhost";
+  int rdzv_port = 29400;
+  /// --rdzv-id: every node of the job must give the same (TORCHELASTIC_RUN_ID).
+  std::string rdzv_id = "none";
+  /// --rdzv-conf join_timeout: how long the nodes wait for one another.
+  double join_timeout_s = 600.0;
+  /// --local-ranks-filter: the local ranks whose output is shown (all when empty).
+  std::vector<int> local_ranks_filter;
   /// The program to run (looked up in PATH) followed by its own arguments.
   std::vector<std::string> command;
+
+  /// Whether this node's rank comes from the rendezvous (rendezvous.h):
+  /// the c10d backend across nodes.
+  bool assigns_node_ranks() const { return rdzv_backend == "c10d" && nnodes > 1; }
 };
 
 /// What parse_options() found: options to run with, a request for help, or
@@ -34,6 +54,8 @@ struct ParseResult {
   LaunchOptions options;
   /// For kError: one line naming the flag and the bad value.
   std::string error;
+  /// For kRun: flags accepted but ignored, as torchrun ignores them (one line each).
+  std::vector<std::string> warnings;
 };
 
 /// Parses argv (argv[0] excluded). Flags may be spelled with '-' or '_'
@@ -45,5 +67,8 @@ ParseResult parse_options(const std::vector<std::string>& args);
 /// The --help text: every flag, its default and the environment each rank
 /// receives.
 std::string usage_text();
+
+/// Every flag the parser knows, in its canonical '-' spelling.
+std::vector<std::string> flag_names();
 
 }  // namespace fsdp::launch

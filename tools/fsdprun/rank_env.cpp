@@ -48,6 +48,7 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& options, in
       {"MASTER_PORT", std::to_string(master_port)},
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", options.rdzv_id},
   };
   if (defaults_omp_num_threads(options, base_env)) {
     overrides["OMP_NUM_THREADS"] = "1";

@@ -110,6 +110,8 @@ void Supervisor::start_ranks(int restart_count) {
     const std::string prefix =
         options_.prefix_output ? "[rank" + std::to_string(rank.rank) + "]: " : std::string();
     rank.prefixers.assign(2, LinePrefixer(prefix));
+    const std::vector<int>& filter = options_.local_ranks_filter;
+    rank.shown = filter.empty() || std::find(filter.begin(), filter.end(), local) != filter.end();
     try {
       const SpawnedProcess child = spawn_process(
           options_.command,
@@ -235,7 +237,6 @@ void Supervisor::relay(Rank& rank, int stream) {
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
     return;
   }
-  OutputWriter& writer = stream == 0 ? out_ : err_;
   std::string lines;
   if (n > 0) {
     rank.prefixers[stream].feed(std::string_view(buffer, n), &lines);
@@ -245,7 +246,12 @@ void Supervisor::relay(Rank& rank, int stream) {
     ::close(rank.fds[stream]);
     rank.fds[stream] = -1;
   }
-  if (!lines.empty()) writer.write(lines);
+  emit(rank, stream, lines);
+}
+
+void Supervisor::emit(const Rank& rank, int stream, const std::string& lines) {
+  if (lines.empty() || !rank.shown) return;
+  (stream == 0 ? out_ : err_).write(lines);
 }
 
 void Supervisor::drain_outputs() {
@@ -263,7 +269,7 @@ void Supervisor::drain_outputs() {
       if (rank.fds[stream] >= 0) {
         std::string lines;
         rank.prefixers[stream].finish(&lines);
-        if (!lines.empty()) (stream == 0 ? out_ : err_).write(lines);
+        emit(rank, stream, lines);
         ::close(rank.fds[stream]);
         rank.fds[stream] = -1;
       }

@@ -60,6 +60,7 @@ class Supervisor {
     /// on the id may be reused, so the group is never signalled again.
     bool group_gone = false;
     int fds[2] = {-1, -1};                ///< stdout, stderr read ends.
+    bool shown = true;                    ///< Not filtered out by --local-ranks-filter.
     std::vector<LinePrefixer> prefixers;  ///< One per entry of fds.
   };
 
@@ -89,6 +90,9 @@ class Supervisor {
   /// Relays everything already buffered in the pipes without waiting, then
   /// flushes partial lines and closes every descriptor.
   void drain_outputs();
+  /// Writes a rank's relayed `lines` to fsdprun's stream `stream`, unless
+  /// --local-ranks-filter hides that rank.
+  void emit(const Rank& rank, int stream, const std::string& lines);
   /// Records `message` as the attempt's failure unless one is recorded.
   void record_failure(std::string message, int exit_code);
 

@@ -1,0 +1,438 @@
+#include "rendezvous.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+// Note [fsdprun's rendezvous]
+// torchrun's multi-node command is the same on every node (--rdzv-backend
+// c10d --rdzv-endpoint HOST:PORT, no --node-rank), which a batch script can
+// run everywhere. fsdprun does the same with a small protocol of its own:
+// - The node that can listen on the endpoint's port, with HOST one of its
+//   own addresses, serves the rendezvous (on every interface, as c10d's
+//   store: HOST may name another of its interfaces than the one the others
+//   reach) and is node 0, where rank 0 runs. Every other node (and a second
+//   fsdprun on the serving host, as in the tests) connects, retrying until
+//   the server is up.
+// - A joining node sends "FSDPRUN-RDZV 1", its FSDP_JOB_TOKEN, --rdzv-id,
+//   --nproc-per-node and --nnodes, a line each. The server refuses what
+//   differs from its own with one line naming it ("ERR ..."; the token in
+//   clear, as on every libfsdp connection: Note [Job token]) and goes on
+//   waiting; a connection that does not speak the protocol is closed.
+// - Once every node has joined, each hears "OK <node rank>", in the order
+//   they joined, and the server closes the port: rank 0's store then serves
+//   it (MASTER_PORT), so a job needs that one port between nodes, as with
+//   torchrun. A node that leaves before then gives up its place.
+// - Nodes wait at most --rdzv-conf join_timeout (600 s), saying every 30 s
+//   how many have joined; the node ranks stay the same across restarts.
+// Every node must start the same number of ranks (rank = node rank x
+// nproc + local rank), which torchrun does not require.
+
+namespace fsdp::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr char kMagic[] = "FSDPRUN-RDZV 1";
+constexpr int kJoinLines = 5;
+constexpr size_t kMaxJoinBytes = 4096;
+constexpr auto kJoinReadLimit = std::chrono::seconds(5);
+constexpr auto kProgressEvery = std::chrono::seconds(30);
+constexpr auto kRetryEvery = std::chrono::milliseconds(200);
+
+/// A socket closed when it goes out of scope.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  Socket(Socket&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Socket& operator=(Socket&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::exchange(other.fd_, -1);
+    }
+    return *this;
+  }
+  ~Socket() { reset(); }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+/// What a joining node says about itself.
+struct Join {
+  std::string token;
+  std::string run_id;
+  std::string nproc;
+  std::string nnodes;
+};
+
+std::string endpoint_of(const LaunchOptions& o) {
+  const bool v6 = o.rdzv_host.find(':') != std::string::npos;
+  return (v6 ? "[" + o.rdzv_host + "]" : o.rdzv_host) + ":" + std::to_string(o.rdzv_port);
+}
+
+std::string join_message(const LaunchOptions& o, const std::string& token) {
+  return std::string(kMagic) + "\n" + token + "\n" + o.rdzv_id + "\n" +
+         std::to_string(o.nproc_per_node) + "\n" + std::to_string(o.nnodes) + "\n";
+}
+
+/// A whole join message (kJoinLines lines), or nullopt if it is not one.
+std::optional<Join> parse_join(const std::string& text) {
+  std::istringstream lines(text);
+  std::string magic;
+  Join join;
+  if (!std::getline(lines, magic) || magic != kMagic) return std::nullopt;
+  if (!std::getline(lines, join.token) || !std::getline(lines, join.run_id) ||
+      !std::getline(lines, join.nproc) || !std::getline(lines, join.nnodes)) {
+    return std::nullopt;
+  }
+  return join;
+}
+
+/// Equal strings, in time independent of where they differ.
+bool same_secret(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+/// Why the serving node refuses `theirs`, or "".
+std::string why_refused(const Join& theirs, const LaunchOptions& ours, const std::string& token) {
+  if (!same_secret(theirs.token, token)) {
+    return "its FSDP_JOB_TOKEN differs from node 0's: export the same token on every node";
+  }
+  if (theirs.run_id != ours.rdzv_id) {
+    return "its --rdzv-id '" + theirs.run_id + "' differs from node 0's '" + ours.rdzv_id +
+           "' (another job's node?)";
+  }
+  if (theirs.nnodes != std::to_string(ours.nnodes)) {
+    return "its --nnodes " + theirs.nnodes + " differs from node 0's " +
+           std::to_string(ours.nnodes);
+  }
+  if (theirs.nproc != std::to_string(ours.nproc_per_node)) {
+    return "its --nproc-per-node " + theirs.nproc + " differs from node 0's " +
+           std::to_string(ours.nproc_per_node) + ": every node starts the same number of ranks";
+  }
+  return "";
+}
+
+/// Sends all of `text`, ignoring a peer that went away.
+void send_all(int fd, const std::string& text) {
+  size_t sent = 0;
+  while (sent < text.size()) {
+    const ssize_t n = ::send(fd, text.data() + sent, text.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    sent += static_cast<size_t>(n);
+  }
+}
+
+/// The peer's address, for messages.
+std::string peer_name(const sockaddr_storage& addr) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(addr).sin_addr, host, sizeof(host));
+  } else if (addr.ss_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr, host,
+                sizeof(host));
+  }
+  const std::string name = host;
+  // An IPv4 peer of the dual-stack listener, as it would write itself.
+  const std::string mapped = "::ffff:";
+  if (name.rfind(mapped, 0) == 0 && name.find('.') != std::string::npos) {
+    return name.substr(mapped.size());
+  }
+  return name;
+}
+
+/// The endpoint's addresses (numeric port).
+std::vector<sockaddr_storage> resolve(const LaunchOptions& o, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string port = std::to_string(o.rdzv_port);
+  if (const int rc = ::getaddrinfo(o.rdzv_host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    *error = "--rdzv-endpoint " + endpoint_of(o) + ": cannot resolve '" + o.rdzv_host + "' (" +
+             ::gai_strerror(rc) + ")";
+    return {};
+  }
+  std::vector<sockaddr_storage> out;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    sockaddr_storage s{};
+    std::memcpy(&s, a->ai_addr, a->ai_addrlen);
+    out.push_back(s);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
+socklen_t length_of(const sockaddr_storage& s) {
+  return s.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+}
+
+/// Whether `addr` is one of this host's addresses (binding it works).
+bool is_local(sockaddr_storage addr) {
+  Socket probe(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) return false;
+  if (addr.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6&>(addr).sin6_port = 0;
+  } else {
+    reinterpret_cast<sockaddr_in&>(addr).sin_port = 0;
+  }
+  return ::bind(probe.get(), reinterpret_cast<sockaddr*>(&addr), length_of(addr)) == 0;
+}
+
+/// A socket listening on every interface at `port` (IPv6 and IPv4 where the
+/// host has IPv6), or an invalid one (the port is taken: someone else serves).
+Socket listen_everywhere(int port) {
+  for (const int f : {AF_INET6, AF_INET}) {
+    Socket s(::socket(f, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!s.valid()) continue;
+    const int one = 1, zero = 0;
+    ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_storage any{};
+    if (f == AF_INET6) {
+      ::setsockopt(s.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
+      auto& a6 = reinterpret_cast<sockaddr_in6&>(any);
+      a6.sin6_family = AF_INET6;
+      a6.sin6_addr = in6addr_any;
+      a6.sin6_port = htons(static_cast<uint16_t>(port));
+    } else {
+      auto& a4 = reinterpret_cast<sockaddr_in&>(any);
+      a4.sin_family = AF_INET;
+      a4.sin_addr.s_addr = htonl(INADDR_ANY);
+      a4.sin_port = htons(static_cast<uint16_t>(port));
+    }
+    if (::bind(s.get(), reinterpret_cast<sockaddr*>(&any), length_of(any)) == 0 &&
+        ::listen(s.get(), 64) == 0) {
+      return s;
+    }
+    if (errno == EADDRINUSE) return Socket();
+  }
+  return Socket();
+}
+
+int ms_until(Clock::time_point t) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now());
+  return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 60000));
+}
+
+std::string seconds(double s) {
+  std::ostringstream out;
+  out << s;
+  return out.str();
+}
+
+/// Node 0: waits for the others on `listener`, then tells each its rank.
+int serve(Socket listener, const LaunchOptions& o, const std::string& token,
+          const std::function<void(const std::string&)>& progress, std::string* error) {
+  struct Pending {
+    Socket socket;
+    std::string received;
+    Clock::time_point since;
+    std::string peer;
+  };
+  std::vector<Pending> pending;
+  std::vector<Pending> joined;
+  const Clock::time_point deadline =
+      Clock::now() +
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.join_timeout_s));
+  Clock::time_point next_progress = Clock::now() + kProgressEvery;
+  const size_t others = static_cast<size_t>(o.nnodes - 1);
+  const auto joined_line = [&] {
+    return std::to_string(joined.size() + 1) + " of " + std::to_string(o.nnodes) +
+           " nodes have joined";
+  };
+  progress("fsdprun: node 0 serves the rendezvous at " + endpoint_of(o) + "; waiting for " +
+           std::to_string(others) + " more node(s)");
+  while (joined.size() < others) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
+      for (Pending& p : joined) send_all(p.socket.get(), "ERR the rendezvous timed out\n");
+      *error = "the rendezvous at " + endpoint_of(o) + " timed out after " +
+               seconds(o.join_timeout_s) + " s: " + joined_line() +
+               ". Start fsdprun on every node with the same --nnodes, --rdzv-endpoint and "
+               "FSDP_JOB_TOKEN, or raise --rdzv-conf join_timeout";
+      return -1;
+    }
+    if (now >= next_progress) {
+      progress("fsdprun: rendezvous at " + endpoint_of(o) + ": " + joined_line() + ", waiting " +
+               seconds(std::chrono::duration<double>(deadline - now).count()) + " s more");
+      next_progress = now + kProgressEvery;
+    }
+    std::vector<pollfd> fds{{listener.get(), POLLIN, 0}};
+    for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
+    for (const Pending& p : joined) fds.push_back({p.socket.get(), POLLIN, 0});
+    Clock::time_point wake = std::min(deadline, next_progress);
+    for (const Pending& p : pending) wake = std::min(wake, p.since + kJoinReadLimit);
+    if (::poll(fds.data(), fds.size(), std::max(ms_until(wake), 1)) < 0 && errno != EINTR) {
+      *error = std::string("rendezvous: poll failed: ") + std::strerror(errno);
+      return -1;
+    }
+    // A joined node that hangs up (its fsdprun stopped) gives up its place.
+    for (size_t k = joined.size(); k-- > 0;) {
+      if (fds[1 + pending.size() + k].revents == 0) continue;
+      char byte;
+      if (::recv(joined[k].socket.get(), &byte, 1, MSG_DONTWAIT) <= 0) {
+        progress("fsdprun: the node from " + joined[k].peer + " left before the job was whole");
+        joined.erase(joined.begin() + static_cast<long>(k));
+      }
+    }
+    for (size_t k = pending.size(); k-- > 0;) {
+      Pending& p = pending[k];
+      bool done = Clock::now() - p.since > kJoinReadLimit;
+      if (!done && fds[1 + k].revents != 0) {
+        char buffer[1024];
+        const ssize_t n = ::recv(p.socket.get(), buffer, sizeof(buffer), MSG_DONTWAIT);
+        if (n > 0) p.received.append(buffer, static_cast<size_t>(n));
+        done = n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR) ||
+               p.received.size() > kMaxJoinBytes;
+      }
+      if (!done && std::count(p.received.begin(), p.received.end(), '\n') >= kJoinLines) {
+        done = true;
+        if (const std::optional<Join> join = parse_join(p.received)) {
+          const std::string why = why_refused(*join, o, token);
+          if (why.empty()) {
+            joined.push_back(std::move(p));
+          } else {
+            send_all(p.socket.get(), "ERR node 0 refused this node: " + why + "\n");
+            progress("fsdprun: refused the node from " + p.peer + ": " + why);
+          }
+        }
+      }
+      if (done) pending.erase(pending.begin() + static_cast<long>(k));
+    }
+    if ((fds[0].revents & POLLIN) != 0) {
+      sockaddr_storage peer{};
+      socklen_t length = sizeof(peer);
+      Socket s(
+          ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC));
+      if (s.valid()) pending.push_back({std::move(s), "", Clock::now(), peer_name(peer)});
+    }
+  }
+  // The port goes to rank 0's store before anyone learns its rank.
+  listener.reset();
+  for (size_t k = 0; k < joined.size(); ++k) {
+    send_all(joined[k].socket.get(), "OK " + std::to_string(k + 1) + "\n");
+  }
+  return 0;
+}
+
+/// A connection to the endpoint, or an invalid socket (nobody listens yet).
+Socket connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_point deadline) {
+  for (const sockaddr_storage& a : addresses) {
+    Socket s(::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!s.valid()) continue;
+    if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&a), length_of(a)) != 0) {
+      if (errno != EINPROGRESS) continue;
+      pollfd pfd{s.get(), POLLOUT, 0};
+      const auto limit = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+      if (::poll(&pfd, 1, std::max(ms_until(limit), 1)) <= 0) continue;
+      int so_error = 0;
+      socklen_t length = sizeof(so_error);
+      ::getsockopt(s.get(), SOL_SOCKET, SO_ERROR, &so_error, &length);
+      if (so_error != 0) continue;
+    }
+    return s;
+  }
+  return Socket();
+}
+
+/// Any other node: joins node 0's rendezvous and reads its rank.
+int join(const std::vector<sockaddr_storage>& addresses, const LaunchOptions& o,
+         const std::string& token, const std::function<void(const std::string&)>& progress,
+         std::string* error) {
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(o.join_timeout_s));
+  Clock::time_point next_progress = start + kProgressEvery;
+  Socket s;
+  while (!(s = connect_to(addresses, deadline)).valid()) {
+    if (Clock::now() >= deadline) {
+      *error = "no rendezvous at " + endpoint_of(o) + " after " + seconds(o.join_timeout_s) +
+               " s: the node that serves it (the one with that address) has not started "
+               "fsdprun with --rdzv-backend c10d, or the port is blocked between nodes";
+      return -1;
+    }
+    if (Clock::now() >= next_progress) {
+      progress("fsdprun: waiting for the rendezvous at " + endpoint_of(o) +
+               " (served by the node with that address)");
+      next_progress = Clock::now() + kProgressEvery;
+    }
+    std::this_thread::sleep_for(kRetryEvery);
+  }
+  send_all(s.get(), join_message(o, token));
+  progress("fsdprun: joined the rendezvous at " + endpoint_of(o) + "; waiting for the other nodes");
+  std::string reply;
+  while (reply.find('\n') == std::string::npos) {
+    if (Clock::now() >= deadline) {
+      *error = "the rendezvous at " + endpoint_of(o) + " did not complete within " +
+               seconds(o.join_timeout_s) + " s (nodes missing?)";
+      return -1;
+    }
+    pollfd pfd{s.get(), POLLIN, 0};
+    if (::poll(&pfd, 1, std::max(ms_until(deadline), 1)) <= 0) continue;
+    char buffer[512];
+    const ssize_t n = ::recv(s.get(), buffer, sizeof(buffer), 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) {
+      *error = "the rendezvous endpoint " + endpoint_of(o) +
+               " closed the connection without a node rank: another program holds the port, "
+               "or the job started without this node";
+      return -1;
+    }
+    reply.append(buffer, static_cast<size_t>(n));
+  }
+  reply.resize(reply.find('\n'));
+  if (reply.rfind("OK ", 0) == 0) {
+    const int rank = std::atoi(reply.c_str() + 3);
+    if (rank >= 1 && rank < o.nnodes) return rank;
+  }
+  *error = reply.rfind("ERR ", 0) == 0 ? reply.substr(4)
+                                       : "the rendezvous endpoint " + endpoint_of(o) +
+                                             " answered something else than fsdprun's protocol";
+  return -1;
+}
+
+}  // namespace
+
+int join_rendezvous(const LaunchOptions& options, const std::string& token,
+                    const std::function<void(const std::string&)>& progress, std::string* error) {
+  if (token.find('\n') != std::string::npos) {
+    *error = "FSDP_JOB_TOKEN must be one line";
+    return -1;
+  }
+  const std::vector<sockaddr_storage> addresses = resolve(options, error);
+  if (addresses.empty()) return -1;
+  const bool local = std::any_of(addresses.begin(), addresses.end(), is_local);
+  if (local) {
+    Socket listener = listen_everywhere(options.rdzv_port);
+    if (listener.valid()) return serve(std::move(listener), options, token, progress, error);
+  }
+  return join(addresses, options, token, progress, error);
+}
+
+}  // namespace fsdp::launch
