@@ -59,6 +59,9 @@ if [[ -z ${GPU_BUILD_DIR:-} ]]; then
 fi
 if [[ ${GPU_CHECK_TESTS:-1} != 0 ]]; then
   step ctest_cuda 180 ctest --test-dir "$build" -L cuda -j "${GPU_CHECK_JOBS:-3}" --output-on-failure
+  # torchrun's --nproc-per-node gpu: fsdprun asks the CUDA driver (libcuda.so.1).
+  step fsdprun_nproc_gpu 60 "$build/bin/fsdprun" --nproc-per-node gpu "$build/bin/train_gpt" \
+    --steps 2 --eval-interval 2 --device cuda
 fi
 data=(--steps 30 --eval-interval 10 --bf16 --device cuda)
 if [[ ${GPU_CHECK_TRAIN:-1} != 0 ]]; then

@@ -64,8 +64,9 @@ bool resolve_nproc_per_node(LaunchOptions* options, const std::function<int(std:
     }
     const bool on_gpus = device != "cpu" && gpu_count > 0;
     options->nproc_per_node = on_gpus ? gpu_count : cpus;
-    *note = "--nproc-per-node " + device + ": " + std::to_string(options->nproc_per_node) +
-            " ranks, one per " + (on_gpus ? "visible CUDA GPU" : "usable CPU");
+    const int n = options->nproc_per_node;
+    *note = "--nproc-per-node " + device + ": " + std::to_string(n) + (n == 1 ? " rank" : " ranks") +
+            ", one per " + (on_gpus ? "visible CUDA GPU" : "usable CPU");
   }
   for (const int local_rank : options->local_ranks_filter) {
     if (local_rank >= options->nproc_per_node) {
