@@ -114,15 +114,17 @@ TEST(FsdprunRendezvous, RefusedNodesAndAMissingOneSayWhy) {
   LauncherProcess server(node_args(port, 2, 1, "--rdzv-conf=join_timeout=4"),
                          {{"FSDP_JOB_TOKEN", kToken}});
   ASSERT_TRUE(listening(port));
-  const RunResult stranger =
-      run_launcher(node_args(port, 2, 1), {{"FSDP_JOB_TOKEN", "another-token"}}, 20s);
+  // Their own limit (10 s) is past the server's, so that a slow machine fails
+  // the test with the server's error, not theirs.
+  const RunResult stranger = run_launcher(node_args(port, 2, 1, "--rdzv-conf=join_timeout=10"),
+                                          {{"FSDP_JOB_TOKEN", "another-token"}}, 20s);
   EXPECT_EQ(stranger.exit_code, 1) << describe(stranger);
   EXPECT_NE(stranger.err.find("fsdprun: error: node 0 refused this node: its FSDP_JOB_TOKEN "
                               "differs from node 0's: export the same token on every node"),
             std::string::npos)
       << describe(stranger);
-  std::vector<std::string> other_job = node_args(port, 2, 1);
-  other_job[other_job.size() - 3] = "job8";  // --rdzv-id's value
+  std::vector<std::string> other_job = node_args(port, 2, 1, "--rdzv-conf=join_timeout=10");
+  other_job[other_job.size() - 4] = "job8";  // --rdzv-id's value
   const RunResult other = run_launcher(other_job, {{"FSDP_JOB_TOKEN", kToken}}, 20s);
   EXPECT_EQ(other.exit_code, 1) << describe(other);
   EXPECT_NE(other.err.find("its --rdzv-id 'job8' differs from node 0's 'job7'"), std::string::npos)
@@ -137,6 +139,42 @@ TEST(FsdprunRendezvous, RefusedNodesAndAMissingOneSayWhy) {
             std::string::npos)
       << describe(r);
   EXPECT_TRUE(parse_env(r.out).empty()) << "no rank may start: " << describe(r);
+}
+
+// One node too many: the job forms with the first two, and the third is
+// refused (it came in the same turn), or finds the port let go: on this host
+// it then serves a rendezvous of its own, which times out (rank 0's store,
+// which would hold the port in a real job, is absent here); on another it
+// finds nothing, or rank 0's store, which closes the connection. It ends
+// within its join_timeout, saying so, and starts no rank.
+TEST(FsdprunRendezvous, OneNodeTooManyIsTurnedAway) {
+  const int port = fsdp::testing::free_port();
+  const std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", kToken}};
+  LauncherProcess server(node_args(port, 2, 1), env);
+  ASSERT_TRUE(listening(port));
+  LauncherProcess a(node_args(port, 2, 1, "--rdzv-conf=join_timeout=3"), env);
+  LauncherProcess b(node_args(port, 2, 1, "--rdzv-conf=join_timeout=3"), env);
+  const RunResult r = server.wait(20s);
+  ASSERT_EQ(r.exit_code, 0) << describe(r);
+  EXPECT_EQ(parse_env(r.out).size(), 1u) << describe(r);
+  int joined = 0;
+  for (LauncherProcess* node : {&a, &b}) {
+    const RunResult n = node->wait(20s);
+    ASSERT_FALSE(n.timed_out) << describe(n);
+    if (n.exit_code == 0) {
+      ++joined;
+      EXPECT_NE(n.err.find("node rank 1 of 2"), std::string::npos) << describe(n);
+      continue;
+    }
+    EXPECT_EQ(n.exit_code, 1) << describe(n);
+    const bool said_why = n.err.find("this one is too many") != std::string::npos ||
+                          n.err.find("no rendezvous at") != std::string::npos ||
+                          n.err.find("without a node rank") != std::string::npos ||
+                          n.err.find("timed out after 3 s: 1 of 2") != std::string::npos;
+    EXPECT_TRUE(said_why) << describe(n);
+    EXPECT_TRUE(parse_env(n.out).empty()) << describe(n);
+  }
+  EXPECT_EQ(joined, 1);
 }
 
 // The endpoint's port held by something else: bound and not listening (no

@@ -153,6 +153,7 @@ TEST(FsdprunOptions, TorchrunsC10dRendezvous) {
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
   EXPECT_EQ(r.options.rdzv_host, "localhost");
   EXPECT_EQ(r.options.rdzv_port, 29400);
+  EXPECT_TRUE(mentions(r.warnings, "reaches no other host"));
 
   // IPv6, and one node: the endpoint is simply rank 0's (port 0: a free one).
   r = parse_options({"--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]:1234", "p"});
@@ -164,12 +165,16 @@ TEST(FsdprunOptions, TorchrunsC10dRendezvous) {
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
   EXPECT_FALSE(r.options.master_port.has_value());
 
-  // join_timeout is read; the store's other settings are ignored, saying so.
-  r = parse_options({"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5",
-                     "--rdzv-conf", "join_timeout=5,read_timeout=3", "p"});
+  // join_timeout and is_host are read; the store's other settings are
+  // ignored, saying so. torchrun's --nnodes N:N is N.
+  r = parse_options({"--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5",
+                     "--rdzv-conf", "join_timeout=5,read_timeout=3,is_host=true", "p"});
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.nnodes, 2);
   EXPECT_DOUBLE_EQ(r.options.join_timeout_s, 5.0);
+  EXPECT_EQ(r.options.rdzv_is_host, true);
   EXPECT_TRUE(mentions(r.warnings, "'read_timeout' is ignored"));
+  EXPECT_FALSE(parse_options({"p"}).options.rdzv_is_host.has_value());
 
   // --master-addr with c10d: ignored, as torchrun.
   r = parse_options(
@@ -216,6 +221,10 @@ TEST(FsdprunOptions, BadRendezvousFlagsNameTheFix) {
             std::string::npos);
   EXPECT_NE(error_of({"--rdzv-conf", "join_timeout=0", "p"}).find("join_timeout"),
             std::string::npos);
+  EXPECT_NE(error_of({"--rdzv-conf", "is_host=maybe", "p"}).find("is_host must be 1 or 0"),
+            std::string::npos);
+  EXPECT_NE(error_of({"--nnodes", "1:4", "p"}).find("MIN:MAX only with MIN == MAX"),
+            std::string::npos);
   EXPECT_NE(error_of({"--rdzv-id", "", "p"}).find("non-empty"), std::string::npos);
   EXPECT_NE(error_of({"--nproc-per-node", "gpus", "p"}).find("gpu, cpu or auto"),
             std::string::npos);
@@ -228,10 +237,12 @@ TEST(FsdprunOptions, BadRendezvousFlagsNameTheFix) {
 
 // torchrun's --nproc-per-node gpu, cpu and auto, counted by visible_cuda_gpus
 // and usable_cpus (here, a machine of 4 GPUs and 16 CPUs, or none), and
-// --local-ranks-filter checked against the count.
+// --local-ranks-filter ranks the node has not (ignored with a note, as
+// torchrun ignores them).
 TEST(FsdprunOptions, NprocPerNodeByDevice) {
-  const auto resolved = [](const std::string& device, int gpus, std::string* note,
-                           std::string* error, std::vector<int> filter = {}) {
+  std::vector<std::string> notes;
+  std::string error;
+  const auto resolved = [&](const std::string& device, int gpus, std::vector<int> filter = {}) {
     ParseResult r = parse_options({"--nproc-per-node", device, "p"});
     EXPECT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
     r.options.local_ranks_filter = std::move(filter);
@@ -239,25 +250,28 @@ TEST(FsdprunOptions, NprocPerNodeByDevice) {
       if (gpus == 0) *why = "no CUDA driver";
       return gpus;
     };
-    return resolve_nproc_per_node(&r.options, count, 16, note, error) ? r.options.nproc_per_node
-                                                                      : -1;
+    return resolve_nproc_per_node(&r.options, count, 16, &notes, &error) ? r.options.nproc_per_node
+                                                                         : -1;
   };
-  std::string note, error;
-  EXPECT_EQ(resolved("gpu", 4, &note, &error), 4);
-  EXPECT_EQ(note, "--nproc-per-node gpu: 4 ranks, one per visible CUDA GPU");
-  EXPECT_EQ(resolved("auto", 4, &note, &error), 4);
-  EXPECT_EQ(resolved("auto", 0, &note, &error), 16);
-  EXPECT_EQ(note, "--nproc-per-node auto: 16 ranks, one per usable CPU");
-  EXPECT_EQ(resolved("cpu", 4, &note, &error), 16);
-  EXPECT_EQ(resolved("3", 4, &note, &error), 3);
-  EXPECT_EQ(note, "");
-  EXPECT_EQ(resolved("gpu", 0, &note, &error), -1);
+  using Lines = std::vector<std::string>;
+  EXPECT_EQ(resolved("gpu", 4), 4);
+  EXPECT_EQ(notes, Lines{"--nproc-per-node gpu: 4 ranks, one per visible CUDA GPU"});
+  EXPECT_EQ(resolved("auto", 4), 4);
+  EXPECT_EQ(resolved("auto", 1), 1);
+  EXPECT_EQ(notes, Lines{"--nproc-per-node auto: 1 rank, one per visible CUDA GPU"});
+  EXPECT_EQ(resolved("auto", 0), 16);
+  EXPECT_EQ(notes, Lines{"--nproc-per-node auto: 16 ranks, one per usable CPU"});
+  EXPECT_EQ(resolved("cpu", 4), 16);
+  EXPECT_EQ(resolved("3", 4), 3);
+  EXPECT_TRUE(notes.empty());
+  EXPECT_EQ(resolved("gpu", 0), -1);
   EXPECT_EQ(error,
             "--nproc-per-node gpu: no CUDA GPU is visible (no CUDA driver); give a number of ranks "
             "instead");
-  EXPECT_EQ(resolved("gpu", 4, &note, &error, {0, 3}), 4);
-  EXPECT_EQ(resolved("gpu", 2, &note, &error, {0, 3}), -1);
-  EXPECT_EQ(error, "--local-ranks-filter: local rank 3 does not exist on a node of 2 ranks");
+  EXPECT_EQ(resolved("gpu", 4, {0, 3}), 4);
+  EXPECT_EQ(notes.size(), 1u);
+  EXPECT_EQ(resolved("gpu", 2, {0, 3}), 2);
+  EXPECT_EQ(notes.back(), "--local-ranks-filter: this node has no local rank 3 (2 ranks)");
   EXPECT_GE(usable_cpus(), 1);
 }
 

@@ -51,9 +51,9 @@ int usable_cpus() {
 }
 
 bool resolve_nproc_per_node(LaunchOptions* options, const std::function<int(std::string*)>& gpus,
-                            int cpus, std::string* note, std::string* error) {
+                            int cpus, std::vector<std::string>* notes, std::string* error) {
   const std::string device = options->nproc_per_node_device;
-  note->clear();
+  notes->clear();
   if (!device.empty()) {
     std::string why;
     const int gpu_count = device == "cpu" ? 0 : gpus(&why);
@@ -65,14 +65,15 @@ bool resolve_nproc_per_node(LaunchOptions* options, const std::function<int(std:
     const bool on_gpus = device != "cpu" && gpu_count > 0;
     options->nproc_per_node = on_gpus ? gpu_count : cpus;
     const int n = options->nproc_per_node;
-    *note = "--nproc-per-node " + device + ": " + std::to_string(n) + (n == 1 ? " rank" : " ranks") +
-            ", one per " + (on_gpus ? "visible CUDA GPU" : "usable CPU");
+    notes->push_back("--nproc-per-node " + device + ": " + std::to_string(n) +
+                     (n == 1 ? " rank" : " ranks") + ", one per " +
+                     (on_gpus ? "visible CUDA GPU" : "usable CPU"));
   }
   for (const int local_rank : options->local_ranks_filter) {
     if (local_rank >= options->nproc_per_node) {
-      *error = "--local-ranks-filter: local rank " + std::to_string(local_rank) +
-               " does not exist on a node of " + std::to_string(options->nproc_per_node) + " ranks";
-      return false;
+      notes->push_back("--local-ranks-filter: this node has no local rank " +
+                       std::to_string(local_rank) + " (" + std::to_string(options->nproc_per_node) +
+                       " ranks)");
     }
   }
   return true;

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "options.h"
 
@@ -18,11 +19,11 @@ int visible_cuda_gpus(std::string* why);
 int usable_cpus();
 
 /// Turns --nproc-per-node gpu, cpu or auto into a number of ranks, counting
-/// GPUs with `gpus` (visible_cuda_gpus, or a test's); then checks
-/// --local-ranks-filter against it. On success `note` says what was counted
-/// ("" for a number given); false with a one-line `error` otherwise (gpu on
-/// a node without one, a filtered local rank that does not exist).
+/// GPUs with `gpus` (visible_cuda_gpus, or a test's); `notes` (cleared) gets
+/// a line saying what was counted, and one for each --local-ranks-filter
+/// rank this node has not (ignored, as torchrun does). False with a
+/// one-line `error` for gpu on a node without one.
 bool resolve_nproc_per_node(LaunchOptions* options, const std::function<int(std::string*)>& gpus,
-                            int cpus, std::string* note, std::string* error);
+                            int cpus, std::vector<std::string>* notes, std::string* error);
 
 }  // namespace fsdp::launch

@@ -57,12 +57,13 @@ int launch(LaunchOptions options) {
   OutputWriter out(STDOUT_FILENO);
   OutputWriter err(STDERR_FILENO);
 
-  std::string note, nproc_error;
-  if (!resolve_nproc_per_node(&options, visible_cuda_gpus, usable_cpus(), &note, &nproc_error)) {
+  std::vector<std::string> notes;
+  std::string nproc_error;
+  if (!resolve_nproc_per_node(&options, visible_cuda_gpus, usable_cpus(), &notes, &nproc_error)) {
     err.write("fsdprun: error: " + nproc_error + "\n");
     return kUsageExitCode;
   }
-  if (!note.empty()) err.write("fsdprun: " + note + "\n");
+  for (const std::string& note : notes) err.write("fsdprun: " + note + "\n");
 
   // See Note [Job token] (src/rendezvous/job_token.cpp): before anything is started.
   std::vector<std::string> base_env = environment_from(environ);
@@ -75,13 +76,16 @@ int launch(LaunchOptions options) {
   // Before the signal handlers: until ranks run, a signal just ends fsdprun.
   if (options.assigns_node_ranks()) {
     std::string rendezvous_error;
-    options.node_rank = join_rendezvous(
-        options, env_value(base_env, "FSDP_JOB_TOKEN"),
-        [&err](const std::string& line) { err.write(line + "\n"); }, &rendezvous_error);
-    if (options.node_rank < 0) {
+    Assignment assignment;
+    if (!join_rendezvous(
+            options, env_value(base_env, "FSDP_JOB_TOKEN"),
+            [&err](const std::string& line) { err.write(line + "\n"); }, &assignment,
+            &rendezvous_error)) {
       err.write("fsdprun: error: " + rendezvous_error + "\n");
       return 1;
     }
+    options.node_rank = assignment.node_rank;
+    options.master_addr = assignment.master_addr;
     err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
               std::to_string(options.nnodes) + "\n");
   }

@@ -198,10 +198,15 @@ ParseResult parse_options(const std::vector<std::string>& args) {
         break;
       }
       case Flag::kNnodes: {
+        // torchrun's MIN:MAX with MIN == MAX is a fixed count.
+        const size_t colon = value->find(':');
+        if (colon != std::string::npos && value->substr(0, colon) == value->substr(colon + 1)) {
+          *value = value->substr(0, colon);
+        }
         auto n = parse_int(*value, 1, 1 << 20);
         if (!n) {
           return error_result(
-              bad_value(name, *value, "must be an integer >= 1; MIN:MAX is unsupported"));
+              bad_value(name, *value, "must be an integer >= 1; MIN:MAX only with MIN == MAX"));
         }
         opts.nnodes = static_cast<int>(*n);
         nnodes_given = true;
@@ -289,9 +294,19 @@ ParseResult parse_options(const std::vector<std::string>& args) {
                   bad_value(name, *value, "join_timeout must be a number of seconds > 0"));
             }
             opts.join_timeout_s = *seconds;
+          } else if (key == "is_host") {
+            // torchrun's spellings of a boolean.
+            if (setting == "1" || setting == "true" || setting == "True" || setting == "yes") {
+              opts.rdzv_is_host = true;
+            } else if (setting == "0" || setting == "false" || setting == "False" ||
+                       setting == "no") {
+              opts.rdzv_is_host = false;
+            } else {
+              return error_result(bad_value(name, *value, "is_host must be 1 or 0"));
+            }
           } else if (!key.empty()) {
             result.warnings.push_back(name + ": '" + key +
-                                      "' is ignored (fsdprun reads join_timeout only)");
+                                      "' is ignored (fsdprun reads join_timeout and is_host)");
           }
         }
         break;
@@ -358,6 +373,11 @@ ParseResult parse_options(const std::vector<std::string>& args) {
       if (opts.rdzv_port == 0) {
         return error_result(bad_value("--rdzv-endpoint", endpoint.value_or(""),
                                       "a job of several nodes needs a port every node knows"));
+      }
+      if (!endpoint) {
+        result.warnings.push_back(
+            "--rdzv-backend c10d without --rdzv-endpoint meets at localhost:29400, which "
+            "reaches no other host: name node 0's host there");
       }
       if (node_rank_given) {
         result.warnings.push_back(

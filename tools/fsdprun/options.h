@@ -36,6 +36,9 @@ struct LaunchOptions {
   std::string rdzv_id = "none";
   /// --rdzv-conf join_timeout: how long the nodes wait for one another.
   double join_timeout_s = 600.0;
+  /// --rdzv-conf is_host: whether this node serves the rendezvous (unset:
+  /// the node whose address the endpoint names).
+  std::optional<bool> rdzv_is_host;
   /// --local-ranks-filter: the local ranks whose output is shown (all when empty).
   std::vector<int> local_ranks_filter;
   /// The program to run (looked up in PATH) followed by its own arguments.

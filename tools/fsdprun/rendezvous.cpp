@@ -22,24 +22,32 @@
 // c10d --rdzv-endpoint HOST:PORT, no --node-rank), which a batch script can
 // run everywhere. fsdprun does the same with a small protocol of its own:
 // - The node that can listen on the endpoint's port, with HOST one of its
-//   own addresses, serves the rendezvous (on every interface, as c10d's
-//   store: HOST may name another of its interfaces than the one the others
-//   reach) and is node 0, where rank 0 runs. Every other node (and a second
-//   fsdprun on the serving host, as in the tests) connects, retrying until
-//   the server is up.
+//   own addresses (or --rdzv-conf is_host=1, as torchrun's), serves the
+//   rendezvous, on every interface as c10d's store, and is node 0, where
+//   rank 0 runs. Every other node (and a second fsdprun on the serving
+//   host, as in the tests) connects, resolving HOST and retrying until the
+//   server is up.
 // - A joining node sends "FSDPRUN-RDZV 1", its FSDP_JOB_TOKEN, --rdzv-id,
 //   --nproc-per-node and --nnodes, a line each. The server refuses what
 //   differs from its own with one line naming it ("ERR ..."; the token in
 //   clear, as on every libfsdp connection: Note [Job token]) and goes on
 //   waiting; a connection that does not speak the protocol is closed.
-// - Once every node has joined, each hears "OK <node rank>", in the order
-//   they joined, and the server closes the port: rank 0's store then serves
-//   it (MASTER_PORT), so a job needs that one port between nodes, as with
-//   torchrun. A node that leaves before then gives up its place.
+// - Once every node has joined, each hears "OK <node rank> <MASTER_ADDR>",
+//   in the order they joined (one more node is refused), and the server
+//   closes the port: rank 0's store then serves it (MASTER_PORT), so a job
+//   needs that one port between nodes, as with torchrun. A node that leaves
+//   before then gives up its place. MASTER_ADDR is HOST, unless HOST names
+//   only loopback addresses on node 0 while the others came from elsewhere
+//   (Debian's /etc/hosts maps a host's own name to 127.0.1.1): the store,
+//   which listens on MASTER_ADDR, then gets the address they reached.
 // - Nodes wait at most --rdzv-conf join_timeout (600 s), saying every 30 s
-//   how many have joined; the node ranks stay the same across restarts.
+//   how it stands; the node ranks stay the same across restarts.
 // Every node must start the same number of ranks (rank = node rank x
-// nproc + local rank), which torchrun does not require.
+// nproc + local rank), which torchrun does not require. A node that comes
+// after the job formed finds rank 0's store on the port (it closes the
+// connection: an error), or, on node 0's own host in the moment before the
+// store listens, takes the port to serve a rendezvous of its own: several
+// "nodes" on one host are for tests.
 
 namespace fsdp::launch {
 namespace {
@@ -52,6 +60,7 @@ constexpr size_t kMaxJoinBytes = 4096;
 constexpr auto kJoinReadLimit = std::chrono::seconds(5);
 constexpr auto kProgressEvery = std::chrono::seconds(30);
 constexpr auto kRetryEvery = std::chrono::milliseconds(200);
+constexpr size_t kMaxPending = 64;  // connections still saying who they are
 
 /// A socket closed when it goes out of scope.
 class Socket {
@@ -209,7 +218,9 @@ bool is_local(sockaddr_storage addr) {
 /// host has IPv6), or an invalid one (the port is taken: someone else serves).
 Socket listen_everywhere(int port) {
   for (const int f : {AF_INET6, AF_INET}) {
-    Socket s(::socket(f, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    // Non-blocking: a connection gone between poll() and accept() must not
+    // stop the loop.
+    Socket s(::socket(f, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!s.valid()) continue;
     const int one = 1, zero = 0;
     ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -246,20 +257,35 @@ std::string seconds(double s) {
   return out.str();
 }
 
-/// Node 0: waits for the others on `listener`, then tells each its rank.
-int serve(Socket listener, const LaunchOptions& o, const std::string& token,
-          const std::function<void(const std::string&)>& progress, std::string* error) {
+/// Whether `addr` is a loopback address (127/8, ::1, or IPv4-mapped 127/8).
+bool is_loopback(const sockaddr_storage& addr) {
+  if (addr.ss_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in&>(addr).sin_addr.s_addr) >> 24) == 127;
+  }
+  const in6_addr& a6 = reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr;
+  return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
+}
+
+Clock::time_point deadline_of(const LaunchOptions& o) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(o.join_timeout_s));
+}
+
+/// Node 0: waits for the others on `listener`, then tells each its rank and
+/// where the ranks meet.
+bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const LaunchOptions& o,
+           const std::string& token, const std::function<void(const std::string&)>& progress,
+           Assignment* assignment, std::string* error) {
   struct Pending {
     Socket socket;
     std::string received;
     Clock::time_point since;
-    std::string peer;
+    sockaddr_storage peer{};
+    sockaddr_storage reached{};  // this node's address as the peer reached it
   };
   std::vector<Pending> pending;
   std::vector<Pending> joined;
-  const Clock::time_point deadline =
-      Clock::now() +
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.join_timeout_s));
+  const Clock::time_point deadline = deadline_of(o);
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
   const size_t others = static_cast<size_t>(o.nnodes - 1);
   const auto joined_line = [&] {
@@ -276,7 +302,7 @@ int serve(Socket listener, const LaunchOptions& o, const std::string& token,
                seconds(o.join_timeout_s) + " s: " + joined_line() +
                ". Start fsdprun on every node with the same --nnodes, --rdzv-endpoint and "
                "FSDP_JOB_TOKEN, or raise --rdzv-conf join_timeout";
-      return -1;
+      return false;
     }
     if (now >= next_progress) {
       progress("fsdprun: rendezvous at " + endpoint_of(o) + ": " + joined_line() + ", waiting " +
@@ -284,27 +310,31 @@ int serve(Socket listener, const LaunchOptions& o, const std::string& token,
       next_progress = now + kProgressEvery;
     }
     std::vector<pollfd> fds{{listener.get(), POLLIN, 0}};
-    for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
     for (const Pending& p : joined) fds.push_back({p.socket.get(), POLLIN, 0});
+    for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
     Clock::time_point wake = std::min(deadline, next_progress);
     for (const Pending& p : pending) wake = std::min(wake, p.since + kJoinReadLimit);
     if (::poll(fds.data(), fds.size(), std::max(ms_until(wake), 1)) < 0 && errno != EINTR) {
       *error = std::string("rendezvous: poll failed: ") + std::strerror(errno);
-      return -1;
+      return false;
     }
     // A joined node that hangs up (its fsdprun stopped) gives up its place.
-    for (size_t k = joined.size(); k-- > 0;) {
-      if (fds[1 + pending.size() + k].revents == 0) continue;
+    std::vector<Pending> staying;
+    for (size_t k = 0; k < joined.size(); ++k) {
       char byte;
-      if (::recv(joined[k].socket.get(), &byte, 1, MSG_DONTWAIT) <= 0) {
-        progress("fsdprun: the node from " + joined[k].peer + " left before the job was whole");
-        joined.erase(joined.begin() + static_cast<long>(k));
+      if (fds[1 + k].revents != 0 && ::recv(joined[k].socket.get(), &byte, 1, MSG_DONTWAIT) <= 0) {
+        progress("fsdprun: the node from " + peer_name(joined[k].peer) +
+                 " left before the job was whole");
+        continue;
       }
+      staying.push_back(std::move(joined[k]));
     }
-    for (size_t k = pending.size(); k-- > 0;) {
+    // Joining nodes, in the order they connected.
+    std::vector<Pending> waiting;
+    for (size_t k = 0; k < pending.size(); ++k) {
       Pending& p = pending[k];
       bool done = Clock::now() - p.since > kJoinReadLimit;
-      if (!done && fds[1 + k].revents != 0) {
+      if (!done && fds[1 + joined.size() + k].revents != 0) {
         char buffer[1024];
         const ssize_t n = ::recv(p.socket.get(), buffer, sizeof(buffer), MSG_DONTWAIT);
         if (n > 0) p.received.append(buffer, static_cast<size_t>(n));
@@ -314,31 +344,57 @@ int serve(Socket listener, const LaunchOptions& o, const std::string& token,
       if (!done && std::count(p.received.begin(), p.received.end(), '\n') >= kJoinLines) {
         done = true;
         if (const std::optional<Join> join = parse_join(p.received)) {
-          const std::string why = why_refused(*join, o, token);
-          if (why.empty()) {
-            joined.push_back(std::move(p));
-          } else {
-            send_all(p.socket.get(), "ERR node 0 refused this node: " + why + "\n");
-            progress("fsdprun: refused the node from " + p.peer + ": " + why);
+          std::string why = why_refused(*join, o, token);
+          if (why.empty() && staying.size() == others) {
+            why = "the job already has its " + std::to_string(o.nnodes) +
+                  " nodes (--nnodes): this one is too many";
           }
+          if (why.empty()) {
+            staying.push_back(std::move(p));
+            continue;
+          }
+          send_all(p.socket.get(), "ERR node 0 refused this node: " + why + "\n");
+          progress("fsdprun: refused the node from " + peer_name(p.peer) + ": " + why);
         }
       }
-      if (done) pending.erase(pending.begin() + static_cast<long>(k));
+      if (!done) waiting.push_back(std::move(p));
     }
+    joined = std::move(staying);
+    pending = std::move(waiting);
     if ((fds[0].revents & POLLIN) != 0) {
-      sockaddr_storage peer{};
-      socklen_t length = sizeof(peer);
-      Socket s(
-          ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC));
-      if (s.valid()) pending.push_back({std::move(s), "", Clock::now(), peer_name(peer)});
+      Pending p;
+      socklen_t length = sizeof(p.peer);
+      p.socket = Socket(
+          ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&p.peer), &length, SOCK_CLOEXEC));
+      if (!p.socket.valid() && (errno == EMFILE || errno == ENFILE) && !pending.empty()) {
+        pending.erase(pending.begin());  // out of descriptors: the oldest stranger goes
+      } else if (p.socket.valid() && pending.size() < kMaxPending) {
+        length = sizeof(p.reached);
+        ::getsockname(p.socket.get(), reinterpret_cast<sockaddr*>(&p.reached), &length);
+        p.since = Clock::now();
+        pending.push_back(std::move(p));
+      }
     }
+  }
+  // Where the ranks meet: the endpoint's host, unless it names a loopback
+  // address here while the nodes came from elsewhere (/etc/hosts mapping the
+  // host's name to 127.0.1.1): then the address they reached.
+  assignment->master_addr = o.rdzv_host;
+  const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), is_loopback);
+  if (!joined.empty() && loopback_here && !is_loopback(joined[0].peer)) {
+    assignment->master_addr = peer_name(joined[0].reached);
+    progress("fsdprun: '" + o.rdzv_host +
+             "' is a loopback address on this node; the ranks meet at " + assignment->master_addr +
+             ", where the other nodes reached it");
   }
   // The port goes to rank 0's store before anyone learns its rank.
   listener.reset();
   for (size_t k = 0; k < joined.size(); ++k) {
-    send_all(joined[k].socket.get(), "OK " + std::to_string(k + 1) + "\n");
+    send_all(joined[k].socket.get(),
+             "OK " + std::to_string(k + 1) + " " + assignment->master_addr + "\n");
   }
-  return 0;
+  assignment->node_rank = 0;
+  return true;
 }
 
 /// A connection to the endpoint, or an invalid socket (nobody listens yet).
@@ -361,78 +417,111 @@ Socket connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_po
   return Socket();
 }
 
-/// Any other node: joins node 0's rendezvous and reads its rank.
-int join(const std::vector<sockaddr_storage>& addresses, const LaunchOptions& o,
-         const std::string& token, const std::function<void(const std::string&)>& progress,
-         std::string* error) {
-  const Clock::time_point start = Clock::now();
-  const Clock::time_point deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                                 std::chrono::duration<double>(o.join_timeout_s));
-  Clock::time_point next_progress = start + kProgressEvery;
-  Socket s;
-  while (!(s = connect_to(addresses, deadline)).valid()) {
-    if (Clock::now() >= deadline) {
-      *error = "no rendezvous at " + endpoint_of(o) + " after " + seconds(o.join_timeout_s) +
-               " s: the node that serves it (the one with that address) has not started "
-               "fsdprun with --rdzv-backend c10d, or the port is blocked between nodes";
-      return -1;
-    }
-    if (Clock::now() >= next_progress) {
-      progress("fsdprun: waiting for the rendezvous at " + endpoint_of(o) +
-               " (served by the node with that address)");
-      next_progress = Clock::now() + kProgressEvery;
-    }
-    std::this_thread::sleep_for(kRetryEvery);
-  }
+/// Any other node, connected to node 0: joins and reads its rank.
+bool join(Socket s, const LaunchOptions& o, const std::string& token, Clock::time_point deadline,
+          const std::function<void(const std::string&)>& progress, Assignment* assignment,
+          std::string* error) {
   send_all(s.get(), join_message(o, token));
   progress("fsdprun: joined the rendezvous at " + endpoint_of(o) + "; waiting for the other nodes");
+  Clock::time_point next_progress = Clock::now() + kProgressEvery;
   std::string reply;
   while (reply.find('\n') == std::string::npos) {
-    if (Clock::now() >= deadline) {
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) {
       *error = "the rendezvous at " + endpoint_of(o) + " did not complete within " +
                seconds(o.join_timeout_s) + " s (nodes missing?)";
-      return -1;
+      return false;
+    }
+    if (now >= next_progress) {
+      progress("fsdprun: joined the rendezvous at " + endpoint_of(o) +
+               "; still waiting for the other nodes");
+      next_progress = now + kProgressEvery;
     }
     pollfd pfd{s.get(), POLLIN, 0};
-    if (::poll(&pfd, 1, std::max(ms_until(deadline), 1)) <= 0) continue;
+    if (::poll(&pfd, 1, std::max(ms_until(std::min(deadline, next_progress)), 1)) <= 0) continue;
     char buffer[512];
-    const ssize_t n = ::recv(s.get(), buffer, sizeof(buffer), 0);
+    const ssize_t n = ::recv(s.get(), buffer, sizeof(buffer), MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n <= 0) {
       *error = "the rendezvous endpoint " + endpoint_of(o) +
                " closed the connection without a node rank: another program holds the port, "
                "or the job started without this node";
-      return -1;
+      return false;
     }
     reply.append(buffer, static_cast<size_t>(n));
   }
   reply.resize(reply.find('\n'));
-  if (reply.rfind("OK ", 0) == 0) {
-    const int rank = std::atoi(reply.c_str() + 3);
-    if (rank >= 1 && rank < o.nnodes) return rank;
+  std::istringstream words(reply);
+  std::string ok;
+  int rank = -1;
+  if (words >> ok >> rank >> assignment->master_addr && ok == "OK" && rank >= 1 &&
+      rank < o.nnodes) {
+    assignment->node_rank = rank;
+    return true;
   }
   *error = reply.rfind("ERR ", 0) == 0 ? reply.substr(4)
                                        : "the rendezvous endpoint " + endpoint_of(o) +
                                              " answered something else than fsdprun's protocol";
-  return -1;
+  return false;
 }
 
 }  // namespace
 
-int join_rendezvous(const LaunchOptions& options, const std::string& token,
-                    const std::function<void(const std::string&)>& progress, std::string* error) {
+bool join_rendezvous(const LaunchOptions& options, const std::string& token,
+                     const std::function<void(const std::string&)>& progress,
+                     Assignment* assignment, std::string* error) {
   if (token.find('\n') != std::string::npos) {
     *error = "FSDP_JOB_TOKEN must be one line";
-    return -1;
+    return false;
   }
-  const std::vector<sockaddr_storage> addresses = resolve(options, error);
-  if (addresses.empty()) return -1;
-  const bool local = std::any_of(addresses.begin(), addresses.end(), is_local);
-  if (local) {
-    Socket listener = listen_everywhere(options.rdzv_port);
-    if (listener.valid()) return serve(std::move(listener), options, token, progress, error);
+  const Clock::time_point deadline = deadline_of(options);
+  Clock::time_point next_progress = Clock::now() + kProgressEvery;
+  bool decided = false;  // whether this node tried to serve
+  std::string resolve_error;
+  for (;;) {
+    // Resolved again on every try: a name may appear only once its node is
+    // up (a Kubernetes service, a fresh DNS record).
+    const std::vector<sockaddr_storage> addresses = resolve(options, &resolve_error);
+    if (!addresses.empty() && !decided) {
+      decided = true;
+      const bool local = std::any_of(addresses.begin(), addresses.end(), is_local);
+      const bool serves = options.rdzv_is_host.value_or(local);
+      if (serves) {
+        Socket listener = listen_everywhere(options.rdzv_port);
+        if (listener.valid()) {
+          return serve(std::move(listener), addresses, options, token, progress, assignment, error);
+        }
+        if (options.rdzv_is_host.value_or(false)) {
+          *error = "--rdzv-conf is_host=1, but port " + std::to_string(options.rdzv_port) +
+                   " is taken on this node";
+          return false;
+        }
+      }
+    }
+    if (!addresses.empty()) {
+      Socket s = connect_to(addresses, deadline);
+      if (s.valid())
+        return join(std::move(s), options, token, deadline, progress, assignment, error);
+    }
+    if (Clock::now() >= deadline) {
+      *error = addresses.empty()
+                   ? resolve_error + " for " + seconds(options.join_timeout_s) + " s"
+                   : "no rendezvous at " + endpoint_of(options) + " after " +
+                         seconds(options.join_timeout_s) +
+                         " s: the node that serves it (the one with that address) has not "
+                         "started fsdprun with --rdzv-backend c10d, or the port is blocked "
+                         "between nodes";
+      return false;
+    }
+    if (Clock::now() >= next_progress) {
+      progress(addresses.empty()
+                   ? "fsdprun: " + resolve_error + "; trying again"
+                   : "fsdprun: waiting for the rendezvous at " + endpoint_of(options) +
+                         " (served by the node with that address)");
+      next_progress = Clock::now() + kProgressEvery;
+    }
+    std::this_thread::sleep_for(kRetryEvery);
   }
-  return join(addresses, options, token, progress, error);
 }
 
 }  // namespace fsdp::launch
