@@ -1,7 +1,9 @@
 // In-process tests of fsdprun's pure pieces: option parsing, the line
 // prefixer, the rank environment and exit-status descriptions.
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -14,6 +16,7 @@
 #include "line_prefixer.h"
 #include "options.h"
 #include "rank_env.h"
+#include "rendezvous.h"
 
 namespace fsdp::launch {
 namespace {
@@ -273,6 +276,51 @@ TEST(FsdprunOptions, NprocPerNodeByDevice) {
   EXPECT_EQ(resolved("gpu", 2, {0, 3}), 2);
   EXPECT_EQ(notes.back(), "--local-ranks-filter: this node has no local rank 3 (2 ranks)");
   EXPECT_GE(usable_cpus(), 1);
+}
+
+// An IPv4 or IPv6 address in a sockaddr_storage.
+sockaddr_storage address(const char* text) {
+  sockaddr_storage s{};
+  auto& a4 = reinterpret_cast<sockaddr_in&>(s);
+  auto& a6 = reinterpret_cast<sockaddr_in6&>(s);
+  if (::inet_pton(AF_INET, text, &a4.sin_addr) == 1) {
+    a4.sin_family = AF_INET;
+  } else {
+    EXPECT_EQ(::inet_pton(AF_INET6, text, &a6.sin6_addr), 1) << text;
+    a6.sin6_family = AF_INET6;
+  }
+  return s;
+}
+
+// Node 0's MASTER_ADDR after the c10d rendezvous (Note [fsdprun's
+// rendezvous]): the endpoint's host, unless it is a loopback address on node 0
+// while the nodes came from other hosts (Debian's /etc/hosts maps a host's own
+// name to 127.0.1.1, and the store listens on MASTER_ADDR alone): then the
+// address node 1 reached, as an IPv4 address where it came over IPv4.
+TEST(FsdprunRendezvousAddress, ALoopbackHostMeetsWhereTheOthersReachedNodeZero) {
+  EXPECT_EQ(
+      meeting_address("node0", {address("127.0.1.1")}, address("10.0.0.2"), address("10.0.0.1")),
+      "10.0.0.1");
+  EXPECT_EQ(meeting_address("node0", {address("127.0.1.1")}, address("::ffff:10.0.0.2"),
+                            address("::ffff:10.0.0.1")),
+            "10.0.0.1");
+  EXPECT_EQ(meeting_address("node0", {address("fd00::1")}, address("fd00::2"), address("fd00::1")),
+            "node0");
+  EXPECT_EQ(
+      meeting_address("node0", {address("10.0.0.1")}, address("10.0.0.2"), address("10.0.0.1")),
+      "node0");
+  // Every "node" on one host (the tests): the host stays.
+  EXPECT_EQ(meeting_address("localhost", {address("127.0.0.1"), address("::1")},
+                            address("::ffff:127.0.0.1"), address("::ffff:127.0.0.1")),
+            "localhost");
+  for (const char* loopback : {"127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.5"}) {
+    EXPECT_TRUE(is_loopback(address(loopback))) << loopback;
+  }
+  for (const char* other : {"10.0.0.1", "::ffff:10.0.0.1", "fd00::1", "128.0.0.1"}) {
+    EXPECT_FALSE(is_loopback(address(other))) << other;
+  }
+  EXPECT_EQ(peer_name(address("::ffff:192.168.1.7")), "192.168.1.7");
+  EXPECT_EQ(peer_name(address("fd00::7")), "fd00::7");
 }
 
 TEST(FsdprunLinePrefixer, PrefixesCompleteLinesOnly) {

@@ -158,7 +158,8 @@ void send_all(int fd, const std::string& text) {
   }
 }
 
-/// The peer's address, for messages.
+}  // namespace
+
 std::string peer_name(const sockaddr_storage& addr) {
   char host[INET6_ADDRSTRLEN] = "?";
   if (addr.ss_family == AF_INET) {
@@ -175,6 +176,8 @@ std::string peer_name(const sockaddr_storage& addr) {
   }
   return name;
 }
+
+namespace {
 
 /// The endpoint's addresses (numeric port).
 std::vector<sockaddr_storage> resolve(const LaunchOptions& o, std::string* error) {
@@ -257,7 +260,8 @@ std::string seconds(double s) {
   return out.str();
 }
 
-/// Whether `addr` is a loopback address (127/8, ::1, or IPv4-mapped 127/8).
+}  // namespace
+
 bool is_loopback(const sockaddr_storage& addr) {
   if (addr.ss_family == AF_INET) {
     return (ntohl(reinterpret_cast<const sockaddr_in&>(addr).sin_addr.s_addr) >> 24) == 127;
@@ -265,6 +269,15 @@ bool is_loopback(const sockaddr_storage& addr) {
   const in6_addr& a6 = reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr;
   return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
 }
+
+std::string meeting_address(const std::string& host, const std::vector<sockaddr_storage>& endpoint,
+                            const sockaddr_storage& first_peer,
+                            const sockaddr_storage& first_reached) {
+  const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), is_loopback);
+  return loopback_here && !is_loopback(first_peer) ? peer_name(first_reached) : host;
+}
+
+namespace {
 
 Clock::time_point deadline_of(const LaunchOptions& o) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -376,13 +389,10 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
       }
     }
   }
-  // Where the ranks meet: the endpoint's host, unless it names a loopback
-  // address here while the nodes came from elsewhere (/etc/hosts mapping the
-  // host's name to 127.0.1.1): then the address they reached.
-  assignment->master_addr = o.rdzv_host;
-  const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), is_loopback);
-  if (!joined.empty() && loopback_here && !is_loopback(joined[0].peer)) {
-    assignment->master_addr = peer_name(joined[0].reached);
+  assignment->master_addr =
+      joined.empty() ? o.rdzv_host
+                     : meeting_address(o.rdzv_host, endpoint, joined[0].peer, joined[0].reached);
+  if (assignment->master_addr != o.rdzv_host) {
     progress("fsdprun: '" + o.rdzv_host +
              "' is a loopback address on this node; the ranks meet at " + assignment->master_addr +
              ", where the other nodes reached it");

@@ -3,8 +3,11 @@
 // torchrun's c10d rendezvous for fsdprun: the same command on every node,
 // node ranks assigned as the nodes join.
 
+#include <sys/socket.h>
+
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "options.h"
 
@@ -26,5 +29,20 @@ struct Assignment {
 bool join_rendezvous(const LaunchOptions& options, const std::string& token,
                      const std::function<void(const std::string&)>& progress,
                      Assignment* assignment, std::string* error);
+
+// The pieces of node 0's choice of MASTER_ADDR, for tests.
+
+/// An address as it would be written (an IPv4 peer of a dual-stack socket
+/// without its "::ffff:").
+std::string peer_name(const sockaddr_storage& addr);
+/// Whether `addr` is a loopback address (127/8, ::1, IPv4-mapped 127/8).
+bool is_loopback(const sockaddr_storage& addr);
+/// Where the ranks meet: `host`, unless it names only loopback addresses on
+/// node 0 (`endpoint`, as resolved there) while the first node to join came
+/// from another host (`first_peer`): then node 0's address that node reached
+/// (`first_reached`), since the store listens on MASTER_ADDR alone.
+std::string meeting_address(const std::string& host, const std::vector<sockaddr_storage>& endpoint,
+                            const sockaddr_storage& first_peer,
+                            const sockaddr_storage& first_reached);
 
 }  // namespace fsdp::launch
