@@ -1,7 +1,11 @@
 // End-to-end: how ranks' output is relayed.
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <string>
@@ -96,6 +100,55 @@ TEST(FsdprunOutput, LocalRanksFilterShowsOnlyTheRanksNamed) {
   EXPECT_EQ(r.out.find("[rank1]"), std::string::npos) << r.out;
   EXPECT_EQ(r.err.find("[rank1]"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("[rank2]: err"), std::string::npos) << r.err;
+}
+
+// torchrun's --log-dir, --redirects and --tee: each rank's streams in
+// DIR/<rdzv-id>_<pid>/attempt_<n>/<local rank>/{stdout,stderr}.log, as the
+// rank wrote them (no prefix), one directory per attempt; redirected streams
+// leave the console, teed ones stay on it (here local rank 0's stdout).
+TEST(FsdprunOutput, LogDirRedirectsAndTeeAsTorchrun) {
+  const std::string dir = ::testing::TempDir() + "fsdprun_logs_" + std::to_string(::getpid());
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "2", "--log-dir", dir, "--redirects", "3", "-t", "0:1",
+                    "--max-restarts", "1", "--rdzv-id", "logs", test_rank_path(), "--print-env",
+                    "--stderr-lines", "2", "--exit-code-if-restart-below", "1:3"},
+                   {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string run = dir + "/logs_";
+  const size_t at = r.err.find(run);
+  ASSERT_NE(at, std::string::npos) << r.err;
+  const std::string run_dir = r.err.substr(at, r.err.find("/attempt_<n>", at) - at);
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    EXPECT_TRUE(in.good()) << path;
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  // The first attempt failed (each rank exits 3 in it, and the first to do
+  // so stops the other): only its files are sure to be there.
+  for (int local = 0; local < 2; ++local) {
+    for (const char* stream : {"/stdout.log", "/stderr.log"}) {
+      read(run_dir + "/attempt_0/" + std::to_string(local) + stream);
+    }
+  }
+  for (int attempt = 1; attempt < 2; ++attempt) {
+    for (int local = 0; local < 2; ++local) {
+      const std::string rank_dir =
+          run_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local);
+      const std::string out = read(rank_dir + "/stdout.log");
+      EXPECT_EQ(out.rfind("RANK=" + std::to_string(local) + "\n", 0), 0u) << rank_dir << out;
+      EXPECT_NE(out.find("TORCHELASTIC_RESTART_COUNT=" + std::to_string(attempt)),
+                std::string::npos)
+          << out;
+      EXPECT_EQ(read(rank_dir + "/stderr.log"), "err 0 of rank " + std::to_string(local) +
+                                                    "\nerr 1 of rank " + std::to_string(local) +
+                                                    "\n");
+    }
+  }
+  EXPECT_NE(r.out.find("[rank0]: RANK=0"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[rank1]"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("[rank"), std::string::npos) << r.err;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

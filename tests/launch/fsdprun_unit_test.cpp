@@ -202,6 +202,26 @@ TEST(FsdprunOptions, StaticRendezvousAtTheEndpoint) {
   EXPECT_EQ(r.options.master_port, 29500);
 }
 
+// torchrun's --log-dir, --redirects (-r) and --tee (-t): one value for
+// every local rank, or local rank by local rank.
+TEST(FsdprunOptions, LogDirRedirectsAndTee) {
+  ParseResult r = parse_options({"--log-dir", "/l", "-r", "3", "--tee=0:1,2:2", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.log_dir, "/l");
+  EXPECT_EQ(r.options.redirects.of(5), 3);
+  EXPECT_EQ(r.options.tee.of(0), 1);
+  EXPECT_EQ(r.options.tee.of(1), 0);
+  EXPECT_EQ(r.options.tee.of(2), 2);
+  EXPECT_TRUE(r.options.tee.any());
+  EXPECT_FALSE(parse_options({"p"}).options.redirects.any());
+  EXPECT_FALSE(parse_options({"-r", "0:0", "p"}).options.redirects.any());
+  for (const char* bad : {"4", "x", "0:4", "a:1", "0:1,", ":1", ""}) {
+    const ParseResult e = parse_options({"--redirects", bad, "p"});
+    EXPECT_EQ(e.kind, ParseResult::Kind::kError) << bad;
+    EXPECT_NE(e.error.find("per local rank: 0:3,1:2"), std::string::npos) << e.error;
+  }
+}
+
 TEST(FsdprunOptions, BadRendezvousFlagsNameTheFix) {
   const auto error_of = [](const std::vector<std::string>& args) {
     const ParseResult r = parse_options(args);

@@ -18,6 +18,7 @@
 #include "options.h"
 #include "output_writer.h"
 #include "rank_env.h"
+#include "rank_logs.h"
 #include "rendezvous.h"
 #include "signal_pipe.h"
 #include "supervisor.h"
@@ -88,6 +89,17 @@ int launch(LaunchOptions options) {
     options.master_addr = assignment.master_addr;
     err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
               std::to_string(options.nnodes) + "\n");
+  }
+
+  if (options.redirects.any() || options.tee.any()) {
+    std::string log_error;
+    options.log_dir = make_run_log_dir(options.log_dir, options.rdzv_id, &log_error);
+    if (options.log_dir.empty()) {
+      err.write("fsdprun: error: --log-dir: " + log_error + "\n");
+      return 1;
+    }
+    err.write("fsdprun: the ranks' output files: " + options.log_dir +
+              "/attempt_<n>/<local rank>/{stdout,stderr}.log\n");
   }
 
   int port = options.master_port.value_or(0);

@@ -30,6 +30,9 @@ enum class Flag {
   kRdzvConf,
   kNoPython,
   kLocalRanksFilter,
+  kLogDir,
+  kRedirects,
+  kTee,
   kHelp,
 };
 
@@ -56,6 +59,11 @@ constexpr FlagSpec kFlags[] = {
     {"--rdzv-conf", Flag::kRdzvConf, true},
     {"--no-python", Flag::kNoPython, false},
     {"--local-ranks-filter", Flag::kLocalRanksFilter, true},
+    {"--log-dir", Flag::kLogDir, true},
+    {"--redirects", Flag::kRedirects, true},
+    {"-r", Flag::kRedirects, true},
+    {"--tee", Flag::kTee, true},
+    {"-t", Flag::kTee, true},
     {"--help", Flag::kHelp, false},
     {"-h", Flag::kHelp, false},
 };
@@ -132,6 +140,28 @@ bool parse_endpoint(const std::string& text, std::string* host, int* port, bool*
   if (!value) return false;
   *port = static_cast<int>(*value);
   return true;
+}
+
+/// torchrun's Std value: "0".."3" for every local rank, or "0:3,1:2".
+bool parse_stream_spec(const std::string& text, StreamSpec* spec) {
+  *spec = StreamSpec();
+  if (text.find(':') == std::string::npos) {
+    const auto all = parse_int(text, 0, 3);
+    if (all) spec->all = static_cast<int>(*all);
+    return all.has_value();
+  }
+  if (text.back() == ',') return false;
+  std::istringstream pairs(text);
+  std::string pair;
+  while (std::getline(pairs, pair, ',')) {
+    const size_t colon = pair.find(':');
+    if (colon == std::string::npos) return false;
+    const auto rank = parse_int(pair.substr(0, colon), 0, 1 << 20);
+    const auto streams = parse_int(pair.substr(colon + 1), 0, 3);
+    if (!rank || !streams) return false;
+    spec->by_local_rank[static_cast<int>(*rank)] = static_cast<int>(*streams);
+  }
+  return !spec->by_local_rank.empty();
 }
 
 /// A number of seconds in (0, 1e6], or nullopt.
@@ -311,6 +341,18 @@ ParseResult parse_options(const std::vector<std::string>& args) {
         }
         break;
       }
+      case Flag::kLogDir:
+        if (value->empty()) return error_result(bad_value(name, *value, "must not be empty"));
+        opts.log_dir = *value;
+        break;
+      case Flag::kRedirects:
+      case Flag::kTee:
+        if (!parse_stream_spec(*value, spec->flag == Flag::kTee ? &opts.tee : &opts.redirects)) {
+          return error_result(bad_value(
+              name, *value,
+              "expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank: 0:3,1:2"));
+        }
+        break;
       case Flag::kNoPython:
         // torchrun's "run the program itself, not through python": fsdprun
         // always does, so command lines written for torchrun work unchanged.
@@ -467,6 +509,12 @@ std::string usage_text() {
          "  --rdzv-id ID         the job's id, the same on every node (default none)\n"
          "  --rdzv-conf K=V,...  join_timeout=S: how long the nodes wait for one\n"
          "                       another (default 600)\n"
+         "  --log-dir DIR        where --redirects and --tee write each rank's output:\n"
+         "                       DIR/<rdzv-id>_<pid>/attempt_<n>/<local rank>/\n"
+         "                       {stdout,stderr}.log (default: a new directory in /tmp)\n"
+         "  -r, --redirects S    streams written to those files only: 1 stdout, 2\n"
+         "                       stderr, 3 both, or per local rank (0:3,1:2)\n"
+         "  -t, --tee S          streams written to those files and shown, as -r\n"
          "  --no-python          accepted from torchrun's command lines (fsdprun\n"
          "                       always runs the program itself)\n"
          "  -h, --help           show this help and exit\n"

@@ -3,11 +3,33 @@
 // Command-line parsing for fsdprun. Kept free of process and I/O code so the
 // parser can be unit-tested on its own.
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace fsdp::launch {
+
+/// torchrun's --redirects / --tee value: which of a rank's streams (bit 1
+/// stdout, bit 2 stderr; 3 both) it applies to, for every local rank ("3")
+/// or rank by rank ("0:3,1:2").
+struct StreamSpec {
+  int all = 0;
+  std::map<int, int> by_local_rank;
+  /// The streams for `local_rank`.
+  int of(int local_rank) const {
+    const auto it = by_local_rank.find(local_rank);
+    return it != by_local_rank.end() ? it->second : all;
+  }
+  /// Whether some rank has some stream.
+  bool any() const {
+    if (all != 0) return true;
+    for (const auto& [rank, streams] : by_local_rank) {
+      if (streams != 0) return true;
+    }
+    return false;
+  }
+};
 
 /// Everything fsdprun was asked to do, after defaults have been applied.
 struct LaunchOptions {
@@ -41,6 +63,14 @@ struct LaunchOptions {
   std::optional<bool> rdzv_is_host;
   /// --local-ranks-filter: the local ranks whose output is shown (all when empty).
   std::vector<int> local_ranks_filter;
+  /// --log-dir: where --redirects and --tee write each rank's streams, as
+  /// torchrun lays them out: <dir>/<rdzv-id>_<pid>/attempt_<n>/<local
+  /// rank>/{stdout,stderr}.log ("": a temporary directory); fsdprun's main
+  /// replaces it by the <rdzv-id>_<pid> directory it made.
+  std::string log_dir;
+  /// --redirects: streams written to the files only; --tee: to the files too.
+  StreamSpec redirects;
+  StreamSpec tee;
   /// The program to run (looked up in PATH) followed by its own arguments.
   std::vector<std::string> command;
 

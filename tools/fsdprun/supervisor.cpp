@@ -13,6 +13,7 @@
 #include "child_process.h"
 #include "exit_status.h"
 #include "rank_env.h"
+#include "rank_logs.h"
 
 namespace fsdp::launch {
 namespace {
@@ -112,6 +113,20 @@ void Supervisor::start_ranks(int restart_count) {
     rank.prefixers.assign(2, LinePrefixer(prefix));
     const std::vector<int>& filter = options_.local_ranks_filter;
     rank.shown = filter.empty() || std::find(filter.begin(), filter.end(), local) != filter.end();
+    const int redirected = options_.redirects.of(local);
+    const int teed = options_.tee.of(local);
+    for (int stream = 0; stream < 2; ++stream) {
+      const int bit = 1 << stream;
+      rank.console[stream] = (redirected & bit) == 0 || (teed & bit) != 0;
+      if (((redirected | teed) & bit) == 0) continue;
+      std::string error;
+      rank.log_fds[stream] = open_rank_log(options_.log_dir, restart_count, local, stream, &error);
+      if (rank.log_fds[stream] < 0) {
+        err_.write("fsdprun: " + error + "; local rank " + std::to_string(local) +
+                   "'s output stays on the console\n");
+        rank.console[stream] = true;
+      }
+    }
     try {
       const SpawnedProcess child = spawn_process(
           options_.command,
@@ -124,6 +139,9 @@ void Supervisor::start_ranks(int restart_count) {
       record_failure("could not start rank " + std::to_string(rank.rank) + " (local rank " +
                          std::to_string(local) + "): " + e.what(),
                      1);
+      for (const int fd : rank.log_fds) {
+        if (fd >= 0) ::close(fd);
+      }
       stop_all(SIGTERM);
       return;
     }
@@ -239,19 +257,29 @@ void Supervisor::relay(Rank& rank, int stream) {
   }
   std::string lines;
   if (n > 0) {
+    // The file gets what the rank wrote, as it wrote it (no prefix).
+    if (rank.log_fds[stream] >= 0) {
+      OutputWriter(rank.log_fds[stream]).write(std::string_view(buffer, n));
+    }
     rank.prefixers[stream].feed(std::string_view(buffer, n), &lines);
   } else {
     // End of stream (or a broken pipe): the last partial line goes out now.
     rank.prefixers[stream].finish(&lines);
-    ::close(rank.fds[stream]);
-    rank.fds[stream] = -1;
+    close_stream(rank, stream);
   }
   emit(rank, stream, lines);
 }
 
 void Supervisor::emit(const Rank& rank, int stream, const std::string& lines) {
-  if (lines.empty() || !rank.shown) return;
+  if (lines.empty() || !rank.shown || !rank.console[stream]) return;
   (stream == 0 ? out_ : err_).write(lines);
+}
+
+void Supervisor::close_stream(Rank& rank, int stream) {
+  ::close(rank.fds[stream]);
+  rank.fds[stream] = -1;
+  if (rank.log_fds[stream] >= 0) ::close(rank.log_fds[stream]);
+  rank.log_fds[stream] = -1;
 }
 
 void Supervisor::drain_outputs() {
@@ -270,8 +298,7 @@ void Supervisor::drain_outputs() {
         std::string lines;
         rank.prefixers[stream].finish(&lines);
         emit(rank, stream, lines);
-        ::close(rank.fds[stream]);
-        rank.fds[stream] = -1;
+        close_stream(rank, stream);
       }
     }
   }

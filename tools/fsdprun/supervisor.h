@@ -61,6 +61,8 @@ class Supervisor {
     bool group_gone = false;
     int fds[2] = {-1, -1};                ///< stdout, stderr read ends.
     bool shown = true;                    ///< Not filtered out by --local-ranks-filter.
+    bool console[2] = {true, true};       ///< Not only in a log file (--redirects).
+    int log_fds[2] = {-1, -1};            ///< --redirects / --tee files, per stream.
     std::vector<LinePrefixer> prefixers;  ///< One per entry of fds.
   };
 
@@ -93,6 +95,8 @@ class Supervisor {
   /// Writes a rank's relayed `lines` to fsdprun's stream `stream`, unless
   /// --local-ranks-filter hides that rank.
   void emit(const Rank& rank, int stream, const std::string& lines);
+  /// Closes rank's stream `stream`, and its log file.
+  void close_stream(Rank& rank, int stream);
   /// Records `message` as the attempt's failure unless one is recorded.
   void record_failure(std::string message, int exit_code);
 

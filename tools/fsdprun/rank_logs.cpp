@@ -1,0 +1,57 @@
+#include "rank_logs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+namespace fsdp::launch {
+namespace {
+
+/// mkdir -p; false with `error` set.
+bool make_directories(const std::string& path, std::string* error) {
+  for (size_t at = 1; at <= path.size(); ++at) {
+    if (at != path.size() && path[at] != '/') continue;
+    const std::string prefix = path.substr(0, at);
+    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
+      *error = "cannot make " + prefix + ": " + std::strerror(errno);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string make_run_log_dir(const std::string& base, const std::string& run_id,
+                             std::string* error) {
+  std::string dir = base;
+  if (dir.empty()) {
+    const std::string pattern = "/tmp/fsdprun_logs_XXXXXX";
+    std::vector<char> name(pattern.begin(), pattern.end());
+    name.push_back('\0');
+    if (::mkdtemp(name.data()) == nullptr) {
+      *error = std::string("cannot make a log directory in /tmp: ") + std::strerror(errno);
+      return "";
+    }
+    dir = name.data();
+  }
+  dir += "/" + run_id + "_" + std::to_string(::getpid());
+  return make_directories(dir, error) ? dir : "";
+}
+
+int open_rank_log(const std::string& run_dir, int attempt, int local_rank, int stream,
+                  std::string* error) {
+  const std::string dir =
+      run_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank);
+  if (!make_directories(dir, error)) return -1;
+  const std::string path = dir + (stream == 0 ? "/stdout.log" : "/stderr.log");
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) *error = "cannot write " + path + ": " + std::strerror(errno);
+  return fd;
+}
+
+}  // namespace fsdp::launch
