@@ -103,7 +103,7 @@ TEST(FsdprunOutput, LocalRanksFilterShowsOnlyTheRanksNamed) {
 }
 
 // torchrun's --log-dir, --redirects and --tee: each rank's streams in
-// DIR/<rdzv-id>_<pid>/attempt_<n>/<local rank>/{stdout,stderr}.log, as the
+// DIR/<rdzv-id>_<random>/attempt_<n>/<local rank>/{stdout,stderr}.log, as the
 // rank wrote them (no prefix), one directory per attempt; redirected streams
 // leave the console, teed ones stay on it (here local rank 0's stdout).
 TEST(FsdprunOutput, LogDirRedirectsAndTeeAsTorchrun) {

@@ -318,20 +318,20 @@ sockaddr_storage address(const char* text) {
 // name to 127.0.1.1, and the store listens on MASTER_ADDR alone): then the
 // address node 1 reached, as an IPv4 address where it came over IPv4.
 TEST(FsdprunRendezvousAddress, ALoopbackHostMeetsWhereTheOthersReachedNodeZero) {
-  EXPECT_EQ(
-      meeting_address("node0", {address("127.0.1.1")}, address("10.0.0.2"), address("10.0.0.1")),
-      "10.0.0.1");
-  EXPECT_EQ(meeting_address("node0", {address("127.0.1.1")}, address("::ffff:10.0.0.2"),
-                            address("::ffff:10.0.0.1")),
+  const auto meet = [](const char* host, std::vector<sockaddr_storage> endpoint, bool here,
+                       const char* peer, const char* reached) {
+    return meeting_address(host, endpoint, here, address(peer), address(reached));
+  };
+  EXPECT_EQ(meet("node0", {address("127.0.1.1")}, true, "10.0.0.2", "10.0.0.1"), "10.0.0.1");
+  EXPECT_EQ(meet("node0", {address("127.0.1.1")}, true, "::ffff:10.0.0.2", "::ffff:10.0.0.1"),
             "10.0.0.1");
-  EXPECT_EQ(meeting_address("node0", {address("fd00::1")}, address("fd00::2"), address("fd00::1")),
-            "node0");
-  EXPECT_EQ(
-      meeting_address("node0", {address("10.0.0.1")}, address("10.0.0.2"), address("10.0.0.1")),
-      "node0");
+  EXPECT_EQ(meet("node0", {address("fd00::1")}, true, "fd00::2", "fd00::1"), "node0");
+  EXPECT_EQ(meet("node0", {address("10.0.0.1")}, true, "10.0.0.2", "10.0.0.1"), "node0");
+  // is_host=1 behind a virtual IP none of node 0's: where the node reached it.
+  EXPECT_EQ(meet("vip", {address("10.9.9.9")}, false, "10.0.0.2", "10.0.0.1"), "10.0.0.1");
   // Every "node" on one host (the tests): the host stays.
-  EXPECT_EQ(meeting_address("localhost", {address("127.0.0.1"), address("::1")},
-                            address("::ffff:127.0.0.1"), address("::ffff:127.0.0.1")),
+  EXPECT_EQ(meet("localhost", {address("127.0.0.1"), address("::1")}, true, "::ffff:127.0.0.1",
+                 "::ffff:127.0.0.1"),
             "localhost");
   for (const char* loopback : {"127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.5"}) {
     EXPECT_TRUE(is_loopback(address(loopback))) << loopback;

@@ -1,5 +1,6 @@
 #include "options.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -325,11 +326,13 @@ ParseResult parse_options(const std::vector<std::string>& args) {
             }
             opts.join_timeout_s = *seconds;
           } else if (key == "is_host") {
-            // torchrun's spellings of a boolean.
-            if (setting == "1" || setting == "true" || setting == "True" || setting == "yes") {
+            // torchrun's spellings of a boolean (RendezvousParameters.get_as_bool).
+            std::string word = setting;
+            for (char& c : word) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            if (word == "1" || word == "true" || word == "t" || word == "yes" || word == "y") {
               opts.rdzv_is_host = true;
-            } else if (setting == "0" || setting == "false" || setting == "False" ||
-                       setting == "no") {
+            } else if (word == "0" || word == "false" || word == "f" || word == "no" ||
+                       word == "n") {
               opts.rdzv_is_host = false;
             } else {
               return error_result(bad_value(name, *value, "is_host must be 1 or 0"));
@@ -382,6 +385,11 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   opts.command.assign(args.begin() + static_cast<long>(i), args.end());
   if (opts.command.empty()) {
     return error_result("missing the program to run");
+  }
+  if (!opts.log_dir.empty() && !opts.redirects.any() && !opts.tee.any()) {
+    result.warnings.push_back(
+        "--log-dir writes nothing without --redirects or --tee (as torchrun's, but for its "
+        "error files)");
   }
   if (opts.standalone && endpoint) {
     return error_result(
@@ -510,8 +518,8 @@ std::string usage_text() {
          "  --rdzv-conf K=V,...  join_timeout=S: how long the nodes wait for one\n"
          "                       another (default 600); is_host=1: this node serves\n"
          "  --log-dir DIR        where --redirects and --tee write each rank's output:\n"
-         "                       DIR/<rdzv-id>_<pid>/attempt_<n>/<local rank>/\n"
-         "                       {stdout,stderr}.log (default: a new directory in /tmp)\n"
+         "                       DIR/<rdzv-id>_<random>/attempt_<n>/<local rank>/\n"
+         "                       {stdout,stderr}.log (default DIR: $TMPDIR or /tmp)\n"
          "  -r, --redirects S    streams written to those files only: 1 stdout, 2\n"
          "                       stderr, 3 both, or per local rank (0:3,1:2)\n"
          "  -t, --tee S          streams written to those files and shown, as -r\n"

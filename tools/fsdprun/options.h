@@ -64,9 +64,9 @@ struct LaunchOptions {
   /// --local-ranks-filter: the local ranks whose output is shown (all when empty).
   std::vector<int> local_ranks_filter;
   /// --log-dir: where --redirects and --tee write each rank's streams, as
-  /// torchrun lays them out: <dir>/<rdzv-id>_<pid>/attempt_<n>/<local
-  /// rank>/{stdout,stderr}.log ("": a temporary directory); fsdprun's main
-  /// replaces it by the <rdzv-id>_<pid> directory it made.
+  /// torchrun lays them out: <dir>/<rdzv-id>_<random>/attempt_<n>/<local
+  /// rank>/{stdout,stderr}.log ("": $TMPDIR or /tmp); fsdprun's main
+  /// replaces it by the <rdzv-id>_<random> directory it made.
   std::string log_dir;
   /// --redirects: streams written to the files only; --tee: to the files too.
   StreamSpec redirects;

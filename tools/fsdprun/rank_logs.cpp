@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -30,17 +32,24 @@ std::string make_run_log_dir(const std::string& base, const std::string& run_id,
                              std::string* error) {
   std::string dir = base;
   if (dir.empty()) {
-    const std::string pattern = "/tmp/fsdprun_logs_XXXXXX";
-    std::vector<char> name(pattern.begin(), pattern.end());
-    name.push_back('\0');
-    if (::mkdtemp(name.data()) == nullptr) {
-      *error = std::string("cannot make a log directory in /tmp: ") + std::strerror(errno);
-      return "";
-    }
-    dir = name.data();
+    const char* tmp = std::getenv("TMPDIR");
+    dir = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
   }
-  dir += "/" + run_id + "_" + std::to_string(::getpid());
-  return make_directories(dir, error) ? dir : "";
+  if (!make_directories(dir, error)) return "";
+  // A fresh directory per run, as torchrun's (mkdtemp with the run id as its
+  // prefix): nodes sharing --log-dir, or a pid that repeats (a container's
+  // entrypoint), never write into one another's files. A '/' in the id would
+  // make it a path.
+  std::string prefix = run_id;
+  std::replace(prefix.begin(), prefix.end(), '/', '_');
+  const std::string pattern = dir + "/" + prefix + "_XXXXXX";
+  std::vector<char> name(pattern.begin(), pattern.end());
+  name.push_back('\0');
+  if (::mkdtemp(name.data()) == nullptr) {
+    *error = "cannot make a directory in " + dir + ": " + std::strerror(errno);
+    return "";
+  }
+  return name.data();
 }
 
 int open_rank_log(const std::string& run_dir, int attempt, int local_rank, int stream,

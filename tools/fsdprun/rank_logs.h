@@ -6,8 +6,8 @@
 
 namespace fsdp::launch {
 
-/// Makes <base>/<run_id>_<pid> (base: a new /tmp/fsdprun_logs_* directory
-/// when empty) and returns it; "" with `error` set when it cannot.
+/// Makes a fresh <base>/<run_id>_XXXXXX (base: $TMPDIR or /tmp when empty)
+/// and returns it; "" with `error` set when it cannot.
 std::string make_run_log_dir(const std::string& base, const std::string& run_id,
                              std::string* error);
 

@@ -36,10 +36,12 @@
 //   in the order they joined (one more node is refused), and the server
 //   closes the port: rank 0's store then serves it (MASTER_PORT), so a job
 //   needs that one port between nodes, as with torchrun. A node that leaves
-//   before then gives up its place. MASTER_ADDR is HOST, unless HOST names
-//   only loopback addresses on node 0 while the others came from elsewhere
-//   (Debian's /etc/hosts maps a host's own name to 127.0.1.1): the store,
-//   which listens on MASTER_ADDR, then gets the address they reached.
+//   before then gives up its place. MASTER_ADDR is HOST, unless the store,
+//   which listens on MASTER_ADDR alone, could not be reached there: HOST
+//   names only loopback addresses on node 0 while the others came from
+//   elsewhere (Debian's /etc/hosts maps a host's own name to 127.0.1.1), or
+//   none of node 0's (is_host=1 behind a virtual IP); then the address the
+//   first node reached.
 // - Nodes wait at most --rdzv-conf join_timeout (600 s), saying every 30 s
 //   how it stands; the node ranks stay the same across restarts.
 // Every node must start the same number of ranks (rank = node rank x
@@ -54,13 +56,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kMagic[] = "FSDPRUN-RDZV 1";
+constexpr char kMagic[] = "FSDPRUN-RDZV 2";  // 2: "OK" carries MASTER_ADDR
 constexpr int kJoinLines = 5;
 constexpr size_t kMaxJoinBytes = 4096;
 constexpr auto kJoinReadLimit = std::chrono::seconds(5);
 constexpr auto kProgressEvery = std::chrono::seconds(30);
 constexpr auto kRetryEvery = std::chrono::milliseconds(200);
-constexpr size_t kMaxPending = 64;  // connections still saying who they are
+constexpr size_t kMaxPending = 256;  // connections still saying who they are
 
 /// A socket closed when it goes out of scope.
 class Socket {
@@ -271,10 +273,11 @@ bool is_loopback(const sockaddr_storage& addr) {
 }
 
 std::string meeting_address(const std::string& host, const std::vector<sockaddr_storage>& endpoint,
-                            const sockaddr_storage& first_peer,
+                            bool endpoint_here, const sockaddr_storage& first_peer,
                             const sockaddr_storage& first_reached) {
   const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), is_loopback);
-  return loopback_here && !is_loopback(first_peer) ? peer_name(first_reached) : host;
+  const bool unreachable = !endpoint_here || (loopback_here && !is_loopback(first_peer));
+  return unreachable ? peer_name(first_reached) : host;
 }
 
 namespace {
@@ -322,7 +325,9 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
                seconds(std::chrono::duration<double>(deadline - now).count()) + " s more");
       next_progress = now + kProgressEvery;
     }
-    std::vector<pollfd> fds{{listener.get(), POLLIN, 0}};
+    // At kMaxPending, new connections wait in the listen backlog.
+    std::vector<pollfd> fds{
+        {listener.get(), static_cast<short>(pending.size() < kMaxPending ? POLLIN : 0), 0}};
     for (const Pending& p : joined) fds.push_back({p.socket.get(), POLLIN, 0});
     for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
     Clock::time_point wake = std::min(deadline, next_progress);
@@ -379,9 +384,12 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
       socklen_t length = sizeof(p.peer);
       p.socket = Socket(
           ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&p.peer), &length, SOCK_CLOEXEC));
-      if (!p.socket.valid() && (errno == EMFILE || errno == ENFILE) && !pending.empty()) {
-        pending.erase(pending.begin());  // out of descriptors: the oldest stranger goes
-      } else if (p.socket.valid() && pending.size() < kMaxPending) {
+      if (!p.socket.valid() && (errno == EMFILE || errno == ENFILE)) {
+        // Out of descriptors: the oldest connection still joining goes, or,
+        // with none, the loop waits instead of spinning on the listener.
+        if (pending.empty()) std::this_thread::sleep_for(kRetryEvery);
+        if (!pending.empty()) pending.erase(pending.begin());
+      } else if (p.socket.valid()) {
         length = sizeof(p.reached);
         ::getsockname(p.socket.get(), reinterpret_cast<sockaddr*>(&p.reached), &length);
         p.since = Clock::now();
@@ -389,13 +397,15 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
       }
     }
   }
-  assignment->master_addr =
-      joined.empty() ? o.rdzv_host
-                     : meeting_address(o.rdzv_host, endpoint, joined[0].peer, joined[0].reached);
+  const bool endpoint_here = std::any_of(endpoint.begin(), endpoint.end(), is_local);
+  assignment->master_addr = joined.empty() ? o.rdzv_host
+                                           : meeting_address(o.rdzv_host, endpoint, endpoint_here,
+                                                             joined[0].peer, joined[0].reached);
   if (assignment->master_addr != o.rdzv_host) {
-    progress("fsdprun: '" + o.rdzv_host +
-             "' is a loopback address on this node; the ranks meet at " + assignment->master_addr +
-             ", where the other nodes reached it");
+    progress("fsdprun: rank 0's store cannot listen on '" + o.rdzv_host +
+             "' for the other nodes (a loopback address here, or none of this node's); the "
+             "ranks meet at " +
+             assignment->master_addr + ", where the other nodes reached this node");
   }
   // The port goes to rank 0's store before anyone learns its rank.
   listener.reset();

@@ -37,12 +37,14 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token,
 std::string peer_name(const sockaddr_storage& addr);
 /// Whether `addr` is a loopback address (127/8, ::1, IPv4-mapped 127/8).
 bool is_loopback(const sockaddr_storage& addr);
-/// Where the ranks meet: `host`, unless it names only loopback addresses on
-/// node 0 (`endpoint`, as resolved there) while the first node to join came
-/// from another host (`first_peer`): then node 0's address that node reached
-/// (`first_reached`), since the store listens on MASTER_ADDR alone.
+/// Where the ranks meet: `host`, unless it names none of node 0's addresses
+/// (`endpoint_here` false: --rdzv-conf is_host=1 behind a virtual IP), or
+/// only loopback ones (`endpoint`, as resolved there) while the first node
+/// to join came from another host (`first_peer`): then node 0's address that
+/// node reached (`first_reached`), since the store listens on MASTER_ADDR
+/// alone.
 std::string meeting_address(const std::string& host, const std::vector<sockaddr_storage>& endpoint,
-                            const sockaddr_storage& first_peer,
+                            bool endpoint_here, const sockaddr_storage& first_peer,
                             const sockaddr_storage& first_reached);
 
 }  // namespace fsdp::launch
