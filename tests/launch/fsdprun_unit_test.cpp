@@ -21,6 +21,14 @@
 namespace fsdp::launch {
 namespace {
 
+/// The value of `key` in a "KEY=VALUE" list, or "<unset>".
+std::string env_value(const std::vector<std::string>& env, const std::string& key) {
+  for (const std::string& entry : env) {
+    if (entry.rfind(key + "=", 0) == 0) return entry.substr(key.size() + 1);
+  }
+  return "<unset>";
+}
+
 TEST(FsdprunOptions, DefaultsForSingleNode) {
   const ParseResult r = parse_options({"prog"});
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
@@ -202,6 +210,25 @@ TEST(FsdprunOptions, StaticRendezvousAtTheEndpoint) {
   EXPECT_EQ(r.options.master_port, 29500);
 }
 
+// The rest of torchrun's flags: --role sets ROLE_NAME; --monitor-interval
+// and --start-method are accepted (the latter with a warning) and change
+// nothing; -m, --module and --run-path, which run Python code, are an error
+// saying how to run it.
+TEST(FsdprunOptions, TorchrunsOtherFlags) {
+  ParseResult r = parse_options(
+      {"--role", "trainer", "--monitor-interval=0.1", "--start-method", "spawn", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.role, "trainer");
+  EXPECT_TRUE(mentions(r.warnings, "--start-method spawn is ignored"));
+  EXPECT_EQ(env_value(build_rank_environment(r.options, 1, 0, 0, {}), "ROLE_NAME"), "trainer");
+  for (const char* python : {"-m", "--module", "--run-path"}) {
+    r = parse_options({python, "mod"});
+    EXPECT_EQ(r.kind, ParseResult::Kind::kError) << python;
+    EXPECT_NE(r.error.find("python3 -m MODULE"), std::string::npos) << r.error;
+  }
+  EXPECT_EQ(parse_options({"--monitor-interval", "x", "p"}).kind, ParseResult::Kind::kError);
+}
+
 // torchrun's --log-dir, --redirects (-r) and --tee (-t): one value for
 // every local rank, or local rank by local rank.
 TEST(FsdprunOptions, LogDirRedirectsAndTee) {
@@ -379,14 +406,6 @@ TEST(FsdprunLinePrefixer, OverlongLineIsReleasedInPieces) {
   EXPECT_EQ(prefixer.pending_bytes(), chunk.size());
 }
 
-/// The value of `key` in a "KEY=VALUE" list, or "<unset>".
-std::string env_value(const std::vector<std::string>& env, const std::string& key) {
-  for (const std::string& entry : env) {
-    if (entry.rfind(key + "=", 0) == 0) return entry.substr(key.size() + 1);
-  }
-  return "<unset>";
-}
-
 TEST(FsdprunRankEnv, SetsTorchrunVariables) {
   LaunchOptions options;
   options.nproc_per_node = 3;
@@ -408,6 +427,7 @@ TEST(FsdprunRankEnv, SetsTorchrunVariables) {
   EXPECT_EQ(env_value(env, "TORCHELASTIC_RESTART_COUNT"), "1");
   EXPECT_EQ(env_value(env, "TORCHELASTIC_MAX_RESTARTS"), "4");
   EXPECT_EQ(env_value(env, "TORCHELASTIC_RUN_ID"), "none");
+  EXPECT_EQ(env_value(env, "ROLE_NAME"), "default");
   EXPECT_EQ(env_value(env, "OMP_NUM_THREADS"), "1");
   EXPECT_EQ(env_value(env, "PATH"), "/bin");
   EXPECT_EQ(std::count_if(env.begin(), env.end(),

@@ -34,6 +34,10 @@ enum class Flag {
   kLogDir,
   kRedirects,
   kTee,
+  kMonitorInterval,
+  kStartMethod,
+  kRole,
+  kPythonOnly,
   kHelp,
 };
 
@@ -65,6 +69,12 @@ constexpr FlagSpec kFlags[] = {
     {"-r", Flag::kRedirects, true},
     {"--tee", Flag::kTee, true},
     {"-t", Flag::kTee, true},
+    {"--monitor-interval", Flag::kMonitorInterval, true},
+    {"--start-method", Flag::kStartMethod, true},
+    {"--role", Flag::kRole, true},
+    {"--module", Flag::kPythonOnly, false},
+    {"-m", Flag::kPythonOnly, false},
+    {"--run-path", Flag::kPythonOnly, false},
     {"--help", Flag::kHelp, false},
     {"-h", Flag::kHelp, false},
 };
@@ -356,6 +366,26 @@ ParseResult parse_options(const std::vector<std::string>& args) {
               "expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank: 0:3,1:2"));
         }
         break;
+      case Flag::kMonitorInterval:
+        // torchrun polls its workers this often; fsdprun is woken by SIGCHLD.
+        if (!parse_seconds(*value)) {
+          return error_result(bad_value(name, *value, "must be a number of seconds >= 0"));
+        }
+        break;
+      case Flag::kStartMethod:
+        result.warnings.push_back(name + " " + *value +
+                                  " is ignored: it chooses how Python starts its workers, and "
+                                  "fsdprun runs programs");
+        break;
+      case Flag::kRole:
+        if (value->empty()) return error_result(bad_value(name, *value, "must not be empty"));
+        opts.role = *value;
+        break;
+      case Flag::kPythonOnly:
+        return error_result(name +
+                            ": fsdprun runs a program, not Python code; start the interpreter "
+                            "as that program (fsdprun ... python3 -m MODULE, or python3 "
+                            "SCRIPT)");
       case Flag::kNoPython:
         // torchrun's "run the program itself, not through python": fsdprun
         // always does, so command lines written for torchrun work unchanged.
@@ -523,6 +553,12 @@ std::string usage_text() {
          "  -r, --redirects S    streams written to those files only: 1 stdout, 2\n"
          "                       stderr, 3 both, or per local rank (0:3,1:2)\n"
          "  -t, --tee S          streams written to those files and shown, as -r\n"
+         "  --role NAME          the ranks' ROLE_NAME (default: default)\n"
+         "  --monitor-interval S, --start-method M\n"
+         "                       accepted from torchrun's command lines; no effect\n"
+         "  -m, --module, --run-path\n"
+         "                       refused: fsdprun runs a program; run python3 -m\n"
+         "                       MODULE (or python3 SCRIPT) as that program\n"
          "  --no-python          accepted from torchrun's command lines (fsdprun\n"
          "                       always runs the program itself)\n"
          "  -h, --help           show this help and exit\n"
@@ -531,6 +567,7 @@ std::string usage_text() {
          "LOCAL_WORLD_SIZE,\n"
          "GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\n"
          "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
+         "ROLE_NAME, "
          "and OMP_NUM_THREADS=1 when N > 1 and it is not already set, and\n"
          "FSDPRUN_STDOUT_TTY=1 when fsdprun's stdout is a terminal (the ranks' own\n"
          "stdout is a pipe).\n"

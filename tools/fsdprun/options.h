@@ -54,6 +54,8 @@ struct LaunchOptions {
   /// defaults: localhost, 29400). After it, rank 0's store serves that port.
   std::string rdzv_host = "localhost";
   int rdzv_port = 29400;
+  /// --role: the ranks' ROLE_NAME, as torchrun sets it.
+  std::string role = "default";
   /// --rdzv-id: every node of the job must give the same (TORCHELASTIC_RUN_ID).
   std::string rdzv_id = "none";
   /// --rdzv-conf join_timeout: how long the nodes wait for one another.

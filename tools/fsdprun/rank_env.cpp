@@ -49,6 +49,7 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& options, in
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
       {"TORCHELASTIC_RUN_ID", options.rdzv_id},
+      {"ROLE_NAME", options.role},
   };
   if (defaults_omp_num_threads(options, base_env)) {
     overrides["OMP_NUM_THREADS"] = "1";

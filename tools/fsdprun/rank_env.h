@@ -20,9 +20,9 @@ bool defaults_omp_num_threads(const LaunchOptions& options,
 
 /// Returns `base_env` with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 /// GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID (and possibly
-/// OMP_NUM_THREADS) set for local rank `local_rank`; earlier values of those
-/// variables are replaced, everything else is inherited.
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, ROLE_NAME (and
+/// possibly OMP_NUM_THREADS) set for local rank `local_rank`; earlier values of those variables are
+/// replaced, everything else is inherited.
 std::vector<std::string> build_rank_environment(const LaunchOptions& options, int master_port,
                                                 int local_rank, int restart_count,
                                                 const std::vector<std::string>& base_env);
