@@ -10,10 +10,6 @@
 namespace fsdp::launch {
 namespace {
 
-/// torchrun's default rendezvous port; every node must compute the same one,
-/// so a multi-node job cannot pick a random free port.
-constexpr int kDefaultMultiNodePort = 29500;
-
 /// The flags fsdprun understands, in their canonical '-' spelling.
 enum class Flag {
   kNprocPerNode,
@@ -121,9 +117,6 @@ ParseResult error_result(const std::string& message) {
 std::string bad_value(const std::string& flag, const std::string& value, const std::string& why) {
   return flag + ": invalid value '" + value + "' (" + why + ")";
 }
-
-/// torchrun's default rendezvous port for --rdzv-backend c10d.
-constexpr int kDefaultRendezvousPort = 29400;
 
 /// Splits "host[:port]" ("[v6 address]:port" for IPv6) as torchrun's
 /// parse_rendezvous_endpoint does; the port defaults to 29400. False on a
@@ -497,90 +490,6 @@ std::vector<std::string> flag_names() {
   std::vector<std::string> names;
   for (const FlagSpec& spec : kFlags) names.emplace_back(spec.name);
   return names;
-}
-
-std::string usage_text() {
-  std::ostringstream out;
-  out << "Usage: fsdprun [options] [--] program [program args...]\n"
-         "\n"
-         "Starts --nproc-per-node copies of `program` (found via PATH) on this "
-         "node,\n"
-         "like PyTorch's torchrun. Option parsing stops at `--` or at the "
-         "program\n"
-         "name, so the program's own flags pass through untouched. Multi-word "
-         "flags\n"
-         "may also be written with '_' (--nproc_per_node) and as "
-         "--flag=value.\n"
-         "\n"
-         "Options:\n"
-         "  --nproc-per-node N   ranks to start on this node (default 1); gpu: one\n"
-         "                       per visible CUDA GPU, cpu: one per usable CPU,\n"
-         "                       auto: gpu where there is one, else cpu\n"
-         "  --nnodes M           number of nodes in the job (default 1)\n"
-         "  --node-rank R        this node's index, 0 <= R < M (default 0)\n"
-         "  --master-addr A      address of the rank-0 node (default "
-         "127.0.0.1)\n"
-         "  --master-port P      rendezvous port, 1..65535 (default: a free "
-         "port\n"
-         "                       when --nnodes is 1, else "
-      << kDefaultMultiNodePort
-      << ")\n"
-         "  --standalone         single-node job on 127.0.0.1 with a free "
-         "port\n"
-         "  --max-restarts K     restart all ranks up to K times after a "
-         "failure\n"
-         "                       (default 0)\n"
-         "  --kill-timeout S     seconds between SIGTERM and SIGKILL when "
-         "stopping\n"
-         "                       ranks (default 10)\n"
-         "  --no-prefix          do not prefix output lines with "
-         "\"[rank<N>]: \"\n"
-         "  --local-ranks-filter L\n"
-         "                       show only these local ranks' output (0, or 0,2)\n"
-         "  --rdzv-backend B     static (default: each node passes --node-rank) or\n"
-         "                       c10d: node ranks assigned as the nodes join at the\n"
-         "                       endpoint (--node-rank is then ignored)\n"
-         "  --rdzv-endpoint H[:P]\n"
-         "                       where the nodes meet (default localhost:29400); with\n"
-         "                       c10d the node that can listen there serves it and\n"
-         "                       is node 0, and rank 0's store then takes the port\n"
-         "  --rdzv-id ID         the job's id, the same on every node (default none)\n"
-         "  --rdzv-conf K=V,...  join_timeout=S: how long the nodes wait for one\n"
-         "                       another (default 600); is_host=1: this node serves\n"
-         "  --log-dir DIR        where --redirects and --tee write each rank's output:\n"
-         "                       DIR/<rdzv-id>_<random>/attempt_<n>/<local rank>/\n"
-         "                       {stdout,stderr}.log (default DIR: $TMPDIR or /tmp)\n"
-         "  -r, --redirects S    streams written to those files only: 1 stdout, 2\n"
-         "                       stderr, 3 both, or per local rank (0:3,1:2)\n"
-         "  -t, --tee S          streams written to those files and shown, as -r\n"
-         "  --role NAME          the ranks' ROLE_NAME (default: default)\n"
-         "  --monitor-interval S, --start-method M\n"
-         "                       accepted from torchrun's command lines; no effect\n"
-         "  -m, --module, --run-path\n"
-         "                       refused: fsdprun runs a program; run python3 -m\n"
-         "                       MODULE (or python3 SCRIPT) as that program\n"
-         "  --no-python          accepted from torchrun's command lines (fsdprun\n"
-         "                       always runs the program itself)\n"
-         "  -h, --help           show this help and exit\n"
-         "\n"
-         "Each rank's environment: RANK, LOCAL_RANK, WORLD_SIZE, "
-         "LOCAL_WORLD_SIZE,\n"
-         "GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,\n"
-         "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
-         "ROLE_NAME, "
-         "and OMP_NUM_THREADS=1 when N > 1 and it is not already set, and\n"
-         "FSDPRUN_STDOUT_TTY=1 when fsdprun's stdout is a terminal (the ranks' own\n"
-         "stdout is a pipe).\n"
-         "\n"
-         "FSDP_JOB_TOKEN, the secret every rank presents on each connection: kept\n"
-         "when set; else made at random for a one-node job. With --nnodes > 1 it\n"
-         "must be set, the same on every node: export FSDP_JOB_TOKEN=$(openssl rand -hex 16)\n"
-         "\n"
-         "SIGINT, SIGTERM and SIGHUP are forwarded to every rank's process "
-         "group;\n"
-         "fsdprun then exits with 128+signal. If a rank fails, the others are\n"
-         "stopped and fsdprun exits with that rank's status.\n";
-  return out.str();
 }
 
 }  // namespace fsdp::launch

@@ -10,6 +10,12 @@
 
 namespace fsdp::launch {
 
+/// torchrun's default port for a static multi-node job; every node must
+/// compute the same one, so such a job cannot pick a random free port.
+inline constexpr int kDefaultMultiNodePort = 29500;
+/// torchrun's default port for --rdzv-backend c10d.
+inline constexpr int kDefaultRendezvousPort = 29400;
+
 /// torchrun's --redirects / --tee value: which of a rank's streams (bit 1
 /// stdout, bit 2 stderr; 3 both) it applies to, for every local rank ("3")
 /// or rank by rank ("0:3,1:2").
