@@ -177,6 +177,31 @@ TEST(FsdprunRendezvous, OneNodeTooManyIsTurnedAway) {
   EXPECT_EQ(joined, 1);
 }
 
+// --max-restarts with the c10d rendezvous: every rank fails its first
+// attempt, both nodes restart and meet again (node 0 serving anew once its
+// ranks are gone), and the second attempt runs every rank of the job.
+TEST(FsdprunRendezvous, NodesMeetAgainAtEachRestart) {
+  const int port = fsdp::testing::free_port();
+  const std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", kToken}};
+  std::vector<std::string> args = node_args(port, 2, 2, "--max-restarts=1");
+  args.insert(args.end(), {"--exit-code-if-restart-below", "1:3"});
+  LauncherProcess first(args, env);
+  ASSERT_TRUE(listening(port));
+  LauncherProcess second(args, env);
+  std::set<int> ranks;
+  for (LauncherProcess* node : {&first, &second}) {
+    const RunResult r = node->wait(30s);
+    ASSERT_FALSE(r.timed_out) << describe(r);
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_NE(r.err.find("restarting all ranks (restart 1/1)"), std::string::npos) << describe(r);
+    EXPECT_EQ(count_occurrences(r.err, "fsdprun: node rank "), 2) << describe(r);
+    for (const auto& [rank, vars] : parse_env(r.out)) {
+      if (vars.at("TORCHELASTIC_RESTART_COUNT") == "1") ranks.insert(rank);
+    }
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2, 3}));
+}
+
 // The endpoint's port held by something else: bound and not listening (no
 // node can serve, none answers: the join_timeout ends it), or a program that
 // closes what it accepts (an error at once).
@@ -203,12 +228,15 @@ TEST(FsdprunRendezvous, APortHeldByAnotherProgramEndsWithAReason) {
       if (::poll(&pfd, 1, 50) > 0) ::close(::accept(held, nullptr, nullptr));
     }
   });
-  r = run_launcher(node_args(port, 2, 1), {{"FSDP_JOB_TOKEN", kToken}}, 20s);
+  r = run_launcher(node_args(port, 2, 1, "--rdzv-conf=join_timeout=2"),
+                   {{"FSDP_JOB_TOKEN", kToken}}, 20s);
   stop = true;
   closer.join();
   ::close(held);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
-  EXPECT_NE(r.err.find("closed the connection without a node rank"), std::string::npos)
+  // Closed unanswered is tried again (a restarted job's old store), until
+  // the limit.
+  EXPECT_NE(r.err.find("closed the connection without a node rank for 2 s"), std::string::npos)
       << describe(r);
 }
 

@@ -74,23 +74,6 @@ int launch(LaunchOptions options) {
     return options.nnodes > 1 ? kUsageExitCode : 1;
   }
 
-  // Before the signal handlers: until ranks run, a signal just ends fsdprun.
-  if (options.assigns_node_ranks()) {
-    std::string rendezvous_error;
-    Assignment assignment;
-    if (!join_rendezvous(
-            options, env_value(base_env, "FSDP_JOB_TOKEN"),
-            [&err](const std::string& line) { err.write(line + "\n"); }, &assignment,
-            &rendezvous_error)) {
-      err.write("fsdprun: error: " + rendezvous_error + "\n");
-      return 1;
-    }
-    options.node_rank = assignment.node_rank;
-    options.master_addr = assignment.master_addr;
-    err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
-              std::to_string(options.nnodes) + "\n");
-  }
-
   if (options.redirects.any() || options.tee.any()) {
     std::string log_error;
     options.log_dir = make_run_log_dir(options.log_dir, options.rdzv_id, &log_error);
@@ -136,11 +119,33 @@ int launch(LaunchOptions options) {
     return 1;
   }
 
+  const std::string token = env_value(base_env, "FSDP_JOB_TOKEN");
+  const Hooks hooks{[&err](const std::string& line) { err.write(line + "\n"); },
+                    [&signals] { return signals->termination_count() > 0; }};
   Supervisor supervisor(options, port, std::move(base_env), *signals, out, err);
   for (int restart = 0;; ++restart) {
     if (restart > 0) {
       err.write("fsdprun: restarting all ranks (restart " + std::to_string(restart) + "/" +
                 std::to_string(options.max_restarts) + ")\n");
+    }
+    // Every attempt meets anew (Note [fsdprun's rendezvous]): a node
+    // started in place of a lost one joins the restarted job.
+    if (options.assigns_node_ranks()) {
+      std::string rendezvous_error;
+      Assignment assignment;
+      if (!join_rendezvous(options, token, hooks, &assignment, &rendezvous_error)) {
+        if (signals->termination_count() > 0) {
+          const int signo = signals->first_termination_signal();
+          err.write("fsdprun: stopped by " + signal_name(signo) + "\n");
+          return 128 + signo;
+        }
+        err.write("fsdprun: error: " + rendezvous_error + "\n");
+        return 1;
+      }
+      options.node_rank = assignment.node_rank;
+      options.master_addr = assignment.master_addr;
+      err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
+                std::to_string(options.nnodes) + "\n");
     }
     const AttemptResult result = supervisor.run_attempt(restart);
     switch (result.outcome) {

@@ -43,7 +43,11 @@
 //   none of node 0's (is_host=1 behind a virtual IP); then the address the
 //   first node reached.
 // - Nodes wait at most --rdzv-conf join_timeout (600 s), saying every 30 s
-//   how it stands; the node ranks stay the same across restarts.
+//   how it stands. They meet again before every restart (--max-restarts),
+//   so a node started anew in place of a lost one joins the job; until node
+//   0's ranks of the attempt before have ended, rank 0's store still holds
+//   the port and closes a joining node's connection unanswered, which the
+//   node then tries again (once a second).
 // Every node must start the same number of ranks (rank = node rank x
 // nproc + local rank), which torchrun does not require. A node that comes
 // after the job formed finds rank 0's store on the port (it closes the
@@ -62,6 +66,7 @@ constexpr size_t kMaxJoinBytes = 4096;
 constexpr auto kJoinReadLimit = std::chrono::seconds(5);
 constexpr auto kProgressEvery = std::chrono::seconds(30);
 constexpr auto kRetryEvery = std::chrono::milliseconds(200);
+constexpr auto kClosedRetryEvery = std::chrono::seconds(1);
 constexpr size_t kMaxPending = 256;  // connections still saying who they are
 
 /// A socket closed when it goes out of scope.
@@ -290,8 +295,9 @@ Clock::time_point deadline_of(const LaunchOptions& o) {
 /// Node 0: waits for the others on `listener`, then tells each its rank and
 /// where the ranks meet.
 bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const LaunchOptions& o,
-           const std::string& token, const std::function<void(const std::string&)>& progress,
-           Assignment* assignment, std::string* error) {
+           const std::string& token, const Hooks& hooks, Assignment* assignment,
+           std::string* error) {
+  const auto& progress = hooks.progress;
   struct Pending {
     Socket socket;
     std::string received;
@@ -312,6 +318,11 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
            std::to_string(others) + " more node(s)");
   while (joined.size() < others) {
     const Clock::time_point now = Clock::now();
+    if (hooks.stopped()) {
+      for (Pending& p : joined) send_all(p.socket.get(), "ERR node 0 was stopped\n");
+      *error = "stopped during the rendezvous";
+      return false;
+    }
     if (now >= deadline) {
       for (Pending& p : joined) send_all(p.socket.get(), "ERR the rendezvous timed out\n");
       *error = "the rendezvous at " + endpoint_of(o) + " timed out after " +
@@ -330,7 +341,7 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
         {listener.get(), static_cast<short>(pending.size() < kMaxPending ? POLLIN : 0), 0}};
     for (const Pending& p : joined) fds.push_back({p.socket.get(), POLLIN, 0});
     for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
-    Clock::time_point wake = std::min(deadline, next_progress);
+    Clock::time_point wake = std::min({deadline, next_progress, Clock::now() + kRetryEvery});
     for (const Pending& p : pending) wake = std::min(wake, p.since + kJoinReadLimit);
     if (::poll(fds.data(), fds.size(), std::max(ms_until(wake), 1)) < 0 && errno != EINTR) {
       *error = std::string("rendezvous: poll failed: ") + std::strerror(errno);
@@ -437,37 +448,40 @@ Socket connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_po
   return Socket();
 }
 
+/// How a try at joining ended.
+enum class Joined {
+  kYes,       // the node has its rank
+  kNo,        // refused, or stopped: `error` says why
+  kClosed,    // the connection closed without an answer: try again
+  kTimedOut,  // no answer within the deadline
+};
+
 /// Any other node, connected to node 0: joins and reads its rank.
-bool join(Socket s, const LaunchOptions& o, const std::string& token, Clock::time_point deadline,
-          const std::function<void(const std::string&)>& progress, Assignment* assignment,
-          std::string* error) {
+Joined join(Socket s, const LaunchOptions& o, const std::string& token, Clock::time_point deadline,
+            const Hooks& hooks, Assignment* assignment, std::string* error) {
+  const auto& progress = hooks.progress;
   send_all(s.get(), join_message(o, token));
-  progress("fsdprun: joined the rendezvous at " + endpoint_of(o) + "; waiting for the other nodes");
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
   std::string reply;
   while (reply.find('\n') == std::string::npos) {
     const Clock::time_point now = Clock::now();
-    if (now >= deadline) {
-      *error = "the rendezvous at " + endpoint_of(o) + " did not complete within " +
-               seconds(o.join_timeout_s) + " s (nodes missing?)";
-      return false;
+    if (hooks.stopped()) {
+      *error = "stopped during the rendezvous";
+      return Joined::kNo;
     }
+    if (now >= deadline) return Joined::kTimedOut;
     if (now >= next_progress) {
       progress("fsdprun: joined the rendezvous at " + endpoint_of(o) +
                "; still waiting for the other nodes");
       next_progress = now + kProgressEvery;
     }
     pollfd pfd{s.get(), POLLIN, 0};
-    if (::poll(&pfd, 1, std::max(ms_until(std::min(deadline, next_progress)), 1)) <= 0) continue;
+    const Clock::time_point wake = std::min({deadline, next_progress, now + kRetryEvery});
+    if (::poll(&pfd, 1, std::max(ms_until(wake), 1)) <= 0) continue;
     char buffer[512];
     const ssize_t n = ::recv(s.get(), buffer, sizeof(buffer), MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n <= 0) {
-      *error = "the rendezvous endpoint " + endpoint_of(o) +
-               " closed the connection without a node rank: another program holds the port, "
-               "or the job started without this node";
-      return false;
-    }
+    if (n <= 0) return Joined::kClosed;
     reply.append(buffer, static_cast<size_t>(n));
   }
   reply.resize(reply.find('\n'));
@@ -477,26 +491,28 @@ bool join(Socket s, const LaunchOptions& o, const std::string& token, Clock::tim
   if (words >> ok >> rank >> assignment->master_addr && ok == "OK" && rank >= 1 &&
       rank < o.nnodes) {
     assignment->node_rank = rank;
-    return true;
+    return Joined::kYes;
   }
   *error = reply.rfind("ERR ", 0) == 0 ? reply.substr(4)
                                        : "the rendezvous endpoint " + endpoint_of(o) +
                                              " answered something else than fsdprun's protocol";
-  return false;
+  return Joined::kNo;
 }
 
 }  // namespace
 
-bool join_rendezvous(const LaunchOptions& options, const std::string& token,
-                     const std::function<void(const std::string&)>& progress,
+bool join_rendezvous(const LaunchOptions& options, const std::string& token, const Hooks& hooks,
                      Assignment* assignment, std::string* error) {
+  const auto& progress = hooks.progress;
   if (token.find('\n') != std::string::npos) {
     *error = "FSDP_JOB_TOKEN must be one line";
     return false;
   }
   const Clock::time_point deadline = deadline_of(options);
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
-  bool decided = false;  // whether this node tried to serve
+  bool decided = false;    // whether this node tried to serve
+  bool closed = false;     // whether what listens there closed a connection unanswered
+  bool announced = false;  // whether this node said it joined
   std::string resolve_error;
   for (;;) {
     // Resolved again on every try: a name may appear only once its node is
@@ -509,7 +525,7 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token,
       if (serves) {
         Socket listener = listen_everywhere(options.rdzv_port);
         if (listener.valid()) {
-          return serve(std::move(listener), addresses, options, token, progress, assignment, error);
+          return serve(std::move(listener), addresses, options, token, hooks, assignment, error);
         }
         if (options.rdzv_is_host.value_or(false)) {
           *error = "--rdzv-conf is_host=1, but port " + std::to_string(options.rdzv_port) +
@@ -518,19 +534,46 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token,
         }
       }
     }
+    auto retry_after = kRetryEvery;
     if (!addresses.empty()) {
       Socket s = connect_to(addresses, deadline);
-      if (s.valid())
-        return join(std::move(s), options, token, deadline, progress, assignment, error);
+      if (s.valid()) {
+        if (!announced) {
+          progress("fsdprun: joined the rendezvous at " + endpoint_of(options) +
+                   "; waiting for the other nodes");
+          announced = true;
+        }
+        // Closed unanswered: rank 0's store of the attempt before a restart,
+        // still there until node 0's ranks end (or another program).
+        const Joined joined =
+            join(std::move(s), options, token, deadline, hooks, assignment, error);
+        if (joined == Joined::kYes || joined == Joined::kNo) return joined == Joined::kYes;
+        if (joined == Joined::kClosed) {
+          closed = true;
+          retry_after = kClosedRetryEvery;
+        } else if (!closed) {
+          *error = "the rendezvous at " + endpoint_of(options) + " did not complete within " +
+                   seconds(options.join_timeout_s) + " s (nodes missing?)";
+          return false;
+        }
+      }
+    }
+    if (hooks.stopped()) {
+      *error = "stopped during the rendezvous";
+      return false;
     }
     if (Clock::now() >= deadline) {
-      *error = addresses.empty()
-                   ? resolve_error + " for " + seconds(options.join_timeout_s) + " s"
-                   : "no rendezvous at " + endpoint_of(options) + " after " +
-                         seconds(options.join_timeout_s) +
-                         " s: the node that serves it (the one with that address) has not "
-                         "started fsdprun with --rdzv-backend c10d, or the port is blocked "
-                         "between nodes";
+      *error = addresses.empty() ? resolve_error + " for " + seconds(options.join_timeout_s) + " s"
+               : closed          ? "the rendezvous endpoint " + endpoint_of(options) +
+                              " closed the connection without a node rank for " +
+                              seconds(options.join_timeout_s) +
+                              " s: another program holds the port, or the job started without this "
+                              "node"
+                        : "no rendezvous at " + endpoint_of(options) + " after " +
+                              seconds(options.join_timeout_s) +
+                              " s: the node that serves it (the one with that address) has not "
+                              "started fsdprun with --rdzv-backend c10d, or the port is blocked "
+                              "between nodes";
       return false;
     }
     if (Clock::now() >= next_progress) {
@@ -540,7 +583,7 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token,
                          " (served by the node with that address)");
       next_progress = Clock::now() + kProgressEvery;
     }
-    std::this_thread::sleep_for(kRetryEvery);
+    std::this_thread::sleep_for(retry_after);
   }
 }
 

@@ -19,15 +19,22 @@ struct Assignment {
   std::string master_addr;  ///< where the ranks meet (MASTER_ADDR; the port is the endpoint's)
 };
 
+/// What the rendezvous tells its caller, and asks it.
+struct Hooks {
+  /// Gets a line now and then while nodes are missing, and one for each
+  /// node refused.
+  std::function<void(const std::string&)> progress;
+  /// Asked a few times a second: true ends the rendezvous (a signal came).
+  std::function<bool()> stopped;
+};
+
 /// Meets the other nodes at options.rdzv_host:rdzv_port (for
 /// options.assigns_node_ranks(); see Note [fsdprun's rendezvous] in
 /// rendezvous.cpp). False with a one-line `error` when the nodes did not all
-/// meet within options.join_timeout_s, or this node was refused (another
+/// meet within options.join_timeout_s, this node was refused (another
 /// FSDP_JOB_TOKEN, --rdzv-id, --nnodes or --nproc-per-node than the serving
-/// node's, or one node too many). `progress` gets a line now and then while
-/// nodes are missing, and one for each node refused.
-bool join_rendezvous(const LaunchOptions& options, const std::string& token,
-                     const std::function<void(const std::string&)>& progress,
+/// node's, or one node too many), or hooks.stopped() said so.
+bool join_rendezvous(const LaunchOptions& options, const std::string& token, const Hooks& hooks,
                      Assignment* assignment, std::string* error);
 
 // The pieces of node 0's choice of MASTER_ADDR, for tests.
