@@ -53,4 +53,28 @@ cluster_spawn 0 ref env FSDP_SHM=0 "$fsdprun" --nproc-per-node 4 "$prog" "${args
 cluster_wait 90 || cluster_fail "the uninterrupted 1 x 4 run failed"
 "$prog" --compare "$work/ref.pt" "$work/restarted.pt" --tol 0 ||
   cluster_fail "the restarted job's parameters differ from an uninterrupted run's"
+
+# (3) The same with the nodes meeting at fsdprun's c10d rendezvous (the same
+# command on both): they meet again before the restart, node 1 trying until
+# node 0's ranks of the first attempt, and their store, are gone.
+rdzv=(--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --max-restarts 1
+  --rdzv-endpoint "$CLUSTER_MASTER_ADDR:$CLUSTER_PORT" --rdzv-id node-loss)
+for i in 0 1; do
+  cluster_spawn "$i" "c10d.node$i" "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}" --step-ms 150 \
+    --ckpt-dir "$work/ckpt-c10d" --ckpt-every 4 --out "$work/c10d.pt"
+done
+cluster_wait_for "$work/c10d.node0.log" "step 9 " 90
+victim=$(cluster_node_pids 1 "$prog" | head -n 1)
+[[ -n $victim ]] || cluster_fail "c10d: no rank process found on node 1"
+kill -9 "$victim"
+cluster_wait 150 || cluster_fail "c10d: the restarted job did not finish on every node (${CLUSTER_RC[*]})"
+for i in 0 1; do
+  log="$work/c10d.node$i.log"
+  grep -q "restarting all ranks (restart 1/1)" "$log" || cluster_fail "c10d: node $i did not restart"
+  (($(grep -c "fsdprun: node rank $i of 2" "$log") == 2)) ||
+    cluster_fail "c10d: node $i was not node $i at both meetings"
+done
+"$prog" --compare "$work/ref.pt" "$work/c10d.pt" --tol 0 ||
+  cluster_fail "c10d: the restarted job's parameters differ from an uninterrupted run's"
+echo "(3) c10d rendezvous: met again at the restart, bit for bit the uninterrupted run"
 echo "ok"
