@@ -30,22 +30,29 @@ grep -q "cluster_train: " "$work/lost.node0.log" || cluster_fail "no rank of nod
 echo "(1) node 1 lost: node 0 failed after $elapsed s (timeout $timeout s)"
 grep "cluster_train: " "$work/lost.node0.log" | head -n 2
 
+# lose_a_rank NAME: once node 0's ranks of job NAME have passed step 9, a
+# rank of node 1 is SIGKILLed; both nodes' fsdprun must restart and finish.
+lose_a_rank() {
+  local name=$1 victim i
+  cluster_wait_for "$work/$name.node0.log" "step 9 " 90
+  victim=$(cluster_node_pids 1 "$prog" | head -n 1)
+  [[ -n $victim ]] || cluster_fail "$name: no rank process found on node 1"
+  kill -9 "$victim"
+  cluster_wait 150 || cluster_fail "$name: the restarted job did not finish on every node (${CLUSTER_RC[*]})"
+  for i in 0 1; do
+    grep -q "restarting all ranks (restart 1/1)" "$work/$name.node$i.log" ||
+      cluster_fail "$name: node $i's fsdprun did not restart"
+    grep -q "done" "$work/$name.node$i.log" || cluster_fail "$name: node $i's ranks did not finish"
+  done
+}
+
 # (2) A rank killed, the job restarted on both nodes.
 cluster_cut_link 1 2>/dev/null
 ip -n "$(_cluster_ns sw)" link set vn1 up || cluster_fail "cannot reconnect node 1"
 args=(--strategy full_shard --steps 16 --optimizer sgd --timeout 20)
 cluster_fsdprun restart "$fsdprun" 2 --max-restarts 1 -- "$prog" "${args[@]}" --step-ms 150 \
   --ckpt-dir "$work/ckpt" --ckpt-every 4 --out "$work/restarted.pt"
-cluster_wait_for "$work/restart.node0.log" "step 9 " 90
-victim=$(cluster_node_pids 1 "$prog" | head -n 1)
-[[ -n $victim ]] || cluster_fail "no rank process found on node 1"
-kill -9 "$victim"
-cluster_wait 150 || cluster_fail "the restarted job did not finish on every node (${CLUSTER_RC[*]})"
-for i in 0 1; do
-  log="$work/restart.node$i.log"
-  grep -q "restarting all ranks (restart 1/1)" "$log" || cluster_fail "node $i's fsdprun did not restart"
-  grep -q "done" "$log" || cluster_fail "node $i's ranks did not finish"
-done
+lose_a_rank restart
 # Killed after step 9: the last checkpoint was step 7 (or 11, if rank 3 was late).
 grep -Eq "resumed from step (7|11)$" "$work/restart.node0.log" ||
   cluster_fail "the job did not resume from its checkpoint of step 7"
@@ -63,15 +70,9 @@ for i in 0 1; do
   cluster_spawn "$i" "c10d.node$i" "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}" --step-ms 150 \
     --ckpt-dir "$work/ckpt-c10d" --ckpt-every 4 --out "$work/c10d.pt"
 done
-cluster_wait_for "$work/c10d.node0.log" "step 9 " 90
-victim=$(cluster_node_pids 1 "$prog" | head -n 1)
-[[ -n $victim ]] || cluster_fail "c10d: no rank process found on node 1"
-kill -9 "$victim"
-cluster_wait 150 || cluster_fail "c10d: the restarted job did not finish on every node (${CLUSTER_RC[*]})"
+lose_a_rank c10d
 for i in 0 1; do
-  log="$work/c10d.node$i.log"
-  grep -q "restarting all ranks (restart 1/1)" "$log" || cluster_fail "c10d: node $i did not restart"
-  (($(grep -c "fsdprun: node rank $i of 2" "$log") == 2)) ||
+  (($(grep -c "fsdprun: node rank $i of 2" "$work/c10d.node$i.log") == 2)) ||
     cluster_fail "c10d: node $i was not node $i at both meetings"
 done
 "$prog" --compare "$work/ref.pt" "$work/c10d.pt" --tol 0 ||
