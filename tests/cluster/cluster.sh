@@ -59,6 +59,7 @@ _cluster_remove_ns() {
     sleep 0.1
   done
   ip netns del "$ns" 2>/dev/null
+  rm -rf "/etc/netns/$ns"  # cluster_hosts' file
 }
 
 # Removes the namespaces of harnesses whose creator is dead (a test killed by
@@ -196,6 +197,17 @@ _cluster_argv() {
     unshare --ipc --uts --mount --propagation private --
     sh -c 'hostname "$1" && mount -t tmpfs -o size=512m tmpfs /dev/shm || exit 125
            shift; exec setpriv --pdeathsig KILL -- "$@"' sh "node$node" "$@")
+}
+
+# cluster_hosts NODE LINE...: node NODE's /etc/hosts is localhost's lines
+# and LINEs ("10.231.0.1 node0"): `ip netns exec` mounts /etc/netns/<ns>/hosts
+# over /etc/hosts for what runs in the node.
+cluster_hosts() {
+  local node=$1 dir
+  shift
+  dir="/etc/netns/$(_cluster_ns "n$node")"
+  mkdir -p "$dir" || cluster_fail "cannot make $dir"
+  printf '%s\n' "127.0.0.1 localhost" "::1 localhost" "$@" >"$dir/hosts"
 }
 
 # cluster_exec NODE CMD...: runs CMD in node NODE in the foreground.

@@ -35,17 +35,23 @@ for s in full_shard shard_grad_op no_shard; do
 done
 
 # torchrun's multi-node line, the same on both nodes (Note [fsdprun's
-# rendezvous]): node 1 starts first and waits; node 0, whose address the
-# endpoint names, serves the rendezvous, is node 0, and its rank 0's store
-# then takes the port. Bit for bit the 1 x 4 run over TCP.
+# rendezvous]): node 1 starts first and waits; node 0, whose name the
+# endpoint gives, serves the rendezvous, is node 0, and its rank 0's store
+# then takes the port. Node 0's /etc/hosts maps its own name to 127.0.1.1,
+# as Debian's does, so the ranks must meet at the address node 1 reached.
+# Bit for bit the 1 x 4 run over TCP.
+cluster_hosts 0 "127.0.1.1 node0"
+cluster_hosts 1 "$CLUSTER_MASTER_ADDR node0"
 rdzv=(--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d
-  --rdzv-endpoint "$CLUSTER_MASTER_ADDR:$CLUSTER_PORT" --rdzv-id parity)
+  --rdzv-endpoint "node0:$CLUSTER_PORT" --rdzv-id parity)
 args=(--strategy full_shard --steps 5 --optimizer sgd --timeout 30 --out "$work/c10d.pt")
 cluster_spawn 1 c10d.node1 "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}"
 sleep 2
 cluster_spawn 0 c10d.node0 "$fsdprun" "${rdzv[@]}" "$prog" "${args[@]}"
 cluster_wait 90 || cluster_fail "c10d: the 2 x 2 run failed"
 grep -q "node rank 1 of 2" "$work/c10d.node1.log" || cluster_fail "c10d: node 1 is not node 1"
+grep -q "the ranks meet at $CLUSTER_MASTER_ADDR" "$work/c10d.node0.log" ||
+  cluster_fail "c10d: node 0 did not move MASTER_ADDR off its loopback name"
 grep -q "rank 3/4 on node1" "$work/c10d.node1.log" || cluster_fail "c10d: rank 3 did not run on node1"
 "$prog" --compare "$work/tcp-full_shard.pt" "$work/c10d.pt" --tol 0 ||
   cluster_fail "c10d: 2 x 2 met at the c10d rendezvous and 1 x 4 over TCP differ"
