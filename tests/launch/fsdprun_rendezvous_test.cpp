@@ -202,6 +202,36 @@ TEST(FsdprunRendezvous, NodesMeetAgainAtEachRestart) {
   EXPECT_EQ(ranks, (std::set<int>{0, 1, 2, 3}));
 }
 
+// torchrun's elastic --nnodes MIN:MAX: once MIN nodes have joined, node 0
+// waits last_call_timeout for more, and the job is those that came: two of
+// 1:3 (both nodes told so, the ranks' world 2 x 2), or node 0 alone.
+TEST(FsdprunRendezvous, AnElasticNodeCountIsTheNodesThatJoined) {
+  const std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", kToken}};
+  const auto elastic = [](int port, const char* nnodes, const char* last_call) {
+    std::vector<std::string> args = node_args(port, 1, 2, last_call);
+    args[1] = nnodes;  // --nnodes' value
+    return args;
+  };
+  int port = fsdp::testing::free_port();
+  LauncherProcess first(elastic(port, "1:3", "--rdzv-conf=last_call_timeout=3"), env);
+  ASSERT_TRUE(listening(port));
+  LauncherProcess second(elastic(port, "1:3", "--rdzv-conf=last_call_timeout=3"), env);
+  for (LauncherProcess* node : {&first, &second}) {
+    const RunResult r = node->wait(30s);
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    EXPECT_NE(r.err.find(" of 2\n"), std::string::npos) << describe(r);
+    for (auto [rank, vars] : parse_env(r.out)) EXPECT_EQ(vars["WORLD_SIZE"], "4") << describe(r);
+  }
+  port = fsdp::testing::free_port();
+  const RunResult alone =
+      run_launcher(elastic(port, "1:2", "--rdzv-conf=last_call_timeout=0.5"), env, 20s);
+  ASSERT_EQ(alone.exit_code, 0) << describe(alone);
+  EXPECT_NE(alone.err.find("fsdprun: node rank 0 of 1"), std::string::npos) << describe(alone);
+  const EnvByRank ranks = parse_env(alone.out);
+  ASSERT_EQ(ranks.size(), 2u) << describe(alone);
+  for (auto [rank, vars] : ranks) EXPECT_EQ(vars["WORLD_SIZE"], "2");
+}
+
 // The endpoint's port held by something else: bound and not listening (no
 // node can serve, none answers: the join_timeout ends it), or a program that
 // closes what it accepts (an error at once).

@@ -95,7 +95,7 @@ TEST(FsdprunOptions, RejectsBadValues) {
   expect_error({"--nproc-per-node", "2x", "p"}, {"--nproc-per-node", "'2x'"});
   expect_error({"--nproc-per-node", "", "p"}, {"--nproc-per-node"});
   expect_error({"--nnodes", "0", "p"}, {"--nnodes", "'0'"});
-  expect_error({"--nnodes", "1:2", "p"}, {"--nnodes", "'1:2'"});
+  expect_error({"--nnodes", "1:2", "p"}, {"--nnodes 1:2", "needs --rdzv-backend c10d"});
   expect_error({"--node-rank", "-1", "p"}, {"--node-rank", "'-1'"});
   expect_error({"--node-rank", "2", "--nnodes", "2", "p"}, {"--node-rank", "'2'"});
   expect_error({"--master-port", "0", "p"}, {"--master-port", "'0'"});
@@ -182,10 +182,20 @@ TEST(FsdprunOptions, TorchrunsC10dRendezvous) {
                      "--rdzv-conf", "join_timeout=5,read_timeout=3,is_host=true", "p"});
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
   EXPECT_EQ(r.options.nnodes, 2);
+  EXPECT_EQ(r.options.min_nnodes, 0);
   EXPECT_DOUBLE_EQ(r.options.join_timeout_s, 5.0);
   EXPECT_EQ(r.options.rdzv_is_host, true);
   EXPECT_TRUE(mentions(r.warnings, "'read_timeout' is ignored"));
   EXPECT_FALSE(parse_options({"p"}).options.rdzv_is_host.has_value());
+
+  // torchrun's elastic --nnodes MIN:MAX, with last_call_timeout.
+  r = parse_options({"--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:5",
+                     "--rdzv-conf", "last_call_timeout=2.5", "p"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.nnodes, 4);
+  EXPECT_EQ(r.options.min_nnodes, 1);
+  EXPECT_TRUE(r.options.assigns_node_ranks());
+  EXPECT_DOUBLE_EQ(r.options.last_call_timeout_s, 2.5);
 
   // --master-addr with c10d: ignored, as torchrun.
   r = parse_options(
@@ -273,8 +283,13 @@ TEST(FsdprunOptions, BadRendezvousFlagsNameTheFix) {
             std::string::npos);
   EXPECT_NE(error_of({"--rdzv-conf", "is_host=maybe", "p"}).find("is_host must be 1 or 0"),
             std::string::npos);
-  EXPECT_NE(error_of({"--nnodes", "1:4", "p"}).find("MIN:MAX only with MIN == MAX"),
+  EXPECT_NE(error_of({"--nnodes", "1:4", "p"}).find("needs --rdzv-backend c10d"),
             std::string::npos);
+  for (const char* bad : {"4:1", "0:2", "1:", ":2", "1:2:3"}) {
+    EXPECT_NE(error_of({"--nnodes", bad, "p"}).find("MIN:MAX with 1 <= MIN <= MAX"),
+              std::string::npos)
+        << bad;
+  }
   EXPECT_NE(error_of({"--rdzv-id", "", "p"}).find("non-empty"), std::string::npos);
   EXPECT_NE(error_of({"--nproc-per-node", "gpus", "p"}).find("gpu, cpu or auto"),
             std::string::npos);

@@ -123,6 +123,7 @@ int launch(LaunchOptions options) {
   const Hooks hooks{[&err](const std::string& line) { err.write(line + "\n"); },
                     [&signals] { return signals->termination_count() > 0; }};
   Supervisor supervisor(options, port, std::move(base_env), *signals, out, err);
+  const int max_nnodes = options.nnodes;  // --nnodes MIN:MAX's MAX, for every meeting
   for (int restart = 0;; ++restart) {
     if (restart > 0) {
       err.write("fsdprun: restarting all ranks (restart " + std::to_string(restart) + "/" +
@@ -133,6 +134,7 @@ int launch(LaunchOptions options) {
     if (options.assigns_node_ranks()) {
       std::string rendezvous_error;
       Assignment assignment;
+      options.nnodes = max_nnodes;
       if (!join_rendezvous(options, token, hooks, &assignment, &rendezvous_error)) {
         if (signals->termination_count() > 0) {
           const int signo = signals->first_termination_signal();
@@ -144,6 +146,7 @@ int launch(LaunchOptions options) {
       }
       options.node_rank = assignment.node_rank;
       options.master_addr = assignment.master_addr;
+      options.nnodes = assignment.nnodes;
       err.write("fsdprun: node rank " + std::to_string(options.node_rank) + " of " +
                 std::to_string(options.nnodes) + "\n");
     }

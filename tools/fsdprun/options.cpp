@@ -232,17 +232,17 @@ ParseResult parse_options(const std::vector<std::string>& args) {
         break;
       }
       case Flag::kNnodes: {
-        // torchrun's MIN:MAX with MIN == MAX is a fixed count.
+        // torchrun's N, or MIN:MAX: as many nodes as join, MIN to MAX.
         const size_t colon = value->find(':');
-        if (colon != std::string::npos && value->substr(0, colon) == value->substr(colon + 1)) {
-          *value = value->substr(0, colon);
-        }
-        auto n = parse_int(*value, 1, 1 << 20);
-        if (!n) {
+        const auto low = parse_int(value->substr(0, colon), 1, 1 << 20);
+        const auto high =
+            colon == std::string::npos ? low : parse_int(value->substr(colon + 1), 1, 1 << 20);
+        if (!low || !high || *low > *high) {
           return error_result(
-              bad_value(name, *value, "must be an integer >= 1; MIN:MAX only with MIN == MAX"));
+              bad_value(name, *value, "must be a count >= 1, or MIN:MAX with 1 <= MIN <= MAX"));
         }
-        opts.nnodes = static_cast<int>(*n);
+        opts.nnodes = static_cast<int>(*high);
+        opts.min_nnodes = *low < *high ? static_cast<int>(*low) : 0;
         nnodes_given = true;
         break;
       }
@@ -328,6 +328,13 @@ ParseResult parse_options(const std::vector<std::string>& args) {
                   bad_value(name, *value, "join_timeout must be a number of seconds > 0"));
             }
             opts.join_timeout_s = *seconds;
+          } else if (key == "last_call_timeout") {
+            const auto seconds = parse_seconds(setting);
+            if (!seconds) {
+              return error_result(
+                  bad_value(name, *value, "last_call_timeout must be a number of seconds >= 0"));
+            }
+            opts.last_call_timeout_s = *seconds;
           } else if (key == "is_host") {
             // torchrun's spellings of a boolean (RendezvousParameters.get_as_bool).
             std::string word = setting;
@@ -341,8 +348,9 @@ ParseResult parse_options(const std::vector<std::string>& args) {
               return error_result(bad_value(name, *value, "is_host must be 1 or 0"));
             }
           } else if (!key.empty()) {
-            result.warnings.push_back(name + ": '" + key +
-                                      "' is ignored (fsdprun reads join_timeout and is_host)");
+            result.warnings.push_back(
+                name + ": '" + key +
+                "' is ignored (fsdprun reads join_timeout, last_call_timeout and is_host)");
           }
         }
         break;
@@ -413,6 +421,11 @@ ParseResult parse_options(const std::vector<std::string>& args) {
     result.warnings.push_back(
         "--log-dir writes nothing without --redirects or --tee (as torchrun's, but for its "
         "error files)");
+  }
+  if (opts.min_nnodes > 0 && (opts.rdzv_backend != "c10d" || opts.standalone)) {
+    return error_result(
+        "--nnodes " + std::to_string(opts.min_nnodes) + ":" + std::to_string(opts.nnodes) +
+        ": a number of nodes agreed as they join needs --rdzv-backend c10d and --rdzv-endpoint");
   }
   if (opts.standalone && endpoint) {
     return error_result(

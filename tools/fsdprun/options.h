@@ -43,7 +43,11 @@ struct LaunchOptions {
   /// "" when --nproc-per-node was a number; else torchrun's "gpu", "cpu" or
   /// "auto", which resolve_nproc_per_node() (device_count.h) turns into one.
   std::string nproc_per_node_device;
+  /// --nnodes N, or MAX of MIN:MAX until the rendezvous says how many
+  /// joined (fsdprun then sets it to that count for the attempt).
   int nnodes = 1;
+  /// MIN of --nnodes MIN:MAX (c10d only); 0 for a fixed count.
+  int min_nnodes = 0;
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   /// Unset means "choose one": a free local port on a single node, 29500
@@ -66,6 +70,9 @@ struct LaunchOptions {
   std::string rdzv_id = "none";
   /// --rdzv-conf join_timeout: how long the nodes wait for one another.
   double join_timeout_s = 600.0;
+  /// --rdzv-conf last_call_timeout: with --nnodes MIN:MAX, how long node 0
+  /// waits for more nodes once MIN have joined (torchrun's default, 30 s).
+  double last_call_timeout_s = 30.0;
   /// --rdzv-conf is_host: whether this node serves the rendezvous (unset:
   /// the node whose address the endpoint names).
   std::optional<bool> rdzv_is_host;

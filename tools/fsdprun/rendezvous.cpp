@@ -32,7 +32,11 @@
 //   differs from its own with one line naming it ("ERR ..."; the token in
 //   clear, as on every libfsdp connection: Note [Job token]) and goes on
 //   waiting; a connection that does not speak the protocol is closed.
-// - Once every node has joined, each hears "OK <node rank> <MASTER_ADDR>",
+// - With --nnodes MIN:MAX, once MIN nodes have joined, node 0 waits
+//   --rdzv-conf last_call_timeout (30 s) more, then the job is those that
+//   joined (MAX at most): torchrun's elastic count, agreed at each meeting.
+// - Once every node has joined, each hears "OK <node rank> <MASTER_ADDR>
+//   <number of nodes>",
 //   in the order they joined (one more node is refused), and the server
 //   closes the port: rank 0's store then serves it (MASTER_PORT), so a job
 //   needs that one port between nodes, as with torchrun. A node that leaves
@@ -60,7 +64,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kMagic[] = "FSDPRUN-RDZV 2";  // 2: "OK" carries MASTER_ADDR
+constexpr char kMagic[] = "FSDPRUN-RDZV 3";  // 3: "OK" carries MASTER_ADDR and the count
 constexpr int kJoinLines = 5;
 constexpr size_t kMaxJoinBytes = 4096;
 constexpr auto kJoinReadLimit = std::chrono::seconds(5);
@@ -107,9 +111,14 @@ std::string endpoint_of(const LaunchOptions& o) {
   return (v6 ? "[" + o.rdzv_host + "]" : o.rdzv_host) + ":" + std::to_string(o.rdzv_port);
 }
 
+/// --nnodes as given: "N", or "MIN:MAX".
+std::string nnodes_of(const LaunchOptions& o) {
+  return (o.min_nnodes > 0 ? std::to_string(o.min_nnodes) + ":" : "") + std::to_string(o.nnodes);
+}
+
 std::string join_message(const LaunchOptions& o, const std::string& token) {
   return std::string(kMagic) + "\n" + token + "\n" + o.rdzv_id + "\n" +
-         std::to_string(o.nproc_per_node) + "\n" + std::to_string(o.nnodes) + "\n";
+         std::to_string(o.nproc_per_node) + "\n" + nnodes_of(o) + "\n";
 }
 
 /// A whole join message (kJoinLines lines), or nullopt if it is not one.
@@ -143,9 +152,8 @@ std::string why_refused(const Join& theirs, const LaunchOptions& ours, const std
     return "its --rdzv-id '" + theirs.run_id + "' differs from node 0's '" + ours.rdzv_id +
            "' (another job's node?)";
   }
-  if (theirs.nnodes != std::to_string(ours.nnodes)) {
-    return "its --nnodes " + theirs.nnodes + " differs from node 0's " +
-           std::to_string(ours.nnodes);
+  if (theirs.nnodes != nnodes_of(ours)) {
+    return "its --nnodes " + theirs.nnodes + " differs from node 0's " + nnodes_of(ours);
   }
   if (theirs.nproc != std::to_string(ours.nproc_per_node)) {
     return "its --nproc-per-node " + theirs.nproc + " differs from node 0's " +
@@ -309,15 +317,23 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
   std::vector<Pending> joined;
   const Clock::time_point deadline = deadline_of(o);
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
+  // --nnodes MIN:MAX: once MIN have joined, the job starts with those that
+  // joined within last_call_timeout more, MAX at most.
   const size_t others = static_cast<size_t>(o.nnodes - 1);
+  const size_t enough = static_cast<size_t>((o.min_nnodes > 0 ? o.min_nnodes : o.nnodes) - 1);
+  const auto last_call = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(o.last_call_timeout_s));
+  std::optional<Clock::time_point> enough_since;
   const auto joined_line = [&] {
-    return std::to_string(joined.size() + 1) + " of " + std::to_string(o.nnodes) +
-           " nodes have joined";
+    return std::to_string(joined.size() + 1) + " of " + nnodes_of(o) + " nodes have joined";
   };
   progress("fsdprun: node 0 serves the rendezvous at " + endpoint_of(o) + "; waiting for " +
-           std::to_string(others) + " more node(s)");
+           (o.min_nnodes > 0 ? nnodes_of(o) + " nodes" : std::to_string(others) + " more node(s)"));
   while (joined.size() < others) {
     const Clock::time_point now = Clock::now();
+    if (joined.size() < enough) enough_since.reset();
+    if (joined.size() >= enough && !enough_since) enough_since = now;
+    if (enough_since && now >= *enough_since + last_call) break;
     if (hooks.stopped()) {
       for (Pending& p : joined) send_all(p.socket.get(), "ERR node 0 was stopped\n");
       *error = "stopped during the rendezvous";
@@ -342,6 +358,7 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
     for (const Pending& p : joined) fds.push_back({p.socket.get(), POLLIN, 0});
     for (const Pending& p : pending) fds.push_back({p.socket.get(), POLLIN, 0});
     Clock::time_point wake = std::min({deadline, next_progress, Clock::now() + kRetryEvery});
+    if (enough_since) wake = std::min(wake, *enough_since + last_call);
     for (const Pending& p : pending) wake = std::min(wake, p.since + kJoinReadLimit);
     if (::poll(fds.data(), fds.size(), std::max(ms_until(wake), 1)) < 0 && errno != EINTR) {
       *error = std::string("rendezvous: poll failed: ") + std::strerror(errno);
@@ -421,10 +438,11 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
   // The port goes to rank 0's store before anyone learns its rank.
   listener.reset();
   for (size_t k = 0; k < joined.size(); ++k) {
-    send_all(joined[k].socket.get(),
-             "OK " + std::to_string(k + 1) + " " + assignment->master_addr + "\n");
+    send_all(joined[k].socket.get(), "OK " + std::to_string(k + 1) + " " + assignment->master_addr +
+                                         " " + std::to_string(joined.size() + 1) + "\n");
   }
   assignment->node_rank = 0;
+  assignment->nnodes = static_cast<int>(joined.size() + 1);
   return true;
 }
 
@@ -488,9 +506,11 @@ Joined join(Socket s, const LaunchOptions& o, const std::string& token, Clock::t
   std::istringstream words(reply);
   std::string ok;
   int rank = -1;
-  if (words >> ok >> rank >> assignment->master_addr && ok == "OK" && rank >= 1 &&
-      rank < o.nnodes) {
+  int nnodes = 0;
+  if (words >> ok >> rank >> assignment->master_addr >> nnodes && ok == "OK" && rank >= 1 &&
+      rank < nnodes && nnodes <= o.nnodes) {
     assignment->node_rank = rank;
+    assignment->nnodes = nnodes;
     return Joined::kYes;
   }
   *error = reply.rfind("ERR ", 0) == 0 ? reply.substr(4)

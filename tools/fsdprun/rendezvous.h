@@ -17,6 +17,7 @@ namespace fsdp::launch {
 struct Assignment {
   int node_rank = -1;       ///< 0 on the node that serves it, 1.. in the order the others joined
   std::string master_addr;  ///< where the ranks meet (MASTER_ADDR; the port is the endpoint's)
+  int nnodes = 0;           ///< the job's nodes (MIN to MAX for --nnodes MIN:MAX)
 };
 
 /// What the rendezvous tells its caller, and asks it.
