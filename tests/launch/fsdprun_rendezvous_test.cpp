@@ -204,7 +204,9 @@ TEST(FsdprunRendezvous, NodesMeetAgainAtEachRestart) {
 
 // torchrun's elastic --nnodes MIN:MAX: once MIN nodes have joined, node 0
 // waits last_call_timeout for more, and the job is those that came: two of
-// 1:3 (both nodes told so, the ranks' world 2 x 2), or node 0 alone.
+// 2:3 (both nodes told so, the ranks' world 2 x 2), or node 0 alone of 1:2,
+// which still meets again at its restart (a lost node's replacement could
+// join there).
 TEST(FsdprunRendezvous, AnElasticNodeCountIsTheNodesThatJoined) {
   const std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", kToken}};
   const auto elastic = [](int port, const char* nnodes, const char* last_call) {
@@ -213,9 +215,9 @@ TEST(FsdprunRendezvous, AnElasticNodeCountIsTheNodesThatJoined) {
     return args;
   };
   int port = fsdp::testing::free_port();
-  LauncherProcess first(elastic(port, "1:3", "--rdzv-conf=last_call_timeout=3"), env);
+  LauncherProcess first(elastic(port, "2:3", "--rdzv-conf=last_call_timeout=1"), env);
   ASSERT_TRUE(listening(port));
-  LauncherProcess second(elastic(port, "1:3", "--rdzv-conf=last_call_timeout=3"), env);
+  LauncherProcess second(elastic(port, "2:3", "--rdzv-conf=last_call_timeout=1"), env);
   for (LauncherProcess* node : {&first, &second}) {
     const RunResult r = node->wait(30s);
     ASSERT_EQ(r.exit_code, 0) << describe(r);
@@ -223,10 +225,12 @@ TEST(FsdprunRendezvous, AnElasticNodeCountIsTheNodesThatJoined) {
     for (auto [rank, vars] : parse_env(r.out)) EXPECT_EQ(vars["WORLD_SIZE"], "4") << describe(r);
   }
   port = fsdp::testing::free_port();
-  const RunResult alone =
-      run_launcher(elastic(port, "1:2", "--rdzv-conf=last_call_timeout=0.5"), env, 20s);
+  std::vector<std::string> args = elastic(port, "1:2", "--rdzv-conf=last_call_timeout=0.5");
+  args.insert(args.begin(), "--max-restarts=1");
+  args.insert(args.end(), {"--exit-code-if-restart-below", "1:3"});
+  const RunResult alone = run_launcher(args, env, 20s);
   ASSERT_EQ(alone.exit_code, 0) << describe(alone);
-  EXPECT_NE(alone.err.find("fsdprun: node rank 0 of 1"), std::string::npos) << describe(alone);
+  EXPECT_EQ(count_occurrences(alone.err, "fsdprun: node rank 0 of 1"), 2) << describe(alone);
   const EnvByRank ranks = parse_env(alone.out);
   ASSERT_EQ(ranks.size(), 2u) << describe(alone);
   for (auto [rank, vars] : ranks) EXPECT_EQ(vars["WORLD_SIZE"], "2");

@@ -124,6 +124,8 @@ int launch(LaunchOptions options) {
                     [&signals] { return signals->termination_count() > 0; }};
   Supervisor supervisor(options, port, std::move(base_env), *signals, out, err);
   const int max_nnodes = options.nnodes;  // --nnodes MIN:MAX's MAX, for every meeting
+  // Decided once: an elastic job left with one node still meets at restarts.
+  const bool meets = options.assigns_node_ranks();
   for (int restart = 0;; ++restart) {
     if (restart > 0) {
       err.write("fsdprun: restarting all ranks (restart " + std::to_string(restart) + "/" +
@@ -131,7 +133,7 @@ int launch(LaunchOptions options) {
     }
     // Every attempt meets anew (Note [fsdprun's rendezvous]): a node
     // started in place of a lost one joins the restarted job.
-    if (options.assigns_node_ranks()) {
+    if (meets) {
       std::string rendezvous_error;
       Assignment assignment;
       options.nnodes = max_nnodes;

@@ -27,17 +27,18 @@
 //   rank 0 runs. Every other node (and a second fsdprun on the serving
 //   host, as in the tests) connects, resolving HOST and retrying until the
 //   server is up.
-// - A joining node sends "FSDPRUN-RDZV 1", its FSDP_JOB_TOKEN, --rdzv-id,
+// - A joining node sends "FSDPRUN-RDZV 3", its FSDP_JOB_TOKEN, --rdzv-id,
 //   --nproc-per-node and --nnodes, a line each. The server refuses what
 //   differs from its own with one line naming it ("ERR ..."; the token in
 //   clear, as on every libfsdp connection: Note [Job token]) and goes on
-//   waiting; a connection that does not speak the protocol is closed.
+//   waiting; it answers "WAIT" to a node it takes in, so that the node
+//   tells waiting for nodes from a port held by something else; a
+//   connection that does not speak the protocol is closed.
 // - With --nnodes MIN:MAX, once MIN nodes have joined, node 0 waits
 //   --rdzv-conf last_call_timeout (30 s) more, then the job is those that
 //   joined (MAX at most): torchrun's elastic count, agreed at each meeting.
 // - Once every node has joined, each hears "OK <node rank> <MASTER_ADDR>
-//   <number of nodes>",
-//   in the order they joined (one more node is refused), and the server
+//   <number of nodes>", in the order they joined, and the server
 //   closes the port: rank 0's store then serves it (MASTER_PORT), so a job
 //   needs that one port between nodes, as with torchrun. A node that leaves
 //   before then gives up its place. MASTER_ADDR is HOST, unless the store,
@@ -54,10 +55,14 @@
 //   node then tries again (once a second).
 // Every node must start the same number of ranks (rank = node rank x
 // nproc + local rank), which torchrun does not require. A node that comes
-// after the job formed finds rank 0's store on the port (it closes the
-// connection: an error), or, on node 0's own host in the moment before the
-// store listens, takes the port to serve a rendezvous of its own: several
-// "nodes" on one host are for tests.
+// after the job formed (one too many, or after the last call) finds rank
+// 0's store on the port, which closes its connections unanswered: it tries
+// again until the next meeting (a restart) or its join_timeout, unlike
+// torchrun's, whose running nodes restart to let a waiting node in. On node
+// 0's own host, in the moment before the store listens, it could take the
+// port to serve a rendezvous of its own: several "nodes" on one host are for
+// tests. Each node counts its own restarts; a node whose peers have given
+// up waits until its join_timeout.
 
 namespace fsdp::launch {
 namespace {
@@ -333,12 +338,12 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
     const Clock::time_point now = Clock::now();
     if (joined.size() < enough) enough_since.reset();
     if (joined.size() >= enough && !enough_since) enough_since = now;
-    if (enough_since && now >= *enough_since + last_call) break;
     if (hooks.stopped()) {
       for (Pending& p : joined) send_all(p.socket.get(), "ERR node 0 was stopped\n");
       *error = "stopped during the rendezvous";
       return false;
     }
+    if (enough_since && now >= *enough_since + last_call) break;
     if (now >= deadline) {
       for (Pending& p : joined) send_all(p.socket.get(), "ERR the rendezvous timed out\n");
       *error = "the rendezvous at " + endpoint_of(o) + " timed out after " +
@@ -396,6 +401,9 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
                   " nodes (--nnodes): this one is too many";
           }
           if (why.empty()) {
+            // Said at once, so that the node knows it is in (and waits for
+            // nodes, not for a port held by something else).
+            send_all(p.socket.get(), "WAIT\n");
             staying.push_back(std::move(p));
             continue;
           }
@@ -471,17 +479,24 @@ enum class Joined {
   kYes,       // the node has its rank
   kNo,        // refused, or stopped: `error` says why
   kClosed,    // the connection closed without an answer: try again
-  kTimedOut,  // no answer within the deadline
+  kTimedOut,  // no answer within the deadline (`waited`: after node 0 took the node in)
 };
 
 /// Any other node, connected to node 0: joins and reads its rank.
 Joined join(Socket s, const LaunchOptions& o, const std::string& token, Clock::time_point deadline,
-            const Hooks& hooks, Assignment* assignment, std::string* error) {
+            const Hooks& hooks, Assignment* assignment, bool* waited, std::string* error) {
   const auto& progress = hooks.progress;
   send_all(s.get(), join_message(o, token));
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
   std::string reply;
-  while (reply.find('\n') == std::string::npos) {
+  *waited = false;
+  for (;;) {
+    // "WAIT": node 0 took this node in; the answer comes when the job is whole.
+    if (reply.rfind("WAIT\n", 0) == 0) {
+      *waited = true;
+      reply.erase(0, 5);
+    }
+    if (reply.find('\n') != std::string::npos) break;
     const Clock::time_point now = Clock::now();
     if (hooks.stopped()) {
       *error = "stopped during the rendezvous";
@@ -530,9 +545,10 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
   }
   const Clock::time_point deadline = deadline_of(options);
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
-  bool decided = false;    // whether this node tried to serve
-  bool closed = false;     // whether what listens there closed a connection unanswered
-  bool announced = false;  // whether this node said it joined
+  bool decided = false;        // whether this node tried to serve
+  bool closed = false;         // whether the last try's connection closed unanswered
+  bool closed_before = false;  // whether any try's did
+  bool announced = false;      // whether this node said it joined
   std::string resolve_error;
   for (;;) {
     // Resolved again on every try: a name may appear only once its node is
@@ -557,6 +573,7 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
     auto retry_after = kRetryEvery;
     if (!addresses.empty()) {
       Socket s = connect_to(addresses, deadline);
+      closed = false;
       if (s.valid()) {
         if (!announced) {
           progress("fsdprun: joined the rendezvous at " + endpoint_of(options) +
@@ -565,17 +582,18 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
         }
         // Closed unanswered: rank 0's store of the attempt before a restart,
         // still there until node 0's ranks end (or another program).
+        bool waited = false;
         const Joined joined =
-            join(std::move(s), options, token, deadline, hooks, assignment, error);
+            join(std::move(s), options, token, deadline, hooks, assignment, &waited, error);
         if (joined == Joined::kYes || joined == Joined::kNo) return joined == Joined::kYes;
-        if (joined == Joined::kClosed) {
-          closed = true;
-          retry_after = kClosedRetryEvery;
-        } else if (!closed) {
+        if (joined == Joined::kTimedOut && (waited || !closed_before)) {
           *error = "the rendezvous at " + endpoint_of(options) + " did not complete within " +
                    seconds(options.join_timeout_s) + " s (nodes missing?)";
           return false;
         }
+        closed = true;
+        closed_before = true;
+        retry_after = kClosedRetryEvery;
       }
     }
     if (hooks.stopped()) {
