@@ -1,9 +1,7 @@
 // End-to-end: how ranks' output is relayed.
 
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -107,7 +105,8 @@ TEST(FsdprunOutput, LocalRanksFilterShowsOnlyTheRanksNamed) {
 // rank wrote them (no prefix), one directory per attempt; redirected streams
 // leave the console, teed ones stay on it (here local rank 0's stdout).
 TEST(FsdprunOutput, LogDirRedirectsAndTeeAsTorchrun) {
-  const std::string dir = ::testing::TempDir() + "fsdprun_logs_" + std::to_string(::getpid());
+  const PidDir logs;  // a fresh directory, removed however the test ends
+  const std::string& dir = logs.path();
   const RunResult r =
       run_launcher({"--nproc-per-node", "2", "--log-dir", dir, "--redirects", "3", "-t", "0:1",
                     "--max-restarts", "1", "--rdzv-id", "logs", test_rank_path(), "--print-env",
@@ -148,7 +147,6 @@ TEST(FsdprunOutput, LogDirRedirectsAndTeeAsTorchrun) {
   EXPECT_NE(r.out.find("[rank0]: RANK=0"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("[rank1]"), std::string::npos) << r.out;
   EXPECT_EQ(r.err.find("[rank"), std::string::npos) << r.err;
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

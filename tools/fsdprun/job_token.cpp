@@ -35,12 +35,12 @@ std::string random_job_token(std::string* error) {
   return token;
 }
 
-bool ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
-                      std::string* error) {
+std::string ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
+                             std::string* error) {
   const std::string prefix = std::string(kVariable) + "=";
   for (auto it = env->begin(); it != env->end(); ++it) {
     if (it->compare(0, prefix.size(), prefix) != 0) continue;
-    if (it->size() > prefix.size()) return true;
+    if (it->size() > prefix.size()) return it->substr(prefix.size());
     env->erase(it);  // set but empty: as if unset
     break;
   }
@@ -48,12 +48,11 @@ bool ensure_job_token(const LaunchOptions& options, std::vector<std::string>* en
     *error = "--nnodes " + std::to_string(options.nnodes) +
              " needs FSDP_JOB_TOKEN, the same on every node: run `export "
              "FSDP_JOB_TOKEN=$(openssl rand -hex 16)` once and start fsdprun with it on each node";
-    return false;
+    return "";
   }
   const std::string token = random_job_token(error);
-  if (token.empty()) return false;
-  env->push_back(prefix + token);
-  return true;
+  if (!token.empty()) env->push_back(prefix + token);
+  return token;
 }
 
 }  // namespace fsdp::launch

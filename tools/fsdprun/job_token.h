@@ -14,12 +14,12 @@ namespace fsdp::launch {
 /// Returns "" (and sets `error`) when the kernel gives no randomness.
 std::string random_job_token(std::string* error);
 
-/// Makes sure `env` carries FSDP_JOB_TOKEN for the ranks: kept when set and
-/// non-empty; else, for a one-node job, a random one is added (the same for
-/// every restart of the job). A multi-node job needs the same token on every
-/// node, so it must come from the environment: false, with a one-line
-/// `error` giving the fix, when it is missing.
-bool ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
-                      std::string* error);
+/// Makes sure `env` carries FSDP_JOB_TOKEN for the ranks and returns it:
+/// kept when set and non-empty; else, for a one-node job, a random one is
+/// added (the same for every restart of the job). A multi-node job needs the
+/// same token on every node, so it must come from the environment: "", with
+/// a one-line `error` giving the fix, when it is missing.
+std::string ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
+                             std::string* error);
 
 }  // namespace fsdp::launch

@@ -44,14 +44,6 @@ void ensure_standard_fds_open() {
   }
 }
 
-/// The value of `key` in a "KEY=VALUE" environment, or "".
-std::string env_value(const std::vector<std::string>& env, const std::string& key) {
-  for (const std::string& entry : env) {
-    if (entry.compare(0, key.size() + 1, key + "=") == 0) return entry.substr(key.size() + 1);
-  }
-  return "";
-}
-
 /// Everything after argument parsing; returns fsdprun's exit code.
 int launch(LaunchOptions options) {
   ensure_standard_fds_open();
@@ -69,7 +61,8 @@ int launch(LaunchOptions options) {
   // See Note [Job token] (src/rendezvous/job_token.cpp): before anything is started.
   std::vector<std::string> base_env = environment_from(environ);
   std::string token_error;
-  if (!ensure_job_token(options, &base_env, &token_error)) {
+  const std::string token = ensure_job_token(options, &base_env, &token_error);
+  if (token.empty()) {
     err.write("fsdprun: error: " + token_error + "\n");
     return options.nnodes > 1 ? kUsageExitCode : 1;
   }
@@ -119,7 +112,6 @@ int launch(LaunchOptions options) {
     return 1;
   }
 
-  const std::string token = env_value(base_env, "FSDP_JOB_TOKEN");
   const Hooks hooks{[&err](const std::string& line) { err.write(line + "\n"); },
                     [&signals] { return signals->termination_count() > 0; }};
   Supervisor supervisor(options, port, std::move(base_env), *signals, out, err);

@@ -444,7 +444,6 @@ ParseResult parse_options(const std::vector<std::string>& args) {
     if (endpoint_port_given && opts.rdzv_port > 0) {
       opts.master_port = opts.rdzv_port;
     }
-    master_addr_given = true;
   }
   if (opts.rdzv_backend == "c10d") {
     if (master_addr_given || opts.master_port) {

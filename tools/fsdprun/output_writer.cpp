@@ -7,7 +7,7 @@
 
 namespace fsdp::launch {
 
-void OutputWriter::write(std::string_view data) {
+bool OutputWriter::write(std::string_view data) {
   while (!broken_ && !data.empty()) {
     const ssize_t n = ::write(fd_, data.data(), data.size());
     if (n > 0) {
@@ -21,6 +21,7 @@ void OutputWriter::write(std::string_view data) {
       broken_ = true;
     }
   }
+  return !broken_;
 }
 
 }  // namespace fsdp::launch

@@ -15,8 +15,9 @@ class OutputWriter {
   /// Writes all of `data`, resuming after partial writes and EINTR and
   /// waiting when a non-blocking descriptor is full. Once the descriptor
   /// fails (e.g. EPIPE after `fsdprun ... | head`), later output is dropped:
-  /// losing the launcher's stdout must not stop a training run.
-  void write(std::string_view data);
+  /// losing the launcher's stdout must not stop a training run. False once
+  /// it has failed (errno says why, right after the failing call).
+  bool write(std::string_view data);
 
  private:
   int fd_;

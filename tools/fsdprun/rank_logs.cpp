@@ -1,29 +1,25 @@
 #include "rank_logs.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 #include <vector>
+
+#include "detail/posix_files.h"
 
 namespace fsdp::launch {
 namespace {
 
-/// mkdir -p; false with `error` set.
+/// detail::make_dirs, its failure in `error`.
 bool make_directories(const std::string& path, std::string* error) {
-  for (size_t at = 1; at <= path.size(); ++at) {
-    if (at != path.size() && path[at] != '/') continue;
-    const std::string prefix = path.substr(0, at);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) {
-      *error = "cannot make " + prefix + ": " + std::strerror(errno);
-      return false;
-    }
-  }
-  return true;
+  std::error_code ec;
+  detail::make_dirs(path, ec);
+  if (ec) *error = "cannot make " + path + ": " + ec.message();
+  return !ec;
 }
 
 }  // namespace

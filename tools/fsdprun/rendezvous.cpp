@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "deadline.h"
+
 // Note [fsdprun's rendezvous]
 // torchrun's multi-node command is the same on every node (--rdzv-backend
 // c10d --rdzv-endpoint HOST:PORT, no --node-rank), which a batch script can
@@ -269,11 +271,6 @@ Socket listen_everywhere(int port) {
   return Socket();
 }
 
-int ms_until(Clock::time_point t) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now());
-  return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 60000));
-}
-
 std::string seconds(double s) {
   std::ostringstream out;
   out << s;
@@ -307,9 +304,9 @@ Clock::time_point deadline_of(const LaunchOptions& o) {
 
 /// Node 0: waits for the others on `listener`, then tells each its rank and
 /// where the ranks meet.
-bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const LaunchOptions& o,
-           const std::string& token, const Hooks& hooks, Assignment* assignment,
-           std::string* error) {
+bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, bool endpoint_here,
+           const LaunchOptions& o, const std::string& token, const Hooks& hooks,
+           Assignment* assignment, std::string* error) {
   const auto& progress = hooks.progress;
   struct Pending {
     Socket socket;
@@ -433,7 +430,6 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, const
       }
     }
   }
-  const bool endpoint_here = std::any_of(endpoint.begin(), endpoint.end(), is_local);
   assignment->master_addr = joined.empty() ? o.rdzv_host
                                            : meeting_address(o.rdzv_host, endpoint, endpoint_here,
                                                              joined[0].peer, joined[0].reached);
@@ -561,7 +557,8 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
       if (serves) {
         Socket listener = listen_everywhere(options.rdzv_port);
         if (listener.valid()) {
-          return serve(std::move(listener), addresses, options, token, hooks, assignment, error);
+          return serve(std::move(listener), addresses, local, options, token, hooks, assignment,
+                       error);
         }
         if (options.rdzv_is_host.value_or(false)) {
           *error = "--rdzv-conf is_host=1, but port " + std::to_string(options.rdzv_port) +

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "child_process.h"
+#include "deadline.h"
 #include "exit_status.h"
 #include "rank_env.h"
 #include "rank_logs.h"
@@ -30,26 +31,6 @@ constexpr std::chrono::seconds kGroupGrace{2};
 
 /// Poll period while waiting for processes whose exit sends us no SIGCHLD.
 constexpr int kGroupPollMs = 20;
-
-/// Writes all `size` bytes of `data` to a file; false (errno set) on failure.
-bool write_all(int fd, const char* data, size_t size) {
-  while (size > 0) {
-    const ssize_t n = ::write(fd, data, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-/// Milliseconds from now until `deadline`, rounded up, at least 0.
-int ms_until(std::chrono::steady_clock::time_point deadline) {
-  const auto left = deadline - std::chrono::steady_clock::now();
-  if (left <= std::chrono::steady_clock::duration::zero()) return 0;
-  const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
-  return static_cast<int>(std::min<long long>(ms, 1 << 30));
-}
 
 }  // namespace
 
@@ -272,7 +253,8 @@ void Supervisor::relay(Rank& rank, int stream) {
   if (n > 0) {
     // The file gets what the rank wrote, as it wrote it (no prefix). A file
     // that fails (a full disk) is closed, and the console takes over.
-    if (rank.log_fds[stream] >= 0 && !write_all(rank.log_fds[stream], buffer, n)) {
+    if (rank.log_fds[stream] >= 0 &&
+        !OutputWriter(rank.log_fds[stream]).write(std::string_view(buffer, n))) {
       err_.write("fsdprun: cannot write local rank " + std::to_string(rank.local_rank) + "'s " +
                  (stream == 0 ? "stdout" : "stderr") + " log (" + std::strerror(errno) +
                  "); its output goes to the console from here on\n");
