@@ -20,27 +20,6 @@
 
 namespace fsdp::detail {
 
-UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
-  if (this != &other) {
-    reset();
-    fd_ = other.release();
-  }
-  return *this;
-}
-
-int UniqueFd::release() {
-  int fd = fd_;
-  fd_ = -1;
-  return fd;
-}
-
-void UniqueFd::reset() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
-  }
-}
-
 namespace {
 
 struct AddrInfoList {
@@ -210,14 +189,6 @@ IoResult read_all_until(int fd, void* data, size_t n, Clock::time_point deadline
   char* p = static_cast<char*>(data);
   return transfer_until(fd, n, POLLIN, deadline,
                         [&](size_t done) { return ::recv(fd, p + done, n - done, MSG_DONTWAIT); });
-}
-
-bool is_loopback_host(const std::string& host) {
-  if (host == "localhost") return true;
-  in_addr a4{};
-  if (inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
-  in6_addr a6{};
-  return inet_pton(AF_INET6, host.c_str(), &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6);
 }
 
 std::string local_address_toward(const std::string& host) {

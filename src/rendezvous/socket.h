@@ -7,29 +7,9 @@
 #include <cstdint>
 #include <string>
 
+#include "detail/posix_socket.h"
+
 namespace fsdp::detail {
-
-/// Owns a file descriptor; closes it on destruction.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept;
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { reset(); }
-
-  /// The descriptor, or -1.
-  int get() const { return fd_; }
-  /// Gives up ownership.
-  int release();
-  /// Closes the descriptor (if any).
-  void reset();
-
- private:
-  int fd_ = -1;
-};
 
 /// Listens on addr:port (port 0: any free port); returns the socket and sets
 /// `bound_port`. Throws a c10::Error naming the address on failure.
@@ -56,9 +36,6 @@ bool write_all(int fd, const void* data, size_t n);
 
 /// Reads exactly `n` bytes; false on EOF or error.
 bool read_all(int fd, void* data, size_t n);
-
-/// True for 127.0.0.0/8, ::1 (in any spelling) and "localhost".
-bool is_loopback_host(const std::string& host);
 
 /// The local address of the interface the kernel would route to `host` through
 /// (no packet is sent). Used to pick what Gloo listens on in multi-node jobs.

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "detail/posix_socket.h"
 #include "device_count.h"
 #include "exit_status.h"
 #include "line_prefixer.h"
@@ -376,11 +377,16 @@ TEST(FsdprunRendezvousAddress, ALoopbackHostMeetsWhereTheOthersReachedNodeZero) 
                  "::ffff:127.0.0.1"),
             "localhost");
   for (const char* loopback : {"127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.5"}) {
-    EXPECT_TRUE(is_loopback(address(loopback))) << loopback;
+    EXPECT_TRUE(detail::is_loopback(address(loopback))) << loopback;
+    EXPECT_TRUE(detail::is_loopback_host(loopback)) << loopback;
   }
   for (const char* other : {"10.0.0.1", "::ffff:10.0.0.1", "fd00::1", "128.0.0.1"}) {
-    EXPECT_FALSE(is_loopback(address(other))) << other;
+    EXPECT_FALSE(detail::is_loopback(address(other))) << other;
+    EXPECT_FALSE(detail::is_loopback_host(other)) << other;
   }
+  // libfsdp asks the same of MASTER_ADDR as written; a name is no address.
+  EXPECT_TRUE(detail::is_loopback_host("localhost"));
+  EXPECT_FALSE(detail::is_loopback_host("node0"));
   EXPECT_EQ(peer_name(address("::ffff:192.168.1.7")), "192.168.1.7");
   EXPECT_EQ(peer_name(address("fd00::7")), "fd00::7");
 }

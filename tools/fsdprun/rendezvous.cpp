@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "deadline.h"
+#include "detail/posix_socket.h"
 
 // Note [fsdprun's rendezvous]
 // torchrun's multi-node command is the same on every node (--rdzv-backend
@@ -80,30 +81,7 @@ constexpr auto kRetryEvery = std::chrono::milliseconds(200);
 constexpr auto kClosedRetryEvery = std::chrono::seconds(1);
 constexpr size_t kMaxPending = 256;  // connections still saying who they are
 
-/// A socket closed when it goes out of scope.
-class Socket {
- public:
-  Socket() = default;
-  explicit Socket(int fd) : fd_(fd) {}
-  Socket(Socket&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Socket& operator=(Socket&& other) noexcept {
-    if (this != &other) {
-      reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  ~Socket() { reset(); }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-
- private:
-  int fd_ = -1;
-};
+using detail::UniqueFd;
 
 /// What a joining node says about itself.
 struct Join {
@@ -229,7 +207,7 @@ socklen_t length_of(const sockaddr_storage& s) {
 
 /// Whether `addr` is one of this host's addresses (binding it works).
 bool is_local(sockaddr_storage addr) {
-  Socket probe(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  UniqueFd probe(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!probe.valid()) return false;
   if (addr.ss_family == AF_INET6) {
     reinterpret_cast<sockaddr_in6&>(addr).sin6_port = 0;
@@ -241,11 +219,11 @@ bool is_local(sockaddr_storage addr) {
 
 /// A socket listening on every interface at `port` (IPv6 and IPv4 where the
 /// host has IPv6), or an invalid one (the port is taken: someone else serves).
-Socket listen_everywhere(int port) {
+UniqueFd listen_everywhere(int port) {
   for (const int f : {AF_INET6, AF_INET}) {
     // Non-blocking: a connection gone between poll() and accept() must not
     // stop the loop.
-    Socket s(::socket(f, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    UniqueFd s(::socket(f, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!s.valid()) continue;
     const int one = 1, zero = 0;
     ::setsockopt(s.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -266,9 +244,9 @@ Socket listen_everywhere(int port) {
         ::listen(s.get(), 64) == 0) {
       return s;
     }
-    if (errno == EADDRINUSE) return Socket();
+    if (errno == EADDRINUSE) return UniqueFd();
   }
-  return Socket();
+  return UniqueFd();
 }
 
 std::string seconds(double s) {
@@ -279,19 +257,11 @@ std::string seconds(double s) {
 
 }  // namespace
 
-bool is_loopback(const sockaddr_storage& addr) {
-  if (addr.ss_family == AF_INET) {
-    return (ntohl(reinterpret_cast<const sockaddr_in&>(addr).sin_addr.s_addr) >> 24) == 127;
-  }
-  const in6_addr& a6 = reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr;
-  return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
-}
-
 std::string meeting_address(const std::string& host, const std::vector<sockaddr_storage>& endpoint,
                             bool endpoint_here, const sockaddr_storage& first_peer,
                             const sockaddr_storage& first_reached) {
-  const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), is_loopback);
-  const bool unreachable = !endpoint_here || (loopback_here && !is_loopback(first_peer));
+  const bool loopback_here = std::all_of(endpoint.begin(), endpoint.end(), detail::is_loopback);
+  const bool unreachable = !endpoint_here || (loopback_here && !detail::is_loopback(first_peer));
   return unreachable ? peer_name(first_reached) : host;
 }
 
@@ -304,12 +274,12 @@ Clock::time_point deadline_of(const LaunchOptions& o) {
 
 /// Node 0: waits for the others on `listener`, then tells each its rank and
 /// where the ranks meet.
-bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, bool endpoint_here,
+bool serve(UniqueFd listener, const std::vector<sockaddr_storage>& endpoint, bool endpoint_here,
            const LaunchOptions& o, const std::string& token, const Hooks& hooks,
            Assignment* assignment, std::string* error) {
   const auto& progress = hooks.progress;
   struct Pending {
-    Socket socket;
+    UniqueFd socket;
     std::string received;
     Clock::time_point since;
     sockaddr_storage peer{};
@@ -415,7 +385,7 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, bool 
     if ((fds[0].revents & POLLIN) != 0) {
       Pending p;
       socklen_t length = sizeof(p.peer);
-      p.socket = Socket(
+      p.socket = UniqueFd(
           ::accept4(listener.get(), reinterpret_cast<sockaddr*>(&p.peer), &length, SOCK_CLOEXEC));
       if (!p.socket.valid() && (errno == EMFILE || errno == ENFILE)) {
         // Out of descriptors: the oldest connection still joining goes, or,
@@ -451,9 +421,9 @@ bool serve(Socket listener, const std::vector<sockaddr_storage>& endpoint, bool 
 }
 
 /// A connection to the endpoint, or an invalid socket (nobody listens yet).
-Socket connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_point deadline) {
+UniqueFd connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_point deadline) {
   for (const sockaddr_storage& a : addresses) {
-    Socket s(::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    UniqueFd s(::socket(a.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!s.valid()) continue;
     if (::connect(s.get(), reinterpret_cast<const sockaddr*>(&a), length_of(a)) != 0) {
       if (errno != EINPROGRESS) continue;
@@ -467,7 +437,7 @@ Socket connect_to(const std::vector<sockaddr_storage>& addresses, Clock::time_po
     }
     return s;
   }
-  return Socket();
+  return UniqueFd();
 }
 
 /// How a try at joining ended.
@@ -479,8 +449,9 @@ enum class Joined {
 };
 
 /// Any other node, connected to node 0: joins and reads its rank.
-Joined join(Socket s, const LaunchOptions& o, const std::string& token, Clock::time_point deadline,
-            const Hooks& hooks, Assignment* assignment, bool* waited, std::string* error) {
+Joined join(UniqueFd s, const LaunchOptions& o, const std::string& token,
+            Clock::time_point deadline, const Hooks& hooks, Assignment* assignment, bool* waited,
+            std::string* error) {
   const auto& progress = hooks.progress;
   send_all(s.get(), join_message(o, token));
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
@@ -555,7 +526,7 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
       const bool local = std::any_of(addresses.begin(), addresses.end(), is_local);
       const bool serves = options.rdzv_is_host.value_or(local);
       if (serves) {
-        Socket listener = listen_everywhere(options.rdzv_port);
+        UniqueFd listener = listen_everywhere(options.rdzv_port);
         if (listener.valid()) {
           return serve(std::move(listener), addresses, local, options, token, hooks, assignment,
                        error);
@@ -569,7 +540,7 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
     }
     auto retry_after = kRetryEvery;
     if (!addresses.empty()) {
-      Socket s = connect_to(addresses, deadline);
+      UniqueFd s = connect_to(addresses, deadline);
       closed = false;
       if (s.valid()) {
         if (!announced) {

@@ -43,8 +43,6 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
 /// An address as it would be written (an IPv4 peer of a dual-stack socket
 /// without its "::ffff:").
 std::string peer_name(const sockaddr_storage& addr);
-/// Whether `addr` is a loopback address (127/8, ::1, IPv4-mapped 127/8).
-bool is_loopback(const sockaddr_storage& addr);
 /// Where the ranks meet: `host`, unless it names none of node 0's addresses
 /// (`endpoint_here` false: --rdzv-conf is_host=1 behind a virtual IP), or
 /// only loopback ones (`endpoint`, as resolved there) while the first node
