@@ -196,6 +196,14 @@ void BackwardSteps::before_state_use() {
                      "step)");
 }
 
+void BackwardSteps::before_optimizer_state_use() {
+  // The same for the optimizer's own state: some parameters' at the step
+  // after, the others' at the step before, the worker maybe inserting into it.
+  refuse_before_step("torch::save/load of the optimizer",
+                     " (the stepped parameters' state would mix with the others' from before "
+                     "the step)");
+}
+
 void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
   wait();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -206,8 +214,8 @@ void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
   FSDP_CHECK(phase_ != Phase::kInBackward, -1, owner_, "a ", pass,
              " began after a backward that stopped midway (it threw) once some of its units "
              "were stepped during it; call step() to close that step (the units it did not "
-             "reach keep their values, as under PyTorch's optimizer-in-backward), or load a "
-             "checkpoint, then go on");
+             "reach keep their values, as under PyTorch's optimizer-in-backward), then go on, "
+             "or load a checkpoint after it to undo that step");
   FSDP_CHECK(phase_ == Phase::kIdle, -1, owner_, "a ", pass,
              " began after a backward whose gradients were stepped, with no step() in between",
              cases,

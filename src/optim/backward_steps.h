@@ -110,6 +110,9 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   /// SummonFullParams): wait(), and refuse it while the last backward's
   /// steps were not taken by step() (some shards stepped, the rest not).
   void before_state_use();
+  /// The optimizer's state is saved or loaded (torch::save/load of it):
+  /// the same refusal, in the optimizer's words.
+  void before_optimizer_state_use();
   /// wait(), then the parameters stepped since the last call (forgotten).
   std::unordered_set<const c10::TensorImpl*> take_stepped();
 

@@ -51,6 +51,24 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, AdamWParamState& s,
 
 }  // namespace
 
+FusedAdamW::~FusedAdamW() {
+  // Its thread steps what is still queued (a backward that threw) with this
+  // optimizer's members: before any of them goes.
+  backward_steps_.reset();
+}
+
+void FusedAdamW::wait_for_steps() const { detail::wait_for(backward_steps_); }
+
+void FusedAdamW::save(torch::serialize::OutputArchive& archive) const {
+  detail::before_optimizer_state_use(backward_steps_);
+  torch::optim::AdamW::save(archive);
+}
+
+void FusedAdamW::load(torch::serialize::InputArchive& archive) {
+  detail::before_optimizer_state_use(backward_steps_);
+  torch::optim::AdamW::load(archive);
+}
+
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   return detail::step_rest<AdamWOptions>(
       param_groups_, closure, "FusedAdamW", backward_steps_,
@@ -126,12 +144,14 @@ void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOp
 }
 
 void FusedAdamW::write_compute_copies(torch::nn::Module& model) {
+  wait_for_steps();  // its thread reads the copies
   for (auto& [param, copy] : offloaded_compute_copies(model)) {
     if (detail::group_of(param_groups_, param) != nullptr) set_low_precision_copy(param, copy);
   }
 }
 
 void FusedAdamW::set_low_precision_copy(const torch::Tensor& param, torch::Tensor copy) {
+  wait_for_steps();
   TORCH_CHECK(detail::group_of(param_groups_, param) != nullptr,
               "fsdp::optim::FusedAdamW::set_low_precision_copy: the tensor is not a parameter "
               "of this optimizer; pass one of the tensors it was made with");

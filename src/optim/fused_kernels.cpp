@@ -74,7 +74,8 @@ FSDP_VECTOR_CLONES void adamw_range(float* __restrict p, const Grad* __restrict 
     v[i] = sq;
     float second = sq;
     if (kAmsgrad) {
-      second = vmax[i] > sq ? vmax[i] : sq;
+      // at::maximum's: a NaN on either side wins.
+      second = (vmax[i] > sq || vmax[i] != vmax[i]) ? vmax[i] : sq;
       vmax[i] = second;
     }
     const float denom = std::sqrt(second) / bc2 + eps;

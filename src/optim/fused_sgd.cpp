@@ -36,6 +36,24 @@ void reference_step(at::Tensor& p, const at::Tensor& grad, SGDParamState* s, con
 
 }  // namespace
 
+FusedSGD::~FusedSGD() {
+  // Its thread steps what is still queued (a backward that threw) with this
+  // optimizer's members: before any of them goes.
+  backward_steps_.reset();
+}
+
+void FusedSGD::wait_for_steps() const { detail::wait_for(backward_steps_); }
+
+void FusedSGD::save(torch::serialize::OutputArchive& archive) const {
+  detail::before_optimizer_state_use(backward_steps_);
+  torch::optim::SGD::save(archive);
+}
+
+void FusedSGD::load(torch::serialize::InputArchive& archive) {
+  detail::before_optimizer_state_use(backward_steps_);
+  torch::optim::SGD::load(archive);
+}
+
 torch::Tensor FusedSGD::step(LossClosure closure) {
   return detail::step_rest<SGDOptions>(
       param_groups_, closure, "FusedSGD", backward_steps_,
@@ -75,6 +93,9 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     if (end == n) reference_step(p, detail::grad_as_param(grad, p), s, o);
     return;
   }
+  // A step that failed midway (its later ranges never came) leaves no mark
+  // on the next.
+  if (begin == 0) fresh_buffers_.erase(p.unsafeGetTensorImpl());
   if (first && begin == 0) {
     s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
     if (!whole) fresh_buffers_.insert(p.unsafeGetTensorImpl());

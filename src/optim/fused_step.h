@@ -102,6 +102,17 @@ torch::Tensor step_rest(std::vector<torch::optim::OptimizerParamGroup>& groups,
                                       });
 }
 
+/// Waits for `steps`, if set, rethrowing its thread's error.
+inline void wait_for(const std::shared_ptr<BackwardSteps>& steps) {
+  if (steps) steps->wait();
+}
+
+/// Refuses torch::save/load of an optimizer stepping with `steps` (if set)
+/// between a backward that stepped units and step().
+inline void before_optimizer_state_use(const std::shared_ptr<BackwardSteps>& steps) {
+  if (steps) steps->before_optimizer_state_use();
+}
+
 /// The BackwardSteps of an optimizer's step_during_backward(model), replacing
 /// `current` (refused while its steps wait for step()): each handed-over
 /// range of a parameter is updated by `update(param, grad, options, begin,

@@ -119,6 +119,38 @@ TEST(FusedOptim, AdamWStepsAsTorchAdamWOver100Steps) {
   }
 }
 
+// AMSGrad's running maximum is at::maximum's: a NaN already in it (a state
+// loaded from a diverged run) stays, as AdamW keeps it, at the first
+// element and the last alike.
+TEST(FusedOptim, AmsgradMaximumKeepsANaNAsAdamWDoes) {
+  auto ours = make_params();
+  auto theirs = copies(ours);
+  const auto options = torch::optim::AdamWOptions(1e-2).amsgrad(true);
+  fsdp::optim::FusedAdamW fused({ours[0]}, options);
+  torch::optim::AdamW reference({theirs[0]}, options);
+  const auto max_sq = [](torch::optim::Optimizer& opt, const torch::Tensor& p) {
+    return static_cast<torch::optim::AdamWParamState&>(
+               *opt.state().at(compat::optim_state_key(opt.state(), p)))
+        .max_exp_avg_sq();
+  };
+  const int64_t n = ours[0].numel();
+  for (int step = 0; step < 3; ++step) {
+    set_grads(ours, theirs, step);
+    fused.step();
+    reference.step();
+    if (step == 0) {
+      for (const int64_t i : {int64_t{0}, n - 1}) {
+        max_sq(fused, ours[0]).view({-1})[i] = NAN;
+        max_sq(reference, theirs[0]).view({-1})[i] = NAN;
+      }
+    }
+  }
+  EXPECT_TRUE(torch::allclose(max_sq(fused, ours[0]), max_sq(reference, theirs[0]), kTolerance,
+                              kTolerance, /*equal_nan=*/true));
+  EXPECT_TRUE(torch::allclose(ours[0], theirs[0], kTolerance, kTolerance, /*equal_nan=*/true));
+  EXPECT_TRUE(max_sq(fused, ours[0]).view({-1})[n - 1].isnan().item<bool>());
+}
+
 TEST(FusedOptim, SGDStepsAsTorchSGDOver100Steps) {
   auto ours = make_params();
   auto theirs = copies(ours);

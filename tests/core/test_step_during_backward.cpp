@@ -483,6 +483,8 @@ TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
     auto& [initialised, after, during, after_opt, during_opt] = models;
     torch::manual_seed(100 + rank);
     const torch::Tensor x = torch::randn({3, 7});
+    std::stringstream initial_opt;  // between steps: saved as usual
+    torch::save(during_opt, initial_opt);
     for (auto [m, opt] : {std::pair<Model*, torch::optim::Optimizer*>{&after, &after_opt},
                           std::pair<Model*, torch::optim::Optimizer*>{&during, &during_opt}}) {
       (*m)->zero_grad();
@@ -493,6 +495,11 @@ TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
     EXPECT_CONTAINS(error_of([&] { SummonFullParams guard(*during.ptr()); }), refused);
     std::stringstream saved;  // in memory: nothing to clean up if the test fails
     EXPECT_CONTAINS(error_of([&] { torch::save(during, saved); }), refused);
+    // The optimizer's own state too: some parameters' from after the step.
+    const std::string opt_refused = "a torch::save/load of the optimizer began after a backward";
+    std::stringstream refused_opt;
+    EXPECT_CONTAINS(error_of([&] { torch::save(during_opt, refused_opt); }), opt_refused);
+    EXPECT_CONTAINS(error_of([&] { torch::load(during_opt, initial_opt); }), opt_refused);
     after_opt.step();
     during_opt.step();
     expect_equal_shards(during, after, "after the refusals");
@@ -503,6 +510,9 @@ TEST(StepDuringBackward, StateUseBeforeStepIsRefused) {
       EXPECT_TRUE(torch::equal(got[item.key()], item.value())) << item.key();
     }
     torch::save(during, saved);  // collective outside SummonFullParams: every rank
+    std::stringstream saved_opt;
+    torch::save(during_opt, saved_opt);
+    torch::load(after_opt, saved_opt);
   });
 }
 
@@ -567,6 +577,15 @@ TEST(StepDuringBackward, ABackwardThatThrowsMidwayIsClosedByStep) {
     x.register_hook([](torch::Tensor) -> torch::Tensor { TORCH_CHECK(false, "bad batch"); });
     during->zero_grad();
     EXPECT_CONTAINS(error_of([&] { during->forward(x).pow(2).sum().backward(); }), "bad batch");
+    // A loop that skips the batch begins again with the optimizer's
+    // zero_grad(), which waits for the thread still setting .grad; the
+    // optimizer's state is not saved half stepped.
+    during_opt.zero_grad();
+    for (const auto& p : during->parameters()) {  // LibTorch 1.13's zero_grad() zeroes
+      EXPECT_TRUE(!p.grad().defined() || p.grad().eq(0).all().item<bool>());
+    }
+    std::stringstream saved_opt;
+    EXPECT_CONTAINS(error_of([&] { torch::save(during_opt, saved_opt); }), "stopped midway");
     during->zero_grad();
     const std::string refused = error_of([&] { during->forward(torch::randn({3, 7})); });
     EXPECT_CONTAINS(refused, "stopped midway");
@@ -582,6 +601,51 @@ TEST(StepDuringBackward, ABackwardThatThrowsMidwayIsClosedByStep) {
       user_step(during, during_opt, torch::randn({3, 7}), torch::randn({3, 3}));
     }
     for (Unit* unit : ud) EXPECT_EQ(unit->training_state(), Unit::TrainingState::kIdle);
+  });
+}
+
+// An optimizer destroyed as a backward throws (unwinding the training
+// loop's scope) first lets its thread finish what was handed over: FusedSGD
+// with momentum, gradients in parts, whose thread reads the optimizer's own
+// members (ASan saw them freed before it had). Another optimizer then trains
+// the model as one that never had it, as in the test below.
+TEST(StepDuringBackward, AnOptimizerDestroyedAsABackwardThrowsFinishesFirst) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    ::setenv("FSDP_GRAD_PART_ELEMENTS", "5", 1);
+    Model left = make_model(FSDPOptions());
+    Model plain = make_model(FSDPOptions());
+    torch::manual_seed(700 + rank);
+    const torch::Tensor x = torch::randn({3, 7}).requires_grad_();
+    x.register_hook([](torch::Tensor) -> torch::Tensor { TORCH_CHECK(false, "bad batch"); });
+    const auto sgd = torch::optim::SGDOptions(1e-2).momentum(0.9);
+    EXPECT_CONTAINS(error_of([&] {
+                      optim::FusedSGD gone(left->parameters(), sgd);
+                      gone.step_during_backward(*left.ptr());
+                      left->zero_grad();
+                      left->forward(x).pow(2).sum().backward();
+                    }),
+                    "bad batch");
+    ::unsetenv("FSDP_GRAD_PART_ELEMENTS");
+    // From the same values on, as any two models do.
+    {
+      torch::NoGradGuard no_grad;
+      const std::vector<Unit*> ul = units_of(*left.ptr()), up = units_of(*plain.ptr());
+      for (size_t i = 0; i < ul.size(); ++i) {
+        up[i]->flat_param()->shard().copy_(ul[i]->flat_param()->shard());
+      }
+    }
+    optim::FusedSGD plain_opt(plain->parameters(), sgd);
+    optim::FusedSGD left_opt(left->parameters(), sgd);
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(710 + 10 * step + rank);
+      const torch::Tensor y = torch::randn({3, 7});
+      backward_each({&plain, &left}, y);
+      expect_equal_grads(plain, left, "step " + std::to_string(step));
+      plain_opt.step();
+      left_opt.step();
+      expect_equal_shards(left, plain, "after the destroyed one, step " + std::to_string(step));
+    }
   });
 }
 

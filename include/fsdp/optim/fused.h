@@ -3,6 +3,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <memory>
@@ -26,9 +27,24 @@ namespace fsdp::optim {
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
+  /// Lets what steps during backward finish first.
+  ~FusedAdamW() override;
 
   /// One AdamW step over every parameter that has a gradient.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// Optimizer::zero_grad, once the steps of a backward that threw midway
+  /// are done (under step_during_backward(), they may still be running).
+  template <typename... SetToNone>
+  void zero_grad(SetToNone... set_to_none) {
+    wait_for_steps();
+    torch::optim::AdamW::zero_grad(set_to_none...);
+  }
+  /// AdamW's, refused (on every rank) between a backward that stepped units
+  /// and step(), where the state would be half of one step and half of the other.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// As save().
+  void load(torch::serialize::InputArchive& archive) override;
 
   /// From the next step on, each step also writes `param`'s new values into
   /// `copy` (bfloat16 or float16, `param`'s number of elements, contiguous, on
@@ -60,6 +76,8 @@ class FusedAdamW : public torch::optim::AdamW {
   void write_compute_copies(torch::nn::Module& model);
 
  private:
+  // Waits for what steps during backward (rethrowing its error).
+  void wait_for_steps() const;
   // Elements [begin, end) of `p` (Note [Stepping a gradient as it lands]).
   void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::AdamWOptions& o,
                   int64_t begin, int64_t end);
@@ -73,9 +91,22 @@ class FusedAdamW : public torch::optim::AdamW {
 class FusedSGD : public torch::optim::SGD {
  public:
   using torch::optim::SGD::SGD;
+  /// As FusedAdamW's.
+  ~FusedSGD() override;
 
   /// One SGD step over every parameter that has a gradient.
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// As FusedAdamW::zero_grad.
+  template <typename... SetToNone>
+  void zero_grad(SetToNone... set_to_none) {
+    wait_for_steps();
+    torch::optim::SGD::zero_grad(set_to_none...);
+  }
+  /// As FusedAdamW::save.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// As FusedAdamW::load.
+  void load(torch::serialize::InputArchive& archive) override;
 
   /// As FusedAdamW::step_during_backward.
   void step_during_backward(torch::nn::Module& model);
@@ -83,6 +114,7 @@ class FusedSGD : public torch::optim::SGD {
   bool steps_during_backward() const { return backward_steps_ != nullptr; }
 
  private:
+  void wait_for_steps() const;
   // Elements [begin, end) of `p`, as FusedAdamW's.
   void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o,
                   int64_t begin, int64_t end);
