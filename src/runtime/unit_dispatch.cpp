@@ -88,10 +88,11 @@ void UnitRuntime::before_param_use(bool sharded) {
   RootState& r = root();
   // A backward through a graph that a backward with create_graph built reads
   // parameters it saved before any output hook runs (Note [Double backward]).
-  if (r.keeps_graph() && torch::autograd::get_current_graph_task_exec_info() != nullptr) {
-    r.queue_end_of_backward();
-  }
-  if (r.in_backward()) {
+  const bool backward_runs = torch::autograd::get_current_graph_task_exec_info() != nullptr;
+  if (r.keeps_graph() && backward_runs) r.queue_end_of_backward();
+  // A backward that threw leaves the root in backward (autograd drops its
+  // end callback): an operator outside any backward is the next forward.
+  if (r.in_backward() && backward_runs) {
     // Its outputs' hook ran pre_backward, or backward reached it without one
     // (a custom autograd Function's saved parameters: its forward ran
     // without grad mode, so no output of theirs was hooked). Gathered, and

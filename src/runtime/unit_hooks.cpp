@@ -60,6 +60,15 @@ void UnitRuntime::transition(State to) {
 // stay, as a partial backward leaves .grad in plain LibTorch.
 void UnitRuntime::abandon_iteration() {
   TORCH_INTERNAL_ASSERT(state_ != State::kIdle);
+  // A backward began here and threw: what it left unreduced is invisible to
+  // the optimizer's zero_grad(), unlike the .grad plain LibTorch leaves.
+  if (flat_grad_.defined() && state_ != State::kForward) {
+    TORCH_WARN_ONCE(path_, ": a backward stopped midway (it threw) and left gradients of ", label(),
+                    " not yet reduced; the next backward adds to them, as plain LibTorch adds "
+                    "to the .grad such a backward leaves, but the optimizer's zero_grad() does "
+                    "not reach them: call model->zero_grad() after a backward that throws to "
+                    "discard them");
+  }
   state_ = State::kIdle;
   grads_ready_ = 0;
   delivered_early_ = false;

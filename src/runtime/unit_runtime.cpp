@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
@@ -521,8 +522,11 @@ void UnitRuntime::zero_optim_grads(bool set_to_none) {
   at::NoGradGuard no_grad;
   // What no_sync() accumulated (unsharded, not yet in .grad) is part of the
   // gradient that Module::zero_grad clears in plain LibTorch; a backward
-  // that stopped part-way may have left some too.
-  if (state_ == Unit::TrainingState::kIdle) {
+  // that stopped part-way (it threw: its units never came back to idle) may
+  // have left some too. Only a backward running now (zero_grad from one of
+  // its hooks) keeps filling it.
+  if (state_ == Unit::TrainingState::kIdle ||
+      torch::autograd::get_current_graph_task_exec_info() == nullptr) {
     flat_grad_ = at::Tensor();
     slot_filled_.clear();
   }

@@ -1014,6 +1014,68 @@ TEST(UserHabits, TwoForwardsBeforeOneBackwardAsInPlainLibTorch) {
                      });
 }
 
+// A backward on `model` that throws midway, as a check in a hook (or running
+// out of memory) does: at the batch's input, the last gradient backward makes,
+// on every rank alike. Returns the error.
+template <typename Model>
+std::string throwing_backward(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  const torch::Tensor input = x.clone().requires_grad_();
+  input.register_hook([](torch::Tensor) -> torch::Tensor { TORCH_CHECK(false, "bad batch"); });
+  return error_of([&] { torch::mse_loss(model->forward(input), y).backward(); });
+}
+
+// A batch whose backward throws is skipped and training goes on:
+// model->zero_grad() after it discards what that backward left, in .grad and
+// in units it had not reduced yet, as plain LibTorch's discards the .grad it
+// left (which the next backward would add to).
+template <typename Model>
+void expect_skipped_batch_training(Model& model, Unit& root, int world, const std::string& what) {
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       if (step == 1) {
+                         EXPECT_CONTAINS(throwing_backward(reference, x, y), "bad batch");
+                         EXPECT_CONTAINS(throwing_backward(model, local_block(x), local_block(y)),
+                                         "bad batch");
+                         reference->zero_grad();
+                         model->zero_grad();
+                       }
+                       mse_step(reference, ref_opt, x, y);
+                       mse_step(model, opt, local_block(x), local_block(y));
+                       expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
+}
+
+TEST(UserHabits, ABatchWhoseBackwardThrowsIsSkippedAsInPlainLibTorch) {
+  expect_on_each_net({1, 2, 3}, {"flat", "orig"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_skipped_batch_training(model, root, world, what);
+                     });
+}
+
+// The optimizer's zero_grad() reaches only the shards' .grad: what such a
+// backward left in a unit it had not reduced would join the next gradient,
+// so the next forward says so, once, naming the remedy.
+TEST(UserHabits, UnreducedGradientsOfAThrowingBackwardAreNamed) {
+  run_ranks_ok(1, [](int, int) {
+    join_test_group();
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, FSDPOptions()),
+                                            FSDPOptions());
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    const torch::Tensor x = torch::randn({4, 7}), y = torch::randn({4, 3});
+    std::vector<std::string> warnings;
+    {
+      WarningCollector collect(&warnings);
+      EXPECT_CONTAINS(throwing_backward(model, x, y), "bad batch");
+      opt.zero_grad();
+      model->forward(x);
+    }
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_CONTAINS(warnings[0], "call model->zero_grad() after a backward that throws");
+  });
+}
+
 // Inference as LibTorch recommends it, under c10::InferenceMode: before the
 // first training step (the model's first forward) and between steps. The
 // outputs are plain LibTorch's, and training after it is too.
