@@ -107,6 +107,12 @@ at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype) {
   return host;
 }
 
+at::Tensor staged_for_cast(const at::Tensor& host, c10::Device device, c10::ScalarType dtype,
+                           bool non_blocking) {
+  if (!device.is_cuda() || !host.device().is_cpu() || host.scalar_type() == dtype) return host;
+  return host.to(device, host.scalar_type(), non_blocking);
+}
+
 void wait_for_device(c10::Device device) {
 #if FSDP_WITH_CUDA
   if (device.is_cuda()) c10::cuda::getCurrentCUDAStream(device.index()).synchronize();

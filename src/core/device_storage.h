@@ -53,6 +53,14 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned, const 
 /// [Gradients to host memory]).
 at::Tensor start_host_copy(const at::Tensor& t, c10::ScalarType dtype);
 
+/// `host` (a host tensor), or, where it goes to a GPU in another dtype, its
+/// copy there in its own dtype (queued on the current stream), which the
+/// caller then casts on the GPU: LibTorch's copy of a host tensor to a GPU
+/// tensor of another dtype casts on the host, into pageable memory, and
+/// copies from there, a copy the host waits for.
+at::Tensor staged_for_cast(const at::Tensor& host, c10::Device device, c10::ScalarType dtype,
+                           bool non_blocking);
+
 /// Blocks the host until what was queued on `device`'s current stream has
 /// run; nothing for the CPU.
 void wait_for_device(c10::Device device);

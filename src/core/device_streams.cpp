@@ -100,6 +100,13 @@ void side_stream_waits_for_current(c10::Device device, SideStream side) {
   side_waits(device, side, event);
 }
 
+void stream_waits_for_current(c10::Stream stream) {
+  if (stream.device().is_cpu()) return;
+  c10::Event event(stream.device_type());
+  event.record(current_stream(stream.device()));
+  stream.wait(event);
+}
+
 HeldMemory::HeldMemory(c10::StorageImpl* storage)
     : memory_(storage->set_data_ptr(at::DataPtr(nullptr, storage->device()))),
       resharded_(storage->device_type()) {

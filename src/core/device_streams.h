@@ -99,6 +99,10 @@ class OnStream {
 /// queued, without blocking the host.
 void side_stream_waits_for_current(c10::Device device, SideStream side);
 
+/// Makes `stream` wait for what this thread's current stream on its device
+/// has queued, without blocking the host; nothing for the CPU.
+void stream_waits_for_current(c10::Stream stream);
+
 /// A unit's unsharded memory, taken from its storage while kernels queued on
 /// the current stream may still read it, and handed back to the allocator by
 /// release() once the copy-in stream, which reuses it, waits for them.

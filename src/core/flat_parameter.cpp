@@ -262,6 +262,12 @@ const at::Tensor& FlatParameter::low_precision_host_copy() {
   if (!low_precision_host_.defined()) {
     low_precision_host_ =
         detail::host_buffer(shard_numel_, param_dtype(), pinned_shard_, unit_label_);
+  } else {
+    // Written anew: earlier reads of it finish first, sends on the copy-in
+    // stream, and NO_SHARD's copies (or all of them, without side streams)
+    // on the current one.
+    detail::wait_for_side_stream(unsharded_.device(), detail::SideStream::kCopyIn);
+    detail::wait_for_current_stream(unsharded_.device());
   }
   at::NoGradGuard no_grad;
   low_precision_host_.copy_(shard_);
@@ -370,17 +376,18 @@ at::Tensor FlatParameter::begin_unshard() {
   if (low_precision_host_.defined() && !low_precision_copy_current()) {
     // Something other than the fused step wrote the shard (a checkpoint
     // loaded, the user): cast the copy anew, once, so the unshards that
-    // follow still send 2 bytes an element. Earlier reads of the copy finish
-    // first: sends on the copy-in stream, and NO_SHARD's copies (or all of
-    // them, without side streams) on the current one.
-    detail::wait_for_side_stream(unsharded_.device(), detail::SideStream::kCopyIn);
-    detail::wait_for_current_stream(unsharded_.device());
+    // follow still send 2 bytes an element.
     low_precision_host_copy();
   }
   at::Tensor input = shard_.detach();
+  // From host memory in another dtype: cast on the device.
+  const auto source = [this] {
+    return detail::staged_for_cast(unshard_source().detach(), unsharded_.device(),
+                                   unsharded_.scalar_type(), /*non_blocking=*/pinned_shard_);
+  };
   if (keep_unsharded_) {
     at::NoGradGuard no_grad;
-    unsharded_.copy_(unshard_source(), /*non_blocking=*/pinned_shard_);
+    unsharded_.copy_(source(), /*non_blocking=*/pinned_shard_);
     state_ = State::kUnsharded;
     return input;
   }
@@ -398,8 +405,8 @@ at::Tensor FlatParameter::begin_unshard() {
               : detail::CopyInAhead::Versions{-1, -1});
     }
     input = ahead ? *ahead
-                  : unshard_source().detach().to(unsharded_.device(), unsharded_.scalar_type(),
-                                                 /*non_blocking=*/pinned_shard_);
+                  : source().to(unsharded_.device(), unsharded_.scalar_type(),
+                                /*non_blocking=*/pinned_shard_);
   }
   state_ = State::kUnsharding;
   return input;

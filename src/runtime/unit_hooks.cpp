@@ -153,6 +153,9 @@ void UnitRuntime::begin_forward_state() {
     hooks->before_forward();  // See Note [Steps during backward].
   }
   transition(State::kForward);
+  if (flat_ && !flat_->unsharded().device().is_cpu()) {
+    forward_stream_ = current_stream(flat_->unsharded().device());
+  }
   if (is_root()) {
     root().exec_order().begin_forward(self_->is_training(), at::GradMode::is_enabled());
     root().begin_forward();
@@ -330,6 +333,20 @@ void UnitRuntime::prefetch_backward() {
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
+  // Note [The stream of a gradient's hook]
+  // Autograd runs this hook, an AccumulateGrad's, on the stream that was
+  // current when the AccumulateGrad was made, at wrapping, having made that
+  // stream wait for the gradient. The unit's backward kernels run on its
+  // forward's stream (a user's CUDAStreamGuard around training, entered
+  // after wrapping): what this hook queues (the copy into the flat gradient,
+  // the reduction, the memory held at the reshard, the steps beside
+  // backward, queued behind the hand-over's stream) belongs there too, after
+  // the gradient.
+  std::optional<OnStream> on_forward_stream;
+  if (forward_stream_ && *forward_stream_ != current_stream(forward_stream_->device())) {
+    stream_waits_for_current(*forward_stream_);
+    on_forward_stream.emplace(*forward_stream_);
+  }
   if (at::GradMode::is_enabled()) {
     // See Note [Double backward]. The gradient and its graph are dropped
     // first: a later backward would add to it.

@@ -5,6 +5,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -301,6 +302,9 @@ class UnitRuntime final : public ParamUseListener {
   at::Tensor flat_grad_;  // unsharded gradient buffer while accumulating
   // Per slot: holds a gradient in flat_grad_ (Note [Filling the flat gradient]).
   std::vector<bool> slot_filled_;
+  // The stream its last forward ran on, on a GPU (Note [The stream of a
+  // gradient's hook]).
+  std::optional<c10::Stream> forward_stream_;
   at::Tensor grad_shard_;  // reduce-scatter output (after copy_out_early: its host copy)
   Work grad_work_;         // pending reduce-scatter / all-reduce
   // The reduced shard on the GPU while the copy-out stream copies it into

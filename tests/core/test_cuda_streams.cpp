@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -325,12 +326,15 @@ TEST(CudaStreamsFault, WithoutTheStepCopyWaitTheGradientsDiffer) {
 // queued there before backward, as another library's work would be), must
 // not hold the steps back while the next forward reads the shards. Returns
 // the largest difference of this rank's outputs to plain LibTorch's, each
-// step, relative to the largest output.
-double users_stream_worst(int steps) {
+// step, relative to the largest output. `wrapped_first`: the models are
+// made and wrapped on the default stream, and only training runs under the
+// guard (Note [The stream of a gradient's hook]).
+double users_stream_worst(int steps, bool wrapped_first = false) {
 #if FSDP_WITH_CUDA
   const int world = rank_and_world().second;
   const torch::Device gpu = rank_gpu();
-  const c10::cuda::CUDAStreamGuard on_users(c10::cuda::getStreamFromPool());
+  std::optional<c10::cuda::CUDAStreamGuard> on_users;
+  if (!wrapped_first) on_users.emplace(c10::cuda::getStreamFromPool());
   const auto seeded = [&] {
     torch::manual_seed(0);
     nn::Sequential net(nn::Linear(kWidth, kWidth), nn::Tanh(), nn::Linear(kWidth, kWidth));
@@ -341,6 +345,10 @@ double users_stream_worst(int steps) {
   nn::Sequential model = seeded();
   fully_shard(*model->ptr(0));  // handed over as its reduction starts
   const std::vector<at::Tensor> params = fully_shard(*model).flat_parameters();  // at the end
+  if (wrapped_first) {
+    c10::cuda::getDefaultCUDAStream().synchronize();  // the weights are on the GPU
+    on_users.emplace(c10::cuda::getStreamFromPool());
+  }
   // Large steps, so that a forward reading a shard before its step is far off.
   const auto sgd = torch::optim::SGDOptions(0.1);
   torch::optim::SGD ref_opt(reference->parameters(), sgd);
@@ -372,6 +380,7 @@ double users_stream_worst(int steps) {
   return worst;
 #else
   (void)steps;
+  (void)wrapped_first;
   return 0;
 #endif
 }
@@ -381,6 +390,19 @@ TEST_P(CudaStreams, StepsBesideBackwardOnTheUsersStream) {
   run_ranks_ok(GetParam(), [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
     EXPECT_LT(users_stream_worst(3), 1e-4);
+  });
+}
+
+// The same with the model wrapped before the guard, as a user who sets up
+// first and trains under a stream of their own does: the gradients' hooks,
+// which autograd runs on the stream current at wrapping (the default one,
+// spinning here), must still queue the reductions and steps on the
+// training's stream.
+TEST_P(CudaStreams, StepsBesideBackwardOnTheUsersStreamEnteredAfterWrapping) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    EXPECT_LT(users_stream_worst(3, /*wrapped_first=*/true), 1e-4);
   });
 }
 
