@@ -107,6 +107,20 @@ void stream_waits_for_current(c10::Stream stream) {
   stream.wait(event);
 }
 
+Detour::Detour(c10::Stream stream) {
+  if (stream.device().is_cpu() || stream == current_stream(stream.device())) return;
+  previous_ = current_stream(stream.device());
+  stream_waits_for_current(stream);
+  guard_.reset_stream(stream);
+}
+
+Detour::~Detour() {
+  if (!previous_) return;
+  c10::Event event(previous_->device_type());
+  event.record(current_stream(previous_->device()));  // still the detour's
+  previous_->wait(event);
+}
+
 HeldMemory::HeldMemory(c10::StorageImpl* storage)
     : memory_(storage->set_data_ptr(at::DataPtr(nullptr, storage->device()))),
       resharded_(storage->device_type()) {

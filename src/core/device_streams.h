@@ -103,6 +103,23 @@ void side_stream_waits_for_current(c10::Device device, SideStream side);
 /// has queued, without blocking the host; nothing for the CPU.
 void stream_waits_for_current(c10::Stream stream);
 
+/// While alive, `stream` is this thread's current stream, once it has waited
+/// for the current one; at the end the current one waits for what was queued
+/// on `stream` and is current again. Work moved so is ordered, for whatever
+/// follows on the caller's stream (memory it frees there included), as if it
+/// had run there. Nothing for the CPU, or when `stream` is current already.
+class Detour {
+ public:
+  explicit Detour(c10::Stream stream);
+  ~Detour();
+  Detour(const Detour&) = delete;
+  Detour& operator=(const Detour&) = delete;
+
+ private:
+  std::optional<c10::Stream> previous_;
+  c10::OptionalStreamGuard guard_;
+};
+
 /// A unit's unsharded memory, taken from its storage while kernels queued on
 /// the current stream may still read it, and handed back to the allocator by
 /// release() once the copy-in stream, which reuses it, waits for them.

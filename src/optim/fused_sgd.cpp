@@ -93,9 +93,9 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     if (end == n) reference_step(p, detail::grad_as_param(grad, p), s, o);
     return;
   }
-  // A step that failed midway (its later ranges never came) leaves no mark
-  // on the next.
-  if (begin == 0) fresh_buffers_.erase(p.unsafeGetTensorImpl());
+  // Still marked: the step that made its buffer failed midway (its later
+  // ranges never came), so the buffer was never whole: made anew.
+  if (begin == 0 && fresh_buffers_.erase(p.unsafeGetTensorImpl()) != 0) first = true;
   if (first && begin == 0) {
     s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
     if (!whole) fresh_buffers_.insert(p.unsafeGetTensorImpl());

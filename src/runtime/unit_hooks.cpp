@@ -62,7 +62,8 @@ void UnitRuntime::abandon_iteration() {
   TORCH_INTERNAL_ASSERT(state_ != State::kIdle);
   // A backward began here and threw: what it left unreduced is invisible to
   // the optimizer's zero_grad(), unlike the .grad plain LibTorch leaves.
-  if (flat_grad_.defined() && state_ != State::kForward) {
+  if (flat_grad_.defined() && state_ != State::kForward &&
+      (root_ == nullptr || !root_->keeps_graph())) {
     TORCH_WARN_ONCE(path_, ": a backward stopped midway (it threw) and left gradients of ", label(),
                     " not yet reduced; the next backward adds to them, as plain LibTorch adds "
                     "to the .grad such a backward leaves, but the optimizer's zero_grad() does "
@@ -341,12 +342,11 @@ void UnitRuntime::on_grad_ready(size_t slot) {
   // after wrapping): what this hook queues (the copy into the flat gradient,
   // the reduction, the memory held at the reshard, the steps beside
   // backward, queued behind the hand-over's stream) belongs there too, after
-  // the gradient.
-  std::optional<OnStream> on_forward_stream;
-  if (forward_stream_ && *forward_stream_ != current_stream(forward_stream_->device())) {
-    stream_waits_for_current(*forward_stream_);
-    on_forward_stream.emplace(*forward_stream_);
-  }
+  // the gradient; and the hook's own stream waits for it at the end, as the
+  // end of backward waits only for that one, and the gradient's memory may
+  // be that stream's (AccumulateGrad's clone of a gradient it cannot take).
+  std::optional<Detour> on_forward_stream;
+  if (forward_stream_) on_forward_stream.emplace(*forward_stream_);
   if (at::GradMode::is_enabled()) {
     // See Note [Double backward]. The gradient and its graph are dropped
     // first: a later backward would add to it.
