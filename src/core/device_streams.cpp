@@ -115,10 +115,7 @@ Detour::Detour(c10::Stream stream) {
 }
 
 Detour::~Detour() {
-  if (!previous_) return;
-  c10::Event event(previous_->device_type());
-  event.record(current_stream(previous_->device()));  // still the detour's
-  previous_->wait(event);
+  if (previous_) stream_waits_for_current(*previous_);  // current: still the detour's
 }
 
 HeldMemory::HeldMemory(c10::StorageImpl* storage)
