@@ -298,6 +298,10 @@ void CommThread::Core::execute(Item& item) {
       } else {
         outside.emplace();
       }
+      // Collectives are not differentiable (c10d's write through storage):
+      // a parameter all-reduced under the caller's NoGradGuard is written
+      // in place whether this thread or the caller's wait() runs it.
+      const at::NoGradGuard no_grad;
       item.body(item.fingerprint.seq);
       item.state->finish(nullptr);
     }

@@ -84,26 +84,39 @@ std::string errno_text(ssize_t rc) {
   return std::strerror(errno);
 }
 
-// Sends header and payload with as few syscalls as the kernel allows.
-void send_message(int fd, const LinkHeader& h, const void* data, int rank, int peer) {
+// Sends header and payload from byte `from` of the two on, with as few
+// syscalls as the kernel allows; returns the bytes of the two now sent. With
+// `block` false it stops where the socket's buffer is full instead of
+// waiting for the peer to read.
+size_t send_message(int fd, const LinkHeader& h, const void* data, size_t from, bool block,
+                    int rank, int peer) {
   iovec iov[2] = {{const_cast<LinkHeader*>(&h), sizeof(h)},
                   {const_cast<void*>(data), static_cast<size_t>(h.bytes)}};
+  const size_t total = sizeof(h) + static_cast<size_t>(h.bytes);
+  size_t sent = 0;
   int first = 0;
-  while (first < 2) {
-    msghdr msg{};
-    msg.msg_iov = iov + first;
-    msg.msg_iovlen = static_cast<size_t>(2 - first);
-    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    FSDP_CHECK(w > 0, rank, "process group", "sending to rank ", peer,
-               " over its direct link failed: ", errno_text(w));
-    size_t n = static_cast<size_t>(w);
+  auto advance = [&](size_t n) {
+    sent += n;
     while (first < 2 && n >= iov[first].iov_len) n -= iov[first++].iov_len;
     if (first < 2) {
       iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + n;
       iov[first].iov_len -= n;
     }
+  };
+  advance(from);
+  while (first < 2) {
+    msghdr msg{};
+    msg.msg_iov = iov + first;
+    msg.msg_iovlen = static_cast<size_t>(2 - first);
+    ssize_t w = ::sendmsg(fd, &msg, MSG_NOSIGNAL | (block ? 0 : MSG_DONTWAIT));
+    if (w < 0 && errno == EINTR) continue;
+    if (!block && w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    FSDP_CHECK(w > 0, rank, "process group", "sending to rank ", peer,
+               " over its direct link failed: ", errno_text(w));
+    advance(static_cast<size_t>(w));
   }
+  TORCH_INTERNAL_ASSERT(sent <= total);
+  return sent;
 }
 
 class DoneTransfer : public PendingTransfer {
@@ -115,7 +128,8 @@ class DoneTransfer : public PendingTransfer {
 
 struct DirectLinks::Outgoing {
   LinkHeader header;
-  at::Tensor src;  // keeps the bytes alive until written
+  at::Tensor src;    // keeps the bytes alive until written
+  size_t begun = 0;  // bytes of header and payload isend() wrote before queueing the rest
   bool done = false;
   std::string error;  // set with done when the send failed
 };
@@ -230,7 +244,8 @@ void DirectLinks::sender_loop() {
     std::string error = failure;
     if (error.empty()) {
       try {
-        send_message(to_next_.get(), out->header, out->src.data_ptr(), rank_, next_);
+        send_message(to_next_.get(), out->header, out->src.data_ptr(), out->begun, true, rank_,
+                     next_);
       } catch (const c10::Error& e) {
         error = failure = e.what_without_backtrace();
       }
@@ -257,14 +272,21 @@ std::unique_ptr<PendingTransfer> DirectLinks::isend(const at::Tensor& src, int p
   const LinkHeader header{slot, static_cast<uint64_t>(src.nbytes())};
   std::unique_lock<std::mutex> lock(mutex_);
   // Only this thread queues, so an empty queue stays empty while it writes.
+  // It writes what the socket takes now and queues the rest: a calling
+  // thread blocked on a full link would never read its own, and a ring step
+  // whose every rank posts more than the buffers hold (small segments,
+  // a large direct_link_bytes) would wait on itself.
+  size_t begun = 0;
   if (queue_.empty() && static_cast<int64_t>(header.bytes) <= inline_bytes_) {
     lock.unlock();
-    send_message(to_next_.get(), header, src.data_ptr(), rank_, next_);
-    return std::make_unique<DoneTransfer>();
+    begun = send_message(to_next_.get(), header, src.data_ptr(), 0, false, rank_, next_);
+    if (begun == sizeof(header) + header.bytes) return std::make_unique<DoneTransfer>();
+    lock.lock();
   }
   auto out = std::make_shared<Outgoing>();
   out->header = header;
   out->src = src;
+  out->begun = begun;
   queue_.push_back(out);
   wake_.notify_all();
   return std::make_unique<QueuedSend>(mutex_, wake_, std::move(out));

@@ -24,9 +24,12 @@ namespace fsdp::detail {
 /// `prev` for receiving) on which a message is one writev() and one or two
 /// recv()s in the thread that runs the collective. Messages carry a header
 /// (slot, bytes) checked on arrival, so a mismatch fails loudly. A small
-/// message (at most CommConfig::direct_link_bytes, well below the socket
-/// buffers set here) is sent at once by the calling thread, which cannot
-/// deadlock.
+/// message (at most CommConfig::direct_link_bytes) is sent at once by the
+/// calling thread, as far as the socket's buffer takes it without waiting;
+/// the rest goes to the sender thread below. A ring step posts all its
+/// sends before its receives, and the buffers a kernel grants are capped
+/// (net.core.wmem_max), so a calling thread that blocked on a full link
+/// could wait on a peer blocked the same way.
 ///
 /// Note [Direct links for large collectives]
 /// Builds without Gloo (pip's LibTorch wheel ships no Gloo headers; see
@@ -43,7 +46,8 @@ class DirectLinks : public PointToPoint {
   /// Connects rank `rank` of `size` (>= 2) to its ring neighbours through
   /// `store` (keys are this group's own). Collective over the group. Messages
   /// of at most `inline_bytes` (CommConfig::direct_link_bytes) are sent by the
-  /// calling thread when nothing is queued before them. Each link presents
+  /// calling thread when nothing is queued before them, as far as the socket
+  /// takes them without waiting; the sender thread writes the rest. Each link presents
   /// `job_token` first; connections to the listener without it are refused
   /// (Note [Job token]). With `realtime` the sender thread asks for
   /// real-time priority (Note [Communication threads preempt compute]).

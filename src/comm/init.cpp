@@ -24,6 +24,7 @@
 #include "comm/cuda_backend.h"
 #include "comm/device_routed.h"
 #include "comm/gloo_process_group.h"
+#include "comm/join_store.h"
 #include "comm/thread_priority.h"
 #include "detail/env.h"
 #include "detail/error.h"
@@ -103,51 +104,6 @@ std::optional<c10::Device> gpu_of_local_rank(int local_rank) {
   if (!at::hasCUDA()) return std::nullopt;
   const auto gpus = static_cast<int>(at::getNumGPUs());
   return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % gpus));
-}
-
-// Note [A store from an earlier init]
-// A program may call init_process_group again after destroy_process_group
-// (two trainings in one run, a test suite). Rank 0 then serves a new store
-// on the same port, but a rank that finished the earlier group first can
-// reach the port while rank 0's earlier store still listens, and would
-// rendezvous there: it read rank 0's earlier link addresses and both sides
-// waited until the timeout. So rank 0 marks its store once every rank has
-// joined (kEveryRankJoined), and a rank that connects to a store so marked
-// lets it go and connects again until rank 0's new one answers. Errors from
-// a store never seen marked are the caller's as before (a wrong token, an
-// unreachable host); after the mark they mean the earlier store went away.
-constexpr const char* kEveryRankJoined = "fsdp/init/every_rank_joined";
-
-c10::intrusive_ptr<c10d::Store> join_store(const std::string& host, int64_t port,
-                                           const RankInfo& info, std::chrono::milliseconds timeout,
-                                           const std::string& listen_addr,
-                                           const std::string& job_token) {
-  if (info.rank == 0) {
-    return c10::make_intrusive<TcpStore>(host, static_cast<int>(port), true, timeout, listen_addr,
-                                         job_token);
-  }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  bool saw_earlier = false;
-  while (true) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    try {
-      auto store = c10::make_intrusive<TcpStore>(host, static_cast<int>(port), false,
-                                                 std::max(left, std::chrono::milliseconds(1)), "",
-                                                 job_token);
-      if (!store->check({kEveryRankJoined})) return store;
-      saw_earlier = true;
-    } catch (const c10::Error&) {
-      if (!saw_earlier) throw;
-    }
-    FSDP_CHECK(std::chrono::steady_clock::now() < deadline, info.rank, "init_process_group",
-               "the store at ", host, ":", port,
-               " still serves an earlier process group whose ranks had all joined, and rank 0 "
-               "started no new one within the timeout. Call destroy_process_group() on every "
-               "rank before init_process_group() again, or give the new group another "
-               "MASTER_PORT.");
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
 }
 
 // Note [Agreeing on the world size]
@@ -299,12 +255,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
       // token; the direct links still check it. See Note [torchrun's agent store].
       store = join_agent_store(launch, options.timeout());
     } else {
-      store = join_store(master_addr, master_port, info, options.timeout(), server_addr,
-                         config.job_token);
+      store = detail::join_store(master_addr, master_port, info, options.timeout(), server_addr,
+                                 config.job_token);
     }
     agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
     // Rank 0 has heard from every rank. See Note [A store from an earlier init].
-    if (info.rank == 0) store->set(kEveryRankJoined, std::vector<uint8_t>{});
+    if (info.rank == 0) store->set(detail::kEveryRankJoined, std::vector<uint8_t>{});
   }
 
   std::shared_ptr<ProcessGroup> group;

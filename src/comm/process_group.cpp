@@ -1,5 +1,7 @@
 #include <fsdp/comm/process_group.h>
 
+#include <ATen/MemoryOverlap.h>
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -99,8 +101,13 @@ void ProcessGroup::check_reduce_scatter(const at::Tensor& shard, const at::Tenso
   FSDP_CHECK(shard.numel() * size_ == flat.numel(), rank_, "process group",
              "reduce_scatter: expected a shard of flat numel ", flat.numel(), " / world size ",
              size_, " = ", flat.numel() / size_, " elements, got ", shard.numel());
-  FSDP_CHECK(!shard.is_same(flat), rank_, "process group",
-             "reduce_scatter: the shard must not be the flat buffer itself");
+  // A shard within the flat buffer would take the ring's partial sums over
+  // this rank's own part before it is read.
+  const at::MemOverlapStatus overlap = at::get_overlap_status(shard, flat);
+  FSDP_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+             rank_, "process group",
+             "reduce_scatter: the shard overlaps the flat buffer it reduces (a view of it). "
+             "Give the shard memory of its own.");
 }
 
 void ProcessGroup::check_root(int root) const {

@@ -1,5 +1,7 @@
 #include "comm/shm_links.h"
 
+#include <fsdp/error_message.h>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -43,7 +45,7 @@ struct ShmHeader {
 
 struct Descriptor {
   uint32_t op;
-  uint32_t unused;
+  uint32_t detail;  // ShmLinks::Issued::detail
   uint64_t total;
 };
 
@@ -347,37 +349,78 @@ void ShmLinks::wait_until(int peer, int which, uint32_t target, const char* what
   }
 }
 
-void ShmLinks::check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total) {
-  const Descriptor& theirs = control_of(base_, peer)->descriptors[round & 1u];
-  if (theirs.op == static_cast<uint32_t>(op) && theirs.total == total) return;
+namespace {
+
+// Issued::detail: the dtype in the low byte, the reduction + 1 in the next
+// (0: none), the root + 1 in the high half (0: none).
+uint32_t issued_detail(at::ScalarType dtype, c10::optional<ReduceOp> op = c10::nullopt,
+                       int root = -1) {
+  return static_cast<uint32_t>(static_cast<uint8_t>(dtype)) |
+         (op ? (static_cast<uint32_t>(*op) + 1) << 8 : 0U) |
+         (static_cast<uint32_t>(root + 1) << 16);
+}
+
+std::string describe(CollectiveKind op, uint64_t total, uint32_t detail) {
   std::ostringstream os;
-  os << "rank " << peer << " issued " << to_string(static_cast<CollectiveKind>(theirs.op)) << " of "
-     << theirs.total << " bytes where this rank issued " << to_string(op) << " of " << total
-     << " bytes: the ranks issued different collectives." << kMismatchAdvice;
-  fail(os.str());
+  os << to_string(op) << " of " << total << " bytes ("
+     << c10::toString(static_cast<at::ScalarType>(detail & 0xFFU));
+  if (((detail >> 8) & 0xFFU) != 0) {
+    os << ", " << to_string(static_cast<ReduceOp>(((detail >> 8) & 0xFFU) - 1));
+  }
+  if ((detail >> 16) != 0) os << ", root " << (detail >> 16) - 1;
+  os << ")";
+  return os.str();
+}
+
+}  // namespace
+
+void ShmLinks::check_descriptor(int peer, uint32_t round, const Issued& issued) {
+  const Descriptor& theirs = control_of(base_, peer)->descriptors[round & 1u];
+  if (theirs.op == static_cast<uint32_t>(issued.op) && theirs.total == issued.total &&
+      theirs.detail == issued.detail) {
+    return;
+  }
+  fail("rank " + std::to_string(peer) + " issued " +
+       describe(static_cast<CollectiveKind>(theirs.op), theirs.total, theirs.detail) +
+       " where this rank issued " + describe(issued.op, issued.total, issued.detail) +
+       ": the ranks issued different collectives." + kMismatchAdvice);
 }
 
 template <typename Write, typename Read>
-void ShmLinks::run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Write&& write,
-                          Read&& read) {
+void ShmLinks::run_rounds(const Issued& issued, int64_t rounds, Write&& write, Read&& read) {
   Control* control = control_of(base_, rank_);
+  // A part this rank fails to write or read (a CUDA error, a failed
+  // reduction) stops its peers at once, naming this rank, instead of
+  // leaving them to wait out the timeout.
+  const auto own_part = [this](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception& e) {
+      fail("this rank's part of a shared-memory collective failed: " + error_message(e));
+    }
+  };
   for (int64_t i = 0; i < rounds; ++i) {
     const uint32_t k = next_round_++;
     // Slot k % 2 was last read in round k - 2: every peer must be past it.
     for (int p = 0; p < size_; ++p) {
       if (p != rank_) wait_until(p, kDone, k - 1, "finish reading the previous round");
     }
-    write(i, slot(rank_, k));
-    slots_->settle();  // the part is in the slot before it is posted
-    control->descriptors[k & 1u] = Descriptor{static_cast<uint32_t>(op), 0, total};
+    own_part([&] {
+      write(i, slot(rank_, k));
+      slots_->settle();  // the part is in the slot before it is posted
+    });
+    control->descriptors[k & 1u] =
+        Descriptor{static_cast<uint32_t>(issued.op), issued.detail, issued.total};
     publish(kPosted, k + 1);
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       wait_until(p, kPosted, k + 1, "post its part");
-      check_descriptor(p, k, op, total);
+      check_descriptor(p, k, issued);
     }
-    read(i, k);
-    slots_->settle();  // every peer's part is read before its slot is freed
+    own_part([&] {
+      read(i, k);
+      slots_->settle();  // every peer's part is read before its slot is freed
+    });
     publish(kDone, k + 1);
   }
 }
@@ -391,7 +434,7 @@ void ShmLinks::all_gather(const at::Tensor& flat, const at::Tensor& shard) {
   const size_t per_round = static_cast<size_t>(slot_bytes_);
   auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
   run_rounds(
-      CollectiveKind::kAllGather, flat.nbytes(),
+      {CollectiveKind::kAllGather, flat.nbytes(), issued_detail(flat.scalar_type())},
       rounds_for(static_cast<int64_t>(bytes), static_cast<int64_t>(per_round)),
       [&](int64_t i, char* dst) {
         if (bytes > 0) slots_->copy(dst, own + i * per_round, len(i));
@@ -419,7 +462,8 @@ void ShmLinks::reduce_scatter(const at::Tensor& flat, const at::Tensor& shard, R
   const char* in = static_cast<const char*>(flat.data_ptr());
   auto len = [&](int64_t i) { return std::min(piece, n - i * piece); };
   run_rounds(
-      CollectiveKind::kReduceScatter, flat.nbytes(), rounds_for(n, piece),
+      {CollectiveKind::kReduceScatter, flat.nbytes(), issued_detail(flat.scalar_type(), op)},
+      rounds_for(n, piece),
       [&](int64_t i, char* dst) {
         if (n == 0) return;
         for (int q = 0; q < size_; ++q) {
@@ -451,7 +495,8 @@ void ShmLinks::all_reduce(const at::Tensor& tensor, ReduceOp op) {
   const char* in = static_cast<const char*>(t.data_ptr());
   auto len = [&](int64_t i) { return std::min(per_round, n - i * per_round); };
   run_rounds(
-      CollectiveKind::kAllReduce, t.nbytes(), rounds_for(n, per_round),
+      {CollectiveKind::kAllReduce, t.nbytes(), issued_detail(t.scalar_type(), op)},
+      rounds_for(n, per_round),
       [&](int64_t i, char* dst) {
         if (n > 0) slots_->copy(dst, in + i * per_round * es, len(i) * es);
       },
@@ -473,7 +518,7 @@ void ShmLinks::broadcast(const at::Tensor& tensor, int root) {
   const size_t bytes = tensor.nbytes(), per_round = static_cast<size_t>(slot_bytes_);
   auto len = [&](int64_t i) { return std::min(per_round, bytes - i * per_round); };
   run_rounds(
-      CollectiveKind::kBroadcast, bytes,
+      {CollectiveKind::kBroadcast, bytes, issued_detail(tensor.scalar_type(), c10::nullopt, root)},
       rounds_for(static_cast<int64_t>(bytes), static_cast<int64_t>(per_round)),
       [&](int64_t i, char* dst) {
         if (rank_ == root && bytes > 0) slots_->copy(dst, data + i * per_round, len(i));

@@ -141,13 +141,20 @@ class ShmLinks {
   char* slot(int rank, uint32_t round) const { return slots_->slot(rank, round); }
   at::Tensor view_of(char* p, int64_t numel, at::ScalarType dtype) const;
   uint32_t* word(int rank, int which) const;
-  // Runs `rounds` rounds of collective (`op`, `total` bytes): write(i, my
-  // slot) fills this rank's part of round i, read(i, round) consumes it once
-  // every peer posted (slot(p, round) is peer p's part).
+  // What every rank must issue alike: the collective, its bytes, and
+  // (packed into a word) its dtype, reduction and root where it has them.
+  struct Issued {
+    CollectiveKind op;
+    uint64_t total;
+    uint32_t detail;
+  };
+  // Runs `rounds` rounds of collective `issued`: write(i, my slot) fills
+  // this rank's part of round i, read(i, round) consumes it once every peer
+  // posted (slot(p, round) is peer p's part).
   template <typename Write, typename Read>
-  void run_rounds(CollectiveKind op, uint64_t total, int64_t rounds, Write&& write, Read&& read);
+  void run_rounds(const Issued& issued, int64_t rounds, Write&& write, Read&& read);
   void wait_until(int peer, int which, uint32_t target, const char* what);
-  void check_descriptor(int peer, uint32_t round, CollectiveKind op, uint64_t total);
+  void check_descriptor(int peer, uint32_t round, const Issued& issued);
   [[noreturn]] void fail(const std::string& message);
   void publish(int which, uint32_t value);
 

@@ -107,7 +107,9 @@ void Work::wait() const {
 
 void Work::wait(std::chrono::milliseconds timeout) const {
   FSDP_CHECK(state_ != nullptr, -1, "process group", "Work::wait() on an empty handle");
-  if (state_->run_here) state_->run_here(state_.get());
+  // Running it here would hold this thread for as long as the collective
+  // takes: a limit shorter than the group's is left to the thread's queue.
+  if (state_->run_here && timeout >= state_->wait_limit) state_->run_here(state_.get());
   std::unique_lock<std::mutex> lock(state_->mutex);
   const bool finished = state_->done.wait_for(
       lock, timeout, [&] { return state_->status != detail::WorkState::Status::kPending; });

@@ -29,15 +29,21 @@ struct AddrInfoList {
   }
 };
 
-// Resolves host:port. An empty host is never used: we always bind a named address.
-AddrInfoList resolve(const std::string& host, int port, int flags) {
+// Resolves host:port into `list`; getaddrinfo's answer (0 on success). An
+// empty host is never used: we always bind a named address.
+int lookup(const std::string& host, int port, int flags, AddrInfoList* list) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = flags | AI_NUMERICSERV;
-  AddrInfoList list;
   const std::string service = std::to_string(port);
-  int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &list.head);
+  return getaddrinfo(host.c_str(), service.c_str(), &hints, &list->head);
+}
+
+// lookup() that throws, naming `host`, when it cannot be resolved.
+AddrInfoList resolve(const std::string& host, int port, int flags) {
+  AddrInfoList list;
+  const int rc = lookup(host, port, flags, &list);
   FSDP_CHECK(rc == 0, -1, "network", "cannot resolve address '", host, "': ", gai_strerror(rc),
              ". Give a numeric address or a resolvable host name.");
   return list;
@@ -108,12 +114,24 @@ UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port) {
             "when --master-port is not given).");
 }
 
+Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  const auto now = Clock::now();
+  const auto room =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
+  return timeout >= room ? Clock::time_point::max() : now + timeout;
+}
+
 UniqueFd connect_tcp(const std::string& host, int port, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error;
   while (true) {
-    AddrInfoList list = resolve(host, port, 0);
+    // A name not resolvable yet (a Kubernetes service whose pod is not up,
+    // a resolver's EAI_AGAIN) is tried again until the deadline, as c10d's
+    // TCPStore does.
+    AddrInfoList list;
+    const int rc = lookup(host, port, 0, &list);
+    if (rc != 0) last_error = std::string("cannot resolve '") + host + "': " + gai_strerror(rc);
     for (addrinfo* ai = list.head; ai != nullptr; ai = ai->ai_next) {
       UniqueFd fd(::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol));
       if (fd.get() < 0) continue;

@@ -15,9 +15,13 @@ namespace fsdp::detail {
 /// `bound_port`. Throws a c10::Error naming the address on failure.
 UniqueFd listen_tcp(const std::string& addr, int port, int* bound_port);
 
+/// now + `timeout`, or the clock's end where that would overflow (a timeout
+/// of milliseconds::max() is none).
+std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout);
+
 /// Connects to host:port, retrying until `timeout` (the server may not be up
-/// yet). Every address the host resolves to is tried; no attempt outlives the
-/// deadline (a silently dropped SYN cannot stall it).
+/// yet, nor its name resolvable). Every address the host resolves to is tried; no attempt outlives
+/// the deadline (a silently dropped SYN cannot stall it).
 UniqueFd connect_tcp(const std::string& host, int port, std::chrono::milliseconds timeout);
 
 /// Outcome of an I/O with a deadline.

@@ -289,7 +289,7 @@ void StoreServer::handle(Connection& c, const std::vector<uint8_t>& request) {
   // A get or wait parks the connection until its keys exist or time runs out.
   auto park = [&](bool is_get, std::vector<std::string> keys, int64_t timeout_ms) {
     Parked p{is_get, std::move(keys), Clock::time_point::max()};
-    if (timeout_ms > 0) p.deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    if (timeout_ms > 0) p.deadline = deadline_after(std::chrono::milliseconds(timeout_ms));
     c.parked = std::move(p);  // answered (at once if the keys exist) by answer_parked
   };
   switch (command) {

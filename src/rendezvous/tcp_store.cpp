@@ -88,7 +88,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server,
   detail::UniqueFd fd = detail::connect_tcp(host_, port_, timeout);
   // A fresh socket's buffer takes the few bytes at once; a failure here means
   // the peer is already gone, which the first request reports.
-  detail::send_handshake(fd.get(), job_token_, Clock::now() + timeout);
+  detail::send_handshake(fd.get(), job_token_, detail::deadline_after(timeout));
   fd_ = fd.release();
 }
 
@@ -115,9 +115,13 @@ std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
   // server may hold the request forever. A request the server holds gets 2 s
   // more than the server's wait, so that its own "timed out waiting for key"
   // reply (which names the key) arrives first even on a loaded machine.
-  const bool unlimited = timeout_.count() <= 0 || server_wait == kForever;
+  FSDP_CHECK(message.size() <= detail::kMaxStoreMessage, -1, "tcp store", "a request of ",
+             message.size(), " bytes to the rendezvous store at ", address(),
+             " is over its limit of ", detail::kMaxStoreMessage,
+             " bytes. Keep store values small; send tensors through the process group.");
+  const bool unlimited = timeout_.count() <= 0 || server_wait >= kForever - kAnswerSlack;
   const auto limit = server_wait.count() > 0 ? server_wait + kAnswerSlack : timeout_;
-  const auto deadline = unlimited ? Clock::time_point::max() : Clock::now() + limit;
+  const auto deadline = unlimited ? Clock::time_point::max() : detail::deadline_after(limit);
   std::vector<uint8_t> reply;
   auto result = send_message(fd_, message, deadline);
   bool refused = false;

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <thread>
 #include <vector>
 
 #include "comm_test_util.h"
@@ -180,6 +181,67 @@ TEST_P(Collectives, BadSizesAreErrorsNamingTheSizes) {
     // The group is still usable after rejected calls: nothing was issued.
     at::Tensor t = at::ones({2});
     pg->all_reduce(t).wait();
+    EXPECT_TRUE(at::all(t == 2).item<bool>());
+  });
+}
+
+// The usual way to average parameters by hand: under NoGradGuard, a leaf
+// that requires grad is written in place by the collective whichever thread
+// runs it (the communication thread's grad mode is its own).
+TEST_P(Collectives, ParametersReducedUnderNoGradGuardWhicheverThreadRunsThem) {
+  run_ranks_ok(2, [](int rank, int world) {
+    auto pg = join(GetParam());
+    at::Tensor p = at::full({8}, static_cast<float>(rank + 1)).set_requires_grad(true);
+    at::Tensor flat = at::zeros({8 * world}).set_requires_grad(true);
+    {
+      const at::NoGradGuard no_grad;
+      Work reduce = pg->all_reduce(p, ReduceOp::kAvg);
+      Work gather = pg->all_gather_into_tensor(flat, p);
+      // Left to the communication thread, not run by this one's wait().
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      reduce.wait();
+      gather.wait();
+    }
+    EXPECT_TRUE(at::all(p == 1.5F).item<bool>());
+    EXPECT_TRUE(at::all(flat == 1.5F).item<bool>());
+    EXPECT_FALSE(flat.grad_fn()) << "a collective recorded autograd history";
+    pg->barrier().wait();  // the group is still whole
+  });
+}
+
+// A shard that is a view of the flat buffer would read partial sums in place
+// of its own part on the ring: refused, with the way out.
+TEST_P(Collectives, AShardWithinTheFlatBufferIsRefused) {
+  run_ranks_ok(2, [](int rank, int world) {
+    auto pg = join(GetParam());
+    at::Tensor flat = at::ones({4 * world});
+    try {
+      pg->reduce_scatter_tensor(flat.narrow(0, 4 * rank, 4), flat, ReduceOp::kSum);
+      ADD_FAILURE() << "a shard within the flat buffer was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("overlaps the flat buffer"), std::string::npos)
+          << e.what();
+    }
+    at::Tensor shard = at::zeros({4});
+    pg->reduce_scatter_tensor(shard, flat, ReduceOp::kSum).wait();
+    EXPECT_TRUE(at::all(shard == world).item<bool>());
+  });
+}
+
+// wait(limit) shorter than the group's timeout returns at its limit, even
+// when the waiting thread could have run the collective itself.
+TEST_P(Collectives, AShortWaitLimitIsKeptWhileAPeerIsLate) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto pg = join(GetParam());
+    at::Tensor t = at::ones({4});
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    Work w = pg->all_reduce(t);
+    if (rank == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_THROW(w.wait(std::chrono::milliseconds(200)), c10::Error);
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(1200));
+    }
+    w.wait();
     EXPECT_TRUE(at::all(t == 2).item<bool>());
   });
 }

@@ -173,6 +173,18 @@ TEST_P(Routes, WithoutSharedMemoryLargeChunksTakeGloo) {
   expect_routes(GetParam(), options, 100000, control_route(), control_route());
 }
 
+// Messages the calling thread sends itself that together fill the links'
+// buffers, as a ring step posts them all before reading: a direct_link_bytes
+// above the buffers the kernel grants, and small ring segments (every one
+// inline). Each completes (Note [Direct links for small collectives]).
+TEST_P(Routes, InlineMessagesBeyondTheSocketBuffersComplete) {
+  const auto options = ProcessGroupOptions().shared_memory(false);
+  expect_routes(GetParam(), ProcessGroupOptions(options).direct_link_bytes(8 << 20), 1 << 20,
+                Route::kLinks, control_route());
+  expect_routes(GetParam(), ProcessGroupOptions(options).ring_segment_bytes(4096), 1 << 20,
+                control_route(), control_route());
+}
+
 // The environment variables still set the knobs, and a field set explicitly
 // wins over its variable.
 TEST_P(Routes, EnvironmentSetsTheKnobsAndExplicitFieldsWin) {

@@ -96,10 +96,12 @@ TEST(ShmLinks, CollectivesOfDifferentSizesAreAnErrorOnEveryRank) {
     ASSERT_EQ(shm_mappings().size(), 1u);
     // Rank 1 gathers 2 MiB shards (fp32) where rank 0 gathers 1 MiB ones.
     expect_mismatched_all_gather_error(*pg, rank == 0 ? (256 << 10) : (512 << 10),
-                                       rank == 0 ? "issued all_gather of 4194304 bytes where this "
-                                                   "rank issued all_gather of 2097152 bytes"
-                                                 : "issued all_gather of 2097152 bytes where this "
-                                                   "rank issued all_gather of 4194304 bytes");
+                                       rank == 0 ? "issued all_gather of 4194304 bytes (Float) "
+                                                   "where this rank issued all_gather of 2097152 "
+                                                   "bytes (Float)"
+                                                 : "issued all_gather of 2097152 bytes (Float) "
+                                                   "where this rank issued all_gather of 4194304 "
+                                                   "bytes (Float)");
   });
 }
 

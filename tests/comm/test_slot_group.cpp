@@ -31,8 +31,11 @@ namespace test_slot_group {
 constexpr int kWorld = 3;
 constexpr int64_t kSlotBytes = 4096;
 
-// Runs `body(rank, group)` on `world` threads, each with its rank's group.
-void on_ranks(int world, const std::function<void(int, ProcessGroup&)>& body) {
+// Runs `body(rank, group)` on `world` threads, each with its rank's group
+// (slots from `open_slots`, else the segment's); returns each rank's error.
+std::vector<std::string> errors_on_ranks(int world,
+                                         const std::function<void(int, ProcessGroup&)>& body,
+                                         const detail::SlotOpener& open_slots = nullptr) {
   // The ranks are threads: each keeps its ATen ops on itself, as a rank
   // process of fsdprun does (OMP_NUM_THREADS=1). OpenMP's workers would add
   // nothing here but reports from ThreadSanitizer, which does not see
@@ -46,7 +49,7 @@ void on_ranks(int world, const std::function<void(int, ProcessGroup&)>& body) {
     threads.emplace_back([&, rank] {
       try {
         auto group = detail::make_slot_group(store, rank, world, std::chrono::seconds(30),
-                                             kSlotBytes, nullptr, "slots");
+                                             kSlotBytes, open_slots, "slots");
         ASSERT_TRUE(group) << "rank " << rank << ": no shared memory";
         body(rank, *group);
       } catch (const std::exception& e) {
@@ -56,6 +59,12 @@ void on_ranks(int world, const std::function<void(int, ProcessGroup&)>& body) {
   }
   for (auto& t : threads) t.join();
   at::set_num_threads(threads_before);
+  return errors;
+}
+
+// errors_on_ranks, expecting none.
+void on_ranks(int world, const std::function<void(int, ProcessGroup&)>& body) {
+  const std::vector<std::string> errors = errors_on_ranks(world, body);
   for (int rank = 0; rank < world; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 void on_ranks(const std::function<void(int, ProcessGroup&)>& body) { on_ranks(kWorld, body); }
@@ -225,6 +234,78 @@ TEST(SlotGroup, SlotsOpenedOutsideTheSegmentCarryTheRoundsAllOrNothing) {
     }
   }
   at::set_num_threads(threads_before);
+}
+
+// Collectives of the same bytes that differ in dtype, reduction or root are
+// an error on every rank, not one rank reading the other's bytes as its own.
+TEST(SlotGroup, CollectivesThatDifferInDtypeReductionOrRootAreAnError) {
+  const std::vector<std::function<void(int, ProcessGroup&)>> mismatches = {
+      [](int rank, ProcessGroup& pg) {
+        at::Tensor t = rank == 0 ? at::ones({2048}) : at::ones({4096}, at::kBFloat16);
+        pg.all_reduce(t, ReduceOp::kSum).wait();
+      },
+      [](int rank, ProcessGroup& pg) {
+        at::Tensor t = at::ones({2048});
+        pg.all_reduce(t, rank == 0 ? ReduceOp::kSum : ReduceOp::kAvg).wait();
+      },
+      [](int rank, ProcessGroup& pg) {
+        at::Tensor t = at::ones({2048});
+        pg.broadcast(t, rank).wait();
+      }};
+  for (size_t m = 0; m < mismatches.size(); ++m) {
+    const std::vector<std::string> errors = errors_on_ranks(2, mismatches[m]);
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NE(errors[rank].find("issued different collectives"), std::string::npos)
+          << "mismatch " << m << ", rank " << rank << ": " << errors[rank];
+    }
+  }
+}
+
+// Slots on the heap whose settle() fails at its `fail_at`-th call on rank
+// `rank`: a part of a collective that fails on one rank (a CUDA error).
+class FailingSlots : public detail::SlotMemory {
+ public:
+  FailingSlots(char* base, int64_t slot_bytes, int fail_at)
+      : inner_(base, slot_bytes), fail_at_(fail_at) {}
+  char* slot(int rank, uint32_t round) const override { return inner_.slot(rank, round); }
+  c10::Device device() const override { return inner_.device(); }
+  void copy(void* dst, const void* src, size_t bytes) const override {
+    inner_.copy(dst, src, bytes);
+  }
+  void settle() const override {
+    if (++settles_ == fail_at_) throw std::runtime_error("an injected failure");
+  }
+
+ private:
+  detail::BufferSlots inner_;
+  int fail_at_;
+  mutable int settles_ = 0;
+};
+
+// One rank whose part fails stops its peers at once, naming it, instead of
+// leaving them to wait out the group's 30 s timeout.
+TEST(SlotGroup, APartThatFailsOnOneRankStopsItsPeersAtOnce) {
+  std::vector<char> buffer;
+  const detail::SlotOpener open = [&buffer](
+                                      c10d::Store& store, int rank, int size,
+                                      int64_t slot_bytes) -> std::unique_ptr<detail::SlotMemory> {
+    auto heap = heap_opener(&buffer, -1)(store, rank, size, slot_bytes);
+    // Rank 1 fails as it reads the first collective's parts.
+    return std::make_unique<FailingSlots>(heap->slot(0, 0), slot_bytes, rank == 1 ? 2 : 0);
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::string> errors = errors_on_ranks(
+      2,
+      [](int, ProcessGroup& pg) {
+        for (int i = 0; i < 3; ++i) {
+          at::Tensor t = at::ones({16});
+          pg.all_reduce(t, ReduceOp::kSum).wait();
+        }
+      },
+      open);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  EXPECT_NE(errors[1].find("an injected failure"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("rank 1 failed a collective"), std::string::npos) << errors[0];
 }
 
 }  // namespace test_slot_group

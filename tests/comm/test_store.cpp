@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/join_store.h"
 #include "rendezvous/job_token.h"
 #include "rendezvous/tcp_store.h"
 
@@ -126,6 +127,64 @@ TEST(TcpStore, LostServerIsAClearError) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("lost the connection"), std::string::npos) << e.what();
   }
+}
+
+// A rank that found rank 0's store keeps the whole timeout for each request
+// after, as c10d's TCPStore does, not what was left of it when it connected.
+TEST(TcpStore, AJoiningRankKeepsTheWholeTimeout) {
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(5));
+  RankInfo info;
+  info.rank = 1;
+  info.world_size = 2;
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  auto store =
+      detail::join_store("127.0.0.1", server.port(), info, std::chrono::seconds(3), "", "");
+  EXPECT_EQ(store->getTimeout(), std::chrono::milliseconds(3000));
+}
+
+// A name that does not resolve (yet: a Kubernetes service whose pod is not
+// up) is tried again until the timeout, then named in the error.
+TEST(TcpStore, AHostNameNotResolvedIsTriedUntilTheTimeout) {
+  const auto t0 = Clock::now();
+  try {
+    TcpStore c("rank0-not-up.invalid", 29500, false, std::chrono::milliseconds(500));
+    FAIL() << "connected to a name that does not resolve";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("cannot reach the rendezvous store"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cannot resolve 'rank0-not-up.invalid'"), std::string::npos) << msg;
+  }
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(400));
+}
+
+// milliseconds::max() is a wait without end, not one that overflowed into
+// the past.
+TEST(TcpStore, AWaitWithoutEndAnswersWhenTheKeyComes) {
+  TcpStore server("127.0.0.1", 0, true, std::chrono::milliseconds::max());
+  std::thread setter([port = server.port()] {
+    TcpStore c("127.0.0.1", port, false, std::chrono::milliseconds::max());
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    c.set("k", bytes("v"));
+  });
+  TcpStore waiter("127.0.0.1", server.port(), false, std::chrono::seconds(10));
+  waiter.wait({"k"}, std::chrono::milliseconds::max());
+  EXPECT_EQ(server.get("k"), bytes("v"));
+  setter.join();
+}
+
+// A value the server would refuse is refused by the client, naming its size,
+// not reported as a lost rank 0; the connection stays usable.
+TEST(TcpStore, AValueOverTheLimitIsRefusedNamingItsSize) {
+  TcpStore server("127.0.0.1", 0, true, std::chrono::seconds(10));
+  TcpStore client("127.0.0.1", server.port(), false, std::chrono::seconds(10));
+  try {
+    client.set("big", std::vector<uint8_t>(size_t{1} << 30));
+    FAIL() << "a 1 GiB value was sent";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is over its limit"), std::string::npos) << e.what();
+  }
+  client.set("small", bytes("v"));
+  EXPECT_EQ(server.get("small"), bytes("v"));
 }
 
 TEST(TcpStore, ServerListensOnTheLoopbackAddressClientsDial) {
