@@ -11,9 +11,11 @@
 
 #include <algorithm>
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 
 #include "detail/error.h"
+#include "detail/torch_compat.h"
 
 namespace fsdp {
 namespace detail {
@@ -96,33 +98,78 @@ void set_rng_states(std::vector<at::Generator>& gens, const std::vector<at::Tens
   }
 }
 
+/// Runs under the autocast settings a region's forward ran under, as
+/// PyTorch's checkpoint recomputes (backward usually runs outside autocast),
+/// and clears autocast's cache of casts at the outermost exit as its
+/// autocast context does.
+class AutocastAs {
+ public:
+  explicit AutocastAs(const compat::AutocastState& state) : previous_(compat::autocast_state()) {
+    at::autocast::increment_nesting();
+    compat::set_autocast_state(state);
+  }
+  ~AutocastAs() {
+    compat::set_autocast_state(previous_);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  }
+  AutocastAs(const AutocastAs&) = delete;
+  AutocastAs& operator=(const AutocastAs&) = delete;
+
+ private:
+  compat::AutocastState previous_;
+};
+
 /// What backward needs besides the saved inputs; travels in the context as a
 /// capsule (an IValue that holds any CustomClassHolder).
 struct CheckpointState : torch::CustomClassHolder {
   CheckpointedFunction fn;
   size_t num_inputs = 0;
+  // The defined inputs' positions among fn's inputs: only they are the
+  // Function's (LibTorch's Function takes no undefined tensor, a default
+  // argument's "None"), the others are passed to fn undefined.
+  std::vector<size_t> defined_inputs;
   std::vector<at::Tensor> params;
-  std::vector<bool> input_requires_grad;
+  std::vector<bool> input_requires_grad;  // of each defined input
+  std::vector<bool> output_defined;       // of each of fn's outputs, from the forward
+  compat::AutocastState autocast;         // the forward's
   std::vector<at::Generator> generators;  // see generators_of()
   std::vector<at::Tensor> rng_states;     // theirs as forward began
+
+  // fn's inputs: `defined` at their positions, undefined tensors elsewhere.
+  std::vector<at::Tensor> all_inputs(const std::vector<at::Tensor>& defined) const {
+    std::vector<at::Tensor> inputs(num_inputs);
+    for (size_t i = 0; i < defined_inputs.size(); ++i) inputs[defined_inputs[i]] = defined[i];
+    return inputs;
+  }
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs_and_params,
                                                 const c10::intrusive_ptr<CheckpointState>& state) {
-    std::vector<at::Tensor> inputs(inputs_and_params.begin(),
-                                   inputs_and_params.begin() + state->num_inputs);
+    const std::vector<at::Tensor> defined(inputs_and_params.begin(),
+                                          inputs_and_params.begin() + state->defined_inputs.size());
+    const std::vector<at::Tensor> inputs = state->all_inputs(defined);
     state->generators = generators_of(inputs);
     state->rng_states = rng_states(state->generators);
     std::vector<at::Tensor> outputs;
     {
-      PhaseGuard phase(CheckpointPhase::kForward);
+      // A region within a region being recomputed is part of that
+      // recomputation: its units stay gathered for the backward that follows.
+      const bool nested = t_phase == CheckpointPhase::kRecompute;
+      PhaseGuard phase(nested ? CheckpointPhase::kRecompute : CheckpointPhase::kForward);
       outputs = state->fn(inputs);
     }
-    ctx->save_for_backward(inputs);
+    // Only defined outputs are the Function's too; activation_checkpoint()
+    // puts the undefined ones back.
+    std::vector<at::Tensor> returned;
+    for (const at::Tensor& out : outputs) {
+      state->output_defined.push_back(out.defined());
+      if (out.defined()) returned.push_back(out);
+    }
+    ctx->save_for_backward(defined);
     ctx->saved_data["state"] = at::IValue::make_capsule(state);
-    return outputs;
+    return returned;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -133,56 +180,61 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // A backward with create_graph (a gradient penalty) differentiates this
     // one (Note [Activation checkpointing]).
     const bool create_graph = at::GradMode::is_enabled();
-    std::vector<at::Tensor> inputs;
-    inputs.reserve(saved.size());
+    std::vector<at::Tensor> defined;
+    defined.reserve(saved.size());
     for (size_t i = 0; i < saved.size(); ++i) {
-      at::Tensor x = saved[i].defined() && !create_graph ? saved[i].detach() : saved[i];
-      if (x.defined() && state->input_requires_grad[i] && x.is_leaf()) x.requires_grad_(true);
-      inputs.push_back(std::move(x));
+      at::Tensor x = create_graph ? saved[i] : saved[i].detach();
+      if (state->input_requires_grad[i] && x.is_leaf()) x.requires_grad_(true);
+      defined.push_back(std::move(x));
     }
-    std::vector<at::Tensor> outputs;
+    std::vector<at::Tensor> all_outputs;
     {
       const std::vector<at::Tensor> now = rng_states(state->generators);
       set_rng_states(state->generators, state->rng_states);
       try {
         at::AutoGradMode grad_on(true);
+        const AutocastAs autocast(state->autocast);
         PhaseGuard phase(CheckpointPhase::kRecompute);
-        outputs = state->fn(inputs);
+        all_outputs = state->fn(state->all_inputs(defined));
       } catch (...) {
         set_rng_states(state->generators, now);
         throw;
       }
       set_rng_states(state->generators, now);
     }
-    TORCH_CHECK(outputs.size() == grad_outputs.size(), error_prefix(-1, "activation checkpoint"),
-                "the recomputation returned ", outputs.size(), " tensors, the forward ",
-                grad_outputs.size(),
-                ". The checkpointed function must return the same tensors "
-                "every time it runs on the same inputs");
+    bool same = all_outputs.size() == state->output_defined.size();
+    std::vector<at::Tensor> outputs;
+    for (size_t i = 0; same && i < all_outputs.size(); ++i) {
+      same = all_outputs[i].defined() == state->output_defined[i];
+      if (all_outputs[i].defined()) outputs.push_back(all_outputs[i]);
+    }
+    TORCH_CHECK(same && outputs.size() == grad_outputs.size(),
+                error_prefix(-1, "activation checkpoint"), "the recomputation returned ",
+                all_outputs.size(), " tensors, the forward ", state->output_defined.size(),
+                " (or other ones undefined). The checkpointed function must return the same "
+                "tensors every time it runs on the same inputs");
     // Gradients of the recomputed outputs with respect to what needs one.
     std::vector<at::Tensor> roots, root_grads, wrt;
     std::vector<size_t> wrt_index;  // position of each of wrt among the Function's inputs
     for (size_t i = 0; i < outputs.size(); ++i) {
-      if (!outputs[i].defined() || !outputs[i].requires_grad() || !grad_outputs[i].defined()) {
-        continue;
-      }
+      if (!outputs[i].requires_grad() || !grad_outputs[i].defined()) continue;
       roots.push_back(outputs[i]);
       root_grads.push_back(grad_outputs[i]);
     }
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].defined() && inputs[i].requires_grad()) {
-        wrt.push_back(inputs[i]);
+    for (size_t i = 0; i < defined.size(); ++i) {
+      if (defined[i].requires_grad()) {
+        wrt.push_back(defined[i]);
         wrt_index.push_back(i);
       }
     }
     for (size_t i = 0; i < state->params.size(); ++i) {
       if (state->params[i].requires_grad()) {
         wrt.push_back(state->params[i]);
-        wrt_index.push_back(inputs.size() + i);
+        wrt_index.push_back(defined.size() + i);
       }
     }
     // One gradient per tensor of inputs_and_params, and none for the state.
-    torch::autograd::variable_list grads(inputs.size() + state->params.size() + 1);
+    torch::autograd::variable_list grads(defined.size() + state->params.size() + 1);
     if (!roots.empty() && !wrt.empty()) {
       const auto found = torch::autograd::grad(roots, wrt, root_grads, create_graph, create_graph,
                                                /*allow_unused=*/true);
@@ -209,12 +261,31 @@ std::vector<at::Tensor> activation_checkpoint(const CheckpointedFunction& fn,
   auto state = c10::make_intrusive<detail::CheckpointState>();
   state->fn = fn;
   state->num_inputs = inputs.size();
-  state->params = params;
-  for (const at::Tensor& x : inputs)
-    state->input_requires_grad.push_back(x.defined() && x.requires_grad());
-  std::vector<at::Tensor> all = inputs;
-  all.insert(all.end(), params.begin(), params.end());
-  return detail::CheckpointFunction::apply(at::TensorList(all), state);
+  state->autocast = compat::autocast_state();
+  std::vector<at::Tensor> all;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    state->defined_inputs.push_back(i);
+    state->input_requires_grad.push_back(inputs[i].requires_grad());
+    all.push_back(inputs[i]);
+    seen.insert(inputs[i].unsafeGetTensorImpl());
+  }
+  // A parameter listed twice (a module registered under two names, tied
+  // weights) or passed as an input too gets its gradient once, as through
+  // plain autograd: torch::autograd::grad would return it at each place.
+  for (const at::Tensor& p : params) {
+    if (p.defined() && seen.insert(p.unsafeGetTensorImpl()).second) state->params.push_back(p);
+  }
+  all.insert(all.end(), state->params.begin(), state->params.end());
+  const std::vector<at::Tensor> defined =
+      detail::CheckpointFunction::apply(at::TensorList(all), state);
+  std::vector<at::Tensor> outputs;
+  size_t k = 0;
+  for (const bool is_defined : state->output_defined) {
+    outputs.push_back(is_defined ? defined[k++] : at::Tensor());
+  }
+  return outputs;
 }
 
 }  // namespace fsdp

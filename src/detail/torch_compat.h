@@ -80,6 +80,47 @@ inline void set_cpu_autocast(bool on) {
   if (!on) at::autocast::clear_cache();
 }
 
+/// Autocast's settings on this thread for the CPU and CUDA.
+struct AutocastState {
+  bool cpu = false;
+  bool cuda = false;
+  at::ScalarType cpu_dtype = at::kBFloat16;
+  at::ScalarType cuda_dtype = at::kHalf;
+};
+
+/// This thread's autocast settings: at::autocast's per-device calls (2.4+)
+/// or the CPU's and the GPU's own (before).
+inline AutocastState autocast_state() {
+  AutocastState s;
+#if FSDP_TORCH_AT_LEAST(2, 4)
+  s.cpu = at::autocast::is_autocast_enabled(at::kCPU);
+  s.cuda = at::autocast::is_autocast_enabled(at::kCUDA);
+  s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+  s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+#else
+  s.cpu = at::autocast::is_cpu_enabled();
+  s.cuda = at::autocast::is_enabled();
+  s.cpu_dtype = at::autocast::get_autocast_cpu_dtype();
+  s.cuda_dtype = at::autocast::get_autocast_gpu_dtype();
+#endif
+  return s;
+}
+
+/// Sets this thread's autocast settings (see autocast_state()).
+inline void set_autocast_state(const AutocastState& s) {
+#if FSDP_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(at::kCPU, s.cpu);
+  at::autocast::set_autocast_enabled(at::kCUDA, s.cuda);
+  at::autocast::set_autocast_dtype(at::kCPU, s.cpu_dtype);
+  at::autocast::set_autocast_dtype(at::kCUDA, s.cuda_dtype);
+#else
+  at::autocast::set_cpu_enabled(s.cpu);
+  at::autocast::set_enabled(s.cuda);
+  at::autocast::set_autocast_cpu_dtype(s.cpu_dtype);
+  at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
+#endif
+}
+
 /// Blocks the host until `event` has passed: c10::Event::synchronize() where
 /// LibTorch has it (2.x), else a poll of query() (1.13, whose builds here
 /// have no GPU to wait for).

@@ -10,11 +10,13 @@
 
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.h>
 
 #include "comm/counting_process_group.h"
+#include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
@@ -70,6 +72,7 @@ enum class Layout {
   kInsideUnits,        // blocks are units; apply_activation_checkpointing checkpoints the units
   kAroundUnits,        // blocks are units, their holders inside a CheckpointWrapper
   kEntriesInRootUnit,  // holders are plain entries of the root unit, checkpointed in place
+  kNestedAroundUnits,  // as kAroundUnits, each wrapper within a second one
 };
 
 const char* to_string(Layout l) {
@@ -80,18 +83,24 @@ const char* to_string(Layout l) {
       return "around units";
     case Layout::kEntriesInRootUnit:
       return "entries of the root unit";
+    case Layout::kNestedAroundUnits:
+      return "nested around units";
   }
   return "?";
 }
 
 // Seeded construction: the same weights in the reference and every layout.
-// `unit`: the options of the blocks' units (none: plain blocks).
-Chain make_chain(const c10::optional<FSDPOptions>& unit, bool wrap_holders) {
+// `unit`: the options of the blocks' units (none: plain blocks); `wraps`:
+// how many CheckpointWrappers around each holder (0-2).
+Chain make_chain(const c10::optional<FSDPOptions>& unit, int wraps) {
   torch::manual_seed(0);
   Chain chain;
   for (int i = 0; i < kBlocks; ++i) {
     Holder holder(DropBlock(), unit);
-    if (wrap_holders) {
+    if (wraps == 2) {
+      chain->push_back(CheckpointWrapper<CheckpointWrapperImpl<HolderImpl>>(
+          CheckpointWrapper<HolderImpl>(holder)));
+    } else if (wraps == 1) {
       chain->push_back(CheckpointWrapper<HolderImpl>(holder));
     } else {
       chain->push_back(holder);
@@ -101,7 +110,7 @@ Chain make_chain(const c10::optional<FSDPOptions>& unit, bool wrap_holders) {
   return chain;
 }
 
-Chain plain_chain() { return make_chain(c10::nullopt, false); }
+Chain plain_chain() { return make_chain(c10::nullopt, 0); }
 
 FullyShardedDataParallel<ChainImpl> sharded_chain(Layout layout, const FSDPOptions& opts) {
   switch (layout) {
@@ -111,7 +120,9 @@ FullyShardedDataParallel<ChainImpl> sharded_chain(Layout layout, const FSDPOptio
       return root;
     }
     case Layout::kAroundUnits:
-      return FullyShardedDataParallel<ChainImpl>(make_chain(opts, true), opts);
+      return FullyShardedDataParallel<ChainImpl>(make_chain(opts, 1), opts);
+    case Layout::kNestedAroundUnits:
+      return FullyShardedDataParallel<ChainImpl>(make_chain(opts, 2), opts);
     case Layout::kEntriesInRootUnit: {
       FullyShardedDataParallel<ChainImpl> root(plain_chain(), opts);
       EXPECT_EQ(apply_activation_checkpointing(*root, is_holder), kBlocks);
@@ -220,6 +231,136 @@ TEST(ActivationCheckpoint, GradientPenaltyThroughTheRegionAsPlainAutograd) {
   }
 }
 
+// A module of `Holder` and its checkpointed twin, with the same weights.
+template <typename Holder>
+std::pair<Holder, CheckpointWrapper<typename Holder::ContainedType>> checkpointed_twins() {
+  torch::manual_seed(0);
+  Holder plain;
+  torch::manual_seed(0);
+  return {plain, CheckpointWrapper<typename Holder::ContainedType>{Holder()}};
+}
+
+// A region called with an undefined tensor (a forward's default mask, c10's
+// "None") and returning one trains as without checkpointing.
+struct MaskedImpl : nn::Module {
+  MaskedImpl() { fc = register_module("fc", nn::Linear(kDim, kDim)); }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, torch::Tensor mask) {
+    torch::Tensor y = torch::tanh(fc(x));
+    if (mask.defined()) y = y * mask;
+    return {y, mask.defined() ? y.square() : torch::Tensor()};
+  }
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Masked);
+
+TEST(ActivationCheckpoint, UndefinedArgumentsAndOutputsAsWithoutCheckpointing) {
+  for (const bool masked : {false, true}) {
+    auto [plain, checkpointed] = checkpointed_twins<Masked>();
+    const torch::Tensor x = torch::randn({5, kDim});
+    const torch::Tensor mask = masked ? torch::rand({5, kDim}) : torch::Tensor();
+    const auto [y, extra] = plain->forward(x, mask);
+    const auto [y2, extra2] = checkpointed->forward(x, mask);
+    ASSERT_EQ(extra2.defined(), masked);
+    ((extra.defined() ? extra.sum() : torch::zeros({})) + y.sum()).backward();
+    ((extra2.defined() ? extra2.sum() : torch::zeros({})) + y2.sum()).backward();
+    EXPECT_TRUE(torch::equal(y, y2));
+    EXPECT_TRUE(torch::allclose(plain->fc->weight.grad(), checkpointed->module().fc->weight.grad()))
+        << "masked " << masked;
+  }
+}
+
+// The recomputation runs under the autocast its forward ran under, as
+// PyTorch's checkpoint does: backward usually runs outside autocast, where
+// the second Linear would get the first's bfloat16 output with float weights.
+TEST(ActivationCheckpoint, RecomputesUnderTheForwardsAutocast) {
+  torch::manual_seed(0);
+  nn::Linear a(kDim, kDim), b(kDim, kDim);
+  torch::manual_seed(0);
+  CheckpointWrapper<nn::LinearImpl> a2{nn::Linear(kDim, kDim)}, b2{nn::Linear(kDim, kDim)};
+  const torch::Tensor x = torch::randn({5, kDim});
+  compat::set_cpu_autocast(true);
+  const torch::Tensor y = b(a(x));
+  const torch::Tensor y2 = b2(a2(x));
+  compat::set_cpu_autocast(false);
+  ASSERT_EQ(y2.scalar_type(), at::kBFloat16);
+  y.to(at::kFloat).square().sum().backward();
+  y2.to(at::kFloat).square().sum().backward();
+  EXPECT_FALSE(compat::autocast_state().cpu) << "the recomputation left autocast on";
+  EXPECT_TRUE(torch::equal(a->weight.grad(), a2->module().weight.grad()));
+  EXPECT_TRUE(torch::equal(b->weight.grad(), b2->module().weight.grad()));
+}
+
+// Tensors within c10::optional and std::vector arguments are inputs of the
+// region: their gradients flow back as without checkpointing.
+struct ConditionedImpl : nn::Module {
+  ConditionedImpl() { fc = register_module("fc", nn::Linear(kDim, kDim)); }
+  torch::Tensor forward(torch::Tensor x, c10::optional<torch::Tensor> cond,
+                        std::vector<torch::Tensor> scales) {
+    torch::Tensor y = fc(x);
+    if (cond) y = y + *cond;
+    for (const torch::Tensor& s : scales) y = y * s;
+    return torch::tanh(y);
+  }
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Conditioned);
+
+TEST(ActivationCheckpoint, TensorsWithinOptionalAndVectorArgumentsGetGradients) {
+  auto [plain, checkpointed] = checkpointed_twins<Conditioned>();
+  const torch::Tensor x = torch::randn({5, kDim});
+  const auto grads_of = [&](auto& block) {
+    const torch::Tensor cond = torch::randn({kDim}).requires_grad_(true);
+    const torch::Tensor scale = torch::rand({kDim}).requires_grad_(true);
+    block->forward(x, cond, std::vector<torch::Tensor>{scale}).sum().backward();
+    return std::vector<torch::Tensor>{cond.grad(), scale.grad()};
+  };
+  torch::manual_seed(1);
+  const auto expected = grads_of(plain);
+  torch::manual_seed(1);
+  const auto got = grads_of(checkpointed);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << "argument " << i << " got no gradient";
+    EXPECT_TRUE(torch::allclose(expected[i], got[i])) << "argument " << i;
+  }
+}
+
+// Autograd frees a region's saved input after backward; the region keeps
+// no copy of it for as long as its graph lives (a loss kept for logging).
+TEST(ActivationCheckpoint, InputsAreFreedAfterBackwardWhileTheLossLives) {
+  CheckpointWrapper<DropBlockImpl> block{DropBlock()};
+  const torch::Tensor x = torch::randn({4, kDim}).requires_grad_(true);
+  torch::Tensor h = x * 2;
+  const c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weak(
+      h.getIntrusivePtr());
+  const torch::Tensor loss = block->forward(h).sum();
+  h.reset();
+  loss.backward();
+  EXPECT_TRUE(weak.expired()) << "the region's input outlived backward";
+  EXPECT_TRUE(loss.defined());
+}
+
+// A module registered under two names (or a weight listed twice) gets its
+// gradient once, as through plain autograd.
+struct TwiceImpl : nn::Module {
+  TwiceImpl() {
+    lin = register_module("a", nn::Linear(kDim, kDim));
+    register_module("again", lin);
+  }
+  torch::Tensor forward(torch::Tensor x) { return lin(torch::tanh(lin(x))); }
+  nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Twice);
+
+TEST(ActivationCheckpoint, AModuleRegisteredTwiceGetsItsGradientOnce) {
+  auto [plain, checkpointed] = checkpointed_twins<Twice>();
+  ASSERT_EQ(plain->parameters().size(), 4U) << "LibTorch lists it twice";
+  const torch::Tensor x = torch::randn({5, kDim});
+  plain->forward(x).sum().backward();
+  checkpointed->forward(x).sum().backward();
+  EXPECT_TRUE(
+      torch::allclose(plain->lin->weight.grad(), checkpointed->module().lin->weight.grad()));
+}
+
 TEST(ActivationCheckpoint, GeneratorStateIsRestoredAfterRecomputation) {
   torch::manual_seed(0);
   CheckpointWrapper<DropBlockImpl> block{DropBlock()};
@@ -263,8 +404,8 @@ TEST(ActivationCheckpoint, MatchesPlainLibTorchUnderEveryStrategyAndLayout) {
     run_ranks_ok(world, [](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (const Layout layout :
-           {Layout::kInsideUnits, Layout::kAroundUnits, Layout::kEntriesInRootUnit}) {
+      for (const Layout layout : {Layout::kInsideUnits, Layout::kAroundUnits,
+                                  Layout::kEntriesInRootUnit, Layout::kNestedAroundUnits}) {
         for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
                                     ShardingStrategy::kNoShard}) {
           train_and_compare(layout, FSDPOptions().sharding_strategy(strategy), 3);
@@ -307,7 +448,8 @@ TEST(ActivationCheckpoint, ParityFailsWithoutTheReduction) {
 }
 
 // FULL_SHARD gathers each unit once in forward and once in backward, with
-// or without checkpointing: the recomputation's gather is backward's.
+// or without checkpointing, nested regions too: the recomputation's gather
+// is backward's.
 TEST(ActivationCheckpoint, FullShardGathersNoMoreThanWithout) {
   run_ranks_ok(2, [](int rank, int) {
     torch::set_num_threads(1);
@@ -317,8 +459,9 @@ TEST(ActivationCheckpoint, FullShardGathersNoMoreThanWithout) {
       const auto opts = FSDPOptions().process_group(counting);
       FullyShardedDataParallel<ChainImpl> model =
           std::string(layout) == "none"
-              ? FullyShardedDataParallel<ChainImpl>(make_chain(opts, false), opts)
+              ? FullyShardedDataParallel<ChainImpl>(make_chain(opts, 0), opts)
           : std::string(layout) == "inside" ? sharded_chain(Layout::kInsideUnits, opts)
+          : std::string(layout) == "nested" ? sharded_chain(Layout::kNestedAroundUnits, opts)
                                             : sharded_chain(Layout::kAroundUnits, opts);
       rank_loss([&](torch::Tensor x) { return model->forward(x); }, 0, rank).backward();
       const int64_t before = counting->gathered_bytes;
@@ -329,6 +472,8 @@ TEST(ActivationCheckpoint, FullShardGathersNoMoreThanWithout) {
     EXPECT_GT(none, 0);
     EXPECT_EQ(gathered_per_step("inside"), none);
     EXPECT_EQ(gathered_per_step("around"), none);
+    // A region within a region: its units' recomputation is the outer one's.
+    EXPECT_EQ(gathered_per_step("nested"), none);
   });
 }
 

@@ -19,16 +19,36 @@
 namespace fsdp {
 namespace detail {
 
-/// Appends `arg` to `into` if it is a Tensor.
-template <typename T>
-void collect_tensor_arg(const T& arg, std::vector<at::Tensor>& into) {
-  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) into.push_back(arg);
+/// Calls `f` on each tensor `arg` holds: a Tensor, a c10::optional<Tensor>
+/// that has one, or each of a std::vector<Tensor>; nothing for other types.
+template <typename T, typename F>
+void for_each_tensor_arg(T& arg, F&& f) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
+    f(arg);
+  } else if constexpr (std::is_same_v<D, c10::optional<at::Tensor>>) {
+    if (arg.has_value()) f(*arg);
+  } else if constexpr (std::is_same_v<D, std::vector<at::Tensor>>) {
+    for (auto& t : arg) f(t);
+  }
 }
 
-/// Replaces `arg` by flat[k++] if it is a Tensor.
+/// Appends the tensors `arg` holds to `into` (for_each_tensor_arg's order).
+template <typename T>
+void collect_tensor_arg(const T& arg, std::vector<at::Tensor>& into) {
+  for_each_tensor_arg(arg, [&into](const at::Tensor& t) { into.push_back(t); });
+}
+
+/// Replaces the tensors `arg` holds by flat[k++] each.
 template <typename T>
 void substitute_tensor_arg(T& arg, const std::vector<at::Tensor>& flat, size_t& k) {
-  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) arg = flat[k++];
+  for_each_tensor_arg(arg, [&](at::Tensor& t) { t = flat[k++]; });
+}
+
+/// Drops the tensors `arg` holds (the recomputation substitutes them).
+template <typename T>
+void release_tensor_arg(T& arg) {
+  for_each_tensor_arg(arg, [](at::Tensor& t) { t = at::Tensor(); });
 }
 
 /// A module's own parameters(), even where a wrapper hides it (an FSDP
@@ -42,9 +62,9 @@ inline std::vector<at::Tensor> module_parameters(const torch::nn::Module& m) {
 /// from the tree (it adopts the unit's contents). Names the fix.
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m);
 
-/// Calls `f(args...)` under activation_checkpoint(): the Tensor arguments
-/// are its inputs, `params` the parameters `f` uses; the others are copied
-/// for the recomputation. R is the forward's output type (IsForwardOutput).
+/// Calls `f(args...)` under activation_checkpoint(): the tensors of its
+/// arguments (for_each_tensor_arg) are its inputs, `params` the parameters `f` uses; the others are
+/// copied for the recomputation. R is the forward's output type (IsForwardOutput).
 template <typename R, typename F, typename... Args>
 R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) {
   static_assert(IsForwardOutput<R>::value,
@@ -54,6 +74,10 @@ R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) 
   auto saved = std::make_shared<Saved>(std::forward<Args>(args)...);
   std::vector<at::Tensor> inputs;
   std::apply([&inputs](const auto&... a) { (collect_tensor_arg(a, inputs), ...); }, *saved);
+  // The copy kept for the recomputation holds no tensor: autograd saves the
+  // inputs and frees them after backward, while the graph (a loss kept for
+  // logging) may keep this function much longer.
+  std::apply([](auto&... a) { (release_tensor_arg(a), ...); }, *saved);
   // The first run's output gives the result its shape (a tuple, a vector);
   // it is taken out at once so that the state autograd keeps for backward
   // holds no output (which would hold the graph: a cycle).

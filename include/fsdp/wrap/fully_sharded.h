@@ -29,11 +29,19 @@ template <typename Arg, typename T>
 decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dtype) {
   using Declared = std::remove_reference_t<Arg>;
   constexpr bool mutable_ref = std::is_lvalue_reference_v<Arg> && !std::is_const_v<Declared>;
-  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor> && !mutable_ref) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor> && !mutable_ref) {
     if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) {
       return at::Tensor(arg.to(*dtype));
     }
     return at::Tensor(std::forward<T>(arg));
+  } else if constexpr ((std::is_same_v<D, c10::optional<at::Tensor>> ||
+                        std::is_same_v<D, std::vector<at::Tensor>>)&&!mutable_ref) {
+    // The tensors within, as PyTorch's FSDP casts nested inputs.
+    D out(std::forward<T>(arg));
+    for_each_tensor_arg(out,
+                        [&dtype](at::Tensor& t) { t = cast_forward_arg<at::Tensor>(t, dtype); });
+    return out;
   } else {
     return std::forward<T>(arg);
   }
