@@ -95,6 +95,14 @@ bool has_reset_parameters(const torch::nn::Module& module) {
   return find(module, r) != nullptr;
 }
 
+void detail::require_reset_parameters(const torch::nn::Module& module) {
+  FSDP_CHECK(has_reset_parameters(module), -1, "reset_parameters",
+             "expected a known way to reset a module of class ", module.name(),
+             ", found none: it is no torch::nn class with reset_parameters() and none was "
+             "registered. Call fsdp::register_reset_parameters<YourImpl>() (or pass a function), "
+             "or give FSDPOptions::param_init_fn.");
+}
+
 void reset_parameters(torch::nn::Module& module) {
   ResetParametersFn fn;
   {
@@ -102,11 +110,7 @@ void reset_parameters(torch::nn::Module& module) {
     std::lock_guard<std::mutex> lock(r.mutex);
     if (const ResetParametersFn* found = find(module, r)) fn = *found;
   }
-  FSDP_CHECK(fn, -1, "reset_parameters", "expected a known way to reset a module of class ",
-             module.name(),
-             ", found none: it is no torch::nn class with reset_parameters() and none was "
-             "registered. Call fsdp::register_reset_parameters<YourImpl>() (or pass a function), "
-             "or give FSDPOptions::param_init_fn.");
+  if (!fn) detail::require_reset_parameters(module);
   torch::NoGradGuard no_grad;
   fn(module);
 }

@@ -141,6 +141,7 @@ BlockCache::Stats BlockCache::stats() const {
   Stats out = stats_;
   out.peak_in_use = static_cast<int64_t>(peak_in_use_);
   out.mapped_bytes = static_cast<int64_t>(in_use_ + cached_);
+  out.cached_bytes = static_cast<int64_t>(cached_);
   return out;
 }
 

@@ -66,6 +66,7 @@ class BlockCache {
     int64_t evicted = 0;       // free ranges unmapped to make room
     int64_t peak_in_use = 0;   // highest bytes in use at once
     int64_t mapped_bytes = 0;  // bytes mapped now (in use + free)
+    int64_t cached_bytes = 0;  // of those, free
   };
   /// Current counts.
   Stats stats() const;

@@ -203,7 +203,13 @@ UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options, c10::Dev
     if (!device_.is_cpu() && t.defined() && t.is_cpu()) at::Tensor(t).set_data(t.to(device_));
   };
   for (torch::nn::Module* m : managed_) {
-    if (has_meta_state(*m)) deferred_.push_back(m);
+    if (!has_meta_state(*m)) continue;
+    // Refused before anything is materialised: the model stays on the meta
+    // device, to be wrapped again once a reset is registered.
+    if (!options_.param_init_fn()) require_reset_parameters(*m);
+    deferred_.push_back(m);
+  }
+  for (torch::nn::Module* m : managed_) {
     for (const auto& p : m->parameters(/*recurse=*/false)) move_to_device(p);
     for (const auto& b : m->buffers(/*recurse=*/false)) {
       if (!b.defined()) continue;

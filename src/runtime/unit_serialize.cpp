@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <functional>
 #include <unordered_map>
+#include <vector>
 
 #include <fsdp/runtime/unit.h>
 
@@ -26,12 +27,10 @@ namespace {
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
 
-// A nested unit saves and loads its own parameters; a pass-through wrapper's
-// parameters belong to the enclosing unit.
-bool is_own_unit(const torch::nn::Module& m) { return unit_of(m) != nullptr; }
-
 // Module::save, with each parameter in `full` written as its full copy and
-// each buffer in the dtype it is saved in (detail::saved_buffer_dtype).
+// each buffer in the dtype it is saved in (detail::saved_buffer_dtype). A
+// nested unit saves its own parameters; a pass-through wrapper's belong to
+// the enclosing unit.
 void save_tree(const torch::nn::Module& m, OutputArchive& archive,
                const std::unordered_map<const void*, at::Tensor>& full) {
   for (const auto& p : m.named_parameters(/*recurse=*/false)) {
@@ -45,8 +44,9 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
   for (const auto& c : m.named_children()) {
     if (!c.value()->is_serializable()) continue;
     OutputArchive child(archive.compilation_unit());
-    if (is_own_unit(*c.value())) {
-      c.value()->save(child);
+    if (const Unit* nested = unit_of(*c.value())) {
+      // A unit made in place (fully_shard) has no save() of its own.
+      nested->save_unit(*c.value(), child);
     } else {
       save_tree(*c.value(), child, full);
     }
@@ -122,23 +122,51 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
   save_tree(self, archive, full);
 }
 
-void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
-  runtime().before_state_use();  // Note [Steps during backward]
-  FlatParameter* flat = flat_param();
+namespace {
+
+// What loading changes, run once everything has been read and checked.
+using Writes = std::vector<std::function<void()>>;
+
+// Note [Loading a unit]
+// torch::load of a file that does not fit the model (another model's, a
+// layer of another shape) is an error naming the first difference, and it
+// changes nothing: every unit of the tree, nested ones too, first reads and
+// checks all its names and shapes, and only then is anything written. A
+// caller that catches the error (falling back to training from scratch, or
+// to an older checkpoint) still has the model it had. Every tensor is
+// copied into the one the model holds, buffers too: they keep their device
+// and dtype, as the shards do, where LibTorch's read would move a buffer to
+// the file's device.
+void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Writes& writes) {
+  unit.before_state_use();  // Note [Steps during backward]
+  FlatParameter* flat = unit.flat_param();
   std::unordered_map<const void*, size_t> slot_of;
   if (flat != nullptr) {
-    release_full_params();  // the shard is what is written; unsharded values are refilled from it
+    // The shard is what is written; unsharded values are refilled from it.
+    writes.push_back([&unit] { unit.release_full_params(); });
     for (size_t i = 0; i < flat->slots().size(); ++i) {
       slot_of.emplace(flat->slots()[i].param.unsafeGetTensorImpl(), i);
     }
   }
-  at::NoGradGuard no_grad;
-  std::function<void(torch::nn::Module&, InputArchive&, const std::string&)> load_tree =
+  const auto read_into = [&writes](InputArchive& in, const std::string& key, const at::Tensor& dst,
+                                   bool is_buffer, const std::string& name, int rank,
+                                   const std::string& where) {
+    at::Tensor value;
+    in.read(key, value, is_buffer);
+    if (!dst.defined()) return;  // as Module::load, which reads into a copy of the handle
+    FSDP_CHECK(value.sizes() == dst.sizes(), rank, where, "expected ",
+               is_buffer ? "buffer '" : "parameter '", name, "' of shape ", dst.sizes(),
+               " in the archive, got ", value.sizes(),
+               ". The file was saved from a different model; load it into the model that "
+               "saved it");
+    writes.push_back([dst, value] { at::Tensor(dst).copy_(value); });
+  };
+  std::function<void(torch::nn::Module&, InputArchive&, const std::string&)> read_tree =
       [&](torch::nn::Module& m, InputArchive& in, const std::string& prefix) {
         for (auto& p : m.named_parameters(/*recurse=*/false)) {
           auto it = slot_of.find(p.value().unsafeGetTensorImpl());
           if (it == slot_of.end()) {
-            in.read(p.key(), p.value());
+            read_into(in, p.key(), p.value(), false, prefix + p.key(), -1, prefix + p.key());
             continue;
           }
           const FlatParamSlot& slot = flat->slots()[it->second];
@@ -150,42 +178,41 @@ void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
                      ". The file was saved from a different model; load it into the model "
                      "that saved it");
           // This rank's part: the slot's intersection with the shard.
-          const at::Tensor& shard = flat->shard();
+          const at::Tensor shard = flat->shard().detach();
           const int64_t begin = flat->shard_offset(), end = begin + shard.numel();
           const int64_t lo = std::max(begin, slot.offset);
           const int64_t hi = std::min(end, slot.offset + slot.numel);
           if (lo >= hi) continue;
-          shard.detach()
-              .narrow(0, lo - begin, hi - lo)
-              .copy_(value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
+          const at::Tensor part = value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo);
+          writes.push_back(
+              [shard, part, lo, hi, begin] { shard.narrow(0, lo - begin, hi - lo).copy_(part); });
         }
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
-          if (!detail::saved_buffer_dtype(b.value())) {
-            in.read(b.key(), b.value(), /*is_buffer=*/true);
-            continue;
-          }
-          // Saved in its own dtype; kept in buffer_dtype.
-          at::Tensor value;
-          in.read(b.key(), value, /*is_buffer=*/true);
-          FSDP_CHECK(value.sizes() == b.value().sizes(), /*rank=*/-1, prefix + b.key(),
-                     "expected buffer '", prefix + b.key(), "' of shape ", b.value().sizes(),
-                     " in the archive, got ", value.sizes(),
-                     ". The file was saved from a different model; load it into the model that "
-                     "saved it");
-          b.value().copy_(value);
+          // One saved in its own dtype (detail::saved_buffer_dtype) is kept
+          // in buffer_dtype: the copy casts it.
+          read_into(in, b.key(), b.value(), true, prefix + b.key(), -1, prefix + b.key());
         }
         for (const auto& c : m.named_children()) {
           if (!c.value()->is_serializable()) continue;
           InputArchive child;
           in.read(c.key(), child);
-          if (is_own_unit(*c.value())) {
-            c.value()->load(child);
+          if (Unit* nested = unit_of(*c.value())) {
+            read_unit(*nested, *c.value(), child, writes);
           } else {
-            load_tree(*c.value(), child, prefix + c.key() + ".");
+            read_tree(*c.value(), child, prefix + c.key() + ".");
           }
         }
       };
-  load_tree(self, archive, "");
+  read_tree(self, archive, "");
+}
+
+}  // namespace
+
+void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
+  Writes writes;
+  read_unit(*this, self, archive, writes);  // Note [Loading a unit]
+  at::NoGradGuard no_grad;
+  for (const auto& write : writes) write();
 }
 
 }  // namespace fsdp

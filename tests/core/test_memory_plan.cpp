@@ -142,8 +142,40 @@ TEST(MemoryPlan, ReadsTheHostsAndTheContainersRoom) {
   EXPECT_EQ(detail::cgroup_room("1000\n", "4000\n"), 0);
   EXPECT_EQ(detail::cgroup_room("9223372036854771712\n", "400\n"), -1) << "v1's no limit";
   EXPECT_EQ(detail::cgroup_room("", ""), -1);
+  // Page cache the kernel drops before it kills anything is room too.
+  EXPECT_EQ(detail::cgroup_room("1000\n", "900\n", 500), 600);
+  EXPECT_EQ(detail::cgroup_room("1000\n", "900\n", 2000), 1000);
+  const std::string stat = "active_file 7\ninactive_file 500\ntotal_inactive_file 800\n";
+  EXPECT_EQ(detail::stat_count(stat, "inactive_file"), 500);
+  EXPECT_EQ(detail::stat_count(stat, "total_inactive_file"), 800);
+  EXPECT_EQ(detail::stat_count(stat, "file"), -1);
+  // The process's own cgroup: a SLURM job's below the root of a host
+  // without a cgroup namespace, v2 or v1's memory controller.
+  EXPECT_EQ(detail::cgroup_path("0::/system.slice/slurmstepd.scope/job_42\n", true),
+            "/system.slice/slurmstepd.scope/job_42");
+  const std::string v1 = "5:cpu,cpuacct:/x\n4:memory:/slurm/uid_0/job_42\n0::/\n";
+  EXPECT_EQ(detail::cgroup_path(v1, false), "/slurm/uid_0/job_42");
+  EXPECT_EQ(detail::cgroup_path(v1, true), "/");
+  EXPECT_EQ(detail::cgroup_path("4:memory,hugetlb:/a\n", false), "/a");
+  EXPECT_EQ(detail::cgroup_path("4:memoryx:/a\n", false), "");
   const int64_t available = detail::host_available_bytes();
   EXPECT_GT(available, 0);
+}
+
+// Memory the CPU block cache keeps after a large tensor is freed is counted
+// as used by the kernel, but serves the next allocations: it is room.
+TEST(MemoryPlan, TheBlockCachesFreeMemoryIsRoom) {
+  enable_cpu_block_cache();
+  empty_cpu_block_cache();
+  {
+    at::Tensor big = at::ones({int64_t{256} << 20}, at::kByte);  // touched: resident
+  }
+  const int64_t with_cache = detail::host_available_bytes();
+  const int64_t room = detail::host_room_bytes();
+  // Other processes change the host's memory between the two reads: a margin.
+  EXPECT_NEAR(static_cast<double>(with_cache - room), static_cast<double>(int64_t{256} << 20),
+              static_cast<double>(int64_t{32} << 20));
+  empty_cpu_block_cache();
 }
 
 }  // namespace test_memory_plan

@@ -406,5 +406,46 @@ TEST(MetaInit, SyncModuleStatesGivesEveryRankRankZerosModel) {
   });
 }
 
+// A module on the meta device with no known reset is refused before any of
+// the model is materialised: it stays on meta, and once a reset is
+// registered the same model wraps and is initialised.
+struct UnresettableImpl : nn::Module {
+  UnresettableImpl() { w = register_parameter("w", torch::empty({4, 2}, torch::kMeta)); }
+  void reset_parameters() {
+    torch::NoGradGuard no_grad;
+    w.fill_(0.5);
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::matmul(x, w.t()); }
+  torch::Tensor w;
+};
+TORCH_MODULE(Unresettable);
+
+struct HalfResettableImpl : nn::Module {
+  HalfResettableImpl() {
+    fc = register_module("fc", nn::Linear(2, 2));
+    to_meta(*fc);
+    other = register_module("other", Unresettable());
+  }
+  torch::Tensor forward(torch::Tensor x) { return other(fc(x)); }
+  nn::Linear fc{nullptr};
+  Unresettable other{nullptr};
+};
+TORCH_MODULE(HalfResettable);
+
+TEST(MetaInit, AModuleWithoutAResetIsRefusedWithTheModelLeftOnMeta) {
+  run_ranks_ok(1, [](int, int) {
+    const auto group = start_rank();
+    HalfResettable model;
+    const std::string msg =
+        error_of([&] { FullyShardedDataParallel<HalfResettableImpl> unit(model, FSDPOptions()); });
+    EXPECT_NE(msg.find("register_reset_parameters"), std::string::npos) << msg;
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.is_meta()) << "materialised anyway";
+    register_reset_parameters<UnresettableImpl>();
+    FullyShardedDataParallel<HalfResettableImpl> unit(model, FSDPOptions());
+    SummonFullParams full(*unit);
+    EXPECT_TRUE(torch::equal(unit->module().other->w, torch::full({4, 2}, 0.5F)));
+  });
+}
+
 }  // namespace test_meta_init
 }  // namespace fsdp::testing

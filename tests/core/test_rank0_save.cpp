@@ -151,6 +151,83 @@ void save_on_rank0_under_summon(int world) {
   });
 }
 
+// A file of another model (its head of another shape) is refused on every
+// rank, naming the parameter, and changes nothing: the nested units and the
+// root's parameters read before the mismatch keep their values (Note
+// [Loading a unit]). The same file's model then loads.
+TEST(Rank0Save, ALoadThatDoesNotFitChangesNothing) {
+  run_ranks_ok(2, [](int rank, int) {
+    init();
+    NetTwins twins = make_net_twins(FSDPOptions());
+    Net other(false, FSDPOptions());
+    other->head = other->replace_module("head", nn::Linear(16, 4));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : other->parameters()) p.fill_(9.0);
+    }
+    const std::string path = save_path("does_not_fit");
+    if (rank == 0) torch::save(other, path);
+    default_process_group()->barrier().wait();
+    const auto values = [&] {
+      SummonFullParams full(*twins.model);
+      std::vector<torch::Tensor> out;
+      for (const auto& p : twins.model->parameters()) out.push_back(p.detach().clone());
+      return out;
+    };
+    const std::vector<torch::Tensor> before = values();
+    const std::string msg = error_of([&] { torch::load(twins.model, path); });
+    EXPECT_NE(msg.find("'head.weight' of shape [3, 16]"), std::string::npos) << msg;
+    const std::vector<torch::Tensor> after = values();
+    ASSERT_EQ(after.size(), before.size());
+    for (size_t i = 0; i < before.size(); ++i) {
+      EXPECT_TRUE(torch::equal(after[i], before[i])) << "parameter " << i << " changed";
+    }
+    // A file that fits loads, as before.
+    default_process_group()->barrier().wait();
+    if (rank == 0) {
+      std::remove(path.c_str());
+      torch::save(twins.reference, path);
+    }
+    default_process_group()->barrier().wait();
+    torch::load(twins.model, path);
+    default_process_group()->barrier().wait();
+    if (rank == 0) std::remove(path.c_str());
+  });
+}
+
+// A wrapper root over units made in place (fully_shard): torch::save writes
+// the in-place units' full values too, as the plain model's file, and
+// torch::load reads them back into every rank's shards.
+TEST(Rank0Save, AWrapperOverFullyShardUnitsSavesAndLoadsFullValues) {
+  run_ranks_ok(2, [](int rank, int) {
+    init();
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    auto net = std::make_shared<NetImpl>(false, FSDPOptions());
+    fully_shard(net->plain_block);
+    FullyShardedDataParallel<NetImpl> model(net, FSDPOptions());
+    const std::string path = save_path("over_in_place_" + std::to_string(rank));
+    torch::save(model, path);  // every rank, outside SummonFullParams
+    Net plain(false, FSDPOptions());
+    torch::load(plain, path);
+    for (const auto& p : reference->named_parameters()) {
+      EXPECT_TRUE(torch::equal(plain->named_parameters()[p.key()], p.value())) << p.key();
+    }
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : plain->parameters()) p.mul_(2);
+    }
+    torch::save(plain, path);
+    torch::load(model, path);
+    std::remove(path.c_str());
+    SummonFullParams full(*model);
+    for (const auto& p : plain->named_parameters()) {
+      EXPECT_TRUE(torch::equal(model->named_parameters()[p.key()], p.value())) << p.key();
+    }
+  });
+}
+
 TEST(Rank0Save, UnderSummonFullParamsAtOneRank) { save_on_rank0_under_summon(1); }
 TEST(Rank0Save, UnderSummonFullParamsAtTwoRanks) { save_on_rank0_under_summon(2); }
 TEST(Rank0Save, UnderSummonFullParamsAtThreeRanks) { save_on_rank0_under_summon(3); }

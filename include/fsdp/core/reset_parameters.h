@@ -54,4 +54,9 @@ bool has_reset_parameters(const torch::nn::Module& module);
 /// when none is known.
 void reset_parameters(torch::nn::Module& module);
 
+namespace detail {
+/// Throws what reset_parameters() would for `module` when no reset is known.
+void require_reset_parameters(const torch::nn::Module& module);
+}  // namespace detail
+
 }  // namespace fsdp

@@ -175,6 +175,18 @@ class Unit {
   };
   /// See NoSyncGuard.
   NoSyncGuard no_sync();
+  /// Module::save for the unit's module `self` (its wrapper, or the module
+  /// fully_shard made a unit): writes what the unwrapped module
+  /// would write (full parameters under their own names, buffers, children).
+  /// The full parameters a unit holds (summoned, or never sharded) are
+  /// written as they are; the others are gathered (collective: every rank
+  /// saves), refused inside SummonFullParams. Nested units save their own.
+  /// See Note [Saving a unit].
+  void save_unit(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const;
+  /// Module::load for the unit's module `self`: reads full parameters as the
+  /// unwrapped module would and keeps this rank's part in the shard. Every
+  /// rank loads the whole file; no communication.
+  void load_unit(torch::nn::Module& self, torch::serialize::InputArchive& archive);
 
  protected:
   explicit Unit(FSDPOptions options);
@@ -190,17 +202,6 @@ class Unit {
   /// Makes this a pass-through (see is_active()) around `wrapped`; instead of
   /// init_unit().
   void deactivate(torch::nn::Module* wrapped = nullptr);
-  /// Module::save for the wrapper `self`: writes what the unwrapped module
-  /// would write (full parameters under their own names, buffers, children).
-  /// The full parameters a unit holds (summoned, or never sharded) are
-  /// written as they are; the others are gathered (collective: every rank
-  /// saves), refused inside SummonFullParams. Nested units save their own.
-  /// See Note [Saving a unit].
-  void save_unit(const torch::nn::Module& self, torch::serialize::OutputArchive& archive) const;
-  /// Module::load for the wrapper `self`: reads full parameters as the
-  /// unwrapped module would and keeps this rank's part in the shard. Every
-  /// rank loads the whole file; no communication.
-  void load_unit(torch::nn::Module& self, torch::serialize::InputArchive& archive);
   /// Module::to for the wrapper `self` (device and dtype each optional):
   /// moves what no unit owns (buffers) as LibTorch does, and leaves the
   /// units' parameters, which must already be on that device in that dtype;
