@@ -159,7 +159,10 @@ class CpuAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) FSDP_ALLOCATE_CONST override {
     const c10::Device device(c10::DeviceType::CPU);
     const auto size = static_cast<int64_t>(nbytes);
-    if (nbytes >= BlockCache::kMinBytes && cache_enabled().load(std::memory_order_relaxed)) {
+    // A size past PTRDIFF_MAX (a negative one cast) would wrap in the page
+    // rounding: the inner allocator refuses it with c10's message.
+    if (nbytes >= BlockCache::kMinBytes && nbytes <= static_cast<size_t>(PTRDIFF_MAX) &&
+        cache_enabled().load(std::memory_order_relaxed)) {
       size_t block_bytes = 0;
       void* data = block_cache().take(nbytes, block_bytes);
       add_entry(data, RawEntry{size, block_bytes});

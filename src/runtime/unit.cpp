@@ -209,14 +209,18 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
              "backward comes too late and would change gradients already stepped; turn that off "
              "to clip, or clip nothing");
   const bool inf = std::isinf(norm_type);
-  // Sharded gradients are disjoint pieces (reduced over the group);
-  // NO_SHARD gradients are whole copies (counted once, locally). Those of
-  // parameters no unit manages are this rank's own, counted once as PyTorch's
-  // FSDP does; they differ across ranks, so the largest norm over the ranks
-  // is the one every rank clips by (the same everywhere, as documented).
+  // Sharded gradients are disjoint pieces of a unit's group; a group smaller
+  // than the job's (HYBRID_SHARD's node) holds its pieces once per replica,
+  // so each counts 1 / replicas of itself and one reduction over the job
+  // adds every piece once, whatever strategies the units mix. NO_SHARD
+  // gradients are whole copies (counted once, locally). Those of parameters
+  // no unit manages are this rank's own, counted once as PyTorch's FSDP
+  // does; they differ across ranks, so the largest norm over the ranks is
+  // the one every rank clips by (the same everywhere, as documented).
   double sharded = 0, replicated = 0, local = 0;
+  bool any_unit = false, any_sharded = false;  // the same on every rank: what collectives run
   std::vector<at::Tensor> grads;
-  ProcessGroup* group = nullptr;
+  ProcessGroup* job = fsdp_options().process_group().get();  // every rank's
   const auto add = [&](const at::Tensor& p, double& acc) {
     const at::Tensor& g = p.grad();
     if (!g.defined() || g.numel() == 0) return;
@@ -228,23 +232,28 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   for (Unit* unit : units_in_tree()) {
     const FlatParameter* flat = unit->flat_param();
     if (flat == nullptr) continue;
-    group = &flat->group();
-    for (const at::Tensor& p : unit->runtime_->optim_params()) {
-      add(p, flat->keeps_unsharded() ? replicated : sharded);
+    any_unit = true;
+    if (flat->keeps_unsharded()) {
+      for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, replicated);
+      continue;
     }
+    any_sharded = true;
+    double mine = 0;
+    for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, mine);
+    const int replicas = job != nullptr ? std::max(1, job->size() / flat->group().size()) : 1;
+    sharded = inf ? std::max(sharded, mine) : sharded + mine / replicas;
   }
   const auto unmanaged = unmanaged_parameters();
   for (const auto& [name, p] : unmanaged) add(p, local);
-  if (group == nullptr && unmanaged.empty()) return 0.0;
+  if (!any_unit && unmanaged.empty()) return 0.0;
   double total = sharded;
-  if (group != nullptr) {
+  if (any_sharded && job != nullptr) {
     at::Tensor t = at::full({1}, sharded, at::kDouble);
-    group->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
+    job->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
     total = t.item<double>();
   }
   double combined = inf ? std::max({total, replicated, local})
                         : std::pow(total + replicated + local, 1.0 / norm_type);
-  ProcessGroup* job = fsdp_options().process_group().get();  // every rank's
   if (!unmanaged.empty() && job != nullptr) {
     at::Tensor t = at::full({1}, combined, at::kDouble);
     job->all_reduce(t, ReduceOp::kMax).wait();

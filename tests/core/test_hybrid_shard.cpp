@@ -141,29 +141,41 @@ TEST(HybridShard, TrainsLikePlainLibTorchAtEveryLayout) {
   }
 }
 
+// Every shard once, also where the units mix strategies (a hybrid root over
+// NO_SHARD or FULL_SHARD children, a FULL_SHARD root over hybrid ones):
+// the pieces of a node's group count once per job, not once per replica.
 TEST(HybridShard, ClipGradNormCountsEachShardOnce) {
   const Layout layout{2, 2};
   run_ranks_ok(layout.world(), [layout](int rank, int) {
     init_layout(rank, layout);
-    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
-    torch::manual_seed(0);
-    Net reference(false, FSDPOptions());
-    torch::manual_seed(0);
-    Root root = make_root(options);
-    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
-    torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.1));
-    for (int step = 0; step < 3; ++step) {
-      auto [x, target] = global_batch(step);
-      ref_opt.zero_grad();
-      torch::mse_loss(reference->forward(x), target).backward();
-      const double want = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
-      ref_opt.step();
-      opt.zero_grad();
-      torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
-      const double got = root->clip_grad_norm_(0.05);
-      opt.step();
-      EXPECT_NEAR(got, want, 1e-6 * want) << "step " << step;
-      expect_same_after_step(*root.ptr(), *reference.ptr(), "clipped HYBRID_SHARD", step);
+    const auto hybrid = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    const std::vector<std::pair<FSDPOptions, FSDPOptions>> roots_and_children = {
+        {hybrid, hybrid},
+        {hybrid, FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard)},
+        {hybrid, FSDPOptions()},
+        {FSDPOptions(), hybrid}};
+    for (size_t c = 0; c < roots_and_children.size(); ++c) {
+      const auto& [root_options, child_options] = roots_and_children[c];
+      torch::manual_seed(0);
+      Net reference(false, FSDPOptions());
+      torch::manual_seed(0);
+      Root root(std::make_shared<NetImpl>(true, child_options), root_options);
+      torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.1));
+      for (int step = 0; step < 3; ++step) {
+        auto [x, target] = global_batch(step);
+        ref_opt.zero_grad();
+        torch::mse_loss(reference->forward(x), target).backward();
+        const double want = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.05);
+        ref_opt.step();
+        opt.zero_grad();
+        torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+        const double got = root->clip_grad_norm_(0.05);
+        opt.step();
+        EXPECT_NEAR(got, want, 1e-6 * want) << "case " << c << ", step " << step;
+        expect_same_after_step(*root.ptr(), *reference.ptr(), "clipped, case " + std::to_string(c),
+                               step);
+      }
     }
   });
 }

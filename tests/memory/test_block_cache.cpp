@@ -213,6 +213,18 @@ TEST(BlockCache, EmptyingTheCacheReturnsItsMemoryToTheOs) {
 #endif
 }
 
+// A size past PTRDIFF_MAX (a negative one cast to size_t) is refused as
+// c10's allocator refuses it, not wrapped to a cached block already free.
+TEST(BlockCache, ASizePastPtrdiffMaxIsRefusedNotWrapped) {
+  ASSERT_TRUE(enable_cpu_block_cache());
+  empty_cpu_block_cache();
+  { at::Tensor block = at::ones({4 * kMiB}, at::kByte); }
+  ASSERT_EQ(memory_stats().cached_bytes, 4 * kMiB);
+  EXPECT_THROW(c10::GetCPUAllocator()->allocate(SIZE_MAX - 100), c10::Error);
+  EXPECT_EQ(memory_stats().cached_bytes, 4 * kMiB) << "the free block was handed out";
+  empty_cpu_block_cache();
+}
+
 // oneDNN kernels allocate through the allocator's raw interface, also blocks
 // large enough for the cache.
 TEST(BlockCache, RawInterfaceServesLargeBlocks) {
