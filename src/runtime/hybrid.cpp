@@ -8,6 +8,7 @@
 
 #include <fsdp/comm/init.h>
 
+#include "comm/agreement.h"
 #include "detail/error.h"
 
 namespace fsdp::detail {
@@ -27,13 +28,15 @@ namespace fsdp::detail {
 // reduce-scatter of everything over the slowest link.
 //
 // What is whole-job and what is per node:
-// - the shard group carries the all-gathers, the reduce-scatter and
-//   clip_grad_norm_'s sum (replicas hold equal gradients: each counted once);
+// - the shard group carries the all-gathers and the reduce-scatter;
 // - process_group (the world) carries the forward-order check, the backward
-//   agreements, sync_module_states and checkpoints (a shard is saved by its
+//   agreements, clip_grad_norm_'s sum (each replica's piece counted 1 /
+//   replicas), sync_module_states and checkpoints (a shard is saved by its
 //   node-0 copy only, Note [State pieces]).
 // The groups are made once per world group from the launch topology (ranks
-// per node from rank_info()), or given as FSDPOptions::hybrid_groups.
+// per node from rank_info(), the same on every rank or an error on each), or
+// given as FSDPOptions::hybrid_groups (each replicate group's ranks must
+// hold one shard: checked once per unit, over the world).
 
 namespace {
 
@@ -45,6 +48,42 @@ struct CachedGroups {
 
 std::mutex g_mutex;
 std::vector<CachedGroups> g_cache;
+
+// Node groups of the ranks per node each rank was told (LOCAL_WORLD_SIZE):
+// nodes of different sizes would make ranks build different subgroups and
+// wait on one another until the timeout. The same error on every rank.
+void check_ranks_per_node_agree(ProcessGroup& world, int shard_size) {
+  const std::vector<int64_t> all = agree_gather(&world, {shard_size});
+  for (size_t r = 0; r < all.size(); ++r) {
+    FSDP_CHECK(all[r] == shard_size, world.rank(), "HYBRID_SHARD",
+               "ranks per node differ: ", shard_size, " on rank ", world.rank(), ", ", all[r],
+               " on rank ", r,
+               ". Its node groups need as many ranks on every node: start as many on each, or "
+               "pass FSDPOptions().hybrid_groups(fsdp::new_hybrid_groups(world, n)) with n "
+               "dividing every node's count");
+  }
+}
+
+// Groups made by hand: every rank of a replicate group must hold the same
+// shard (the same rank in its shard group of the same size), or its
+// all-reduce averages unrelated pieces of the parameters. Agreed over the
+// world, so every rank fails alike.
+void check_replicas_hold_one_shard(const HybridGroups& groups) {
+  const int mine = groups.shard->rank(), size = groups.shard->size();
+  const std::vector<int64_t> replicas = agree_gather(groups.replicate.get(), {mine, size});
+  bool fits = true;
+  for (size_t i = 0; i < replicas.size(); i += 2) {
+    fits = fits && replicas[i] == mine && replicas[i + 1] == size;
+  }
+  const bool all_fit = agree_reduce(groups.world.get(), {fits ? 0 : 1}, ReduceOp::kMax)[0] == 0;
+  FSDP_CHECK(all_fit, groups.world->rank(), "HYBRID_SHARD",
+             "hybrid_groups: a replicate group holds ranks at different places of their shard "
+             "groups (this rank is ",
+             mine, " of ", size, " in its shard group",
+             fits ? "; another replicate group mixes them" : ", not so the rest of its replicas",
+             "), so its all-reduce would average different pieces of the parameters. Make the "
+             "groups with fsdp::new_hybrid_groups(world, ranks_per_node)");
+}
 
 }  // namespace
 
@@ -62,6 +101,7 @@ HybridGroups resolve_hybrid_groups(const FSDPOptions& options) {
                "hybrid_groups: shard group size ", given->shard->size(), " x replicate group size ",
                given->replicate->size(), " != world size ", given->world->size(),
                ". Every rank must be in one shard and one replicate group");
+    check_replicas_hold_one_shard(*given);
     return *given;
   }
   std::shared_ptr<ProcessGroup> world =
@@ -84,6 +124,7 @@ HybridGroups resolve_hybrid_groups(const FSDPOptions& options) {
     if (w == world && it->shard_size == shard_size) return {w, s, r};
     ++it;
   }
+  check_ranks_per_node_agree(*world, shard_size);
   HybridGroups groups = new_hybrid_groups(world, shard_size);
   g_cache.push_back({world, shard_size, groups.shard, groups.replicate});
   return groups;

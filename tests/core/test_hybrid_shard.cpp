@@ -20,6 +20,7 @@
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
 #include "detail/posix_files.h"
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -204,6 +205,9 @@ TEST(HybridShard, CrossNodeTrafficIsOneAllReduceOfEachShard) {
     const int steps = 3;
     torch::manual_seed(0);
     Root root = make_root(options);
+    // Making the units checks the groups given (one small all-gather each
+    // over the replicate group); the steps move what is counted below.
+    const int64_t checks = replicate->all_gathers.load();
     auto opt = make_optimizer("sgd", root->parameters());
     for (int step = 0; step < steps; ++step) {
       opt->zero_grad();
@@ -222,7 +226,8 @@ TEST(HybridShard, CrossNodeTrafficIsOneAllReduceOfEachShard) {
     EXPECT_EQ(units, 3);
     EXPECT_EQ(replicate->all_reduces.load(), units * steps);
     EXPECT_EQ(replicate->all_reduced_bytes.load(), shard_bytes * steps);
-    EXPECT_EQ(replicate->all_gathers.load() + replicate->reduce_scatters.load() +
+    EXPECT_EQ(checks, units);
+    EXPECT_EQ(replicate->all_gathers.load() - checks + replicate->reduce_scatters.load() +
                   replicate->broadcasts.load(),
               0);
     // Inside the node: every unit's gradient reduce-scattered once a step.
@@ -358,6 +363,41 @@ TEST(HybridShard, InconsistentGroupsAreRefused) {
       EXPECT_NE(std::string(e.what_without_backtrace()).find("!= world size 2"), std::string::npos)
           << e.what_without_backtrace();
     }
+  });
+  // Sizes that fit, but replicate groups that pair rank 0 of one node's
+  // shard group with rank 1 of the other's: refused on every rank.
+  run_ranks_ok(4, [](int rank, int) {
+    init_layout(rank, Layout{2, 2});
+    const auto world = default_process_group();
+    std::shared_ptr<ProcessGroup> shard, replicate;
+    for (const std::vector<int>& ranks :
+         std::vector<std::vector<int>>{{0, 1}, {2, 3}, {0, 3}, {1, 2}}) {
+      auto group = world->new_subgroup(ranks);
+      if (!group) continue;
+      (ranks == std::vector<int>{0, 1} || ranks == std::vector<int>{2, 3} ? shard : replicate) =
+          group;
+    }
+    const std::string msg = error_of([&] {
+      make_root(FSDPOptions()
+                    .sharding_strategy(ShardingStrategy::kHybridShard)
+                    .hybrid_groups(HybridGroups{world, shard, replicate}));
+    });
+    EXPECT_NE(msg.find("a replicate group holds ranks at different places"), std::string::npos)
+        << msg;
+  });
+  // Nodes told different numbers of ranks (LOCAL_WORLD_SIZE 2, 2, 1, 1): the
+  // same error on every rank at once, not subgroups that wait on each other.
+  run_ranks_ok(4, [](int rank, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions()
+                           .local_rank(rank < 2 ? rank : 0)
+                           .local_world_size(rank < 2 ? 2 : 1)
+                           .timeout(std::chrono::seconds(30)));
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string msg = error_of(
+        [] { make_root(FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard)); });
+    EXPECT_NE(msg.find("ranks per node differ"), std::string::npos) << msg;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
   });
 }
 
