@@ -57,13 +57,31 @@ at::Tensor gather_full(const FlatParameter& flat, const at::Tensor& local) {
   return full;
 }
 
+namespace {
+
+// Note [Averaging float16 gradients]
+// An average summed first overflows float16 (65504) where its terms do not:
+// two ranks' gradients of 40000 under a GradScaler's scale made inf, and the
+// scaler skipped the step. So a float16 gradient is divided by the ranks
+// first, on the stream that computed it, and the collective sums, as NCCL's
+// average does for floating types (every route, Gloo, the direct links,
+// shared memory, gets the same terms). Other dtypes keep kAvg.
+ReduceOp averaging(const at::Tensor& grad, int ranks) {
+  if (grad.scalar_type() != at::kHalf || ranks <= 1) return ReduceOp::kAvg;
+  grad.div_(ranks);
+  return ReduceOp::kSum;
+}
+
+}  // namespace
+
 GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
                                const std::shared_ptr<ProcessGroup>& replicate,
                                const std::string& label) {
   ProcessGroup& group = flat.group();
-  if (flat.keeps_unsharded()) return {flat_grad, group.all_reduce(flat_grad, ReduceOp::kAvg)};
+  const ReduceOp op = averaging(flat_grad, group.size());  // Note [Averaging float16 gradients]
+  if (flat.keeps_unsharded()) return {flat_grad, group.all_reduce(flat_grad, op)};
   at::Tensor shard = at::empty({flat.shard().numel()}, flat_grad.options());
-  Work work = group.reduce_scatter_tensor(shard, flat_grad, ReduceOp::kAvg);
+  Work work = group.reduce_scatter_tensor(shard, flat_grad, op);
   if (replicate && replicate->size() > 1) {
     // See Note [Hybrid sharding]: the node's average, then the job's.
     // Issued by the thread that saw the reduce-scatter end, whose current
@@ -74,7 +92,7 @@ GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat
                       [replicate, shard] {
                         const SideStreamScope ready(shard.device(), SideStream::kChained,
                                                     /*wait_for_current=*/false);
-                        return replicate->all_reduce(shard, ReduceOp::kAvg);
+                        return replicate->all_reduce(shard, averaging(shard, replicate->size()));
                       },
                       "reduce_scatter then all_reduce across nodes (" + label + ")", {shard});
   }

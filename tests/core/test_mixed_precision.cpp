@@ -83,5 +83,35 @@ TEST(MixedPrecision, KeepLowPrecisionGradsAndReduceDtype) {
   });
 }
 
+// A float16 average whose terms fit but whose sum does not (two ranks'
+// gradients of 40000, as under a GradScaler's scale) is the average, not
+// inf, whatever the sharding (Note [Averaging float16 gradients]).
+struct ScaleImpl : nn::Module {
+  ScaleImpl() { w = register_parameter("w", torch::ones({8})); }
+  torch::Tensor forward(torch::Tensor x) { return x * w; }
+  torch::Tensor w;
+};
+TORCH_MODULE(Scale);
+
+TEST(MixedPrecision, Float16AveragesWhoseSumOverflowsAreTheAverage) {
+  run_ranks_ok(2, [](int rank, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
+      const auto o = FSDPOptions().sharding_strategy(strategy).mixed_precision(
+          MixedPrecision().param_dtype(torch::kHalf));
+      FullyShardedDataParallel<ScaleImpl> root(Scale(), o);
+      // d(sum)/dw = x: 40000 on rank 0, 32000 on rank 1 (sum 72000 > 65504;
+      // the average, 36000, is a float16).
+      root->forward(torch::full({8}, rank == 0 ? 40000.0 : 32000.0)).sum().backward();
+      const torch::Tensor grad = root->flat_param()->shard().grad();
+      ASSERT_TRUE(grad.defined());
+      EXPECT_TRUE(
+          torch::all(grad.narrow(0, 0, std::min<int64_t>(grad.numel(), 8)) == 36000.0).item<bool>())
+          << to_string(strategy) << ": " << grad;
+    }
+  });
+}
+
 }  // namespace test_mixed_precision
 }  // namespace fsdp::testing
