@@ -295,13 +295,20 @@ at::Tensor FlatParameter::slot_view(const at::Tensor& flat, size_t i) const {
 }
 
 void FlatParameter::copy_unsharded_into_shard() {
+  copy_unsharded_into_shard(shard_offset(), shard_offset() + shard_numel_);
+}
+
+void FlatParameter::copy_unsharded_into_shard(int64_t begin, int64_t end) {
   const bool summoned = state_ == State::kSummoned;
   TORCH_INTERNAL_ASSERT(summoned || (frees_unsharded() && state_ == State::kUnsharded), unit_label_,
                         ": write-back expected an unsharded buffer apart from the shard, state ",
                         to_string(state_));
+  const int64_t lo = std::max(begin, shard_offset());
+  const int64_t hi = std::min(end, shard_offset() + shard_numel_);
+  if (lo >= hi) return;
   at::NoGradGuard no_grad;
   const at::Tensor& full = summoned ? summoned_ : unsharded_;
-  shard_.detach().copy_(full.narrow(0, shard_offset(), shard_numel_));
+  shard_.detach().narrow(0, lo - shard_offset(), hi - lo).copy_(full.narrow(0, lo, hi - lo));
 }
 
 // Note [Summoning in full precision]

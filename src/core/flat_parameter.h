@@ -181,6 +181,8 @@ class FlatParameter {
   /// rank's part of the full parameters into the shard (after they were
   /// modified in place).
   void copy_unsharded_into_shard();
+  /// The same for elements [begin, end) of the unsharded buffer only.
+  void copy_unsharded_into_shard(int64_t begin, int64_t end);
   /// kSharded -> kSummoned, for a low_precision() FlatParameter or a `full`
   /// in host memory: the original parameters become views of `full`
   /// (padded_numel() elements in the shard's dtype, every rank's shard:

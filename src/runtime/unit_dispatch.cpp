@@ -62,7 +62,8 @@ namespace fsdp::detail {
 //   initialiser after fully_shard, a clamp_ under no_grad) writes each
 //   rank's part of the gathered parameters back into its shard, so the
 //   change lasts as in plain LibTorch (and FSDP2, whose sharded parameters
-//   take such writes).
+//   take such writes); under mixed precision only those it wrote, which
+//   take the compute dtype's rounding, the others keep their shards.
 // - An operator on several units' parameters (torch::cat of two blocks'
 //   weights, parameters_to_vector) holds them all gathered until it ran,
 //   though entering one ends another's forward.
@@ -121,7 +122,7 @@ void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote
   // precision).
   if (wrote && flat_ && flat_->frees_unsharded() &&
       flat_->state() == FlatParameter::State::kUnsharded) {
-    flat_->copy_unsharded_into_shard();
+    write_back(outputs);
   }
   // Its forward ended while the operator read it, and it was not entered
   // again since.
@@ -130,6 +131,36 @@ void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote
   for_each_tensor(outputs, [this](const at::Tensor& t) {
     if (hook_output(t)) hooked_ = true;
   });
+}
+
+void UnitRuntime::write_back(c10::ArrayRef<c10::IValue> outputs) {
+  // Under mixed precision the gathered parameters are param_dtype copies:
+  // only the parameters the operator wrote (its outputs, in place) are
+  // written back, so that the others keep their full-precision shards. An
+  // output that is no view of the buffer leaves the whole shard to copy.
+  if (!flat_->low_precision()) return flat_->copy_unsharded_into_shard();
+  const at::Tensor& buffer = flat_->unsharded();
+  std::vector<std::pair<int64_t, int64_t>> written;
+  bool known = true;
+  for_each_tensor(outputs, [&](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage() || !t.storage().is_alias_of(buffer.storage())) {
+      known = false;
+      return;
+    }
+    int64_t extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+    const int64_t begin = t.storage_offset() - buffer.storage_offset();
+    written.emplace_back(begin, begin + (t.numel() == 0 ? 0 : extent));
+  });
+  if (!known || written.empty()) return flat_->copy_unsharded_into_shard();
+  for (const FlatParamSlot& slot : flat_->slots()) {
+    for (const auto& [begin, end] : written) {
+      if (begin < slot.offset + slot.numel && slot.offset < end) {
+        flat_->copy_unsharded_into_shard(slot.offset, slot.offset + slot.numel);
+        break;
+      }
+    }
+  }
 }
 
 void UnitRuntime::module_zero_grad() { zero_optim_grads(kModuleZeroGradSetsToNone); }

@@ -94,6 +94,8 @@ class UnitRuntime final : public ParamUseListener {
   void hold_for_operator() override;
   void before_param_use(bool sharded) override;
   void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) override;
+  // An operator wrote to the gathered parameters: each rank keeps its part.
+  void write_back(c10::ArrayRef<c10::IValue> outputs);
   void module_zero_grad() override;
   c10::optional<at::ScalarType> compute_dtype() const override;
 

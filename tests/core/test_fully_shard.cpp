@@ -579,6 +579,32 @@ TEST(FullyShard, BackwardOperatorsGetTheirInputsUncast) {
   });
 }
 
+// Under mixed precision a write to one parameter outside forward (a clamp_
+// or an initialiser under NoGradGuard) keeps its rank's part of that
+// parameter only: the unit's other parameters keep their full-precision
+// shards, not the bfloat16 copies the operator was given.
+TEST(FullyShard, AWriteUnderMixedPrecisionLeavesTheOtherParametersWhole) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    torch::nn::Sequential model{torch::nn::Linear(6, 6), torch::nn::Linear(6, 6)};
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.fill_(1.0 + 1.0 / 4096);  // not a bfloat16
+    }
+    fully_shard(model, FSDPOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    auto* first = model[0]->as<torch::nn::LinearImpl>();
+    {
+      torch::NoGradGuard no_grad;
+      first->bias.zero_();
+    }
+    SummonFullParams full(*model);
+    for (const auto& p : model->named_parameters()) {
+      const double want = p.key() == "0.bias" ? 0.0 : 1.0 + 1.0 / 4096;
+      EXPECT_TRUE(torch::all(p.value() == want).item<bool>()) << p.key() << ": " << p.value();
+    }
+  });
+}
+
 // Runs `body(rank, world, dir)` on `world` ranks (process group joined) with
 // a directory they share, removed afterwards.
 void run_with_dir(int world, const std::function<void(int, int, const std::string&)>& body) {
