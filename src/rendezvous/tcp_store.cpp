@@ -120,7 +120,11 @@ std::vector<uint8_t> TcpStore::request(const std::vector<uint8_t>& message,
              " is over its limit of ", detail::kMaxStoreMessage,
              " bytes. Keep store values small; send tensors through the process group.");
   const bool unlimited = timeout_.count() <= 0 || server_wait >= kForever - kAnswerSlack;
-  const auto limit = server_wait.count() > 0 ? server_wait + kAnswerSlack : timeout_;
+  // Added only when limited: the server's wait of milliseconds::max() plus
+  // the slack would overflow.
+  const auto limit = unlimited                 ? kForever
+                     : server_wait.count() > 0 ? server_wait + kAnswerSlack
+                                               : timeout_;
   const auto deadline = unlimited ? Clock::time_point::max() : detail::deadline_after(limit);
   std::vector<uint8_t> reply;
   auto result = send_message(fd_, message, deadline);
