@@ -148,17 +148,28 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
       slot_of.emplace(flat->slots()[i].param.unsafeGetTensorImpl(), i);
     }
   }
-  const auto read_into = [&writes](InputArchive& in, const std::string& key, const at::Tensor& dst,
-                                   bool is_buffer, const std::string& name, int rank,
-                                   const std::string& where) {
+  // Reads `key`, which must have `shape`: the file was saved from this model.
+  const auto read_checked = [](InputArchive& in, const std::string& key, bool is_buffer,
+                               const std::string& name, at::IntArrayRef shape, int rank,
+                               const std::string& where) {
     at::Tensor value;
     in.read(key, value, is_buffer);
-    if (!dst.defined()) return;  // as Module::load, which reads into a copy of the handle
-    FSDP_CHECK(value.sizes() == dst.sizes(), rank, where, "expected ",
-               is_buffer ? "buffer '" : "parameter '", name, "' of shape ", dst.sizes(),
+    FSDP_CHECK(value.sizes() == shape, rank, where, "expected ",
+               is_buffer ? "buffer '" : "parameter '", name, "' of shape ", shape,
                " in the archive, got ", value.sizes(),
                ". The file was saved from a different model; load it into the model that "
                "saved it");
+    return value;
+  };
+  // A tensor no flat parameter holds, copied into `dst`.
+  const auto read_into = [&](InputArchive& in, const std::string& key, const at::Tensor& dst,
+                             bool is_buffer, const std::string& name) {
+    if (!dst.defined()) {  // as Module::load, which reads into a copy of the handle
+      at::Tensor ignored;
+      in.read(key, ignored, is_buffer);
+      return;
+    }
+    const at::Tensor value = read_checked(in, key, is_buffer, name, dst.sizes(), -1, name);
     writes.push_back([dst, value] { at::Tensor(dst).copy_(value); });
   };
   std::function<void(torch::nn::Module&, InputArchive&, const std::string&)> read_tree =
@@ -166,17 +177,12 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
         for (auto& p : m.named_parameters(/*recurse=*/false)) {
           auto it = slot_of.find(p.value().unsafeGetTensorImpl());
           if (it == slot_of.end()) {
-            read_into(in, p.key(), p.value(), false, prefix + p.key(), -1, prefix + p.key());
+            read_into(in, p.key(), p.value(), false, prefix + p.key());
             continue;
           }
           const FlatParamSlot& slot = flat->slots()[it->second];
-          at::Tensor value;
-          in.read(p.key(), value);
-          FSDP_CHECK(value.sizes() == at::IntArrayRef(slot.shape), flat->group().rank(),
-                     flat->unit_path(), "expected parameter '", prefix + p.key(), "' of shape ",
-                     at::IntArrayRef(slot.shape), " in the archive, got ", value.sizes(),
-                     ". The file was saved from a different model; load it into the model "
-                     "that saved it");
+          const at::Tensor value = read_checked(in, p.key(), false, prefix + p.key(), slot.shape,
+                                                flat->group().rank(), flat->unit_path());
           // This rank's part: the slot's intersection with the shard.
           const at::Tensor shard = flat->shard().detach();
           const int64_t begin = flat->shard_offset(), end = begin + shard.numel();
@@ -190,7 +196,7 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
           // One saved in its own dtype (detail::saved_buffer_dtype) is kept
           // in buffer_dtype: the copy casts it.
-          read_into(in, b.key(), b.value(), true, prefix + b.key(), -1, prefix + b.key());
+          read_into(in, b.key(), b.value(), true, prefix + b.key());
         }
         for (const auto& c : m.named_children()) {
           if (!c.value()->is_serializable()) continue;
