@@ -22,7 +22,11 @@ using CheckpointedFunction = std::function<std::vector<at::Tensor>(const std::ve
 ///   gradient through `fn`.
 /// - The random number generators' states (the CPU's, and those of the GPUs
 ///   the inputs are on) are saved and restored around the recomputation, so
-///   dropout masks the same elements both times.
+///   dropout masks the same elements both times; the recomputation runs
+///   under the autocast settings the forward ran under.
+/// - Undefined tensors among `inputs` and the outputs are passed through; a
+///   tensor among `params` listed twice, or among `inputs` too, gets its
+///   gradient once.
 /// - FSDP units run inside `fn` are gathered in forward and resharded as
 ///   usual, and gathered again in backward only for the recomputation, whose
 ///   gather replaces the one FSDP makes for backward (no extra all-gather).
