@@ -206,7 +206,10 @@ bool RootState::reduces_in_backward(const UnitRuntime& unit) const {
 // NO_SHARD, which gather nothing in backward. FULL_SHARD gathers a unit's
 // parameters again where backward reaches its outputs (or prefetches them),
 // so its all-gathers differ too, interleaved with the reductions by local
-// timing: no local rule orders them alike. The same all-reduce therefore
+// timing: no local rule orders them alike. (A unit every rank's backward
+// reaches completes where its backward ends on every rank, whatever part of
+// it this rank's data used: Note [Gradients a backward computes].) The same
+// all-reduce therefore
 // counts, per FULL_SHARD unit, the ranks whose backward reached it, and a
 // count between 0 and the world size is an error on every rank naming the
 // units (when mismatched collectives did not fail first), never a silent
@@ -239,7 +242,7 @@ void RootState::launch_ready_reductions() {
       ++reductions_launched_;
       continue;
     }
-    if (!unit->require_sync_ || unit->grads_ready_ < unit->trainable_slots_) return;
+    if (!unit->require_sync_ || unit->grads_ready_ < unit->grads_expected_) return;
     if (!unit->grad_work_) unit->launch_grad_reduction();
     ++reductions_launched_;
   }

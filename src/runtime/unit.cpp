@@ -125,6 +125,9 @@ void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unkn
 bool Unit::gather_full_params(bool to_cpu, bool with_grads) {
   return runtime().gather_full_params(to_cpu, with_grads);
 }
+bool Unit::held_by_summon_guard() const { return runtime_ && runtime_->held_by_summon_guard(); }
+void Unit::enter_summon_guard() { runtime().enter_summon_guard(); }
+void Unit::leave_summon_guard() { runtime().leave_summon_guard(); }
 void Unit::release_full_params() { runtime().release_full_params(); }
 void Unit::write_back_full_params() { runtime().write_back_full_params(); }
 void Unit::zero_optim_grads(bool set_to_none) {

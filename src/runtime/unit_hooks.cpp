@@ -5,6 +5,8 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -72,6 +74,7 @@ void UnitRuntime::abandon_iteration() {
   }
   state_ = State::kIdle;
   grads_ready_ = 0;
+  grads_expected_ = trainable_slots_;
   delivered_early_ = false;
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
@@ -125,6 +128,11 @@ void UnitRuntime::refuse_if_summoned(const char* pass) const {
              " inside SummonFullParams: its parameters hold their full-precision values in a "
              "buffer of their own there (mixed precision or offload_to_cpu; Note [Summoning in "
              "full precision]). Run it after the guard ends");
+  FSDP_CHECK(!held_by_summon_guard(), flat_->group().rank(), path_, "cannot run a ", pass,
+             " through ", label(),
+             " inside SummonFullParams (Note [Nested summons]): it would free the full "
+             "parameters the guard holds, or gather them on some ranks only. Run it after the "
+             "guard ends");
 }
 
 void UnitRuntime::pre_forward() {
@@ -183,14 +191,19 @@ void UnitRuntime::prepare_slots() {
   // may come after a forward that no backward followed (evaluation).
   if (driver_ == Driver::kWrapper) clear_moved_grads();
   for (size_t i = 0; i < slots.size(); ++i) {
-    const bool want = slot_trainable_[i] && (per_param ? optim_params_[i].requires_grad() &&
-                                                             slots[i].param.requires_grad()
-                                                       : trainable);
     // The module's own parameter object: only its flag changes.
     at::Tensor param = slots[i].param;
+    bool want = trainable;
+    if (per_param) {  // Note [Freezing after wrapping]
+      at::Tensor piece = optim_params_[i];
+      if (param.requires_grad() != params_given_[i]) piece.set_requires_grad(param.requires_grad());
+      want = piece.requires_grad();
+      params_given_[i] = want;
+    }
     if (param.requires_grad() != want) param.set_requires_grad(want);
     trainable_slots_ += want ? 1 : 0;
   }
+  grads_expected_ = trainable_slots_;
 }
 
 void UnitRuntime::clear_moved_grads() {
@@ -310,6 +323,7 @@ void UnitRuntime::pre_backward() {
   FSDP_RECORD("pre_backward", path_);
   transition(State::kPreBackward);
   root().forget_kept(*this);
+  expect_grads_of_this_backward();
   if (flat_) {
     // A second backward through the same graph (retain_graph) accumulates
     // into the shards' gradients as plain LibTorch accumulates into .grad.
@@ -317,6 +331,43 @@ void UnitRuntime::pre_backward() {
     unshard();
   }
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
+}
+
+// Note [Gradients a backward computes]
+// A unit's reduction may launch once every gradient this backward computes
+// for it has arrived (Note [Reduction order]). Counting every trainable
+// slot instead held a unit back until the end of backward on the ranks
+// whose data left part of it unused (an expert no token went to, a branch
+// some batches skip), while on the others it launched as its gradients
+// came: under FULL_SHARD, which gathers again in backward, the ranks' gathers
+// and reductions then paired out of order, silently exchanging gradients and
+// parameters of same-sized units. Which AccumulateGrad nodes run is known
+// when backward reaches the unit's outputs: those of the graph task's nodes
+// (and, for a backward given its inputs, those it is to accumulate). The
+// unit is complete when those arrived: on every rank at the point where its
+// backward ends (autograd runs each AccumulateGrad before the nodes of
+// earlier units, which wait for the gradients this unit's inputs get), as
+// PyTorch's FSDP completes a unit when its FlatParameter's one
+// AccumulateGrad runs. A unit none of whose gradients are computed here is
+// left to the end of backward as before, and so is one whose outputs no
+// hook saw (Note [Double backward]).
+void UnitRuntime::expect_grads_of_this_backward() {
+  grads_expected_ = trainable_slots_;
+  const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
+  if (!flat_ || in_graph == nullptr || in_graph->empty()) return;
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  size_t computed = 0;
+  for (const auto& slot : flat_->slots()) {
+    if (!slot.param.requires_grad()) continue;  // prepare_slots left it out
+    const auto acc = torch::autograd::impl::try_get_grad_accumulator(slot.param);
+    if (!acc || in_graph->count(acc.get()) == 0) continue;
+    if (info != nullptr && !info->empty()) {
+      const auto it = info->find(acc.get());
+      if (it == info->end() || !it->second.needed_) continue;
+    }
+    ++computed;
+  }
+  if (computed > 0) grads_expected_ = computed;
 }
 
 void UnitRuntime::prefetch_backward() {
@@ -334,6 +385,11 @@ void UnitRuntime::prefetch_backward() {
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
   if (!param.grad().defined()) return;
+  FSDP_CHECK(!grad_work_, flat_->group().rank(), path_, "a gradient of '",
+             flat_->slots()[slot].name, "' arrived after ", label(),
+             "'s reduction was launched (Note [Gradients a backward computes]): autograd ran its "
+             "AccumulateGrad outside the graph task that reached the unit's outputs. Compute "
+             "the gradients of a unit's parameters in the backward that reaches its outputs");
   // Note [The stream of a gradient's hook]
   // Autograd runs this hook, an AccumulateGrad's, on the stream that was
   // current when the AccumulateGrad was made, at wrapping, having made that
@@ -384,7 +440,7 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     slot_filled_[slot] = true;
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
-  if (++grads_ready_ != trainable_slots_ || !require_sync_) return;
+  if (++grads_ready_ != grads_expected_ || !require_sync_) return;
   if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
   if (root_ == nullptr || !root_->in_reduction_order(*this)) {
     launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
@@ -694,6 +750,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
     flat_grad_ = at::Tensor();
   }
   grads_ready_ = 0;
+  grads_expected_ = trainable_slots_;
   if (flat_) reshard();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }

@@ -309,6 +309,7 @@ void UnitRuntime::make_optim_params() {
     at::Tensor piece = base.narrow(0, lo < hi ? lo - begin : 0, lo < hi ? hi - lo : 0);
     piece.set_requires_grad(slot.param.requires_grad());  // as when wrapped
     optim_params_.push_back(piece);
+    params_given_.push_back(slot.param.requires_grad());
   }
 }
 
@@ -322,6 +323,11 @@ void UnitRuntime::make_optim_params() {
 // wins: all of a unit's parameters frozen (or unfrozen) freezes (or
 // unfreezes) its shard, so the optimizer skips it as it skips a frozen
 // parameter; some of them is an error naming both sides, as at wrapping.
+// With use_orig_params the same holds per parameter: its piece (what the
+// optimizer steps) follows the flag the user gave it, and a flag given the
+// piece reaches the parameter. A parameter frozen when wrapped used to stay
+// frozen however the user unfroze it (fine-tuning that unfreezes the
+// backbone after some epochs trained only the head).
 bool UnitRuntime::follow_parameters_frozen_by_user() {
   std::vector<std::pair<std::string, at::Tensor>> params;
   bool changed = false;
@@ -340,23 +346,22 @@ bool UnitRuntime::follow_parameters_frozen_by_user() {
 
 void UnitRuntime::register_grad_hooks() {
   const auto& slots = flat_->slots();
-  slot_trainable_.assign(slots.size(), false);
-  // A unit frozen entirely when wrapped can be unfrozen later through its
-  // shard (as PyTorch's FlatParameter can; seed 004 does it): every slot gets
-  // its hook, made while requires_grad is briefly on.
   const bool all_frozen = !flat_->shard().requires_grad();
   params_trainable_ = !all_frozen;
   for (size_t i = 0; i < slots.size(); ++i) {
     grad_placeholders_.push_back(make_placeholder(slots[i].param, PlaceholderKind::kGradient,
                                                   "'" + slots[i].name + "'", use_listener()));
     // The slot's tensor object is the module's own parameter: only its
-    // autograd flags change here, never what it refers to.
+    // autograd flags change here, never what it refers to. Every slot gets
+    // its hook, made while requires_grad is briefly on where it is off: a
+    // unit frozen whole when wrapped (as PyTorch's FlatParameter can be; seed
+    // 004 does it), or under use_orig_params a parameter frozen when wrapped,
+    // can be unfrozen later (Note [Freezing after wrapping]).
     at::Tensor param = slots[i].param;
-    if (!param.requires_grad() && !all_frozen) continue;
-    slot_trainable_[i] = true;
-    if (all_frozen) param.set_requires_grad(true);
+    const bool frozen = !param.requires_grad();
+    if (frozen) param.set_requires_grad(true);
     auto acc = torch::autograd::impl::grad_accumulator(param);
-    if (all_frozen) param.set_requires_grad(false);
+    if (frozen) param.set_requires_grad(false);
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i](const torch::autograd::variable_list& outputs,
                   const torch::autograd::variable_list&) {
@@ -407,9 +412,36 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
+// Note [Nested summons]
+// A SummonFullParams guard holds each unit it reaches on every rank, whether
+// this rank gathered it (rank0_only frees it at once on the others, and a
+// unit gathered already gathers nothing), as FSDP's training state
+// SUMMON_FULL_PARAMS does. Within it, what the unit holds is the outer
+// guard's to say: a nested guard, and a state dict taken there, do nothing
+// with it on any rank (as FSDP's nested summon_full_params). Deciding that
+// from what this rank holds instead made a nested guard all-gather on the
+// ranks rank0_only had freed and not on rank 0 (a hang), and let a nested
+// with_grads or offload_to_cpu free or replace what the outer guard gathered.
+// Forward and backward through a held unit are refused, as in FSDP: in full
+// precision the unit is only kUnsharded there, and a forward would reshard
+// it (losing edits not yet written back) or, under rank0_only, gather on
+// some ranks only.
+void UnitRuntime::enter_summon_guard() {
+  TORCH_INTERNAL_ASSERT(summon_guard_ == SummonGuard::kNone, "fsdp: ", path_,
+                        " entered a second SummonFullParams");
+  summon_guard_ = SummonGuard::kHeld;
+}
+
+void UnitRuntime::leave_summon_guard() {
+  TORCH_INTERNAL_ASSERT(summon_guard_ == SummonGuard::kHeld, "fsdp: ", path_,
+                        " left a SummonFullParams it was not in");
+  summon_guard_ = SummonGuard::kNone;
+}
+
 bool UnitRuntime::gather_full_params(bool to_cpu, bool with_grads) {
   check_idle("gather the full parameters");
-  if (held_for_graph()) {  // gathered for a built graph (Note [Double backward])
+  if (held_by_summon_guard()) return false;  // Note [Nested summons]
+  if (held_for_graph()) {                    // gathered for a built graph (Note [Double backward])
     if (!detail::unreported_uses_active()) refresh_gathered();
     return false;
   }
@@ -432,8 +464,9 @@ bool UnitRuntime::gather_full_params(bool to_cpu, bool with_grads) {
     }
     gathered = true;
   }
+  const bool had_grads = summoned_grads_.defined();
   if (with_grads) summon_grads();
-  return gathered || summoned_grads_.defined();
+  return gathered || (summoned_grads_.defined() && !had_grads);
 }
 
 // Note [Summoning gradients]

@@ -101,6 +101,10 @@ class UnitRuntime final : public ParamUseListener {
 
   // Outside forward and backward (see Unit::gather_full_params).
   bool gather_full_params(bool to_cpu, bool with_grads);
+  // See Note [Nested summons].
+  bool held_by_summon_guard() const { return summon_guard_ == SummonGuard::kHeld; }
+  void enter_summon_guard();
+  void leave_summon_guard();
   void release_full_params();
   // Gathered for a graph a backward with create_graph built, which may still
   // be differentiated (Note [Double backward]).
@@ -190,6 +194,8 @@ class UnitRuntime final : public ParamUseListener {
   bool hook_output(const at::Tensor& output);
   void prefetch_backward();
   void pre_backward();
+  // See Note [Gradients a backward computes].
+  void expect_grads_of_this_backward();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
   /// Launches what is left of this backward's reduction and makes the
@@ -261,7 +267,9 @@ class UnitRuntime final : public ParamUseListener {
   // shared_ptr in LibTorch 1.13, intrusive_ptr in 2.x.
   std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
       grad_accumulators_;
-  std::vector<bool> slot_trainable_;
+  // With use_orig_params, the requires_grad prepare_slots last gave each
+  // parameter (Note [Freezing after wrapping]).
+  std::vector<bool> params_given_;
   // The requires_grad prepare_slots last gave the parameters of a unit with
   // flat shards (one for all; its shard's when wrapped).
   bool params_trainable_ = true;
@@ -269,6 +277,10 @@ class UnitRuntime final : public ParamUseListener {
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).
   std::vector<at::Tensor> grad_placeholders_;
   at::Tensor summoned_grads_;  // see Note [Summoning gradients]
+  // Whether a SummonFullParams guard holds the unit, on every rank alike
+  // whatever this rank gathered (Note [Nested summons]).
+  enum class SummonGuard { kNone, kHeld };
+  SummonGuard summon_guard_ = SummonGuard::kNone;
   std::vector<at::Tensor> grads_before_summon_;
   // What the optimizer steps: {shard} or, with use_orig_params, one view of
   // the shard per slot (see Note [FlatParameter vocabulary]).
@@ -290,6 +302,9 @@ class UnitRuntime final : public ParamUseListener {
   bool require_sync_ = true;  // false inside no_sync()
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward
+  // Of the trainable slots, those this backward computes a gradient for
+  // (Note [Gradients a backward computes]); trainable_slots_ unless known.
+  size_t grads_expected_ = 0;
   // When this iteration's forward first entered the unit: its place in the
   // reduction order (Note [Reduction order]).
   size_t forward_position_ = 0;

@@ -122,6 +122,61 @@ TEST(TrainingTools, SummonFullParamsWritebackAndRank0Only) {
   });
 }
 
+// A guard inside a guard leaves the units as the outer one holds them, on
+// every rank (FSDP's nested summon_full_params; Note [Nested summons]): under
+// an outer rank0_only, an inner guard gathering on ranks 1.. only made the
+// ranks' collectives diverge; an inner with_grads, or a state dict, freed
+// what the outer one gathered. Forward through a held unit is refused on
+// every rank (it would free the gathered parameters and the edits in them).
+TEST(TrainingTools, NestedSummonsLeaveTheOuterGuardAsItIs) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, FSDPOptions()),
+                                            FSDPOptions());
+    const torch::Tensor x = torch::randn({4, 7});
+    model->forward(x).sum().backward();
+    const auto states = [&] {
+      std::vector<FlatParameter::State> out;
+      for (const auto& m : model->modules()) {
+        const auto* unit = dynamic_cast<Unit*>(m.get());
+        if (unit != nullptr && unit->flat_param() != nullptr) {
+          out.push_back(unit->flat_param()->state());
+        }
+      }
+      return out;
+    };
+    {
+      SummonFullParams outer(*model.ptr(), SummonOptions().rank0_only(true));
+      const auto held = states();
+      { SummonFullParams inner(*model.ptr()); }
+      { SummonFullParams inner(*model.ptr(), SummonOptions().with_grads(true)); }
+      EXPECT_EQ(states(), held);
+    }
+    {
+      SummonFullParams outer(*model.ptr(), SummonOptions().writeback(true));
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->named_parameters()) p.value().fill_(3.0);
+      }
+      { SummonFullParams inner(*model.ptr(), SummonOptions().with_grads(true)); }
+      const auto full = full_state_dict(*model.ptr());
+      for (const auto& p : model->named_parameters()) {
+        EXPECT_TRUE(torch::all(p.value() == 3.0).item<bool>()) << p.key() << " was freed";
+        EXPECT_TRUE(torch::equal(full[p.key()], p.value())) << p.key();
+      }
+      EXPECT_THROW(model->forward(x), c10::Error);
+    }
+    {
+      SummonFullParams full(*model.ptr());
+      for (const auto& p : model->named_parameters()) {
+        EXPECT_TRUE(torch::all(p.value() == 3.0).item<bool>()) << p.key() << " lost the writeback";
+      }
+    }
+    model->forward(x).sum().backward();  // trains on after the refused forward
+  });
+}
+
 // A unit whose module has a parameter the forward never uses: its gradient
 // is zero in the flat buffer and the rest still matches plain training.
 struct PartlyUsedImpl : torch::nn::Module {

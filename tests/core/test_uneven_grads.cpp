@@ -173,5 +173,88 @@ TEST(UnevenGradients, FullShardFailsAtOnceOnEveryRank) {
   }
 }
 
+// Units whose outputs every rank's backward reaches but part of whose
+// parameters only some ranks' data uses (an expert no token went to): each
+// rank's unit is complete when the gradients its backward computes have
+// arrived (Note [Gradients a backward computes]). Counting every parameter
+// instead held the unit back to the end of backward on the ranks that left
+// the expert unused, so under FULL_SHARD their reductions paired with the
+// others' backward all-gathers: the blocks have one size, so nothing failed
+// and the parameters trained on exchanged data.
+struct ExpertBlockImpl : nn::Module {
+  ExpertBlockImpl() {
+    lin = register_module("lin", nn::Linear(8, 8));
+    expert = register_module("expert", nn::Linear(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x, bool use) {
+    x = torch::relu(lin(x));
+    return use ? x + expert(x) : x;
+  }
+  nn::Linear lin{nullptr}, expert{nullptr};
+};
+TORCH_MODULE(ExpertBlock);
+
+struct ExpertsImpl : nn::Module {
+  ExpertsImpl() {
+    for (int i = 0; i < 3; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), wrap(ExpertBlock())));
+    head = register_module("head", nn::Linear(8, 2));
+  }
+  torch::Tensor forward(torch::Tensor x, int rank, int step) {
+    for (size_t i = 0; i < blocks.size(); ++i)
+      x = blocks[i](x, uses(rank, step + static_cast<int>(i)));
+    return head(x);
+  }
+  std::vector<FullyShardedDataParallel<ExpertBlockImpl>> blocks;
+  nn::Linear head{nullptr};
+};
+TORCH_MODULE(Experts);
+
+TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
+  for (const int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int rank, int world) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (const bool orig_params : {false, true}) {
+        for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+          const std::string what = std::string(to_string(strategy)) +
+                                   (orig_params ? " use_orig_params" : " flat shards");
+          const auto options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+          torch::manual_seed(0);
+          Experts reference;
+          torch::manual_seed(0);
+          Experts inner = [&] {
+            EnableWrap scope(options);
+            return Experts();
+          }();
+          FullyShardedDataParallel<ExpertsImpl> model(inner, options);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < 4; ++step) {
+            torch::manual_seed(100 + step);
+            const torch::Tensor x = torch::randn({4 * world, 8});
+            const torch::Tensor y = torch::randn({4 * world, 2});
+            ref_opt.zero_grad();
+            torch::Tensor ref_loss = torch::zeros({});
+            for (int r = 0; r < world; ++r) {
+              ref_loss =
+                  ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
+                                             y.chunk(world, 0)[r]);
+            }
+            (ref_loss / world).backward();
+            ref_opt.step();
+            opt.zero_grad();
+            torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
+            opt.step();
+            expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+          }
+        }
+      }
+    });
+  }
+}
+
 }  // namespace test_uneven_grads
 }  // namespace fsdp::testing

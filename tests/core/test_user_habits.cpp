@@ -811,6 +811,40 @@ TEST(UserHabits, FreezingLayersAfterWrappingFreezesTheirUnits) {
   });
 }
 
+// The fine-tuning habit under use_orig_params: layers frozen before
+// wrapping, unfrozen some steps later through named_parameters(), train from
+// then on as in plain LibTorch, their pieces (the optimizer's) following the
+// flag (Note [Freezing after wrapping]). The next forward used to freeze
+// them again without a word: they never trained.
+TEST(UserHabits, ParametersFrozenWhenWrappedCanBeUnfrozen) {
+  run_ranks_ok(2, [](int, int world) {
+    join_test_group();
+    const auto set_trainable = [](nn::Module& m, bool on) {
+      for (auto& p : m.named_parameters()) {
+        if (p.key().rfind("fc1.", 0) == 0) p.value().requires_grad_(on);
+      }
+    };
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    auto inner = std::make_shared<NetImpl>(false, FSDPOptions());
+    set_trainable(*reference, false);
+    set_trainable(*inner, false);
+    const auto options = FSDPOptions().use_orig_params(true);
+    FullyShardedDataParallel<NetImpl> model(inner, options);
+    auto ref_opt = adamw(reference->parameters());
+    auto opt = adamw(model->parameters());
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {
+        set_trainable(*reference, true);
+        set_trainable(*model, true);
+      }
+      train_step(reference, *ref_opt, model, *opt, step, world);
+      expect_same_after_step(*model.ptr(), *reference.ptr(), "unfrozen", step);
+    }
+  });
+}
+
 // A gradient penalty's loss: the model's loss plus the mean squared norm of
 // the gradient of its outputs with respect to its inputs, taken with
 // create_graph so that backward goes through it (a double backward).

@@ -142,6 +142,16 @@ class Unit {
   /// host memory (SummonOptions::offload_to_cpu); `with_grads`: each
   /// parameter's .grad holds its full gradient too (SummonOptions::with_grads).
   bool gather_full_params(bool to_cpu = false, bool with_grads = false);
+  /// Whether a SummonFullParams guard holds this unit, on every rank alike
+  /// (with rank0_only too): a guard nested in it, and a state dict taken in
+  /// it, leave the unit as the outer guard made it; forward and backward
+  /// through it are refused.
+  bool held_by_summon_guard() const;
+  /// SummonFullParams' start and end of holding this unit (checked: a unit is
+  /// held by one guard at a time).
+  void enter_summon_guard();
+  /// See enter_summon_guard().
+  void leave_summon_guard();
   /// Outside forward and backward (checked): frees the full values again,
   /// when this unit frees them at all (not NO_SHARD in full precision), and
   /// gives the parameters back the gradients they had before.

@@ -32,7 +32,9 @@ struct SummonOptions {
 /// While alive, every unit in `root`'s module tree is unsharded, so the
 /// original parameters (named_parameters()) hold the full values on every
 /// rank (rank 0 only with rank0_only), in full precision under mixed
-/// precision (as PyTorch's FSDP1; a forward there is then an error).
+/// precision (as PyTorch's FSDP1). Forward and backward through its units
+/// are errors while it lives; a guard nested in it leaves the units it
+/// already holds as they are (FSDP's nested summon_full_params).
 /// Collective: every rank must create and destroy it together. Inside it,
 /// torch::save(model, path) communicates nothing, so rank 0 alone may call
 /// it (PyTorch's habit; see Note [Saving a unit]).
@@ -47,7 +49,7 @@ class SummonFullParams {
 
  private:
   SummonOptions options_;
-  std::vector<Unit*> units_;     // every unit with parameters, pre-order
+  std::vector<Unit*> units_;     // the units with parameters it holds, pre-order
   std::vector<Unit*> gathered_;  // those this guard unsharded
 };
 
