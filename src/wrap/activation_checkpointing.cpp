@@ -13,6 +13,14 @@ namespace fsdp {
 
 namespace detail {
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m) {
+  // A unit made in place is the module itself, and has no forward of its own
+  // to checkpoint (set_activation_checkpointing would do nothing there).
+  FSDP_CHECK(dynamic_cast<const Unit*>(&m) != nullptr || unit_of(m) == nullptr, -1,
+             "CheckpointWrapper", "cannot wrap a ", m.name(),
+             " that fsdp::fully_shard made a unit: the wrapper takes over the module's children "
+             "and parameters, which would hide the unit, and a unit made in place cannot "
+             "checkpoint its own forward. Checkpoint modules inside it, or wrap a module that "
+             "holds it");
   FSDP_CHECK(unit_of(m) == nullptr, -1, "CheckpointWrapper",
              "cannot wrap an FSDP unit itself: the wrapper takes over the wrapped module's "
              "children and parameters, which would hide the unit. Checkpoint the unit's forward "
@@ -58,7 +66,18 @@ struct CheckpointPlan {
   std::vector<Unit*> units;
   std::vector<Entry> entries;
   std::vector<std::string> refused;
+  std::vector<std::string> in_place;  // units fully_shard made: refused
 };
+
+std::string quoted_path(const std::string& path) {
+  return path.empty() ? std::string("the root") : "'" + path + "'";
+}
+
+std::string comma_joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (const std::string& i : items) out += (out.empty() ? "" : ", ") + i;
+  return out;
+}
 
 /// The Sequential whose entry `m`, a child of `parent`, is: `parent` itself,
 /// or the Sequential an FSDP unit `parent` wraps (which adopted its entries).
@@ -93,6 +112,12 @@ void plan_one(const std::shared_ptr<torch::nn::Module>& parent, const std::strin
       return;  // its subtree is recomputed with it
     }
   } else if (check_fn(*m)) {
+    // A unit made in place has no wrapper forward to checkpoint; replacing
+    // it by a checkpoint wrapper would hide it (check_not_a_unit_to_checkpoint).
+    if (unit_of(*m) != nullptr) {
+      plan.in_place.push_back(quoted_path(path));
+      return;
+    }
     auto seq = parent != nullptr ? sequential_of(parent) : nullptr;
     if (seq != nullptr) {
       for (size_t i = 0; i < seq->size(); ++i) {
@@ -104,7 +129,7 @@ void plan_one(const std::shared_ptr<torch::nn::Module>& parent, const std::strin
         }
       }
     }
-    plan.refused.push_back(path.empty() ? std::string("the root") : "'" + path + "'");
+    plan.refused.push_back(quoted_path(path));
     return;
   }
   plan_module(m, path, check_fn, plan);
@@ -131,12 +156,18 @@ int apply_activation_checkpointing(torch::nn::Module& root,
   // The root has no parent to replace it in: a shared_ptr that owns nothing.
   std::shared_ptr<torch::nn::Module> root_ptr(std::shared_ptr<torch::nn::Module>(), &root);
   plan_one(nullptr, "", root_ptr, "", check_fn, plan);
-  std::string refused;
-  for (const std::string& r : plan.refused) refused += (refused.empty() ? "" : ", ") + r;
+  FSDP_CHECK(plan.in_place.empty(), -1, "apply_activation_checkpointing", "cannot checkpoint ",
+             comma_joined(plan.in_place),
+             ": fsdp::fully_shard made each a unit in place, which cannot checkpoint its own "
+             "forward (and a checkpoint wrapper around it would hide the unit). Nothing was "
+             "changed. Leave it out of check_fn and checkpoint modules inside it, or a Sequential "
+             "entry that holds it");
+  const std::string refused = comma_joined(plan.refused);
   FSDP_CHECK(refused.empty(), -1, "apply_activation_checkpointing", "cannot checkpoint ", refused,
              ": each is a member of its parent's class (not a Sequential entry nor an FSDP "
              "unit), whose type cannot change. Nothing was changed. Declare such a member as "
-             "fsdp::CheckpointWrapper<Impl>, make it an FSDP unit, or leave it out of check_fn");
+             "fsdp::CheckpointWrapper<Impl>, make it an fsdp::FullyShardedDataParallel<Impl> "
+             "unit, or leave it out of check_fn");
   for (Unit* unit : plan.units) unit->set_activation_checkpointing(true);
   for (CheckpointPlan::Entry& e : plan.entries) {
     std::shared_ptr<torch::nn::Module> replacement;

@@ -166,12 +166,6 @@ struct Planned {
   bool full_precision = false;
 };
 
-std::string join_names(const std::vector<std::string>& names) {
-  std::string out = "[";
-  for (size_t i = 0; i < names.size(); ++i) out += (i ? ", " : "") + names[i];
-  return out + "]";
-}
-
 // Decides every unit before any is made, so a refusal changes nothing.
 class Planner {
  public:
@@ -246,14 +240,7 @@ class Planner {
   }
 
   void warn_full_precision() const {
-    if (full_precision_found_.empty()) return;
-    TORCH_WARN(detail::error_prefix(rank_, "auto_wrap"),
-               "both mixed precision and an auto-wrap policy were given, and the "
-               "model has modules of classes that must compute in full precision: ",
-               join_names(full_precision_found_),
-               ". These modules are wrapped as separate FSDP units with mixed precision disabled "
-               "(their inputs are cast to their parameters' dtype and their outputs back). "
-               "Change MixedPrecision::module_classes_to_ignore to choose these classes.");
+    detail::warn_full_precision_units(rank_, "auto_wrap", full_precision_found_);
   }
 
   // PyTorch's _validate_frozen_params: each unit's managed parameters (in

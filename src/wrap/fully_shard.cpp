@@ -3,9 +3,12 @@
 
 #include <fsdp/wrap/fully_shard.h>
 
+#include <c10/util/Exception.h>
+
 #include <memory>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "detail/error.h"
@@ -16,8 +19,41 @@
 namespace fsdp {
 namespace {
 
+// What fully_shard refuses of the module it makes a unit.
+void check_module(const torch::nn::Module& module) {
+  FSDP_CHECK(!module.weak_from_this().expired(), -1, module.name(),
+             "fully_shard needs a module owned by a shared_ptr (a ModuleHolder such as "
+             "torch::nn::Linear or your TORCH_MODULE, or std::make_shared), so that its unit "
+             "lives exactly as long as it; got one built without (on the stack, or as a "
+             "plain member). Build it through its holder");
+  Unit::check_not_a_unit(module);
+}
+
+// What fully_shard refuses of the tree and the options, checked before any
+// unit is made so that a refused call (the policy form's too) leaves the
+// model as it was.
+void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
+  check_module(module);
+  // Only a wrapper's forward reads the option; a unit made in place would
+  // keep every activation without a word.
+  FSDP_CHECK(!options.activation_checkpointing(), -1, module.name(),
+             "expected FSDPOptions::activation_checkpointing off for fully_shard, got on. A unit "
+             "made in place has no forward of its own to run under fsdp::activation_checkpoint(); "
+             "only FullyShardedDataParallel wrappers read this option. Turn it off and "
+             "checkpoint modules inside or around the units instead: declare a member "
+             "fsdp::CheckpointWrapper<Impl>, or replace Sequential entries with "
+             "fsdp::apply_activation_checkpointing");
+  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const auto* wrapper = dynamic_cast<const Unit*>(item.value().get());
+    FSDP_CHECK(wrapper == nullptr || !wrapper->is_active(), -1, module.name(),
+               "fully_shard found an fsdp::FullyShardedDataParallel wrapper at '", item.key(),
+               "'. A tree is sharded one way: wrappers or fully_shard, not both. Unwrap it "
+               "and fully_shard that module instead");
+  }
+}
+
 // The policy form's walk: post-order, registration order, each module once,
-// with auto_wrap's rules (wrap/policy_walk.h).
+// with auto_wrap's rules (Planner::visit in auto_wrap.cpp, wrap/policy_walk.h).
 class InPlacePlanner {
  public:
   InPlacePlanner(const AutoWrapPolicy& policy, const FSDPOptions& options)
@@ -33,18 +69,38 @@ class InPlacePlanner {
       detail::own_params(m, owned_);
       return;
     }
-    if (policy_.should_recurse(m, path, detail::unowned_numel(m, owned_)) ||
-        detail::holds_class(m, full_precision_)) {
-      for (const auto& child : m.named_children()) {
-        walk(*child.value(), path.empty() ? child.key() : path + "." + child.key());
-      }
+    // A module the policy does not look into is no unit either, nor is
+    // anything under it, unless it holds a class to keep in full precision.
+    if (!policy_.should_recurse(m, path, detail::unowned_numel(m, owned_)) &&
+        !detail::holds_class(m, full_precision_)) {
+      return;
     }
-    if (policy_.should_wrap(m, path, detail::unowned_numel(m, owned_)) ||
-        detail::class_of(m, full_precision_) != nullptr) {
-      detail::UnitPathScope scope(path);
-      fully_shard(m, options_);
-      detail::own_params(m, owned_);
+    for (const auto& child : m.named_children()) {
+      walk(*child.value(), path.empty() ? child.key() : path + "." + child.key());
     }
+    const ModuleClass* fp_class = detail::class_of(m, full_precision_);
+    if (!policy_.should_wrap(m, path, detail::unowned_numel(m, owned_)) && fp_class == nullptr) {
+      return;
+    }
+    check_module(m);
+    detail::UnitPathScope scope(path);
+    if (fp_class == nullptr) {
+      detail::make_in_place_unit(m, options_);
+    } else {
+      // Mixed precision off, as auto_wrap makes these units: its reduce_dtype
+      // and buffer_dtype too, which the unit's own check leaves on when no
+      // param_dtype is given.
+      FSDPOptions full = options_;
+      full.mixed_precision(c10::nullopt);
+      detail::make_in_place_unit(m, std::move(full)).keep_full_precision();
+      full_precision_found_.push_back(fp_class->name + " at " + path);
+    }
+    detail::own_params(m, owned_);
+  }
+
+  // auto_wrap's warning.
+  void warn_full_precision() const {
+    detail::warn_full_precision_units(-1, "fully_shard", full_precision_found_);
   }
 
  private:
@@ -52,6 +108,7 @@ class InPlacePlanner {
   const FSDPOptions& options_;
   detail::ModuleSet ignored_;
   std::vector<ModuleClass> full_precision_;  // units of their own (MixedPrecision)
+  std::vector<std::string> full_precision_found_;
   std::unordered_set<const torch::nn::Module*> visited_;
   detail::ParamSet owned_;  // parameters of the units made so far, and the ignored ones
 };
@@ -59,26 +116,16 @@ class InPlacePlanner {
 }  // namespace
 
 Unit& fully_shard(torch::nn::Module& module, FSDPOptions options) {
-  FSDP_CHECK(!module.weak_from_this().expired(), -1, module.name(),
-             "fully_shard needs a module owned by a shared_ptr (a ModuleHolder such as "
-             "torch::nn::Linear or your TORCH_MODULE, or std::make_shared), so that its unit "
-             "lives exactly as long as it; got one built without (on the stack, or as a "
-             "plain member). Build it through its holder");
-  Unit::check_not_a_unit(module);
-  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    const auto* wrapper = dynamic_cast<const Unit*>(item.value().get());
-    FSDP_CHECK(wrapper == nullptr || !wrapper->is_active(), -1, module.name(),
-               "fully_shard found an fsdp::FullyShardedDataParallel wrapper at '", item.key(),
-               "'. A tree is sharded one way: wrappers or fully_shard, not both. Unwrap it "
-               "and fully_shard that module instead");
-  }
+  check_call(module, options);
   return detail::make_in_place_unit(module, std::move(options));
 }
 
 Unit& fully_shard(torch::nn::Module& root, const AutoWrapPolicy& policy, FSDPOptions options) {
+  check_call(root, options);
   InPlacePlanner planner(policy, options);
   for (const auto& child : root.named_children()) planner.walk(*child.value(), child.key());
-  return fully_shard(root, std::move(options));
+  planner.warn_full_precision();
+  return detail::make_in_place_unit(root, std::move(options));
 }
 
 }  // namespace fsdp

@@ -1,5 +1,11 @@
 #include "wrap/policy_walk.h"
 
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "detail/error.h"
+
 namespace fsdp::detail {
 
 ParamSet ignored_params(const FSDPOptions& options) {
@@ -43,6 +49,19 @@ bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& cla
     if (class_of(*sub, classes) != nullptr) return true;
   }
   return false;
+}
+
+void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found) {
+  if (found.empty()) return;
+  std::string names;
+  for (const std::string& f : found) names += (names.empty() ? "" : ", ") + f;
+  TORCH_WARN(error_prefix(rank, api),
+             "both mixed precision and an auto-wrap policy were given, and the model has "
+             "modules of classes that must compute in full precision: [",
+             names,
+             "]. These modules are wrapped as separate FSDP units with mixed precision disabled "
+             "(their inputs are cast to their parameters' dtype and their outputs back). "
+             "Change MixedPrecision::module_classes_to_ignore to choose these classes.");
 }
 
 }  // namespace fsdp::detail

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -39,5 +40,9 @@ const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<Module
 /// Whether `m` or a module under it is of one of `classes` (the walk must look
 /// inside it, whatever the policy says).
 bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
+
+/// The warning of a policy walk that made units of `found` ("Class at path")
+/// with mixed precision off; `api` names the caller, as the walk's errors do.
+void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found);
 
 }  // namespace fsdp::detail

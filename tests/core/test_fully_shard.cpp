@@ -19,6 +19,8 @@
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
 #include "detail/posix_files.h"
+#include "detail/torch_compat.h"
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -421,6 +423,147 @@ TEST(FullyShard, RefusesWhatItCannotShard) {
     holder->register_module("w", FullyShardedDataParallel<torch::nn::LinearImpl>(
                                      torch::nn::Linear(3, 3), FSDPOptions()));
     EXPECT_THROW(fully_shard(*holder), c10::Error);
+  });
+}
+
+// A refused call leaves the model as it was: the wrapper is found before
+// the walk made units of the modules before it (here 'first').
+TEST(FullyShard, AWrapperInTheTreeIsRefusedBeforeAnyUnitIsMade) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    auto holder = std::make_shared<torch::nn::Module>();
+    torch::nn::Linear first(3, 3);
+    holder->register_module("first", first);
+    auto inner = std::make_shared<torch::nn::Module>();
+    inner->register_module("w", FullyShardedDataParallel<torch::nn::LinearImpl>(
+                                    torch::nn::Linear(3, 3), FSDPOptions()));
+    holder->register_module("inner", inner);
+    const std::string error =
+        error_of([&] { fully_shard(*holder, module_type_policy<torch::nn::LinearImpl>()); });
+    EXPECT_CONTAINS(error, "found an fsdp::FullyShardedDataParallel wrapper at 'inner.w'");
+    EXPECT_EQ(unit_of(*first), nullptr) << "the refused call made a unit";
+    EXPECT_EQ(unit_of(*holder), nullptr);
+  });
+}
+
+// Only a wrapper's forward reads FSDPOptions::activation_checkpointing: both
+// forms refuse it, naming the alternative, before any unit is made.
+// apply_activation_checkpointing refuses a unit fully_shard made (it has no
+// wrapper forward, and a checkpoint wrapper would hide it), by its path,
+// before it changes anything.
+TEST(FullyShard, ActivationCheckpointingOfItsUnitsIsRefusedAndNothingChanges) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    ListGpt model(2);
+    const auto checkpointed = FSDPOptions().activation_checkpointing(true);
+    const std::string error =
+        error_of([&] { fully_shard(model, module_type_policy<BlockImpl>(), checkpointed); });
+    EXPECT_CONTAINS(error, "expected FSDPOptions::activation_checkpointing off for fully_shard");
+    EXPECT_CONTAINS(error, "fsdp::apply_activation_checkpointing");
+    EXPECT_EQ(unit_of(*model->blocks[0]), nullptr) << "the refused call made a unit";
+    EXPECT_EQ(unit_of(*model), nullptr);
+    EXPECT_CONTAINS(error_of([&] { fully_shard(*model->blocks[0], checkpointed); }),
+                    "expected FSDPOptions::activation_checkpointing off");
+    EXPECT_EQ(unit_of(*model->blocks[0]), nullptr);
+
+    torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4));
+    fully_shard(*seq->ptr(2));
+    fully_shard(seq);
+    const std::string refused = error_of([&] {
+      apply_activation_checkpointing(*seq, [](const torch::nn::Module& m) {
+        return dynamic_cast<const torch::nn::LinearImpl*>(&m) != nullptr;
+      });
+    });
+    EXPECT_CONTAINS(refused,
+                    "fsdp(apply_activation_checkpointing): cannot checkpoint '2': "
+                    "fsdp::fully_shard made each a unit in place");
+    EXPECT_EQ(refused.find("set_activation_checkpointing"), std::string::npos)
+        << "advice that does nothing for a unit made in place: " << refused;
+    EXPECT_NE(std::dynamic_pointer_cast<torch::nn::LinearImpl>(seq->ptr(0)), nullptr)
+        << "entry 0 was replaced despite the error";
+  });
+}
+
+// A MultiheadAttention uses its projections' weights directly, so
+// MinParamsPolicy never looks into it (PyTorch's FORCE_LEAF_MODULES).
+struct AttentionNetImpl : torch::nn::Module {
+  AttentionNetImpl() {
+    attn = register_module("attn", torch::nn::MultiheadAttention(kDim, 2));
+    head = register_module("head", torch::nn::Linear(kDim, kVocab));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(std::get<0>(attn(x, x, x))); }
+  torch::nn::MultiheadAttention attn{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(AttentionNet);
+
+// As auto_wrap (and PyTorch's _recursive_wrap): a module the policy does not
+// recurse into is not asked whether to become a unit, nor is anything under it.
+TEST(FullyShard, NothingUnderAModuleThePolicyDoesNotRecurseIntoBecomesAUnit) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    AttentionNet net;  // attn: 1088 elements, head: 221
+    Unit& root = fully_shard(net, MinParamsPolicy(500));
+    EXPECT_EQ(unit_of(*net->attn), nullptr) << "a MultiheadAttention became a unit";
+    EXPECT_EQ(unit_of(*net->attn->out_proj), nullptr);
+    EXPECT_EQ(unit_of(*net), &root);
+
+    ListGpt model(2);
+    std::vector<std::string> asked;
+    const AutoWrapPolicy policy(
+        [&asked](const torch::nn::Module& m, const std::string& path, int64_t) {
+          asked.push_back(path);
+          return dynamic_cast<const BlockImpl*>(&m) != nullptr ||
+                 dynamic_cast<const torch::nn::LinearImpl*>(&m) != nullptr;
+        },
+        "blocks and Linears, none in blocks.1",
+        [](const torch::nn::Module&, const std::string& path, int64_t) {
+          return path != "blocks.1";
+        });
+    fully_shard(model, policy);
+    auto* block0 = model->blocks[0]->as<BlockImpl>();
+    auto* block1 = model->blocks[1]->as<BlockImpl>();
+    EXPECT_NE(unit_of(*block0), nullptr);
+    EXPECT_NE(unit_of(*block0->fc1), nullptr);
+    EXPECT_EQ(unit_of(*block1), nullptr);
+    EXPECT_EQ(unit_of(*block1->fc1), nullptr);
+    for (const std::string& path : asked) {
+      EXPECT_NE(path.rfind("blocks.1", 0), 0u) << "asked to wrap " << path;
+    }
+  });
+}
+
+// Under mixed precision the modules of module_classes_to_ignore (BatchNorm)
+// become units with mixed precision off, with auto_wrap's warning, as
+// auto_wrap makes them: with only reduce_dtype and buffer_dtype given too,
+// which the unit's own check (made for param_dtype) left on.
+TEST(FullyShard, BatchNormUnitsHaveMixedPrecisionOffAsAutoWrapMakesThem) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    torch::nn::BatchNorm1d bn(8);
+    torch::nn::Sequential model(torch::nn::Linear(4, 8), bn, torch::nn::ReLU(),
+                                torch::nn::Linear(8, 2));
+    const auto mp = MixedPrecision().reduce_dtype(at::kBFloat16).buffer_dtype(at::kBFloat16);
+    std::vector<std::string> warnings;
+    {
+      compat::WarningCollector collect(&warnings);
+      fully_shard(model, module_type_policy<torch::nn::LinearImpl>(),
+                  FSDPOptions().mixed_precision(mp));
+    }
+    const Unit* unit = unit_of(*bn);
+    ASSERT_NE(unit, nullptr);
+    EXPECT_FALSE(unit->fsdp_options().mixed_precision().has_value());
+    EXPECT_TRUE(unit->casts_output_back());
+    EXPECT_EQ(bn->running_mean.scalar_type(), at::kFloat) << "cast to buffer_dtype";
+    ASSERT_NE(unit_of(*model->ptr(0)), nullptr);
+    EXPECT_TRUE(unit_of(*model->ptr(0))->fsdp_options().mixed_precision().has_value());
+    int named = 0;
+    for (const std::string& warning : warnings) {
+      named += warning.find("torch::nn::BatchNorm1dImpl at 1") != std::string::npos;
+    }
+    EXPECT_EQ(named, 1) << "auto_wrap's warning naming the BatchNorm";
+    model->forward(torch::randn({6, 4})).pow(2).sum().backward();
+    EXPECT_EQ(bn->running_mean.scalar_type(), at::kFloat);
   });
 }
 

@@ -192,8 +192,10 @@ TORCH_MODULE(AnyCheckpointWrapper);
 /// unit is replaced in place by an AnyCheckpointWrapper. Other matches (a
 /// typed member of a parent class, whose type cannot change) are an error
 /// naming them: declare the member as CheckpointWrapper<Impl>, or make it a
-/// unit. Returns how many modules were checkpointed. Call it after wrapping
-/// and before the first forward.
+/// FullyShardedDataParallel<Impl> unit; so is a unit fully_shard made in
+/// place (it has no forward of its own to checkpoint), and nothing changes.
+/// Returns how many modules were checkpointed. Call it after wrapping and
+/// before the first forward.
 int apply_activation_checkpointing(torch::nn::Module& root,
                                    const std::function<bool(const torch::nn::Module&)>& check_fn);
 

@@ -29,6 +29,12 @@ namespace fsdp {
 /// gathers its unit (collective, on every rank). torch::save(model) writes
 /// full values only under fsdp::SummonFullParams; prefer fsdp::Checkpointer
 /// or fsdp::full_state_dict.
+///
+/// Refused, before anything changes: a tree holding an active
+/// FullyShardedDataParallel wrapper (a tree is sharded one way), and
+/// FSDPOptions::activation_checkpointing (only a wrapper's forward can run
+/// under it: checkpoint with fsdp::CheckpointWrapper<Impl> members or
+/// fsdp::apply_activation_checkpointing instead).
 Unit& fully_shard(torch::nn::Module& module, FSDPOptions options = {});
 
 /// fully_shard of the module a holder (torch::nn::Linear, a TORCH_MODULE) holds.
@@ -42,9 +48,12 @@ Unit& fully_shard(torch::nn::ModuleHolder<Impl>& module, FSDPOptions options = {
 /// members), innermost first, then of `root` itself, which becomes the root
 /// unit and manages what is left. The tree is walked as auto_wrap walks it
 /// (post-order, registration order; each policy sees the numel no unit made
-/// before it owns), minus its Sequential-only restriction. Modules of
-/// MixedPrecision::module_classes_to_ignore become units of their own kept
-/// in full precision. Returns the root's unit.
+/// before it owns; a module the policy does not recurse into is no unit, nor
+/// is anything under it), minus its Sequential-only restriction. As there,
+/// modules of MixedPrecision::module_classes_to_ignore (anywhere) become
+/// units of their own with mixed precision off, with a warning naming them.
+/// The refusals above are checked before any unit is made. Returns the
+/// root's unit.
 Unit& fully_shard(torch::nn::Module& root, const AutoWrapPolicy& policy, FSDPOptions options = {});
 
 /// The policy form of fully_shard for the module a holder holds.
