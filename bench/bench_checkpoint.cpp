@@ -5,12 +5,16 @@
 // For full and sharded checkpoints, save and load: the median time (slowest
 // rank) and the peak of tracked CPU tensor memory above what was held before
 // the operation, per rank. Rank 0 prints one JSON line per configuration and
-// a last line with the full/sharded ratios measured in the same run.
+// a last line with the full/sharded ratios measured in the same run, and
+// one with the rate of the CRC-32 every load verifies whole files with,
+// against a copy of the same bytes (rounds interleaved).
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -18,6 +22,7 @@
 
 #include "bench_cli.h"
 #include "bench_util.h"
+#include "state/crc32.h"
 
 #include "gpt_mini.h"
 
@@ -60,6 +65,30 @@ Result measure(fsdp::ProcessGroup& pg, int repeats, Op op) {
     peak = std::max(peak, static_cast<double>(fsdp::memory_stats().peak_bytes - before));
   }
   return {bench::median(times), peak};
+}
+
+// GB/s of the CRC-32 and of a copy over the same 256 MiB, medians of
+// interleaved rounds: what a load's verification costs per byte read.
+void print_crc32_rate(int repeats) {
+  std::vector<unsigned char> bytes(size_t{256} << 20), copy(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(i * 131 + 7);
+  std::vector<double> crc_ms, copy_ms;
+  uint32_t sum = 0;
+  for (int r = 0; r < repeats; ++r) {
+    auto t0 = bench::Clock::now();
+    sum ^= fsdp::detail::crc32(bytes.data(), bytes.size());
+    crc_ms.push_back(bench::ms_since(t0));
+    t0 = bench::Clock::now();
+    std::memcpy(copy.data(), bytes.data(), bytes.size());
+    copy_ms.push_back(bench::ms_since(t0));
+  }
+  const double gb = static_cast<double>(bytes.size()) / 1e9;
+  const double crc = gb / (bench::median(crc_ms) / 1e3), cp = gb / (bench::median(copy_ms) / 1e3);
+  std::printf(
+      "{\"bench\":\"checkpoint_crc32\",\"bytes\":%zu,\"repeats\":%d,\"crc32_gb_per_s\":%.2f,"
+      "\"copy_gb_per_s\":%.2f,\"crc32_over_copy\":%.3f,\"sum\":%u}\n",
+      bytes.size(), repeats, crc, cp, crc / cp, sum ^ copy[12345]);
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -118,6 +147,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (pg->rank() == 0) print_crc32_rate(std::max(args.repeats, 5));
   if (pg->rank() == 0) {
     std::printf(
         "{\"bench\":\"checkpoint_ratios\",\"full_over_sharded_save_ms\":%.2f,"

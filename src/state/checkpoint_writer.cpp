@@ -71,7 +71,7 @@ Item make_item(const std::string& key, const std::string& tensor, const at::Tens
                int64_t end) {
   Item it;
   it.entry.name = tensor;
-  it.entry.dtype = safetensors_dtype(data.scalar_type());
+  it.entry.dtype = safetensors_dtype(data.scalar_type(), key);
   it.entry.shape = std::move(stored_shape);
   it.data = data;
   it.record = TensorRecord{key, "", tensor, it.entry.dtype, shape, begin, end};
@@ -91,13 +91,16 @@ void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int ra
   for (const LocalPiece& p : pieces) {
     if ((p.replicated && rank != 0) || p.saved_elsewhere) continue;
     const int64_t len = p.end - p.begin;
-    if (len > 0)
+    // A zero-element tensor is in no rank's range: rank 0 writes it empty, so
+    // that it has an entry to load like every other tensor.
+    const bool writes = len > 0 || (p.numel == 0 && rank == 0);
+    if (writes)
       model.push_back(make_item("model/" + p.name, p.name, p.data.to(p.saved_dtype), p.shape, {len},
                                 p.begin, p.end));
     ParamState st;
     if (!access || p.is_buffer || !access->get(p.optim_param, st)) continue;
     for (const std::string& name : access->state_names()) {
-      if (len == 0 || st.tensors.count(name) == 0) continue;
+      if (!writes || st.tensors.count(name) == 0) continue;
       const at::Tensor piece = st.tensors.at(name).reshape({-1}).narrow(0, p.optim_offset, len);
       const std::string tensor = p.name + "/" + name;
       optim.push_back(make_item("optim/" + tensor, tensor, piece, p.shape, {len}, p.begin, p.end));
@@ -127,19 +130,19 @@ std::exception_ptr write_full(torch::nn::Module& root, torch::optim::Optimizer* 
   std::vector<int> which(specs.size());
   std::vector<TensorRecord> records;
   const std::string names[2] = {"model.safetensors", "optim.safetensors"};
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const FullSpec& s = specs[i];
-    which[i] = s.key.rfind("model/", 0) == 0 ? 0 : 1;
-    SafetensorsEntry e;
-    e.name = s.key.substr(s.key.find('/') + 1);
-    e.dtype = safetensors_dtype(s.dtype);
-    e.shape = s.shape;
-    entries[which[i]].push_back(e);
-    records.push_back({s.key, names[which[i]], e.name, e.dtype, s.shape, 0, e.numel()});
-  }
   std::unique_ptr<AtomicFileWriter> writers[2];
   const int files = opt != nullptr ? 2 : 1;
   try {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const FullSpec& s = specs[i];
+      which[i] = s.key.rfind("model/", 0) == 0 ? 0 : 1;
+      SafetensorsEntry e;
+      e.name = s.key.substr(s.key.find('/') + 1);
+      e.dtype = safetensors_dtype(s.dtype, s.key);
+      e.shape = s.shape;
+      entries[which[i]].push_back(e);
+      records.push_back({s.key, names[which[i]], e.name, e.dtype, s.shape, 0, e.numel()});
+    }
     for (int f = 0; f < files; ++f) {
       const std::string header = encode_safetensors_header(entries[f]);
       writers[f] = std::make_unique<AtomicFileWriter>(dir + "/" + names[f]);
@@ -171,6 +174,15 @@ std::exception_ptr write_full(torch::nn::Module& root, torch::optim::Optimizer* 
   return nullptr;
 }
 
+// Every tensor saved is in a dtype safetensors stores (optimizer state is in
+// its parameter's, its step float32). Checked on every rank before anything
+// is written or gathered: every rank fails alike at once, where rank 0 alone
+// failing a full save would leave the others waiting in its gathers.
+void check_dtypes(torch::nn::Module& root) {
+  for (const LocalPiece& p : local_pieces(root))
+    safetensors_dtype(p.saved_dtype, "model/" + p.name);
+}
+
 CompletionMarker make_marker(const std::string& dir, int world, const SaveRequest& request) {
   CompletionMarker marker;
   marker.world_size = world;
@@ -192,22 +204,24 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   const int world = group != nullptr ? group->size() : 1;
   const std::string& dir = request.dir;
   std::exception_ptr error;
-  // 1. Rank 0 prepares the directory; an old marker goes first, so that a
-  //    half-overwritten checkpoint can never look complete. Temporaries of
-  //    an interrupted save go too (see Note [Removing leftovers]).
-  if (rank == 0) {
-    try {
+  // 1. Every rank checks the dtypes; then rank 0 prepares the directory: an
+  //    old marker goes first, so that a half-overwritten checkpoint can never
+  //    look complete. Temporaries of an interrupted save go too (see Note
+  //    [Removing leftovers]).
+  try {
+    check_dtypes(root);
+    if (rank == 0) {
       make_dirs(dir);
       remove_temporaries(dir);
       const std::string marker = dir + "/" + kCompletionMarker;
       if (::unlink(marker.c_str()) != 0 && errno != ENOENT)
         throw CheckpointError(marker, std::string("cannot remove: ") + std::strerror(errno));
       fsync_directory(dir);
-    } catch (...) {
-      error = std::current_exception();
     }
+  } catch (...) {
+    error = std::current_exception();
   }
-  agree(group, error, dir, "preparing the directory", kIncomplete);
+  agree(group, error, dir, "checking its tensors or preparing the directory", kIncomplete);
   // 2. Every rank writes its files and then its manifest.
   RankManifest manifest;
   manifest.rank = rank;

@@ -489,7 +489,7 @@ void OptimAccess::set_group_options(const std::vector<std::map<std::string, doub
   }
 }
 
-std::string safetensors_dtype(at::ScalarType t) {
+std::string safetensors_dtype(at::ScalarType t, const std::string& key) {
   switch (t) {
     case at::kFloat:
       return "F32";
@@ -514,7 +514,10 @@ std::string safetensors_dtype(at::ScalarType t) {
     default:
       break;
   }
-  FSDP_FAIL(/*rank=*/-1, "checkpoint", "tensors of dtype ", t, " cannot be saved in safetensors");
+  FSDP_FAIL(/*rank=*/-1, "checkpoint", key, " is ", t,
+            ", a dtype checkpoints cannot hold (they hold float64/32/16, bfloat16, int64/32/16/8, "
+            "uint8 and bool). Hold the tensor in one of those (a complex one as "
+            "torch::view_as_real), or outside the model's parameters and buffers");
 }
 
 at::Tensor step_tensor(int64_t step) {

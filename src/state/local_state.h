@@ -129,8 +129,9 @@ at::Tensor step_tensor(int64_t step);
 /// `where` names it in the error.
 int64_t step_value(const at::Tensor& t, const std::string& where);
 
-/// The safetensors dtype of a scalar type; throws for an unsupported one.
-std::string safetensors_dtype(at::ScalarType t);
+/// The safetensors dtype of a scalar type; throws for an unsupported one,
+/// naming `key` (the tensor: "model/<name>", "optim/<name>/<state>").
+std::string safetensors_dtype(at::ScalarType t, const std::string& key);
 /// The scalar type of a safetensors dtype.
 at::ScalarType scalar_type_of(const std::string& dtype);
 

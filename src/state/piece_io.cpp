@@ -73,7 +73,7 @@ bool FileSource::has(const std::string& key) const { return !reader_.pieces(key)
 
 void FileSource::check(const std::string& key, const std::vector<int64_t>& shape,
                        at::ScalarType dtype) const {
-  const std::string want = safetensors_dtype(dtype);
+  const std::string want = safetensors_dtype(dtype, key);
   for (const TensorRecord* p : reader_.pieces(key)) {
     const std::string file = reader_.dir() + "/" + p->file;
     FSDP_CHECK(p->shape == shape, /*rank=*/-1, file, key, " has shape ", shape_text(p->shape),
@@ -138,6 +138,12 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
     const LocalPiece& p = pieces[i];
     for (const std::string& name : p.names()) expected.insert("model/" + name);
     from[i] = stored_key(src, "model/", p, "");
+    // A zero-element tensor has nothing to read, and sharded checkpoints
+    // saved until 2026-11-29 have no entry for it.
+    if (p.numel == 0 && !src.has(from[i])) {
+      stored[i] = p.saved_dtype;
+      continue;
+    }
     FSDP_CHECK(src.has(from[i]), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
                p.is_buffer ? "buffer " : "parameter ", p.name,
                ". Load a checkpoint saved from the same model (names are the original "
@@ -227,17 +233,30 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
                ": it was saved by another kind of optimizer, or cut short. Load the optimizer "
                "state saved with this model and optimizer.");
   }
-  for (const auto& group : groups) {  // checked before any state is replaced
-    const at::ScalarType dtype = group.front()->optim_param.scalar_type();
+  // Checked before any state is replaced, steps too: a bad one in a later
+  // group must not leave the earlier groups loaded.
+  std::vector<int64_t> steps(groups.size(), -1);  // each group's, -1 where none is stored
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const at::ScalarType dtype = groups[g].front()->optim_param.scalar_type();
     for (const std::string& name : access.state_names()) {
-      for (const LocalPiece* p : group) {
+      for (const LocalPiece* p : groups[g]) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (src.has(key)) src.check(key, p->shape, dtype);
       }
     }
+    if (!access.has_step()) continue;
+    for (const LocalPiece* p : groups[g]) {
+      const std::string key = stored_key(src, "optim/", *p, "/step");
+      if (!src.has(key)) continue;
+      at::Tensor step = at::zeros({1}, src.dtype(key));
+      src.read(key, {}, 0, 1, step);
+      steps[g] = step_value(step, key);
+      break;
+    }
   }
   at::NoGradGuard no_grad;
-  for (const auto& group : groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<LocalPiece*>& group = groups[g];
     const at::Tensor& param = group.front()->optim_param;
     ParamState st;
     bool found = false;
@@ -254,16 +273,9 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
       }
       st.tensors[name] = t;
     }
-    if (access.has_step()) {
-      for (LocalPiece* p : group) {
-        const std::string key = stored_key(src, "optim/", *p, "/step");
-        if (!src.has(key)) continue;
-        at::Tensor step = at::zeros({1}, src.dtype(key));
-        src.read(key, {}, 0, 1, step);
-        st.step = step_value(step, key);
-        found = true;
-        break;
-      }
+    if (steps[g] >= 0) {
+      st.step = steps[g];
+      found = true;
     }
     if (found) {
       access.set(param, st);

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <vector>
 
 #include <fsdp/fsdp.h>
 
@@ -40,6 +41,32 @@ TEST(Crc32, KnownValues) {
   c.update("1234", 4);
   c.update("56789", 5);
   EXPECT_EQ(c.value(), 0xCBF43926u);
+}
+
+// Eight bytes at a time (slicing-by-8) gives the byte-wise CRC at every
+// length, alignment and split into updates.
+TEST(Crc32, EightBytesAtATimeMatchesByteByByte) {
+  std::vector<unsigned char> bytes(300);
+  uint32_t x = 12345;
+  for (auto& b : bytes) b = static_cast<unsigned char>((x = x * 1103515245u + 12345u) >> 24);
+  const auto bytewise = [](const unsigned char* p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+      c ^= p[i];
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    }
+    return ~c;
+  };
+  for (size_t offset = 0; offset < 8; ++offset) {
+    for (size_t n = 0; n + offset <= bytes.size(); n += 7) {
+      EXPECT_EQ(crc32(bytes.data() + offset, n), bytewise(bytes.data() + offset, n))
+          << offset << " " << n;
+      Crc32 split;
+      split.update(bytes.data() + offset, n / 3);
+      split.update(bytes.data() + offset + n / 3, n - n / 3);
+      EXPECT_EQ(split.value(), bytewise(bytes.data() + offset, n)) << offset << " " << n;
+    }
+  }
 }
 
 std::string tiny_file() {

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -18,6 +19,7 @@
 
 #include "detail/torch_compat.h"
 #include "error_of.h"
+#include "state/checkpoint_dir.h"
 #include "state_test_util.h"
 
 namespace fsdp::testing {
@@ -340,6 +342,42 @@ TEST(StateDict, BadInputIsRefusedOnEveryRank) {
       expect_bitwise_equal(full_optim_state_dict(*model, *opt), osd, "after the refusals");
     });
   }
+}
+
+// A bad step is refused before any state is replaced: one in a later
+// parameter's state once left the earlier ones loaded. The block unit's
+// state comes after the root unit's.
+TEST(StateDict, ABadStepLeavesTheOptimizerStateUnchanged) {
+  run_ranks_ok(2, [&](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    auto model = make_model(FSDPOptions());
+    auto opt = make_optimizer("adamw", model->parameters());
+    torch::manual_seed(3);
+    train(*model, *opt, 1);
+    const auto earlier = full_optim_state_dict(*model, *opt);
+    train(*model, *opt, 1);
+    const auto now = full_optim_state_dict(*model, *opt);
+    const auto with_block_steps = [&](const at::Tensor& step) {
+      auto out = earlier;
+      for (auto& item : out) {
+        const std::string& key = item.key();
+        if (key.rfind("block.", 0) == 0 && key.size() > 5 && key.substr(key.size() - 5) == "/step")
+          item.value() = step;
+      }
+      return out;
+    };
+    EXPECT_CONTAINS(error_of([&] {
+                      load_full_optim_state_dict(*model, *opt, with_block_steps(torch::ones({1})));
+                    }),
+                    "has shape [1] in the state dict");
+    expect_bitwise_equal(full_optim_state_dict(*model, *opt), now, "after a step of shape [1]");
+    EXPECT_CONTAINS(error_of([&] {
+                      load_full_optim_state_dict(*model, *opt,
+                                                 with_block_steps(torch::scalar_tensor(1.5)));
+                    }),
+                    "whole number of steps");
+    expect_bitwise_equal(full_optim_state_dict(*model, *opt), now, "after a step of 1.5");
+  });
 }
 
 // A tensor the optimizer steps besides the model's (add_param_group, e.g.
@@ -806,6 +844,125 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
             }
           }
         }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// A zero-element parameter and buffer (a bias switched off, an empty cache)
+// beside a linear layer.
+struct WithEmptyImpl : torch::nn::Module {
+  WithEmptyImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 3));
+    empty = register_parameter("empty", torch::zeros({0, 3}));
+    cache = register_buffer("cache", torch::zeros({0}, torch::kLong));
+  }
+  // Uses `empty`, so that it has a gradient and optimizer state.
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(x) + empty.sum(); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor empty, cache;
+};
+TORCH_MODULE(WithEmpty);
+
+// A zero-element tensor is in no rank's shard, and sharded checkpoints once
+// held no entry for it: they saved, but never loaded. It round-trips now,
+// sharded and full, at 1 and 2 ranks, with its optimizer state; a state
+// without its entry (as those checkpoints) loads too.
+TEST(StateDict, ZeroElementTensorsRoundTrip) {
+  const std::string dir = test_dir();
+  for (const int world : {1, 2}) {
+    run_ranks_ok(
+        world,
+        [&](int, int) {
+          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+          for (const bool orig : {false, true}) {
+            for (const std::string kind : {"sgd", "adam"}) {
+              const auto o = FSDPOptions().use_orig_params(orig);
+              auto make = [&](int seed) {
+                torch::manual_seed(seed);
+                return FullyShardedDataParallel<WithEmptyImpl>(WithEmpty(), o);
+              };
+              auto model = make(0);
+              auto opt = make_optimizer(kind, model->parameters());
+              torch::manual_seed(3);
+              train(*model, *opt, 2);
+              const auto sd = full_state_dict(*model);
+              const auto osd = full_optim_state_dict(*model, *opt);
+              for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
+                const std::string what = std::to_string(world) + (orig ? "-orig-" : "-flat-") +
+                                         kind + "-" + fsdp::to_string(type);
+                const std::string parent = dir + "/" + what;
+                Checkpointer(*model, opt.get()).save_step(parent, 2, type);
+                const detail::CheckpointReader reader(checkpoint_path(parent, 2));
+                EXPECT_FALSE(reader.pieces("model/empty").empty()) << what;
+                EXPECT_FALSE(reader.pieces("model/cache").empty()) << what;
+                auto other = make(5);
+                auto other_opt = make_optimizer(kind, other->parameters());
+                EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(parent), 2) << what;
+                expect_bitwise_equal(full_state_dict(*other), sd, what);
+                expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), osd, what);
+              }
+              auto without = sd;
+              without.erase("empty");
+              without.erase("cache");
+              auto other = make(6);
+              load_full_state_dict(*other, without);
+              expect_bitwise_equal(full_state_dict(*other), sd, "without zero-element entries");
+            }
+          }
+        },
+        with_dir(dir));
+  }
+  remove_test_dir(dir);
+}
+
+// A linear layer and a complex buffer (a rotary table kept as cis values).
+struct ComplexBufferImpl : torch::nn::Module {
+  ComplexBufferImpl() {
+    fc = register_module("fc", torch::nn::Linear(7, 3));
+    rotary = register_buffer("rotary", torch::ones({4}, torch::kComplexFloat));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(x); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor rotary;
+};
+TORCH_MODULE(ComplexBuffer);
+
+// Checkpoints cannot hold complex tensors. A full save of a model with one
+// once failed on rank 0 alone, before its gathers, and the other ranks
+// waited in them until the timeout: every rank now refuses it at once,
+// naming the tensor, full or sharded, and the checkpoint saved before stays
+// the latest.
+TEST(StateDict, ADtypeCheckpointsCannotHoldFailsEveryRankAtOnce) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        auto model = make_model(FSDPOptions());
+        auto opt = make_optimizer("adam", model->parameters());
+        torch::manual_seed(3);
+        train(*model, *opt, 1);
+        Checkpointer(*model, opt.get()).save_step(dir + "/run", 1, StateDictType::kFull);
+        torch::manual_seed(0);
+        FullyShardedDataParallel<ComplexBufferImpl> odd{ComplexBuffer(), FSDPOptions()};
+        auto odd_opt = make_optimizer("adam", odd->parameters());
+        Checkpointer odd_ckpt(*odd, odd_opt.get());
+        const std::string expected = "[rank " + std::to_string(rank) +
+                                     "] fsdp(checkpoint): model/rotary is ComplexFloat, a dtype "
+                                     "checkpoints cannot hold";
+        for (const auto type : {StateDictType::kFull, StateDictType::kSharded}) {
+          const auto start = std::chrono::steady_clock::now();
+          const std::string error = error_of([&] { odd_ckpt.save_step(dir + "/run", 2, type); });
+          EXPECT_EQ(error.rfind(expected, 0), 0u) << error;
+          EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10))
+              << fsdp::to_string(type) << ": a rank waited for another";
+        }
+        EXPECT_EQ(latest_checkpoint(dir + "/run"), checkpoint_path(dir + "/run", 1));
+        auto other = make_model(FSDPOptions(), /*seed=*/11);
+        auto other_opt = make_optimizer("adam", other->parameters());
+        EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(dir + "/run"), 1);
+        expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "the earlier one");
       },
       with_dir(dir));
   remove_test_dir(dir);
