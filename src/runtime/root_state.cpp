@@ -69,6 +69,8 @@ void RootState::begin_forward() {
   for (const c10::Device& device : stream_devices_) {
     side_stream_waits_for_current(device, SideStream::kCopyIn);
   }
+  if (phase_ == BackwardPhase::kNone && order_outlived_backward_) reduction_order_.clear();
+  order_outlived_backward_ = false;
   if (phase_ == BackwardPhase::kNone) return;
   if (phase_ == BackwardPhase::kGraphKept) {
     // A forward between a backward that built a graph and the backward
@@ -323,7 +325,8 @@ void RootState::end_of_backward() {
   }
   // A backward with retain_graph through a built graph: a second may follow
   // through both, so what the built graph reads stays gathered.
-  const bool retained = phase_ == BackwardPhase::kRetaining && !graph_units_.empty();
+  const bool retaining = phase_ == BackwardPhase::kRetaining;
+  const bool retained = retaining && !graph_units_.empty();
   set_phase(retained ? BackwardPhase::kGraphKept : BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on
@@ -334,7 +337,11 @@ void RootState::end_of_backward() {
       unit->launch_grad_reduction();
     }
   }
-  reduction_order_.clear();
+  // A second backward through a retained graph has no forward to order its
+  // reductions (each rank's would launch as its own gradients came, and a
+  // unit that got none here nothing): this order stays for it.
+  if (!retaining) reduction_order_.clear();
+  order_outlived_backward_ = retaining;
   reductions_launched_ = 0;
   // The devices whose streams carry copies to host memory, waited for once
   // the agreement has overlapped them (Note [Gradients to host memory]).

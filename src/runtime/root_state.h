@@ -135,6 +135,9 @@ class RootState {
   // first `reductions_launched_` of them already.
   std::vector<UnitRuntime*> reduction_order_;
   size_t reductions_launched_ = 0;
+  // reduction_order_ is a backward's with retain_graph, kept for a second
+  // backward through its graph; the next forward starts it afresh.
+  bool order_outlived_backward_ = false;
   // The units whose parameters this backward gives no gradient on any rank
   // (Note [Backward with respect to inputs]).
   std::vector<const UnitRuntime*> without_grads_;

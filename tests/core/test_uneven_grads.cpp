@@ -89,7 +89,10 @@ torch::Tensor loss_of(const std::pair<torch::Tensor, torch::Tensor>& out, const 
   return use ? loss + torch::mse_loss(out.second, y) : loss;
 }
 
-void train_and_compare(ShardingStrategy strategy, bool orig_params) {
+// `two_backwards`: the auxiliary loss's own backward through the main
+// one's retained graph (on ranks that do not use it, a zero loss of the
+// main output: its second backward reaches other units).
+void train_and_compare(ShardingStrategy strategy, bool orig_params, bool two_backwards = false) {
   const auto [rank, world] = rank_and_world();
   const std::string what =
       std::string(to_string(strategy)) + (orig_params ? " use_orig_params" : " flat shards");
@@ -119,8 +122,15 @@ void train_and_compare(ShardingStrategy strategy, bool orig_params) {
     (ref_loss / world).backward();
     ref_opt.step();
     opt.zero_grad();
-    loss_of(model->forward(local_block(x), uses(rank, step)), local_block(y), uses(rank, step))
-        .backward();
+    const bool use = uses(rank, step);
+    const auto out = model->forward(local_block(x), use);
+    if (two_backwards) {
+      const torch::Tensor main = loss_of(out, local_block(y), false);
+      main.backward({}, /*retain_graph=*/true);
+      (use ? torch::mse_loss(out.second, local_block(y)) : main * 0).backward();
+    } else {
+      loss_of(out, local_block(y), use).backward();
+    }
     opt.step();
     expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
   }
@@ -141,6 +151,22 @@ TEST(UnevenGradients, ShardGradOpAndNoShardTrainLikePlainLibTorch) {
       }
     });
   }
+}
+
+// A second backward through the first one's retained graph has no forward
+// of its own: it keeps the first one's reduction order. Launched as each
+// rank's gradients came, the auxiliary head reduced on the ranks that used
+// it and nowhere else. NO_SHARD only: the first backward's end reshards
+// SHARD_GRAD_OP's units too, so the second gathers where it reaches their
+// outputs, which here differs between ranks (as FULL_SHARD's every backward).
+TEST(UnevenGradients, ASecondBackwardThroughARetainedGraphKeepsTheOrder) {
+  run_ranks_ok(2, [](int, int) {
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (const bool orig_params : {false, true}) {
+      train_and_compare(ShardingStrategy::kNoShard, orig_params, /*two_backwards=*/true);
+    }
+  });
 }
 
 // FULL_SHARD gathers a unit's parameters again when backward reaches its
