@@ -342,30 +342,32 @@ void UnitRuntime::pre_backward() {
 // came: under FULL_SHARD, which gathers again in backward, the ranks' gathers
 // and reductions then paired out of order, silently exchanging gradients and
 // parameters of same-sized units. Which AccumulateGrad nodes run is known
-// when backward reaches the unit's outputs: those of the graph task's nodes
-// (and, for a backward given its inputs, those it is to accumulate). The
-// unit is complete when those arrived: on every rank at the point where its
+// when backward reaches the unit's outputs: those of the graph task's nodes.
+// The unit is complete when those arrived: on every rank at the point where its
 // backward ends (autograd runs each AccumulateGrad before the nodes of
 // earlier units, which wait for the gradients this unit's inputs get), as
 // PyTorch's FSDP completes a unit when its FlatParameter's one
 // AccumulateGrad runs. A unit none of whose gradients are computed here is
 // left to the end of backward as before, and so is one whose outputs no
-// hook saw (Note [Double backward]).
+// hook saw (Note [Double backward]), and every unit of a backward given its
+// inputs (the nodes on its way to other inputs may read them). A backward
+// of the user's own nested in this one that accumulates into a unit's
+// parameters (a hand-written reentrant checkpoint) finds the unit reduced:
+// an error naming it; fsdp::activation_checkpoint's recomputation returns
+// its gradients to this backward instead.
 void UnitRuntime::expect_grads_of_this_backward() {
   grads_expected_ = trainable_slots_;
   const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (!flat_ || in_graph == nullptr || in_graph->empty()) return;
+  // A backward given its inputs may still run nodes that read this unit's
+  // other parameters, on its way to other inputs: it waits for the end.
   const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  if (info != nullptr && !info->empty()) return;
   size_t computed = 0;
   for (const auto& slot : flat_->slots()) {
     if (!slot.param.requires_grad()) continue;  // prepare_slots left it out
     const auto acc = torch::autograd::impl::try_get_grad_accumulator(slot.param);
-    if (!acc || in_graph->count(acc.get()) == 0) continue;
-    if (info != nullptr && !info->empty()) {
-      const auto it = info->find(acc.get());
-      if (it == info->end() || !it->second.needed_) continue;
-    }
-    ++computed;
+    if (acc && in_graph->count(acc.get()) != 0) ++computed;
   }
   if (computed > 0) grads_expected_ = computed;
 }
@@ -384,8 +386,15 @@ void UnitRuntime::prefetch_backward() {
 
 void UnitRuntime::on_grad_ready(size_t slot) {
   const auto& param = flat_->slots()[slot].param;
-  if (!param.grad().defined()) return;
-  FSDP_CHECK(!grad_work_, flat_->group().rank(), path_, "a gradient of '",
+  if (!param.grad().defined()) {
+    // AccumulateGrad ran without a gradient (a checkpointed region's unused
+    // parameter: its recomputation's grad() returns none). Computed all the
+    // same, as zeros: the unit completes where its backward ends on every
+    // rank (Note [Gradients a backward computes]).
+    if (!grad_work_ && !delivered_early_) note_grad_arrived();
+    return;
+  }
+  FSDP_CHECK(!grad_work_ && !delivered_early_, flat_->group().rank(), path_, "a gradient of '",
              flat_->slots()[slot].name, "' arrived after ", label(),
              "'s reduction was launched (Note [Gradients a backward computes]): autograd ran its "
              "AccumulateGrad outside the graph task that reached the unit's outputs. Compute "
@@ -440,6 +449,10 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     slot_filled_[slot] = true;
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
+  note_grad_arrived();
+}
+
+void UnitRuntime::note_grad_arrived() {
   if (++grads_ready_ != grads_expected_ || !require_sync_) return;
   if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
   if (root_ == nullptr || !root_->in_reduction_order(*this)) {

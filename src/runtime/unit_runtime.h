@@ -196,6 +196,9 @@ class UnitRuntime final : public ParamUseListener {
   void pre_backward();
   // See Note [Gradients a backward computes].
   void expect_grads_of_this_backward();
+  // One of this backward's gradients arrived: the reduction launches once
+  // all it computes have.
+  void note_grad_arrived();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
   /// Launches what is left of this backward's reduction and makes the

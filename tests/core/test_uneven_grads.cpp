@@ -244,15 +244,19 @@ TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (const bool orig_params : {false, true}) {
         for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+          // Checkpointed blocks too: the unused expert's AccumulateGrad then
+          // runs without a gradient (the recomputation's grad() gives none).
+          const bool checkpointed = orig_params == (strategy == ShardingStrategy::kFullShard);
           const std::string what = std::string(to_string(strategy)) +
-                                   (orig_params ? " use_orig_params" : " flat shards");
+                                   (orig_params ? " use_orig_params" : " flat shards") +
+                                   (checkpointed ? " checkpointed" : "");
           const auto options =
               FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
           torch::manual_seed(0);
           Experts reference;
           torch::manual_seed(0);
           Experts inner = [&] {
-            EnableWrap scope(options);
+            EnableWrap scope(FSDPOptions(options).activation_checkpointing(checkpointed));
             return Experts();
           }();
           FullyShardedDataParallel<ExpertsImpl> model(inner, options);
