@@ -63,6 +63,11 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 
 void RootState::begin_forward() {
   forward_positions_ = 0;
+  // A new iteration's inputs (Note [Parameters backward reads without a
+  // gradient]), unless a graph a backward built still awaits its backward.
+  if (phase_ != BackwardPhase::kGraphKept) {
+    for (UnitRuntime* unit : units_) unit->forget_forward_inputs();
+  }
   // See Note [Copy-in on a stream of its own]: the shards were written on
   // the compute stream (the optimizer, the user) since the last forward.
   release_held(/*keep_newest=*/false);

@@ -119,6 +119,9 @@ void Unit::refuse_activation_checkpointing(const char* output_type) const {
   runtime().refuse_activation_checkpointing(output_type);
 }
 void Unit::pre_forward() { runtime().pre_forward(); }
+void Unit::record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found) {
+  runtime().record_forward_inputs(inputs, all_found);
+}
 void Unit::post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type) {
   runtime().post_forward(outputs, unknown_output_type);
 }

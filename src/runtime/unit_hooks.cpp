@@ -75,6 +75,7 @@ void UnitRuntime::abandon_iteration() {
   state_ = State::kIdle;
   grads_ready_ = 0;
   grads_expected_ = trainable_slots_;
+  frozen_reads_ = FrozenReads::kNone;
   delivered_early_ = false;
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
@@ -106,6 +107,8 @@ void UnitRuntime::unshard() {
 void UnitRuntime::reshard() {
   if (!flat_->frees_unsharded() || flat_->state() == FlatParameter::State::kSharded) return;
   if (held_for_graph()) return;  // Note [Double backward]
+  // See Note [Parameters backward reads without a gradient].
+  if (frozen_reads_ == FrozenReads::kPending) return;
   free_unsharded();
 }
 
@@ -324,6 +327,7 @@ void UnitRuntime::pre_backward() {
   transition(State::kPreBackward);
   root().forget_kept(*this);
   expect_grads_of_this_backward();
+  if (has_frozen_reads()) frozen_reads_ = FrozenReads::kPending;
   if (flat_) {
     // A second backward through the same graph (retain_graph) accumulates
     // into the shards' gradients as plain LibTorch accumulates into .grad.
@@ -331,6 +335,64 @@ void UnitRuntime::pre_backward() {
     unshard();
   }
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
+  // Nothing to wait for: complete where its backward begins (Note
+  // [Gradients a backward computes]), after the gathers every rank issues
+  // here. Not in a backward that builds a graph (Note [Double backward]).
+  if (flat_ && trainable_slots_ > 0 && grads_expected_ == 0 && !at::GradMode::is_enabled()) {
+    launch_if_complete();
+  }
+}
+
+// Note [Parameters backward reads without a gradient]
+// A unit reshards when its gradient's reduction launches: every node that
+// read a trainable parameter has run by then (each has an edge to its
+// AccumulateGrad). A frozen parameter has no AccumulateGrad, yet backward
+// may still read it after that: LoRA's frozen base weight (the gradient of
+// its input), a frozen layer ahead of the trainable ones in a unit. Freed,
+// those nodes read an empty storage (LibTorch's "setStorage ... out of
+// bounds"). So a unit with frozen parameters (use_orig_params, or frozen
+// whole) keeps its buffer from pre_backward until backward has passed it:
+// the gradients of all its forward's inputs that require one were computed
+// (hooks on them, as PyTorch's FSDP reshards frozen units when a multi-grad
+// hook on their inputs fires, and FSDP2 every unit). It then reshards, or
+// at its reduction's launch if that comes later. Where the inputs are not
+// known (a fully_shard unit, an argument type that may hide tensors, none
+// requiring a gradient, a second backward through a retained graph) it
+// reshards at the end of backward: more memory, never a freed read. A frozen
+// parameter read by a node whose gradient leaves the unit only through a
+// tensor that is no argument (a member of another module) is not covered.
+bool UnitRuntime::has_frozen_reads() const {
+  return flat_ && flat_->frees_unsharded() && trainable_slots_ < flat_->slots().size();
+}
+
+void UnitRuntime::record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found) {
+  const CheckpointPhase phase = checkpoint_phase();
+  if (!has_frozen_reads() || phase == CheckpointPhase::kRecompute) return;
+  if (!at::GradMode::is_enabled() && phase != CheckpointPhase::kForward) return;  // no backward
+  if (!all_found) {
+    inputs_hooked_.reset();
+    return;
+  }
+  for (const at::Tensor& input : inputs) {
+    if (!input.defined() || !input.requires_grad()) continue;
+    if (inputs_hooked_) ++*inputs_hooked_;
+    input.register_hook(
+        [this, epoch = input_epoch_](const at::Tensor&) { input_grad_computed(epoch); });
+  }
+}
+
+void UnitRuntime::input_grad_computed(uint64_t epoch) {
+  if (epoch != input_epoch_ || !inputs_hooked_ || ++inputs_reached_ < *inputs_hooked_) return;
+  if (frozen_reads_ != FrozenReads::kPending) return;
+  frozen_reads_ = FrozenReads::kNone;
+  // A reduction still to launch reshards the unit when it does.
+  if (trainable_slots_ == 0 || grad_work_ || delivered_early_) reshard();
+}
+
+void UnitRuntime::forget_forward_inputs() {
+  ++input_epoch_;
+  inputs_hooked_ = 0;
+  inputs_reached_ = 0;
 }
 
 // Note [Gradients a backward computes]
@@ -347,10 +409,15 @@ void UnitRuntime::pre_backward() {
 // backward ends (autograd runs each AccumulateGrad before the nodes of
 // earlier units, which wait for the gradients this unit's inputs get), as
 // PyTorch's FSDP completes a unit when its FlatParameter's one
-// AccumulateGrad runs. A unit none of whose gradients are computed here is
-// left to the end of backward as before, and so is one whose outputs no
-// hook saw (Note [Double backward]), and every unit of a backward given its
-// inputs (the nodes on its way to other inputs may read them). A backward
+// AccumulateGrad runs. A unit none of whose gradients are computed here (an
+// expert no token went to, never called) is complete where its backward
+// begins: after that unit's gathers, which every rank issues there, and at
+// its place in the reduction order; the other ranks complete it before
+// backward reaches earlier units. Left to the end of backward, it held back
+// every later reduction on this rank only. A unit whose outputs no hook saw
+// (Note [Double backward]) waits for the end, and so does every unit of a
+// backward given its inputs (the nodes on its way to other inputs may read
+// them). A backward
 // of the user's own nested in this one that accumulates into a unit's
 // parameters (a hand-written reentrant checkpoint) finds the unit reduced:
 // an error naming it; fsdp::activation_checkpoint's recomputation returns
@@ -369,7 +436,7 @@ void UnitRuntime::expect_grads_of_this_backward() {
     const auto acc = torch::autograd::impl::try_get_grad_accumulator(slot.param);
     if (acc && in_graph->count(acc.get()) != 0) ++computed;
   }
-  if (computed > 0) grads_expected_ = computed;
+  grads_expected_ = computed;
 }
 
 void UnitRuntime::prefetch_backward() {
@@ -453,7 +520,12 @@ void UnitRuntime::on_grad_ready(size_t slot) {
 }
 
 void UnitRuntime::note_grad_arrived() {
-  if (++grads_ready_ != grads_expected_ || !require_sync_) return;
+  ++grads_ready_;
+  launch_if_complete();
+}
+
+void UnitRuntime::launch_if_complete() {
+  if (grads_ready_ != grads_expected_ || !require_sync_) return;
   if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
   if (root_ == nullptr || !root_->in_reduction_order(*this)) {
     launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
@@ -764,6 +836,8 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   }
   grads_ready_ = 0;
   grads_expected_ = trainable_slots_;
+  frozen_reads_ = FrozenReads::kNone;  // backward is over
+  forget_forward_inputs();
   if (flat_) reshard();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }

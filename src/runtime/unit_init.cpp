@@ -75,12 +75,13 @@ void check_uniform_requires_grad(const std::vector<std::pair<std::string, at::Te
         "flat parameter has a single requires_grad, and the frozen parameters would be "
         "stepped).";
   }
-  msg +=
-      " If possible, wrap the frozen parameters with FSDP separately (units of their own, or a "
-      "policy that selects the frozen modules), or pass FSDPOptions().use_orig_params(true)."
-      "\nThe following parameters have requires_grad=true:\n" +
-      join_names(trainable) + "\nThe following parameters have requires_grad=false:\n" +
-      join_names(frozen);
+  // With use_orig_params already on, advising it again misleads.
+  msg += std::string(
+             " If possible, wrap the frozen parameters with FSDP separately (units of their own, "
+             "or a policy that selects the frozen modules)") +
+         (use_orig_params ? "." : ", or pass FSDPOptions().use_orig_params(true).") +
+         "\nThe following parameters have requires_grad=true:\n" + join_names(trainable) +
+         "\nThe following parameters have requires_grad=false:\n" + join_names(frozen);
   if (use_orig_params) {
     TORCH_WARN(msg);
   } else {

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -89,6 +90,8 @@ class UnitRuntime final : public ParamUseListener {
   void refuse_if_summoned(const char* pass) const;
   void pre_forward();
   void post_forward(const std::vector<at::Tensor>& outputs, const char* unknown_output_type);
+  // See Note [Parameters backward reads without a gradient].
+  void record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found);
 
   // Units driven by dispatch (Note [Units driven by dispatch]).
   void hold_for_operator() override;
@@ -194,11 +197,21 @@ class UnitRuntime final : public ParamUseListener {
   bool hook_output(const at::Tensor& output);
   void prefetch_backward();
   void pre_backward();
+  // Note [Parameters backward reads without a gradient]: whether the unit has
+  // parameters backward may read without computing their gradient (frozen
+  // ones) in a buffer it frees; a gradient of one of this iteration's inputs
+  // was computed (from the hooks of `epoch`); a new iteration forgets them.
+  bool has_frozen_reads() const;
+  void input_grad_computed(uint64_t epoch);
+  void forget_forward_inputs();
   // See Note [Gradients a backward computes].
   void expect_grads_of_this_backward();
   // One of this backward's gradients arrived: the reduction launches once
   // all it computes have.
   void note_grad_arrived();
+  // Launches the reduction (in its order) once every gradient expected
+  // arrived.
+  void launch_if_complete();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
   /// Launches what is left of this backward's reduction and makes the
@@ -308,6 +321,18 @@ class UnitRuntime final : public ParamUseListener {
   // Of the trainable slots, those this backward computes a gradient for
   // (Note [Gradients a backward computes]); trainable_slots_ unless known.
   size_t grads_expected_ = 0;
+  // Note [Parameters backward reads without a gradient]: kPending from
+  // pre_backward while this backward may still read frozen parameters, which
+  // reshard() leaves gathered until then.
+  enum class FrozenReads { kNone, kPending };
+  FrozenReads frozen_reads_ = FrozenReads::kNone;
+  // This iteration's forward inputs that require a gradient, hooked (none
+  // when some argument's tensors could not be found), of which
+  // inputs_reached_ got theirs in this backward; hooks of an older
+  // input_epoch_ are ignored.
+  std::optional<size_t> inputs_hooked_ = 0;
+  size_t inputs_reached_ = 0;
+  uint64_t input_epoch_ = 0;
   // When this iteration's forward first entered the unit: its place in the
   // reduction order (Note [Reduction order]).
   size_t forward_position_ = 0;

@@ -89,6 +89,7 @@ void AnyUnitImpl::clone_(torch::nn::Module&, const c10::optional<torch::Device>&
 
 at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   pre_forward();
+  record_forward_inputs({input}, /*all_found=*/true);
   // See Note [Mixed precision]: inputs in the compute dtype.
   const c10::optional<at::ScalarType> input_dtype =
       input.defined() && input.is_floating_point()

@@ -286,5 +286,98 @@ TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
   }
 }
 
+// A unit whose forward every rank runs but none of whose parameters some
+// ranks' data uses: an MoE layer whose experts got no token there (each row
+// goes to the expert `routes` names, -1 to none). Its unit is complete where
+// backward reaches it (Note [Gradients a backward computes]). Left to the
+// end of backward, it held back every later reduction on those ranks only:
+// under FULL_SHARD their reductions then paired with the others' gathers.
+struct ExpertLayerImpl : nn::Module {
+  ExpertLayerImpl() {
+    for (int e = 0; e < 2; ++e)
+      experts.push_back(register_module("e" + std::to_string(e), nn::Linear(8, 8)));
+  }
+  torch::Tensor forward(torch::Tensor x, torch::Tensor routes) {
+    torch::Tensor out = torch::zeros_like(x);
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const torch::Tensor rows = routes.eq(static_cast<int64_t>(e)).nonzero().squeeze(1);
+      if (rows.numel() == 0) continue;
+      out.index_add_(0, rows, experts[e](x.index_select(0, rows)));
+    }
+    return x + out;
+  }
+  std::vector<nn::Linear> experts;
+};
+TORCH_MODULE(ExpertLayer);
+
+struct MoeNetImpl : nn::Module {
+  MoeNetImpl() {
+    stem = register_module("stem", nn::Linear(8, 8));
+    for (int i = 0; i < 3; ++i)
+      layers.push_back(register_module("l" + std::to_string(i), wrap(ExpertLayer())));
+    head = register_module("head", nn::Linear(8, 2));
+  }
+  torch::Tensor forward(torch::Tensor x, int rank, int step) {
+    x = stem(x);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      // Rows alternate between the experts, or none goes to any.
+      const torch::Tensor routes = uses(rank, step + static_cast<int>(i))
+                                       ? torch::arange(x.size(0)).remainder(2)
+                                       : torch::full({x.size(0)}, -1, torch::kLong);
+      x = torch::relu(layers[i](x, routes));
+    }
+    return head(x);
+  }
+  nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<FullyShardedDataParallel<ExpertLayerImpl>> layers;
+};
+TORCH_MODULE(MoeNet);
+
+TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
+  for (const int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int rank, int world) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (const bool orig_params : {false, true}) {
+        for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+          const std::string what = std::string(to_string(strategy)) +
+                                   (orig_params ? " use_orig_params" : " flat shards");
+          const auto options =
+              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+          torch::manual_seed(0);
+          MoeNet reference;
+          torch::manual_seed(0);
+          MoeNet inner = [&] {
+            EnableWrap scope(options);
+            return MoeNet();
+          }();
+          FullyShardedDataParallel<MoeNetImpl> model(inner, options);
+          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+          for (int step = 0; step < 4; ++step) {
+            torch::manual_seed(100 + step);
+            const torch::Tensor x = torch::randn({4 * world, 8});
+            const torch::Tensor y = torch::randn({4 * world, 2});
+            ref_opt.zero_grad();
+            torch::Tensor ref_loss = torch::zeros({});
+            for (int r = 0; r < world; ++r) {
+              ref_loss =
+                  ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
+                                             y.chunk(world, 0)[r]);
+            }
+            (ref_loss / world).backward();
+            ref_opt.step();
+            opt.zero_grad();
+            torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
+            opt.step();
+            expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+          }
+        }
+      }
+    });
+  }
+}
+
 }  // namespace test_uneven_grads
 }  // namespace fsdp::testing

@@ -181,6 +181,8 @@ TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
     }
     ASSERT_EQ(warnings.size(), 1u);
     EXPECT_TRUE(contains(warnings[0], "[1.weight, 1.bias]")) << warnings[0];
+    // Not the advice to turn on what is on.
+    EXPECT_FALSE(contains(warnings[0], "pass FSDPOptions().use_orig_params(true)")) << warnings[0];
   });
 }
 

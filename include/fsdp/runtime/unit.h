@@ -231,6 +231,10 @@ class Unit {
   /// Raises the error for a checkpointed forward whose output type (the
   /// mangled name) activation_checkpoint() cannot take apart.
   [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
+  /// Called by the wrapper after pre_forward() with the tensors of the
+  /// forward's arguments; `all_found` false when an argument's type may hide
+  /// some. See Note [Parameters backward reads without a gradient].
+  void record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found);
   void post_forward(const std::vector<at::Tensor>& outputs,
                     const char* unknown_output_type = nullptr);
 

@@ -134,6 +134,11 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
   R forward(Args... args) {
     if (!is_active()) return module_->forward(std::forward<Args>(args)...);
     pre_forward();
+    {
+      std::vector<at::Tensor> inputs;
+      const bool all_found = (detail::input_tensors(args, inputs) && ... && true);
+      record_forward_inputs(inputs, all_found);
+    }
     // See Note [Mixed precision]: inputs in the compute dtype.
     const c10::optional<at::ScalarType> dtype = forward_input_dtype();
     c10::optional<at::ScalarType> input_dtype;

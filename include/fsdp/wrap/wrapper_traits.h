@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <cstddef>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -74,6 +75,23 @@ bool output_tensors(const T& out, std::vector<at::Tensor>& into) {
     return std::apply([&into](const auto&... e) { return (output_tensors(e, into) && ...); }, out);
   } else {
     return false;
+  }
+}
+
+/// Appends the Tensors of a forward argument to `into`: what
+/// output_tensors() lists, and a c10::optional<at::Tensor> that holds one.
+/// Arithmetic, enum and string arguments hold none. Returns false for any
+/// other type, which may hide tensors (a struct of the user's).
+template <typename T>
+bool input_tensors(const T& arg, std::vector<at::Tensor>& into) {
+  using D = std::decay_t<T>;
+  if constexpr (std::is_arithmetic_v<D> || std::is_enum_v<D> || std::is_same_v<D, std::string>) {
+    return true;
+  } else if constexpr (std::is_same_v<D, c10::optional<at::Tensor>>) {
+    if (arg.has_value()) into.push_back(*arg);
+    return true;
+  } else {
+    return output_tensors(arg, into);
   }
 }
 
