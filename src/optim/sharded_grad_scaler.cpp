@@ -151,9 +151,11 @@ void ShardedGradScaler::check_transition(const PerOptimizer& state, Stage next,
 
 torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
   if (!options_.enabled()) return loss;
-  // A 0-dim float32 tensor, not a Scalar: a float16 loss times a Scalar stays
-  // float16, where 65536 is already inf.
-  return loss * at::full({}, scale_, loss.options().dtype(at::kFloat));
+  // In float32 at least: a float16 loss times a Scalar, or (with dimensions,
+  // a loss per sample) times a 0-dim tensor, stays float16, where 65536 is
+  // already inf. PyTorch's (1,)-shaped factor promotes both.
+  const at::ScalarType dtype = at::promote_types(loss.scalar_type(), at::kFloat);
+  return loss.to(dtype) * at::full({}, scale_, loss.options().dtype(dtype));
 }
 
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {

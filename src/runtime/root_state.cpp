@@ -63,11 +63,6 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 
 void RootState::begin_forward() {
   forward_positions_ = 0;
-  // A new iteration's inputs (Note [Parameters backward reads without a
-  // gradient]), unless a graph a backward built still awaits its backward.
-  if (phase_ != BackwardPhase::kGraphKept) {
-    for (UnitRuntime* unit : units_) unit->forget_forward_inputs();
-  }
   // See Note [Copy-in on a stream of its own]: the shards were written on
   // the compute stream (the optimizer, the user) since the last forward.
   release_held(/*keep_newest=*/false);
@@ -318,6 +313,9 @@ void RootState::end_of_backward() {
   if (forward_in_progress()) settle_forward(nullptr);
   if (phase_ == BackwardPhase::kBuildingGraph) {
     // See Note [Double backward]: the graph it built saved what is gathered.
+    // Its units' inputs are forgotten (Note [Parameters backward reads
+    // without a gradient]): the backward through it passes them again.
+    for (UnitRuntime* unit : units_) unit->forget_forward_inputs();
     for (UnitRuntime* unit : units_) {
       if (unit->flat_ && unit->flat_->state() != FlatParameter::State::kSharded &&
           !holds_for_graph(*unit)) {

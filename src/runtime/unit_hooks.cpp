@@ -76,6 +76,7 @@ void UnitRuntime::abandon_iteration() {
   grads_ready_ = 0;
   grads_expected_ = trainable_slots_;
   frozen_reads_ = FrozenReads::kNone;
+  forget_forward_inputs();
   delivered_early_ = false;
   grad_work_ = Work();
   grad_shard_ = at::Tensor();
@@ -357,8 +358,12 @@ void UnitRuntime::pre_backward() {
 // hook on their inputs fires, and FSDP2 every unit). It then reshards, or
 // at its reduction's launch if that comes later. Where the inputs are not
 // known (a fully_shard unit, an argument type that may hide tensors, none
-// requiring a gradient, a second backward through a retained graph) it
-// reshards at the end of backward: more memory, never a freed read. A frozen
+// requiring a gradient, a second backward through a retained graph, a
+// backward through a graph a backward built) it reshards at the end of
+// backward: more memory, never a freed read. The inputs counted are those of
+// every forward since the last backward ended (two forwards before one
+// backward: both graphs read the parameters); a hook fires once per backward
+// at most, so the count completes only when every one of them has. A frozen
 // parameter read by a node whose gradient leaves the unit only through a
 // tensor that is no argument (a member of another module) is not covered.
 bool UnitRuntime::has_frozen_reads() const {
@@ -376,12 +381,19 @@ void UnitRuntime::record_forward_inputs(const std::vector<at::Tensor>& inputs, b
   for (const at::Tensor& input : inputs) {
     if (!input.defined() || !input.requires_grad()) continue;
     if (inputs_hooked_) ++*inputs_hooked_;
-    input.register_hook(
+    const unsigned handle = input.register_hook(
         [this, epoch = input_epoch_](const at::Tensor&) { input_grad_computed(epoch); });
+    // A leaf (a parameter passed as an argument) keeps its hooks as long as
+    // it lives, past this iteration and this unit: removed when forgotten.
+    // Another tensor's hook goes with its graph.
+    if (input.is_leaf()) leaf_input_hooks_.emplace_back(input, handle);
   }
 }
 
 void UnitRuntime::input_grad_computed(uint64_t epoch) {
+  // Not in a backward that builds a graph: the one through that graph
+  // reads the parameters again (Note [Double backward]).
+  if (at::GradMode::is_enabled()) return;
   if (epoch != input_epoch_ || !inputs_hooked_ || ++inputs_reached_ < *inputs_hooked_) return;
   if (frozen_reads_ != FrozenReads::kPending) return;
   frozen_reads_ = FrozenReads::kNone;
@@ -393,6 +405,8 @@ void UnitRuntime::forget_forward_inputs() {
   ++input_epoch_;
   inputs_hooked_ = 0;
   inputs_reached_ = 0;
+  for (auto& [input, handle] : leaf_input_hooks_) input.remove_hook(handle);
+  leaf_input_hooks_.clear();
 }
 
 // Note [Gradients a backward computes]

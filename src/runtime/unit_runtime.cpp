@@ -108,6 +108,7 @@ UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
     : handle_(handle), options_(std::move(options)) {}
 
 UnitRuntime::~UnitRuntime() {
+  forget_forward_inputs();  // no hook of a leaf that outlives the unit calls into it
   for (const auto& p : grad_placeholders_) release_placeholder(p);
   if (!cast_buffers_.empty()) {
     BufferRegistry& r = buffer_registry();

@@ -199,8 +199,9 @@ class UnitRuntime final : public ParamUseListener {
   void pre_backward();
   // Note [Parameters backward reads without a gradient]: whether the unit has
   // parameters backward may read without computing their gradient (frozen
-  // ones) in a buffer it frees; a gradient of one of this iteration's inputs
-  // was computed (from the hooks of `epoch`); a new iteration forgets them.
+  // ones) in a buffer it frees; a gradient of one of the inputs hooked since
+  // the last backward ended was computed (from the hooks of `epoch`); the
+  // end of a backward, or of an abandoned iteration, forgets them.
   bool has_frozen_reads() const;
   void input_grad_computed(uint64_t epoch);
   void forget_forward_inputs();
@@ -333,6 +334,8 @@ class UnitRuntime final : public ParamUseListener {
   std::optional<size_t> inputs_hooked_ = 0;
   size_t inputs_reached_ = 0;
   uint64_t input_epoch_ = 0;
+  // The hooks on leaf inputs, removed when the inputs are forgotten.
+  std::vector<std::pair<at::Tensor, unsigned>> leaf_input_hooks_;
   // When this iteration's forward first entered the unit: its place in the
   // reduction order (Note [Reduction order]).
   size_t forward_position_ = 0;

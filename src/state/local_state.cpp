@@ -94,9 +94,12 @@ LocalPiece whole_piece(const std::string& name, const at::Tensor& t, bool is_buf
   p.numel = t.numel();
   p.begin = 0;
   p.end = t.numel();
+  // A buffer expanded or transposed (position ids expanded from one row, as
+  // HF's models register them) is made contiguous in place, with the same
+  // values, as torch::load leaves it: pieces are read and written flat.
+  if (is_buffer && !t.is_contiguous()) t.set_data(t.contiguous());
   FSDP_CHECK(t.is_contiguous(), /*rank=*/-1, name,
-             "is not contiguous; expected the "
-             "module's parameters and buffers to be contiguous tensors");
+             "is not contiguous; expected the module's parameters to be contiguous tensors");
   p.data = t.detach().view({-1});
   p.saved_dtype = p.data.scalar_type();
   if (!is_buffer) p.optim_param = t;

@@ -233,6 +233,14 @@ TEST(ShardedGradScaler, Float16GradientsTrainWithTheScale) {
 // The bookkeeping of PyTorch's GradScaler, its errors, disabled scalers and
 // torch::save / torch::load, in one process without a group.
 TEST(ShardedGradScaler, BookkeepingErrorsAndSaving) {
+  {
+    // A float16 loss per sample scales in float32 (65536 is inf in float16).
+    ShardedGradScaler scaler;
+    const torch::Tensor scaled = scaler.scale(torch::ones({3}, torch::kHalf));
+    EXPECT_EQ(scaled.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(scaled.eq(65536).all().item<bool>());
+    EXPECT_EQ(scaler.scale(torch::ones({}, torch::kDouble)).scalar_type(), torch::kDouble);
+  }
   EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().growth_factor(1.0)); }),
                   "fsdp(grad scaler): growth_factor must be above 1, got 1");
   EXPECT_CONTAINS(error_of([] { ShardedGradScaler(GradScalerOptions().backoff_factor(1.5)); }),

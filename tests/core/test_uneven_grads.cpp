@@ -236,10 +236,46 @@ struct ExpertsImpl : nn::Module {
 };
 TORCH_MODULE(Experts);
 
+// Trains Net (forward(x, rank, step): each rank routes its own data) under
+// `options`, its blocks wrapped with `block_options`, against plain LibTorch
+// on every rank's batch, compared every step.
+template <typename Net>
+void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& block_options,
+                                const std::string& what) {
+  const auto [rank, world] = rank_and_world();
+  torch::manual_seed(0);
+  Net reference;
+  torch::manual_seed(0);
+  Net inner = [&] {
+    EnableWrap scope(block_options);
+    return Net();
+  }();
+  FullyShardedDataParallel<typename Net::Impl> model(inner, options);
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(100 + step);
+    const torch::Tensor x = torch::randn({4 * world, 8});
+    const torch::Tensor y = torch::randn({4 * world, 2});
+    ref_opt.zero_grad();
+    torch::Tensor ref_loss = torch::zeros({});
+    for (int r = 0; r < world; ++r) {
+      ref_loss = ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
+                                            y.chunk(world, 0)[r]);
+    }
+    (ref_loss / world).backward();
+    ref_opt.step();
+    opt.zero_grad();
+    torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
+    opt.step();
+    expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+  }
+}
+
 TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
   for (const int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int rank, int world) {
+    run_ranks_ok(world, [](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (const bool orig_params : {false, true}) {
@@ -252,34 +288,8 @@ TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
                                    (checkpointed ? " checkpointed" : "");
           const auto options =
               FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
-          torch::manual_seed(0);
-          Experts reference;
-          torch::manual_seed(0);
-          Experts inner = [&] {
-            EnableWrap scope(FSDPOptions(options).activation_checkpointing(checkpointed));
-            return Experts();
-          }();
-          FullyShardedDataParallel<ExpertsImpl> model(inner, options);
-          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
-          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-          for (int step = 0; step < 4; ++step) {
-            torch::manual_seed(100 + step);
-            const torch::Tensor x = torch::randn({4 * world, 8});
-            const torch::Tensor y = torch::randn({4 * world, 2});
-            ref_opt.zero_grad();
-            torch::Tensor ref_loss = torch::zeros({});
-            for (int r = 0; r < world; ++r) {
-              ref_loss =
-                  ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
-                                             y.chunk(world, 0)[r]);
-            }
-            (ref_loss / world).backward();
-            ref_opt.step();
-            opt.zero_grad();
-            torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
-            opt.step();
-            expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
-          }
+          train_routed_against_plain<Experts>(
+              options, FSDPOptions(options).activation_checkpointing(checkpointed), what);
         }
       }
     });
@@ -336,7 +346,7 @@ TORCH_MODULE(MoeNet);
 TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
   for (const int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int rank, int world) {
+    run_ranks_ok(world, [](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (const bool orig_params : {false, true}) {
@@ -345,34 +355,7 @@ TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
                                    (orig_params ? " use_orig_params" : " flat shards");
           const auto options =
               FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
-          torch::manual_seed(0);
-          MoeNet reference;
-          torch::manual_seed(0);
-          MoeNet inner = [&] {
-            EnableWrap scope(options);
-            return MoeNet();
-          }();
-          FullyShardedDataParallel<MoeNetImpl> model(inner, options);
-          torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
-          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
-          for (int step = 0; step < 4; ++step) {
-            torch::manual_seed(100 + step);
-            const torch::Tensor x = torch::randn({4 * world, 8});
-            const torch::Tensor y = torch::randn({4 * world, 2});
-            ref_opt.zero_grad();
-            torch::Tensor ref_loss = torch::zeros({});
-            for (int r = 0; r < world; ++r) {
-              ref_loss =
-                  ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
-                                             y.chunk(world, 0)[r]);
-            }
-            (ref_loss / world).backward();
-            ref_opt.step();
-            opt.zero_grad();
-            torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
-            opt.step();
-            expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
-          }
+          train_routed_against_plain<MoeNet>(options, options, what);
         }
       }
     });

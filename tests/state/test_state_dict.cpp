@@ -864,6 +864,26 @@ struct WithEmptyImpl : torch::nn::Module {
 };
 TORCH_MODULE(WithEmpty);
 
+// Saves `model` (its optimizer `opt`, made by make_optimizer(`kind`)) at
+// `step`, sharded and full, under `prefix`-<type>, and resumes each into
+// make(5): the same state dict and optimizer state dict.
+template <typename Make, typename Model>
+void expect_resumes_sharded_and_full(const Make& make, Model& model, torch::optim::Optimizer& opt,
+                                     const std::string& kind, int64_t step,
+                                     const std::string& prefix) {
+  const auto sd = full_state_dict(*model);
+  const auto osd = full_optim_state_dict(*model, opt);
+  for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
+    const std::string parent = prefix + "-" + fsdp::to_string(type);
+    Checkpointer(*model, &opt).save_step(parent, step, type);
+    auto other = make(5);
+    auto other_opt = make_optimizer(kind, other->parameters());
+    EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(parent), step) << parent;
+    expect_bitwise_equal(full_state_dict(*other), sd, parent);
+    expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), osd, parent);
+  }
+}
+
 // A zero-element tensor is in no rank's shard, and sharded checkpoints once
 // held no entry for it: they saved, but never loaded. It round-trips now,
 // sharded and full, at 1 and 2 ranks, with its optimizer state; a state
@@ -886,22 +906,16 @@ TEST(StateDict, ZeroElementTensorsRoundTrip) {
               auto opt = make_optimizer(kind, model->parameters());
               torch::manual_seed(3);
               train(*model, *opt, 2);
-              const auto sd = full_state_dict(*model);
-              const auto osd = full_optim_state_dict(*model, *opt);
+              const std::string prefix =
+                  dir + "/" + std::to_string(world) + (orig ? "-orig-" : "-flat-") + kind;
+              expect_resumes_sharded_and_full(make, model, *opt, kind, 2, prefix);
               for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
-                const std::string what = std::to_string(world) + (orig ? "-orig-" : "-flat-") +
-                                         kind + "-" + fsdp::to_string(type);
-                const std::string parent = dir + "/" + what;
-                Checkpointer(*model, opt.get()).save_step(parent, 2, type);
+                const std::string parent = prefix + "-" + fsdp::to_string(type);
                 const detail::CheckpointReader reader(checkpoint_path(parent, 2));
-                EXPECT_FALSE(reader.pieces("model/empty").empty()) << what;
-                EXPECT_FALSE(reader.pieces("model/cache").empty()) << what;
-                auto other = make(5);
-                auto other_opt = make_optimizer(kind, other->parameters());
-                EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(parent), 2) << what;
-                expect_bitwise_equal(full_state_dict(*other), sd, what);
-                expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), osd, what);
+                EXPECT_FALSE(reader.pieces("model/empty").empty()) << parent;
+                EXPECT_FALSE(reader.pieces("model/cache").empty()) << parent;
               }
+              const auto sd = full_state_dict(*model);
               auto without = sd;
               without.erase("empty");
               without.erase("cache");
@@ -910,6 +924,51 @@ TEST(StateDict, ZeroElementTensorsRoundTrip) {
               expect_bitwise_equal(full_state_dict(*other), sd, "without zero-element entries");
             }
           }
+        },
+        with_dir(dir));
+  }
+  remove_test_dir(dir);
+}
+
+// Buffers that are not contiguous: position ids expanded from one row (as
+// HF's models register them) and a transposed table.
+struct StridedBuffersImpl : torch::nn::Module {
+  explicit StridedBuffersImpl(int64_t seed) {
+    fc = register_module("fc", torch::nn::Linear(7, 3));
+    positions = register_buffer("positions", torch::arange(5).add(seed).expand({2, -1}));
+    table = register_buffer("table", torch::randn({3, 4}).t());
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc->forward(x); }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor positions, table;
+};
+TORCH_MODULE(StridedBuffers);
+
+// Saving refused them ("is not contiguous"), where torch::save takes them.
+// They round-trip now, sharded and full, as torch::load gives them:
+// contiguous, with the same values.
+TEST(StateDict, NonContiguousBuffersRoundTrip) {
+  const std::string dir = test_dir();
+  for (const int world : {1, 2}) {
+    run_ranks_ok(
+        world,
+        [&](int, int) {
+          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+          auto make = [&](int seed) {
+            torch::manual_seed(seed);
+            return FullyShardedDataParallel<StridedBuffersImpl>(StridedBuffers(seed));
+          };
+          auto model = make(0);
+          auto opt = make_optimizer("adamw", model->parameters());
+          torch::manual_seed(3);
+          train(*model, *opt, 1);
+          const auto sd = full_state_dict(*model);
+          EXPECT_TRUE(torch::equal(sd["positions"], torch::arange(5).expand({2, -1})));
+          expect_resumes_sharded_and_full(make, model, *opt, "adamw", 1,
+                                          dir + "/strided-" + std::to_string(world));
+          auto other = make(6);
+          load_full_state_dict(*other, sd);
+          expect_bitwise_equal(full_state_dict(*other), sd, "load_full_state_dict");
         },
         with_dir(dir));
   }

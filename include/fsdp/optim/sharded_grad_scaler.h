@@ -59,8 +59,8 @@ class ShardedGradScaler {
   /// Checks the options when enabled (a one-line error names a wrong one).
   explicit ShardedGradScaler(GradScalerOptions options = {});
 
-  /// `loss` times the current scale (a 0-dim float32 factor, so a float16
-  /// loss scales in float32, as torch.amp.GradScaler's does; PyTorch's
+  /// `loss` times the current scale, in float32 at least (a float16 loss,
+  /// per sample too, scales in float32, as torch.amp.GradScaler's does; PyTorch's
   /// ShardedGradScaler casts back to float16, where 65536 overflows); `loss`
   /// itself when disabled.
   torch::Tensor scale(const torch::Tensor& loss) const;
