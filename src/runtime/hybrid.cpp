@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <fsdp/comm/init.h>
@@ -90,17 +91,35 @@ void check_replicas_hold_one_shard(const HybridGroups& groups) {
 HybridGroups resolve_hybrid_groups(const FSDPOptions& options) {
   const char* what = "HYBRID_SHARD";
   if (const auto& given = options.hybrid_groups()) {
-    const int rank = given->world ? given->world->rank() : -1;
-    FSDP_CHECK(given->world && given->shard && given->replicate, rank, what,
-               "hybrid_groups needs its world, shard and replicate groups; make them with "
+    FSDP_CHECK(given->world, -1, what,
+               "hybrid_groups needs its world group; make the groups with "
                "fsdp::new_hybrid_groups(world, ranks_per_node)");
-    FSDP_CHECK(!options.process_group() || options.process_group() == given->world, rank, what,
-               "process_group is not hybrid_groups' world. Leave process_group unset, or set "
-               "it to the world group the hybrid groups were made from");
-    FSDP_CHECK(given->shard->size() * given->replicate->size() == given->world->size(), rank, what,
-               "hybrid_groups: shard group size ", given->shard->size(), " x replicate group size ",
-               given->replicate->size(), " != world size ", given->world->size(),
-               ". Every rank must be in one shard and one replicate group");
+    const int rank = given->world->rank();
+    // Each rank's own checks, agreed over the world before anything runs
+    // over the shard or replicate groups: a rank outside a subgroup made for
+    // some ranks only (new_subgroup gives it none) fails, and the others
+    // with it at once instead of waiting in those groups until the timeout.
+    std::string problem;
+    if (!given->shard || !given->replicate) {
+      problem =
+          "hybrid_groups needs a shard and a replicate group on every rank (this rank got "
+          "none: a subgroup made of some ranks only?); make them with "
+          "fsdp::new_hybrid_groups(world, ranks_per_node)";
+    } else if (options.process_group() && options.process_group() != given->world) {
+      problem =
+          "process_group is not hybrid_groups' world. Leave process_group unset, or set it "
+          "to the world group the hybrid groups were made from";
+    } else if (given->shard->size() * given->replicate->size() != given->world->size()) {
+      problem = "hybrid_groups: shard group size " + std::to_string(given->shard->size()) +
+                " x replicate group size " + std::to_string(given->replicate->size()) +
+                " != world size " + std::to_string(given->world->size()) +
+                ". Every rank must be in one shard and one replicate group";
+    }
+    const bool any = agree_reduce(given->world.get(), {problem.empty() ? 0 : 1}, ReduceOp::kMax)[0];
+    FSDP_CHECK(!any, rank, what,
+               problem.empty() ? "hybrid_groups are refused on another rank (its error says why); "
+                                 "make them with fsdp::new_hybrid_groups(world, ranks_per_node)"
+                               : problem);
     check_replicas_hold_one_shard(*given);
     return *given;
   }

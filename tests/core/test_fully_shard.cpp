@@ -98,6 +98,8 @@ struct Case {
   // validation loss in grad mode that no backward follows, compared with the
   // reference's; training then goes on.
   bool evaluate_between = false;
+  // An evaluation forward between backward and the optimizer's step.
+  bool evaluate_before_step = false;
   // Per step: which blocks the forward runs (empty: all).
   std::function<std::vector<size_t>(int step)> order;
   std::string what;
@@ -146,6 +148,12 @@ double train_against_reference(const Case& c) {
     ref_opt->step();
     model->zero_grad();  // the user's habit: clears the shards' gradients too
     lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
+    if (c.evaluate_before_step) {
+      torch::NoGradGuard no_grad;
+      model->eval();
+      (void)model->forward(local_block(targets));
+      model->train();
+    }
     opt->step();
     if (c.evaluate_between) {
       torch::manual_seed(500 + step);
@@ -234,6 +242,17 @@ TEST(FullyShard, EvaluationAndForwardsWithoutBackwardBetweenSteps) {
       c.forward_prefetch = true;
       c.evaluate_between = true;
       c.what = " with evaluation";
+    });
+  });
+}
+
+// Found by review: the evaluation left the root gathered, and the next
+// forward computed it with the values from before the step.
+TEST(FullyShard, EvaluationBetweenBackwardAndStep) {
+  expect_parity({1, 2}, [] {
+    return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [](Case& c) {
+      c.evaluate_before_step = true;
+      c.what = " evaluating before the step";
     });
   });
 }

@@ -385,6 +385,25 @@ TEST(HybridShard, InconsistentGroupsAreRefused) {
     EXPECT_NE(msg.find("a replicate group holds ranks at different places"), std::string::npos)
         << msg;
   });
+  // A shard group made for rank 0 alone: rank 1 has none and fails, and
+  // rank 0 with it at once, not in the replicate group's agreement at the
+  // timeout (found by review).
+  run_ranks_ok(2, [](int rank, int) {
+    init_layout(rank, Layout{1, 2});
+    const auto world = default_process_group();
+    auto shard = world->new_subgroup({0});
+    auto replicate = world->new_subgroup({0, 1});
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string msg = error_of([&] {
+      make_root(FSDPOptions()
+                    .sharding_strategy(ShardingStrategy::kHybridShard)
+                    .hybrid_groups(HybridGroups{world, shard, replicate}));
+    });
+    EXPECT_NE(msg.find(rank == 0 ? "refused on another rank" : "this rank got none"),
+              std::string::npos)
+        << msg;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  });
   // Nodes told different numbers of ranks (LOCAL_WORLD_SIZE 2, 2, 1, 1): the
   // same error on every rank at once, not subgroups that wait on each other.
   run_ranks_ok(4, [](int rank, int) {

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <utility>
@@ -136,21 +137,29 @@ void train_and_compare(ShardingStrategy strategy, bool orig_params, bool two_bac
   }
 }
 
-// SHARD_GRAD_OP and NO_SHARD gather no parameters in backward, so ordering
-// the reductions (Note [Reduction order]) is all it takes.
-TEST(UnevenGradients, ShardGradOpAndNoShardTrainLikePlainLibTorch) {
+// Runs `body(strategy, orig_params)` for each of `strategies`, with flat
+// shards and with use_orig_params, at 2 and 3 ranks (real processes).
+void at_two_and_three_ranks(const std::vector<ShardingStrategy>& strategies,
+                            const std::function<void(ShardingStrategy, bool)>& body) {
   for (const int world : {2, 3}) {
     SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
+    run_ranks_ok(world, [&](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (const bool orig_params : {false, true}) {
-        for (const auto strategy : {ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
-          train_and_compare(strategy, orig_params);
-        }
+        for (const ShardingStrategy strategy : strategies) body(strategy, orig_params);
       }
     });
   }
+}
+
+// SHARD_GRAD_OP and NO_SHARD gather no parameters in backward, so ordering
+// the reductions (Note [Reduction order]) is all it takes.
+TEST(UnevenGradients, ShardGradOpAndNoShardTrainLikePlainLibTorch) {
+  at_two_and_three_ranks({ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard},
+                         [](ShardingStrategy strategy, bool orig_params) {
+                           train_and_compare(strategy, orig_params);
+                         });
 }
 
 // A second backward through the first one's retained graph has no forward
@@ -273,27 +282,19 @@ void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& b
 }
 
 TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
-  for (const int world : {2, 3}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (const bool orig_params : {false, true}) {
-        for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-          // Checkpointed blocks too: the unused expert's AccumulateGrad then
-          // runs without a gradient (the recomputation's grad() gives none).
-          const bool checkpointed = orig_params == (strategy == ShardingStrategy::kFullShard);
-          const std::string what = std::string(to_string(strategy)) +
-                                   (orig_params ? " use_orig_params" : " flat shards") +
-                                   (checkpointed ? " checkpointed" : "");
-          const auto options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
-          train_routed_against_plain<Experts>(
-              options, FSDPOptions(options).activation_checkpointing(checkpointed), what);
-        }
-      }
-    });
-  }
+  at_two_and_three_ranks(
+      {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
+      [](ShardingStrategy strategy, bool orig_params) {
+        // Checkpointed blocks too: the unused expert's AccumulateGrad then
+        // runs without a gradient (the recomputation's grad() gives none).
+        const bool checkpointed = orig_params == (strategy == ShardingStrategy::kFullShard);
+        const std::string what = std::string(to_string(strategy)) +
+                                 (orig_params ? " use_orig_params" : " flat shards") +
+                                 (checkpointed ? " checkpointed" : "");
+        const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+        train_routed_against_plain<Experts>(
+            options, FSDPOptions(options).activation_checkpointing(checkpointed), what);
+      });
 }
 
 // A unit whose forward every rank runs but none of whose parameters some
@@ -344,22 +345,14 @@ struct MoeNetImpl : nn::Module {
 TORCH_MODULE(MoeNet);
 
 TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
-  for (const int world : {2, 3}) {
-    SCOPED_TRACE("world " + std::to_string(world));
-    run_ranks_ok(world, [](int, int) {
-      torch::set_num_threads(1);
-      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-      for (const bool orig_params : {false, true}) {
-        for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-          const std::string what = std::string(to_string(strategy)) +
-                                   (orig_params ? " use_orig_params" : " flat shards");
-          const auto options =
-              FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
-          train_routed_against_plain<MoeNet>(options, options, what);
-        }
-      }
-    });
-  }
+  at_two_and_three_ranks(
+      {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
+      [](ShardingStrategy strategy, bool orig_params) {
+        const std::string what =
+            std::string(to_string(strategy)) + (orig_params ? " use_orig_params" : " flat shards");
+        const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+        train_routed_against_plain<MoeNet>(options, options, what);
+      });
 }
 
 }  // namespace test_uneven_grads

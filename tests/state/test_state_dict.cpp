@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -864,6 +865,20 @@ struct WithEmptyImpl : torch::nn::Module {
 };
 TORCH_MODULE(WithEmpty);
 
+// Runs `body(world)` at 1 and 2 ranks (real processes, in a process group),
+// their files under `dir`.
+void at_one_and_two_ranks(const std::string& dir, const std::function<void(int)>& body) {
+  for (const int world : {1, 2}) {
+    run_ranks_ok(
+        world,
+        [&](int, int) {
+          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+          body(world);
+        },
+        with_dir(dir));
+  }
+}
+
 // Saves `model` (its optimizer `opt`, made by make_optimizer(`kind`)) at
 // `step`, sharded and full, under `prefix`-<type>, and resumes each into
 // make(5): the same state dict and optimizer state dict.
@@ -890,43 +905,37 @@ void expect_resumes_sharded_and_full(const Make& make, Model& model, torch::opti
 // without its entry (as those checkpoints) loads too.
 TEST(StateDict, ZeroElementTensorsRoundTrip) {
   const std::string dir = test_dir();
-  for (const int world : {1, 2}) {
-    run_ranks_ok(
-        world,
-        [&](int, int) {
-          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-          for (const bool orig : {false, true}) {
-            for (const std::string kind : {"sgd", "adam"}) {
-              const auto o = FSDPOptions().use_orig_params(orig);
-              auto make = [&](int seed) {
-                torch::manual_seed(seed);
-                return FullyShardedDataParallel<WithEmptyImpl>(WithEmpty(), o);
-              };
-              auto model = make(0);
-              auto opt = make_optimizer(kind, model->parameters());
-              torch::manual_seed(3);
-              train(*model, *opt, 2);
-              const std::string prefix =
-                  dir + "/" + std::to_string(world) + (orig ? "-orig-" : "-flat-") + kind;
-              expect_resumes_sharded_and_full(make, model, *opt, kind, 2, prefix);
-              for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
-                const std::string parent = prefix + "-" + fsdp::to_string(type);
-                const detail::CheckpointReader reader(checkpoint_path(parent, 2));
-                EXPECT_FALSE(reader.pieces("model/empty").empty()) << parent;
-                EXPECT_FALSE(reader.pieces("model/cache").empty()) << parent;
-              }
-              const auto sd = full_state_dict(*model);
-              auto without = sd;
-              without.erase("empty");
-              without.erase("cache");
-              auto other = make(6);
-              load_full_state_dict(*other, without);
-              expect_bitwise_equal(full_state_dict(*other), sd, "without zero-element entries");
-            }
-          }
-        },
-        with_dir(dir));
-  }
+  at_one_and_two_ranks(dir, [&](int world) {
+    for (const bool orig : {false, true}) {
+      for (const std::string kind : {"sgd", "adam"}) {
+        const auto o = FSDPOptions().use_orig_params(orig);
+        auto make = [&](int seed) {
+          torch::manual_seed(seed);
+          return FullyShardedDataParallel<WithEmptyImpl>(WithEmpty(), o);
+        };
+        auto model = make(0);
+        auto opt = make_optimizer(kind, model->parameters());
+        torch::manual_seed(3);
+        train(*model, *opt, 2);
+        const std::string prefix =
+            dir + "/" + std::to_string(world) + (orig ? "-orig-" : "-flat-") + kind;
+        expect_resumes_sharded_and_full(make, model, *opt, kind, 2, prefix);
+        for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
+          const std::string parent = prefix + "-" + fsdp::to_string(type);
+          const detail::CheckpointReader reader(checkpoint_path(parent, 2));
+          EXPECT_FALSE(reader.pieces("model/empty").empty()) << parent;
+          EXPECT_FALSE(reader.pieces("model/cache").empty()) << parent;
+        }
+        const auto sd = full_state_dict(*model);
+        auto without = sd;
+        without.erase("empty");
+        without.erase("cache");
+        auto other = make(6);
+        load_full_state_dict(*other, without);
+        expect_bitwise_equal(full_state_dict(*other), sd, "without zero-element entries");
+      }
+    }
+  });
   remove_test_dir(dir);
 }
 
@@ -949,29 +958,23 @@ TORCH_MODULE(StridedBuffers);
 // contiguous, with the same values.
 TEST(StateDict, NonContiguousBuffersRoundTrip) {
   const std::string dir = test_dir();
-  for (const int world : {1, 2}) {
-    run_ranks_ok(
-        world,
-        [&](int, int) {
-          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-          auto make = [&](int seed) {
-            torch::manual_seed(seed);
-            return FullyShardedDataParallel<StridedBuffersImpl>(StridedBuffers(seed));
-          };
-          auto model = make(0);
-          auto opt = make_optimizer("adamw", model->parameters());
-          torch::manual_seed(3);
-          train(*model, *opt, 1);
-          const auto sd = full_state_dict(*model);
-          EXPECT_TRUE(torch::equal(sd["positions"], torch::arange(5).expand({2, -1})));
-          expect_resumes_sharded_and_full(make, model, *opt, "adamw", 1,
-                                          dir + "/strided-" + std::to_string(world));
-          auto other = make(6);
-          load_full_state_dict(*other, sd);
-          expect_bitwise_equal(full_state_dict(*other), sd, "load_full_state_dict");
-        },
-        with_dir(dir));
-  }
+  at_one_and_two_ranks(dir, [&](int world) {
+    auto make = [&](int seed) {
+      torch::manual_seed(seed);
+      return FullyShardedDataParallel<StridedBuffersImpl>(StridedBuffers(seed));
+    };
+    auto model = make(0);
+    auto opt = make_optimizer("adamw", model->parameters());
+    torch::manual_seed(3);
+    train(*model, *opt, 1);
+    const auto sd = full_state_dict(*model);
+    EXPECT_TRUE(torch::equal(sd["positions"], torch::arange(5).expand({2, -1})));
+    expect_resumes_sharded_and_full(make, model, *opt, "adamw", 1,
+                                    dir + "/strided-" + std::to_string(world));
+    auto other = make(6);
+    load_full_state_dict(*other, sd);
+    expect_bitwise_equal(full_state_dict(*other), sd, "load_full_state_dict");
+  });
   remove_test_dir(dir);
 }
 
