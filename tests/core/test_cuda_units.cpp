@@ -26,6 +26,7 @@
 #include "detail/torch_compat.h"
 #include "error_of.h"
 #include "float16_scaling.h"
+#include "frozen_net.h"
 #include "multi_rank.h"
 #include "offloaded_steps.h"
 #include "rank_gpu.h"
@@ -424,6 +425,28 @@ TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
       for (int step = 0; step < 4; ++step) {
         gpu_step(reference, ref_opt, model, opt, step, what);
         expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+      }
+    }
+  });
+}
+
+// Note [Parameters backward reads without a gradient] on the GPU, where a
+// freed buffer's memory is the caching allocator's to hand out at once: a
+// LoRA unit, a frozen layer ahead of trainable ones and a unit frozen whole,
+// with wrappers (plain and activation-checkpointed) and fully_shard, one
+// forward, two forwards before one backward, and a gradient penalty,
+// against plain LibTorch on the GPU every step.
+TEST_P(CudaUnits, FrozenParametersReadLateOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    using frozen_net::Loss;
+    using frozen_net::Made;
+    for (const Made made : {Made::kWrappers, Made::kCheckpointed, Made::kFullyShard}) {
+      for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+        for (const Loss how : {Loss::kOneForward, Loss::kTwoForwards, Loss::kGradientPenalty}) {
+          frozen_net::train_and_compare(made, strategy, how, rank_gpu());
+        }
       }
     }
   });
