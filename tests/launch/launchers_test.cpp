@@ -151,21 +151,27 @@ TEST(Launchers, FsdprunTwoRanks) {
 // torchrun's multi-node command, the same on both "nodes" (two fsdprun on
 // this host): the c10d rendezvous gives the node ranks, and the four libfsdp
 // ranks form one job over the endpoint's port, which rank 0's store serves
-// once the rendezvous has let go of it.
-TEST(Launchers, FsdprunNodesMeetAtTheC10dRendezvous) {
+// once the rendezvous has let go of it. `listen_race`: both launchers' first
+// try to serve fails, as when their listen() calls race (Note [Serving the
+// rendezvous]; it hung both until the join timeout).
+void expect_nodes_meet_at_c10d(bool listen_race) {
   const std::string endpoint = "127.0.0.1:" + std::to_string(fsdp::testing::free_port());
-  const std::vector<std::string> args = {
-      "--nnodes",       "2",     "--nproc-per-node", "2",
-      "--rdzv-backend", "c10d",  "--rdzv-endpoint",  endpoint,
-      "--rdzv-id",      "probe", "--no-python",      LAUNCH_PROBE_PATH};
+  const std::vector<std::string> args = {"--nnodes",         "2",
+                                         "--nproc-per-node", "2",
+                                         "--rdzv-backend",   "c10d",
+                                         "--rdzv-endpoint",  endpoint,
+                                         "--rdzv-id",        "probe",
+                                         "--rdzv-conf",      "join_timeout=40",
+                                         "--no-python",      LAUNCH_PROBE_PATH};
   Env env = clean_env();
   env["FSDP_JOB_TOKEN"] = "0123456789abcdef0123456789abcdef";
+  if (listen_race) env["FSDP_FAULT_RDZV_LISTEN_RACE"] = "1";
   LauncherProcess first(fsdprun_path(), args, env);
   LauncherProcess second(fsdprun_path(), args, env);
   std::string out;
   for (LauncherProcess* node : {&first, &second}) {
     const RunResult r = node->wait(kDeadline);
-    ASSERT_FALSE(r.timed_out) << describe(r);
+    EXPECT_FALSE(r.timed_out) << describe(r);
     EXPECT_EQ(r.exit_code, 0) << describe(r);
     out += r.out;
   }
@@ -176,6 +182,10 @@ TEST(Launchers, FsdprunNodesMeetAtTheC10dRendezvous) {
     EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
   }
 }
+
+TEST(Launchers, FsdprunNodesMeetAtTheC10dRendezvous) { expect_nodes_meet_at_c10d(false); }
+
+TEST(Launchers, FsdprunNodesMeetWhenBothFailedToServeFirst) { expect_nodes_meet_at_c10d(true); }
 
 }  // namespace
 }  // namespace fsdp::launch::testing

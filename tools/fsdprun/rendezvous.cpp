@@ -10,9 +10,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -512,6 +515,11 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
   }
   const Clock::time_point deadline = deadline_of(options);
   Clock::time_point next_progress = Clock::now() + kProgressEvery;
+  // FSDP_FAULT_RDZV_LISTEN_RACE=1: this node's first try to serve fails, as
+  // when two nodes' listen() race (tests/launch: they still meet).
+  const char* fault = std::getenv("FSDP_FAULT_RDZV_LISTEN_RACE");
+  bool fail_first_listen = fault != nullptr && std::string(fault) == "1";
+  std::minstd_rand jitter(std::random_device{}());
   bool decided = false;        // whether this node tried to serve
   bool closed = false;         // whether the last try's connection closed unanswered
   bool closed_before = false;  // whether any try's did
@@ -521,22 +529,33 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
     // Resolved again on every try: a name may appear only once its node is
     // up (a Kubernetes service, a fresh DNS record).
     const std::vector<sockaddr_storage> addresses = resolve(options, &resolve_error);
-    if (!addresses.empty() && !decided) {
-      decided = true;
+    // Note [Serving the rendezvous]
+    // The node with the endpoint's address serves it, if it can listen on
+    // the port. Tried again on every try until this node has joined one:
+    // two nodes of one host (or two launchers of one node) starting
+    // together can both fail to listen, as Linux marks a socket listening
+    // before it checks the port for another listener, and then neither
+    // served and both waited for the join timeout. A try a random 0-200 ms
+    // later lets one of them win.
+    bool may_serve = false;
+    if (!addresses.empty() && !announced) {
       const bool local = std::any_of(addresses.begin(), addresses.end(), is_local);
-      const bool serves = options.rdzv_is_host.value_or(local);
-      if (serves) {
-        UniqueFd listener = listen_everywhere(options.rdzv_port);
+      may_serve = options.rdzv_is_host.value_or(local);
+      if (may_serve) {
+        UniqueFd listener = std::exchange(fail_first_listen, false)
+                                ? UniqueFd()
+                                : listen_everywhere(options.rdzv_port);
         if (listener.valid()) {
           return serve(std::move(listener), addresses, local, options, token, hooks, assignment,
                        error);
         }
-        if (options.rdzv_is_host.value_or(false)) {
+        if (options.rdzv_is_host.value_or(false) && !decided) {
           *error = "--rdzv-conf is_host=1, but port " + std::to_string(options.rdzv_port) +
                    " is taken on this node";
           return false;
         }
       }
+      decided = true;
     }
     auto retry_after = kRetryEvery;
     if (!addresses.empty()) {
@@ -588,6 +607,9 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
                    : "fsdprun: waiting for the rendezvous at " + endpoint_of(options) +
                          " (served by the node with that address)");
       next_progress = Clock::now() + kProgressEvery;
+    }
+    if (may_serve && !closed) {
+      retry_after = std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 200)(jitter));
     }
     std::this_thread::sleep_for(retry_after);
   }
