@@ -10,7 +10,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <fsdp/fsdp.h>
 
@@ -55,5 +57,83 @@ TEST(FrozenReads, TwoForwardsAndAGradientPenaltyTrainLikePlainLibTorch) {
   });
 }
 
+// With the schedules and features around backward that frozen units meet:
+// backward prefetch after the gradient or none, forward prefetch, gradient
+// accumulation under no_sync() (FULL_SHARD and SHARD_GRAD_OP), steps during
+// backward (FusedAdamW), and bf16 mixed precision (finite values only:
+// plain LibTorch computes in float32).
+TEST(FrozenReads, WithPrefetchNoSyncStepsDuringBackwardAndMixedPrecision) {
+  run_ranks_ok(2, [](int, int world) {
+    join_test_group();
+    using frozen_net::FrozenNet;
+    using frozen_net::FrozenNetImpl;
+    // A variant: whether it accumulates a micro-batch under no_sync() first,
+    // steps during backward, computes in bf16.
+    struct V {
+      std::string name;
+      FSDPOptions o;
+      bool no_sync, fused, mp;
+    };
+    const auto base = FSDPOptions().use_orig_params(true);
+    std::vector<V> vs = {
+        {"post", FSDPOptions(base).backward_prefetch(BackwardPrefetch::kBackwardPost), false, false,
+         false},
+        {"none", FSDPOptions(base).backward_prefetch(BackwardPrefetch::kNone), false, false, false},
+        {"fwd", FSDPOptions(base).forward_prefetch(true), false, false, false},
+        {"nosync", base, true, false, false},
+        {"nosync-grad-op", FSDPOptions(base).sharding_strategy(ShardingStrategy::kShardGradOp),
+         true, false, false},
+        {"fused", base, false, true, false},
+        {"mp", FSDPOptions(base).mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)),
+         false, false, true},
+    };
+    for (const V& v : vs) {
+      torch::manual_seed(0);
+      FrozenNet reference(frozen_net::Made::kPlain, v.o);
+      torch::manual_seed(0);
+      auto inner = std::make_shared<FrozenNetImpl>(frozen_net::Made::kWrappers, v.o);
+      FullyShardedDataParallel<FrozenNetImpl> root(inner, v.o);
+      const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+      torch::optim::AdamW ref_opt(reference->parameters(), adamw);
+      std::unique_ptr<torch::optim::AdamW> opt;
+      if (v.fused) {
+        auto f = std::make_unique<optim::FusedAdamW>(root->parameters(), adamw);
+        f->step_during_backward(*root);
+        opt = std::move(f);
+      } else {
+        opt = std::make_unique<torch::optim::AdamW>(root->parameters(), adamw);
+      }
+      for (int step = 0; step < 3; ++step) {
+        torch::manual_seed(100 + step);
+        const torch::Tensor x = torch::randn({3 * world, 6}), y = torch::randn({3 * world, 2});
+        ref_opt.zero_grad();
+        torch::Tensor ref_loss = torch::zeros({});
+        for (int r = 0; r < world; ++r) {
+          const auto xr = x.chunk(world, 0)[r], yr = y.chunk(world, 0)[r];
+          ref_loss = ref_loss + torch::mse_loss(reference->forward(xr), yr);
+          if (v.no_sync) ref_loss = ref_loss + torch::mse_loss(reference->forward(xr * 2), yr);
+        }
+        (ref_loss / world).backward();
+        ref_opt.step();
+        opt->zero_grad();
+        if (v.no_sync) {
+          auto guard = root->no_sync();
+          torch::mse_loss(root->forward(local_block(x)), local_block(y)).backward();
+        }
+        torch::mse_loss(root->forward(v.no_sync ? local_block(x) * 2 : local_block(x)),
+                        local_block(y))
+            .backward();
+        opt->step();
+        if (!v.mp) {
+          expect_same_after_step(*root.ptr(), *reference.ptr(), v.name, step);
+        } else {
+          SummonFullParams full(*root.ptr());
+          for (const auto& p : root->parameters())
+            EXPECT_TRUE(p.isfinite().all().item<bool>()) << v.name;
+        }
+      }
+    }
+  });
+}
 }  // namespace test_frozen_reads
 }  // namespace fsdp::testing
