@@ -520,7 +520,6 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
   const char* fault = std::getenv("FSDP_FAULT_RDZV_LISTEN_RACE");
   bool fail_first_listen = fault != nullptr && std::string(fault) == "1";
   std::minstd_rand jitter(std::random_device{}());
-  bool decided = false;        // whether this node tried to serve
   bool closed = false;         // whether the last try's connection closed unanswered
   bool closed_before = false;  // whether any try's did
   bool announced = false;      // whether this node said it joined
@@ -549,13 +548,13 @@ bool join_rendezvous(const LaunchOptions& options, const std::string& token, con
           return serve(std::move(listener), addresses, local, options, token, hooks, assignment,
                        error);
         }
-        if (options.rdzv_is_host.value_or(false) && !decided) {
+        // Only a first try gets here: with is_host=1 it serves or fails.
+        if (options.rdzv_is_host.value_or(false)) {
           *error = "--rdzv-conf is_host=1, but port " + std::to_string(options.rdzv_port) +
                    " is taken on this node";
           return false;
         }
       }
-      decided = true;
     }
     auto retry_after = kRetryEvery;
     if (!addresses.empty()) {
