@@ -43,8 +43,8 @@
 # the same as FSDP_TEST_STAGES=2.15.
 # Tests run FSDP_TEST_JOBS at a time (default 3, more than CI's 2 cores: the
 # suite must hold under oversubscription, and the fault tests spend most of
-# their time waiting out timeouts); the simulated-cluster tests, which time
-# their links, run alone (RUN_SERIAL).
+# their time waiting out timeouts); the simulated-cluster harness test, which
+# times its links, runs alone (RUN_SERIAL).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
