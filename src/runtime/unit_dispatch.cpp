@@ -82,7 +82,10 @@ void UnitRuntime::hold_for_operator() {
 void UnitRuntime::before_param_use(bool sharded) {
   const OutsideInferenceMode outside;  // See Note [Inference mode].
   if (checkpoint_phase() == CheckpointPhase::kRecompute) {
-    if (flat_ && sharded) unshard();
+    // Whatever the operator saw: a prefetch still arriving (kUnsharding)
+    // has its storage, so it looks gathered, and must be waited for. A
+    // checkpointed unit read NaN from such a buffer, now and then.
+    if (flat_) unshard();
     return;
   }
   if (root_ == nullptr) become_rooted();

@@ -33,12 +33,12 @@ AutoWrapPolicy::AutoWrapPolicy(Fn should_wrap, std::string description, Fn shoul
 
 bool AutoWrapPolicy::should_wrap(const Module& module, const std::string& path,
                                  int64_t unwrapped_numel) const {
-  return should_wrap_ && should_wrap_(module, path, unwrapped_numel);
+  return should_wrap_ && should_wrap_(detail::wrapped_module(module), path, unwrapped_numel);
 }
 
 bool AutoWrapPolicy::should_recurse(const Module& module, const std::string& path,
                                     int64_t unwrapped_numel) const {
-  return !should_recurse_ || should_recurse_(module, path, unwrapped_numel);
+  return !should_recurse_ || should_recurse_(detail::wrapped_module(module), path, unwrapped_numel);
 }
 
 AlwaysWrapPolicy::AlwaysWrapPolicy()

@@ -8,9 +8,12 @@ namespace fsdp {
 
 std::vector<torch::nn::Module*> original_modules(torch::nn::Module& model) {
   std::vector<torch::nn::Module*> out;
+  // Through every layer: FullyShardedDataParallel<CheckpointWrapperImpl<X>>
+  // stands for an X.
   for (const auto& m : model.modules(/*include_self=*/true)) {
-    const auto* wrapper = dynamic_cast<const detail::ModuleWrapper*>(m.get());
-    out.push_back(wrapper != nullptr ? &wrapper->original_module() : m.get());
+    torch::nn::Module* inner = m.get();
+    while (auto* w = dynamic_cast<detail::ModuleWrapper*>(inner)) inner = &w->original_module();
+    out.push_back(inner);
   }
   return out;
 }

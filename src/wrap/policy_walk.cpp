@@ -1,6 +1,7 @@
 #include "wrap/policy_walk.h"
 
 #include <c10/util/Exception.h>
+#include <fsdp/wrap/wrapper_traits.h>
 
 #include <string>
 
@@ -35,9 +36,16 @@ std::vector<ModuleClass> full_precision_classes(const FSDPOptions& options) {
   return options.mixed_precision()->module_classes_to_ignore();
 }
 
+const torch::nn::Module& wrapped_module(const torch::nn::Module& m) {
+  const torch::nn::Module* inner = &m;
+  while (const auto* w = dynamic_cast<const ModuleWrapper*>(inner)) inner = &w->original_module();
+  return *inner;
+}
+
 const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<ModuleClass>& classes) {
+  const torch::nn::Module& inner = wrapped_module(m);
   for (const auto& c : classes) {
-    if (c.matches(m)) return &c;
+    if (c.matches(inner)) return &c;
   }
   return nullptr;
 }

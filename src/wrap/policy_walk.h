@@ -15,6 +15,13 @@
 
 namespace fsdp::detail {
 
+/// The module `m` stands for: `m`, or the module a wrapper around it (a
+/// CheckpointWrapper, a unit's wrapper) wraps, through every layer. Policies
+/// and module classes are asked about it, so a block wrapped for activation
+/// checkpointing before the walk is still the block's type (as in PyTorch,
+/// where the wrapped module stays a child of its wrapper).
+const torch::nn::Module& wrapped_module(const torch::nn::Module& m);
+
 /// Parameters, by TensorImpl.
 using ParamSet = std::unordered_set<const void*>;
 

@@ -42,18 +42,29 @@ TORCH_MODULE(Block);
 
 constexpr int64_t kVocab = 13, kDim = 16, kSeq = 6;
 
+using CheckpointedBlockImpl = CheckpointWrapperImpl<BlockImpl>;
+
 struct ListGptImpl : torch::nn::Module {
-  explicit ListGptImpl(int n_layer) {
+  // `checkpointed`: each block in a CheckpointWrapper (the same weights).
+  explicit ListGptImpl(int n_layer, bool checkpointed = false) {
     wte = register_module("wte", torch::nn::Embedding(kVocab, kDim));
     blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < n_layer; ++i) blocks->push_back(Block(kDim));
+    for (int i = 0; i < n_layer; ++i) {
+      if (checkpointed) {
+        blocks->push_back(CheckpointWrapper<BlockImpl>(Block(kDim)));
+      } else {
+        blocks->push_back(Block(kDim));
+      }
+    }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
     head = register_module("head", torch::nn::Linear(kDim, kVocab));
   }
   torch::Tensor forward(torch::Tensor idx) {
     torch::Tensor x = wte(idx);
     for (const auto& i : order()) {
-      x = blocks[i]->as<BlockImpl>()->forward(x);
+      auto* checkpointed = blocks[i]->as<CheckpointedBlockImpl>();
+      x = checkpointed != nullptr ? checkpointed->forward(x)
+                                  : blocks[i]->as<BlockImpl>()->forward(x);
       if (after_block) after_block(i, x);
     }
     return head(ln_f(x));
@@ -100,6 +111,8 @@ struct Case {
   bool evaluate_between = false;
   // An evaluation forward between backward and the optimizer's step.
   bool evaluate_before_step = false;
+  // The model's blocks in CheckpointWrappers (the reference's not).
+  bool checkpoint_blocks = false;
   // Per step: which blocks the forward runs (empty: all).
   std::function<std::vector<size_t>(int step)> order;
   std::string what;
@@ -113,7 +126,7 @@ double train_against_reference(const Case& c) {
   torch::manual_seed(0);
   ListGpt reference(3);
   torch::manual_seed(0);
-  ListGpt model(3);
+  ListGpt model(3, c.checkpoint_blocks);
   const auto before = names(*model);
   Unit& root = fully_shard(model, module_type_policy<BlockImpl>(),
                            FSDPOptions()
@@ -123,7 +136,7 @@ double train_against_reference(const Case& c) {
                                .forward_prefetch(c.forward_prefetch));
   // In place: names, member types and casts as before.
   EXPECT_EQ(names(*model), before) << c.what;
-  EXPECT_NE(model->blocks[1]->as<BlockImpl>(), nullptr) << c.what;
+  if (!c.checkpoint_blocks) EXPECT_NE(model->blocks[1]->as<BlockImpl>(), nullptr) << c.what;
   EXPECT_NE(unit_of(*model->blocks[1]), nullptr) << c.what;
   EXPECT_EQ(unit_of(*model), &root) << c.what;
   auto make = [&c](std::vector<torch::Tensor> params) -> std::unique_ptr<torch::optim::Optimizer> {
@@ -242,6 +255,19 @@ TEST(FullyShard, EvaluationAndForwardsWithoutBackwardBetweenSteps) {
       c.forward_prefetch = true;
       c.evaluate_between = true;
       c.what = " with evaluation";
+    });
+  });
+}
+
+// FSDP2's order: activation checkpointing first (each block in a
+// CheckpointWrapper), then fully_shard by block type. The policy sees the
+// block inside each wrapper: a review found it saw only the wrappers, so
+// no block became a unit and the whole model was gathered at once.
+TEST(FullyShard, BlocksInCheckpointWrappersBecomeUnitsAndTrainLikePlainLibTorch) {
+  expect_parity({1, 2}, [] {
+    return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [](Case& c) {
+      c.checkpoint_blocks = true;
+      c.what = " checkpointed blocks";
     });
   });
 }

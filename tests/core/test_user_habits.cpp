@@ -352,6 +352,12 @@ TEST(UserHabits, WalkingModulesByTypeFindsWrappedOnes) {
     const auto found = original_modules(*checkpointed);
     ASSERT_EQ(found.size(), 1u);
     EXPECT_NE(found[0]->as<nn::LinearImpl>(), nullptr);
+    // Through every layer of wrappers.
+    CheckpointWrapper<CheckpointWrapperImpl<nn::LinearImpl>> twice(
+        std::make_shared<CheckpointWrapperImpl<nn::LinearImpl>>(nn::Linear(2, 2)));
+    const auto inner = original_modules(*twice);
+    ASSERT_EQ(inner.size(), 1u);
+    EXPECT_NE(inner[0]->as<nn::LinearImpl>(), nullptr);
   });
 }
 
