@@ -292,39 +292,58 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
   return reader->marker().step;
 }
 
+// Note [Checked before anything loads]
+// A checkpoint that does not fit (another optimizer's groups, a registered
+// state it lacks, another model) must leave the model, the optimizer and the
+// generators as they were: a caller that catches the error and trains on
+// (from scratch, or from another checkpoint) must not train a mix. So every
+// part is checked first, the model's and optimizer's pieces included, and
+// only then is anything written.
 void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* group) {
   detail::FileSource source(reader);
-  detail::load_model_pieces(model, source);
-  if (optimizer != nullptr) detail::load_optim_pieces(model, *optimizer, source);
   // Resume state is per rank; at another world size rank r takes what rank
   // r (or, beyond the saved ranks, rank 0) saved.
   const int rank = group != nullptr ? group->rank() : 0;
   const int saved = reader.marker().world_size;
   const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
   const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
-  if (!m.rng_state.empty()) {
-    at::Generator cpu = at::detail::getDefaultCPUGenerator();
-    set_state_of(cpu, bytes_of(m.rng_state, "rng_state", file, rank_of(group)));
+  detail::load_model_pieces(model, source, detail::PieceLoad::kCheckOnly);
+  if (optimizer != nullptr) {
+    detail::load_optim_pieces(model, *optimizer, source, detail::PieceLoad::kCheckOnly);
+    if (!m.param_groups.empty()) {
+      detail::OptimAccess(*optimizer).check_group_options(m.param_groups, file);
+    }
   }
+  const at::Tensor cpu_rng =
+      m.rng_state.empty() ? at::Tensor() : bytes_of(m.rng_state, "rng_state", file, rank_of(group));
   // The GPUs both jobs see, by index (each rank its own where each sees one).
   std::vector<at::Generator> gpus = cuda_generators();
+  std::vector<at::Tensor> gpu_rng;
   for (size_t i = 0; i < std::min(gpus.size(), m.cuda_rng_states.size()); ++i) {
-    const at::Tensor saved =
-        bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, rank_of(group));
-    FSDP_CHECK(saved.numel() == compat::kCudaRngStateBytes, rank_of(group), file,
-               "a GPU generator's state has ", saved.numel(), " bytes, expected ",
+    gpu_rng.push_back(
+        bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, rank_of(group)));
+    FSDP_CHECK(gpu_rng.back().numel() == compat::kCudaRngStateBytes, rank_of(group), file,
+               "a GPU generator's state has ", gpu_rng.back().numel(), " bytes, expected ",
                compat::kCudaRngStateBytes, " (its seed and offset)");
-    set_state_of(gpus[i], compat::native_cuda_rng_state(saved, state_of(gpus[i])));
+  }
+  for (const auto& kv : registered) {
+    FSDP_CHECK(m.extra.count(kv.first) != 0, rank_of(group), file, "has no registered state '",
+               kv.first, "'; it was saved without register_state(\"", kv.first, "\", ...)");
+  }
+  // Written from here on (Note [Checked before anything loads]).
+  detail::load_model_pieces(model, source);
+  if (optimizer != nullptr) detail::load_optim_pieces(model, *optimizer, source);
+  if (cpu_rng.defined()) {
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    set_state_of(cpu, cpu_rng);
+  }
+  for (size_t i = 0; i < gpu_rng.size(); ++i) {
+    set_state_of(gpus[i], compat::native_cuda_rng_state(gpu_rng[i], state_of(gpus[i])));
   }
   if (optimizer != nullptr && !m.param_groups.empty()) {
     detail::OptimAccess(*optimizer).set_group_options(m.param_groups, file);
   }
-  for (const auto& kv : registered) {
-    const auto it = m.extra.find(kv.first);
-    FSDP_CHECK(it != m.extra.end(), rank_of(group), file, "has no registered state '", kv.first,
-               "'; it was saved without register_state(\"", kv.first, "\", ...)");
-    kv.second.load(it->second);
-  }
+  for (const auto& kv : registered) kv.second.load(m.extra.at(kv.first));
 }
 
 int64_t Checkpointer::resume(const std::string& parent) {
@@ -339,6 +358,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
   std::exception_ptr error;
   if (root) {
     try {
+      detail::restore_cut_short_replacements(parent);  // Note [A replacement cut short]
       verified = newest_verified(parent, rank_of(group));
       std::vector<std::string> keep;
       if (verified) {

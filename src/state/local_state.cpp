@@ -441,9 +441,9 @@ std::vector<std::map<std::string, double>> OptimAccess::group_options() const {
   return out;
 }
 
-void OptimAccess::set_group_options(const std::vector<std::map<std::string, double>>& groups,
-                                    const std::string& where) {
-  auto& mine = opt_.param_groups();
+void OptimAccess::check_group_options(const std::vector<std::map<std::string, double>>& groups,
+                                      const std::string& where) const {
+  const auto& mine = opt_.param_groups();
   FSDP_CHECK(groups.size() == mine.size(), -1, where, "holds the options of ", groups.size(),
              " parameter group(s), the optimizer has ", mine.size(),
              ". Make the optimizer with the same parameter groups as the one saved.");
@@ -453,6 +453,14 @@ void OptimAccess::set_group_options(const std::vector<std::map<std::string, doub
       FSDP_CHECK(groups[i].count(name) == 1, -1, where, "parameter group ", i, " has no ", name,
                  ": it was saved from another kind of optimizer. Load it into the kind saved.");
     }
+  }
+}
+
+void OptimAccess::set_group_options(const std::vector<std::map<std::string, double>>& groups,
+                                    const std::string& where) {
+  check_group_options(groups, where);
+  auto& mine = opt_.param_groups();
+  for (size_t i = 0; i < groups.size(); ++i) {
     const auto& v = groups[i];
     switch (kind_) {
       case Kind::kSgd: {

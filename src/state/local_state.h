@@ -112,6 +112,9 @@ class OptimAccess {
   /// which state exists.
   void set_group_options(const std::vector<std::map<std::string, double>>& groups,
                          const std::string& where);
+  /// set_group_options()'s checks alone: the same errors, nothing set.
+  void check_group_options(const std::vector<std::map<std::string, double>>& groups,
+                           const std::string& where) const;
 
  private:
   torch::optim::Optimizer& opt_;

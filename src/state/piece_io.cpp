@@ -122,10 +122,12 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
   dst.unsafeGetTensorImpl()->bump_version();
 }
 
-void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
+void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoad how) {
   // A unit left unsharded would keep stale full values: free them first; the
   // next forward gathers the loaded shards.
-  for (const UnitEntry& e : units_with_params(root)) e.unit->release_full_params();
+  if (how == PieceLoad::kCheckAndWrite) {
+    for (const UnitEntry& e : units_with_params(root)) e.unit->release_full_params();
+  }
   at::NoGradGuard no_grad;
   UnreportedUses unreported;  // writes outside forward (Note [Units driven by dispatch])
   // Every entry checked before any is written, on every rank whatever its
@@ -163,6 +165,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
                key.substr(6),
                ", which the model does not have. Load a checkpoint saved from the same model.");
   }
+  if (how == PieceLoad::kCheckOnly) return;
   for (size_t i = 0; i < pieces.size(); ++i) {
     LocalPiece& p = pieces[i];
     if (p.end <= p.begin) continue;
@@ -177,7 +180,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src) {
 }
 
 void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
-                       const PieceSource& src) {
+                       const PieceSource& src, PieceLoad how) {
   OptimAccess access(opt);
   auto pieces = local_pieces(root);
   access.check_steps_only(pieces);
@@ -254,6 +257,7 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
       break;
     }
   }
+  if (how == PieceLoad::kCheckOnly) return;
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<LocalPiece*>& group = groups[g];

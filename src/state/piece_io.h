@@ -69,13 +69,18 @@ class FileSource : public PieceSource {
   const CheckpointReader& reader_;
 };
 
+/// How far a load goes: every check only (so that a caller loading several
+/// parts checks them all before it writes any), or the checks and the writes.
+enum class PieceLoad { kCheckOnly, kCheckAndWrite };
+
 /// Loads every parameter and buffer of `root` from `src` (strict: a missing or
 /// unexpected "model/" key is an error). No communication.
-void load_model_pieces(torch::nn::Module& root, const PieceSource& src);
+void load_model_pieces(torch::nn::Module& root, const PieceSource& src,
+                       PieceLoad how = PieceLoad::kCheckAndWrite);
 
 /// Replaces `opt`'s state for `root`'s parameters with what `src` holds. No
 /// communication.
 void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
-                       const PieceSource& src);
+                       const PieceSource& src, PieceLoad how = PieceLoad::kCheckAndWrite);
 
 }  // namespace fsdp::detail

@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include "detail/error.h"
 #include "detail/posix_files.h"
@@ -59,8 +62,45 @@ void remove_if_torn(const std::string& dir) {
   }
 }
 
+// Note [A replacement cut short]
+// Where two directories cannot be exchanged (NFS, older kernels),
+// replace_directory moves the checkpoint of a step aside
+// ("step-N.replaced"), then the new complete one in (".step-N.saving" ->
+// "step-N"). A job killed between the two renames (a wall-time limit, a
+// power cut) leaves no "step-N" and both complete copies under staging
+// names: resume() then saw no checkpoint of that step, and tidying removed
+// both. So before a parent is read (resume) or tidied, rank 0 renames the
+// new one into place, or, were it incomplete, the one moved aside.
+void restore_cut_short_replacements(const std::string& parent) {
+  std::error_code ec;
+  std::vector<std::string> names = list_dir(parent, ec);
+  if (ec) return;
+  // The new ones (".step-N.saving") first: the save had completed them.
+  std::stable_partition(names.begin(), names.end(),
+                        [](const std::string& n) { return !n.empty() && n[0] == '.'; });
+  for (const std::string& name : names) {
+    if (!is_staging_name(name)) continue;
+    const std::string step = name.substr(name[0] == '.' ? 1 : 0, step_name(0).size());
+    const std::string from = parent + "/" + name, to = parent + "/" + step;
+    if (entry_exists(to) || !entry_exists(from + "/" + kCompletionMarker)) continue;
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      TORCH_WARN(error_prefix(/*rank=*/-1, from), "cannot put it back as ", to, ": ",
+                 std::strerror(errno));
+      continue;
+    }
+    TORCH_WARN(error_prefix(/*rank=*/-1, parent), "a save of ", step,
+               " was cut short between its two renames; ", name, " is ", step, " again");
+    try {
+      fsync_directory(parent);
+    } catch (const std::exception& e) {
+      TORCH_WARN(error_prefix(/*rank=*/-1, parent), cause_of(e));
+    }
+  }
+}
+
 void tidy_checkpoints(const std::string& parent, int64_t keep_last,
                       const std::vector<std::string>& keep) {
+  restore_cut_short_replacements(parent);
   std::vector<std::string> kept_paths;
   kept_paths.reserve(keep.size());
   for (const std::string& k : keep) kept_paths.push_back(lexically_normal(k));

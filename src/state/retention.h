@@ -22,6 +22,12 @@ void remove_temporaries(const std::string& dir);
 void tidy_checkpoints(const std::string& parent, int64_t keep_last,
                       const std::vector<std::string>& keep);
 
+/// Puts back, under a checkpoint parent, each step directory that a
+/// replacement cut short between its two renames left missing: the new
+/// checkpoint if complete, else the one moved aside (Note [A replacement cut
+/// short]). REQUIRES: as tidy_checkpoints. Failures are warnings.
+void restore_cut_short_replacements(const std::string& parent);
+
 /// Removes `dir` if it holds no completion marker (a save that failed).
 /// REQUIRES: as remove_temporaries.
 void remove_if_torn(const std::string& dir);

@@ -330,6 +330,54 @@ TEST(CheckpointFaults, AFailedSaveKeepsTheCheckpointOfTheSameStep) {
   EXPECT_FALSE(torch::equal(other->weight, first));
 }
 
+// Where directories cannot be exchanged (NFS), saving a step that exists
+// moves the old checkpoint aside (step-N.replaced), then the new one in
+// (.step-N.saving -> step-N). A job killed between the two renames left no
+// step-N: resume() found nothing to resume and removed both complete copies
+// (a review found it). Now the new one is put back, else the old one (Note
+// [A replacement cut short]).
+TEST(CheckpointFaults, AReplacementCutShortBetweenItsRenamesIsResumed) {
+  const std::string root = test_dir();
+  LinearAndAdam trained;
+  auto& [model, opt] = trained;
+  Checkpointer ckpt(*model, &opt);
+  const std::string path = ckpt.save_step(root, 7);
+  const torch::Tensor first = model->weight.detach().clone();
+  trained.step();
+  ckpt.save_step(root + "/elsewhere", 7);  // the new save, complete
+  const auto renamed = [](const std::string& from, const std::string& to) {
+    ASSERT_EQ(std::rename(from.c_str(), to.c_str()), 0) << from << " -> " << to;
+  };
+  renamed(path, path + ".replaced");
+  renamed(checkpoint_path(root + "/elsewhere", 7), root + "/" + detail::staging_name(7));
+  std::error_code ec;
+  detail::remove_tree(root + "/elsewhere", ec);
+  torch::nn::Linear other(256, 256);
+  torch::optim::Adam other_opt(other->parameters(), torch::optim::AdamOptions(1e-3));
+  {
+    compat::WarningCollector quiet;
+    EXPECT_EQ(Checkpointer(*other, &other_opt).resume(root), 7);
+  }
+  EXPECT_TRUE(torch::equal(other->weight, model->weight)) << "not the newer save";
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000007"}));
+  // Cut short with the new one incomplete (no marker): the old one is back,
+  // and the torn one is removed.
+  renamed(path, path + ".replaced");
+  const std::string torn = root + "/" + detail::staging_name(7);
+  make_dirs_or_fail(torn);
+  put_file_bytes(torn + "/model-rank0.safetensors", "partial");
+  torch::nn::Linear third(256, 256);
+  torch::optim::Adam third_opt(third->parameters(), torch::optim::AdamOptions(1e-3));
+  {
+    compat::WarningCollector quiet;
+    EXPECT_EQ(Checkpointer(*third, &third_opt).resume(root), 7);
+  }
+  EXPECT_TRUE(torch::equal(third->weight, model->weight));
+  EXPECT_FALSE(torch::equal(third->weight, first));
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000007"}));
+  remove_test_dir(root);
+}
+
 // Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,
 // and only rank 0 says what it skipped.
 TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {

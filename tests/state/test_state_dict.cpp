@@ -299,9 +299,25 @@ TEST(StateDict, CheckpointKeepsEachGroupsOptions) {
         train(*other, other_opt, 2);
         expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after training");
 
+        // Refused before anything loads (Note [Checked before anything
+        // loads]): the weights, the optimizer's state and the generator stay
+        // as training left them (they once took the checkpoint's first).
         torch::optim::AdamW one_group(other->parameters(), torch::optim::AdamWOptions(1e-2));
+        train(*other, one_group, 1);
+        const auto weights = full_state_dict(*other);
+        const auto state = full_optim_state_dict(*other, one_group);
+        const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
         EXPECT_CONTAINS(error_of([&] { Checkpointer(*other, &one_group).load(dir + "/ckpt"); }),
                         "holds the options of 2 parameter group(s), the optimizer has 1");
+        Checkpointer wants_more(*other, &other_opt);
+        wants_more.register_state(
+            "data", [] { return std::string(); }, [](const std::string&) {});
+        EXPECT_CONTAINS(error_of([&] { wants_more.load(dir + "/ckpt"); }),
+                        "has no registered state 'data'");
+        expect_bitwise_equal(full_state_dict(*other), weights, "after the refusals");
+        expect_bitwise_equal(full_optim_state_dict(*other, one_group), state,
+                             "optimizer state after the refusals");
+        EXPECT_TRUE(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
       },
       with_dir(dir));
   remove_test_dir(dir);
