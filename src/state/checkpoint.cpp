@@ -107,6 +107,23 @@ std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent, int
                                     ". Repair or remove them to start over.");
 }
 
+// See Note [Checkpoints of a run rolled back].
+void warn_of_later_checkpoints(const std::string& parent, int64_t step) {
+  std::string later;
+  try {
+    for (const detail::StepDirectory& s : detail::step_directories(parent)) {
+      if (s.marked && s.step > step) later += (later.empty() ? "" : ", ") + s.path;
+    }
+  } catch (const std::exception&) {
+    return;  // tidying warned already
+  }
+  if (later.empty()) return;
+  TORCH_WARN(detail::error_prefix(/*rank=*/0, parent), "saved step ", step,
+             " beside complete checkpoints of later steps (", later,
+             "); resume() would load the newest of them, not this one. Remove them if this "
+             "run replaced them (a run rolled back to an earlier step).");
+}
+
 }  // namespace
 
 const char* to_string(StateDictType type) {
@@ -259,12 +276,17 @@ std::string Checkpointer::save_step(const std::string& parent, int64_t step, Sta
   if (root) {
     std::vector<std::string> keep = {dir};
     if (!impl_->resumed_from.empty()) keep.push_back(impl_->resumed_from);
-    detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep);
+    detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep, step);
+    warn_of_later_checkpoints(parent, step);
   }
   return dir;
 }
 
-int64_t Checkpointer::load(const std::string& dir) { return impl_->load_verified(dir, nullptr); }
+int64_t Checkpointer::load(const std::string& dir) {
+  const int64_t step = impl_->load_verified(dir, nullptr);
+  impl_->resumed_from = dir;  // Note [Checkpoints of a run rolled back]
+  return step;
+}
 
 int64_t Checkpointer::Impl::load_verified(const std::string& dir,
                                           std::unique_ptr<CheckpointReader> reader) {

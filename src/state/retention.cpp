@@ -98,8 +98,17 @@ void restore_cut_short_replacements(const std::string& parent) {
   }
 }
 
+// Note [Checkpoints of a run rolled back]
+// A run that loads an earlier step (a loss spike: load step 800 of 800, 900
+// and 1000) and trains on saves steps below the abandoned run's. Counted by
+// number, those would fill keep_last: each new save removed the one before
+// it, and the step loaded, while the abandoned ones stayed, and resume()
+// after a crash picked the newest of them. So save_step leaves complete
+// checkpoints of later steps alone and out of the count, and warns that they
+// are there (removing them is the user's call: they may be wanted); the
+// directory load() read is kept as resume()'s is.
 void tidy_checkpoints(const std::string& parent, int64_t keep_last,
-                      const std::vector<std::string>& keep) {
+                      const std::vector<std::string>& keep, int64_t up_to) {
   restore_cut_short_replacements(parent);
   std::vector<std::string> kept_paths;
   kept_paths.reserve(keep.size());
@@ -119,6 +128,7 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
   for (const StepDirectory& s : dirs) {
     const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
                       kept_paths.end();
+    if (s.marked && s.step > up_to) continue;  // Note [Checkpoints of a run rolled back]
     if (s.marked) ++complete;
     if (kept || (s.marked && (keep_last == 0 || complete <= keep_last))) {
       remove_temporaries(s.path);

@@ -239,6 +239,39 @@ TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
   remove_test_dir(root);
 }
 
+// A run rolled back (load() of an earlier step after a loss spike) saves
+// steps below the abandoned run's checkpoints. keep_last counted those: each
+// save removed the one before it and the step loaded, the abandoned ones
+// stayed, and resume() would pick them (a review found it). Now they are
+// left alone, out of the count, and named in a warning; the step loaded is
+// kept (Note [Checkpoints of a run rolled back]).
+TEST(CheckpointFaults, ARolledBackRunKeepsItsCheckpointsAndIsWarnedOfLaterOnes) {
+  const std::string root = test_dir();
+  save_steps(root, {800, 900, 1000});
+  Trained t(7);
+  Checkpointer ckpt(*t.model, t.opt.get(), CheckpointerOptions().keep_last(2));
+  EXPECT_EQ(ckpt.load(checkpoint_path(root, 800)), 800);
+  std::vector<std::string> warnings;
+  {
+    compat::WarningCollector collect(&warnings);
+    ckpt.save_step(root, 850);
+  }
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("saved step 850 beside complete checkpoints of later steps (" +
+                             checkpoint_path(root, 1000) + ", " + checkpoint_path(root, 900)),
+            std::string::npos)
+      << warnings[0];
+  {
+    compat::WarningCollector quiet;
+    ckpt.save_step(root, 860);
+    ckpt.save_step(root, 870);
+  }
+  EXPECT_EQ(entries(root),
+            (std::set<std::string>{"step-0000000800", "step-0000000860", "step-0000000870",
+                                   "step-0000000900", "step-0000001000"}));
+  remove_test_dir(root);
+}
+
 // 256x256 weights and Adam's two moments (~0.8 MB a checkpoint), one step taken.
 struct LinearAndAdam {
   torch::nn::Linear model = (torch::manual_seed(0), torch::nn::Linear(256, 256));
