@@ -180,6 +180,9 @@ class Planner {
   std::vector<Planned> plan(const std::shared_ptr<SequentialImpl>& root) {
     survey(root, "");
     visit(root, "", Slot{});
+    std::vector<const Module*> modules;
+    for (const Planned& p : planned_) modules.push_back(p.module);
+    detail::check_no_parameter_in_two_units(*root, modules, ignored_params_, rank_, "auto_wrap");
     validate_frozen(*root);
     warn_full_precision();
     return std::move(planned_);

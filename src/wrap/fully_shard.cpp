@@ -54,6 +54,9 @@ void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
 
 // The policy form's walk: post-order, registration order, each module once,
 // with auto_wrap's rules (Planner::visit in auto_wrap.cpp, wrap/policy_walk.h).
+// Like auto_wrap it decides every unit and checks them (tied weights,
+// trainable and frozen parameters mixed) before it makes any, so that a
+// refusal leaves the model as it was.
 class InPlacePlanner {
  public:
   InPlacePlanner(const AutoWrapPolicy& policy, const FSDPOptions& options)
@@ -61,12 +64,14 @@ class InPlacePlanner {
         options_(options),
         ignored_(detail::ignored_module_set(options)),
         full_precision_(detail::full_precision_classes(options)),
-        owned_(detail::ignored_params(options)) {}
+        owned_(detail::ignored_params(options)),
+        ignored_params_(owned_) {}
 
   void walk(torch::nn::Module& m, const std::string& path) {
     if (ignored_.count(&m) != 0 || !visited_.insert(&m).second) return;
     if (unit_of(m) != nullptr) {  // sharded by the caller before
       detail::own_params(m, owned_);
+      detail::own_params(m, made_before_);
       return;
     }
     // A module the policy does not look into is no unit either, nor is
@@ -83,19 +88,38 @@ class InPlacePlanner {
       return;
     }
     check_module(m);
-    detail::UnitPathScope scope(path);
-    if (fp_class == nullptr) {
-      detail::make_in_place_unit(m, options_);
-    } else {
+    planned_.push_back(Planned{&m, path, fp_class});
+    detail::own_params(m, owned_);
+  }
+
+  // The checks a unit makes of its parameters when it is made, for all of
+  // them at once (each unit, then the root, manages what the units before
+  // it do not).
+  void check(const torch::nn::Module& root) const {
+    std::vector<const torch::nn::Module*> modules;
+    for (const Planned& p : planned_) modules.push_back(p.module);
+    detail::check_no_parameter_in_two_units(root, modules, ignored_params_, -1, "fully_shard");
+    detail::ParamSet seen = ignored_params_;
+    seen.insert(made_before_.begin(), made_before_.end());
+    for (const Planned& p : planned_) check_uniform(*p.module, p.path, seen);
+    check_uniform(root, "", seen);
+  }
+
+  void make_units() {
+    for (const Planned& p : planned_) {
+      detail::UnitPathScope scope(p.path);
+      if (p.fp_class == nullptr) {
+        detail::make_in_place_unit(*p.module, options_);
+        continue;
+      }
       // Mixed precision off, as auto_wrap makes these units: its reduce_dtype
       // and buffer_dtype too, which the unit's own check leaves on when no
       // param_dtype is given.
       FSDPOptions full = options_;
       full.mixed_precision(c10::nullopt);
-      detail::make_in_place_unit(m, std::move(full)).keep_full_precision();
-      full_precision_found_.push_back(fp_class->name + " at " + path);
+      detail::make_in_place_unit(*p.module, std::move(full)).keep_full_precision();
+      full_precision_found_.push_back(p.fp_class->name + " at " + p.path);
     }
-    detail::own_params(m, owned_);
   }
 
   // auto_wrap's warning.
@@ -104,13 +128,35 @@ class InPlacePlanner {
   }
 
  private:
+  struct Planned {
+    torch::nn::Module* module;
+    std::string path;
+    const ModuleClass* fp_class;  // kept in full precision (MixedPrecision)
+  };
+
+  // PyTorch's _validate_frozen_params, as auto_wrap's Planner::check_uniform.
+  void check_uniform(const torch::nn::Module& m, const std::string& path,
+                     detail::ParamSet& seen) const {
+    std::vector<std::pair<std::string, at::Tensor>> params;
+    for (const auto& p : m.named_parameters()) {
+      if (seen.insert(p.value().unsafeGetTensorImpl()).second) {
+        params.emplace_back(path.empty() ? p.key() : path + "." + p.key(), p.value());
+      }
+    }
+    detail::check_uniform_requires_grad(params, path, options_.use_orig_params(), -1,
+                                        /*warn=*/false);
+  }
+
   const AutoWrapPolicy& policy_;
   const FSDPOptions& options_;
   detail::ModuleSet ignored_;
   std::vector<ModuleClass> full_precision_;  // units of their own (MixedPrecision)
   std::vector<std::string> full_precision_found_;
   std::unordered_set<const torch::nn::Module*> visited_;
-  detail::ParamSet owned_;  // parameters of the units made so far, and the ignored ones
+  detail::ParamSet owned_;  // parameters of the units planned so far, and the ignored ones
+  detail::ParamSet ignored_params_;
+  detail::ParamSet made_before_;  // parameters of units the caller made before
+  std::vector<Planned> planned_;
 };
 
 }  // namespace
@@ -124,6 +170,8 @@ Unit& fully_shard(torch::nn::Module& root, const AutoWrapPolicy& policy, FSDPOpt
   check_call(root, options);
   InPlacePlanner planner(policy, options);
   for (const auto& child : root.named_children()) planner.walk(*child.value(), child.key());
+  planner.check(root);
+  planner.make_units();
   planner.warn_full_precision();
   return detail::make_in_place_unit(root, std::move(options));
 }

@@ -4,6 +4,8 @@
 #include <fsdp/wrap/wrapper_traits.h>
 
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "detail/error.h"
 
@@ -57,6 +59,43 @@ bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& cla
     if (class_of(*sub, classes) != nullptr) return true;
   }
   return false;
+}
+
+void check_no_parameter_in_two_units(const torch::nn::Module& root,
+                                     const std::vector<const torch::nn::Module*>& planned,
+                                     const ParamSet& ignored, int rank, const char* api) {
+  std::unordered_map<const void*, const torch::nn::Module*> unit_of_param;  // the innermost
+  for (const torch::nn::Module* m : planned) {
+    for (const auto& p : m->parameters()) unit_of_param.emplace(p.unsafeGetTensorImpl(), m);
+  }
+  std::unordered_map<const torch::nn::Module*, std::string> path_of;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    path_of.emplace(item.value().get(), item.key());
+  }
+  std::unordered_map<const torch::nn::Module*, std::unordered_set<const torch::nn::Module*>> under;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const void* impl = p.value().unsafeGetTensorImpl();
+      const auto it = unit_of_param.find(impl);
+      if (ignored.count(impl) != 0 || it == unit_of_param.end()) continue;
+      auto [subtree, fresh] = under.try_emplace(it->second);
+      if (fresh) {
+        for (const auto& m : it->second->modules(/*include_self=*/true))
+          subtree->second.insert(m.get());
+      }
+      if (subtree->second.count(item.value().get()) != 0) continue;
+      const std::string name = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      const std::string unit = path_of.at(it->second);
+      FSDP_FAIL(rank, api, "parameter '", name,
+                "' is the same tensor as a parameter of the unit the policy selects at '", unit,
+                "' (tied weights), and ", item.key().empty() ? "the root" : "'" + item.key() + "'",
+                " is outside that unit. A parameter shared between units must belong to one "
+                "unit: keep the modules that share it in one unit (leave '",
+                unit,
+                "' out of the policy, so that its parameters join the enclosing unit). Nothing "
+                "was wrapped");
+    }
+  }
 }
 
 void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found) {

@@ -48,6 +48,16 @@ const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<Module
 /// inside it, whatever the policy says).
 bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
 
+/// Refuses, before any unit is made, a parameter that a planned unit would
+/// manage and a module outside that unit's subtree also holds: tied weights
+/// between two units, or between a unit and the root (a tied embedding
+/// whose head is a unit). `planned`: the units' modules in post-order (the
+/// innermost unit of a parameter first); ignored parameters are left out.
+/// `api` names the caller in the error, as the walk's errors do.
+void check_no_parameter_in_two_units(const torch::nn::Module& root,
+                                     const std::vector<const torch::nn::Module*>& planned,
+                                     const ParamSet& ignored, int rank, const char* api);
+
 /// The warning of a policy walk that made units of `found` ("Class at path")
 /// with mixed precision off; `api` names the caller, as the walk's errors do.
 void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found);

@@ -144,6 +144,17 @@ TEST(AutoWrapPolicies, PoliciesSeeTheModuleInsideACheckpointWrapper) {
   EXPECT_EQ(auto_wrap_paths(model, MinParamsPolicy(300)), Paths{"3"});
 }
 
+// Tied weights between two units the policy selects are refused before any
+// unit is made (a review found the first made, then the second refused).
+TEST(AutoWrapPolicies, TiedWeightsBetweenSelectedModulesAreRefusedFirst) {
+  nn::Linear first(4, 4);
+  nn::Sequential tied(first, nn::ReLU(), SharedWeight(first->weight));
+  const auto policy = module_type_policy<nn::LinearImpl, SharedWeightImpl>();
+  EXPECT_TRUE(contains(error_of([&] { auto_wrap_paths(tied, policy); }),
+                       "fsdp(auto_wrap): parameter '2.weight' is the same tensor as a parameter "
+                       "of the unit the policy selects at '0'"));
+}
+
 TEST(AutoWrapPolicies, AskedInPostOrderWithOnlyUnwrappedParams) {
   std::vector<std::pair<std::string, int64_t>> asked;
   const auto record = [&](bool select_linears) {

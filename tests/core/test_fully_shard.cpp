@@ -491,6 +491,46 @@ TEST(FullyShard, AWrapperInTheTreeIsRefusedBeforeAnyUnitIsMade) {
   });
 }
 
+// Found by review: the policy form made units as it walked, so a refusal
+// met on the way (a frozen weight beside a trainable bias, tied weights)
+// left the units made before it. It now decides and checks every unit
+// first, as auto_wrap does; tied weights between units (siblings, or a tied
+// embedding in the root and a head the policy selects) are refused by name.
+TEST(FullyShard, RefusalsFoundInTheWalkMakeNoUnit) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    const auto linears = module_type_policy<torch::nn::LinearImpl>();
+    torch::nn::Sequential frozen(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+    frozen->ptr(1)->as<torch::nn::Linear>()->weight.set_requires_grad(false);
+    EXPECT_CONTAINS(error_of([&] { fully_shard(frozen, linears); }),
+                    "has both parameters with requires_grad=true and requires_grad=false");
+    EXPECT_EQ(unit_of(*frozen->ptr(0)), nullptr) << "the refused call made a unit";
+
+    torch::nn::Linear first(4, 4);
+    torch::nn::Sequential tied(first, torch::nn::ReLU(), SharedWeight(first->weight));
+    const std::string siblings = error_of(
+        [&] { fully_shard(tied, module_type_policy<torch::nn::LinearImpl, SharedWeightImpl>()); });
+    EXPECT_CONTAINS(siblings,
+                    "fsdp(fully_shard): parameter '2.weight' is the same tensor as a "
+                    "parameter of the unit the policy selects at '0'");
+    EXPECT_EQ(unit_of(*tied->ptr(0)), nullptr) << "the refused call made a unit";
+
+    // A tied embedding: the root holds the embedding's weight as its head's.
+    ListGpt gpt(2);
+    gpt->register_parameter("head_weight", gpt->wte->weight);
+    const std::string embedding = error_of(
+        [&] { fully_shard(gpt, module_type_policy<torch::nn::EmbeddingImpl, BlockImpl>()); });
+    EXPECT_CONTAINS(embedding,
+                    "parameter 'head_weight' is the same tensor as a parameter of the "
+                    "unit the policy selects at 'wte'");
+    EXPECT_CONTAINS(embedding, "and the root is outside that unit");
+    EXPECT_EQ(unit_of(*gpt->blocks[0]), nullptr) << "the refused call made a unit";
+    // Kept in one unit (the root's), it is sharded.
+    fully_shard(gpt, module_type_policy<BlockImpl>());
+    EXPECT_NE(unit_of(*gpt->blocks[0]), nullptr);
+  });
+}
+
 // Only a wrapper's forward reads FSDPOptions::activation_checkpointing: both
 // forms refuse it, naming the alternative, before any unit is made.
 // apply_activation_checkpointing refuses a unit fully_shard made (it has no

@@ -220,4 +220,13 @@ inline NetTwins make_net_twins(const FSDPOptions& options) {
           FullyShardedDataParallel<NetImpl>(std::make_shared<NetImpl>(true, options), options)};
 }
 
+// A module that holds another module's weight as its own parameter: how a
+// LibTorch model ties weights (Module has no unregister_parameter).
+struct SharedWeightImpl : torch::nn::Module {
+  explicit SharedWeightImpl(const torch::Tensor& w) : weight(register_parameter("weight", w)) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(SharedWeight);
+
 }  // namespace fsdp::testing
