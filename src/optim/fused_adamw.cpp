@@ -87,18 +87,23 @@ void FusedAdamW::step_during_backward(torch::nn::Module& model) {
 void FusedAdamW::step_param(at::Tensor& p, const at::Tensor& grad, const AdamWOptions& o,
                             int64_t begin, int64_t end) {
   const int64_t n = p.numel();
-  auto& slot = state_[compat::optim_state_key(state_, p)];
+  const auto key = compat::optim_state_key(state_, p);
   // Note [Stepping a gradient as it lands]: a range of the parameter where
   // the fused kernel takes it (the state made and the step counted at its
-  // first range), else the whole parameter at its last range.
+  // first range), else the whole parameter at its last range. Looked up,
+  // not made, until it steps: an empty entry left by a range that does not
+  // step (a backward that throws before the last) would crash save().
   if (begin != 0 || end != n) {
+    const auto found = state_.find(key);
     const bool ranged = detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
-                        (!slot || fusable(p, grad, static_cast<AdamWParamState&>(*slot)));
+                        (found == state_.end() || !found->second ||
+                         fusable(p, grad, static_cast<AdamWParamState&>(*found->second)));
     if (!ranged) {
       if (end == n) step_param(p, grad, o, 0, n);
       return;
     }
   }
+  auto& slot = state_[key];
   if (!slot) {
     auto fresh = std::make_unique<AdamWParamState>();
     fresh->step(0);

@@ -75,11 +75,13 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
   const bool whole = begin == 0 && end == n;
   SGDParamState* s = nullptr;
   bool first = false;
+  bool made = false;  // the state entry, here
+  const auto key = compat::optim_state_key(state_, p);
   if (o.momentum() != 0) {
-    auto& slot = state_[compat::optim_state_key(state_, p)];
+    auto& slot = state_[key];
     if (!slot) {
       slot = std::make_unique<SGDParamState>();
-      first = true;
+      first = made = true;
     }
     s = static_cast<SGDParamState*>(slot.get());
     first = first || !s->momentum_buffer().defined();
@@ -90,7 +92,13 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
   const bool fused = detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
                      (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
   if (!fused) {  // whole, at the parameter's last range
-    if (end == n) reference_step(p, detail::grad_as_param(grad, p), s, o);
+    if (end == n) {
+      reference_step(p, detail::grad_as_param(grad, p), s, o);
+    } else if (made) {
+      // No entry without a buffer: a step that ends before the last range
+      // (a backward that throws) would leave one for save() and step().
+      state_.erase(key);
+    }
     return;
   }
   // Still marked: the step that made its buffer failed midway (its later
