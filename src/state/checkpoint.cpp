@@ -149,9 +149,21 @@ struct Checkpointer::Impl {
 
   /// load(), with `reader` already verified (or null: verify `dir` first).
   int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader);
-  /// Copies a verified checkpoint into the model, the optimizer, this rank's
-  /// RNG and the registered state (no communication).
-  void apply(const CheckpointReader& reader, ProcessGroup* group);
+  /// What check() read of this rank's manifest, for write().
+  struct Checked {
+    const detail::RankManifest* manifest = nullptr;
+    std::string file;  // the manifest's, for errors
+    at::Tensor cpu_rng;
+    std::vector<at::Generator> gpus;
+    std::vector<at::Tensor> gpu_rng;
+  };
+  /// Checks that the checkpoint fits the model, the optimizer and the
+  /// registered state, and the bytes this rank will read, changing nothing
+  /// (no communication; Note [Checked before anything loads]).
+  Checked check(const CheckpointReader& reader, ProcessGroup* group) const;
+  /// Then copies it into the model, the optimizer, this rank's RNG and the
+  /// registered state (no communication).
+  void write(const CheckpointReader& reader, const Checked& checked);
 
   struct Registered {
     std::function<std::string()> save;
@@ -293,19 +305,25 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
   // See Note [Collective load].
   ProcessGroup* group = detail::state_group(model);
   std::exception_ptr error;
+  Checked checked;
   try {
     // Refused before anything is loaded, as loading would leave it out.
     if (optimizer != nullptr) {
       detail::OptimAccess(*optimizer).check_steps_only(detail::local_pieces(model));
     }
-    if (!reader) reader = std::make_unique<CheckpointReader>(dir);
+    if (!reader) {
+      // See Note [Each rank checks what it reads].
+      reader =
+          std::make_unique<CheckpointReader>(dir, CheckpointReader::DataChecks::kBeforeFirstRead);
+    }
+    checked = check(*reader, group);
   } catch (...) {
     error = std::current_exception();
   }
   detail::agree(group, error, dir, "verifying it",
                 "nothing was loaded; make it readable there or load another checkpoint");
   try {
-    apply(*reader, group);
+    write(*reader, checked);
   } catch (...) {
     error = std::current_exception();
   }
@@ -321,14 +339,18 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
 // (from scratch, or from another checkpoint) must not train a mix. So every
 // part is checked first, the model's and optimizer's pieces included, and
 // only then is anything written.
-void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* group) {
+Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& reader,
+                                                      ProcessGroup* group) const {
   detail::FileSource source(reader);
   // Resume state is per rank; at another world size rank r takes what rank
   // r (or, beyond the saved ranks, rank 0) saved.
   const int rank = group != nullptr ? group->rank() : 0;
   const int saved = reader.marker().world_size;
   const detail::RankManifest& m = reader.manifest(rank < saved ? rank : 0);
-  const std::string file = reader.dir() + "/" + detail::manifest_name(m.rank);
+  Checked out;
+  out.manifest = &m;
+  out.file = reader.dir() + "/" + detail::manifest_name(m.rank);
+  const std::string& file = out.file;
   detail::load_model_pieces(model, source, detail::PieceLoad::kCheckOnly);
   if (optimizer != nullptr) {
     detail::load_optim_pieces(model, *optimizer, source, detail::PieceLoad::kCheckOnly);
@@ -336,34 +358,38 @@ void Checkpointer::Impl::apply(const CheckpointReader& reader, ProcessGroup* gro
       detail::OptimAccess(*optimizer).check_group_options(m.param_groups, file);
     }
   }
-  const at::Tensor cpu_rng =
-      m.rng_state.empty() ? at::Tensor() : bytes_of(m.rng_state, "rng_state", file, rank_of(group));
+  if (!m.rng_state.empty()) out.cpu_rng = bytes_of(m.rng_state, "rng_state", file, rank_of(group));
   // The GPUs both jobs see, by index (each rank its own where each sees one).
-  std::vector<at::Generator> gpus = cuda_generators();
-  std::vector<at::Tensor> gpu_rng;
-  for (size_t i = 0; i < std::min(gpus.size(), m.cuda_rng_states.size()); ++i) {
-    gpu_rng.push_back(
+  out.gpus = cuda_generators();
+  for (size_t i = 0; i < std::min(out.gpus.size(), m.cuda_rng_states.size()); ++i) {
+    out.gpu_rng.push_back(
         bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, rank_of(group)));
-    FSDP_CHECK(gpu_rng.back().numel() == compat::kCudaRngStateBytes, rank_of(group), file,
-               "a GPU generator's state has ", gpu_rng.back().numel(), " bytes, expected ",
+    FSDP_CHECK(out.gpu_rng.back().numel() == compat::kCudaRngStateBytes, rank_of(group), file,
+               "a GPU generator's state has ", out.gpu_rng.back().numel(), " bytes, expected ",
                compat::kCudaRngStateBytes, " (its seed and offset)");
   }
   for (const auto& kv : registered) {
     FSDP_CHECK(m.extra.count(kv.first) != 0, rank_of(group), file, "has no registered state '",
                kv.first, "'; it was saved without register_state(\"", kv.first, "\", ...)");
   }
-  // Written from here on (Note [Checked before anything loads]).
+  return out;
+}
+
+void Checkpointer::Impl::write(const CheckpointReader& reader, const Checked& checked) {
+  detail::FileSource source(reader);
+  const detail::RankManifest& m = *checked.manifest;
   detail::load_model_pieces(model, source);
   if (optimizer != nullptr) detail::load_optim_pieces(model, *optimizer, source);
-  if (cpu_rng.defined()) {
+  if (checked.cpu_rng.defined()) {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
-    set_state_of(cpu, cpu_rng);
+    set_state_of(cpu, checked.cpu_rng);
   }
-  for (size_t i = 0; i < gpu_rng.size(); ++i) {
-    set_state_of(gpus[i], compat::native_cuda_rng_state(gpu_rng[i], state_of(gpus[i])));
+  for (size_t i = 0; i < checked.gpu_rng.size(); ++i) {
+    at::Generator gpu = checked.gpus[i];
+    set_state_of(gpu, compat::native_cuda_rng_state(checked.gpu_rng[i], state_of(gpu)));
   }
   if (optimizer != nullptr && !m.param_groups.empty()) {
-    detail::OptimAccess(*optimizer).set_group_options(m.param_groups, file);
+    detail::OptimAccess(*optimizer).set_group_options(m.param_groups, checked.file);
   }
   for (const auto& kv : registered) kv.second.load(m.extra.at(kv.first));
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,15 @@ class CheckpointReader {
   /// naming the file otherwise. A file that is not a regular file (a FIFO, a
   /// device, a directory) is refused, never waited on.
   explicit CheckpointReader(std::string dir);
+  /// Which data files' CRC-32 the constructor checks: all of them, or none
+  /// yet, each then checked in full before its first read (verify_file, or
+  /// read()); sizes, headers and pieces are checked either way (Note [Each
+  /// rank checks what it reads]).
+  enum class DataChecks { kEveryFile, kBeforeFirstRead };
+  CheckpointReader(std::string dir, DataChecks checks);
+
+  /// Checks the CRC-32 of the data file `piece` is in, unless done before.
+  void verify_file(const TensorRecord& piece) const;
 
   /// The directory.
   const std::string& dir() const { return dir_; }
@@ -55,6 +65,8 @@ class CheckpointReader {
   };
   void open_data_file(const FileRecord& record);
 
+  DataChecks checks_;
+  mutable std::set<std::string> verified_;  // data files whose CRC-32 was checked
   std::string dir_;
   CompletionMarker marker_;
   std::vector<RankManifest> manifests_;

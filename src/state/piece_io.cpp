@@ -84,6 +84,12 @@ void FileSource::check(const std::string& key, const std::vector<int64_t>& shape
   }
 }
 
+void FileSource::will_read(const std::string& key, int64_t begin, int64_t end) const {
+  for (const TensorRecord* p : reader_.pieces(key)) {
+    if (p->begin < end && begin < p->end) reader_.verify_file(*p);
+  }
+}
+
 at::ScalarType FileSource::dtype(const std::string& key) const {
   const auto pieces = reader_.pieces(key);
   TORCH_INTERNAL_ASSERT(!pieces.empty(), "no piece of ", key);
@@ -158,6 +164,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
     for (const std::string& name : p.names()) {
       if (src.has("model/" + name)) src.check("model/" + name, p.shape, stored[i]);
     }
+    if (p.end > p.begin) src.will_read(from[i], p.begin, p.end);
   }
   for (const std::string& key : src.keys()) {
     if (key.rfind("model/", 0) != 0) continue;
@@ -244,7 +251,9 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     for (const std::string& name : access.state_names()) {
       for (const LocalPiece* p : groups[g]) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);
-        if (src.has(key)) src.check(key, p->shape, dtype);
+        if (!src.has(key)) continue;
+        src.check(key, p->shape, dtype);
+        if (p->end > p->begin) src.will_read(key, p->begin, p->end);
       }
     }
     if (!access.has_step()) continue;

@@ -34,6 +34,10 @@ class PieceSource {
   /// the flattened `key`, whose full shape must be `shape` (check()ed).
   virtual void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
                     int64_t end, const at::Tensor& dst) const = 0;
+  /// Said during the checks, before anything is written: elements [begin,
+  /// end) of `key` will be read. A source whose bytes are checked when first
+  /// read checks them now, so that damage is found before anything loads.
+  virtual void will_read(const std::string& /*key*/, int64_t /*begin*/, int64_t /*end*/) const {}
 };
 
 /// Full tensors in memory, keyed by `prefix` + their name.
@@ -64,6 +68,9 @@ class FileSource : public PieceSource {
              at::ScalarType dtype) const override;
   void read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin, int64_t end,
             const at::Tensor& dst) const override;
+  /// Checks the CRC-32 of the files that hold those elements (Note [Each
+  /// rank checks what it reads]).
+  void will_read(const std::string& key, int64_t begin, int64_t end) const override;
 
  private:
   const CheckpointReader& reader_;

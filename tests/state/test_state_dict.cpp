@@ -262,6 +262,55 @@ TEST(StateDict, LoadMovesNoDataAndFailsOnEveryRankTogether) {
   remove_test_dir(dir);
 }
 
+// Note [Each rank checks what it reads]: a rank checks the CRC-32 of the
+// files it reads, not every rank's (at N ranks the job read the checkpoint N
+// times over before loading). Damage in rank 1's optimizer file does not
+// stop rank 0, which does not read it at the saved world size; rank 1,
+// which does, refuses it, and so does every rank, before anything loads.
+TEST(StateDict, EachRankChecksTheFilesItReads) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        auto model = make_model(FSDPOptions());
+        auto opt = make_optimizer("adamw", model->parameters());
+        torch::manual_seed(3);
+        train(*model, *opt, 2);
+        Checkpointer(*model, opt.get()).save(dir + "/good", 2, StateDictType::kSharded);
+        if (rank == 0) {
+          std::error_code ec;
+          detail::copy_tree(dir + "/good", dir + "/bad", ec);
+          ASSERT_FALSE(ec) << ec.message();
+          std::string bytes = file_bytes(dir + "/bad/optim-rank1.safetensors");
+          bytes[bytes.size() - 3] ^= 0x5a;
+          put_file_bytes(dir + "/bad/optim-rank1.safetensors", bytes);
+        }
+        default_process_group()->barrier().wait();
+        auto other = make_model(FSDPOptions(), /*seed=*/11);
+        auto other_opt = make_optimizer("adamw", other->parameters());
+        EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(dir + (rank == 0 ? "/bad" : "/good")),
+                  2);
+        expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "loaded");
+        expect_bitwise_equal(full_optim_state_dict(*other, *other_opt),
+                             full_optim_state_dict(*model, *opt), "optimizer state loaded");
+        torch::manual_seed(4);
+        train(*other, *other_opt, 1);
+        const auto before = full_state_dict(*other);
+        std::string refused;
+        try {
+          Checkpointer(*other, other_opt.get()).load(dir + "/bad");
+        } catch (const std::exception& e) {
+          refused = e.what();
+        }
+        EXPECT_CONTAINS(refused, rank == 0 ? "rank(s) 1 failed while verifying it"
+                                           : "optim-rank1.safetensors): checksum mismatch");
+        expect_bitwise_equal(full_state_dict(*other), before, "after the refusal");
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
 // A checkpoint keeps each parameter group's options, as PyTorch's and
 // LibTorch's optimizer state does: a learning rate a schedule lowered, betas
 // and weight decay come back on load (the next steps then equal the
