@@ -358,7 +358,14 @@ Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& re
       detail::OptimAccess(*optimizer).check_group_options(m.param_groups, file);
     }
   }
-  if (!m.rng_state.empty()) out.cpu_rng = bytes_of(m.rng_state, "rng_state", file, rank_of(group));
+  if (!m.rng_state.empty()) {
+    out.cpu_rng = bytes_of(m.rng_state, "rng_state", file, rank_of(group));
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    const int64_t want = state_of(cpu).numel();
+    FSDP_CHECK(out.cpu_rng.numel() == want, rank_of(group), file, "its rng_state has ",
+               out.cpu_rng.numel(), " bytes, this LibTorch's CPU generator ", want,
+               " (saved by another LibTorch?); load it with the LibTorch that saved it");
+  }
   // The GPUs both jobs see, by index (each rank its own where each sees one).
   out.gpus = cuda_generators();
   for (size_t i = 0; i < std::min(out.gpus.size(), m.cuda_rng_states.size()); ++i) {

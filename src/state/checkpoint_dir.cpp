@@ -63,8 +63,10 @@ CheckpointReader::CheckpointReader(std::string dir)
 // CRC-32 of the files it will read, in its checks before anything is
 // written (PieceSource::will_read), so that damage is still an error on
 // every rank before anything loads (Note [Collective load]). At the saved
-// world size a rank reads its own files. resume()'s rank 0, which chooses
-// the newest checkpoint that verifies, and verify_checkpoint check them all.
+// world size a rank reads its own files, and the file that holds what rank 0
+// alone saves (the buffers, in its model file); a step every rank saved is
+// read from a file already checked. resume()'s rank 0, which chooses the
+// newest checkpoint that verifies, and verify_checkpoint check them all.
 CheckpointReader::CheckpointReader(std::string dir, DataChecks checks)
     : checks_(checks), dir_(std::move(dir)) {
   const std::string marker_path = join(dir_, kCompletionMarker);

@@ -43,6 +43,8 @@ class CheckpointReader {
 
   /// Checks the CRC-32 of the data file `piece` is in, unless done before.
   void verify_file(const TensorRecord& piece) const;
+  /// Whether the CRC-32 of the data file `piece` is in was checked.
+  bool verified(const TensorRecord& piece) const { return verified_.count(piece.file) != 0; }
 
   /// The directory.
   const std::string& dir() const { return dir_; }

@@ -33,12 +33,20 @@ AutoWrapPolicy::AutoWrapPolicy(Fn should_wrap, std::string description, Fn shoul
 
 bool AutoWrapPolicy::should_wrap(const Module& module, const std::string& path,
                                  int64_t unwrapped_numel) const {
-  return should_wrap_ && should_wrap_(detail::wrapped_module(module), path, unwrapped_numel);
+  // Asked about the wrapper, then about the module it wraps (a block in a
+  // CheckpointWrapper is the block's type to a policy; PyTorch asks both).
+  if (!should_wrap_) return false;
+  const Module& inner = detail::wrapped_module(module);
+  return should_wrap_(module, path, unwrapped_numel) ||
+         (&inner != &module && should_wrap_(inner, path, unwrapped_numel));
 }
 
 bool AutoWrapPolicy::should_recurse(const Module& module, const std::string& path,
                                     int64_t unwrapped_numel) const {
-  return !should_recurse_ || should_recurse_(detail::wrapped_module(module), path, unwrapped_numel);
+  if (!should_recurse_) return true;
+  const Module& inner = detail::wrapped_module(module);
+  return should_recurse_(module, path, unwrapped_numel) ||
+         (&inner != &module && should_recurse_(inner, path, unwrapped_numel));
 }
 
 AlwaysWrapPolicy::AlwaysWrapPolicy()

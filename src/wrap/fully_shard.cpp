@@ -71,7 +71,6 @@ class InPlacePlanner {
     if (ignored_.count(&m) != 0 || !visited_.insert(&m).second) return;
     if (unit_of(m) != nullptr) {  // sharded by the caller before
       detail::own_params(m, owned_);
-      detail::own_params(m, made_before_);
       return;
     }
     // A module the policy does not look into is no unit either, nor is
@@ -99,8 +98,12 @@ class InPlacePlanner {
     std::vector<const torch::nn::Module*> modules;
     for (const Planned& p : planned_) modules.push_back(p.module);
     detail::check_no_parameter_in_two_units(root, modules, ignored_params_, -1, "fully_shard");
+    // Units the caller made before manage theirs, wherever they are (under a
+    // module the policy does not look into too).
     detail::ParamSet seen = ignored_params_;
-    seen.insert(made_before_.begin(), made_before_.end());
+    for (const auto& m : root.modules(/*include_self=*/false)) {
+      if (unit_of(*m) != nullptr) detail::own_params(*m, seen);
+    }
     for (const Planned& p : planned_) check_uniform(*p.module, p.path, seen);
     check_uniform(root, "", seen);
   }
@@ -155,7 +158,6 @@ class InPlacePlanner {
   std::unordered_set<const torch::nn::Module*> visited_;
   detail::ParamSet owned_;  // parameters of the units planned so far, and the ignored ones
   detail::ParamSet ignored_params_;
-  detail::ParamSet made_before_;  // parameters of units the caller made before
   std::vector<Planned> planned_;
 };
 

@@ -47,7 +47,7 @@ const torch::nn::Module& wrapped_module(const torch::nn::Module& m) {
 const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<ModuleClass>& classes) {
   const torch::nn::Module& inner = wrapped_module(m);
   for (const auto& c : classes) {
-    if (c.matches(inner)) return &c;
+    if (c.matches(m) || c.matches(inner)) return &c;
   }
   return nullptr;
 }

@@ -17,9 +17,10 @@ namespace fsdp::detail {
 
 /// The module `m` stands for: `m`, or the module a wrapper around it (a
 /// CheckpointWrapper, a unit's wrapper) wraps, through every layer. Policies
-/// and module classes are asked about it, so a block wrapped for activation
-/// checkpointing before the walk is still the block's type (as in PyTorch,
-/// where the wrapped module stays a child of its wrapper).
+/// and module classes are asked about it as well as about `m`, so a block
+/// wrapped for activation checkpointing before the walk is still the block's
+/// type (as in PyTorch, where the wrapped module stays a child of its
+/// wrapper), and a policy that names the wrapper's type still matches.
 const torch::nn::Module& wrapped_module(const torch::nn::Module& m);
 
 /// Parameters, by TensorImpl.

@@ -142,6 +142,8 @@ TEST(AutoWrapPolicies, PoliciesSeeTheModuleInsideACheckpointWrapper) {
                                                     int64_t) { return is_block(m); })),
             Paths{"3"});
   EXPECT_EQ(auto_wrap_paths(model, MinParamsPolicy(300)), Paths{"3"});
+  // A policy that names the wrapper's type still selects it.
+  EXPECT_EQ(auto_wrap_paths(model, module_type_policy<AnyCheckpointWrapperImpl>()), Paths{"3"});
 }
 
 // Tied weights between two units the policy selects are refused before any

@@ -531,6 +531,27 @@ TEST(FullyShard, RefusalsFoundInTheWalkMakeNoUnit) {
   });
 }
 
+// A unit the caller made before, under a module the policy does not look
+// into, manages its parameters: a frozen one there is not the root's (the
+// review of the plan-first walk found the root's check counted it).
+TEST(FullyShard, AUnitMadeBeforeUnderAModuleThePolicySkipsKeepsItsParameters) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    auto adapter = std::make_shared<torch::nn::Module>();
+    torch::nn::Linear proj(4, 4);
+    adapter->register_module("proj", proj);
+    adapter->register_module("gate", torch::nn::Linear(4, 4));
+    auto model = std::make_shared<torch::nn::Module>();
+    model->register_module("adapter", adapter);
+    model->register_module("head", torch::nn::Linear(4, 4));
+    for (auto& p : proj->parameters()) p.set_requires_grad(false);
+    fully_shard(*proj);
+    Unit& root = fully_shard(*model, MinParamsPolicy(1'000'000));
+    EXPECT_EQ(unit_of(*model), &root);
+    EXPECT_EQ(unit_of(*adapter), nullptr);
+  });
+}
+
 // Only a wrapper's forward reads FSDPOptions::activation_checkpointing: both
 // forms refuse it, naming the alternative, before any unit is made.
 // apply_activation_checkpointing refuses a unit fully_shard made (it has no
