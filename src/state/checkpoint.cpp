@@ -107,19 +107,14 @@ std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent, int
                                     ". Repair or remove them to start over.");
 }
 
-// See Note [Checkpoints of a run rolled back].
-void warn_of_later_checkpoints(const std::string& parent, int64_t step) {
-  std::string later;
-  try {
-    for (const detail::StepDirectory& s : detail::step_directories(parent)) {
-      if (s.marked && s.step > step) later += (later.empty() ? "" : ", ") + s.path;
-    }
-  } catch (const std::exception&) {
-    return;  // tidying warned already
-  }
+// See Note [Checkpoints of a run rolled back]: `later`, newest first.
+void warn_of_later_checkpoints(const std::string& parent, int64_t step,
+                               const std::vector<std::string>& later) {
   if (later.empty()) return;
+  std::string paths;
+  for (const std::string& p : later) paths += (paths.empty() ? "" : ", ") + p;
   TORCH_WARN(detail::error_prefix(/*rank=*/0, parent), "saved step ", step,
-             " beside complete checkpoints of later steps (", later,
+             " beside complete checkpoints of later steps (", paths,
              "); resume() would load the newest of them, not this one. Remove them if this "
              "run replaced them (a run rolled back to an earlier step).");
 }
@@ -288,8 +283,8 @@ std::string Checkpointer::save_step(const std::string& parent, int64_t step, Sta
   if (root) {
     std::vector<std::string> keep = {dir};
     if (!impl_->resumed_from.empty()) keep.push_back(impl_->resumed_from);
-    detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep, step);
-    warn_of_later_checkpoints(parent, step);
+    warn_of_later_checkpoints(
+        parent, step, detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep, step));
   }
   return dir;
 }

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 
-#include <c10/util/Exception.h>
 #include <fsdp/state/error.h>
 
 #include "detail/posix_files.h"
@@ -33,12 +32,16 @@ namespace {
 
 std::string join(const std::string& dir, const std::string& name) { return dir + "/" + name; }
 
-void check_record(const FileReader& r, const FileRecord& rec) {
+void check_size(const FileReader& r, const FileRecord& rec) {
   if (r.size() != rec.size) {
     throw CheckpointError(r.path(), "is " + std::to_string(r.size()) +
                                         " bytes, the manifest says " + std::to_string(rec.size) +
                                         " (truncated or replaced)");
   }
+}
+
+void check_record(const FileReader& r, const FileRecord& rec) {
+  check_size(r, rec);
   const uint32_t crc = r.checksum();
   if (crc != rec.crc32) {
     throw CheckpointError(r.path(), "checksum mismatch: CRC-32 " + std::to_string(crc) +
@@ -141,11 +144,12 @@ void CheckpointReader::open_data_file(const FileRecord& record) {
   const std::string path = join(dir_, record.name);
   DataFile df;
   df.reader = std::make_unique<FileReader>(path);
+  df.record = record;
   if (checks_ == DataChecks::kEveryFile) {
     check_record(*df.reader, record);
     verified_.insert(record.name);
-  } else if (df.reader->size() != record.size) {
-    check_record(*df.reader, record);  // the size's error
+  } else {
+    check_size(*df.reader, record);  // the CRC-32 before the first read
   }
   unsigned char prefix[8];
   df.reader->read_at(0, prefix, 8 <= df.reader->size() ? 8 : 0);
@@ -169,16 +173,8 @@ std::vector<std::string> CheckpointReader::keys() const {
 
 void CheckpointReader::verify_file(const TensorRecord& piece) const {
   if (verified_.count(piece.file) != 0) return;
-  const RankManifest* owner = nullptr;
-  for (const RankManifest& m : manifests_) {
-    for (const FileRecord& f : m.files) {
-      if (f.name == piece.file) owner = &m;
-    }
-  }
-  TORCH_INTERNAL_ASSERT(owner != nullptr, "no manifest lists ", piece.file);
-  for (const FileRecord& f : owner->files) {
-    if (f.name == piece.file) check_record(*files_.at(f.name).reader, f);
-  }
+  const DataFile& df = files_.at(piece.file);
+  check_record(*df.reader, df.record);
   verified_.insert(piece.file);
 }
 

@@ -63,6 +63,7 @@ class CheckpointReader {
  private:
   struct DataFile {
     std::unique_ptr<FileReader> reader;
+    FileRecord record;  // its manifest's size and CRC-32
     SafetensorsHeader header;
   };
   void open_data_file(const FileRecord& record);

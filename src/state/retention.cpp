@@ -107,8 +107,8 @@ void restore_cut_short_replacements(const std::string& parent) {
 // checkpoints of later steps alone and out of the count, and warns that they
 // are there (removing them is the user's call: they may be wanted); the
 // directory load() read is kept as resume()'s is.
-void tidy_checkpoints(const std::string& parent, int64_t keep_last,
-                      const std::vector<std::string>& keep, int64_t up_to) {
+std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t keep_last,
+                                          const std::vector<std::string>& keep, int64_t up_to) {
   restore_cut_short_replacements(parent);
   std::vector<std::string> kept_paths;
   kept_paths.reserve(keep.size());
@@ -118,17 +118,21 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
     dirs = step_directories(parent);
   } catch (const std::exception& e) {
     TORCH_WARN(error_prefix(/*rank=*/-1, parent), "not tidying it: ", cause_of(e));
-    return;
+    return {};
   }
   std::error_code ec;
   for (const std::string& name : list_dir(parent, ec)) {  // Note [Saving beside the checkpoint]
     if (is_staging_name(name)) remove_path(parent + "/" + name, /*tree=*/true);
   }
   int64_t complete = 0;  // complete ones seen so far, newest first
+  std::vector<std::string> later;
   for (const StepDirectory& s : dirs) {
     const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
                       kept_paths.end();
-    if (s.marked && s.step > up_to) continue;  // Note [Checkpoints of a run rolled back]
+    if (s.marked && s.step > up_to) {  // Note [Checkpoints of a run rolled back]
+      later.push_back(s.path);
+      continue;
+    }
     if (s.marked) ++complete;
     if (kept || (s.marked && (keep_last == 0 || complete <= keep_last))) {
       remove_temporaries(s.path);
@@ -136,6 +140,7 @@ void tidy_checkpoints(const std::string& parent, int64_t keep_last,
       remove_path(s.path, /*tree=*/true);
     }
   }
+  return later;
 }
 
 }  // namespace fsdp::detail

@@ -19,12 +19,12 @@ void remove_temporaries(const std::string& dir);
 /// the temporaries inside the others and, when keep_last > 0, the complete
 /// ones beyond the newest keep_last. Never removes the directories in `keep`,
 /// nor complete ones of steps after `up_to`, which keep_last does not count
-/// (Note [Checkpoints of a run rolled back]).
+/// and which it returns (Note [Checkpoints of a run rolled back]).
 /// REQUIRES: as remove_temporaries, for the whole of `parent`. Failures are
 /// warnings (nothing a later save needs is at stake).
-void tidy_checkpoints(const std::string& parent, int64_t keep_last,
-                      const std::vector<std::string>& keep,
-                      int64_t up_to = std::numeric_limits<int64_t>::max());
+std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t keep_last,
+                                          const std::vector<std::string>& keep,
+                                          int64_t up_to = std::numeric_limits<int64_t>::max());
 
 /// Puts back, under a checkpoint parent, each step directory that a
 /// replacement cut short between its two renames left missing: the new

@@ -188,10 +188,10 @@ class Planner {
   std::vector<Planned> plan(const std::shared_ptr<SequentialImpl>& root) {
     survey(root, "");
     visit(root, "", Slot{});
-    std::vector<const Module*> modules;
-    for (const Planned& p : planned_) modules.push_back(p.module);
-    detail::check_no_parameter_in_two_units(*root, modules, ignored_params_, rank_, "auto_wrap");
-    validate_frozen(*root);
+    std::vector<detail::PlannedUnit> units;
+    for (const Planned& p : planned_) units.push_back({p.module, p.path});
+    detail::check_planned_units(*root, units, ignored_params_, ignored_params_,
+                                options_.use_orig_params(), rank_, "auto_wrap");
     warn_full_precision();
     return std::move(planned_);
   }
@@ -252,27 +252,6 @@ class Planner {
 
   void warn_full_precision() const {
     detail::warn_full_precision_units(rank_, "auto_wrap", full_precision_found_);
-  }
-
-  // PyTorch's _validate_frozen_params: each unit's managed parameters (in
-  // post-order, so a unit manages what the units planned before it do not;
-  // the root last) must be uniformly trainable or frozen.
-  void validate_frozen(const Module& root) const {
-    detail::ParamSet seen = ignored_params_;
-    for (const auto& p : planned_) check_uniform(*p.module, p.path, seen);
-    check_uniform(root, "", seen);
-  }
-
-  // Errors before any unit is made, so a refusal changes nothing; the
-  // use_orig_params warning comes from each unit as it is made.
-  void check_uniform(const Module& m, const std::string& path, detail::ParamSet& seen) const {
-    std::vector<std::pair<std::string, at::Tensor>> params;
-    for (const auto& p : m.named_parameters()) {
-      if (seen.insert(p.value().unsafeGetTensorImpl()).second)
-        params.emplace_back(join(path, p.key()), p.value());
-    }
-    detail::check_uniform_requires_grad(params, path, options_.use_orig_params(), rank_,
-                                        /*warn=*/false);
   }
 
   // Where the parent `m` calls child i.

@@ -95,17 +95,16 @@ class InPlacePlanner {
   // them at once (each unit, then the root, manages what the units before
   // it do not).
   void check(const torch::nn::Module& root) const {
-    std::vector<const torch::nn::Module*> modules;
-    for (const Planned& p : planned_) modules.push_back(p.module);
-    detail::check_no_parameter_in_two_units(root, modules, ignored_params_, -1, "fully_shard");
     // Units the caller made before manage theirs, wherever they are (under a
     // module the policy does not look into too).
-    detail::ParamSet seen = ignored_params_;
+    detail::ParamSet managed = ignored_params_;
     for (const auto& m : root.modules(/*include_self=*/false)) {
-      if (unit_of(*m) != nullptr) detail::own_params(*m, seen);
+      if (unit_of(*m) != nullptr) detail::own_params(*m, managed);
     }
-    for (const Planned& p : planned_) check_uniform(*p.module, p.path, seen);
-    check_uniform(root, "", seen);
+    std::vector<detail::PlannedUnit> units;
+    for (const Planned& p : planned_) units.push_back({p.module, p.path});
+    detail::check_planned_units(root, units, std::move(managed), ignored_params_,
+                                options_.use_orig_params(), -1, "fully_shard");
   }
 
   void make_units() {
@@ -136,19 +135,6 @@ class InPlacePlanner {
     std::string path;
     const ModuleClass* fp_class;  // kept in full precision (MixedPrecision)
   };
-
-  // PyTorch's _validate_frozen_params, as auto_wrap's Planner::check_uniform.
-  void check_uniform(const torch::nn::Module& m, const std::string& path,
-                     detail::ParamSet& seen) const {
-    std::vector<std::pair<std::string, at::Tensor>> params;
-    for (const auto& p : m.named_parameters()) {
-      if (seen.insert(p.value().unsafeGetTensorImpl()).second) {
-        params.emplace_back(path.empty() ? p.key() : path + "." + p.key(), p.value());
-      }
-    }
-    detail::check_uniform_requires_grad(params, path, options_.use_orig_params(), -1,
-                                        /*warn=*/false);
-  }
 
   const AutoWrapPolicy& policy_;
   const FSDPOptions& options_;

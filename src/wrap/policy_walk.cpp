@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include "detail/error.h"
+#include "runtime/unit_init.h"
 
 namespace fsdp::detail {
 
@@ -61,12 +62,17 @@ bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& cla
   return false;
 }
 
+namespace {
+
+// See check_planned_units: tied weights between units.
 void check_no_parameter_in_two_units(const torch::nn::Module& root,
-                                     const std::vector<const torch::nn::Module*>& planned,
+                                     const std::vector<PlannedUnit>& planned,
                                      const ParamSet& ignored, int rank, const char* api) {
   std::unordered_map<const void*, const torch::nn::Module*> unit_of_param;  // the innermost
-  for (const torch::nn::Module* m : planned) {
-    for (const auto& p : m->parameters()) unit_of_param.emplace(p.unsafeGetTensorImpl(), m);
+  for (const PlannedUnit& u : planned) {
+    for (const auto& p : u.module->parameters()) {
+      unit_of_param.emplace(p.unsafeGetTensorImpl(), u.module);
+    }
   }
   std::unordered_map<const torch::nn::Module*, std::string> path_of;
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
@@ -96,6 +102,30 @@ void check_no_parameter_in_two_units(const torch::nn::Module& root,
                 "was wrapped");
     }
   }
+}
+
+// See check_planned_units: one unit's managed parameters, those not in
+// `seen`, all trainable or all frozen.
+void check_uniform(const torch::nn::Module& m, const std::string& path, ParamSet& seen,
+                   bool use_orig_params, int rank) {
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : m.named_parameters()) {
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second) {
+      params.emplace_back(path.empty() ? p.key() : path + "." + p.key(), p.value());
+    }
+  }
+  check_uniform_requires_grad(params, path, use_orig_params, rank, /*warn=*/false);
+}
+
+}  // namespace
+
+void check_planned_units(const torch::nn::Module& root, const std::vector<PlannedUnit>& planned,
+                         ParamSet managed, const ParamSet& ignored, bool use_orig_params, int rank,
+                         const char* api) {
+  check_no_parameter_in_two_units(root, planned, ignored, rank, api);
+  for (const PlannedUnit& u : planned)
+    check_uniform(*u.module, u.path, managed, use_orig_params, rank);
+  check_uniform(root, "", managed, use_orig_params, rank);
 }
 
 void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found) {

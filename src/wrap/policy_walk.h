@@ -49,15 +49,26 @@ const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<Module
 /// inside it, whatever the policy says).
 bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
 
-/// Refuses, before any unit is made, a parameter that a planned unit would
-/// manage and a module outside that unit's subtree also holds: tied weights
-/// between two units, or between a unit and the root (a tied embedding
-/// whose head is a unit). `planned`: the units' modules in post-order (the
-/// innermost unit of a parameter first); ignored parameters are left out.
-/// `api` names the caller in the error, as the walk's errors do.
-void check_no_parameter_in_two_units(const torch::nn::Module& root,
-                                     const std::vector<const torch::nn::Module*>& planned,
-                                     const ParamSet& ignored, int rank, const char* api);
+/// A unit a policy walk plans: its module and its path from the root.
+struct PlannedUnit {
+  const torch::nn::Module* module;
+  std::string path;
+};
+
+/// The checks the planned units, then the root, would make of their
+/// parameters, made before any unit is so that a refusal changes nothing:
+/// no parameter that a planned unit would manage is also held by a module
+/// outside that unit (tied weights between two units, or between a unit and
+/// the root: a tied embedding whose head is a unit), and each unit's managed
+/// parameters are all trainable or all frozen (PyTorch's
+/// _validate_frozen_params; a warning under use_orig_params comes from each
+/// unit as it is made). `planned`: in post-order (a unit manages what the
+/// units before it do not); `managed`: parameters managed already (ignored
+/// ones, units made before); `ignored`: FSDPOptions::ignored_modules'. `api`
+/// names the caller in the errors, as the walk's errors do.
+void check_planned_units(const torch::nn::Module& root, const std::vector<PlannedUnit>& planned,
+                         ParamSet managed, const ParamSet& ignored, bool use_orig_params, int rank,
+                         const char* api);
 
 /// The warning of a policy walk that made units of `found` ("Class at path")
 /// with mixed precision off; `api` names the caller, as the walk's errors do.
