@@ -354,7 +354,13 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
     if (found != nullptr) copy = *found;
   }
   if (name == "aten::zero_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
-    return;  // Module::zero_grad(): the moved gradient is zero here already
+    // Module::zero_grad(false), or the user's own loop zeroing each .grad.
+    if (copy.listener != nullptr && t_reporting == 0) {
+      const at::Tensor self = args[0].toTensor();
+      ReportingScope scope;
+      copy.listener->moved_grad_zeroed(self);
+    }
+    return;
   }
   // Module::zero_grad() detaches each .grad before it drops or zeroes it: on
   // a unit made by fully_shard (whose module's zero_grad cannot be

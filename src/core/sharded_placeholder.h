@@ -35,8 +35,13 @@ class ParamUseListener {
   /// with no outputs, when it failed.
   virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) = 0;
   /// Module::zero_grad() reached one of the unit's moved gradients (it
-  /// detaches each .grad first): the unit clears what its optimizer steps.
+  /// detaches each .grad first): the unit drops what its optimizer steps,
+  /// keeping zeros instead if the detached copy is zeroed next (Note
+  /// [Gradients the user clears]).
   virtual void module_zero_grad() = 0;
+  /// zero_ on `grad`, one of the unit's moved gradients or a detached copy
+  /// of one: the unit zeroes that parameter's gradient.
+  virtual void moved_grad_zeroed(const at::Tensor& grad) = 0;
   /// The dtype the operator's floating-point tensor inputs (not the unit's
   /// parameters) are cast to, as a wrapper casts its forward's inputs (mixed
   /// precision); nullopt: none. Asked after before_param_use.
@@ -58,7 +63,7 @@ class ParamUseListener {
 /// turns any operator that reaches a placeholder into an error naming the
 /// parameter, its unit and the fix; metadata-only operators (set_data's
 /// compatibility check, detach, alias) pass through, and zero_ on a
-/// gradient placeholder is a no-op so Module::zero_grad() keeps working.
+/// gradient placeholder zeroes the gradient it stands for.
 /// A Tensor::to that changes nothing returns the parameter itself, and
 /// set_data that would give a unit's parameter other data is an error (Note
 /// [Module::to on a sharded model] in src/runtime/unit_conversion.cpp).

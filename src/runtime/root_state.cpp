@@ -330,6 +330,10 @@ void RootState::end_of_backward() {
   // through both, so what the built graph reads stays gathered.
   const bool retaining = phase_ == BackwardPhase::kRetaining;
   const bool retained = retaining && !graph_units_.empty();
+  // A unit this backward did not reach (its pre_backward did it for the
+  // others) loses the gradients the user dropped before the optimizer steps
+  // (Note [Gradients the user clears]).
+  for (UnitRuntime* unit : units_) unit->drop_grads_the_user_dropped();
   set_phase(retained ? BackwardPhase::kGraphKept : BackwardPhase::kNone);
   reductions_in_flight_.clear();  // each unit waits for its own below
   // What did not launch during backward launches now, in the same order on

@@ -213,10 +213,26 @@ void UnitRuntime::prepare_slots() {
 void UnitRuntime::clear_moved_grads() {
   // The last backward's moved gradient (a placeholder) must not meet
   // AccumulateGrad: the next backward's gradient starts afresh.
+  drop_grads_the_user_dropped();
   for (const auto& slot : flat_->slots()) {
     at::Tensor param = slot.param;
     if (is_placeholder(param.grad())) param.mutable_grad().reset();
   }
+  grad_shown_.assign(flat_->slots().size(), false);
+  dropped_by_module_.clear();
+}
+
+void UnitRuntime::drop_grads_the_user_dropped() {
+  if (!flat_) return;
+  const auto& slots = flat_->slots();
+  std::vector<bool> dropped(slots.size(), false);
+  bool any = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (grad_shown_[i] && !is_placeholder(slots[i].param.grad())) dropped[i] = any = true;
+  }
+  if (!any) return;
+  drop_slot_grads(dropped);  // See Note [Gradients the user clears].
+  for (size_t i = 0; i < slots.size(); ++i) grad_shown_[i] = grad_shown_[i] && !dropped[i];
 }
 
 void UnitRuntime::prefetch_forward() {
@@ -530,6 +546,7 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     slot_filled_[slot] = true;
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
+  grad_shown_[slot] = true;
   note_grad_arrived();
 }
 

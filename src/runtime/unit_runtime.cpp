@@ -347,6 +347,7 @@ bool UnitRuntime::follow_parameters_frozen_by_user() {
 
 void UnitRuntime::register_grad_hooks() {
   const auto& slots = flat_->slots();
+  grad_shown_.assign(slots.size(), false);
   const bool all_frozen = !flat_->shard().requires_grad();
   params_trainable_ = !all_frozen;
   for (size_t i = 0; i < slots.size(); ++i) {

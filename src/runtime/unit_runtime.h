@@ -100,6 +100,7 @@ class UnitRuntime final : public ParamUseListener {
   // An operator wrote to the gathered parameters: each rank keeps its part.
   void write_back(c10::ArrayRef<c10::IValue> outputs);
   void module_zero_grad() override;
+  void moved_grad_zeroed(const at::Tensor& grad) override;
   c10::optional<at::ScalarType> compute_dtype() const override;
 
   // Outside forward and backward (see Unit::gather_full_params).
@@ -225,6 +226,13 @@ class UnitRuntime final : public ParamUseListener {
   void finish_backward(const std::vector<bool>* received, bool reduced);
   void warn_unused_slots();
   void clear_moved_grads();
+  // Note [Gradients the user clears]: what the optimizer steps loses the
+  // parts whose .grad the user took away since the last backward showed it.
+  void drop_grads_the_user_dropped();
+  // Note [Gradients the user clears]: slot i's part of what the optimizer
+  // steps zeroed, or dropped (a flat shard's part can only be zeroed).
+  void zero_slot_grad(size_t i);
+  void drop_slot_grads(const std::vector<bool>& dropped);
   void keep_full_precision_classes(
       const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
       const std::string& where, int rank);
@@ -293,6 +301,12 @@ class UnitRuntime final : public ParamUseListener {
   // Per slot: what the original parameter's .grad points at once its
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).
   std::vector<at::Tensor> grad_placeholders_;
+  // Per slot: its .grad was pointed at its placeholder after a backward and
+  // not yet cleared by libfsdp (Note [Gradients the user clears]).
+  std::vector<bool> grad_shown_;
+  // The options of each optimizer tensor's gradient that Module::zero_grad's
+  // detach dropped (nullopt: had none), until the detached copy is zeroed.
+  std::vector<c10::optional<at::TensorOptions>> dropped_by_module_;
   at::Tensor summoned_grads_;  // see Note [Summoning gradients]
   // Whether a SummonFullParams guard holds the unit, on every rank alike
   // whatever this rank gathered (Note [Nested summons]).

@@ -115,6 +115,9 @@ struct Case {
   bool checkpoint_blocks = false;
   // Per step: which blocks the forward runs (empty: all).
   std::function<std::vector<size_t>(int step)> order;
+  // How the user clears gradients before each step, on the model and the
+  // reference alike (default: Module::zero_grad()).
+  std::function<void(torch::nn::Module&, int step)> clear_grads;
   std::string what;
 };
 
@@ -156,10 +159,17 @@ double train_against_reference(const Case& c) {
     torch::manual_seed(100 + step);
     const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
     const torch::Tensor targets = torch::randint(0, kVocab, {2 * world, kSeq});
-    reference->zero_grad();
+    auto clear = [&c, step](torch::nn::Module& m) {
+      if (c.clear_grads) {
+        c.clear_grads(m, step);
+      } else {
+        m.zero_grad();  // the user's habit: clears the shards' gradients too
+      }
+    };
+    clear(*reference);
     lm_loss(reference->forward(tokens), targets).backward();
     ref_opt->step();
-    model->zero_grad();  // the user's habit: clears the shards' gradients too
+    clear(*model);
     lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
     if (c.evaluate_before_step) {
       torch::NoGradGuard no_grad;
@@ -294,6 +304,47 @@ TEST(FullyShard, UnitCalledTwiceAndUnitUnusedInSomeSteps) {
       };
       c.what = " twice/unused";
     });
+  });
+}
+
+// zero_grad(false) keeps zeroed gradients where zero_grad() drops them: a
+// block unused in a step then still takes AdamW's decay and momentum, as in
+// plain LibTorch. And the user's own loops, zeroing or dropping each .grad
+// (Note [Gradients the user clears]).
+TEST(FullyShard, EveryWayOfClearingGradientsActsAsInPlainLibTorch) {
+  expect_parity({1, 3}, [] {
+    std::vector<Case> cases;
+    for (bool orig : {false, true}) {
+      for (int way = 0; way < 4; ++way) {
+        Case c;
+        c.use_orig_params = orig;
+        c.steps = 5;
+        c.order = [](int step) -> std::vector<size_t> {
+          if (step % 2 == 0) return {0, 1, 2};
+          return {0, 2};  // block 1 unused
+        };
+        c.clear_grads = [way](torch::nn::Module& m, int step) {
+          if (way == 0) m.zero_grad(/*set_to_none=*/false);
+          if (way == 1) m.zero_grad(/*set_to_none=*/step % 2 == 0);
+          for (auto& p : m.parameters()) {
+            if (way == 2 && p.grad().defined()) p.mutable_grad().zero_();
+            // Half the blocks' gradients dropped, half zeroed.
+            if (way == 3 && p.grad().defined()) {
+              if (step % 2 == 0 || p.numel() % 2 == 0) {
+                p.mutable_grad().reset();
+              } else {
+                p.mutable_grad().zero_();
+              }
+            }
+          }
+        };
+        const char* ways[] = {" zero_grad(false)", " alternating", " own zeroing loop",
+                              " own loop dropping and zeroing"};
+        c.what = std::string(orig ? "use_orig_params" : "flat") + ways[way];
+        cases.push_back(c);
+      }
+    }
+    return cases;
   });
 }
 
