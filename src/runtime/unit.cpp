@@ -62,8 +62,10 @@ detail::UnitRuntime& Unit::runtime() const {
 void Unit::before_state_use() const { runtime().before_state_use(); }
 
 void Unit::check_not_a_unit(const torch::nn::Module& module) {
+  // A pass-through wrapper (fsdp::wrap() outside an EnableWrap scope) is the
+  // module it holds: it may become part of a unit, or one.
   const auto* unit = dynamic_cast<const Unit*>(&module);
-  FSDP_CHECK(unit == nullptr, -1, module.name(),
+  FSDP_CHECK(unit == nullptr || !unit->is_active(), -1, module.name(),
              "cannot wrap a module that is already an FSDP unit (", module.name(), " around a ",
              unit->wrapped_ != nullptr ? unit->wrapped_->name() : "module",
              "). Wrap each module once and use that unit where the module is needed");
@@ -83,15 +85,16 @@ void Unit::init_in_place(torch::nn::Module& module) {
   runtime().init(module, &module, detail::UnitRuntime::Driver::kDispatch);
 }
 
+// A pass-through wrapper is no unit itself, but fully_shard may make it one.
 Unit* unit_of(torch::nn::Module& module) {
-  if (auto* wrapper = dynamic_cast<Unit*>(&module)) return wrapper->is_active() ? wrapper : nullptr;
+  auto* wrapper = dynamic_cast<Unit*>(&module);
+  if (wrapper != nullptr && wrapper->is_active()) return wrapper;
   return detail::in_place_unit_of(module);
 }
 
 const Unit* unit_of(const torch::nn::Module& module) {
-  if (const auto* wrapper = dynamic_cast<const Unit*>(&module)) {
-    return wrapper->is_active() ? wrapper : nullptr;
-  }
+  const auto* wrapper = dynamic_cast<const Unit*>(&module);
+  if (wrapper != nullptr && wrapper->is_active()) return wrapper;
   return detail::in_place_unit_of(module);
 }
 

@@ -15,7 +15,8 @@ namespace detail {
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m) {
   // A unit made in place is the module itself, and has no forward of its own
   // to checkpoint (set_activation_checkpointing would do nothing there).
-  FSDP_CHECK(dynamic_cast<const Unit*>(&m) != nullptr || unit_of(m) == nullptr, -1,
+  const auto* wrapper = dynamic_cast<const Unit*>(&m);
+  FSDP_CHECK((wrapper != nullptr && wrapper->is_active()) || unit_of(m) == nullptr, -1,
              "CheckpointWrapper", "cannot wrap a ", m.name(),
              " that fsdp::fully_shard made a unit: the wrapper takes over the module's children "
              "and parameters, which would hide the unit, and a unit made in place cannot "

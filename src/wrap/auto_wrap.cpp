@@ -199,8 +199,11 @@ class Planner {
  private:
   // Pre-order, registration order, like named_modules(): rejects existing
   // units (the first found is named) and records every path of every module.
+  // A pass-through wrapper (fsdp::wrap() outside an EnableWrap scope) is the
+  // module it holds, as PyTorch's wrap() returns the module itself.
   void survey(const std::shared_ptr<Module>& m, const std::string& path) {
-    FSDP_CHECK(dynamic_cast<const Unit*>(m.get()) == nullptr && unit_of(*m) == nullptr, rank_,
+    const auto* wrapper = dynamic_cast<const Unit*>(m.get());
+    FSDP_CHECK((wrapper == nullptr || !wrapper->is_active()) && unit_of(*m) == nullptr, rank_,
                shown(path), "expected a module tree without FSDP units, got ", m->name(), " at ",
                shown(path),
                ". auto_wrap decides every unit itself and does not nest new units around units "

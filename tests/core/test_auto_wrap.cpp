@@ -54,12 +54,22 @@ struct TaggedImpl : nn::SequentialImpl {
 TORCH_MODULE(Tagged);
 
 // Parameter counts: 0: 144, 2: 32, 3: 576 (3.0: 272, 3.2: 32, 3.3: 272), 4: 68.
-nn::Sequential make_model() {
+// `pass_through`: entries 0, 3.0 and 4 made by fsdp::wrap() outside any
+// EnableWrap scope, as model code that calls wrap() unconditionally makes
+// them (the same modules and values).
+nn::Sequential make_model(bool pass_through = false) {
   torch::manual_seed(0);
-  return nn::Sequential(nn::Linear(8, 16), nn::ReLU(), nn::LayerNorm(nn::LayerNormOptions({16})),
-                        Block(nn::Linear(16, 16), nn::ReLU(),
-                              nn::LayerNorm(nn::LayerNormOptions({16})), nn::Linear(16, 16)),
-                        nn::Linear(16, 4));
+  nn::Linear first(8, 16);
+  nn::LayerNorm norm(nn::LayerNormOptions({16}));
+  nn::Linear inner(16, 16);
+  nn::LayerNorm inner_norm(nn::LayerNormOptions({16}));
+  nn::Linear inner_last(16, 16), last(16, 4);
+  if (!pass_through) {
+    return nn::Sequential(first, nn::ReLU(), norm, Block(inner, nn::ReLU(), inner_norm, inner_last),
+                          last);
+  }
+  return nn::Sequential(wrap(first), nn::ReLU(), norm,
+                        Block(wrap(inner), nn::ReLU(), inner_norm, inner_last), wrap(last));
 }
 
 struct PolicyCase {
@@ -239,9 +249,9 @@ TEST(AutoWrap, WrapsSelectedEntriesInPlaceKeepingNames) {
 // Trains 3 SGD steps, wrapped by `policy` on this rank's block of the global
 // batch, or plain on all of it (policy null); returns the full parameters
 // (gathered when wrapped) after each step.
-std::vector<ParamSnapshot> train(const AutoWrapPolicy* policy) {
+std::vector<ParamSnapshot> train(const AutoWrapPolicy* policy, bool pass_through = false) {
   const int world = rank_and_world().second;
-  nn::Sequential seq = make_model();
+  nn::Sequential seq = make_model(pass_through);
   torch::manual_seed(1);
   const torch::Tensor batch = batch_for(torch::randn({4 * world, 8}), policy != nullptr);
   const torch::Tensor target = batch_for(torch::randn({4 * world, 4}), policy != nullptr);
@@ -276,6 +286,29 @@ TEST(AutoWrap, TrainingMatchesPlainLibTorch) {
       const auto group = start_rank();
       const auto expected = train(nullptr);
       for (const auto& c : policy_cases()) expect_same_history(train(&c.policy), expected, c.name);
+      finish_rank(group);
+    });
+  }
+}
+
+// fsdp::wrap() outside an EnableWrap scope leaves the module as it is
+// (PyTorch's wrap() returns the module itself): auto_wrap sees through such
+// pass-through wrappers, selecting and training as without them.
+TEST(AutoWrap, PassThroughWrappersAreTheModulesTheyHold) {
+  for (const int world : parity_world_sizes()) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    run_ranks_ok(world, [](int, int) {
+      const auto group = start_rank();
+      const auto expected = train(nullptr);
+      for (const auto& c : policy_cases()) {
+        nn::Sequential seq = make_model(/*pass_through=*/true);
+        const auto names = names_of(*seq);
+        Paths paths;
+        for (const auto& u : auto_wrap(seq, c.policy)) paths.push_back(u.path);
+        EXPECT_EQ(paths, c.expected) << c.name;
+        EXPECT_EQ(names_of(*seq), names) << c.name;
+        expect_same_history(train(&c.policy, /*pass_through=*/true), expected, c.name);
+      }
       finish_rank(group);
     });
   }

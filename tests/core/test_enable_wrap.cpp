@@ -57,6 +57,15 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
       FullyShardedDataParallel<TwoLayerImpl> plain_root(plain);  // its pass-throughs are not units
       ASSERT_NE(plain_root->flat_param(), nullptr);
       EXPECT_EQ(plain_root->flat_param()->slots().size(), 4u) << "the root manages all four";
+      // fully_shard sees the Linears through the pass-throughs (PyTorch's
+      // wrap() outside enable_wrap returns the module itself).
+      torch::manual_seed(0);
+      TwoLayer in_place;
+      Unit& in_place_root = fully_shard(in_place, module_type_policy<torch::nn::LinearImpl>());
+      EXPECT_NE(unit_of(*in_place->a), nullptr);
+      EXPECT_NE(unit_of(*in_place->b), nullptr);
+      EXPECT_FALSE(in_place->a->enabled()) << "the wrapper itself stays a pass-through";
+      torch::optim::SGD opt_c(in_place_root.flat_parameters(), torch::optim::SGDOptions(0.1));
       torch::optim::SGD opt_a(root->parameters(), torch::optim::SGDOptions(0.1));
       torch::optim::SGD opt_b(plain_root->parameters(), torch::optim::SGDOptions(0.1));
       torch::optim::SGD opt_ref(reference->parameters(), torch::optim::SGDOptions(0.1));
@@ -70,11 +79,18 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
         opt_b.zero_grad();
         plain_root->forward(local_block(global)).pow(2).sum().backward();
         opt_b.step();
+        in_place->zero_grad();
+        in_place->forward(local_block(global)).pow(2).sum().backward();
+        opt_c.step();
         opt_ref.zero_grad();
         (reference->forward(global).pow(2).sum() / world).backward();
         opt_ref.step();
         expect_same_after_step(*root.ptr(), *reference, "wrap() inside a scope", step);
         expect_same_after_step(*plain_root.ptr(), *reference, "wrap() outside a scope", step);
+        {
+          SummonFullParams full(*in_place);
+          expect_same_params(*in_place, *reference, "fully_shard through pass-throughs");
+        }
       }
     });
   }
