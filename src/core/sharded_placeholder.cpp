@@ -364,11 +364,12 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   }
   // Module::zero_grad() detaches each .grad before it drops or zeroes it: on
   // a unit made by fully_shard (whose module's zero_grad cannot be
-  // overridden) that clears the gradients its optimizer steps.
+  // overridden) that is how the gradients its optimizer steps get cleared
+  // (Note [Gradients the user clears]).
   if (name == "aten::detach" && found != nullptr && copy.kind == PlaceholderKind::kGradient &&
       copy.listener != nullptr && t_reporting == 0) {
     ReportingScope scope;
-    copy.listener->module_zero_grad();
+    copy.listener->moved_grad_detached(args[0].toTensor());
   }
   // Optimizer::zero_grad() detaches each gradient in place before zeroing it
   // (LibTorch 1.13) or dropping it (2.x's default, after which step() would

@@ -34,11 +34,10 @@ class ParamUseListener {
   /// of the unit's parameters in place (an initialiser, a clamp_). Also,
   /// with no outputs, when it failed.
   virtual void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) = 0;
-  /// Module::zero_grad() reached one of the unit's moved gradients (it
-  /// detaches each .grad first): the unit drops what its optimizer steps,
-  /// keeping zeros instead if the detached copy is zeroed next (Note
-  /// [Gradients the user clears]).
-  virtual void module_zero_grad() = 0;
+  /// An out-of-place detach of `grad`, one of the unit's moved gradients
+  /// (Module::zero_grad detaches each .grad before it drops or zeroes it).
+  /// See Note [Gradients the user clears].
+  virtual void moved_grad_detached(const at::Tensor& grad) = 0;
   /// zero_ on `grad`, one of the unit's moved gradients or a detached copy
   /// of one: the unit zeroes that parameter's gradient.
   virtual void moved_grad_zeroed(const at::Tensor& grad) = 0;

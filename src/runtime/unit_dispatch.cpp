@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -164,112 +163,6 @@ void UnitRuntime::write_back(c10::ArrayRef<c10::IValue> outputs) {
         flat_->copy_unsharded_into_shard(slot.offset, slot.offset + slot.numel);
         break;
       }
-    }
-  }
-}
-
-// Note [Gradients the user clears]
-// After a backward each original parameter's .grad is its placeholder, the
-// gradient itself in what the optimizer steps. Users clear gradients three
-// ways, and each must reach the optimizer's tensors or the next backward
-// adds to the old gradient:
-// - Module::zero_grad(set_to_none): per parameter, `grad = grad.detach()`
-//   (a copy of the placeholder: the fallback sees it), then grad.reset() or
-//   grad.zero_() on the copy. The detach drops the unit's optimizer
-//   gradients at once (memory is freed as in plain LibTorch) and records
-//   which it dropped; a zero_ of that copy next gives them back as zeros, so
-//   a parameter unused in the next backward still takes weight decay and
-//   momentum, as with plain LibTorch's zeroed .grad.
-// - The user's own loop, p.grad().zero_(): zeroes that parameter's part.
-// - The user's own loop, p.mutable_grad().reset() (or = {}): no operator
-//   runs. Before the next backward adds anything (pre_backward, or its end
-//   for a unit it did not reach) the unit finds the .grad it set gone and
-//   drops that part (a flat shard's part is zeroed; the whole shard's
-//   gradient dropped when no part is left). An optimizer step with no
-//   backward since steps what was dropped so.
-// A gradient the user assigns in place of a placeholder counts as dropped:
-// AccumulateGrad adds the next gradient to it, which the unit then reduces.
-void UnitRuntime::module_zero_grad() {
-  std::vector<c10::optional<at::TensorOptions>> had;
-  for (const at::Tensor& p : optim_params_) {
-    had.push_back(p.grad().defined() ? c10::make_optional(p.grad().options()) : c10::nullopt);
-  }
-  zero_optim_grads(/*set_to_none=*/true);
-  dropped_by_module_ = std::move(had);
-}
-
-void UnitRuntime::moved_grad_zeroed(const at::Tensor& grad) {
-  if (!dropped_by_module_.empty()) {  // Module::zero_grad(false): zeros back
-    if (const ReducedGradHooks* hooks = grad_hooks(); hooks && hooks->before_zero_grad) {
-      hooks->before_zero_grad();
-    }
-    at::NoGradGuard no_grad;
-    for (size_t i = 0; i < optim_params_.size(); ++i) {
-      at::Tensor& g = optim_params_[i].mutable_grad();
-      if (dropped_by_module_[i] && !g.defined()) {
-        g = at::zeros(optim_params_[i].sizes(), *dropped_by_module_[i]);
-      }
-    }
-    dropped_by_module_.clear();
-    return;
-  }
-  const auto& slots = flat_->slots();
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (grad_placeholders_[i].storage().unsafeGetStorageImpl() ==
-        grad.storage().unsafeGetStorageImpl()) {
-      zero_slot_grad(i);
-      return;
-    }
-  }
-}
-
-void UnitRuntime::zero_slot_grad(size_t i) {
-  if (const ReducedGradHooks* hooks = grad_hooks(); hooks && hooks->before_zero_grad) {
-    hooks->before_zero_grad();
-  }
-  at::NoGradGuard no_grad;
-  // What no_sync() accumulated for the slot goes too (Note [Filling the
-  // flat gradient]: an unfilled slot is zeroed before the reduction).
-  if (i < slot_filled_.size() && (state_ == Unit::TrainingState::kIdle ||
-                                  torch::autograd::get_current_graph_task_exec_info() == nullptr)) {
-    slot_filled_[i] = false;
-  }
-  if (options_.use_orig_params()) {
-    const at::Tensor& g = optim_params_[i].grad();
-    if (g.defined()) at::Tensor(g).zero_();
-    return;
-  }
-  const at::Tensor& g = optim_params_[0].grad();
-  if (!g.defined()) return;
-  const auto& slot = flat_->slots()[i];
-  const int64_t begin = flat_->shard_offset();
-  const int64_t lo = std::max(begin, slot.offset);
-  const int64_t hi = std::min(begin + g.numel(), slot.offset + slot.numel);
-  if (hi > lo) g.reshape({-1}).narrow(0, lo - begin, hi - lo).zero_();
-}
-
-void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
-  const auto& slots = flat_->slots();
-  // Before this unit's backward adds anything: what no_sync() accumulated
-  // for a dropped slot goes too.
-  for (size_t i = 0; i < slots.size() && i < slot_filled_.size(); ++i) {
-    if (dropped[i]) slot_filled_[i] = false;
-  }
-  bool any_kept = false;
-  for (size_t i = 0; i < slots.size(); ++i) any_kept = any_kept || (grad_shown_[i] && !dropped[i]);
-  if (!options_.use_orig_params() && !any_kept) {
-    zero_optim_grads(/*set_to_none=*/true);
-    return;
-  }
-  if (const ReducedGradHooks* hooks = grad_hooks(); hooks && hooks->before_zero_grad) {
-    hooks->before_zero_grad();
-  }
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (!dropped[i]) continue;
-    if (options_.use_orig_params()) {
-      optim_params_[i].mutable_grad().reset();
-    } else {
-      zero_slot_grad(i);
     }
   }
 }

@@ -218,21 +218,8 @@ void UnitRuntime::clear_moved_grads() {
     at::Tensor param = slot.param;
     if (is_placeholder(param.grad())) param.mutable_grad().reset();
   }
-  grad_shown_.assign(flat_->slots().size(), false);
-  dropped_by_module_.clear();
-}
-
-void UnitRuntime::drop_grads_the_user_dropped() {
-  if (!flat_) return;
-  const auto& slots = flat_->slots();
-  std::vector<bool> dropped(slots.size(), false);
-  bool any = false;
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (grad_shown_[i] && !is_placeholder(slots[i].param.grad())) dropped[i] = any = true;
-  }
-  if (!any) return;
-  drop_slot_grads(dropped);  // See Note [Gradients the user clears].
-  for (size_t i = 0; i < slots.size(); ++i) grad_shown_[i] = grad_shown_[i] && !dropped[i];
+  moved_grads_.assign(flat_->slots().size(), MovedGrad::kNone);
+  dropped_grad_options_.clear();
 }
 
 void UnitRuntime::prefetch_forward() {
@@ -546,7 +533,7 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     slot_filled_[slot] = true;
   }
   at::Tensor(param).mutable_grad() = grad_placeholders_[slot];
-  grad_shown_[slot] = true;
+  moved_grads_[slot] = MovedGrad::kShown;
   note_grad_arrived();
 }
 
@@ -858,6 +845,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   // Under no_sync(), or with no reduction (Note [Backward with respect to
   // inputs]), the unsharded gradient stays for the next backward.
   if (require_sync_ && reduced) {
+    if (grad_work_ || delivered_early_) show_moved_grads(received);
     if (grad_work_) assign_reduced_grad(received);
     delivered_early_ = false;
     grad_work_ = Work();

@@ -347,7 +347,7 @@ bool UnitRuntime::follow_parameters_frozen_by_user() {
 
 void UnitRuntime::register_grad_hooks() {
   const auto& slots = flat_->slots();
-  grad_shown_.assign(slots.size(), false);
+  moved_grads_.assign(slots.size(), MovedGrad::kNone);
   const bool all_frozen = !flat_->shard().requires_grad();
   params_trainable_ = !all_frozen;
   for (size_t i = 0; i < slots.size(); ++i) {
@@ -551,9 +551,17 @@ void UnitRuntime::write_back_full_params() {
 }
 
 void UnitRuntime::zero_optim_grads(bool set_to_none) {
+  wait_for_grad_users();
+  clear_optim_grads(set_to_none);
+}
+
+void UnitRuntime::wait_for_grad_users() const {
   if (const ReducedGradHooks* hooks = grad_hooks(); hooks && hooks->before_zero_grad) {
     hooks->before_zero_grad();
   }
+}
+
+void UnitRuntime::clear_optim_grads(bool set_to_none) {
   at::NoGradGuard no_grad;
   // What no_sync() accumulated (unsharded, not yet in .grad) is part of the
   // gradient that Module::zero_grad clears in plain LibTorch; a backward

@@ -99,7 +99,7 @@ class UnitRuntime final : public ParamUseListener {
   void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) override;
   // An operator wrote to the gathered parameters: each rank keeps its part.
   void write_back(c10::ArrayRef<c10::IValue> outputs);
-  void module_zero_grad() override;
+  void moved_grad_detached(const at::Tensor& grad) override;
   void moved_grad_zeroed(const at::Tensor& grad) override;
   c10::optional<at::ScalarType> compute_dtype() const override;
 
@@ -123,6 +123,11 @@ class UnitRuntime final : public ParamUseListener {
   void release_grads();
 
   void zero_optim_grads(bool set_to_none);
+  // zero_optim_grads' parts: waiting for an optimizer that steps the
+  // gradients as they land (ReducedGradHooks::before_zero_grad), and the
+  // clearing itself (for libfsdp's own use where none can be stepping).
+  void wait_for_grad_users() const;
+  void clear_optim_grads(bool set_to_none);
   c10::optional<at::ScalarType> forward_input_dtype() const;
 
   /// Where the reduced shard goes: the optimizer tensors that get it (each
@@ -229,9 +234,15 @@ class UnitRuntime final : public ParamUseListener {
   // Note [Gradients the user clears]: what the optimizer steps loses the
   // parts whose .grad the user took away since the last backward showed it.
   void drop_grads_the_user_dropped();
-  // Note [Gradients the user clears]: slot i's part of what the optimizer
-  // steps zeroed, or dropped (a flat shard's part can only be zeroed).
+  // After a backward's reduced gradients are set (`received`: the agreed
+  // slots, null for all): each slot that has one shows its placeholder.
+  void show_moved_grads(const std::vector<bool>* received);
+  // The slot whose moved gradient `grad` is (or a copy of), if any.
+  c10::optional<size_t> slot_of_moved_grad(const at::Tensor& grad) const;
+  // Slot i's part of what the optimizer steps zeroed in place.
   void zero_slot_grad(size_t i);
+  // The parts of the slots in `dropped` dropped (a flat shard's part can
+  // only be zeroed; the whole shard's gradient goes when no part is kept).
   void drop_slot_grads(const std::vector<bool>& dropped);
   void keep_full_precision_classes(
       const std::vector<std::pair<std::string, const torch::nn::Module*>>& modules,
@@ -301,12 +312,17 @@ class UnitRuntime final : public ParamUseListener {
   // Per slot: what the original parameter's .grad points at once its
   // gradient moved into flat_grad_ (Note [Sharded placeholders]).
   std::vector<at::Tensor> grad_placeholders_;
-  // Per slot: its .grad was pointed at its placeholder after a backward and
-  // not yet cleared by libfsdp (Note [Gradients the user clears]).
-  std::vector<bool> grad_shown_;
-  // The options of each optimizer tensor's gradient that Module::zero_grad's
-  // detach dropped (nullopt: had none), until the detached copy is zeroed.
-  std::vector<c10::optional<at::TensorOptions>> dropped_by_module_;
+  // Per slot, what its .grad shows of the gradient the optimizer steps
+  // (Note [Gradients the user clears]). kNone -> kShown (a backward set its
+  // placeholder) -> kDetached (Module::zero_grad detached it) -> kShown (the
+  // copy zeroed) or kDropped (every shown one detached: all dropped) ->
+  // kShown (a dropped one's copy zeroed: zeros back); any -> kNone when
+  // libfsdp clears the placeholders (pre_backward).
+  enum class MovedGrad { kNone, kShown, kDetached, kDropped };
+  std::vector<MovedGrad> moved_grads_;
+  // The options of each optimizer tensor's gradient the last kDropped drop
+  // took (nullopt: had none): a zeroed copy gets zeros of these back.
+  std::vector<c10::optional<at::TensorOptions>> dropped_grad_options_;
   at::Tensor summoned_grads_;  // see Note [Summoning gradients]
   // Whether a SummonFullParams guard holds the unit, on every rank alike
   // whatever this rank gathered (Note [Nested summons]).

@@ -118,6 +118,8 @@ struct Case {
   // How the user clears gradients before each step, on the model and the
   // reference alike (default: Module::zero_grad()).
   std::function<void(torch::nn::Module&, int step)> clear_grads;
+  // Called on the model after each block of its forward.
+  std::function<void(ListGptImpl&, size_t block)> mid_forward;
   std::string what;
 };
 
@@ -151,6 +153,9 @@ double train_against_reference(const Case& c) {
   };
   auto ref_opt = make(reference->parameters());
   auto opt = make(root.flat_parameters());
+  if (c.mid_forward) {
+    model->after_block = [&](size_t i, const torch::Tensor&) { c.mid_forward(*model, i); };
+  }
   double worst = 0;
   for (int step = 0; step < c.steps; ++step) {
     const auto order = c.order ? c.order(step) : std::vector<size_t>{};
@@ -315,7 +320,7 @@ TEST(FullyShard, EveryWayOfClearingGradientsActsAsInPlainLibTorch) {
   expect_parity({1, 3}, [] {
     std::vector<Case> cases;
     for (bool orig : {false, true}) {
-      for (int way = 0; way < 4; ++way) {
+      for (int way = 0; way < 5; ++way) {
         Case c;
         c.use_orig_params = orig;
         c.steps = 5;
@@ -326,6 +331,18 @@ TEST(FullyShard, EveryWayOfClearingGradientsActsAsInPlainLibTorch) {
         c.clear_grads = [way](torch::nn::Module& m, int step) {
           if (way == 0) m.zero_grad(/*set_to_none=*/false);
           if (way == 1) m.zero_grad(/*set_to_none=*/step % 2 == 0);
+          if (way == 4) {
+            // Every other step only part of the model: a module that shares
+            // the root's unit and a whole block's unit, with each meaning;
+            // the other gradients add up over two steps.
+            const bool none = step % 4 == 1;
+            if (step % 2 == 0) {
+              m.zero_grad();
+            } else {
+              m.named_modules()["head"]->zero_grad(none);
+              m.named_modules()["blocks.0"]->zero_grad(none);
+            }
+          }
           for (auto& p : m.parameters()) {
             if (way == 2 && p.grad().defined()) p.mutable_grad().zero_();
             // Half the blocks' gradients dropped, half zeroed.
@@ -339,10 +356,32 @@ TEST(FullyShard, EveryWayOfClearingGradientsActsAsInPlainLibTorch) {
           }
         };
         const char* ways[] = {" zero_grad(false)", " alternating", " own zeroing loop",
-                              " own loop dropping and zeroing"};
+                              " own loop dropping and zeroing", " zero_grad of parts"};
         c.what = std::string(orig ? "use_orig_params" : "flat") + ways[way];
         cases.push_back(c);
       }
+    }
+    return cases;
+  });
+}
+
+// A SummonFullParams inside the model's own forward, between blocks (a
+// weight norm logged there), of one block or of the whole model.
+TEST(FullyShard, SummonFullParamsInsideTheForward) {
+  expect_parity({2}, [] {
+    std::vector<Case> cases;
+    for (bool whole : {false, true}) {
+      Case c;
+      c.mid_forward = [whole](ListGptImpl& m, size_t block) {
+        if (block != 1) return;
+        torch::nn::Module& target = whole ? static_cast<torch::nn::Module&>(m) : *m.blocks[0];
+        SummonFullParams full(target);
+        double norm = 0;
+        for (const auto& p : target.parameters()) norm += p.norm().item<double>();
+        EXPECT_GT(norm, 0);
+      };
+      c.what = whole ? " whole model summoned mid-forward" : " block 0 summoned mid-forward";
+      cases.push_back(c);
     }
     return cases;
   });

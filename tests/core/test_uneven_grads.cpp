@@ -245,23 +245,43 @@ struct ExpertsImpl : nn::Module {
 };
 TORCH_MODULE(Experts);
 
+// How the user clears gradients before each step: the optimizer's
+// zero_grad(), or their own loop over the model's parameters zeroing or
+// dropping each .grad that is defined.
+enum class Clear { kOptimizer, kOwnZeroingLoop, kOwnDroppingLoop };
+
 // Trains Net (forward(x, rank, step): each rank routes its own data) under
 // `options`, its blocks wrapped with `block_options`, against plain LibTorch
-// on every rank's batch, compared every step.
+// on every rank's batch, compared every step. `in_place`: fully_shard with
+// `options` instead, each of its blocks a unit (the model's wrap() calls,
+// outside a scope, are pass-throughs).
 template <typename Net>
 void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& block_options,
-                                const std::string& what) {
+                                const std::string& what, bool in_place = false,
+                                Clear clear = Clear::kOptimizer) {
   const auto [rank, world] = rank_and_world();
   torch::manual_seed(0);
   Net reference;
   torch::manual_seed(0);
   Net inner = [&] {
+    if (in_place) return Net();
     EnableWrap scope(block_options);
     return Net();
   }();
-  FullyShardedDataParallel<typename Net::Impl> model(inner, options);
+  std::vector<torch::Tensor> params;
+  FullyShardedDataParallel<typename Net::Impl> model{nullptr};
+  if (in_place) {
+    const LambdaPolicy blocks([](const nn::Module&, const std::string& path, int64_t) {
+      return path.size() == 2 && (path[0] == 'b' || path[0] == 'l');
+    });
+    params = fully_shard(inner, blocks, options).flat_parameters();
+  } else {
+    model = FullyShardedDataParallel<typename Net::Impl>(inner, options);
+    params = model->parameters();
+  }
+  nn::Module& trained = in_place ? static_cast<nn::Module&>(*inner) : *model;
   torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
   for (int step = 0; step < 4; ++step) {
     torch::manual_seed(100 + step);
     const torch::Tensor x = torch::randn({4 * world, 8});
@@ -274,10 +294,25 @@ void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& b
     }
     (ref_loss / world).backward();
     ref_opt.step();
-    opt.zero_grad();
-    torch::mse_loss(model->forward(local_block(x), rank, step), local_block(y)).backward();
+    if (clear == Clear::kOptimizer) opt.zero_grad();
+    for (auto& p : trained.parameters()) {
+      if (!p.grad().defined() || clear == Clear::kOptimizer) continue;
+      if (clear == Clear::kOwnZeroingLoop) {
+        p.mutable_grad().zero_();
+      } else {
+        p.mutable_grad().reset();
+      }
+    }
+    const torch::Tensor out = in_place ? inner->forward(local_block(x), rank, step)
+                                       : model->forward(local_block(x), rank, step);
+    torch::mse_loss(out, local_block(y)).backward();
     opt.step();
-    expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+    if (in_place) {
+      SummonFullParams full(*inner);
+      expect_same_params(*inner, *reference, what + " step " + std::to_string(step));
+    } else {
+      expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+    }
   }
 }
 
@@ -352,6 +387,24 @@ TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
             std::string(to_string(strategy)) + (orig_params ? " use_orig_params" : " flat shards");
         const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
         train_routed_against_plain<MoeNet>(options, options, what);
+      });
+}
+
+// fully_shard, the user clearing gradients with their own loops: a
+// parameter that got its gradient only from other ranks' data shows it too
+// (a loop that tests .grad.defined() reaches it, as with plain LibTorch on
+// the whole batch), and what such a loop zeroes or drops is gone from what
+// the optimizer steps (Note [Gradients the user clears]).
+TEST(UnevenGradients, OwnLoopsClearingGradientsOfUnitsUsedOnSomeRanks) {
+  at_two_and_three_ranks(
+      {ShardingStrategy::kFullShard}, [](ShardingStrategy strategy, bool orig_params) {
+        const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+        for (const Clear clear : {Clear::kOwnZeroingLoop, Clear::kOwnDroppingLoop}) {
+          const std::string what = std::string("fully_shard") +
+                                   (orig_params ? " use_orig_params" : " flat shards") +
+                                   (clear == Clear::kOwnZeroingLoop ? " zeroing" : " dropping");
+          train_routed_against_plain<Experts>(options, options, what, true, clear);
+        }
       });
 }
 

@@ -9,6 +9,7 @@
 
 #include <fsdp/runtime/unit.h>
 #include <fsdp/wrap/options.h>
+#include <fsdp/wrap/wrapper_traits.h>
 
 namespace fsdp {
 

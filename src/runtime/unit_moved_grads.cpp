@@ -1,0 +1,176 @@
+// What a unit does when the user clears the gradients its parameters show
+// after a backward (Note [Gradients the user clears]).
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/sharded_placeholder.h"
+#include "runtime/unit_runtime.h"
+
+namespace fsdp::detail {
+
+// Note [Gradients the user clears]
+// After a backward each original parameter's .grad is its placeholder, the
+// gradient itself in what the optimizer steps (the flat shard's .grad, or
+// the use_orig_params pieces'). Users clear gradients three ways, and each
+// must reach those tensors, or the next backward adds to the old gradient:
+// - Module::zero_grad(set_to_none): per parameter, `grad = grad.detach()`
+//   (a copy of the placeholder: the dispatch fallback sees it), then
+//   grad.reset() or grad.zero_() on the copy. A slot's detach marks it
+//   kDetached; a zero_ of its copy zeroes its part in place (kShown again).
+//   When no shown slot is left, every one was detached and none zeroed:
+//   zero_grad(true) (2.x's default) dropped them all, and the unit drops
+//   its gradients then (memory is freed as in plain LibTorch). Only a unit
+//   with one shown slot cannot tell zero_grad(false) from it there; the
+//   zero_ that follows gets zeros back, with the options recorded.
+// - The user's own loop, p.grad().zero_(): zeroes that parameter's part.
+// - The user's own loop, p.mutable_grad().reset() (or = {}), and
+//   zero_grad(true) on part of a unit: no operator tells. Before the next
+//   backward adds anything (pre_backward, or its end for a unit it did not
+//   reach) the unit finds the .grad it showed gone and drops that part (a
+//   flat shard's part is zeroed; the whole shard's gradient is dropped when
+//   no part is left). An optimizer step with no backward since still steps
+//   what was dropped so.
+// A gradient the user assigns in place of a placeholder counts as dropped:
+// AccumulateGrad adds the next gradient to it, which the unit then reduces.
+// Every slot that has a gradient after a backward shows its placeholder,
+// one that got it only from other ranks too (show_moved_grads), so that
+// loops testing p.grad().defined() reach it, as with plain LibTorch on the
+// whole batch.
+
+c10::optional<size_t> UnitRuntime::slot_of_moved_grad(const at::Tensor& grad) const {
+  const c10::StorageImpl* storage = grad.storage().unsafeGetStorageImpl();
+  for (size_t i = 0; i < grad_placeholders_.size(); ++i) {
+    if (grad_placeholders_[i].storage().unsafeGetStorageImpl() == storage) return i;
+  }
+  return c10::nullopt;
+}
+
+void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
+  const auto slot = slot_of_moved_grad(grad);
+  if (!slot || moved_grads_[*slot] != MovedGrad::kShown) return;
+  moved_grads_[*slot] = MovedGrad::kDetached;
+  if (std::find(moved_grads_.begin(), moved_grads_.end(), MovedGrad::kShown) !=
+      moved_grads_.end()) {
+    return;  // Module::zero_grad goes on to the others
+  }
+  wait_for_grad_users();
+  dropped_grad_options_.clear();
+  for (const at::Tensor& p : optim_params_) {
+    dropped_grad_options_.push_back(p.grad().defined() ? c10::make_optional(p.grad().options())
+                                                       : c10::nullopt);
+  }
+  clear_optim_grads(/*set_to_none=*/true);
+  for (MovedGrad& m : moved_grads_) {
+    if (m == MovedGrad::kDetached) m = MovedGrad::kDropped;
+  }
+}
+
+void UnitRuntime::moved_grad_zeroed(const at::Tensor& grad) {
+  const auto slot = slot_of_moved_grad(grad);
+  if (!slot || moved_grads_[*slot] == MovedGrad::kNone) return;
+  wait_for_grad_users();
+  const size_t i = *slot;
+  if (moved_grads_[i] != MovedGrad::kDropped) {
+    zero_slot_grad(i);
+    moved_grads_[i] = MovedGrad::kShown;
+    return;
+  }
+  // Dropped with the others at its detach: zeros back, for the slot's piece,
+  // or the flat shard's gradient (every dropped slot's part).
+  const size_t owner = options_.use_orig_params() ? i : 0;
+  at::Tensor& g = optim_params_[owner].mutable_grad();
+  if (!g.defined() && owner < dropped_grad_options_.size() && dropped_grad_options_[owner]) {
+    g = at::zeros(optim_params_[owner].sizes(), *dropped_grad_options_[owner]);
+  }
+  for (size_t j = 0; j < moved_grads_.size(); ++j) {
+    if (moved_grads_[j] == MovedGrad::kDropped && (j == i || !options_.use_orig_params())) {
+      moved_grads_[j] = MovedGrad::kShown;
+    }
+  }
+}
+
+void UnitRuntime::zero_slot_grad(size_t i) {
+  at::NoGradGuard no_grad;
+  // What no_sync() accumulated for the slot goes too (Note [Filling the
+  // flat gradient]: an unfilled slot is zeroed before the reduction).
+  if (i < slot_filled_.size() && (state_ == Unit::TrainingState::kIdle ||
+                                  torch::autograd::get_current_graph_task_exec_info() == nullptr)) {
+    slot_filled_[i] = false;
+  }
+  if (options_.use_orig_params()) {
+    const at::Tensor& g = optim_params_[i].grad();
+    if (g.defined()) at::Tensor(g).zero_();
+    return;
+  }
+  const at::Tensor& g = optim_params_[0].grad();
+  if (!g.defined()) return;
+  const auto& slot = flat_->slots()[i];
+  const int64_t begin = flat_->shard_offset();
+  const int64_t lo = std::max(begin, slot.offset);
+  const int64_t hi = std::min(begin + g.numel(), slot.offset + slot.numel);
+  if (hi > lo) g.reshape({-1}).narrow(0, lo - begin, hi - lo).zero_();
+}
+
+void UnitRuntime::drop_grads_the_user_dropped() {
+  if (!flat_) return;
+  const auto& slots = flat_->slots();
+  std::vector<bool> dropped(slots.size(), false);
+  bool any = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const bool shown =
+        moved_grads_[i] == MovedGrad::kShown || moved_grads_[i] == MovedGrad::kDetached;
+    if (shown && !is_placeholder(slots[i].param.grad())) dropped[i] = any = true;
+  }
+  if (!any) return;
+  drop_slot_grads(dropped);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (dropped[i]) moved_grads_[i] = MovedGrad::kNone;
+  }
+}
+
+void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
+  // Before this unit's backward adds anything (no optimizer is stepping
+  // these now): what no_sync() accumulated for a dropped slot goes too.
+  const auto& slots = flat_->slots();
+  for (size_t i = 0; i < slots.size() && i < slot_filled_.size(); ++i) {
+    if (dropped[i]) slot_filled_[i] = false;
+  }
+  bool any_kept = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const bool shown =
+        moved_grads_[i] == MovedGrad::kShown || moved_grads_[i] == MovedGrad::kDetached;
+    any_kept = any_kept || (shown && !dropped[i]);
+  }
+  if (!options_.use_orig_params() && !any_kept) {
+    clear_optim_grads(/*set_to_none=*/true);
+    return;
+  }
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!dropped[i]) continue;
+    if (options_.use_orig_params()) {
+      optim_params_[i].mutable_grad().reset();
+    } else {
+      zero_slot_grad(i);
+    }
+  }
+}
+
+void UnitRuntime::show_moved_grads(const std::vector<bool>* received) {
+  const auto& slots = flat_->slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    at::Tensor param = slots[i].param;
+    const bool has = options_.use_orig_params()
+                         ? optim_params_[i].requires_grad() && (!received || (*received)[i])
+                         : param.requires_grad() && (!received || (*received)[0]);
+    if (!has) continue;
+    if (!param.grad().defined()) param.mutable_grad() = grad_placeholders_[i];
+    if (is_placeholder(param.grad())) moved_grads_[i] = MovedGrad::kShown;
+  }
+}
+
+}  // namespace fsdp::detail
