@@ -25,7 +25,14 @@ fi
 
 files=()
 if (($# > 0)); then
-  files=("$@")
+  # C++ files only: clang-format would take anything else (Markdown too) for C++.
+  for f in "$@"; do
+    case "$f" in
+      *.cpp | *.h | *.hpp | *.cc) files+=("$f") ;;
+      *) echo "check_format: skipping $f (not C++)" >&2 ;;
+    esac
+  done
+  ((${#files[@]} > 0)) || exit 0
 else
   while IFS= read -r -d '' f; do files+=("$f"); done \
     < <(git ls-files -z '*.cpp' '*.h' '*.hpp' '*.cc')

@@ -213,12 +213,17 @@ void UnitRuntime::prepare_slots() {
 void UnitRuntime::clear_moved_grads() {
   // The last backward's moved gradient (a placeholder) must not meet
   // AccumulateGrad: the next backward's gradient starts afresh.
+  // A gradient still shown is shown again at the end of this backward
+  // (kHidden), whether or not it adds to it.
   drop_grads_the_user_dropped();
-  for (const auto& slot : flat_->slots()) {
-    at::Tensor param = slot.param;
-    if (is_placeholder(param.grad())) param.mutable_grad().reset();
+  const auto& slots = flat_->slots();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    at::Tensor param = slots[i].param;
+    const bool shown = is_placeholder(param.grad());
+    if (shown) param.mutable_grad().reset();
+    moved_grads_[i] =
+        shown && moved_grads_[i] != MovedGrad::kNone ? MovedGrad::kHidden : MovedGrad::kNone;
   }
-  moved_grads_.assign(flat_->slots().size(), MovedGrad::kNone);
   dropped_grad_options_.clear();
 }
 
@@ -844,8 +849,9 @@ bool UnitRuntime::finish_reduction() {
 void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduced) {
   // Under no_sync(), or with no reduction (Note [Backward with respect to
   // inputs]), the unsharded gradient stays for the next backward.
+  // See Note [Gradients the user clears]: what has a gradient shows it.
+  show_moved_grads(require_sync_ && reduced && (grad_work_ || delivered_early_), received);
   if (require_sync_ && reduced) {
-    if (grad_work_ || delivered_early_) show_moved_grads(received);
     if (grad_work_) assign_reduced_grad(received);
     delivered_early_ = false;
     grad_work_ = Work();

@@ -40,7 +40,11 @@ namespace fsdp::detail {
 // Every slot that has a gradient after a backward shows its placeholder,
 // one that got it only from other ranks too (show_moved_grads), so that
 // loops testing p.grad().defined() reach it, as with plain LibTorch on the
-// whole batch.
+// whole batch. A backward takes the placeholders off while it runs (its
+// gradients must not meet one in AccumulateGrad) and puts back, at its end,
+// those it took off: a slot this backward gave nothing (unused in this
+// step, a backward with respect to the inputs only) still shows the
+// gradient it keeps, and the next zero_grad reaches it.
 
 c10::optional<size_t> UnitRuntime::slot_of_moved_grad(const at::Tensor& grad) const {
   const c10::StorageImpl* storage = grad.storage().unsafeGetStorageImpl();
@@ -59,12 +63,23 @@ void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
     return;  // Module::zero_grad goes on to the others
   }
   wait_for_grad_users();
-  dropped_grad_options_.clear();
-  for (const at::Tensor& p : optim_params_) {
-    dropped_grad_options_.push_back(p.grad().defined() ? c10::make_optional(p.grad().options())
-                                                       : c10::nullopt);
+  // With use_orig_params only the detached slots' pieces: another piece
+  // keeps what it has (a gradient hidden at this backward's start).
+  const bool orig = options_.use_orig_params();
+  dropped_grad_options_.assign(optim_params_.size(), c10::nullopt);
+  for (size_t i = 0; i < optim_params_.size(); ++i) {
+    const at::Tensor& g = optim_params_[i].grad();
+    if (g.defined() && (!orig || moved_grads_[i] == MovedGrad::kDetached)) {
+      dropped_grad_options_[i] = g.options();
+    }
   }
-  clear_optim_grads(/*set_to_none=*/true);
+  if (orig) {
+    for (size_t i = 0; i < optim_params_.size(); ++i) {
+      if (moved_grads_[i] == MovedGrad::kDetached) optim_params_[i].mutable_grad().reset();
+    }
+  } else {
+    clear_optim_grads(/*set_to_none=*/true);
+  }
   for (MovedGrad& m : moved_grads_) {
     if (m == MovedGrad::kDetached) m = MovedGrad::kDropped;
   }
@@ -160,14 +175,17 @@ void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
   }
 }
 
-void UnitRuntime::show_moved_grads(const std::vector<bool>* received) {
+void UnitRuntime::show_moved_grads(bool reduced, const std::vector<bool>* received) {
+  if (!flat_) return;
   const auto& slots = flat_->slots();
   for (size_t i = 0; i < slots.size(); ++i) {
     at::Tensor param = slots[i].param;
-    const bool has = options_.use_orig_params()
+    const bool got = options_.use_orig_params()
                          ? optim_params_[i].requires_grad() && (!received || (*received)[i])
                          : param.requires_grad() && (!received || (*received)[0]);
-    if (!has) continue;
+    const bool hidden = moved_grads_[i] == MovedGrad::kHidden;
+    if (hidden) moved_grads_[i] = MovedGrad::kNone;
+    if (!hidden && !(reduced && got)) continue;
     if (!param.grad().defined()) param.mutable_grad() = grad_placeholders_[i];
     if (is_placeholder(param.grad())) moved_grads_[i] = MovedGrad::kShown;
   }

@@ -234,9 +234,10 @@ class UnitRuntime final : public ParamUseListener {
   // Note [Gradients the user clears]: what the optimizer steps loses the
   // parts whose .grad the user took away since the last backward showed it.
   void drop_grads_the_user_dropped();
-  // After a backward's reduced gradients are set (`received`: the agreed
-  // slots, null for all): each slot that has one shows its placeholder.
-  void show_moved_grads(const std::vector<bool>* received);
+  // At the end of a backward: each slot that has a gradient shows its
+  // placeholder, kHidden ones and, when it `reduced`, those it `received`
+  // (the agreed slots, null for all).
+  void show_moved_grads(bool reduced, const std::vector<bool>* received);
   // The slot whose moved gradient `grad` is (or a copy of), if any.
   c10::optional<size_t> slot_of_moved_grad(const at::Tensor& grad) const;
   // Slot i's part of what the optimizer steps zeroed in place.
@@ -315,10 +316,11 @@ class UnitRuntime final : public ParamUseListener {
   // Per slot, what its .grad shows of the gradient the optimizer steps
   // (Note [Gradients the user clears]). kNone -> kShown (a backward set its
   // placeholder) -> kDetached (Module::zero_grad detached it) -> kShown (the
-  // copy zeroed) or kDropped (every shown one detached: all dropped) ->
-  // kShown (a dropped one's copy zeroed: zeros back); any -> kNone when
-  // libfsdp clears the placeholders (pre_backward).
-  enum class MovedGrad { kNone, kShown, kDetached, kDropped };
+  // copy zeroed) or kDropped (every shown one detached: dropped) -> kShown
+  // (a dropped one's copy zeroed: zeros back). When a backward begins (its
+  // gradients must not meet a placeholder) a shown one -> kHidden, shown
+  // again at its end (-> kShown), any other -> kNone.
+  enum class MovedGrad { kNone, kShown, kDetached, kDropped, kHidden };
   std::vector<MovedGrad> moved_grads_;
   // The options of each optimizer tensor's gradient the last kDropped drop
   // took (nullopt: had none): a zeroed copy gets zeros of these back.

@@ -245,10 +245,24 @@ struct ExpertsImpl : nn::Module {
 };
 TORCH_MODULE(Experts);
 
-// How the user clears gradients before each step: the optimizer's
-// zero_grad(), or their own loop over the model's parameters zeroing or
-// dropping each .grad that is defined.
-enum class Clear { kOptimizer, kOwnZeroingLoop, kOwnDroppingLoop };
+// How the user clears gradients before each step, on the model and the
+// plain reference alike: the optimizer's zero_grad(), Module::zero_grad
+// keeping zeros, or their own loop over the parameters zeroing or dropping
+// each .grad that is defined.
+enum class Clear { kOptimizer, kModuleZeroGradKeepingZeros, kOwnZeroingLoop, kOwnDroppingLoop };
+
+void clear_grads(Clear clear, nn::Module& model, torch::optim::Optimizer& opt) {
+  if (clear == Clear::kOptimizer) return opt.zero_grad();
+  if (clear == Clear::kModuleZeroGradKeepingZeros) return model.zero_grad(/*set_to_none=*/false);
+  for (auto& p : model.parameters()) {
+    if (!p.grad().defined()) continue;
+    if (clear == Clear::kOwnZeroingLoop) {
+      p.mutable_grad().zero_();
+    } else {
+      p.mutable_grad().reset();
+    }
+  }
+}
 
 // Trains Net (forward(x, rank, step): each rank routes its own data) under
 // `options`, its blocks wrapped with `block_options`, against plain LibTorch
@@ -280,13 +294,24 @@ void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& b
     params = model->parameters();
   }
   nn::Module& trained = in_place ? static_cast<nn::Module&>(*inner) : *model;
-  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
-  torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+  // In place with use_orig_params: AdamW with weight decay, under which a
+  // zero gradient and none step differently (flat shards give a parameter
+  // no rank used a zero gradient: Note [Parameters without gradients]).
+  const bool adamw = in_place && options.use_orig_params();
+  auto make = [adamw](std::vector<torch::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (!adamw) return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+    return std::make_unique<torch::optim::AdamW>(
+        p, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  };
+  auto ref_opt_ptr = make(reference->parameters());
+  auto opt_ptr = make(params);
+  torch::optim::Optimizer& ref_opt = *ref_opt_ptr;
+  torch::optim::Optimizer& opt = *opt_ptr;
   for (int step = 0; step < 4; ++step) {
     torch::manual_seed(100 + step);
     const torch::Tensor x = torch::randn({4 * world, 8});
     const torch::Tensor y = torch::randn({4 * world, 2});
-    ref_opt.zero_grad();
+    clear_grads(clear, *reference, ref_opt);
     torch::Tensor ref_loss = torch::zeros({});
     for (int r = 0; r < world; ++r) {
       ref_loss = ref_loss + torch::mse_loss(reference->forward(x.chunk(world, 0)[r], r, step),
@@ -294,15 +319,7 @@ void train_routed_against_plain(const FSDPOptions& options, const FSDPOptions& b
     }
     (ref_loss / world).backward();
     ref_opt.step();
-    if (clear == Clear::kOptimizer) opt.zero_grad();
-    for (auto& p : trained.parameters()) {
-      if (!p.grad().defined() || clear == Clear::kOptimizer) continue;
-      if (clear == Clear::kOwnZeroingLoop) {
-        p.mutable_grad().zero_();
-      } else {
-        p.mutable_grad().reset();
-      }
-    }
+    clear_grads(clear, trained, opt);
     const torch::Tensor out = in_place ? inner->forward(local_block(x), rank, step)
                                        : model->forward(local_block(x), rank, step);
     torch::mse_loss(out, local_block(y)).backward();
@@ -338,8 +355,9 @@ TEST(UnevenGradients, UnitsPartlyUsedOnSomeRanksTrainLikePlainLibTorch) {
 // backward reaches it (Note [Gradients a backward computes]). Left to the
 // end of backward, it held back every later reduction on those ranks only:
 // under FULL_SHARD their reductions then paired with the others' gathers.
+// `skip_empty` false: an expert no row goes to runs on its empty batch.
 struct ExpertLayerImpl : nn::Module {
-  ExpertLayerImpl() {
+  explicit ExpertLayerImpl(bool skip_empty = true) : skip_empty(skip_empty) {
     for (int e = 0; e < 2; ++e)
       experts.push_back(register_module("e" + std::to_string(e), nn::Linear(8, 8)));
   }
@@ -347,20 +365,21 @@ struct ExpertLayerImpl : nn::Module {
     torch::Tensor out = torch::zeros_like(x);
     for (size_t e = 0; e < experts.size(); ++e) {
       const torch::Tensor rows = routes.eq(static_cast<int64_t>(e)).nonzero().squeeze(1);
-      if (rows.numel() == 0) continue;
+      if (rows.numel() == 0 && skip_empty) continue;
       out.index_add_(0, rows, experts[e](x.index_select(0, rows)));
     }
     return x + out;
   }
   std::vector<nn::Linear> experts;
+  bool skip_empty;
 };
 TORCH_MODULE(ExpertLayer);
 
 struct MoeNetImpl : nn::Module {
-  MoeNetImpl() {
+  explicit MoeNetImpl(bool skip_empty = true) {
     stem = register_module("stem", nn::Linear(8, 8));
     for (int i = 0; i < 3; ++i)
-      layers.push_back(register_module("l" + std::to_string(i), wrap(ExpertLayer())));
+      layers.push_back(register_module("l" + std::to_string(i), wrap(ExpertLayer(skip_empty))));
     head = register_module("head", nn::Linear(8, 2));
   }
   torch::Tensor forward(torch::Tensor x, int rank, int step) {
@@ -379,6 +398,13 @@ struct MoeNetImpl : nn::Module {
 };
 TORCH_MODULE(MoeNet);
 
+// The same net whose experts run on their empty batches: under fully_shard
+// every rank then enters every unit (docs/using.md).
+struct DenseRoutedMoeNetImpl : MoeNetImpl {
+  DenseRoutedMoeNetImpl() : MoeNetImpl(/*skip_empty=*/false) {}
+};
+TORCH_MODULE(DenseRoutedMoeNet);
+
 TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
   at_two_and_three_ranks(
       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
@@ -390,22 +416,28 @@ TEST(UnevenGradients, UnitsUnusedOnSomeRanksTrainLikePlainLibTorch) {
       });
 }
 
-// fully_shard, the user clearing gradients with their own loops: a
-// parameter that got its gradient only from other ranks' data shows it too
-// (a loop that tests .grad.defined() reaches it, as with plain LibTorch on
-// the whole batch), and what such a loop zeroes or drops is gone from what
-// the optimizer steps (Note [Gradients the user clears]).
+// fully_shard, the user clearing gradients with zero_grad(false) or their
+// own loops: a parameter that got its gradient only from other ranks' data
+// shows it too (a loop that tests .grad.defined() reaches it, as with plain
+// LibTorch on the whole batch), one no rank used in a step keeps showing
+// what it has, and what is zeroed or dropped is gone from what the
+// optimizer steps (Note [Gradients the user clears]). With use_orig_params
+// under AdamW with weight decay: a zero gradient where plain LibTorch has
+// none would show.
 TEST(UnevenGradients, OwnLoopsClearingGradientsOfUnitsUsedOnSomeRanks) {
-  at_two_and_three_ranks(
-      {ShardingStrategy::kFullShard}, [](ShardingStrategy strategy, bool orig_params) {
-        const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
-        for (const Clear clear : {Clear::kOwnZeroingLoop, Clear::kOwnDroppingLoop}) {
-          const std::string what = std::string("fully_shard") +
-                                   (orig_params ? " use_orig_params" : " flat shards") +
-                                   (clear == Clear::kOwnZeroingLoop ? " zeroing" : " dropping");
-          train_routed_against_plain<Experts>(options, options, what, true, clear);
-        }
-      });
+  at_two_and_three_ranks({ShardingStrategy::kFullShard}, [](ShardingStrategy strategy,
+                                                            bool orig_params) {
+    const auto options = FSDPOptions().sharding_strategy(strategy).use_orig_params(orig_params);
+    for (const Clear clear :
+         {Clear::kModuleZeroGradKeepingZeros, Clear::kOwnZeroingLoop, Clear::kOwnDroppingLoop}) {
+      const char* how[] = {"", " zero_grad(false)", " zeroing", " dropping"};
+      const std::string what = std::string("fully_shard") +
+                               (orig_params ? " use_orig_params" : " flat shards") +
+                               how[static_cast<int>(clear)];
+      train_routed_against_plain<Experts>(options, options, what, true, clear);
+      train_routed_against_plain<DenseRoutedMoeNet>(options, options, what + " moe", true, clear);
+    }
+  });
 }
 
 }  // namespace test_uneven_grads
