@@ -137,9 +137,7 @@ void UnitRuntime::drop_grads_the_user_dropped() {
   std::vector<bool> dropped(slots.size(), false);
   bool any = false;
   for (size_t i = 0; i < slots.size(); ++i) {
-    const bool shown =
-        moved_grads_[i] == MovedGrad::kShown || moved_grads_[i] == MovedGrad::kDetached;
-    if (shown && !is_placeholder(slots[i].param.grad())) dropped[i] = any = true;
+    if (shows(moved_grads_[i]) && !is_placeholder(slots[i].param.grad())) dropped[i] = any = true;
   }
   if (!any) return;
   drop_slot_grads(dropped);
@@ -157,9 +155,7 @@ void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
   }
   bool any_kept = false;
   for (size_t i = 0; i < slots.size(); ++i) {
-    const bool shown =
-        moved_grads_[i] == MovedGrad::kShown || moved_grads_[i] == MovedGrad::kDetached;
-    any_kept = any_kept || (shown && !dropped[i]);
+    any_kept = any_kept || (shows(moved_grads_[i]) && !dropped[i]);
   }
   if (!options_.use_orig_params() && !any_kept) {
     clear_optim_grads(/*set_to_none=*/true);

@@ -321,6 +321,8 @@ class UnitRuntime final : public ParamUseListener {
   // gradients must not meet a placeholder) a shown one -> kHidden, shown
   // again at its end (-> kShown), any other -> kNone.
   enum class MovedGrad { kNone, kShown, kDetached, kDropped, kHidden };
+  // The slot's .grad is its placeholder (or Module::zero_grad's copy of it).
+  static bool shows(MovedGrad m) { return m == MovedGrad::kShown || m == MovedGrad::kDetached; }
   std::vector<MovedGrad> moved_grads_;
   // The options of each optimizer tensor's gradient the last kDropped drop
   // took (nullopt: had none): a zeroed copy gets zeros of these back.
