@@ -18,7 +18,9 @@ enum class PlaceholderKind {
 /// Hears of the operators that reach the parameters of a unit made by
 /// fsdp::fully_shard (see Note [Units driven by dispatch] in
 /// src/runtime/unit_dispatch.cpp): its placeholders and its tracked
-/// storage (track_storage) report to it instead of failing.
+/// storage (track_storage) report to it instead of failing. Every unit's
+/// gradient placeholders report a detach or zero_ to it (Note [Gradients
+/// the user clears]); only those of fully_shard's units the rest.
 class ParamUseListener {
  public:
   /// First of all for an operator on the unit's parameters: until its

@@ -351,8 +351,11 @@ void UnitRuntime::register_grad_hooks() {
   const bool all_frozen = !flat_->shard().requires_grad();
   params_trainable_ = !all_frozen;
   for (size_t i = 0; i < slots.size(); ++i) {
+    // Every unit's moved gradients report a detach or zero_ (Note
+    // [Gradients the user clears]): a wrapper's original parameters are
+    // reached through named_parameters() too.
     grad_placeholders_.push_back(make_placeholder(slots[i].param, PlaceholderKind::kGradient,
-                                                  "'" + slots[i].name + "'", use_listener()));
+                                                  "'" + slots[i].name + "'", this));
     // The slot's tensor object is the module's own parameter: only its
     // autograd flags change here, never what it refers to. Every slot gets
     // its hook, made while requires_grad is briefly on where it is off: a

@@ -186,6 +186,48 @@ TEST(UserHabits, PartlyFrozenUnitsAreRefusedHoweverMade) {
   });
 }
 
+// The user's own loops over a wrapped model's named_parameters() (the
+// original parameters, whose .grad is a placeholder after backward), zeroing
+// or dropping each .grad: they clear what the optimizer steps, as in plain
+// LibTorch (Note [Gradients the user clears]).
+TEST(UserHabits, OwnLoopsOverNamedParametersClearTheOptimizersGradients) {
+  for (int world : {1, 2}) {
+    run_ranks_ok(world, [](int, int world) {
+      join_test_group();
+      for (bool orig : {false, true}) {
+        for (bool drop : {false, true}) {
+          const std::string what = std::string(orig ? "use_orig_params" : "flat") +
+                                   (drop ? " dropping loop" : " zeroing loop");
+          auto [reference, model] = twins(FSDPOptions().use_orig_params(orig));
+          auto ref_opt = adamw(reference->parameters());
+          auto opt = adamw(model->parameters());
+          auto clear = [drop](nn::Module& m) {
+            for (auto& p : m.named_parameters()) {
+              if (!p.value().grad().defined()) continue;
+              if (drop) {
+                p.value().mutable_grad().reset();
+              } else {
+                p.value().mutable_grad().zero_();
+              }
+            }
+          };
+          for (int step = 0; step < 4; ++step) {
+            torch::manual_seed(step);
+            torch::Tensor x = torch::randn({4 * world, 7}), y = torch::randn({4 * world, 3});
+            clear(*reference);
+            torch::mse_loss(reference->forward(x), y).backward();
+            ref_opt->step();
+            clear(*model);
+            torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+            opt->step();
+            expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+          }
+        }
+      }
+    });
+  }
+}
+
 // Item 3: model->zero_grad() (root or any unit) clears what the optimizer steps.
 TEST(UserHabits, ModuleZeroGradClearsTheOptimizersGradients) {
   for (int world : {1, 2, 3}) {
