@@ -68,18 +68,12 @@ void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
   const bool orig = options_.use_orig_params();
   dropped_grad_options_.assign(optim_params_.size(), c10::nullopt);
   for (size_t i = 0; i < optim_params_.size(); ++i) {
-    const at::Tensor& g = optim_params_[i].grad();
-    if (g.defined() && (!orig || moved_grads_[i] == MovedGrad::kDetached)) {
-      dropped_grad_options_[i] = g.options();
-    }
+    at::Tensor& g = optim_params_[i].mutable_grad();
+    if (!g.defined() || (orig && moved_grads_[i] != MovedGrad::kDetached)) continue;
+    dropped_grad_options_[i] = g.options();
+    if (orig) g.reset();
   }
-  if (orig) {
-    for (size_t i = 0; i < optim_params_.size(); ++i) {
-      if (moved_grads_[i] == MovedGrad::kDetached) optim_params_[i].mutable_grad().reset();
-    }
-  } else {
-    clear_optim_grads(/*set_to_none=*/true);
-  }
+  if (!orig) clear_optim_grads(/*set_to_none=*/true);
   for (MovedGrad& m : moved_grads_) {
     if (m == MovedGrad::kDetached) m = MovedGrad::kDropped;
   }
