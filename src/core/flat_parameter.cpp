@@ -183,15 +183,23 @@ void FlatParameter::build_shard_directly() {
   // Each rank copies only its piece of each parameter; the original storages
   // are released as the parameters are rebound, one by one.
   shard_ = at::zeros({shard_numel_}, unsharded_.options());
-  const int64_t begin = shard_offset(), end = begin + shard_numel_;
-  for (auto& slot : slots_) {
-    const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
-    if (lo < hi) {
-      shard_.narrow(0, lo - begin, hi - lo)
-          .copy_(slot.param.reshape({-1}).narrow(0, lo - slot.offset, hi - lo));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const ShardPart part = shard_part(i);
+    if (part.numel > 0) {
+      shard_.narrow(0, part.in_shard, part.numel)
+          .copy_(slots_[i].param.reshape({-1}).narrow(0, part.in_param, part.numel));
     }
-    bind(slot);
+    bind(slots_[i]);
   }
+}
+
+FlatParameter::ShardPart FlatParameter::shard_part(size_t i) const {
+  const FlatParamSlot& slot = slots_[i];
+  const int64_t begin = shard_offset();
+  const int64_t lo = std::max(begin, slot.offset);
+  const int64_t hi = std::min(begin + shard_numel_, slot.offset + slot.numel);
+  if (lo >= hi) return {};
+  return {lo - begin, lo - slot.offset, hi - lo};
 }
 
 void FlatParameter::build_through_unsharded(const FlatParamConfig& config) {

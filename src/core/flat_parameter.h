@@ -129,6 +129,16 @@ class FlatParameter {
   int64_t numel() const { return numel_; }
   /// Element offset of shard() within the padded unsharded buffer.
   int64_t shard_offset() const { return keep_unsharded_ ? 0 : group_->rank() * shard_numel_; }
+  /// Where a slot meets this rank's shard: the slot's elements
+  /// [in_param, in_param + numel) are the shard's [in_shard, in_shard +
+  /// numel); all 0 where they do not meet.
+  struct ShardPart {
+    int64_t in_shard = 0;  ///< offset in shard()
+    int64_t in_param = 0;  ///< offset in the flattened parameter
+    int64_t numel = 0;     ///< elements in both
+  };
+  /// Slot `i`'s part of this rank's shard.
+  ShardPart shard_part(size_t i) const;
   /// Elements of the padded unsharded buffer.
   int64_t padded_numel() const { return padded_numel_; }
   /// The group that shards this buffer.

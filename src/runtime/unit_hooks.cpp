@@ -874,14 +874,11 @@ std::vector<GradTarget> UnitRuntime::grad_targets(const std::vector<bool>* recei
     if (received == nullptr || (*received)[0]) targets.push_back({optim_params_[0], 0, -1});
     return targets;
   }
-  const int64_t begin = flat_->shard_offset();
   for (size_t i = 0; i < optim_params_.size(); ++i) {
     const at::Tensor& piece = optim_params_[i];
     // See Note [Parameters without gradients].
     if (!piece.requires_grad() || (received != nullptr && !(*received)[i])) continue;
-    const auto& slot = flat_->slots()[i];
-    const int64_t lo = std::max(begin, slot.offset);
-    targets.push_back({piece, piece.numel() > 0 ? lo - begin : 0, piece.numel()});
+    targets.push_back({piece, flat_->shard_part(i).in_shard, piece.numel()});
   }
   return targets;
 }

@@ -118,11 +118,8 @@ void UnitRuntime::zero_slot_grad(size_t i) {
   }
   const at::Tensor& g = optim_params_[0].grad();
   if (!g.defined()) return;
-  const auto& slot = flat_->slots()[i];
-  const int64_t begin = flat_->shard_offset();
-  const int64_t lo = std::max(begin, slot.offset);
-  const int64_t hi = std::min(begin + g.numel(), slot.offset + slot.numel);
-  if (hi > lo) g.reshape({-1}).narrow(0, lo - begin, hi - lo).zero_();
+  const FlatParameter::ShardPart part = flat_->shard_part(i);
+  if (part.numel > 0) g.reshape({-1}).narrow(0, part.in_shard, part.numel).zero_();
 }
 
 void UnitRuntime::drop_grads_the_user_dropped() {

@@ -302,12 +302,11 @@ void UnitRuntime::make_optim_params() {
   }
   // Each slot's piece is its intersection with this rank's shard: a view of
   // the shard (so an optimizer step updates the shard in place), and a leaf.
-  const int64_t begin = flat_->shard_offset(), end = begin + shard.numel();
   const at::Tensor base = shard.detach();
   for (size_t i = 0; i < flat_->slots().size(); ++i) {
     const auto& slot = flat_->slots()[i];
-    const int64_t lo = std::max(begin, slot.offset), hi = std::min(end, slot.offset + slot.numel);
-    at::Tensor piece = base.narrow(0, lo < hi ? lo - begin : 0, lo < hi ? hi - lo : 0);
+    const FlatParameter::ShardPart part = flat_->shard_part(i);
+    at::Tensor piece = base.narrow(0, part.in_shard, part.numel);
     piece.set_requires_grad(slot.param.requires_grad());  // as when wrapped
     optim_params_.push_back(piece);
     params_given_.push_back(slot.param.requires_grad());

@@ -184,14 +184,11 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
           const at::Tensor value = read_checked(in, p.key(), false, prefix + p.key(), slot.shape,
                                                 flat->group().rank(), flat->unit_path());
           // This rank's part: the slot's intersection with the shard.
-          const at::Tensor shard = flat->shard().detach();
-          const int64_t begin = flat->shard_offset(), end = begin + shard.numel();
-          const int64_t lo = std::max(begin, slot.offset);
-          const int64_t hi = std::min(end, slot.offset + slot.numel);
-          if (lo >= hi) continue;
-          const at::Tensor part = value.reshape({-1}).narrow(0, lo - slot.offset, hi - lo);
-          writes.push_back(
-              [shard, part, lo, hi, begin] { shard.narrow(0, lo - begin, hi - lo).copy_(part); });
+          const FlatParameter::ShardPart part = flat->shard_part(it->second);
+          if (part.numel == 0) continue;
+          const at::Tensor mine = value.reshape({-1}).narrow(0, part.in_param, part.numel);
+          writes.push_back([to = flat->shard().detach().narrow(0, part.in_shard, part.numel),
+                            mine] { to.copy_(mine); });
         }
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
           // One saved in its own dtype (detail::saved_buffer_dtype) is kept

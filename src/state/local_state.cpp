@@ -57,16 +57,14 @@ namespace {
 LocalPiece unit_piece(const UnitEntry& e, size_t i) {
   const FlatParameter& flat = *e.unit->flat_param();
   const FlatParamSlot& slot = flat.slots()[i];
-  const at::Tensor shard = flat.shard().detach();
-  const int64_t lo = std::max(flat.shard_offset(), slot.offset);
-  const int64_t hi = std::min(flat.shard_offset() + shard.numel(), slot.offset + slot.numel);
+  const FlatParameter::ShardPart part = flat.shard_part(i);
   LocalPiece p;
   p.name = e.prefix + slot.name;
   p.shape = slot.shape;
   p.numel = slot.numel;
-  p.begin = lo < hi ? lo - slot.offset : 0;
-  p.end = lo < hi ? hi - slot.offset : 0;
-  p.data = shard.narrow(0, lo < hi ? lo - flat.shard_offset() : 0, p.end - p.begin);
+  p.begin = part.in_param;
+  p.end = part.in_param + part.numel;
+  p.data = flat.shard().detach().narrow(0, part.in_shard, part.numel);
   p.saved_dtype = p.data.scalar_type();
   p.unit = e.unit;
   p.slot = i;
@@ -82,7 +80,7 @@ LocalPiece unit_piece(const UnitEntry& e, size_t i) {
     p.optim_offset = 0;
   } else {
     p.optim_param = flat.shard();
-    p.optim_offset = lo < hi ? lo - flat.shard_offset() : 0;
+    p.optim_offset = part.in_shard;
   }
   return p;
 }
