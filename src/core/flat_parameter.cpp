@@ -317,6 +317,7 @@ void FlatParameter::copy_unsharded_into_shard(int64_t begin, int64_t end) {
   at::NoGradGuard no_grad;
   const at::Tensor& full = summoned ? summoned_ : unsharded_;
   shard_.detach().narrow(0, lo - shard_offset(), hi - lo).copy_(full.narrow(0, lo, hi - lo));
+  if (!summoned) gathered_version_ = shard_._version();  // written from what is gathered
 }
 
 // Note [Summoning in full precision]
@@ -388,6 +389,7 @@ at::Tensor FlatParameter::begin_unshard() {
                         to_string(state_));
   resize_unsharded_storage(true);
   point_at_views();
+  gathered_version_ = shard_._version();
   if (low_precision_host_.defined() && !low_precision_copy_current()) {
     // Something other than the fused step wrote the shard (a checkpoint
     // loaded, the user): cast the copy anew, once, so the unshards that

@@ -202,6 +202,14 @@ class FlatParameter {
   /// kSummoned -> kSharded: the parameters point at their placeholders again
   /// and the full-precision buffer is dropped.
   void end_summon();
+  /// Gathered (kUnsharded, apart from the shard) and the shard written
+  /// since the gather, through a tensor that counts versions: an optimizer
+  /// step (not LibTorch's SGD, which writes through .data()), a load, an
+  /// in-place write. See Note [Gathered before a step].
+  bool gathered_behind_shard() const {
+    return state_ == State::kUnsharded && frees_unsharded() &&
+           shard_._version() != gathered_version_;
+  }
   /// Whether the original parameters hold the full-precision values now
   /// (kSummoned, or kUnsharded without mixed precision).
   bool holds_full_values() const {
@@ -254,6 +262,7 @@ class FlatParameter {
   // See low_precision_host_copy(): the copy, and the two version counters
   // when it was last filled from the shard.
   at::Tensor low_precision_host_;
+  int64_t gathered_version_ = 0;  // shard_._version() at the last gather
   int64_t shard_version_base_ = 0;
   int64_t copy_version_base_ = 0;
   // See copy_in_ahead_sender(); shared with the senders it made.

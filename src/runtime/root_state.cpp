@@ -61,6 +61,32 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
 
 RootState::~RootState() { release_held(/*keep_newest=*/false); }
 
+// Note [Gathered before a step]
+// A backward frees every unit it went through, so in training each forward
+// gathers the shards as the last step left them. A forward that no backward
+// follows (an evaluation, a validation loss in grad mode, a parameter read
+// or printed outside forward) can leave units gathered: the root, which
+// keeps its parameters for the backward it expects, and under SHARD_GRAD_OP
+// every unit whose outputs it hooked. An optimizer step after it writes the
+// shards, not what is gathered, and the next forward used to compute with
+// the values from before the step: training drifted from plain LibTorch.
+// So a forward that begins (the root's, wrappers' and fully_shard's alike)
+// first frees what an earlier forward left gathered, and each unit gathers
+// the shards anew: collective, and the same on every rank, since every rank
+// ran the same forwards. SummonFullParams and the state dicts gather such
+// units anew too. With fully_shard the next forward is seen only at its
+// first unit after the root, so the root's operators before it (the token
+// embedding) would run in the open forward. Two things end it first:
+// model->zero_grad() (the open forward ends where the gradients are
+// cleared), and an operator on a root whose shard's version counter moved
+// since it gathered (a step that writes through the tensor: Adam, AdamW,
+// RMSprop, Adagrad, fsdp::optim's; a load). LibTorch's SGD writes through
+// .data(), which counts no version: with SGD and only the optimizer's
+// zero_grad(), those operators still read the values from before the step
+// (docs/using.md). Cost: a forward after one that no backward followed
+// gathers the root (and SHARD_GRAD_OP's units) again; training loops pay
+// nothing.
+
 void RootState::begin_forward() {
   forward_positions_ = 0;
   // See Note [Copy-in on a stream of its own]: the shards were written on
@@ -71,7 +97,10 @@ void RootState::begin_forward() {
   }
   if (phase_ == BackwardPhase::kNone && order_outlived_backward_) reduction_order_.clear();
   order_outlived_backward_ = false;
-  if (phase_ == BackwardPhase::kNone) return;
+  if (phase_ == BackwardPhase::kNone) {
+    for (UnitRuntime* unit : units_) unit->reshard_left_gathered();
+    return;
+  }
   if (phase_ == BackwardPhase::kGraphKept) {
     // A forward between a backward that built a graph and the backward
     // through it belongs to the same iteration; what the graph holds is

@@ -110,8 +110,13 @@ void UnitRuntime::before_param_use(bool sharded) {
     return;
   }
   if (state_ == Unit::TrainingState::kForward) {
-    if (sharded) unshard();
-    return;
+    if (!flat_ || !flat_->gathered_behind_shard()) {
+      if (sharded) unshard();
+      return;
+    }
+    // A step wrote the shard since a forward that no backward followed
+    // gathered it: this is the next forward (Note [Gathered before a step]).
+    r.settle_forward(nullptr);
   }
   r.enter_forward(*this);
 }

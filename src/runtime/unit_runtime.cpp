@@ -416,6 +416,18 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
+void UnitRuntime::reshard_left_gathered() {
+  // The root is in its forward already: the one that begins. An operator
+  // that holds units has read none of them yet (the first unit it reports
+  // begins the forward), so what it holds gathers again as it enters them.
+  const bool idle = state_ == Unit::TrainingState::kIdle || is_root();
+  if (!flat_ || flat_->state() == FlatParameter::State::kSharded ||
+      flat_->state() == FlatParameter::State::kSummoned || held_by_summon_guard() || !idle) {
+    return;
+  }
+  reshard();  // a prefetch still arriving is waited for, then freed
+}
+
 // Note [Nested summons]
 // A SummonFullParams guard holds each unit it reaches on every rank, whether
 // this rank gathered it (rank0_only frees it at once on the others, and a
@@ -446,10 +458,11 @@ bool UnitRuntime::gather_full_params(bool to_cpu, bool with_grads) {
   check_idle("gather the full parameters");
   if (held_by_summon_guard()) return false;  // Note [Nested summons]
   if (held_for_graph()) {                    // gathered for a built graph (Note [Double backward])
-    if (!detail::unreported_uses_active()) refresh_gathered();
+    refresh_gathered();                      // a state dict's reads too (they are unreported uses)
     return false;
   }
   if (!flat_ || flat_->state() == FlatParameter::State::kSummoned) return false;
+  reshard_left_gathered();  // it may predate a step (Note [Gathered before a step])
   // As FSDP1's offload_to_cpu: only a unit that shards (NO_SHARD's full
   // values are on the device already).
   const c10::Device device = flat_->unsharded().device();

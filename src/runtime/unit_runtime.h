@@ -116,6 +116,10 @@ class UnitRuntime final : public ParamUseListener {
   // Such a unit's parameters gathered again in place from the shards (which
   // an optimizer step may have changed). Collective.
   void refresh_gathered();
+  // Frees what an earlier forward left gathered, at the start of the next
+  // (Note [Gathered before a step]): not what a graph, a SummonFullParams
+  // or an operator holds.
+  void reshard_left_gathered();
   void write_back_full_params();
   // Note [Summoning gradients]: while summoned with them, the full gradients
   // and each parameter's .grad from before.

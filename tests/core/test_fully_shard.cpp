@@ -95,6 +95,14 @@ std::vector<std::string> names(torch::nn::Module& m) {
   return out;
 }
 
+// What a user runs between backward and the optimizer's step.
+enum class BeforeStep {
+  kNothing,
+  kEvaluation,      // eval(), NoGradGuard: a forward
+  kValidationLoss,  // a loss in grad mode that no backward follows
+  kReadWeight,      // a block's weight norm, printed (it gathers the block)
+};
+
 struct Case {
   ShardingStrategy strategy = ShardingStrategy::kFullShard;
   std::shared_ptr<ProcessGroup> group;  // nullptr: the default group
@@ -109,8 +117,12 @@ struct Case {
   // validation loss in grad mode that no backward follows, compared with the
   // reference's; training then goes on.
   bool evaluate_between = false;
-  // An evaluation forward between backward and the optimizer's step.
-  bool evaluate_before_step = false;
+  // What runs between backward and the optimizer's step, on every rank.
+  BeforeStep before_step = BeforeStep::kNothing;
+  // Full parameters compared after every step (SummonFullParams), else after
+  // the last only: a summon ends an open forward, which could hide one
+  // that a step left stale. The losses are compared at every step either way.
+  bool compare_params_each_step = true;
   // The model's blocks in CheckpointWrappers (the reference's not).
   bool checkpoint_blocks = false;
   // Per step: which blocks the forward runs (empty: all).
@@ -174,11 +186,21 @@ double train_against_reference(const Case& c) {
         m.zero_grad();  // the user's habit: clears the shards' gradients too
       }
     };
+    double want_loss = 0;
+    {
+      torch::NoGradGuard no_grad;  // this rank's loss, as the model computes it
+      want_loss =
+          lm_loss(reference->forward(local_block(tokens)), local_block(targets)).item<double>();
+    }
     clear(*reference);
     lm_loss(reference->forward(tokens), targets).backward();
     ref_opt->step();
     clear(*model);
-    lm_loss(model->forward(local_block(tokens)), local_block(targets)).backward();
+    const torch::Tensor loss = lm_loss(model->forward(local_block(tokens)), local_block(targets));
+    if (c.expect_parity) {
+      EXPECT_NEAR(loss.item<double>(), want_loss, 1e-5) << c.what << " loss, step " << step;
+    }
+    loss.backward();
     if (c.input_grad_before_step) {
       torch::Tensor act;
       model->after_block = [&act](size_t i, const torch::Tensor& x) {
@@ -189,11 +211,22 @@ double train_against_reference(const Case& c) {
       EXPECT_TRUE(torch::autograd::grad({again}, {act})[0].defined()) << c.what;
       model->after_block = nullptr;
     }
-    if (c.evaluate_before_step) {
-      torch::NoGradGuard no_grad;
-      model->eval();
-      (void)model->forward(local_block(targets));
-      model->train();
+    switch (c.before_step) {
+      case BeforeStep::kNothing:
+        break;
+      case BeforeStep::kEvaluation: {
+        torch::NoGradGuard no_grad;
+        model->eval();
+        (void)model->forward(local_block(targets));
+        model->train();
+        break;
+      }
+      case BeforeStep::kValidationLoss:
+        (void)lm_loss(model->forward(local_block(targets)), local_block(tokens)).item<double>();
+        break;
+      case BeforeStep::kReadWeight:
+        (void)model->blocks[1]->as<BlockImpl>()->fc1->weight.norm().item<double>();
+        break;
     }
     opt->step();
     if (c.evaluate_between) {
@@ -215,6 +248,7 @@ double train_against_reference(const Case& c) {
           lm_loss(model->forward(local_block(held_out)), local_block(held_out)).item<double>();
       EXPECT_NEAR(got, want, 1e-5) << c.what << " validation loss without backward";
     }
+    if (!c.compare_params_each_step && step + 1 < c.steps) continue;
     SummonFullParams full(*model);
     const auto ref = reference->named_parameters();
     for (const auto& p : model->named_parameters()) {
@@ -301,13 +335,40 @@ TEST(FullyShard, BlocksInCheckpointWrappersBecomeUnitsAndTrainLikePlainLibTorch)
 }
 
 // Found by review: the evaluation left the root gathered, and the next
-// forward computed it with the values from before the step.
+// forward computed it with the values from before the step. A second review
+// found the same with the parameters compared only at the end (the
+// SummonFullParams after each step had ended the open forward): the root,
+// and under SHARD_GRAD_OP every block a validation loss had gathered, kept
+// the values from before the step (Note [Gathered before a step]).
 TEST(FullyShard, EvaluationBetweenBackwardAndStep) {
   expect_parity({1, 2}, [] {
-    return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [](Case& c) {
-      c.evaluate_before_step = true;
-      c.what = " evaluating before the step";
-    });
+    std::vector<Case> cases;
+    for (BeforeStep before :
+         {BeforeStep::kEvaluation, BeforeStep::kValidationLoss, BeforeStep::kReadWeight}) {
+      for (bool each_step : {true, false}) {
+        const auto more =
+            cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
+                      [before, each_step](Case& c) {
+                        c.before_step = before;
+                        c.compare_params_each_step = each_step;
+                        c.forward_prefetch = true;
+                        c.what = " before the step: " + std::to_string(static_cast<int>(before)) +
+                                 (each_step ? "" : ", compared at the end");
+                      });
+        cases.insert(cases.end(), more.begin(), more.end());
+      }
+      // SGD writes through .data(), which counts no version: the step is
+      // seen where model->zero_grad() clears the gradients.
+      const auto sgd = cases_for(
+          {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [before](Case& c) {
+            c.before_step = before;
+            c.compare_params_each_step = false;
+            c.adamw = false;
+            c.what = " SGD, before the step: " + std::to_string(static_cast<int>(before));
+          });
+      cases.insert(cases.end(), sgd.begin(), sgd.end());
+    }
+    return cases;
   });
 }
 

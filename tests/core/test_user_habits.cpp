@@ -1024,6 +1024,50 @@ TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
                      });
 }
 
+// A forward that no backward follows, between backward and the optimizer's
+// step: a validation loss in grad mode (step 0), an evaluation under
+// NoGradGuard (step 1), and both (step 2). It left the root (and under
+// SHARD_GRAD_OP every unit) gathered through the step, so the next forward
+// computed with the values from before it (Note [Gathered before a step]).
+// Each step's outputs are compared before it trains, and the parameters
+// only at the end: a SummonFullParams after each step would end what the
+// extra forward left open, hiding it. SGD, which counts no version.
+template <typename Model>
+void expect_forwards_before_the_step_training(Model& model, Unit& root, int world,
+                                              const std::string& what) {
+  train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
+                     [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                         const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       {
+                         torch::NoGradGuard no_grad;
+                         const torch::Tensor want = local_block(reference->forward(x));
+                         const torch::Tensor got = model->forward(local_block(x));
+                         EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6))
+                             << what << " step " << step << ": "
+                             << (got - want).abs().max().item<double>();
+                       }
+                       mse_step(reference, ref_opt, x, y);
+                       opt.zero_grad();
+                       torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
+                       const torch::Tensor held_out = local_block(x).flip(0) * 0.5;
+                       if (step != 1)
+                         (void)torch::mse_loss(model->forward(held_out), local_block(y));
+                       if (step != 0) {
+                         torch::NoGradGuard no_grad;
+                         (void)model->forward(local_block(x));
+                       }
+                       opt.step();
+                       if (step == 2) expect_same_after_step(*model.ptr(), *reference, what, step);
+                     });
+}
+
+TEST(UserHabits, ForwardsWithoutBackwardBeforeTheStepAsInPlainLibTorch) {
+  expect_on_each_net({1, 2}, {"flat", "orig"},
+                     [](auto& model, Unit& root, int world, const std::string& what) {
+                       expect_forwards_before_the_step_training(model, root, world, what);
+                     });
+}
+
 // Adversarial training trains `model` (rooted at `root`) as plain LibTorch
 // trains a Net: each step's adversarial batch is the plain one's block, the
 // input-only backward leaves every .grad as the step before left it (Note
