@@ -163,6 +163,9 @@ struct Checkpointer::Impl {
   struct Registered {
     std::function<std::string()> save;
     std::function<void(const std::string&)> load;
+    // Refuses what load would refuse, changing nothing; empty: load takes
+    // anything (the user's own state).
+    std::function<void(const std::string&)> check;
   };
   torch::nn::Module& model;
   torch::optim::Optimizer* optimizer;
@@ -203,7 +206,8 @@ void Checkpointer::register_state(const std::string& name, ShardedGradScaler& sc
     }
     return text;
   };
-  auto load = [&scaler, name](const std::string& text) {
+  // The text as the scaler's state, refused as load_state_dict refuses it.
+  auto read = [&scaler, name](const std::string& text) {
     std::map<std::string, double> state;
     std::istringstream lines(text);
     for (std::string line; std::getline(lines, line);) {
@@ -220,9 +224,19 @@ void Checkpointer::register_state(const std::string& name, ShardedGradScaler& sc
                  "saving.");
       state[line.substr(0, eq)] = value;
     }
-    scaler.load_state_dict(state);  // a disabled scaler ignores it
+    return state;
+  };
+  auto load = [&scaler, read](const std::string& text) {
+    scaler.load_state_dict(read(text));  // a disabled scaler ignores it
+  };
+  // Before anything loads (Note [Checked before anything loads]): a copy
+  // takes it, or refuses it as the scaler would.
+  auto check = [&scaler, read](const std::string& text) {
+    ShardedGradScaler trial = scaler;
+    trial.load_state_dict(read(text));
   };
   register_state(name, std::move(save), std::move(load));
+  impl_->registered[name].check = std::move(check);
 }
 
 void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type) {
@@ -373,6 +387,7 @@ Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& re
   for (const auto& kv : registered) {
     FSDP_CHECK(m.extra.count(kv.first) != 0, rank_of(group), file, "has no registered state '",
                kv.first, "'; it was saved without register_state(\"", kv.first, "\", ...)");
+    if (kv.second.check) kv.second.check(m.extra.at(kv.first));
   }
   return out;
 }

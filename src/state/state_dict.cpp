@@ -1,5 +1,6 @@
 #include <fsdp/state/state_dict.h>
 
+#include "detail/error.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
 #include "state/piece_io.h"
@@ -40,13 +41,39 @@ torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
   return gather(model, &optimizer, options);
 }
 
+namespace {
+
+// A dict that rank0_only left empty, passed on the other ranks: the model's
+// load would name a missing parameter, and the optimizer's would clear its
+// state, silently (an empty dict is also what a never-stepped optimizer
+// gives), so each says what happened.
+constexpr const char* kEmptyOnOtherRanks =
+    " A dict taken with StateDictOptions().rank0_only(true) is empty on every rank but 0: "
+    "load on every rank what rank 0 saved of it (torch::save), or take it without "
+    "rank0_only.";
+
+int rank_of(torch::nn::Module& model) {
+  ProcessGroup* group = detail::state_group(model);
+  return group != nullptr ? group->rank() : -1;
+}
+
+}  // namespace
+
 void load_full_state_dict(torch::nn::Module& model,
                           const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+  FSDP_CHECK(!state_dict.is_empty() || (model.parameters().empty() && model.buffers().empty()),
+             rank_of(model), "state dict",
+             "the state dict is empty, and the model has parameters and buffers to load.",
+             kEmptyOnOtherRanks);
   detail::load_model_pieces(model, detail::DictSource(state_dict, "model/"));
 }
 
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+  FSDP_CHECK(!state_dict.is_empty() || optimizer.state().empty(), rank_of(model), "optimizer state",
+             "the optimizer state dict is empty, which would clear this optimizer's state (as if "
+             "never stepped); to start afresh, make a new optimizer instead.",
+             kEmptyOnOtherRanks);
   detail::load_optim_pieces(model, optimizer, detail::DictSource(state_dict, "optim/"));
 }
 

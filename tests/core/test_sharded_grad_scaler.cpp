@@ -348,9 +348,10 @@ TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
   MultiRankOptions with_dir;
   const std::string dir = shared_temp_dir(with_dir, "scaler");
   ASSERT_FALSE(dir.empty());
+  const std::string off_dir = dir + "_off";  // a parent of its own
   run_ranks_ok(
       2,
-      [&dir](int, int world) {
+      [&dir, &off_dir](int, int world) {
         join_test_group();
         {
           Sharded model(true, FSDPOptions());
@@ -384,10 +385,23 @@ TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
         fp32_ckpt.register_state("scaler", off);
         EXPECT_EQ(fp32_ckpt.resume(dir), 4);
         EXPECT_EQ(off.get_scale(), 1.0);
+        // What a disabled scaler saved, resumed with an enabled one: refused
+        // before anything loads (a review found the model and the optimizer
+        // loaded first, then the error asking to load again, which failed
+        // alike).
+        fp32_ckpt.save_step(off_dir, 5);
+        for (auto& p : model.root.flat_parameters()) p.data().fill_(0.5);
+        const std::string refused = error_of([&] { ckpt.resume(off_dir); });
+        EXPECT_CONTAINS(refused, "saved from a disabled scaler");
+        for (const auto& p : model.root.flat_parameters()) {
+          EXPECT_TRUE(p.eq(0.5).all().item<bool>()) << "the model loaded before the refusal";
+        }
+        EXPECT_EQ(scaler.get_scale(), 2048);
       },
       with_dir);
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
+  std::filesystem::remove_all(off_dir, ignored);
 }
 
 // An optimizer that steps during backward cannot skip a step: refused.

@@ -59,6 +59,44 @@ TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
   });
 }
 
+// A user who takes both dicts with rank0_only and loads them on every rank
+// (a review found the optimizer's clear its state on ranks 1.., silently, so
+// the ranks' moments differed): each load says the dict is empty there and
+// why; on rank 0 they load. A never-stepped optimizer's empty dict still
+// loads into a never-stepped optimizer.
+TEST(StateDict, Rank0OnlyDictsLoadedOnEveryRankAreNamed) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    auto model = make_model(FSDPOptions());
+    auto opt = make_optimizer("adamw", model->parameters());
+    const auto fresh = full_optim_state_dict(*model, *opt);
+    EXPECT_TRUE(fresh.is_empty());
+    load_full_optim_state_dict(*model, *opt, fresh);
+    torch::manual_seed(3);
+    train(*model, *opt, 2);
+    const auto only = StateDictOptions().rank0_only(true);
+    const auto sd = full_state_dict(*model, only);
+    const auto osd = full_optim_state_dict(*model, *opt, only);
+    if (rank == 0) {
+      load_full_state_dict(*model, sd);
+      load_full_optim_state_dict(*model, *opt, osd);
+      return;
+    }
+    const std::string prefix = "[rank " + std::to_string(rank) + "] fsdp(";
+    const std::string model_error = error_of([&] { load_full_state_dict(*model, sd); });
+    EXPECT_EQ(model_error.rfind(prefix + "state dict): the state dict is empty", 0), 0u)
+        << model_error;
+    EXPECT_CONTAINS(model_error, "rank0_only(true) is empty on every rank but 0");
+    const std::string optim_error =
+        error_of([&] { load_full_optim_state_dict(*model, *opt, osd); });
+    EXPECT_EQ(optim_error.rfind(prefix + "optimizer state): the optimizer state dict is empty", 0),
+              0u)
+        << optim_error;
+    EXPECT_CONTAINS(optim_error, "make a new optimizer instead");
+    EXPECT_FALSE(opt->state().empty()) << "the refused load cleared the state";
+  });
+}
+
 TEST(StateDict, FullSaveGathersOneUnitAtATime) {
   const std::string dir = test_dir();
   run_ranks_ok(
