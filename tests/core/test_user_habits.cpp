@@ -1068,6 +1068,31 @@ TEST(UserHabits, ForwardsWithoutBackwardBeforeTheStepAsInPlainLibTorch) {
                      });
 }
 
+// A review found full_state_dict (and a kFull checkpoint) after a logged
+// penalty and the step saved the values from before the step: the units
+// held for the penalty's graph were not gathered again under the state
+// dict's reads.
+TEST(UserHabits, StateDictAfterALoggedPenaltyHoldsTheStep) {
+  expect_on_each_net(
+      {2}, {"flat", "orig"}, [](auto& model, Unit& root, int world, const std::string& what) {
+        train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
+                           [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
+                               const torch::Tensor& x, const torch::Tensor& y, int step) {
+                             const int as = step == 0 ? 0 : 1;  // summoned, then logged
+                             penalty_step(reference, ref_opt, x, y, as);
+                             penalty_step(model, opt, local_block(x), local_block(y), as);
+                             if (step == 0) return;
+                             const auto sd = full_state_dict(*model.ptr());
+                             for (const auto& p : reference->named_parameters()) {
+                               const torch::Tensor* got = sd.find(p.key());
+                               ASSERT_NE(got, nullptr) << what << " " << p.key();
+                               EXPECT_TRUE(torch::allclose(*got, p.value(), 1e-5, 1e-6))
+                                   << what << " step " << step << " " << p.key();
+                             }
+                           });
+      });
+}
+
 // Adversarial training trains `model` (rooted at `root`) as plain LibTorch
 // trains a Net: each step's adversarial batch is the plain one's block, the
 // input-only backward leaves every .grad as the step before left it (Note
