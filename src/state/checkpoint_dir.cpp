@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 
 #include <fsdp/state/error.h>
@@ -215,11 +216,16 @@ bool is_staging_name(const std::string& name) {
 
 int64_t step_of_name(const std::string& name) {
   // Only names step_name() makes, so that a step number names the
-  // directory (Checkpointer::resume broadcasts the step, not the name).
-  if (name.size() != 15 || name.rfind("step-", 0) != 0 ||
+  // directory (Checkpointer::resume broadcasts the step, not the name):
+  // ten digits or more (a step counted in tokens seen has more).
+  if (name.size() < 15 || name.rfind("step-", 0) != 0 ||
       name.find_first_not_of("0123456789", 5) != std::string::npos)
     return -1;
-  return std::stoll(name.substr(5));
+  int64_t step = -1;
+  const char* last = name.data() + name.size();
+  const auto parsed = std::from_chars(name.data() + 5, last, step);
+  if (parsed.ec != std::errc() || parsed.ptr != last) return -1;  // beyond int64
+  return step_name(step) == name ? step : -1;
 }
 
 std::vector<StepDirectory> step_directories(const std::string& parent) {

@@ -237,6 +237,14 @@ TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
   EXPECT_THROW(Checkpointer(*t.model, t.opt.get(), CheckpointerOptions().keep_last(-1)),
                c10::Error);
   remove_test_dir(root);
+  // Steps of more than ten digits (tokens seen) are found and kept too: a
+  // review found them saved but never resumed nor counted.
+  const std::string wide = test_dir();
+  save_steps(wide, {9'999'999'999, 12'000'000'000, 30'000'000'000},
+             CheckpointerOptions().keep_last(2));
+  EXPECT_EQ(entries(wide), (std::set<std::string>{"step-12000000000", "step-30000000000"}));
+  EXPECT_EQ(Checkpointer(*t.model, t.opt.get()).resume(wide), 30'000'000'000);
+  remove_test_dir(wide);
 }
 
 // A run rolled back (load() of an earlier step after a loss spike) saves
