@@ -246,6 +246,15 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
   request.step = step;
   std::exception_ptr error;
   try {
+    // A step directory of another step would be refused at load, blaming
+    // its marker (Note [Checkpoint directory]).
+    std::string name = dir;
+    while (name.size() > 1 && name.back() == '/') name.pop_back();
+    name = name.substr(name.find_last_of('/') + 1);
+    const int64_t named = detail::step_of_name(name);
+    FSDP_CHECK(named < 0 || named == step, rank_of(detail::state_group(impl_->model)), dir,
+               "is named for step ", named, ", not step ", step, ". Save step ", step,
+               " into checkpoint_path(parent, ", step, ") or with save_step(parent, ", step, ")");
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     request.rng_state = hex_of(state_of(cpu));
     for (at::Generator& gpu : cuda_generators()) {

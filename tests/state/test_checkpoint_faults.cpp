@@ -140,6 +140,13 @@ TEST(CheckpointFaults, MarkerStepMustMatchManifestsAndDirectoryName) {
   reseal_marker(other, [](nlohmann::json& j) { j["step"] = 29; });
   expect_error([&] { verify_checkpoint(other); },
                {other + "/COMPLETE", "says step 29", "rank0.json was saved at step 20"});
+  // Saving a step into another step's directory is refused before anything
+  // is written (it was written, then refused at load as an edited marker).
+  const std::string wrong = checkpoint_path(root, 31);
+  expect_error([&] { Checkpointer(*t.model, t.opt.get()).save(wrong + "/", 30); },
+               {"step-0000000031", "is named for step 31, not step 30", "save_step(parent, 30)"});
+  struct stat st {};
+  EXPECT_NE(::stat(wrong.c_str(), &st), 0) << wrong << " was made";
   remove_test_dir(root);
 }
 
