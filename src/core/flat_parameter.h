@@ -202,12 +202,12 @@ class FlatParameter {
   /// kSummoned -> kSharded: the parameters point at their placeholders again
   /// and the full-precision buffer is dropped.
   void end_summon();
-  /// Gathered (kUnsharded, apart from the shard) and the shard written
-  /// since the gather, through a tensor that counts versions: an optimizer
-  /// step (not LibTorch's SGD, which writes through .data()), a load, an
-  /// in-place write. See Note [Gathered before a step].
+  /// Gathered or gathering (apart from the shard) and the shard written
+  /// since the gather began, through a tensor that counts versions: an
+  /// optimizer step (not LibTorch's SGD, which writes through .data()), a
+  /// load, an in-place write. See Note [Gathered before a step].
   bool gathered_behind_shard() const {
-    return state_ == State::kUnsharded && frees_unsharded() &&
+    return (state_ == State::kUnsharded || state_ == State::kUnsharding) && frees_unsharded() &&
            shard_._version() != gathered_version_;
   }
   /// Whether the original parameters hold the full-precision values now

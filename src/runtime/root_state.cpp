@@ -70,22 +70,23 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // every unit whose outputs it hooked. An optimizer step after it writes the
 // shards, not what is gathered, and the next forward used to compute with
 // the values from before the step: training drifted from plain LibTorch.
-// So a forward that begins (the root's, wrappers' and fully_shard's alike)
-// first frees what an earlier forward left gathered, and each unit gathers
-// the shards anew: collective, and the same on every rank, since every rank
-// ran the same forwards. SummonFullParams and the state dicts gather such
-// units anew too. With fully_shard the next forward is seen only at its
-// first unit after the root, so the root's operators before it (the token
-// embedding) would run in the open forward. Two things end it first:
-// model->zero_grad() (the open forward ends where the gradients are
-// cleared), and an operator on a root whose shard's version counter moved
-// since it gathered (a step that writes through the tensor: Adam, AdamW,
-// RMSprop, Adagrad, fsdp::optim's; a load). LibTorch's SGD writes through
-// .data(), which counts no version: with SGD and only the optimizer's
-// zero_grad(), those operators still read the values from before the step
-// (docs/using.md). Cost: a forward after one that no backward followed
-// gathers the root (and SHARD_GRAD_OP's units) again; training loops pay
-// nothing.
+// So a unit left gathered is gathered anew where what it holds may be
+// stale (UnitRuntime::gathered_may_be_stale): its shard's version counter
+// moved since the gather (a step that writes through the tensor: Adam,
+// AdamW, RMSprop, Adagrad, fsdp::optim's; a load; a write in place), or its
+// gradients were cleared or replaced (the optimizer's or the model's
+// zero_grad, which every loop runs between a step and the next backward:
+// LibTorch's SGD writes through .data(), which counts no version). Where:
+// at the start of a forward (the root's, wrappers' and fully_shard's
+// alike), and with fully_shard at
+// the first operator on such a unit still in its forward (the next forward
+// is seen only at its first unit after the root, so the root's operators
+// before it, the token embedding, would run in the open one). Ranks agree:
+// they ran the same forwards, steps and clearings. A second forward of the
+// same iteration (siamese pairs, a unit run twice) regathers nothing. Left
+// out: SGD with no clearing of the gradients between its step and the next
+// forward (docs/using.md). SummonFullParams and the state dicts, which no
+// training loop repeats, gather every unit a forward left gathered anew.
 
 void RootState::begin_forward() {
   forward_positions_ = 0;

@@ -110,12 +110,13 @@ void UnitRuntime::before_param_use(bool sharded) {
     return;
   }
   if (state_ == Unit::TrainingState::kForward) {
-    if (!flat_ || !flat_->gathered_behind_shard()) {
+    if (!gathered_may_be_stale()) {
       if (sharded) unshard();
       return;
     }
-    // A step wrote the shard since a forward that no backward followed
-    // gathered it: this is the next forward (Note [Gathered before a step]).
+    // A step (or the clearing of gradients before the next) came since a
+    // forward that no backward followed gathered it: this is the next
+    // forward (Note [Gathered before a step]).
     r.settle_forward(nullptr);
   }
   r.enter_forward(*this);

@@ -91,6 +91,7 @@ void UnitRuntime::unshard_async(bool prefetch) {
   const bool in_iteration = root_ != nullptr && root_->in_iteration();
   if (in_iteration) root_->release_held(/*keep_newest=*/!prefetch);
   pending_gather_ = all_gather_unit(*flat_, /*copy_in_waits_for_current=*/!in_iteration);
+  mark_gather();
 }
 
 void UnitRuntime::wait_pending_gather() {

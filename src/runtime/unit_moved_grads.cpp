@@ -57,10 +57,6 @@ c10::optional<size_t> UnitRuntime::slot_of_moved_grad(const at::Tensor& grad) co
 void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
   const auto slot = slot_of_moved_grad(grad);
   if (!slot || moved_grads_[*slot] != MovedGrad::kShown) return;
-  // Clearing gradients comes before the next forward: what a forward that
-  // no backward followed left open ends here, before a step's writes can
-  // meet it (Note [Gathered before a step]).
-  end_open_forward();
   moved_grads_[*slot] = MovedGrad::kDetached;
   if (std::find(moved_grads_.begin(), moved_grads_.end(), MovedGrad::kShown) !=
       moved_grads_.end()) {

@@ -416,16 +416,43 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
-void UnitRuntime::reshard_left_gathered() {
-  // The root is in its forward already: the one that begins. An operator
-  // that holds units has read none of them yet (the first unit it reports
-  // begins the forward), so what it holds gathers again as it enters them.
-  const bool idle = state_ == Unit::TrainingState::kIdle || is_root();
-  if (!flat_ || flat_->state() == FlatParameter::State::kSharded ||
-      flat_->state() == FlatParameter::State::kSummoned || held_by_summon_guard() || !idle) {
-    return;
+namespace {
+
+std::vector<std::pair<const c10::TensorImpl*, int64_t>> grad_marks(
+    const std::vector<at::Tensor>& params) {
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> marks;
+  marks.reserve(params.size());
+  for (const at::Tensor& p : params) {
+    const at::Tensor& g = p.grad();
+    marks.emplace_back(g.defined() ? g.unsafeGetTensorImpl() : nullptr,
+                       g.defined() ? g._version() : -1);
   }
-  reshard();  // a prefetch still arriving is waited for, then freed
+  return marks;
+}
+
+}  // namespace
+
+void UnitRuntime::mark_gather() { grads_at_gather_ = grad_marks(optim_params_); }
+
+bool UnitRuntime::gathered_may_be_stale() const {
+  // A prefetch still arriving too: it began before what came since.
+  if (!flat_ || !flat_->frees_unsharded() ||
+      (flat_->state() != FlatParameter::State::kUnsharded &&
+       flat_->state() != FlatParameter::State::kUnsharding)) {
+    return false;
+  }
+  return flat_->gathered_behind_shard() || grad_marks(optim_params_) != grads_at_gather_;
+}
+
+void UnitRuntime::reshard_left_gathered() {
+  // The root is in its forward already: the one that begins, whose
+  // begin_forward_state gathers it right after. A unit the operator under
+  // way holds and has not entered yet gathers as it enters; one it entered
+  // (and whose forward another unit ended since) it reads still.
+  const bool free_to_go = is_root() || (state_ == Unit::TrainingState::kIdle &&
+                                        operator_hold_ != OperatorHold::kReshardAfter);
+  if (!free_to_go || held_by_summon_guard() || !gathered_may_be_stale()) return;
+  reshard();
 }
 
 // Note [Nested summons]
@@ -462,7 +489,9 @@ bool UnitRuntime::gather_full_params(bool to_cpu, bool with_grads) {
     return false;
   }
   if (!flat_ || flat_->state() == FlatParameter::State::kSummoned) return false;
-  reshard_left_gathered();  // it may predate a step (Note [Gathered before a step])
+  // What a forward left gathered may predate a step (Note [Gathered before
+  // a step]); a summon is no training loop, so always gathered anew.
+  if (flat_->state() != FlatParameter::State::kSharded) reshard();  // a prefetch arriving too
   // As FSDP1's offload_to_cpu: only a unit that shards (NO_SHARD's full
   // values are on the device already).
   const c10::Device device = flat_->unsharded().device();

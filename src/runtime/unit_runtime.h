@@ -116,9 +116,13 @@ class UnitRuntime final : public ParamUseListener {
   // Such a unit's parameters gathered again in place from the shards (which
   // an optimizer step may have changed). Collective.
   void refresh_gathered();
-  // Frees what an earlier forward left gathered, at the start of the next
-  // (Note [Gathered before a step]): not what a graph, a SummonFullParams
-  // or an operator holds.
+  // Whether what this unit holds gathered may be older than its shards: a
+  // step, a load or a clearing of its gradients came since it gathered
+  // (Note [Gathered before a step]).
+  bool gathered_may_be_stale() const;
+  // Frees what an earlier forward left gathered, where it may be stale, at
+  // the start of the next: not what a graph, a SummonFullParams or another
+  // unit's operator holds.
   void reshard_left_gathered();
   void write_back_full_params();
   // Note [Summoning gradients]: while summoned with them, the full gradients
@@ -180,6 +184,8 @@ class UnitRuntime final : public ParamUseListener {
   // See Note [A unit's collectives]: kSharded -> kUnsharding, for a
   // prefetch or for unshard() (Note [Copy-in on a stream of its own]).
   void unshard_async(bool prefetch);
+  // Records grads_at_gather_, as a gather begins.
+  void mark_gather();
   // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
   // -> kSharded where the buffer is freed, unless held for a built graph
@@ -397,6 +403,9 @@ class UnitRuntime final : public ParamUseListener {
   // grad_shard_ (copy_out_early): kept until the host waited for that stream.
   at::Tensor grad_on_device_;
   Work pending_gather_;  // the all-gather started by unshard_async()
+  // Each optimizer tensor's .grad (its TensorImpl and version; null where
+  // none) when the last gather began: see gathered_may_be_stale().
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> grads_at_gather_;
   // This backward's reduction went to the hooks when it was launched
   // (deliver_early); finish_backward has nothing left to set.
   bool delivered_early_ = false;

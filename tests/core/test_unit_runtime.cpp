@@ -93,6 +93,61 @@ TEST(UnitRuntime, CollectivesPerUnitPerStep) {
   });
 }
 
+// Wide with a root that holds parameters of its own (a head).
+struct HeadedWideImpl : torch::nn::Module {
+  HeadedWideImpl(const std::vector<std::shared_ptr<CountingGroup>>& groups,
+                 ShardingStrategy strategy) {
+    body = register_module("body", Wide(groups, strategy));
+    head = register_module("head", torch::nn::Linear(512, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(body(x)); }
+  Wide body{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(HeadedWide);
+
+// Two forwards before one backward (siamese pairs, summed micro-batches):
+// the second gathers what it would anyway and nothing the first left
+// gathered (the root; SHARD_GRAD_OP's units), as no step came between them
+// (Note [Gathered before a step]). A review found a first version gathering
+// those anew at every forward.
+TEST(UnitRuntime, ASecondForwardBeforeBackwardGathersNothingLeftGathered) {
+  run_ranks_ok(2, [](int, int) {
+    auto world = init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      std::vector<std::shared_ptr<CountingGroup>> groups;
+      for (int i = 0; i < 4; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+      auto root_group = std::make_shared<CountingGroup>(world);
+      auto o = FSDPOptions().sharding_strategy(strategy).process_group(root_group);
+      FullyShardedDataParallel<HeadedWideImpl> model(HeadedWide(groups, strategy), o);
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+      auto step = [&](int forwards) {
+        opt.zero_grad();
+        torch::Tensor loss = model->forward(torch::randn({2, 512})).sum();
+        if (forwards == 2) loss = loss + model->forward(torch::randn({2, 512})).sum();
+        loss.backward();
+        opt.step();
+      };
+      step(1);  // the first iteration also agrees on the forward order
+      std::vector<int64_t> before;
+      for (auto& g : groups) before.push_back(g->all_gathers);
+      const int64_t root_before = root_group->all_gathers;
+      const int steps = 2;
+      for (int s = 0; s < steps; ++s) step(2);
+      EXPECT_EQ(root_group->all_gathers - root_before, steps) << to_string(strategy);
+      for (size_t i = 0; i < groups.size(); ++i) {
+        // FULL_SHARD: each forward, then backward but for the unit whose
+        // forward ended last (Note [The first unit of backward stays
+        // gathered]); SHARD_GRAD_OP: the first forward only.
+        const bool last = i + 1 == groups.size();
+        const int per_step = strategy == ShardingStrategy::kShardGradOp ? 1 : last ? 2 : 3;
+        EXPECT_EQ(groups[i]->all_gathers - before[i], steps * per_step)
+            << to_string(strategy) << " unit " << i;
+      }
+    }
+  });
+}
+
 // Note [Backward with respect to inputs]: a backward that
 // differentiates only the input (FGSM's adversarial example) gathers what it
 // must (FULL_SHARD's units again) and reduces nothing: no reduce-scatter or

@@ -1029,15 +1029,17 @@ TEST(UserHabits, GradientPenaltyTrainsAsInPlainLibTorch) {
 // NoGradGuard (step 1), and both (step 2). It left the root (and under
 // SHARD_GRAD_OP every unit) gathered through the step, so the next forward
 // computed with the values from before it (Note [Gathered before a step]).
-// Each step's outputs are compared before it trains, and the parameters
-// only at the end: a SummonFullParams after each step would end what the
-// extra forward left open, hiding it. SGD, which counts no version.
+// Each step's outputs are compared after the loop's zero_grad and before
+// it trains, and the parameters only at the end: a SummonFullParams after
+// each step would end what the extra forward left open, hiding it. SGD,
+// which counts no version: the clearing of the gradients tells the step.
 template <typename Model>
 void expect_forwards_before_the_step_training(Model& model, Unit& root, int world,
                                               const std::string& what) {
   train_beside_plain(root, world, torch::optim::SGDOptions(0.1).momentum(0.9),
                      [&](Net& reference, torch::optim::SGD& ref_opt, torch::optim::SGD& opt,
                          const torch::Tensor& x, const torch::Tensor& y, int step) {
+                       opt.zero_grad();
                        {
                          torch::NoGradGuard no_grad;
                          const torch::Tensor want = local_block(reference->forward(x));
@@ -1047,7 +1049,6 @@ void expect_forwards_before_the_step_training(Model& model, Unit& root, int worl
                              << (got - want).abs().max().item<double>();
                        }
                        mse_step(reference, ref_opt, x, y);
-                       opt.zero_grad();
                        torch::mse_loss(model->forward(local_block(x)), local_block(y)).backward();
                        const torch::Tensor held_out = local_block(x).flip(0) * 0.5;
                        if (step != 1)
