@@ -453,4 +453,17 @@ void release_placeholder(const at::Tensor& placeholder) {
 
 bool is_placeholder(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
 
+void refuse_placeholder_use(const at::Tensor& t, const std::string& user) {
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(storage_of(t));
+    if (it != registry().end()) text = message(user, it->second, /*writes=*/false);
+  }
+  TORCH_CHECK(!text.empty(), error_prefix(-1, "parameters"), user,
+              " read a sharded parameter or a moved gradient; build it on the flat shards "
+              "(the wrapped model's parameters(), or the Unit's flat_parameters())");
+  TORCH_CHECK(false, text);
+}
+
 }  // namespace fsdp::detail

@@ -126,4 +126,9 @@ void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
 /// True for a tensor made by make_placeholder (or a detached alias of one).
 bool is_placeholder(const at::Tensor& t);
 
+/// Throws what an operator `user` on placeholder `t` would get (the
+/// parameter or gradient named, and the fix), for code that reads tensors
+/// without the dispatcher (fsdp::optim's fused kernels).
+[[noreturn]] void refuse_placeholder_use(const at::Tensor& t, const std::string& user);
+
 }  // namespace fsdp::detail

@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/sharded_placeholder.h"
 #include "optim/backward_steps.h"
 
 namespace fsdp::detail {
@@ -55,6 +56,18 @@ torch::Tensor step_each_parameter(std::vector<torch::optim::OptimizerParamGroup>
   if (closure != nullptr) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
+  }
+  // The kernels read memory, not through the dispatcher: an optimizer built
+  // on the unwrapped module's parameters would read a placeholder's missing
+  // data (a crash). Refused as torch::optim's are, before any step.
+  for (auto& group : groups) {
+    for (auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (is_placeholder(p) || (g.defined() && is_placeholder(g))) {
+        refuse_placeholder_use(is_placeholder(p) && !(g.defined() && is_placeholder(g)) ? p : g,
+                               std::string("fsdp::optim::") + name + "::step()");
+      }
+    }
   }
   for (auto& group : groups) {
     const auto& options = static_cast<const Options&>(group.options());

@@ -124,6 +124,51 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
   });
 }
 
+// fsdp::optim's fused optimizers read memory without the dispatcher: built
+// on the unwrapped module's parameters they read a placeholder's missing
+// data (a review found SIGSEGV, or Caffe2's "data is not allocated yet").
+// Now refused as torch::optim's are, naming the fix, before any step: under
+// wrappers of every strategy and under fully_shard.
+TEST(Misuse, AFusedOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const torch::Tensor x = torch::randn({3, 6});
+    auto expect_refused = [](torch::optim::Optimizer& opt) {
+      const std::string msg = error_of([&] { opt.step(); });
+      EXPECT_CONTAINS(msg, "::step()");
+      EXPECT_CONTAINS(msg, "model's parameters()");
+    };
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                          ShardingStrategy::kNoShard}) {
+      SCOPED_TRACE(to_string(strategy));
+      torch::manual_seed(0);
+      auto o = FSDPOptions().sharding_strategy(strategy);
+      TwoLayer inner(o);
+      std::vector<torch::Tensor> unwrapped = inner->parameters();  // before wrapping
+      FullyShardedDataParallel<TwoLayerImpl> model(inner, o);
+      optim::FusedAdamW adamw(unwrapped, torch::optim::AdamWOptions(0.1).weight_decay(0.1));
+      optim::FusedSGD sgd(unwrapped, torch::optim::SGDOptions(0.1));
+      model->forward(x).sum().backward();
+      const auto before = full_state_dict(*model.ptr());
+      expect_refused(adamw);
+      expect_refused(sgd);
+      const auto after = full_state_dict(*model.ptr());
+      for (const auto& item : before) {  // refused before any step
+        EXPECT_TRUE(torch::equal(item.value(), after[item.key()])) << item.key();
+      }
+    }
+    // fully_shard: model->parameters() are the original parameters.
+    torch::manual_seed(0);
+    nn::Sequential plain(nn::Linear(6, 6), nn::ReLU(), nn::Linear(6, 2));
+    fully_shard(plain, module_type_policy<nn::LinearImpl>(), FSDPOptions());
+    optim::FusedAdamW adamw(plain->parameters(), torch::optim::AdamWOptions(0.1));
+    optim::FusedSGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1));
+    plain->forward(x).sum().backward();
+    expect_refused(adamw);
+    expect_refused(sgd);
+  });
+}
+
 // Tied weights: the output projection reuses the (wrapped) embedding's weight.
 struct TiedImpl : nn::Module {
   explicit TiedImpl(const FSDPOptions& o) {
