@@ -434,14 +434,12 @@ int64_t Checkpointer::resume(const std::string& parent) {
     try {
       detail::restore_cut_short_replacements(parent);  // Note [A replacement cut short]
       verified = newest_verified(parent, rank_of(group));
-      std::vector<std::string> keep;
       if (verified) {
         step.fill_(static_cast<double>(verified->marker().step));
-        keep.push_back(verified->dir());
+      } else {
+        // See Note [Removing leftovers]: every rank is in resume().
+        detail::tidy_checkpoints(parent, impl_->options.keep_last(), {});
       }
-      // See Note [Removing leftovers]: every rank is in resume(). Retention
-      // applies now too, so that a full disk has room for the next save.
-      detail::tidy_checkpoints(parent, impl_->options.keep_last(), keep);
     } catch (...) {
       error = std::current_exception();
       step.fill_(kFailed);
@@ -459,6 +457,18 @@ int64_t Checkpointer::resume(const std::string& parent) {
   const std::string dir = checkpoint_path(parent, static_cast<int64_t>(chosen));
   const int64_t loaded = impl_->load_verified(dir, std::move(verified));
   impl_->resumed_from = dir;
+  // Retention applies now too, so that a full disk has room for the next
+  // save; only once loaded: a load refused (another model) removes nothing.
+  std::exception_ptr tidy_error;
+  if (root) {
+    try {
+      detail::tidy_checkpoints(parent, impl_->options.keep_last(), {dir});
+    } catch (...) {
+      tidy_error = std::current_exception();
+    }
+  }
+  detail::agree(group, tidy_error, parent, "removing what keep_last and interrupted saves left",
+                "the checkpoint was loaded");
   return loaded;
 }
 

@@ -243,6 +243,13 @@ TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
   Trained t(7);
   EXPECT_THROW(Checkpointer(*t.model, t.opt.get(), CheckpointerOptions().keep_last(-1)),
                c10::Error);
+  // A resume that cannot load (another model) removes nothing: a review
+  // found keep_last applied before the load.
+  torch::nn::Linear other(3, 3);
+  torch::optim::Adam other_opt(other->parameters());
+  EXPECT_THROW(Checkpointer(*other, &other_opt, CheckpointerOptions().keep_last(1)).resume(root),
+               c10::Error);
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000050", "step-0000000070"}));
   remove_test_dir(root);
   // Steps of more than ten digits (tokens seen) are found and kept too: a
   // review found them saved but never resumed nor counted.

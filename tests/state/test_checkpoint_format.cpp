@@ -191,12 +191,12 @@ TEST(CheckpointErrors, ReadWithTheOnePrefix) {
 struct Saved {
   Net model{false, FSDPOptions()};
   std::unique_ptr<torch::optim::Optimizer> opt;
-  Saved(const std::string& dir, StateDictType type) {
+  Saved(const std::string& dir, StateDictType type, int64_t step = 2) {
     torch::manual_seed(1);
     model = Net(false, FSDPOptions());
     opt = make_optimizer("adam", model->parameters());
     train(*model, *opt, 2);
-    Checkpointer(*model, opt.get()).save(dir, 2, type);
+    Checkpointer(*model, opt.get()).save(dir, step, type);
   }
 };
 
@@ -375,9 +375,9 @@ TEST(CheckpointDir, RefusesDamage) {
 TEST(CheckpointDir, LatestCompleteCheckpoint) {
   const std::string root = test_dir();
   EXPECT_EQ(latest_checkpoint(root), "");
-  Saved a(checkpoint_path(root, 3), StateDictType::kSharded);
-  Saved b(checkpoint_path(root, 12), StateDictType::kSharded);
-  Saved c(checkpoint_path(root, 20), StateDictType::kSharded);
+  Saved a(checkpoint_path(root, 3), StateDictType::kSharded, 3);
+  Saved b(checkpoint_path(root, 12), StateDictType::kSharded, 12);
+  Saved c(checkpoint_path(root, 20), StateDictType::kSharded, 20);
   std::remove((checkpoint_path(root, 20) + "/COMPLETE").c_str());
   EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 12));
   remove_test_dir(root);
