@@ -67,17 +67,29 @@ TEST(Misuse, CallingAShardedUnitsInnerModuleIsAnErrorNamingIt) {
   });
 }
 
+// Calls f(model, inner, unwrapped, strategy) for a wrapped TwoLayer under
+// each strategy; `unwrapped` are its parameters taken before wrapping (the
+// user's mistake).
+template <typename F>
+void for_each_wrapped_two_layer(const F& f) {
+  for (auto strategy :
+       {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+    SCOPED_TRACE(to_string(strategy));
+    torch::manual_seed(0);
+    auto o = FSDPOptions().sharding_strategy(strategy);
+    TwoLayer inner(o);
+    std::vector<torch::Tensor> unwrapped = inner->parameters();
+    FullyShardedDataParallel<TwoLayerImpl> model(inner, o);
+    f(model, inner, unwrapped, strategy);
+  }
+}
+
 TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
   run_ranks_ok(2, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                          ShardingStrategy::kNoShard}) {
-      SCOPED_TRACE(to_string(strategy));
-      torch::manual_seed(0);
-      auto o = FSDPOptions().sharding_strategy(strategy);
-      TwoLayer inner(o);
-      std::vector<torch::Tensor> unwrapped = inner->parameters();  // before wrapping
-      FullyShardedDataParallel<TwoLayerImpl> model(inner, o);
+    for_each_wrapped_two_layer([](FullyShardedDataParallel<TwoLayerImpl>& model, TwoLayer& inner,
+                                  const std::vector<torch::Tensor>& unwrapped,
+                                  ShardingStrategy strategy) {
       torch::optim::SGD wrong(unwrapped, torch::optim::SGDOptions(0.1).momentum(0.9));
       torch::optim::Adam also_wrong(inner->fc->module().parameters(), torch::optim::AdamOptions());
       torch::Tensor x = torch::randn({3, 6});
@@ -120,7 +132,7 @@ TEST(Misuse, AnOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
         right.step();
       }
       for (const auto& shard : model->parameters()) EXPECT_TRUE(shard.grad().defined());
-    }
+    });
   });
 }
 
@@ -138,14 +150,8 @@ TEST(Misuse, AFusedOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
       EXPECT_CONTAINS(msg, "::step()");
       EXPECT_CONTAINS(msg, "model's parameters()");
     };
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                          ShardingStrategy::kNoShard}) {
-      SCOPED_TRACE(to_string(strategy));
-      torch::manual_seed(0);
-      auto o = FSDPOptions().sharding_strategy(strategy);
-      TwoLayer inner(o);
-      std::vector<torch::Tensor> unwrapped = inner->parameters();  // before wrapping
-      FullyShardedDataParallel<TwoLayerImpl> model(inner, o);
+    for_each_wrapped_two_layer([&](FullyShardedDataParallel<TwoLayerImpl>& model, TwoLayer&,
+                                   const std::vector<torch::Tensor>& unwrapped, ShardingStrategy) {
       optim::FusedAdamW adamw(unwrapped, torch::optim::AdamWOptions(0.1).weight_decay(0.1));
       optim::FusedSGD sgd(unwrapped, torch::optim::SGDOptions(0.1));
       model->forward(x).sum().backward();
@@ -156,7 +162,7 @@ TEST(Misuse, AFusedOptimizerOnTheUnwrappedParametersIsAnErrorNamingTheFix) {
       for (const auto& item : before) {  // refused before any step
         EXPECT_TRUE(torch::equal(item.value(), after[item.key()])) << item.key();
       }
-    }
+    });
     // fully_shard: model->parameters() are the original parameters.
     torch::manual_seed(0);
     nn::Sequential plain(nn::Linear(6, 6), nn::ReLU(), nn::Linear(6, 2));
