@@ -74,9 +74,12 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // stale (UnitRuntime::gathered_may_be_stale): its shard's version counter
 // moved since the gather (a step that writes through the tensor: Adam,
 // AdamW, RMSprop, Adagrad, fsdp::optim's; a load; a write in place), or its
-// gradients were cleared or replaced (the optimizer's or the model's
-// zero_grad, which every loop runs between a step and the next backward:
-// LibTorch's SGD writes through .data(), which counts no version). Where:
+// gradients were cleared (the model's zero_grad, own loops over its
+// parameters' .grad, the optimizer's zero_grad() setting them to none),
+// which loops do between a step and the next backward: LibTorch's SGD
+// writes through .data(), which counts no version. Only signs every rank
+// sees alike count: not a gradient's version, which a rank whose part of a
+// parameter is empty does not move when others zero or scale theirs. Where:
 // at the start of a forward (the root's, wrappers' and fully_shard's
 // alike), and with fully_shard at
 // the first operator on such a unit still in its forward (the next forward
@@ -85,7 +88,8 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // they ran the same forwards, steps and clearings. A second forward of the
 // same iteration (siamese pairs, a unit run twice) regathers nothing. Left
 // out: SGD with no clearing of the gradients between its step and the next
-// forward (docs/using.md). SummonFullParams and the state dicts, which no
+// forward, or only the optimizer's zero_grad(false) (in place; LibTorch
+// 1.13's default) there (docs/using.md). SummonFullParams and the state dicts, which no
 // training loop repeats, gather every unit a forward left gathered anew.
 
 void RootState::begin_forward() {
@@ -119,6 +123,8 @@ void RootState::begin_forward() {
   reduction_order_.clear();
   reductions_launched_ = 0;
   reductions_in_flight_.clear();
+  // What the failed backward gathered, a step after it may have written.
+  for (UnitRuntime* unit : units_) unit->reshard_left_gathered();
 }
 
 bool RootState::in_iteration() const {

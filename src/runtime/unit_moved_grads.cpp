@@ -57,6 +57,7 @@ c10::optional<size_t> UnitRuntime::slot_of_moved_grad(const at::Tensor& grad) co
 void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
   const auto slot = slot_of_moved_grad(grad);
   if (!slot || moved_grads_[*slot] != MovedGrad::kShown) return;
+  ++grad_clears_;  // Note [Gathered before a step]
   moved_grads_[*slot] = MovedGrad::kDetached;
   if (std::find(moved_grads_.begin(), moved_grads_.end(), MovedGrad::kShown) !=
       moved_grads_.end()) {
@@ -83,6 +84,7 @@ void UnitRuntime::moved_grad_zeroed(const at::Tensor& grad) {
   const auto slot = slot_of_moved_grad(grad);
   if (!slot || moved_grads_[*slot] == MovedGrad::kNone) return;
   wait_for_grad_users();
+  ++grad_clears_;  // Note [Gathered before a step]
   const size_t i = *slot;
   if (moved_grads_[i] != MovedGrad::kDropped) {
     zero_slot_grad(i);
@@ -141,6 +143,7 @@ void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
   // Before this unit's backward adds anything (no optimizer is stepping
   // these now): what no_sync() accumulated for a dropped slot goes too.
   const auto& slots = flat_->slots();
+  ++grad_clears_;  // Note [Gathered before a step]
   for (size_t i = 0; i < slots.size() && i < slot_filled_.size(); ++i) {
     if (dropped[i]) slot_filled_[i] = false;
   }

@@ -416,23 +416,15 @@ void UnitRuntime::refresh_gathered() {
   unshard();
 }
 
-namespace {
-
-std::vector<std::pair<const c10::TensorImpl*, int64_t>> grad_marks(
-    const std::vector<at::Tensor>& params) {
-  std::vector<std::pair<const c10::TensorImpl*, int64_t>> marks;
-  marks.reserve(params.size());
-  for (const at::Tensor& p : params) {
+void UnitRuntime::mark_gather() {
+  grads_at_gather_.clear();
+  for (const at::Tensor& p : optim_params_) {
     const at::Tensor& g = p.grad();
-    marks.emplace_back(g.defined() ? g.unsafeGetTensorImpl() : nullptr,
-                       g.defined() ? g._version() : -1);
+    grads_at_gather_.push_back(g.defined() ? std::optional<WeakGrad>(WeakGrad(g.getIntrusivePtr()))
+                                           : std::nullopt);
   }
-  return marks;
+  clears_at_gather_ = grad_clears_;
 }
-
-}  // namespace
-
-void UnitRuntime::mark_gather() { grads_at_gather_ = grad_marks(optim_params_); }
 
 bool UnitRuntime::gathered_may_be_stale() const {
   // A prefetch still arriving too: it began before what came since.
@@ -441,7 +433,20 @@ bool UnitRuntime::gathered_may_be_stale() const {
        flat_->state() != FlatParameter::State::kUnsharding)) {
     return false;
   }
-  return flat_->gathered_behind_shard() || grad_marks(optim_params_) != grads_at_gather_;
+  if (flat_->gathered_behind_shard() || grad_clears_ != clears_at_gather_ ||
+      grads_at_gather_.size() != optim_params_.size()) {
+    return true;
+  }
+  // Only what every rank sees alike: a .grad dropped or replaced (the
+  // optimizer's zero_grad() sets them to none), not its version (a rank
+  // whose part of a parameter is empty zeroes or scales nothing).
+  for (size_t i = 0; i < optim_params_.size(); ++i) {
+    const at::Tensor& g = optim_params_[i].grad();
+    const auto& mark = grads_at_gather_[i];
+    if (g.defined() != mark.has_value()) return true;
+    if (g.defined() && mark->lock().get() != g.unsafeGetTensorImpl()) return true;
+  }
+  return false;
 }
 
 void UnitRuntime::reshard_left_gathered() {

@@ -403,9 +403,15 @@ class UnitRuntime final : public ParamUseListener {
   // grad_shard_ (copy_out_early): kept until the host waited for that stream.
   at::Tensor grad_on_device_;
   Work pending_gather_;  // the all-gather started by unshard_async()
-  // Each optimizer tensor's .grad (its TensorImpl and version; null where
-  // none) when the last gather began: see gathered_may_be_stale().
-  std::vector<std::pair<const c10::TensorImpl*, int64_t>> grads_at_gather_;
+  // What gathered_may_be_stale() compares: each optimizer tensor's .grad
+  // (held weakly: a freed one's address is not reused meanwhile; none where
+  // undefined) and grad_clears_, when the last gather began.
+  using WeakGrad = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::vector<std::optional<WeakGrad>> grads_at_gather_;
+  uint64_t clears_at_gather_ = 0;
+  // The user's clearings of this unit's gradients through its parameters
+  // (Note [Gradients the user clears]): the same on every rank.
+  uint64_t grad_clears_ = 0;
   // This backward's reduction went to the hooks when it was launched
   // (deliver_early); finish_backward has nothing left to set.
   bool delivered_early_ = false;

@@ -372,6 +372,40 @@ TEST(FullyShard, EvaluationBetweenBackwardAndStep) {
   });
 }
 
+// A unit with fewer elements than there are ranks (rank 2 holds only
+// padding), left gathered by a validation loss between backward and SGD's
+// step, then cleared with zero_grad(false): rank 2 zeroes nothing of it. A
+// review found the gradients' versions deciding whether to gather anew
+// there, so rank 2 alone did not: a hang (Note [Gathered before a step]).
+TEST(FullyShard, ATinyUnitLeftGatheredIsGatheredAnewOnEveryRank) {
+  run_ranks_ok(3, [](int, int world) {
+    init(world);
+    auto make = [] {
+      torch::manual_seed(0);
+      return torch::nn::Sequential(torch::nn::Linear(4, 1), torch::nn::Linear(1, 1),
+                                   torch::nn::Linear(1, 3));
+    };
+    torch::nn::Sequential reference = make(), model = make();
+    Unit& root = fully_shard(model, module_type_policy<torch::nn::LinearImpl>(),
+                             FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
+    torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(10 + step);
+      const torch::Tensor x = torch::randn({2 * world, 4});
+      reference->zero_grad(/*set_to_none=*/false);
+      reference->forward(x).pow(2).mean().backward();
+      ref_opt.step();
+      model->zero_grad(/*set_to_none=*/false);
+      model->forward(local_block(x)).pow(2).mean().backward();
+      (void)model->forward(local_block(x).flip(0)).sum();  // a validation loss
+      opt.step();
+    }
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model, *reference, "tiny unit");
+  });
+}
+
 TEST(FullyShard, UnitCalledTwiceAndUnitUnusedInSomeSteps) {
   expect_parity({1, 2}, [] {
     return cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}, [](Case& c) {
