@@ -74,12 +74,14 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // stale (UnitRuntime::gathered_may_be_stale): its shard's version counter
 // moved since the gather (a step that writes through the tensor: Adam,
 // AdamW, RMSprop, Adagrad, fsdp::optim's; a load; a write in place), or its
-// gradients were cleared (the model's zero_grad, own loops over its
-// parameters' .grad, the optimizer's zero_grad() setting them to none),
-// which loops do between a step and the next backward: LibTorch's SGD
-// writes through .data(), which counts no version. Only signs every rank
-// sees alike count: not a gradient's version, which a rank whose part of a
-// parameter is empty does not move when others zero or scale theirs. Where:
+// gradients were cleared (zero_grad, the optimizer's or the model's, either
+// meaning; own loops over the parameters' .grad), which loops do between a
+// step and the next backward: LibTorch's SGD writes through .data(), which
+// counts no version. The ranks must agree, so every sign moves on every rank
+// alike: a rank whose part of a parameter is empty bumps the version of the
+// gradient where the others zero or scale their parts (zero_slot_grad,
+// clip_grad_norm_), and the user's clearings through the parameters are
+// counted per unit (grad_clears_). Where:
 // at the start of a forward (the root's, wrappers' and fully_shard's
 // alike), and with fully_shard at
 // the first operator on such a unit still in its forward (the next forward
@@ -88,8 +90,7 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // they ran the same forwards, steps and clearings. A second forward of the
 // same iteration (siamese pairs, a unit run twice) regathers nothing. Left
 // out: SGD with no clearing of the gradients between its step and the next
-// forward, or only the optimizer's zero_grad(false) (in place; LibTorch
-// 1.13's default) there (docs/using.md). SummonFullParams and the state dicts, which no
+// forward (docs/using.md). SummonFullParams and the state dicts, which no
 // training loop repeats, gather every unit a forward left gathered anew.
 
 void RootState::begin_forward() {

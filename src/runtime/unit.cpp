@@ -232,8 +232,11 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   ProcessGroup* job = fsdp_options().process_group().get();  // every rank's
   const auto add = [&](const at::Tensor& p, double& acc) {
     const at::Tensor& g = p.grad();
-    if (!g.defined() || g.numel() == 0) return;
+    if (!g.defined()) return;
+    // Scaled below, an empty one too: its version moves on every rank alike
+    // (Note [Gathered before a step]).
     grads.push_back(g);
+    if (g.numel() == 0) return;
     const double part = inf ? g.abs().max().item<double>()
                             : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
     acc = inf ? std::max(acc, part) : acc + part;

@@ -121,7 +121,13 @@ void UnitRuntime::zero_slot_grad(size_t i) {
   const at::Tensor& g = optim_params_[0].grad();
   if (!g.defined()) return;
   const FlatParameter::ShardPart part = flat_->shard_part(i);
-  if (part.numel > 0) g.reshape({-1}).narrow(0, part.in_shard, part.numel).zero_();
+  if (part.numel > 0) {
+    g.reshape({-1}).narrow(0, part.in_shard, part.numel).zero_();
+  } else {
+    // Nothing of it here; the gradient's version moves as on the ranks that
+    // zero their part (Note [Gathered before a step]).
+    g.unsafeGetTensorImpl()->bump_version();
+  }
 }
 
 void UnitRuntime::drop_grads_the_user_dropped() {

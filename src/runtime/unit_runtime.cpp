@@ -420,8 +420,9 @@ void UnitRuntime::mark_gather() {
   grads_at_gather_.clear();
   for (const at::Tensor& p : optim_params_) {
     const at::Tensor& g = p.grad();
-    grads_at_gather_.push_back(g.defined() ? std::optional<WeakGrad>(WeakGrad(g.getIntrusivePtr()))
-                                           : std::nullopt);
+    grads_at_gather_.push_back(
+        g.defined() ? std::optional<GradMark>(GradMark{WeakGrad(g.getIntrusivePtr()), g._version()})
+                    : std::nullopt);
   }
   clears_at_gather_ = grad_clears_;
 }
@@ -437,14 +438,16 @@ bool UnitRuntime::gathered_may_be_stale() const {
       grads_at_gather_.size() != optim_params_.size()) {
     return true;
   }
-  // Only what every rank sees alike: a .grad dropped or replaced (the
-  // optimizer's zero_grad() sets them to none), not its version (a rank
-  // whose part of a parameter is empty zeroes or scales nothing).
+  // A .grad dropped, replaced (the optimizer's zero_grad() setting them to
+  // none) or written in place (zeroed).
   for (size_t i = 0; i < optim_params_.size(); ++i) {
     const at::Tensor& g = optim_params_[i].grad();
     const auto& mark = grads_at_gather_[i];
     if (g.defined() != mark.has_value()) return true;
-    if (g.defined() && mark->lock().get() != g.unsafeGetTensorImpl()) return true;
+    if (g.defined() &&
+        (mark->grad.lock().get() != g.unsafeGetTensorImpl() || mark->version != g._version())) {
+      return true;
+    }
   }
   return false;
 }

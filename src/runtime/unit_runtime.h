@@ -405,9 +405,13 @@ class UnitRuntime final : public ParamUseListener {
   Work pending_gather_;  // the all-gather started by unshard_async()
   // What gathered_may_be_stale() compares: each optimizer tensor's .grad
   // (held weakly: a freed one's address is not reused meanwhile; none where
-  // undefined) and grad_clears_, when the last gather began.
+  // undefined) and its version, and grad_clears_, when the last gather began.
   using WeakGrad = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-  std::vector<std::optional<WeakGrad>> grads_at_gather_;
+  struct GradMark {
+    WeakGrad grad;
+    int64_t version;
+  };
+  std::vector<std::optional<GradMark>> grads_at_gather_;
   uint64_t clears_at_gather_ = 0;
   // The user's clearings of this unit's gradients through its parameters
   // (Note [Gradients the user clears]): the same on every rank.
