@@ -191,7 +191,7 @@ void Checkpointer::register_state(const std::string& name, std::function<std::st
   FSDP_CHECK(save && load, /*rank=*/-1, "checkpoint", "state ", name, " needs both save and load");
   FSDP_CHECK(impl_->registered.count(name) == 0, /*rank=*/-1, "checkpoint", "state ", name,
              " is registered twice; use distinct names");
-  impl_->registered[name] = {std::move(save), std::move(load)};
+  impl_->registered[name] = {std::move(save), std::move(load), /*check=*/nullptr};
 }
 
 void Checkpointer::register_state(const std::string& name, ShardedGradScaler& scaler) {
