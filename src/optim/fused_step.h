@@ -60,13 +60,11 @@ torch::Tensor step_each_parameter(std::vector<torch::optim::OptimizerParamGroup>
   // The kernels read memory, not through the dispatcher: an optimizer built
   // on the unwrapped module's parameters would read a placeholder's missing
   // data (a crash). Refused as torch::optim's are, before any step.
+  const std::string user = std::string("fsdp::optim::") + name + "::step()";
   for (auto& group : groups) {
     for (auto& p : group.params()) {
-      const at::Tensor& g = p.grad();
-      if (is_placeholder(p) || (g.defined() && is_placeholder(g))) {
-        refuse_placeholder_use(is_placeholder(p) && !(g.defined() && is_placeholder(g)) ? p : g,
-                               std::string("fsdp::optim::") + name + "::step()");
-      }
+      if (is_placeholder(p.grad())) refuse_placeholder_use(p.grad(), user);  // named first
+      if (is_placeholder(p)) refuse_placeholder_use(p, user);
     }
   }
   for (auto& group : groups) {

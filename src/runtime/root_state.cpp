@@ -77,21 +77,20 @@ RootState::~RootState() { release_held(/*keep_newest=*/false); }
 // gradients were cleared (zero_grad, the optimizer's or the model's, either
 // meaning; own loops over the parameters' .grad), which loops do between a
 // step and the next backward: LibTorch's SGD writes through .data(), which
-// counts no version. The ranks must agree, so every sign moves on every rank
-// alike: a rank whose part of a parameter is empty bumps the version of the
-// gradient where the others zero or scale their parts (zero_slot_grad,
-// clip_grad_norm_), and the user's clearings through the parameters are
-// counted per unit (grad_clears_). Where:
-// at the start of a forward (the root's, wrappers' and fully_shard's
-// alike), and with fully_shard at
-// the first operator on such a unit still in its forward (the next forward
-// is seen only at its first unit after the root, so the root's operators
-// before it, the token embedding, would run in the open one). Ranks agree:
-// they ran the same forwards, steps and clearings. A second forward of the
-// same iteration (siamese pairs, a unit run twice) regathers nothing. Left
-// out: SGD with no clearing of the gradients between its step and the next
-// forward (docs/using.md). SummonFullParams and the state dicts, which no
-// training loop repeats, gather every unit a forward left gathered anew.
+// counts no version. The ranks must agree, so every sign moves on every
+// rank alike: a rank whose part of a parameter is empty bumps the version
+// of the gradient where the others zero or scale their parts
+// (zero_slot_grad, clip_grad_norm_), and the user's clearings through the
+// parameters are counted per unit (grad_clears_). Where: at the start of a
+// forward (the root's, wrappers' and fully_shard's alike), and with
+// fully_shard at the first operator on such a unit still in its forward
+// (the next forward is seen only at its first unit after the root, so the
+// root's operators before it, the token embedding, would run in the open
+// one). A second forward of the same iteration (siamese pairs, a unit run
+// twice) regathers nothing. Left out: SGD with no clearing of the gradients
+// between its step and the next forward (docs/using.md). SummonFullParams
+// and the state dicts, which no training loop repeats, gather every unit a
+// forward left gathered anew.
 
 void RootState::begin_forward() {
   forward_positions_ = 0;

@@ -63,7 +63,7 @@ void load_full_state_dict(torch::nn::Module& model,
                           const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
   FSDP_CHECK(!state_dict.is_empty() || (model.parameters().empty() && model.buffers().empty()),
              rank_of(model), "state dict",
-             "the state dict is empty, and the model has parameters and buffers to load.",
+             "the state dict is empty, and the model has parameters or buffers to load.",
              kEmptyOnOtherRanks);
   detail::load_model_pieces(model, detail::DictSource(state_dict, "model/"));
 }
