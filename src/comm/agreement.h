@@ -12,6 +12,12 @@
 
 namespace fsdp::detail {
 
+/// `group`'s rank for an error message; -1 without a group, which the message
+/// then takes from the launcher (see Note [Error messages]).
+inline int64_t rank_or_none(const ProcessGroup* group) {
+  return group != nullptr ? group->rank() : -1;
+}
+
 /// The device of the tensors `group`'s collectives take, where a unit's
 /// buffers and the group's agreements live: the CPU for every group today
 /// (the device seam of the GPU work starts here).

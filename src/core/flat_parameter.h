@@ -202,13 +202,17 @@ class FlatParameter {
   /// kSummoned -> kSharded: the parameters point at their placeholders again
   /// and the full-precision buffer is dropped.
   void end_summon();
-  /// Gathered or gathering (apart from the shard) and the shard written
-  /// since the gather began, through a tensor that counts versions: an
-  /// optimizer step (not LibTorch's SGD, which writes through .data()), a
-  /// load, an in-place write. See Note [Gathered before a step].
+  /// Gathered or gathering into a buffer apart from the shard (a prefetch
+  /// still arriving counts: it began before what comes since).
+  bool gathered_apart_from_shard() const {
+    return (state_ == State::kUnsharded || state_ == State::kUnsharding) && frees_unsharded();
+  }
+  /// gathered_apart_from_shard(), and the shard written since the gather
+  /// began, through a tensor that counts versions: an optimizer step (not
+  /// LibTorch's SGD, which writes through .data()), a load, an in-place
+  /// write. See Note [Gathered before a step].
   bool gathered_behind_shard() const {
-    return (state_ == State::kUnsharded || state_ == State::kUnsharding) && frees_unsharded() &&
-           shard_._version() != gathered_version_;
+    return gathered_apart_from_shard() && shard_._version() != gathered_version_;
   }
   /// Whether the original parameters hold the full-precision values now
   /// (kSummoned, or kUnsharded without mixed precision).

@@ -127,10 +127,7 @@ ProcessGroup* ShardedGradScaler::group() const {
   return is_initialized() ? default_process_group().get() : nullptr;
 }
 
-int64_t ShardedGradScaler::rank() const {
-  const ProcessGroup* g = group();
-  return g != nullptr ? g->rank() : -1;
-}
+int64_t ShardedGradScaler::rank() const { return detail::rank_or_none(group()); }
 
 void ShardedGradScaler::check_transition(const PerOptimizer& state, Stage next,
                                          const char* call) const {

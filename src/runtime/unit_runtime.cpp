@@ -428,12 +428,7 @@ void UnitRuntime::mark_gather() {
 }
 
 bool UnitRuntime::gathered_may_be_stale() const {
-  // A prefetch still arriving too: it began before what came since.
-  if (!flat_ || !flat_->frees_unsharded() ||
-      (flat_->state() != FlatParameter::State::kUnsharded &&
-       flat_->state() != FlatParameter::State::kUnsharding)) {
-    return false;
-  }
+  if (!flat_ || !flat_->gathered_apart_from_shard()) return false;
   if (flat_->gathered_behind_shard() || grad_clears_ != clears_at_gather_ ||
       grads_at_gather_.size() != optim_params_.size()) {
     return true;

@@ -14,6 +14,7 @@
 #include <fsdp/comm/process_group.h>
 #include <fsdp/optim/sharded_grad_scaler.h>
 
+#include "comm/agreement.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 #include "state/agreement.h"
@@ -28,9 +29,6 @@ namespace fsdp {
 namespace {
 
 using detail::CheckpointReader;
-
-// The rank for error messages: the group's, else the launcher's.
-int64_t rank_of(ProcessGroup* group) { return group != nullptr ? group->rank() : -1; }
 
 // A generator's state (bytes), taken and set under its lock.
 at::Tensor state_of(at::Generator& gen) {
@@ -252,8 +250,8 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
     while (name.size() > 1 && name.back() == '/') name.pop_back();
     name = name.substr(name.find_last_of('/') + 1);
     const int64_t named = detail::step_of_name(name);
-    FSDP_CHECK(named < 0 || named == step, rank_of(detail::state_group(impl_->model)), dir,
-               "is named for step ", named, ", not step ", step, ". Save step ", step,
+    FSDP_CHECK(named < 0 || named == step, detail::rank_or_none(detail::state_group(impl_->model)),
+               dir, "is named for step ", named, ", not step ", step, ". Save step ", step,
                " into checkpoint_path(parent, ", step, ") or with save_step(parent, ", step, ")");
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     request.rng_state = hex_of(state_of(cpu));
@@ -262,7 +260,8 @@ void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type
     }
     for (const auto& kv : impl_->registered) request.extra[kv.first] = kv.second.save();
     if (impl_->optimizer != nullptr) {  // the learning rate a scheduler set, and the rest
-      request.param_groups = detail::OptimAccess(*impl_->optimizer).group_options();
+      const std::vector<detail::LocalPiece> pieces = detail::local_pieces(impl_->model);
+      request.param_groups = detail::OptimAccess(*impl_->optimizer).group_options(&pieces);
     }
   } catch (...) {
     error = std::current_exception();
@@ -369,18 +368,20 @@ Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& re
   out.manifest = &m;
   out.file = reader.dir() + "/" + detail::manifest_name(m.rank);
   const std::string& file = out.file;
+  const int64_t err_rank = detail::rank_or_none(group);
   detail::load_model_pieces(model, source, detail::PieceLoad::kCheckOnly);
   if (optimizer != nullptr) {
     detail::load_optim_pieces(model, *optimizer, source, detail::PieceLoad::kCheckOnly);
     if (!m.param_groups.empty()) {
-      detail::OptimAccess(*optimizer).check_group_options(m.param_groups, file);
+      detail::OptimAccess(*optimizer)
+          .check_group_options(m.param_groups, detail::local_pieces(model), file);
     }
   }
   if (!m.rng_state.empty()) {
-    out.cpu_rng = bytes_of(m.rng_state, "rng_state", file, rank_of(group));
+    out.cpu_rng = bytes_of(m.rng_state, "rng_state", file, err_rank);
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     const int64_t want = state_of(cpu).numel();
-    FSDP_CHECK(out.cpu_rng.numel() == want, rank_of(group), file, "its rng_state has ",
+    FSDP_CHECK(out.cpu_rng.numel() == want, err_rank, file, "its rng_state has ",
                out.cpu_rng.numel(), " bytes, this LibTorch's CPU generator ", want,
                " (saved by another LibTorch?); load it with the LibTorch that saved it");
   }
@@ -388,14 +389,14 @@ Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& re
   out.gpus = cuda_generators();
   for (size_t i = 0; i < std::min(out.gpus.size(), m.cuda_rng_states.size()); ++i) {
     out.gpu_rng.push_back(
-        bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, rank_of(group)));
-    FSDP_CHECK(out.gpu_rng.back().numel() == compat::kCudaRngStateBytes, rank_of(group), file,
+        bytes_of(m.cuda_rng_states[i], "a GPU generator's state", file, err_rank));
+    FSDP_CHECK(out.gpu_rng.back().numel() == compat::kCudaRngStateBytes, err_rank, file,
                "a GPU generator's state has ", out.gpu_rng.back().numel(), " bytes, expected ",
                compat::kCudaRngStateBytes, " (its seed and offset)");
   }
   for (const auto& kv : registered) {
-    FSDP_CHECK(m.extra.count(kv.first) != 0, rank_of(group), file, "has no registered state '",
-               kv.first, "'; it was saved without register_state(\"", kv.first, "\", ...)");
+    FSDP_CHECK(m.extra.count(kv.first) != 0, err_rank, file, "has no registered state '", kv.first,
+               "'; it was saved without register_state(\"", kv.first, "\", ...)");
     if (kv.second.check) kv.second.check(m.extra.at(kv.first));
   }
   return out;
@@ -415,7 +416,8 @@ void Checkpointer::Impl::write(const CheckpointReader& reader, const Checked& ch
     set_state_of(gpu, compat::native_cuda_rng_state(checked.gpu_rng[i], state_of(gpu)));
   }
   if (optimizer != nullptr && !m.param_groups.empty()) {
-    detail::OptimAccess(*optimizer).set_group_options(m.param_groups, checked.file);
+    detail::OptimAccess(*optimizer)
+        .set_group_options(m.param_groups, detail::local_pieces(model), checked.file);
   }
   for (const auto& kv : registered) kv.second.load(m.extra.at(kv.first));
 }
@@ -433,7 +435,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
   if (root) {
     try {
       detail::restore_cut_short_replacements(parent);  // Note [A replacement cut short]
-      verified = newest_verified(parent, rank_of(group));
+      verified = newest_verified(parent, detail::rank_or_none(group));
       if (verified) {
         step.fill_(static_cast<double>(verified->marker().step));
       } else {

@@ -397,7 +397,23 @@ void set_adam_options(Options& o, const std::map<std::string, double>& v) {
 
 }  // namespace
 
-std::vector<std::map<std::string, double>> OptimAccess::group_options() const {
+std::vector<int64_t> OptimAccess::params_per_group(const std::vector<LocalPiece>& pieces) const {
+  const auto& groups = opt_.param_groups();
+  std::unordered_map<const void*, size_t> group_of;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& p : groups[g].params()) group_of.emplace(p.unsafeGetTensorImpl(), g);
+  }
+  std::vector<int64_t> out(groups.size(), 0);
+  for (const LocalPiece& p : pieces) {
+    if (!p.optim_param.defined()) continue;
+    const auto it = group_of.find(p.optim_param.unsafeGetTensorImpl());
+    if (it != group_of.end()) ++out[it->second];
+  }
+  return out;
+}
+
+std::vector<std::map<std::string, double>> OptimAccess::group_options(
+    const std::vector<LocalPiece>* pieces) const {
   std::vector<std::map<std::string, double>> out;
   for (const auto& g : opt_.param_groups()) {
     switch (kind_) {
@@ -436,27 +452,42 @@ std::vector<std::map<std::string, double>> OptimAccess::group_options() const {
       }
     }
   }
+  if (pieces != nullptr) {
+    const std::vector<int64_t> counts = params_per_group(*pieces);
+    for (size_t g = 0; g < out.size(); ++g) out[g]["params"] = static_cast<double>(counts[g]);
+  }
   return out;
 }
 
 void OptimAccess::check_group_options(const std::vector<std::map<std::string, double>>& groups,
+                                      const std::vector<LocalPiece>& pieces,
                                       const std::string& where) const {
   const auto& mine = opt_.param_groups();
   FSDP_CHECK(groups.size() == mine.size(), -1, where, "holds the options of ", groups.size(),
              " parameter group(s), the optimizer has ", mine.size(),
              ". Make the optimizer with the same parameter groups as the one saved.");
   const std::map<std::string, double> want = group_options().front();
+  const std::vector<int64_t> counts = params_per_group(pieces);
   for (size_t i = 0; i < groups.size(); ++i) {
     for (const auto& [name, unused] : want) {
       FSDP_CHECK(groups[i].count(name) == 1, -1, where, "parameter group ", i, " has no ", name,
                  ": it was saved from another kind of optimizer. Load it into the kind saved.");
     }
+    // Checkpoints from before the count was saved have none.
+    const auto saved = groups[i].find("params");
+    FSDP_CHECK(saved == groups[i].end() || saved->second == static_cast<double>(counts[i]), -1,
+               where, "parameter group ", i, " stepped ",
+               saved == groups[i].end() ? 0 : static_cast<int64_t>(saved->second),
+               " of the model's parameters when saved, this optimizer's steps ", counts[i],
+               ". Make the optimizer with the same parameter groups as the one saved (the same "
+               "parameters in each, as torch::load requires).");
   }
 }
 
 void OptimAccess::set_group_options(const std::vector<std::map<std::string, double>>& groups,
+                                    const std::vector<LocalPiece>& pieces,
                                     const std::string& where) {
-  check_group_options(groups, where);
+  check_group_options(groups, pieces, where);
   auto& mine = opt_.param_groups();
   for (size_t i = 0; i < groups.size(); ++i) {
     const auto& v = groups[i];

@@ -104,19 +104,26 @@ class OptimAccess {
   /// Each parameter group's hyperparameters that training changes (lr,
   /// betas, eps, weight_decay; SGD's momentum and dampening; RMSprop's
   /// alpha; Adagrad's lr_decay), by name: what PyTorch's optimizer
-  /// state_dict keeps in its param_groups.
-  std::vector<std::map<std::string, double>> group_options() const;
+  /// state_dict keeps in its param_groups. With `pieces` (the model's),
+  /// also "params": how many of the model's parameters the group steps, by
+  /// name, whatever the wrapping and world size.
+  std::vector<std::map<std::string, double>> group_options(
+      const std::vector<LocalPiece>* pieces = nullptr) const;
   /// Sets what group_options() returned, group by group (the same number of
-  /// groups, else an error naming `where`). amsgrad, nesterov, RMSprop's
+  /// groups, each of the size saved where "params" was, as torch::load
+  /// checks; else an error naming `where`). amsgrad, nesterov, RMSprop's
   /// centered and whether its momentum is 0 stay as constructed: they decide
   /// which state exists.
   void set_group_options(const std::vector<std::map<std::string, double>>& groups,
-                         const std::string& where);
+                         const std::vector<LocalPiece>& pieces, const std::string& where);
   /// set_group_options()'s checks alone: the same errors, nothing set.
   void check_group_options(const std::vector<std::map<std::string, double>>& groups,
-                           const std::string& where) const;
+                           const std::vector<LocalPiece>& pieces, const std::string& where) const;
 
  private:
+  /// How many of `pieces`' parameters each parameter group steps.
+  std::vector<int64_t> params_per_group(const std::vector<LocalPiece>& pieces) const;
+
   torch::optim::Optimizer& opt_;
   enum class Kind { kSgd, kAdam, kAdamW, kRmsprop, kAdagrad } kind_;
   std::vector<std::string> names_, possible_;

@@ -1,5 +1,6 @@
 #include <fsdp/state/state_dict.h>
 
+#include "comm/agreement.h"
 #include "detail/error.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
@@ -52,9 +53,8 @@ constexpr const char* kEmptyOnOtherRanks =
     "load on every rank what rank 0 saved of it (torch::save), or take it without "
     "rank0_only.";
 
-int rank_of(torch::nn::Module& model) {
-  ProcessGroup* group = detail::state_group(model);
-  return group != nullptr ? group->rank() : -1;
+int64_t rank_of(torch::nn::Module& model) {
+  return detail::rank_or_none(detail::state_group(model));
 }
 
 }  // namespace

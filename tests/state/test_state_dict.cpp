@@ -352,7 +352,8 @@ TEST(StateDict, EachRankChecksTheFilesItReads) {
 // A checkpoint keeps each parameter group's options, as PyTorch's and
 // LibTorch's optimizer state does: a learning rate a schedule lowered, betas
 // and weight decay come back on load (the next steps then equal the
-// uninterrupted run's); an optimizer with other groups is refused by name.
+// uninterrupted run's); an optimizer with other groups (another number, or
+// the same number split elsewhere) is refused by name.
 TEST(StateDict, CheckpointKeepsEachGroupsOptions) {
   const std::string dir = test_dir();
   run_ranks_ok(
@@ -396,6 +397,20 @@ TEST(StateDict, CheckpointKeepsEachGroupsOptions) {
         const torch::Tensor rng = at::detail::getDefaultCPUGenerator().get_state();
         EXPECT_CONTAINS(error_of([&] { Checkpointer(*other, &one_group).load(dir + "/ckpt"); }),
                         "holds the options of 2 parameter group(s), the optimizer has 1");
+        // Two groups, split elsewhere: each group's options would go to other
+        // parameters (torch::load checks each group's size too).
+        std::vector<torch::Tensor> p = other->parameters();
+        ASSERT_GE(p.size(), 3u);
+        torch::optim::AdamW resplit(
+            std::vector<torch::optim::OptimizerParamGroup>{
+                torch::optim::OptimizerParamGroup({p[0], p[1]}),
+                torch::optim::OptimizerParamGroup(
+                    std::vector<torch::Tensor>(p.begin() + 2, p.end()))},
+            torch::optim::AdamWOptions(1e-2));
+        EXPECT_CONTAINS(error_of([&] { Checkpointer(*other, &resplit).load(dir + "/ckpt"); }),
+                        "parameter group 0 stepped ");
+        EXPECT_CONTAINS(error_of([&] { Checkpointer(*other, &resplit).load(dir + "/ckpt"); }),
+                        "Make the optimizer with the same parameter groups as the one saved");
         Checkpointer wants_more(*other, &other_opt);
         wants_more.register_state(
             "data", [] { return std::string(); }, [](const std::string&) {});
