@@ -81,6 +81,12 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
   if (opt_ != nullptr) access = std::make_unique<OptimAccess>(*opt_);
   auto has_state = [&](size_t i) { return opt_ != nullptr && agreed_[2 * i] > 0; };
   auto step_of = [&](size_t i) { return agreed_[2 * i + 1]; };
+  // State `name` of piece i, where its group keeps it (no zeros for Adam's
+  // max_exp_avg_sq of a group without amsgrad).
+  auto keeps = [&](size_t i, const std::string& name) {
+    const std::vector<std::string> kept = access->state_names(pieces[i].optim_param);
+    return std::find(kept.begin(), kept.end(), name) != kept.end();
+  };
 
   size_t i = 0;
   while (i < pieces.size() && pieces[i].unit != nullptr) {
@@ -117,7 +123,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
         if (!any) continue;
         if (!dry) full = gather_full(flat, local_state_shard(group, *access, flat, name));
         for (size_t k = i; k < j; ++k) {
-          if (!has_state(k)) continue;
+          if (!has_state(k) || !keeps(k, name)) continue;
           const FlatParamSlot& slot = flat.slots()[pieces[k].slot];
           emit("optim/" + pieces[k].name + "/" + name, flat.shard().scalar_type(), slot.shape,
                dry ? at::Tensor() : full.narrow(0, slot.offset, slot.numel).view(slot.shape));
@@ -146,7 +152,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     if (opt_ == nullptr || p.is_buffer || !has_state(i)) continue;
     ParamState st;
     if (!dry) access->get(p.optim_param, st);
-    for (const std::string& name : access->state_names()) {
+    for (const std::string& name : access->state_names(p.optim_param)) {
       emit("optim/" + p.name + "/" + name, dtype, p.shape,
            dry ? at::Tensor()
                : (st.tensors.count(name) ? st.tensors.at(name)

@@ -272,6 +272,44 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
   possible_ = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 }
 
+std::vector<std::string> OptimAccess::state_names(const at::Tensor& param) const {
+  const torch::optim::OptimizerOptions* o = options_of(opt_, param);
+  if (o == nullptr) return names_;
+  bool amsgrad = false;
+  switch (kind_) {
+    case Kind::kAdam:
+      amsgrad = static_cast<const torch::optim::AdamOptions&>(*o).amsgrad();
+      break;
+    case Kind::kAdamW:
+      amsgrad = static_cast<const torch::optim::AdamWOptions&>(*o).amsgrad();
+      break;
+    case Kind::kRmsprop: {
+      const auto& r = static_cast<const torch::optim::RMSpropOptions&>(*o);
+      std::vector<std::string> out{"square_avg"};
+      if (r.momentum() > 0) out.push_back("momentum_buffer");
+      if (r.centered()) out.push_back("grad_avg");
+      return out;
+    }
+    case Kind::kSgd:
+    case Kind::kAdagrad:
+      return names_;
+  }
+  std::vector<std::string> out{"exp_avg", "exp_avg_sq"};
+  if (amsgrad) out.push_back("max_exp_avg_sq");
+  return out;
+}
+
+bool OptimAccess::steps(const at::Tensor& param) const {
+  return options_of(opt_, param) != nullptr;
+}
+
+const char* OptimAccess::option_keeping(const std::string& name) {
+  if (name == "max_exp_avg_sq") return "amsgrad(true)";
+  if (name == "grad_avg") return "centered(true)";
+  if (name == "momentum_buffer") return "momentum > 0";
+  return "";
+}
+
 void OptimAccess::check_steps_only(const std::vector<LocalPiece>& pieces) const {
   std::unordered_set<const void*> known;
   for (const LocalPiece& p : pieces) {

@@ -85,6 +85,15 @@ class OptimAccess {
   /// options (Adam's max_exp_avg_sq with amsgrad; RMSprop's momentum_buffer
   /// and grad_avg): saved by one, loaded into another, they go unused.
   const std::vector<std::string>& possible_state_names() const { return possible_; }
+  /// The tensor state names the group that steps `param` keeps (Adam's
+  /// max_exp_avg_sq with amsgrad only; RMSprop's momentum_buffer and
+  /// grad_avg with momentum and centered); state_names() where none does.
+  std::vector<std::string> state_names(const at::Tensor& param) const;
+  /// Whether a parameter group of the optimizer steps `param`.
+  bool steps(const at::Tensor& param) const;
+  /// The option a group needs to keep state `name` ("amsgrad(true)"), for
+  /// messages; "" for state every group of the kind keeps.
+  static const char* option_keeping(const std::string& name);
   /// True for optimizers with a step count (Adam, AdamW, RMSprop, Adagrad).
   bool has_step() const { return has_step_; }
   /// The state of `param`; false if it has none yet.

@@ -32,6 +32,37 @@ std::string stored_key(const PieceSource& src, const std::string& prefix, const 
   return found;
 }
 
+// State the load leaves unused, where torch::load would have taken it (it
+// restores amsgrad and the rest with the state, and refuses other groups):
+// the user made the optimizer with other options or groups than the one
+// saved, which would go on silently as another optimizer. Warned, once a
+// load, naming the first such tensor and the option.
+void warn_unused_state(const OptimAccess& access, const std::vector<LocalPiece>& pieces,
+                       const PieceSource& src) {
+  std::string first, why;
+  int64_t count = 0;
+  for (const LocalPiece& p : pieces) {
+    if (p.is_buffer) continue;
+    const bool stepped = access.steps(p.optim_param);
+    const std::vector<std::string> kept = access.state_names(p.optim_param);
+    for (const std::string& name : access.possible_state_names()) {
+      const std::string key = stored_key(src, "optim/", p, "/" + name);
+      if (!src.has(key) || (stepped && std::count(kept.begin(), kept.end(), name) != 0)) continue;
+      if (count++ == 0) {
+        first = key.substr(6);
+        why = stepped ? std::string("the group that steps it is not made with ") +
+                            OptimAccess::option_keeping(name)
+                      : "this optimizer does not step " + p.name + " (frozen, or in no group)";
+      }
+    }
+  }
+  if (count == 0) return;
+  TORCH_WARN("fsdp(optimizer state): the state has ", first, " (and ", count - 1,
+             " more tensors) that this optimizer leaves unused: ", why,
+             ". To continue the optimizer saved, make it with the options and parameter groups "
+             "it was saved with.");
+}
+
 }  // namespace
 
 DictSource::DictSource(const torch::OrderedDict<std::string, at::Tensor>& dict, std::string prefix)
@@ -195,11 +226,13 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   OptimAccess access(opt);
   auto pieces = local_pieces(root);
   access.check_steps_only(pieces);
-  // Pieces grouped by the tensor the optimizer steps (a flat shard holds many).
+  // Pieces grouped by the tensor the optimizer steps (a flat shard holds
+  // many). A parameter it does not step (frozen, or left out of its groups)
+  // gets no state, as torch::optim makes none for it.
   std::vector<std::vector<LocalPiece*>> groups;
   std::map<const void*, size_t> where;
   for (LocalPiece& p : pieces) {
-    if (p.is_buffer) continue;
+    if (p.is_buffer || !access.steps(p.optim_param)) continue;
     const void* impl = p.optim_param.unsafeGetTensorImpl();
     auto it = where.find(impl);
     if (it == where.end()) {
@@ -250,9 +283,11 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   // Checked before any state is replaced, steps too: a bad one in a later
   // group must not leave the earlier groups loaded.
   std::vector<int64_t> steps(groups.size(), -1);  // each group's, -1 where none is stored
+  std::vector<std::vector<std::string>> names(groups.size());  // the state each keeps
   for (size_t g = 0; g < groups.size(); ++g) {
     const at::ScalarType dtype = groups[g].front()->optim_param.scalar_type();
-    for (const std::string& name : access.state_names()) {
+    names[g] = access.state_names(groups[g].front()->optim_param);
+    for (const std::string& name : names[g]) {
       for (const LocalPiece* p : groups[g]) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (!src.has(key)) continue;
@@ -271,13 +306,14 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     }
   }
   if (how == PieceLoad::kCheckOnly) return;
+  warn_unused_state(access, pieces, src);
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<LocalPiece*>& group = groups[g];
     const at::Tensor& param = group.front()->optim_param;
     ParamState st;
     bool found = false;
-    for (const std::string& name : access.state_names()) {
+    for (const std::string& name : names[g]) {
       at::Tensor t = at::zeros_like(param.detach(), at::MemoryFormat::Contiguous);
       at::Tensor flat = t.view({-1});
       for (LocalPiece* p : group) {

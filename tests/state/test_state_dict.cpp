@@ -968,6 +968,105 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
   remove_test_dir(dir);
 }
 
+// Optimizer state is made only where plain LibTorch makes it (a review found
+// loads making it for more): a parameter the optimizer does not step gets
+// none (Adagrad's load made a full-size sum for each, saved again after),
+// and Adam's groups without amsgrad get no max_exp_avg_sq (zeros were made
+// for them when another group had amsgrad). State that a load leaves
+// unused (saved with amsgrad, loaded without; of a parameter this optimizer
+// does not step) is warned, naming it.
+TEST(StateDict, OptimizerStateOnlyWhereTheGroupsKeepIt) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        const auto count_keys = [](const torch::OrderedDict<std::string, torch::Tensor>& sd,
+                                   const std::string& suffix) {
+          return std::count_if(sd.begin(), sd.end(), [&](const auto& item) {
+            const std::string& k = item.key();
+            return k.size() > suffix.size() &&
+                   k.compare(k.size() - suffix.size(), suffix.size(), suffix) == 0;
+          });
+        };
+        for (const bool orig : {false, true}) {
+          const std::string what = orig ? "use_orig_params" : "flat";
+          const auto o = FSDPOptions().use_orig_params(orig);
+          const auto all_but_first = [](auto& m) {
+            std::vector<torch::Tensor> p = m->parameters();
+            return std::vector<torch::Tensor>(p.begin() + 1, p.end());
+          };
+          // Adagrad stepping all but the first parameter.
+          auto model = make_model(o);
+          torch::optim::Adagrad opt(all_but_first(model), torch::optim::AdagradOptions(0.1));
+          train(*model, opt, 2);
+          const size_t stepped = opt.state().size();
+          ASSERT_EQ(stepped, model->parameters().size() - 1) << what;
+          Checkpointer(*model, &opt).save(dir + "/adagrad-" + what, 2);
+          auto other = make_model(o, /*seed=*/5);
+          torch::optim::Adagrad other_opt(all_but_first(other), torch::optim::AdagradOptions(0.1));
+          Checkpointer(*other, &other_opt).load(dir + "/adagrad-" + what);
+          EXPECT_EQ(other_opt.state().size(), stepped) << what;
+          load_full_optim_state_dict(*other, other_opt, full_optim_state_dict(*model, opt));
+          EXPECT_EQ(other_opt.state().size(), stepped) << what;
+          // Every parameter's state, loaded into one that leaves the first out.
+          torch::optim::Adagrad every(model->parameters(), torch::optim::AdagradOptions(0.1));
+          train(*model, every, 1);
+          {
+            compat::WarningCollector warnings;
+            load_full_optim_state_dict(*other, other_opt, full_optim_state_dict(*model, every));
+            EXPECT_EQ(other_opt.state().size(), stepped) << what;
+            ASSERT_EQ(warnings.messages.size(), 1u) << what;
+            EXPECT_CONTAINS(warnings.messages[0], "that this optimizer leaves unused");
+            EXPECT_CONTAINS(warnings.messages[0], "(frozen, or in no group)");
+          }
+
+          // Adam with amsgrad in the first group only.
+          const auto amsgrad_first = [](auto& m, bool amsgrad) {
+            std::vector<torch::Tensor> p = m->parameters();
+            return torch::optim::Adam(
+                std::vector<torch::optim::OptimizerParamGroup>{
+                    torch::optim::OptimizerParamGroup(
+                        {p[0]}, std::make_unique<torch::optim::AdamOptions>(
+                                    torch::optim::AdamOptions(1e-2).amsgrad(amsgrad))),
+                    torch::optim::OptimizerParamGroup(
+                        std::vector<torch::Tensor>(p.begin() + 1, p.end()))},
+                torch::optim::AdamOptions(1e-2));
+          };
+          auto adam_model = make_model(o);
+          torch::optim::Adam adam = amsgrad_first(adam_model, true);
+          train(*adam_model, adam, 2);
+          const auto state = full_optim_state_dict(*adam_model, adam);
+          const auto with_max = count_keys(state, "/max_exp_avg_sq");
+          EXPECT_GT(with_max, 0) << what;
+          EXPECT_LT(with_max, count_keys(state, "/exp_avg")) << what;
+          Checkpointer(*adam_model, &adam).save(dir + "/adam-" + what, 2);
+          auto adam_other = make_model(o, /*seed=*/6);
+          torch::optim::Adam adam_other_opt = amsgrad_first(adam_other, true);
+          Checkpointer(*adam_other, &adam_other_opt).load(dir + "/adam-" + what);
+          const auto& groups = adam_other_opt.param_groups();
+          for (size_t g = 0; g < groups.size(); ++g) {
+            for (const auto& p : groups[g].params()) {
+              const auto& s = static_cast<const torch::optim::AdamParamState&>(
+                  *adam_other_opt.state().at(compat::optim_state_key(adam_other_opt.state(), p)));
+              EXPECT_EQ(s.max_exp_avg_sq().defined(), g == 0) << what << " group " << g;
+            }
+          }
+          expect_bitwise_equal(full_optim_state_dict(*adam_other, adam_other_opt), state, what);
+          // Made without amsgrad: loads, and says what goes unused.
+          auto plain = make_model(o, /*seed=*/7);
+          torch::optim::Adam plain_opt = amsgrad_first(plain, false);
+          compat::WarningCollector warnings;
+          Checkpointer(*plain, &plain_opt).load(dir + "/adam-" + what);
+          ASSERT_EQ(warnings.messages.size(), 1u) << what;
+          EXPECT_CONTAINS(warnings.messages[0], "/max_exp_avg_sq");
+          EXPECT_CONTAINS(warnings.messages[0], "is not made with amsgrad(true)");
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
 // A zero-element parameter and buffer (a bias switched off, an empty cache)
 // beside a linear layer.
 struct WithEmptyImpl : torch::nn::Module {
