@@ -69,6 +69,12 @@ void FusedSGD::step_during_backward(torch::nn::Module& model) {
              int64_t end) { step_param(p, grad, o, begin, end); });
 }
 
+bool FusedSGD::made_this_step(const at::Tensor& p, const SGDParamState& s) const {
+  const auto it = fresh_buffers_.find(p.unsafeGetTensorImpl());
+  return it != fresh_buffers_.end() && s.momentum_buffer().defined() &&
+         it->second.lock().get() == s.momentum_buffer().unsafeGetTensorImpl();
+}
+
 void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOptions& o, int64_t begin,
                           int64_t end) {
   const int64_t n = p.numel();
@@ -87,7 +93,7 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     first = first || !s->momentum_buffer().defined();
     // A buffer made at this step's first range (Note [Stepping a gradient
     // as it lands]).
-    if (begin != 0) first = fresh_buffers_.count(p.unsafeGetTensorImpl()) != 0;
+    if (begin != 0) first = made_this_step(p, *s);
   }
   const bool fused = detail::fused_layout(p, n) && detail::fused_grad_layout(grad, n) &&
                      (s == nullptr || first || detail::fused_layout(s->momentum_buffer(), n));
@@ -102,11 +108,19 @@ void FusedSGD::step_param(at::Tensor& p, const at::Tensor& grad, const SGDOption
     return;
   }
   // Still marked: the step that made its buffer failed midway (its later
-  // ranges never came), so the buffer was never whole: made anew.
-  if (begin == 0 && fresh_buffers_.erase(p.unsafeGetTensorImpl()) != 0) first = true;
+  // ranges never came), so the buffer was never whole: made anew. Not when a
+  // load has replaced it since.
+  if (begin == 0 && s != nullptr && made_this_step(p, *s)) first = true;
+  if (begin == 0) fresh_buffers_.erase(p.unsafeGetTensorImpl());
   if (first && begin == 0) {
-    s->momentum_buffer(at::empty_like(p, at::MemoryFormat::Contiguous));
-    if (!whole) fresh_buffers_.insert(p.unsafeGetTensorImpl());
+    // In parts, zeros: a step that fails midway leaves no uninitialised
+    // elements for a save before the next step.
+    s->momentum_buffer(whole ? at::empty_like(p, at::MemoryFormat::Contiguous)
+                             : at::zeros_like(p, at::MemoryFormat::Contiguous));
+    if (!whole) {
+      fresh_buffers_.emplace(p.unsafeGetTensorImpl(),
+                             WeakBuffer(s->momentum_buffer().getIntrusivePtr()));
+    }
   }
   if (end == n && begin != 0) fresh_buffers_.erase(p.unsafeGetTensorImpl());
   detail::SGDCoefficients c;

@@ -19,8 +19,10 @@ at::Tensor local_state_shard(const std::vector<LocalPiece*>& pieces, OptimAccess
   const at::Tensor shard = flat.shard().detach();
   if (!pieces.front()->unit->fsdp_options().use_orig_params()) {
     ParamState st;
+    // In the shard's dtype, as the walk declares it (LibTorch's SGD keeps a
+    // bf16 gradient's momentum in bf16 under keep_low_precision_grads).
     if (access.get(pieces.front()->optim_param, st) && st.tensors.count(name))
-      return st.tensors.at(name).detach().reshape({-1});
+      return st.tensors.at(name).detach().reshape({-1}).to(shard.scalar_type());
     return at::zeros_like(shard);
   }
   at::Tensor out = at::zeros_like(shard);
@@ -155,7 +157,7 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     for (const std::string& name : access->state_names(p.optim_param)) {
       emit("optim/" + p.name + "/" + name, dtype, p.shape,
            dry ? at::Tensor()
-               : (st.tensors.count(name) ? st.tensors.at(name)
+               : (st.tensors.count(name) ? st.tensors.at(name).to(dtype)
                                          : at::zeros(p.shape, p.data.options())));
     }
     if (access->has_step()) {

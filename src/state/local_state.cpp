@@ -310,6 +310,33 @@ const char* OptimAccess::option_keeping(const std::string& name) {
   return "";
 }
 
+const char* OptimAccess::kinds_keeping(const std::string& name) {
+  if (name == "exp_avg" || name == "exp_avg_sq" || name == "max_exp_avg_sq") {
+    return "Adam and AdamW";
+  }
+  if (name == "momentum_buffer") return "SGD and RMSprop";
+  if (name == "square_avg" || name == "grad_avg") return "RMSprop";
+  if (name == "sum") return "Adagrad";
+  if (name == "step") return "Adam, AdamW, RMSprop and Adagrad";
+  return "";
+}
+
+const char* OptimAccess::kind_name() const {
+  switch (kind_) {
+    case Kind::kSgd:
+      return "SGD";
+    case Kind::kAdam:
+      return "Adam";
+    case Kind::kAdamW:
+      return "AdamW";
+    case Kind::kRmsprop:
+      return "RMSprop";
+    case Kind::kAdagrad:
+      return "Adagrad";
+  }
+  return "";
+}
+
 void OptimAccess::check_steps_only(const std::vector<LocalPiece>& pieces) const {
   std::unordered_set<const void*> known;
   for (const LocalPiece& p : pieces) {

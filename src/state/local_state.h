@@ -94,6 +94,11 @@ class OptimAccess {
   /// The option a group needs to keep state `name` ("amsgrad(true)"), for
   /// messages; "" for state every group of the kind keeps.
   static const char* option_keeping(const std::string& name);
+  /// The kinds of optimizer that keep state `name` ("Adam and AdamW"), for
+  /// messages; "" for a name none keeps.
+  static const char* kinds_keeping(const std::string& name);
+  /// This optimizer's kind ("SGD", "Adam", ...), for messages.
+  const char* kind_name() const;
   /// True for optimizers with a step count (Adam, AdamW, RMSprop, Adagrad).
   bool has_step() const { return has_step_; }
   /// The state of `param`; false if it has none yet.

@@ -244,10 +244,11 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   // Every "optim/" key names a state of one of the model's parameters: a
   // model's state dict passed instead, or another model's optimizer, is an
   // error on every rank, not optimizer state silently reset.
-  std::set<std::string> expected;
+  std::set<std::string> expected, params;
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
     for (const std::string& param : p.names()) {
+      params.insert(param);
       // What another optimizer of the kind keeps too (amsgrad's; loaded
       // into one without, unused).
       for (const std::string& name : access.possible_state_names())
@@ -256,12 +257,19 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     }
   }
   for (const std::string& key : src.keys()) {
-    if (key.rfind("optim/", 0) != 0) continue;
-    FSDP_CHECK(expected.count(key) != 0, /*rank=*/-1, "optimizer state", "the state has ",
-               key.substr(6),
-               ", which is no state this optimizer keeps for this model's parameters (names "
-               "are parameter/state, e.g. fc.weight/exp_avg). Load the optimizer state saved "
-               "with this model and optimizer (a model's state dict is not one).");
+    if (key.rfind("optim/", 0) != 0 || expected.count(key) != 0) continue;
+    // A state of this model's parameter that another kind of optimizer keeps.
+    const size_t slash = key.rfind('/');
+    const char* kind = OptimAccess::kinds_keeping(key.substr(slash + 1));
+    FSDP_CHECK(slash <= 6 || params.count(key.substr(6, slash - 6)) == 0 || *kind == '\0',
+               /*rank=*/-1, "optimizer state", "the state has ", key.substr(6), ", which ", kind,
+               " keep, not ", access.kind_name(),
+               ". Load it into an optimizer of the kind that saved it (or start this one afresh, "
+               "without its state).");
+    FSDP_FAIL(/*rank=*/-1, "optimizer state", "the state has ", key.substr(6),
+              ", which is no state this optimizer keeps for this model's parameters (names "
+              "are parameter/state, e.g. fc.weight/exp_avg). Load the optimizer state saved "
+              "with this model and optimizer (a model's state dict is not one).");
   }
   // A parameter with some state has what every optimizer of the kind keeps:
   // SGD's momentum loaded into RMSprop, or a dict cut short, is refused.
@@ -284,10 +292,21 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
   // group must not leave the earlier groups loaded.
   std::vector<int64_t> steps(groups.size(), -1);  // each group's, -1 where none is stored
   std::vector<std::vector<std::string>> names(groups.size());  // the state each keeps
+  // The dtype of each group's state `name`: as stored where it is a
+  // floating dtype, as torch::load keeps it (LibTorch's SGD makes its
+  // momentum from a bf16 gradient under keep_low_precision_grads), else
+  // the parameter's.
+  std::vector<std::map<std::string, at::ScalarType>> dtypes(groups.size());
   for (size_t g = 0; g < groups.size(); ++g) {
-    const at::ScalarType dtype = groups[g].front()->optim_param.scalar_type();
     names[g] = access.state_names(groups[g].front()->optim_param);
     for (const std::string& name : names[g]) {
+      at::ScalarType& dtype = dtypes[g][name] = groups[g].front()->optim_param.scalar_type();
+      for (const LocalPiece* p : groups[g]) {
+        const std::string key = stored_key(src, "optim/", *p, "/" + name);
+        if (!src.has(key)) continue;
+        if (at::isFloatingType(src.dtype(key))) dtype = src.dtype(key);
+        break;
+      }
       for (const LocalPiece* p : groups[g]) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (!src.has(key)) continue;
@@ -314,7 +333,8 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     ParamState st;
     bool found = false;
     for (const std::string& name : names[g]) {
-      at::Tensor t = at::zeros_like(param.detach(), at::MemoryFormat::Contiguous);
+      at::Tensor t = at::zeros_like(param.detach(), param.options().dtype(dtypes[g].at(name)),
+                                    at::MemoryFormat::Contiguous);
       at::Tensor flat = t.view({-1});
       for (LocalPiece* p : group) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);

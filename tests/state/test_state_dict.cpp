@@ -953,7 +953,8 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
               if (kind == "rmsprop") {
                 EXPECT_CONTAINS(error, "has momentum_buffer but no square_avg");
               } else {
-                EXPECT_CONTAINS(error, "which is no state this optimizer keeps");
+                // Named as another kind's (it once read as a misnamed key).
+                EXPECT_CONTAINS(error, "momentum_buffer, which SGD and RMSprop keep, not Adagrad");
               }
               expect_bitwise_equal(full_optim_state_dict(*other, *other_opt), before, what);
               // LBFGS's state is not elementwise: refused by name.
@@ -1061,6 +1062,59 @@ TEST(StateDict, OptimizerStateOnlyWhereTheGroupsKeepIt) {
           ASSERT_EQ(warnings.messages.size(), 1u) << what;
           EXPECT_CONTAINS(warnings.messages[0], "/max_exp_avg_sq");
           EXPECT_CONTAINS(warnings.messages[0], "is not made with amsgrad(true)");
+        }
+      },
+      with_dir(dir));
+  remove_test_dir(dir);
+}
+
+// LibTorch's SGD makes its momentum from the gradient, so under
+// keep_low_precision_grads it keeps it in bf16 (a review found such
+// checkpoints saved but refused at load, and full saves failing an internal
+// check). Sharded checkpoints keep it in bf16, as torch::save does, and
+// resume bit for bit; full state dicts hold it in the parameter's dtype.
+TEST(StateDict, LibTorchSgdsLowPrecisionMomentumSavesAndLoads) {
+  const std::string dir = test_dir();
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+        for (const bool orig : {false, true}) {
+          const std::string what = orig ? "use_orig_params" : "flat";
+          const auto o = FSDPOptions().use_orig_params(orig).mixed_precision(
+              MixedPrecision()
+                  .param_dtype(torch::kBFloat16)
+                  .reduce_dtype(torch::kBFloat16)
+                  .keep_low_precision_grads(true));
+          const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+          auto model = make_model(o);
+          torch::optim::SGD opt(model->parameters(), sgd);
+          train(*model, opt, 2);
+          const auto& any = static_cast<const torch::optim::SGDParamState&>(
+              *opt.state().at(compat::optim_state_key(opt.state(), model->parameters().back())));
+          ASSERT_EQ(any.momentum_buffer().scalar_type(), torch::kBFloat16) << what;
+          for (const auto type : {StateDictType::kSharded, StateDictType::kFull}) {
+            const std::string name = dir + "/sgd-" + what + to_string(type);
+            Checkpointer(*model, &opt).save(name, 2, type);
+            auto other = make_model(o, /*seed=*/5);
+            torch::optim::SGD other_opt(other->parameters(), sgd);
+            EXPECT_EQ(Checkpointer(*other, &other_opt).load(name), 2) << what;
+            if (type == StateDictType::kSharded) {  // resumes as if uninterrupted
+              torch::manual_seed(4);
+              train(*model, opt, 2);
+              torch::manual_seed(4);
+              train(*other, other_opt, 2);
+              expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), what);
+            }
+          }
+          const auto state = full_optim_state_dict(*model, opt);
+          for (const auto& item : state) {
+            EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << what << " " << item.key();
+          }
+          auto third = make_model(o, /*seed=*/8);
+          torch::optim::SGD third_opt(third->parameters(), sgd);
+          load_full_optim_state_dict(*third, third_opt, state);
+          expect_bitwise_equal(full_optim_state_dict(*third, third_opt), state, what);
         }
       },
       with_dir(dir));

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
-#include <unordered_set>
 
 namespace fsdp::detail {
 class BackwardSteps;  // src/optim/backward_steps.h
@@ -118,11 +117,17 @@ class FusedSGD : public torch::optim::SGD {
   // Elements [begin, end) of `p`, as FusedAdamW's.
   void step_param(at::Tensor& p, const at::Tensor& grad, const torch::optim::SGDOptions& o,
                   int64_t begin, int64_t end);
+  // Whether `p`'s momentum buffer in `s` is the one made at this step's
+  // first range.
+  bool made_this_step(const at::Tensor& p, const torch::optim::SGDParamState& s) const;
 
   std::shared_ptr<detail::BackwardSteps> backward_steps_;
   // Parameters whose momentum buffer was made at the first range of this
-  // step: their later ranges take the gradient as it is too.
-  std::unordered_set<const c10::TensorImpl*> fresh_buffers_;
+  // step, and that buffer (held weakly: a buffer a load put in its place,
+  // maybe at the same address, is not it): their later ranges take the
+  // gradient as it is too.
+  using WeakBuffer = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  std::unordered_map<const c10::TensorImpl*, WeakBuffer> fresh_buffers_;
 };
 
 }  // namespace fsdp::optim
