@@ -2,6 +2,7 @@
 
 #include "comm/agreement.h"
 #include "detail/error.h"
+#include "state/dict_broadcast.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
 #include "state/piece_io.h"
@@ -50,17 +51,27 @@ namespace {
 // gives), so each says what happened.
 constexpr const char* kEmptyOnOtherRanks =
     " A dict taken with StateDictOptions().rank0_only(true) is empty on every rank but 0: "
-    "load on every rank what rank 0 saved of it (torch::save), or take it without "
-    "rank0_only.";
+    "load it with StateDictOptions().broadcast_from_rank0(true), or on every rank what rank 0 "
+    "saved of it (torch::save).";
 
 int64_t rank_of(torch::nn::Module& model) {
   return detail::rank_or_none(detail::state_group(model));
 }
 
+// Rank 0's dict on every rank where `options` asks for it; else `dict`.
+torch::OrderedDict<std::string, at::Tensor> dict_to_load(
+    torch::nn::Module& model, const torch::OrderedDict<std::string, at::Tensor>& dict,
+    const StateDictOptions& options) {
+  if (!options.broadcast_from_rank0()) return dict;
+  return detail::broadcast_dict(detail::state_group(model), dict);
+}
+
 }  // namespace
 
 void load_full_state_dict(torch::nn::Module& model,
-                          const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+                          const torch::OrderedDict<std::string, at::Tensor>& given,
+                          const StateDictOptions& options) {
+  const auto state_dict = dict_to_load(model, given, options);
   FSDP_CHECK(!state_dict.is_empty() || (model.parameters().empty() && model.buffers().empty()),
              rank_of(model), "state dict",
              "the state dict is empty, and the model has parameters or buffers to load.",
@@ -69,7 +80,9 @@ void load_full_state_dict(torch::nn::Module& model,
 }
 
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                const torch::OrderedDict<std::string, at::Tensor>& state_dict) {
+                                const torch::OrderedDict<std::string, at::Tensor>& given,
+                                const StateDictOptions& options) {
+  const auto state_dict = dict_to_load(model, given, options);
   FSDP_CHECK(!state_dict.is_empty() || optimizer.state().empty(), rank_of(model), "optimizer state",
              "the optimizer state dict is empty, which would clear this optimizer's state (as if "
              "never stepped); to start afresh, make a new optimizer instead.",

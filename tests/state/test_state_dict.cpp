@@ -97,6 +97,50 @@ TEST(StateDict, Rank0OnlyDictsLoadedOnEveryRankAreNamed) {
   });
 }
 
+// PyTorch's broadcast_from_rank0: the dicts rank0_only gave, loaded as they
+// are on each rank (empty on the others), into a fresh model and optimizer
+// (whose empty dict the check above cannot tell from a never-stepped one's):
+// every rank takes rank 0's, and the next steps equal the saved model's. At
+// 3 ranks, where rank 2 also passes a dict of its own, which is not read.
+// Int64 steps, which no process group carries, come as their bytes.
+TEST(StateDict, BroadcastFromRank0LoadsRank0sDictsOnEveryRank) {
+  run_ranks_ok(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (const bool orig : {false, true}) {
+      const auto o = FSDPOptions().use_orig_params(orig);
+      auto model = make_model(o);
+      auto opt = make_optimizer("adamw", model->parameters());
+      torch::manual_seed(3);
+      train(*model, *opt, 2);
+      const auto only = StateDictOptions().rank0_only(true);
+      auto sd = full_state_dict(*model, only);
+      auto osd = full_optim_state_dict(*model, *opt, only);
+      if (rank == 2) {  // what the load must not read
+        sd.insert("not.a.parameter", torch::ones({3}));
+        osd.insert("not.a.parameter/exp_avg", torch::ones({3}));
+      }
+      // Steps as libfsdp saved them before 2026-11 (int64, which the process
+      // groups do not carry as such).
+      for (auto& item : osd) {
+        if (item.value().dim() == 0) item.value() = item.value().to(torch::kLong);
+      }
+      auto other = make_model(o, /*seed=*/9);
+      auto other_opt = make_optimizer("adamw", other->parameters());
+      const auto from_rank0 = StateDictOptions().broadcast_from_rank0(true);
+      load_full_state_dict(*other, sd, from_rank0);
+      load_full_optim_state_dict(*other, *other_opt, osd, from_rank0);
+      EXPECT_FALSE(other_opt->state().empty()) << "rank " << rank;
+      torch::manual_seed(4);
+      train(*model, *opt, 2);
+      torch::manual_seed(4);
+      train(*other, *other_opt, 2);
+      expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after training");
+      expect_bitwise_equal(full_optim_state_dict(*other, *other_opt),
+                           full_optim_state_dict(*model, *opt), "optimizer after training");
+    }
+  });
+}
+
 TEST(StateDict, FullSaveGathersOneUnitAtATime) {
   const std::string dir = test_dir();
   run_ranks_ok(

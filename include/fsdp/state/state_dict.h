@@ -13,7 +13,8 @@
 
 namespace fsdp {
 
-/// Options of full_state_dict() and full_optim_state_dict().
+/// Options of full_state_dict() and full_optim_state_dict(), and of their
+/// loads (broadcast_from_rank0).
 struct StateDictOptions {
   /// Only rank 0 receives the tensors (the others return an empty dict but
   /// still take part in the gathers).
@@ -23,6 +24,11 @@ struct StateDictOptions {
   /// are gathered, so a model larger than the GPU can be gathered (with
   /// rank0_only, into rank 0's host memory alone).
   TORCH_ARG(bool, offload_to_cpu) = false;
+  /// For the loads (PyTorch's StateDictOptions of the same name): only rank
+  /// 0's dict is read, and sent to the other ranks, which may pass an empty
+  /// one (as rank0_only gives them). Collective; each rank holds the whole
+  /// dict while it loads, as when each loads it from a file.
+  TORCH_ARG(bool, broadcast_from_rank0) = false;
 };
 
 /// The full parameters and buffers of `model` (FSDP-wrapped or plain), as
@@ -47,15 +53,19 @@ torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
     const StateDictOptions& options = {});
 
 /// Copies a full state dict (as from full_state_dict()) into `model`: each rank
-/// takes its shard. Every rank passes the whole dict; no communication. The
-/// names and shapes must match the model's exactly.
+/// takes its shard. Every rank passes the whole dict, and there is no
+/// communication, unless `options` asks for broadcast_from_rank0. The names
+/// and shapes must match the model's exactly.
 void load_full_state_dict(torch::nn::Module& model,
-                          const torch::OrderedDict<std::string, at::Tensor>& state_dict);
+                          const torch::OrderedDict<std::string, at::Tensor>& state_dict,
+                          const StateDictOptions& options = {});
 
 /// Sets `optimizer`'s state from a full optimizer state dict (as from
-/// full_optim_state_dict()); every rank passes the whole dict; no communication.
-/// A step may also be an int64 tensor (as libfsdp saved it before 2026-11).
+/// full_optim_state_dict()); every rank passes the whole dict, and there is
+/// no communication, unless `options` asks for broadcast_from_rank0. A step
+/// may also be an int64 tensor (as libfsdp saved it before 2026-11).
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                const torch::OrderedDict<std::string, at::Tensor>& state_dict);
+                                const torch::OrderedDict<std::string, at::Tensor>& state_dict,
+                                const StateDictOptions& options = {});
 
 }  // namespace fsdp

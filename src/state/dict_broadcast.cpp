@@ -1,0 +1,85 @@
+#include "state/dict_broadcast.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "comm/agreement.h"
+
+namespace fsdp::detail {
+namespace {
+
+bool float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// Rank 0's `values` on every rank: their count first, then the values
+// (float64 carries them exactly: names' characters, dtypes, sizes).
+std::vector<int64_t> broadcast_values(ProcessGroup& group, std::vector<int64_t> values) {
+  const at::Device device = group_device(group);
+  at::Tensor count = small_tensor({static_cast<int64_t>(values.size())}, at::kDouble, device);
+  group.broadcast(count, 0).wait();
+  values.resize(static_cast<size_t>(small_values(count).front()));
+  at::Tensor all = small_tensor(values, at::kDouble, device);
+  group.broadcast(all, 0).wait();
+  return small_values(all);
+}
+
+// A tensor of a dtype the process groups do not carry (an int64 step, a
+// bool or integer buffer) travels as its bytes in a float32 tensor: a
+// broadcast copies them unchanged.
+int64_t wire_numel(at::ScalarType dtype, int64_t numel) {
+  return (numel * static_cast<int64_t>(c10::elementSize(dtype)) + 3) / 4;
+}
+
+}  // namespace
+
+torch::OrderedDict<std::string, at::Tensor> broadcast_dict(
+    ProcessGroup* group, const torch::OrderedDict<std::string, at::Tensor>& dict) {
+  if (group == nullptr || group->size() == 1) return dict;
+  const bool root = group->rank() == 0;
+  // What every rank needs to receive the tensors: per entry the name's
+  // length and characters, the dtype, the number of dimensions, the sizes.
+  std::vector<int64_t> meta;
+  if (root) {
+    for (const auto& item : dict) {
+      meta.push_back(static_cast<int64_t>(item.key().size()));
+      for (const char c : item.key()) meta.push_back(static_cast<unsigned char>(c));
+      meta.push_back(static_cast<int64_t>(item.value().scalar_type()));
+      meta.push_back(item.value().dim());
+      for (const int64_t s : item.value().sizes()) meta.push_back(s);
+    }
+  }
+  meta = broadcast_values(*group, std::move(meta));
+  torch::OrderedDict<std::string, at::Tensor> out;
+  const at::Device device = group_device(*group);
+  size_t i = 0;
+  while (i < meta.size()) {
+    std::string key(static_cast<size_t>(meta[i++]), '\0');
+    for (char& c : key) c = static_cast<char>(meta[i++]);
+    const auto dtype = static_cast<at::ScalarType>(meta[i++]);
+    std::vector<int64_t> sizes(static_cast<size_t>(meta[i++]));
+    for (int64_t& s : sizes) s = meta[i++];
+    if (float_dtype(dtype)) {
+      at::Tensor t = root ? dict[key].detach().to(device).contiguous()
+                          : at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+      group->broadcast(t, 0).wait();
+      out.insert(key, root ? dict[key] : t.to(at::kCPU));
+      continue;
+    }
+    at::Tensor host = root ? dict[key].detach().to(at::kCPU).contiguous()
+                           : at::empty(sizes, at::TensorOptions().dtype(dtype));
+    at::Tensor wire = at::zeros({wire_numel(dtype, host.numel())}, at::kFloat);
+    const size_t bytes = host.numel() * c10::elementSize(dtype);
+    if (root && bytes > 0) std::memcpy(wire.data_ptr(), host.data_ptr(), bytes);
+    at::Tensor sent = wire.to(device);
+    group->broadcast(sent, 0).wait();
+    if (!root && bytes > 0) std::memcpy(host.data_ptr(), sent.to(at::kCPU).data_ptr(), bytes);
+    out.insert(key, root ? dict[key] : host);
+  }
+  return out;
+}
+
+}  // namespace fsdp::detail
