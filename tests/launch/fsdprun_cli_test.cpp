@@ -2,6 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -99,13 +106,102 @@ TEST(FsdprunCli, ProgramIsFoundViaPath) {
   EXPECT_EQ(r.out, "[rank0]: ARGV: ok\n");
 }
 
+// A program that cannot be run is one line before any rank starts, with a
+// shell's status: 127 not found, 126 not executable.
 TEST(FsdprunCli, MissingProgramExits127) {
   const RunResult r =
-      run_launcher({"--nproc-per-node", "1", "/nonexistent/fsdprun-no-such-program"});
+      run_launcher({"--nproc-per-node", "2", "/nonexistent/fsdprun-no-such-program"});
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 127) << r.err;
-  EXPECT_NE(r.err.find("cannot execute"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("exited with status 127"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err,
+            "fsdprun: error: cannot execute '/nonexistent/fsdprun-no-such-program': no such "
+            "file\n");
+}
+
+TEST(FsdprunCli, AProgramWithoutTheExecuteBitSaysSo) {
+  PidDir dir;  // a scratch directory
+  const std::string program = dir.path() + "/train";
+  { std::ofstream(program) << "#!/bin/sh\n"; }
+  const RunResult r = run_launcher({program});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 126) << r.err;
+  EXPECT_EQ(r.err, "fsdprun: error: cannot execute '" + program +
+                       "': it lacks the execute permission; chmod +x " + program + "\n");
+}
+
+/// Whether `name` is an executable in PATH.
+bool in_path(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path != nullptr ? path : "");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    if (!dir.empty() && ::access((dir + "/" + name).c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
+
+// As torchrun, a .py script runs as `python3 -u SCRIPT` (PYTHON_EXEC
+// chooses the interpreter), with no execute bit needed; --no-python runs
+// it itself, and then needs one.
+TEST(FsdprunCli, APythonScriptRunsThroughPython) {
+  if (!in_path("python3")) GTEST_SKIP() << "no python3 in PATH";
+  PidDir dir;
+  const std::string script = dir.path() + "/train.py";
+  {
+    std::ofstream(script) << "import os, sys\n"
+                             "print('rank', os.environ['RANK'], 'unbuffered',\n"
+                             "      sys.stdout.write_through, sys.argv[1:])\n";
+  }
+  // Unbuffered by -u alone.
+  const std::map<std::string, std::optional<std::string>> env = {
+      {"PYTHONUNBUFFERED", std::nullopt}};
+  RunResult r = run_launcher({"--nproc-per-node", "2", script, "--lr", "3"}, env);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("[rank0]: rank 0 unbuffered True ['--lr', '3']\n"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("[rank1]: rank 1 unbuffered True ['--lr', '3']\n"), std::string::npos)
+      << r.out;
+
+  // The script in the current directory, named as torchrun's users name it.
+  char cwd[4096];
+  ASSERT_NE(::getcwd(cwd, sizeof(cwd)), nullptr);
+  ASSERT_EQ(::chdir(dir.path().c_str()), 0);
+  r = run_launcher({"train.py"}, env);
+  ASSERT_EQ(::chdir(cwd), 0);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "[rank0]: rank 0 unbuffered True []\n");
+
+  r = run_launcher({script}, {{"PYTHON_EXEC", dir.path() + "/no-such-python"}});
+  EXPECT_EQ(r.exit_code, 127) << r.err;
+  EXPECT_NE(r.err.find("to run " + script + " as torchrun does: no such file; set PYTHON_EXEC"),
+            std::string::npos)
+      << r.err;
+
+  r = run_launcher({"--no-python", script});
+  EXPECT_EQ(r.exit_code, 126) << r.err;
+  EXPECT_NE(r.err.find("or drop --no-python to run it as python3 -u " + script), std::string::npos)
+      << r.err;
+}
+
+// torchrun's PET_<FLAG> variables are the flags' defaults; the command line wins.
+TEST(FsdprunCli, PetVariablesStandForFlags) {
+  const std::map<std::string, std::optional<std::string>> env = {{"PET_NNODES", "1"},
+                                                                 {"PET_NPROC_PER_NODE", "2"}};
+  RunResult r = run_launcher({test_rank_path(), "--print-env"}, env);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(parse_env(r.out).size(), 2u) << r.out;
+
+  r = run_launcher({"--nproc-per-node", "3", test_rank_path(), "--print-env"}, env);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(parse_env(r.out).size(), 3u) << r.out;
+
+  r = run_launcher({test_rank_path()}, {{"PET_NPROC_PER_NODE", "two"}});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("fsdprun: error: PET_NPROC_PER_NODE: invalid value 'two'"),
+            std::string::npos)
+      << r.err;
 }
 
 }  // namespace

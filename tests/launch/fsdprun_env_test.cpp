@@ -13,8 +13,9 @@ namespace fsdp::launch::testing {
 namespace {
 
 TEST(FsdprunEnv, SingleNodeRanksAndFreePort) {
-  const RunResult r = run_launcher({"--nproc-per-node", "3", test_rank_path(), "--print-env"},
-                                   {{"OMP_NUM_THREADS", std::nullopt}});
+  const RunResult r = run_launcher(
+      {"--nproc-per-node", "3", test_rank_path(), "--print-env"},
+      {{"OMP_NUM_THREADS", std::nullopt}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", std::nullopt}});
   ASSERT_FALSE(r.timed_out) << r.err;
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EnvByRank env = parse_env(r.out);
@@ -34,12 +35,16 @@ TEST(FsdprunEnv, SingleNodeRanksAndFreePort) {
     EXPECT_EQ(e["WORLD_SIZE"], "3");
     EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
     EXPECT_EQ(e["GROUP_RANK"], "0");
+    EXPECT_EQ(e["GROUP_WORLD_SIZE"], "1");
     EXPECT_EQ(e["ROLE_RANK"], std::to_string(rank));
     EXPECT_EQ(e["ROLE_WORLD_SIZE"], "3");
     EXPECT_EQ(e["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(e["MASTER_PORT"], port);
     EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
     EXPECT_EQ(e["TORCHELASTIC_MAX_RESTARTS"], "0");
+    // Rank 0 serves the store, not an agent (as torchrun's agent does).
+    EXPECT_EQ(e["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(e["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "1");
     EXPECT_EQ(e["OMP_NUM_THREADS"], "1");
   }
   EXPECT_NE(r.err.find("OMP_NUM_THREADS=1"), std::string::npos) << r.err;
@@ -67,6 +72,7 @@ TEST(FsdprunEnv, MultiNodeRanks) {
     EXPECT_EQ(e["WORLD_SIZE"], "6");
     EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "3");
     EXPECT_EQ(e["GROUP_RANK"], "1");
+    EXPECT_EQ(e["GROUP_WORLD_SIZE"], "2");
     EXPECT_EQ(e["ROLE_RANK"], std::to_string(rank));
     EXPECT_EQ(e["ROLE_WORLD_SIZE"], "6");
     EXPECT_EQ(e["MASTER_ADDR"], "10.9.8.7");
@@ -126,15 +132,32 @@ TEST(FsdprunEnv, MultiNodeWithoutATokenIsAOneLineErrorWithTheFix) {
   }
 }
 
+// torchrun's --standalone runs under a random run id of UUID form, another
+// for each launch.
+TEST(FsdprunEnv, StandaloneRunIdIsARandomUuid) {
+  std::string ids[2];
+  for (std::string& id : ids) {
+    const RunResult r = run_launcher({"--standalone", test_rank_path(), "--print-env"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    id = parse_env(r.out)[0]["TORCHELASTIC_RUN_ID"];
+    EXPECT_TRUE(std::regex_match(
+        id, std::regex("[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")))
+        << id;
+  }
+  EXPECT_NE(ids[0], ids[1]);
+}
+
 TEST(FsdprunEnv, KeepsUserOmpNumThreads) {
-  const RunResult r = run_launcher({"--nproc-per-node", "2", test_rank_path(), "--print-env"},
-                                   {{"OMP_NUM_THREADS", "7"}});
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "2", test_rank_path(), "--print-env"},
+                   {{"OMP_NUM_THREADS", "7"}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"}});
   ASSERT_FALSE(r.timed_out) << r.err;
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EnvByRank env = parse_env(r.out);
   ASSERT_EQ(env.size(), 2u) << r.out;
   EXPECT_EQ(env[0]["OMP_NUM_THREADS"], "7");
   EXPECT_EQ(env[1]["OMP_NUM_THREADS"], "7");
+  EXPECT_EQ(env[0]["TORCH_NCCL_ASYNC_ERROR_HANDLING"], "0");
   EXPECT_EQ(r.err.find("OMP_NUM_THREADS"), std::string::npos) << r.err;
 }
 

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -76,51 +77,96 @@ TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
   expect_all_gone(dir, 2);
 }
 
-/// Forwarding of each termination signal fsdprun handles.
+/// Expects every rank in [0, count) to have recorded `signo`
+/// (fsdprun_test_rank --record-signals).
+void expect_ranks_got(const PidDir& dir, int count, int signo) {
+  for (int rank = 0; rank < count; ++rank) {
+    EXPECT_EQ(dir.read(std::to_string(rank) + ".signal"), std::optional<pid_t>(signo))
+        << "rank " << rank;
+  }
+}
+
+/// Forwarding of each termination signal fsdprun handles by default, as
+/// torchrun's --signals-to-handle default: SIGTERM, SIGINT, SIGHUP, SIGQUIT.
 class FsdprunSignalForwarding : public ::testing::TestWithParam<int> {};
 
 TEST_P(FsdprunSignalForwarding, EndsEveryRank) {
   const int signo = GetParam();
   PidDir dir;
-  LauncherProcess launcher(
-      {"--nproc-per-node", "3", test_rank_path(), "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  LauncherProcess launcher({"--nproc-per-node", "3", test_rank_path(), "--record-signals",
+                            "--write-pid-dir", dir.path(), "--sleep", "inf"});
   ASSERT_TRUE(
       launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 3)); }, kStartTimeout));
   launcher.send_signal(signo);
   const RunResult r = launcher.wait(kRunTimeout);
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 128 + signo) << r.err;
+  expect_ranks_got(dir, 3, signo);
   expect_all_gone(dir, 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Signals, FsdprunSignalForwarding,
-                         ::testing::Values(SIGTERM, SIGINT, SIGHUP),
+                         ::testing::Values(SIGTERM, SIGINT, SIGHUP, SIGQUIT),
                          [](const ::testing::TestParamInfo<int>& info) {
                            switch (info.param) {
                              case SIGTERM:
                                return std::string("SIGTERM");
                              case SIGINT:
                                return std::string("SIGINT");
+                             case SIGQUIT:
+                               return std::string("SIGQUIT");
                              default:
                                return std::string("SIGHUP");
                            }
                          });
 
-TEST(FsdprunSignals, RankIgnoringSigtermIsKilled) {
+// torchrun's --signals-to-handle: SLURM's SIGUSR1 (sent before a job's time
+// is up) reaches every rank, which then stop.
+TEST(FsdprunSignals, SignalsToHandleForwardsTheSignalsNamed) {
   PidDir dir;
-  LauncherProcess launcher({"--nproc-per-node", "2", "--kill-timeout", "1", test_rank_path(),
-                            "--ignore-sigterm", "--write-pid-dir", dir.path(), "--sleep", "inf"});
+  LauncherProcess launcher({"--nproc-per-node", "2", "--signals-to-handle", "SIGUSR1,SIGTERM",
+                            test_rank_path(), "--record-signals", "--write-pid-dir", dir.path(),
+                            "--sleep", "inf"});
   ASSERT_TRUE(
       launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 2)); }, kStartTimeout));
-  const auto signalled = std::chrono::steady_clock::now();
-  launcher.send_signal(SIGTERM);
+  launcher.send_signal(SIGUSR1);
   const RunResult r = launcher.wait(kRunTimeout);
-  const auto took = std::chrono::steady_clock::now() - signalled;
   ASSERT_FALSE(r.timed_out) << r.err;
-  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
-  EXPECT_GE(took, milliseconds(900));  // Waited for the kill timeout...
-  EXPECT_LT(took, seconds(8));         // ...and then used SIGKILL.
+  EXPECT_EQ(r.exit_code, 128 + SIGUSR1) << r.err;
+  EXPECT_NE(r.err.find("received SIGUSR1; forwarding it to all ranks"), std::string::npos) << r.err;
+  expect_ranks_got(dir, 2, SIGUSR1);
   expect_all_gone(dir, 2);
+}
+
+// The grace before SIGKILL is torchrun's --shutdown-timeout, else
+// TORCH_ELASTIC_SHUTDOWN_TIMEOUT (else 30 s, which no test waits for).
+TEST(FsdprunSignals, ShutdownTimeoutFromTheFlagOrTheEnvironment) {
+  const std::vector<std::vector<std::string>> flags = {{"--shutdown-timeout", "0.5"}, {}};
+  for (const std::vector<std::string>& flag : flags) {
+    SCOPED_TRACE(flag.empty() ? "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" : flag[0]);
+    PidDir dir;
+    std::vector<std::string> args = {"--nproc-per-node", "2"};
+    args.insert(args.end(), flag.begin(), flag.end());
+    for (const std::string& arg :
+         {test_rank_path(), std::string("--ignore-sigterm"), std::string("--write-pid-dir"),
+          dir.path(), std::string("--sleep"), std::string("inf")}) {
+      args.push_back(arg);
+    }
+    LauncherProcess launcher(args, {{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                     flag.empty() ? std::optional<std::string>("0.5")
+                                                  : std::optional<std::string>("600")}});
+    ASSERT_TRUE(
+        launcher.pump_until([&] { return dir.has_all(rank_pid_files(0, 2)); }, kStartTimeout));
+    const auto signalled = std::chrono::steady_clock::now();
+    launcher.send_signal(SIGTERM);
+    const RunResult r = launcher.wait(kRunTimeout);
+    const auto took = std::chrono::steady_clock::now() - signalled;
+    ASSERT_FALSE(r.timed_out) << r.err;
+    EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+    EXPECT_GE(took, milliseconds(400));
+    EXPECT_LT(took, seconds(8));
+    expect_all_gone(dir, 2);
+  }
 }
 
 TEST(FsdprunSignals, SigkillOfLauncherStillKillsRanks) {

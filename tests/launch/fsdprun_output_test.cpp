@@ -84,6 +84,18 @@ TEST(FsdprunOutput, NoPrefix) {
   check_stdout(r.out, /*prefixed=*/false, 2, 200);
 }
 
+// torchrun's --log-line-prefix-template in place of "[rank<N>]: ".
+TEST(FsdprunOutput, LogLinePrefixTemplate) {
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "2", "--role", "trainer", "--log-line-prefix-template",
+                    "${role_name}:${rank}/$local_rank $$ ", test_rank_path(), "--print-argv", "x"},
+                   {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_FALSE(r.timed_out) << r.err;
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("trainer:0/0 $ ARGV: x\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("trainer:1/1 $ ARGV: x\n"), std::string::npos) << r.out;
+}
+
 // torchrun's --local-ranks-filter: only the local ranks named are shown,
 // both streams; the others still run to the end.
 TEST(FsdprunOutput, LocalRanksFilterShowsOnlyTheRanksNamed) {

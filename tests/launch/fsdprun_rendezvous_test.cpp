@@ -96,6 +96,7 @@ TEST(FsdprunRendezvous, NodesMeetAndGetRanksInTurn) {
       SCOPED_TRACE("rank " + std::to_string(rank));
       EXPECT_TRUE(ranks.insert(rank).second);
       EXPECT_EQ(vars["GROUP_RANK"], std::to_string(node));
+      EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "3");
       EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank % 2));
       EXPECT_EQ(vars["WORLD_SIZE"], "6");
       EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
@@ -175,6 +176,26 @@ TEST(FsdprunRendezvous, OneNodeTooManyIsTurnedAway) {
     EXPECT_TRUE(parse_env(n.out).empty()) << describe(n);
   }
   EXPECT_EQ(joined, 1);
+}
+
+// torchrun's --local-addr: node 0 announces it as MASTER_ADDR, where
+// fsdprun would otherwise announce the endpoint's host.
+TEST(FsdprunRendezvous, NodeZerosLocalAddrIsMasterAddr) {
+  const int port = fsdp::testing::free_port();
+  const std::map<std::string, std::optional<std::string>> env = {{"FSDP_JOB_TOKEN", kToken}};
+  const std::vector<std::string> args = node_args(port, 2, 1, "--local-addr=127.0.0.2");
+  LauncherProcess first(args, env);
+  ASSERT_TRUE(listening(port));
+  LauncherProcess second(args, env);
+  for (LauncherProcess* node : {&first, &second}) {
+    const RunResult r = node->wait(30s);
+    ASSERT_FALSE(r.timed_out) << describe(r);
+    ASSERT_EQ(r.exit_code, 0) << describe(r);
+    for (const auto& [rank, vars] : parse_env(r.out)) {
+      EXPECT_EQ(vars.at("MASTER_ADDR"), "127.0.0.2") << "rank " << rank;
+    }
+    EXPECT_EQ(parse_env(r.out).size(), 1u) << describe(r);
+  }
 }
 
 // --max-restarts with the c10d rendezvous: every rank fails its first

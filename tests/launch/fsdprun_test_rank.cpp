@@ -3,6 +3,10 @@
 // order:
 //
 //   --ignore-sigterm               ignore SIGTERM (only SIGKILL stops it)
+//   --record-signals               on SIGTERM, SIGINT, SIGHUP, SIGQUIT,
+//                                  SIGUSR1 or SIGUSR2, write its number to
+//                                  DIR/<RANK>.signal and exit with 128 + it
+//                                  (needs --write-pid-dir)
 //   --spawn-grandchild             fork a child that sleeps forever in the
 //                                  same process group (needs --write-pid-dir;
 //                                  its pid goes to DIR/<RANK>.grandchild.pid)
@@ -25,6 +29,7 @@
 //
 // Unknown arguments make it exit with 64 so test typos fail loudly.
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -52,6 +57,7 @@ constexpr const char* kEnvNames[] = {
     "WORLD_SIZE",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
     "ROLE_RANK",
     "ROLE_WORLD_SIZE",
     "MASTER_ADDR",
@@ -59,6 +65,8 @@ constexpr const char* kEnvNames[] = {
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "FSDP_JOB_TOKEN",
     "OMP_NUM_THREADS",
 };
@@ -66,6 +74,7 @@ constexpr const char* kEnvNames[] = {
 /// The parsed command line.
 struct Args {
   bool ignore_sigterm = false;
+  bool record_signals = false;
   bool spawn_grandchild = false;
   std::string pid_dir;
   bool barrier = false;
@@ -105,6 +114,8 @@ Args parse_args(int argc, char** argv) {
     };
     if (arg == "--ignore-sigterm") {
       args.ignore_sigterm = true;
+    } else if (arg == "--record-signals") {
+      args.record_signals = true;
     } else if (arg == "--spawn-grandchild") {
       args.spawn_grandchild = true;
     } else if (arg == "--write-pid-dir") {
@@ -138,6 +149,9 @@ Args parse_args(int argc, char** argv) {
   }
   if (args.spawn_grandchild && args.pid_dir.empty()) {
     usage_error("--spawn-grandchild needs --write-pid-dir");
+  }
+  if (args.record_signals && args.pid_dir.empty()) {
+    usage_error("--record-signals needs --write-pid-dir");
   }
   if (args.barrier && args.pid_dir.empty()) {
     usage_error("--barrier needs --write-pid-dir");
@@ -176,6 +190,20 @@ void write_fd(int fd, const std::string& text) {
   }
 }
 
+/// --record-signals' file, made before any signal can come.
+char g_signal_file[4096];
+
+/// Records the signal (async-signal-safe calls only) and exits.
+void record_signal(int signo) {
+  const int fd = ::open(g_signal_file, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  char digits[4] = {static_cast<char>('0' + signo / 10), static_cast<char>('0' + signo % 10), '\n'};
+  if (fd >= 0) {
+    (void)!::write(fd, signo >= 10 ? digits : digits + 1, signo >= 10 ? 3 : 2);
+    ::close(fd);
+  }
+  ::_exit(128 + signo);
+}
+
 /// Sleeps forever; pause() returns after ignored-but-caught signals only, so
 /// loop.
 [[noreturn]] void sleep_forever() {
@@ -198,6 +226,12 @@ int main(int argc, char** argv) {
   const int rank = env_int("RANK", -1);
   const int restart = env_int("TORCHELASTIC_RESTART_COUNT", 0);
 
+  if (args.record_signals) {
+    std::snprintf(g_signal_file, sizeof(g_signal_file), "%s/%d.signal", args.pid_dir.c_str(), rank);
+    for (const int signo : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2}) {
+      ::signal(signo, record_signal);
+    }
+  }
   if (args.ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
 
   if (args.spawn_grandchild) {

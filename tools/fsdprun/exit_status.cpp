@@ -13,13 +13,13 @@ struct SignalName {
 };
 
 // A fixed table rather than sigabbrev_np(): that needs glibc >= 2.32, and
-// these are the signals that actually end ranks.
+// these are the signals that actually end ranks or that fsdprun forwards.
 constexpr SignalName kSignalNames[] = {
-    {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},
-    {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},
-    {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"}, {SIGUSR2, "SIGUSR2"},
-    {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGXCPU, "SIGXCPU"},
-    {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"},
+    {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"},     {SIGILL, "SIGILL"},
+    {SIGTRAP, "SIGTRAP"}, {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},       {SIGFPE, "SIGFPE"},
+    {SIGKILL, "SIGKILL"}, {SIGUSR1, "SIGUSR1"}, {SIGSEGV, "SIGSEGV"},     {SIGUSR2, "SIGUSR2"},
+    {SIGPIPE, "SIGPIPE"}, {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"},     {SIGXCPU, "SIGXCPU"},
+    {SIGXFSZ, "SIGXFSZ"}, {SIGSYS, "SIGSYS"},   {SIGVTALRM, "SIGVTALRM"}, {SIGPROF, "SIGPROF"},
 };
 
 }  // namespace
@@ -29,6 +29,13 @@ std::string signal_name(int signo) {
     if (entry.signo == signo) return entry.name;
   }
   return "SIG" + std::to_string(signo);
+}
+
+int signal_number(const std::string& name) {
+  for (const SignalName& entry : kSignalNames) {
+    if (name == entry.name) return entry.signo;
+  }
+  return 0;
 }
 
 std::string describe_wait_status(int wait_status) {

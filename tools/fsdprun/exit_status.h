@@ -9,6 +9,9 @@ namespace fsdp::launch {
 /// The short name of a signal, e.g. "SIGKILL"; "SIG<n>" for unknown ones.
 std::string signal_name(int signo);
 
+/// The number of a signal named as signal_name() names it ("SIGTERM"), or 0.
+int signal_number(const std::string& name);
+
 /// "exited with status 3" or "was killed by signal 9 (SIGKILL)" for a
 /// waitpid() status.
 std::string describe_wait_status(int wait_status);

@@ -35,6 +35,15 @@ std::string random_job_token(std::string* error) {
   return token;
 }
 
+std::string random_run_id(std::string* error) {
+  std::string hex = random_job_token(error);
+  if (hex.empty()) return "";
+  hex[12] = '4';                  // the version
+  hex[16] = "89ab"[hex[16] % 4];  // the variant: binary 10xx
+  return hex.substr(0, 8) + "-" + hex.substr(8, 4) + "-" + hex.substr(12, 4) + "-" +
+         hex.substr(16, 4) + "-" + hex.substr(20);
+}
+
 std::string ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
                              std::string* error) {
   const std::string prefix = std::string(kVariable) + "=";

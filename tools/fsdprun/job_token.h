@@ -14,6 +14,11 @@ namespace fsdp::launch {
 /// Returns "" (and sets `error`) when the kernel gives no randomness.
 std::string random_job_token(std::string* error);
 
+/// A fresh random id in the form of torchrun's --standalone run id (a
+/// version-4 UUID, "1b4e28ba-2fa1-41d2-883f-0016d3cca427"); "" (and `error`)
+/// when the kernel gives no randomness.
+std::string random_run_id(std::string* error);
+
 /// Makes sure `env` carries FSDP_JOB_TOKEN for the ranks and returns it:
 /// kept when set and non-empty; else, for a one-node job, a random one is
 /// added (the same for every restart of the job). A multi-node job needs the

@@ -41,4 +41,44 @@ void LinePrefixer::emit(std::string_view line, std::string* out) const {
   out->push_back('\n');
 }
 
+namespace {
+
+/// Python's Template identifier: [_a-zA-Z][_a-zA-Z0-9]*.
+bool identifier_char(char c, bool first) {
+  const bool letter = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+  return letter || (!first && c >= '0' && c <= '9');
+}
+
+}  // namespace
+
+std::string expand_prefix_template(const std::string& text,
+                                   const std::map<std::string, std::string>& values) {
+  std::string out;
+  size_t i = 0;
+  while (i < text.size()) {
+    if (text[i] != '$' || i + 1 == text.size()) {
+      out += text[i++];
+      continue;
+    }
+    if (text[i + 1] == '$') {
+      out += '$';
+      i += 2;
+      continue;
+    }
+    const bool braced = text[i + 1] == '{';
+    const size_t start = i + (braced ? 2 : 1);
+    size_t end = start;
+    while (end < text.size() && identifier_char(text[end], end == start)) ++end;
+    const bool closed = !braced || (end < text.size() && text[end] == '}');
+    const auto it = values.find(text.substr(start, end - start));
+    if (end == start || !closed || it == values.end()) {
+      out += text[i++];  // not a placeholder it knows: kept as written
+      continue;
+    }
+    out += it->second;
+    i = end + (braced ? 1 : 0);
+  }
+  return out;
+}
+
 }  // namespace fsdp::launch

@@ -3,6 +3,7 @@
 // Splits one rank's output stream into lines and prefixes each one.
 
 #include <cstddef>
+#include <map>
 #include <string>
 #include <string_view>
 
@@ -40,5 +41,12 @@ class LinePrefixer {
   std::string prefix_;
   std::string partial_;
 };
+
+/// torchrun's --log-line-prefix-template filled in as Python's
+/// string.Template.safe_substitute fills it: "${name}" and "$name" become
+/// `values`' entry (torchrun's: rank, local_rank, role_name, hostname), "$$"
+/// becomes "$", and anything else stays as written.
+std::string expand_prefix_template(const std::string& text,
+                                   const std::map<std::string, std::string>& values);
 
 }  // namespace fsdp::launch

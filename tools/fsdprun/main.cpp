@@ -8,6 +8,7 @@
 #include <exception>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "job_token.h"
 #include "options.h"
 #include "output_writer.h"
+#include "program_check.h"
 #include "rank_env.h"
 #include "rank_logs.h"
 #include "rendezvous.h"
@@ -50,6 +52,14 @@ int launch(LaunchOptions options) {
   OutputWriter out(STDOUT_FILENO);
   OutputWriter err(STDERR_FILENO);
 
+  // Before any rendezvous: a node that cannot start its ranks says so at once.
+  const char* path = std::getenv("PATH");
+  if (const auto problem = check_program(
+          options, path != nullptr ? std::optional<std::string>(path) : std::nullopt)) {
+    err.write("fsdprun: error: " + problem->message + "\n");
+    return problem->exit_code;
+  }
+
   std::vector<std::string> notes;
   std::string nproc_error;
   if (!resolve_nproc_per_node(&options, visible_cuda_gpus, usable_cpus(), &notes, &nproc_error)) {
@@ -57,6 +67,16 @@ int launch(LaunchOptions options) {
     return kUsageExitCode;
   }
   for (const std::string& note : notes) err.write("fsdprun: " + note + "\n");
+
+  if (options.standalone) {
+    // torchrun's --standalone runs under an id of its own (a random UUID).
+    std::string id_error;
+    options.rdzv_id = random_run_id(&id_error);
+    if (options.rdzv_id.empty()) {
+      err.write("fsdprun: error: --standalone: cannot make a run id (" + id_error + ")\n");
+      return 1;
+    }
+  }
 
   // See Note [Job token] (src/rendezvous/job_token.cpp): before anything is started.
   std::vector<std::string> base_env = environment_from(environ);
@@ -106,7 +126,7 @@ int launch(LaunchOptions options) {
 
   std::unique_ptr<SignalPipe> signals;
   try {
-    signals = std::make_unique<SignalPipe>();
+    signals = std::make_unique<SignalPipe>(options.signals_to_handle);
   } catch (const std::exception& e) {
     err.write(std::string("fsdprun: cannot install signal handlers: ") + e.what() + "\n");
     return 1;
@@ -169,8 +189,8 @@ int launch(LaunchOptions options) {
 /// Parses the command line and runs the job; see usage_text() for behaviour.
 int main(int argc, char** argv) {
   using fsdp::launch::ParseResult;
-  const ParseResult parsed =
-      fsdp::launch::parse_options(std::vector<std::string>(argv + 1, argv + argc));
+  const ParseResult parsed = fsdp::launch::parse_options(
+      std::vector<std::string>(argv + 1, argv + argc), fsdp::launch::environment_from(environ));
   switch (parsed.kind) {
     case ParseResult::Kind::kHelp:
       std::cout << fsdp::launch::usage_text();

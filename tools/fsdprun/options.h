@@ -3,6 +3,8 @@
 // Command-line parsing for fsdprun. Kept free of process and I/O code so the
 // parser can be unit-tested on its own.
 
+#include <signal.h>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -55,8 +57,18 @@ struct LaunchOptions {
   std::optional<int> master_port;
   bool standalone = false;
   int max_restarts = 0;
-  double kill_timeout_s = 10.0;
+  /// --shutdown-timeout (or fsdprun's --kill-timeout): seconds between the
+  /// signal that stops the ranks and SIGKILL. torchrun's default: the
+  /// variable TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30.
+  double kill_timeout_s = 30.0;
+  /// --signals-to-handle: the signals fsdprun forwards to every rank before
+  /// stopping them (torchrun's default: SIGTERM, SIGINT, SIGHUP, SIGQUIT).
+  std::vector<int> signals_to_handle = {SIGTERM, SIGINT, SIGHUP, SIGQUIT};
   bool prefix_output = true;
+  /// --log-line-prefix-template: torchrun's template of each line's prefix
+  /// (${rank}, ${local_rank}, ${role_name}, ${hostname}); "" for fsdprun's
+  /// "[rank<N>]: ".
+  std::string log_line_prefix_template;
   /// torchrun's --rdzv-backend: "static" (each node given its --node-rank)
   /// or "c10d" (node ranks assigned as the nodes join at the endpoint).
   std::string rdzv_backend = "static";
@@ -76,6 +88,9 @@ struct LaunchOptions {
   /// --rdzv-conf is_host: whether this node serves the rendezvous (unset:
   /// the node whose address the endpoint names).
   std::optional<bool> rdzv_is_host;
+  /// --local-addr: the MASTER_ADDR node 0 announces at the c10d rendezvous
+  /// of several nodes, as torchrun's rank 0 does ("": fsdprun chooses).
+  std::string local_addr;
   /// --local-ranks-filter: the local ranks whose output is shown (all when empty).
   std::vector<int> local_ranks_filter;
   /// --log-dir: where --redirects and --tee write each rank's streams, as
@@ -87,7 +102,12 @@ struct LaunchOptions {
   StreamSpec redirects;
   StreamSpec tee;
   /// The program to run (looked up in PATH) followed by its own arguments.
+  /// A script ending in ".py" (or any, with --run-path) comes after the
+  /// interpreter, as torchrun runs it: PYTHON_EXEC (else python3), "-u", the
+  /// script, unless --no-python; a module (-m) after "-u -m".
   std::vector<std::string> command;
+  /// The script or module run through the interpreter, else "".
+  std::string python_script;
 
   /// Whether this node's rank comes from the rendezvous (rendezvous.h):
   /// the c10d backend across nodes.
@@ -107,10 +127,16 @@ struct ParseResult {
 };
 
 /// Parses argv (argv[0] excluded). Flags may be spelled with '-' or '_'
-/// between words and given as "--flag value" or "--flag=value"; parsing stops
-/// at "--" or at the first argument that is not a flag, so everything from
-/// the program name on is passed through untouched.
-ParseResult parse_options(const std::vector<std::string>& args);
+/// between words and given as "--flag value" or "--flag=value" (a short
+/// flag also as "-r3"); parsing stops at "--" or at the first argument that
+/// is not a flag, so everything from the program name on is passed through
+/// untouched. As torchrun, each of torchrun's flags takes its default from
+/// the variable PET_<FLAG> of `env` ("KEY=VALUE" entries; PET_NPROC_PER_NODE
+/// for --nproc-per-node; 1 or 0 for a flag without a value; empty counts as
+/// unset), which the command line overrides; so do TORCH_ELASTIC_SHUTDOWN_
+/// TIMEOUT, TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE and PYTHON_EXEC.
+ParseResult parse_options(const std::vector<std::string>& args,
+                          const std::vector<std::string>& env = {});
 
 /// The --help text: every flag, its default and the environment each rank
 /// receives.

@@ -42,6 +42,7 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& options, in
       {"WORLD_SIZE", std::to_string(world_size)},
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
       {"GROUP_RANK", std::to_string(options.node_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(options.nnodes)},
       {"ROLE_RANK", std::to_string(rank)},
       {"ROLE_WORLD_SIZE", std::to_string(world_size)},
       {"MASTER_ADDR", options.master_addr},
@@ -50,9 +51,19 @@ std::vector<std::string> build_rank_environment(const LaunchOptions& options, in
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts)},
       {"TORCHELASTIC_RUN_ID", options.rdzv_id},
       {"ROLE_NAME", options.role},
+      // No agent serves a store at MASTER_ADDR:MASTER_PORT, as torchrun's
+      // does: rank 0 serves it (libfsdp's, or PyTorch's TCPStore under
+      // init_process_group's env://). "True" would have every rank join an
+      // agent's store as a client, and nobody serve it.
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
   };
   if (defaults_omp_num_threads(options, base_env)) {
     overrides["OMP_NUM_THREADS"] = "1";
+  }
+  // torchrun's default, kept when the user set it (PyTorch's NCCL then ends
+  // a job whose collective failed or hung instead of leaving it stuck).
+  if (!has_key(base_env, "TORCH_NCCL_ASYNC_ERROR_HANDLING")) {
+    overrides["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1";
   }
 
   std::vector<std::string> env;

@@ -18,11 +18,14 @@ std::vector<std::string> environment_from(char* const* envp);
 bool defaults_omp_num_threads(const LaunchOptions& options,
                               const std::vector<std::string>& base_env);
 
-/// Returns `base_env` with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-/// GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID, ROLE_NAME (and
-/// possibly OMP_NUM_THREADS) set for local rank `local_rank`; earlier values of those variables are
-/// replaced, everything else is inherited.
+/// Returns `base_env` with what torchrun's agent sets: RANK, LOCAL_RANK,
+/// WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE (the number of
+/// nodes), ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+/// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+/// TORCHELASTIC_USE_AGENT_STORE (False), ROLE_NAME, set for local rank
+/// `local_rank`, replacing earlier values; and OMP_NUM_THREADS (1) and
+/// TORCH_NCCL_ASYNC_ERROR_HANDLING (1) unless the user set them. Everything
+/// else is inherited.
 std::vector<std::string> build_rank_environment(const LaunchOptions& options, int master_port,
                                                 int local_rank, int restart_count,
                                                 const std::vector<std::string>& base_env);

@@ -52,7 +52,8 @@
 //   names only loopback addresses on node 0 while the others came from
 //   elsewhere (Debian's /etc/hosts maps a host's own name to 127.0.1.1), or
 //   none of node 0's (is_host=1 behind a virtual IP); then the address the
-//   first node reached.
+//   first node reached. Node 0's --local-addr, when given, is MASTER_ADDR
+//   (torchrun's rank 0 announces its local_addr so).
 // - Nodes wait at most --rdzv-conf join_timeout (600 s), saying every 30 s
 //   how it stands. They meet again before every restart (--max-restarts),
 //   so a node started anew in place of a lost one joins the job; until node
@@ -403,10 +404,12 @@ bool serve(UniqueFd listener, const std::vector<sockaddr_storage>& endpoint, boo
       }
     }
   }
-  assignment->master_addr = joined.empty() ? o.rdzv_host
-                                           : meeting_address(o.rdzv_host, endpoint, endpoint_here,
-                                                             joined[0].peer, joined[0].reached);
-  if (assignment->master_addr != o.rdzv_host) {
+  // --local-addr: the user names node 0's address, as torchrun's rank 0 announces it.
+  assignment->master_addr = !o.local_addr.empty() ? o.local_addr
+                            : joined.empty()      ? o.rdzv_host
+                                             : meeting_address(o.rdzv_host, endpoint, endpoint_here,
+                                                               joined[0].peer, joined[0].reached);
+  if (o.local_addr.empty() && assignment->master_addr != o.rdzv_host) {
     progress("fsdprun: rank 0's store cannot listen on '" + o.rdzv_host +
              "' for the other nodes (a loopback address here, or none of this node's); the "
              "ranks meet at " +

@@ -37,9 +37,11 @@ void on_signal(int signo) {
 
 }  // namespace
 
-const int SignalPipe::kHandled[kNumHandled] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE};
-
-SignalPipe::SignalPipe() {
+SignalPipe::SignalPipe(const std::vector<int>& termination) : handled_(termination) {
+  handled_.push_back(SIGCHLD);
+  handled_.push_back(SIGPIPE);
+  saved_.resize(handled_.size());
+  installed_.assign(handled_.size(), 0);
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) throw_errno("pipe2");
   read_fd_ = fds[0];
@@ -49,11 +51,11 @@ SignalPipe::SignalPipe() {
   g_last_signal = 0;
   g_signal_count = 0;
 
-  for (int i = 0; i < kNumHandled; ++i) {
-    const int signo = kHandled[i];
+  for (size_t i = 0; i < handled_.size(); ++i) {
+    const int signo = handled_[i];
     if (::sigaction(signo, nullptr, &saved_[i]) != 0) throw_errno("sigaction");
     const bool inherited_ignore = saved_[i].sa_handler == SIG_IGN;
-    if (inherited_ignore && (signo == SIGINT || signo == SIGHUP)) continue;
+    if (inherited_ignore && (signo == SIGINT || signo == SIGHUP || signo == SIGQUIT)) continue;
     struct sigaction action {};
     sigemptyset(&action.sa_mask);
     if (signo == SIGPIPE) {
@@ -65,13 +67,13 @@ SignalPipe::SignalPipe() {
       action.sa_flags = SA_RESTART | (signo == SIGCHLD ? SA_NOCLDSTOP : 0);
     }
     if (::sigaction(signo, &action, nullptr) != 0) throw_errno("sigaction");
-    installed_[i] = true;
+    installed_[i] = 1;
   }
 }
 
 SignalPipe::~SignalPipe() {
-  for (int i = 0; i < kNumHandled; ++i) {
-    if (installed_[i]) ::sigaction(kHandled[i], &saved_[i], nullptr);
+  for (size_t i = 0; i < handled_.size(); ++i) {
+    if (installed_[i] != 0) ::sigaction(handled_[i], &saved_[i], nullptr);
   }
   g_write_fd = -1;
   ::close(read_fd_);
@@ -91,8 +93,8 @@ int SignalPipe::last_termination_signal() const { return g_last_signal; }
 int SignalPipe::termination_count() const { return g_signal_count; }
 
 void SignalPipe::restore_in_child() const {
-  for (int i = 0; i < kNumHandled; ++i) {
-    if (installed_[i]) ::sigaction(kHandled[i], &saved_[i], nullptr);
+  for (size_t i = 0; i < handled_.size(); ++i) {
+    if (installed_[i] != 0) ::sigaction(handled_[i], &saved_[i], nullptr);
   }
 }
 

@@ -102,9 +102,7 @@ void Supervisor::start_ranks(int restart_count) {
     Rank rank;
     rank.local_rank = local;
     rank.rank = options_.node_rank * options_.nproc_per_node + local;
-    const std::string prefix =
-        options_.prefix_output ? "[rank" + std::to_string(rank.rank) + "]: " : std::string();
-    rank.prefixers.assign(2, LinePrefixer(prefix));
+    rank.prefixers.assign(2, LinePrefixer(line_prefix(rank)));
     const std::vector<int>& filter = options_.local_ranks_filter;
     rank.shown = filter.empty() || std::find(filter.begin(), filter.end(), local) != filter.end();
     const int redirected = options_.redirects.of(local);
@@ -141,6 +139,18 @@ void Supervisor::start_ranks(int restart_count) {
     }
     ranks_.push_back(std::move(rank));
   }
+}
+
+std::string Supervisor::line_prefix(const Rank& rank) const {
+  if (!options_.prefix_output) return "";
+  if (options_.log_line_prefix_template.empty()) return "[rank" + std::to_string(rank.rank) + "]: ";
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  return expand_prefix_template(options_.log_line_prefix_template,
+                                {{"rank", std::to_string(rank.rank)},
+                                 {"local_rank", std::to_string(rank.local_rank)},
+                                 {"role_name", options_.role},
+                                 {"hostname", host}});
 }
 
 void Supervisor::forward_new_signals() {

@@ -22,7 +22,7 @@ struct AttemptResult {
   enum class Outcome {
     kSucceeded,    ///< Every rank exited with status 0.
     kRankFailed,   ///< A rank failed (or could not be started).
-    kInterrupted,  ///< fsdprun received SIGINT/SIGTERM/SIGHUP.
+    kInterrupted,  ///< fsdprun received a signal it forwards (--signals-to-handle).
   };
   Outcome outcome = Outcome::kSucceeded;
   /// kRankFailed: the exit code fsdprun should use (never 0).
@@ -68,7 +68,10 @@ class Supervisor {
 
   /// Forks every rank; on a fork failure records it and stops the others.
   void start_ranks(int restart_count);
-  /// Forwards SIGINT/SIGTERM/SIGHUP that arrived since the last call.
+  /// "[rank<N>]: ", --log-line-prefix-template filled in for `rank`, or
+  /// "" with --no-prefix.
+  std::string line_prefix(const Rank& rank) const;
+  /// Forwards the termination signals that arrived since the last call.
   void forward_new_signals();
   /// Reaps every exited child (ranks, and orphans adopted as subreaper) and
   /// records the first failing rank.
