@@ -12,6 +12,10 @@
 
 namespace fsdp::detail {
 
+/// How many process groups of more than one rank this process holds now
+/// (each one counted from its construction to its destruction).
+int64_t multi_rank_groups_alive();
+
 /// `group`'s rank for an error message; -1 without a group, which the message
 /// then takes from the launcher (see Note [Error messages]).
 inline int64_t rank_or_none(const ProcessGroup* group) {

@@ -5,7 +5,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 
+#include "comm/agreement.h"
 #include "detail/error.h"
 
 // Note [Flat buffers and shards]
@@ -47,6 +49,12 @@ const char* to_string(CollectiveKind kind) {
   return "?";
 }
 
+namespace {
+
+std::atomic<int64_t> g_multi_rank_groups{0};
+
+}  // namespace
+
 ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)
     : rank_(rank), size_(size), timeout_(timeout) {
   FSDP_CHECK(size >= 1, -1, "process group", "a process group needs at least one rank, got size ",
@@ -55,7 +63,18 @@ ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout
              rank);
   FSDP_CHECK(timeout.count() > 0, rank, "process group",
              "the collective timeout must be positive, got ", timeout.count(), " ms");
+  if (size > 1) ++g_multi_rank_groups;
 }
+
+ProcessGroup::~ProcessGroup() {
+  if (size_ > 1) --g_multi_rank_groups;
+}
+
+namespace detail {
+
+int64_t multi_rank_groups_alive() { return g_multi_rank_groups.load(); }
+
+}  // namespace detail
 
 void ProcessGroup::set_debug_collectives(bool on) {
   FSDP_CHECK(!on, rank_, "process group", "the ", backend_name(),

@@ -158,6 +158,14 @@ torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
 void ShardedGradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
   const int64_t r = rank();
+  // PyTorch's default is the world group, which FSDP's always has; here a
+  // model on a group that is not the default (or with no default made)
+  // would leave each rank to skip its steps alone, drifting apart silently.
+  FSDP_CHECK(group() != nullptr || detail::multi_rank_groups_alive() == 0, r, kWhere,
+             "unscale_(): the scaler has no process group (no default group was made, and none "
+             "was given), but this process is in a group of several ranks: each rank would "
+             "decide alone to skip a step, and the ranks would drift apart. Pass the model's "
+             "group: GradScalerOptions().process_group(pg).");
   refuse_steps_during_backward(optimizer, r);
   PerOptimizer& state = per_optimizer_[&optimizer];
   check_transition(state, Stage::kUnscaled, "unscale_()");

@@ -48,7 +48,9 @@ c10::optional<at::ScalarType> UnitRuntime::forward_input_dtype() const {
   }
   const auto& mp = options_.mixed_precision();
   if (!mp || !mp->param_dtype()) return c10::nullopt;
-  const bool cast = is_root() ? mp->cast_root_forward_inputs() : mp->cast_forward_inputs();
+  // As PyTorch's FSDP does (not as its docstring reads): cast_forward_inputs
+  // casts every unit's inputs, the root's included.
+  const bool cast = mp->cast_forward_inputs() || (is_root() && mp->cast_root_forward_inputs());
   return cast ? mp->param_dtype() : c10::nullopt;
 }
 

@@ -113,5 +113,28 @@ TEST(MixedPrecision, Float16AveragesWhoseSumOverflowsAreTheAverage) {
   });
 }
 
+// cast_forward_inputs casts every unit's inputs, the root's too, as PyTorch's
+// FSDP does (its _pre_forward runs for the root as well; a review found the
+// root's left in float32 with cast_root_forward_inputs(false), where a
+// bf16 Linear then refuses them); with neither option the root's stay.
+TEST(MixedPrecision, CastForwardInputsCastsTheRootsToo) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto bf16 = MixedPrecision().param_dtype(torch::kBFloat16);
+    const auto x = torch::randn({2, 6});
+    const auto every = FSDPOptions().mixed_precision(
+        MixedPrecision(bf16).cast_forward_inputs(true).cast_root_forward_inputs(false));
+    FullyShardedDataParallel<nn::LinearImpl> cast(nn::Linear(6, 3), every);
+    EXPECT_EQ(cast->forward(x).scalar_type(), torch::kBFloat16);
+    const auto neither = FSDPOptions().mixed_precision(
+        MixedPrecision(bf16).cast_forward_inputs(false).cast_root_forward_inputs(false));
+    FullyShardedDataParallel<nn::LinearImpl> uncast(nn::Linear(6, 3), neither);
+    EXPECT_THROW(uncast->forward(x), c10::Error);
+    const auto root_only = FSDPOptions().mixed_precision(bf16);  // PyTorch's defaults
+    FullyShardedDataParallel<nn::LinearImpl> root(nn::Linear(6, 3), root_only);
+    EXPECT_EQ(root->forward(x).scalar_type(), torch::kBFloat16);
+  });
+}
+
 }  // namespace test_mixed_precision
 }  // namespace fsdp::testing

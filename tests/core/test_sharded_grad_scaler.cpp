@@ -216,6 +216,35 @@ TEST(ShardedGradScaler, AnInfInOneRanksShardSkipsTheStepOnEveryRank) {
   }
 }
 
+// A model on a group that is not the default one (init_process_group with
+// set_default(false), as docs/communication.md shows) and a scaler given no
+// group: PyTorch's scaler agrees over the world group, which FSDP always has;
+// this one would have let each rank skip alone (a review found the shards
+// drifting apart silently). It is refused, naming the fix, and with the
+// model's group it trains.
+TEST(ShardedGradScaler, AScalerWithoutTheModelsGroupIsRefused) {
+  run_ranks_ok(2, [](int rank, int) {
+    auto pg = init_process_group(
+        ProcessGroupOptions().timeout(std::chrono::seconds(30)).set_default(false));
+    ASSERT_FALSE(is_initialized());
+    torch::manual_seed(0);
+    const auto o = FSDPOptions().process_group(pg);
+    FullyShardedDataParallel<nn::LinearImpl> model(nn::Linear(6, 3), o);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    const auto loss = [&] { return model->forward(torch::randn({3, 6}) * (rank + 1)).sum(); };
+    ShardedGradScaler lone;
+    lone.scale(loss()).backward();
+    const std::string error = error_of([&] { lone.step(opt); });
+    EXPECT_CONTAINS(error, "the scaler has no process group");
+    EXPECT_CONTAINS(error, "GradScalerOptions().process_group(pg)");
+    ShardedGradScaler scaler(GradScalerOptions().process_group(pg));
+    opt.zero_grad();
+    scaler.scale(loss()).backward();
+    EXPECT_TRUE(scaler.step(opt));
+    scaler.update();
+  });
+}
+
 // Float16 parameters (float32 shards and reduction) with a loss whose
 // gradients are below float16's smallest subnormal (float16_scaling.h).
 TEST(ShardedGradScaler, Float16GradientsTrainWithTheScale) {

@@ -24,7 +24,7 @@ namespace fsdp {
 /// the engine's]); a C10dProcessGroup takes what its backend accepts.
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
-  virtual ~ProcessGroup() = default;
+  virtual ~ProcessGroup();
 
   /// This process's rank in the group, in [0, size()).
   int rank() const { return rank_; }

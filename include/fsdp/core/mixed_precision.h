@@ -61,8 +61,8 @@ struct MixedPrecision {
   /// Keep the reduced gradient in reduce_dtype on the shard instead of
   /// casting it to the shard's dtype.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
-  /// Cast the floating-point tensor arguments of every non-root unit's
-  /// forward to param_dtype.
+  /// Cast the floating-point tensor arguments of every unit's forward (the
+  /// root's too, as PyTorch's FSDP does) to param_dtype.
   TORCH_ARG(bool, cast_forward_inputs) = false;
   /// Cast the floating-point tensor arguments of the root unit's forward to
   /// param_dtype.
