@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "comm/agreement.h"
+#include "detail/error.h"
 
 namespace fsdp::detail {
 namespace {
@@ -42,8 +44,26 @@ torch::OrderedDict<std::string, at::Tensor> broadcast_dict(
   const bool root = group->rank() == 0;
   // What every rank needs to receive the tensors: per entry the name's
   // length and characters, the dtype, the number of dimensions, the sizes.
+  // A dict rank 0 cannot send fails there, and the others learn it at once
+  // from a lone -1 instead of waiting in a broadcast until the timeout.
   std::vector<int64_t> meta;
+  std::exception_ptr error;
   if (root) {
+    try {
+      for (const auto& item : dict) {
+        const at::Tensor& t = item.value();
+        FSDP_CHECK(t.defined() && t.layout() == at::kStrided && t.device().type() != c10::kMeta, 0,
+                   item.key(),
+                   "is not a dense tensor with values (undefined, sparse or on the meta device); "
+                   "broadcast_from_rank0 sends rank 0's dict as it is: pass the state dict taken "
+                   "with full_state_dict() or full_optim_state_dict()");
+      }
+    } catch (...) {
+      error = std::current_exception();
+      meta = {-1};
+    }
+  }
+  if (root && !error) {
     for (const auto& item : dict) {
       meta.push_back(static_cast<int64_t>(item.key().size()));
       for (const char c : item.key()) meta.push_back(static_cast<unsigned char>(c));
@@ -53,6 +73,9 @@ torch::OrderedDict<std::string, at::Tensor> broadcast_dict(
     }
   }
   meta = broadcast_values(*group, std::move(meta));
+  if (error) std::rethrow_exception(error);
+  FSDP_CHECK(meta.size() != 1 || meta.front() != -1, group->rank(), "state dict",
+             "rank 0 could not send its dict with broadcast_from_rank0 (its error says why)");
   torch::OrderedDict<std::string, at::Tensor> out;
   const at::Device device = group_device(*group);
   size_t i = 0;

@@ -120,8 +120,10 @@ void FullWalker::run(const std::function<void(size_t, const at::Tensor&)>* fn) {
     if (opt_ != nullptr) {
       for (const std::string& name : access->state_names()) {
         at::Tensor full;
+        // Gathered only where some piece keeps it (alike on every rank: the
+        // groups' options are).
         bool any = false;
-        for (size_t k = i; k < j; ++k) any = any || has_state(k);
+        for (size_t k = i; k < j; ++k) any = any || (has_state(k) && keeps(k, name));
         if (!any) continue;
         if (!dry) full = gather_full(flat, local_state_shard(group, *access, flat, name));
         for (size_t k = i; k < j; ++k) {

@@ -36,18 +36,24 @@ std::string stored_key(const PieceSource& src, const std::string& prefix, const 
 // restores amsgrad and the rest with the state, and refuses other groups):
 // the user made the optimizer with other options or groups than the one
 // saved, which would go on silently as another optimizer. Warned, once a
-// load, naming the first such tensor and the option.
+// load, naming the first such tensor and the option. Not where another
+// group of this optimizer keeps the state: libfsdp before 2026-11-30 saved
+// zeros of it for every group then (and loaded them), so old checkpoints
+// of a correctly made optimizer have it.
 void warn_unused_state(const OptimAccess& access, const std::vector<LocalPiece>& pieces,
                        const PieceSource& src) {
   std::string first, why;
   int64_t count = 0;
+  const std::vector<std::string>& any_group = access.state_names();
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
     const bool stepped = access.steps(p.optim_param);
     const std::vector<std::string> kept = access.state_names(p.optim_param);
     for (const std::string& name : access.possible_state_names()) {
       const std::string key = stored_key(src, "optim/", p, "/" + name);
-      if (!src.has(key) || (stepped && std::count(kept.begin(), kept.end(), name) != 0)) continue;
+      const bool kept_here = std::count(kept.begin(), kept.end(), name) != 0;
+      const bool kept_elsewhere = std::count(any_group.begin(), any_group.end(), name) != 0;
+      if (!src.has(key) || (stepped && (kept_here || kept_elsewhere))) continue;
       if (count++ == 0) {
         first = key.substr(6);
         why = stepped ? std::string("the group that steps it is not made with ") +

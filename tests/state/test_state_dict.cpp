@@ -137,6 +137,13 @@ TEST(StateDict, BroadcastFromRank0LoadsRank0sDictsOnEveryRank) {
       expect_bitwise_equal(full_state_dict(*other), full_state_dict(*model), "after training");
       expect_bitwise_equal(full_optim_state_dict(*other, *other_opt),
                            full_optim_state_dict(*model, *opt), "optimizer after training");
+      // A dict rank 0 cannot send is an error on every rank at once, not a
+      // wait in a broadcast until the timeout.
+      auto broken = sd;
+      broken.insert("broken", torch::Tensor());
+      EXPECT_CONTAINS(
+          error_of([&] { load_full_state_dict(*other, broken, from_rank0); }),
+          rank == 0 ? "is not a dense tensor with values" : "rank 0 could not send its dict");
     }
   });
 }

@@ -25,6 +25,8 @@ namespace fsdp {
 class ProcessGroup : public std::enable_shared_from_this<ProcessGroup> {
  public:
   virtual ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
 
   /// This process's rank in the group, in [0, size()).
   int rank() const { return rank_; }

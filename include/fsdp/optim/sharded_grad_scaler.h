@@ -31,7 +31,9 @@ struct GradScalerOptions {
   TORCH_ARG(bool, enabled) = true;
   /// The ranks whose gradients make one decision; null: the default group
   /// (fsdp::default_process_group()) where one is initialised, else this
-  /// process alone. PyTorch's process_group.
+  /// process alone, which unscale_() refuses while the process holds a
+  /// group of several ranks (the model's, made with set_default(false)):
+  /// pass that group. PyTorch's process_group.
   TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
 };
 

@@ -46,7 +46,8 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(torch::nn::Module& m
 /// ["<name>/momentum_buffer"], ["<name>/grad_avg"] and the step for RMSprop;
 /// "<name>/sum" and the step for Adagrad. Full shapes, whether the optimizer
 /// steps flat shards or, with use_orig_params, per-parameter pieces.
-/// Parameters without state (never stepped) are absent (Adagrad's, which its
+/// Parameters without state (never stepped, or not stepped by this
+/// optimizer) are absent (Adagrad's, which its
 /// constructor makes, are present). Collective.
 torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
     torch::nn::Module& model, torch::optim::Optimizer& optimizer,
