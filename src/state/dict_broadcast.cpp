@@ -57,19 +57,15 @@ torch::OrderedDict<std::string, at::Tensor> broadcast_dict(
                    "is not a dense tensor with values (undefined, sparse or on the meta device); "
                    "broadcast_from_rank0 sends rank 0's dict as it is: pass the state dict taken "
                    "with full_state_dict() or full_optim_state_dict()");
+        meta.push_back(static_cast<int64_t>(item.key().size()));
+        for (const char c : item.key()) meta.push_back(static_cast<unsigned char>(c));
+        meta.push_back(static_cast<int64_t>(t.scalar_type()));
+        meta.push_back(t.dim());
+        for (const int64_t s : t.sizes()) meta.push_back(s);
       }
     } catch (...) {
       error = std::current_exception();
       meta = {-1};
-    }
-  }
-  if (root && !error) {
-    for (const auto& item : dict) {
-      meta.push_back(static_cast<int64_t>(item.key().size()));
-      for (const char c : item.key()) meta.push_back(static_cast<unsigned char>(c));
-      meta.push_back(static_cast<int64_t>(item.value().scalar_type()));
-      meta.push_back(item.value().dim());
-      for (const int64_t s : item.value().sizes()) meta.push_back(s);
     }
   }
   meta = broadcast_values(*group, std::move(meta));

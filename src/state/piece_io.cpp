@@ -44,16 +44,15 @@ void warn_unused_state(const OptimAccess& access, const std::vector<LocalPiece>&
                        const PieceSource& src) {
   std::string first, why;
   int64_t count = 0;
+  // What some group keeps: every group's own state among it.
   const std::vector<std::string>& any_group = access.state_names();
   for (const LocalPiece& p : pieces) {
     if (p.is_buffer) continue;
     const bool stepped = access.steps(p.optim_param);
-    const std::vector<std::string> kept = access.state_names(p.optim_param);
     for (const std::string& name : access.possible_state_names()) {
       const std::string key = stored_key(src, "optim/", p, "/" + name);
-      const bool kept_here = std::count(kept.begin(), kept.end(), name) != 0;
-      const bool kept_elsewhere = std::count(any_group.begin(), any_group.end(), name) != 0;
-      if (!src.has(key) || (stepped && (kept_here || kept_elsewhere))) continue;
+      const bool kept = std::count(any_group.begin(), any_group.end(), name) != 0;
+      if (!src.has(key) || (stepped && kept)) continue;
       if (count++ == 0) {
         first = key.substr(6);
         why = stepped ? std::string("the group that steps it is not made with ") +
@@ -307,15 +306,12 @@ void load_optim_pieces(torch::nn::Module& root, torch::optim::Optimizer& opt,
     names[g] = access.state_names(groups[g].front()->optim_param);
     for (const std::string& name : names[g]) {
       at::ScalarType& dtype = dtypes[g][name] = groups[g].front()->optim_param.scalar_type();
+      bool first = true;  // the first stored piece decides the dtype
       for (const LocalPiece* p : groups[g]) {
         const std::string key = stored_key(src, "optim/", *p, "/" + name);
         if (!src.has(key)) continue;
-        if (at::isFloatingType(src.dtype(key))) dtype = src.dtype(key);
-        break;
-      }
-      for (const LocalPiece* p : groups[g]) {
-        const std::string key = stored_key(src, "optim/", *p, "/" + name);
-        if (!src.has(key)) continue;
+        if (first && at::isFloatingType(src.dtype(key))) dtype = src.dtype(key);
+        first = false;
         src.check(key, p->shape, dtype);
         if (p->end > p->begin) src.will_read(key, p->begin, p->end);
       }
