@@ -22,6 +22,13 @@ inline int64_t rank_or_none(const ProcessGroup* group) {
   return group != nullptr ? group->rank() : -1;
 }
 
+/// Whether ProcessGroup's collectives carry tensors of `dtype`: float32,
+/// float64, bfloat16 and float16 (other dtypes travel as bytes in one).
+inline bool collective_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+         dtype == at::kHalf;
+}
+
 /// The device of the tensors `group`'s collectives take, where a unit's
 /// buffers and the group's agreements live: the CPU for every group today
 /// (the device seam of the GPU work starts here).

@@ -86,10 +86,9 @@ void ProcessGroup::check_single(const char* op_name, const at::Tensor& t) const 
   FSDP_CHECK(t.is_contiguous(), rank_, "process group", op_name,
              ": expected a contiguous tensor, got sizes ", t.sizes(), " strides ", t.strides(),
              ". Call .contiguous() first.");
-  const auto dt = t.scalar_type();
-  FSDP_CHECK(dt == at::kFloat || dt == at::kDouble || dt == at::kBFloat16 || dt == at::kHalf, rank_,
-             "process group", op_name,
-             ": supported dtypes are float32, float64, bfloat16 and float16, got ", dt);
+  FSDP_CHECK(detail::collective_dtype(t.scalar_type()), rank_, "process group", op_name,
+             ": supported dtypes are float32, float64, bfloat16 and float16, got ",
+             t.scalar_type());
 }
 
 void ProcessGroup::check_all_gather(const at::Tensor& flat, const at::Tensor& shard) const {

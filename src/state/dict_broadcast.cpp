@@ -13,10 +13,6 @@
 namespace fsdp::detail {
 namespace {
 
-bool float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
-}
-
 // Rank 0's `values` on every rank: their count first, then the values
 // (float64 carries them exactly: names' characters, dtypes, sizes).
 std::vector<int64_t> broadcast_values(ProcessGroup& group, std::vector<int64_t> values) {
@@ -81,7 +77,7 @@ torch::OrderedDict<std::string, at::Tensor> broadcast_dict(
     const auto dtype = static_cast<at::ScalarType>(meta[i++]);
     std::vector<int64_t> sizes(static_cast<size_t>(meta[i++]));
     for (int64_t& s : sizes) s = meta[i++];
-    if (float_dtype(dtype)) {
+    if (collective_dtype(dtype)) {
       at::Tensor t = root ? dict[key].detach().to(device).contiguous()
                           : at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
       group->broadcast(t, 0).wait();

@@ -195,23 +195,13 @@ bool get_rmsprop(const torch::optim::Optimizer& opt, const at::Tensor& p, ParamS
   return true;
 }
 
-// The options of the group that steps `p`; nullptr if none does.
-const torch::optim::OptimizerOptions* options_of(const torch::optim::Optimizer& opt,
-                                                 const at::Tensor& p) {
-  for (const auto& g : opt.param_groups()) {
-    for (const auto& q : g.params()) {
-      if (q.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return &g.options();
-    }
-  }
-  return nullptr;
-}
-
-void set_rmsprop(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamState& in) {
+// `o`: the options of the group that steps `p` (nullptr if none does).
+void set_rmsprop(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamState& in,
+                 const torch::optim::RMSpropOptions* o) {
   auto s = std::make_unique<torch::optim::RMSpropParamState>();
   s->step(in.step);
   s->square_avg(in.tensors.at("square_avg"));
   // What the parameter's group uses, as torch::optim::RMSprop makes its state.
-  const auto* o = static_cast<const torch::optim::RMSpropOptions*>(options_of(opt, p));
   const auto take = [&](const char* name, bool used) {
     const auto it = in.tensors.find(name);
     return used && it != in.tensors.end() ? it->second : at::Tensor();
@@ -224,41 +214,21 @@ void set_rmsprop(torch::optim::Optimizer& opt, const at::Tensor& p, const ParamS
 }  // namespace
 
 OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
-  bool amsgrad = false;
   if (dynamic_cast<torch::optim::SGD*>(&opt) != nullptr) {
     kind_ = Kind::kSgd;
-    names_ = possible_ = {"momentum_buffer"};
-    return;
-  }
-  if (dynamic_cast<torch::optim::RMSprop*>(&opt) != nullptr) {
+    possible_ = {"momentum_buffer"};
+  } else if (dynamic_cast<torch::optim::RMSprop*>(&opt) != nullptr) {
     kind_ = Kind::kRmsprop;
-    has_step_ = true;
-    names_ = {"square_avg"};
     possible_ = {"square_avg", "momentum_buffer", "grad_avg"};
-    bool momentum = false, centered = false;
-    for (const auto& g : opt.param_groups()) {
-      const auto& o = static_cast<const torch::optim::RMSpropOptions&>(g.options());
-      momentum |= o.momentum() > 0;
-      centered |= o.centered();
-    }
-    if (momentum) names_.push_back("momentum_buffer");
-    if (centered) names_.push_back("grad_avg");
-    return;
-  }
-  if (dynamic_cast<torch::optim::Adagrad*>(&opt) != nullptr) {
+  } else if (dynamic_cast<torch::optim::Adagrad*>(&opt) != nullptr) {
     kind_ = Kind::kAdagrad;
-    has_step_ = true;
-    names_ = possible_ = {"sum"};
-    return;
-  }
-  if (dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr) {
+    possible_ = {"sum"};
+  } else if (dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr) {
     kind_ = Kind::kAdamW;
-    for (const auto& g : opt.param_groups())
-      amsgrad |= static_cast<const torch::optim::AdamWOptions&>(g.options()).amsgrad();
+    possible_ = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   } else if (dynamic_cast<torch::optim::Adam*>(&opt) != nullptr) {
     kind_ = Kind::kAdam;
-    for (const auto& g : opt.param_groups())
-      amsgrad |= static_cast<const torch::optim::AdamOptions&>(g.options()).amsgrad();
+    possible_ = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   } else {
     FSDP_FAIL(/*rank=*/-1, "checkpoint",
               "unsupported optimizer; expected torch::optim::SGD, Adam, AdamW, RMSprop or "
@@ -266,25 +236,33 @@ OptimAccess::OptimAccess(torch::optim::Optimizer& opt) : opt_(opt) {
               "another optimizer's state yourself, each rank its own with torch::save, or as "
               "Checkpointer's registered state.");
   }
-  has_step_ = true;
-  names_ = {"exp_avg", "exp_avg_sq"};
-  if (amsgrad) names_.push_back("max_exp_avg_sq");
-  possible_ = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  has_step_ = kind_ != Kind::kSgd;
+  const auto& groups = opt.param_groups();
+  std::unordered_set<std::string> kept;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& p : groups[g].params()) group_of_.emplace(p.unsafeGetTensorImpl(), g);
+    for (std::string& name : names_kept(groups[g].options())) kept.insert(std::move(name));
+  }
+  if (groups.empty()) {
+    for (std::string& name : names_kept(opt.defaults())) kept.insert(std::move(name));
+  }
+  // What some group keeps (the defaults where there is none), in order.
+  for (const std::string& name : possible_) {
+    if (kept.count(name) != 0) names_.push_back(name);
+  }
 }
 
-std::vector<std::string> OptimAccess::state_names(const at::Tensor& param) const {
-  const torch::optim::OptimizerOptions* o = options_of(opt_, param);
-  if (o == nullptr) return names_;
+std::vector<std::string> OptimAccess::names_kept(const torch::optim::OptimizerOptions& o) const {
   bool amsgrad = false;
   switch (kind_) {
     case Kind::kAdam:
-      amsgrad = static_cast<const torch::optim::AdamOptions&>(*o).amsgrad();
+      amsgrad = static_cast<const torch::optim::AdamOptions&>(o).amsgrad();
       break;
     case Kind::kAdamW:
-      amsgrad = static_cast<const torch::optim::AdamWOptions&>(*o).amsgrad();
+      amsgrad = static_cast<const torch::optim::AdamWOptions&>(o).amsgrad();
       break;
     case Kind::kRmsprop: {
-      const auto& r = static_cast<const torch::optim::RMSpropOptions&>(*o);
+      const auto& r = static_cast<const torch::optim::RMSpropOptions&>(o);
       std::vector<std::string> out{"square_avg"};
       if (r.momentum() > 0) out.push_back("momentum_buffer");
       if (r.centered()) out.push_back("grad_avg");
@@ -292,15 +270,25 @@ std::vector<std::string> OptimAccess::state_names(const at::Tensor& param) const
     }
     case Kind::kSgd:
     case Kind::kAdagrad:
-      return names_;
+      return possible_;
   }
   std::vector<std::string> out{"exp_avg", "exp_avg_sq"};
   if (amsgrad) out.push_back("max_exp_avg_sq");
   return out;
 }
 
+const torch::optim::OptimizerOptions* OptimAccess::options_of(const at::Tensor& param) const {
+  const auto it = group_of_.find(param.unsafeGetTensorImpl());
+  return it == group_of_.end() ? nullptr : &opt_.param_groups()[it->second].options();
+}
+
+std::vector<std::string> OptimAccess::state_names(const at::Tensor& param) const {
+  const torch::optim::OptimizerOptions* o = options_of(param);
+  return o == nullptr ? names_ : names_kept(*o);
+}
+
 bool OptimAccess::steps(const at::Tensor& param) const {
-  return options_of(opt_, param) != nullptr;
+  return group_of_.count(param.unsafeGetTensorImpl()) != 0;
 }
 
 const char* OptimAccess::option_keeping(const std::string& name) {
@@ -399,7 +387,8 @@ void OptimAccess::set(const at::Tensor& param, const ParamState& state) {
     case Kind::kAdamW:
       return set_adam<torch::optim::AdamWParamState>(opt_, param, state);
     case Kind::kRmsprop:
-      return set_rmsprop(opt_, param, state);
+      return set_rmsprop(opt_, param, state,
+                         static_cast<const torch::optim::RMSpropOptions*>(options_of(param)));
     case Kind::kAdagrad: {
       auto s = std::make_unique<torch::optim::AdagradParamState>();
       s->step(state.step);
@@ -417,7 +406,7 @@ void OptimAccess::clear(const at::Tensor& param) {
   }
   // Adagrad makes every parameter's state with the optimizer, and its step
   // expects it: made afresh, as its constructor makes it.
-  const auto* o = static_cast<const torch::optim::AdagradOptions*>(options_of(opt_, param));
+  const auto* o = static_cast<const torch::optim::AdagradOptions*>(options_of(param));
   const double initial = o != nullptr ? o->initial_accumulator_value() : 0.0;
   auto s = std::make_unique<torch::optim::AdagradParamState>();
   s->step(0);
@@ -463,16 +452,11 @@ void set_adam_options(Options& o, const std::map<std::string, double>& v) {
 }  // namespace
 
 std::vector<int64_t> OptimAccess::params_per_group(const std::vector<LocalPiece>& pieces) const {
-  const auto& groups = opt_.param_groups();
-  std::unordered_map<const void*, size_t> group_of;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    for (const at::Tensor& p : groups[g].params()) group_of.emplace(p.unsafeGetTensorImpl(), g);
-  }
-  std::vector<int64_t> out(groups.size(), 0);
+  std::vector<int64_t> out(opt_.param_groups().size(), 0);
   for (const LocalPiece& p : pieces) {
     if (!p.optim_param.defined()) continue;
-    const auto it = group_of.find(p.optim_param.unsafeGetTensorImpl());
-    if (it != group_of.end()) ++out[it->second];
+    const auto it = group_of_.find(p.optim_param.unsafeGetTensorImpl());
+    if (it != group_of_.end()) ++out[it->second];
   }
   return out;
 }

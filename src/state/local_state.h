@@ -9,6 +9,7 @@
 
 #include <map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <fsdp/comm/process_group.h>
@@ -135,6 +136,10 @@ class OptimAccess {
                            const std::vector<LocalPiece>& pieces, const std::string& where) const;
 
  private:
+  /// The options of the group that steps `param`; nullptr if none does.
+  const torch::optim::OptimizerOptions* options_of(const at::Tensor& param) const;
+  /// The tensor state names a group with options `o` keeps.
+  std::vector<std::string> names_kept(const torch::optim::OptimizerOptions& o) const;
   /// How many of `pieces`' parameters each parameter group steps.
   std::vector<int64_t> params_per_group(const std::vector<LocalPiece>& pieces) const;
 
@@ -142,6 +147,8 @@ class OptimAccess {
   enum class Kind { kSgd, kAdam, kAdamW, kRmsprop, kAdagrad } kind_;
   std::vector<std::string> names_, possible_;
   bool has_step_ = false;
+  /// Each stepped parameter's group (its first, as options_of() found it).
+  std::unordered_map<const c10::TensorImpl*, size_t> group_of_;
 };
 
 /// Adam's step count as PyTorch's optimizers keep and save it: a 0-d float32
