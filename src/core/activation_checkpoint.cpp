@@ -14,6 +14,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "core/checkpoint_region.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 
@@ -54,6 +55,8 @@ namespace {
 // Detached, that term would be lost silently. FSDP units keep the
 // parameters the recomputed graph saved gathered (Note [Double backward]).
 thread_local CheckpointPhase t_phase = CheckpointPhase::kNone;
+// The params of the innermost region whose forward runs on this thread.
+thread_local const std::vector<at::Tensor>* t_region_params = nullptr;
 
 class PhaseGuard {
  public:
@@ -158,7 +161,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // recomputation: its units stay gathered for the backward that follows.
       const bool nested = t_phase == CheckpointPhase::kRecompute;
       PhaseGuard phase(nested ? CheckpointPhase::kRecompute : CheckpointPhase::kForward);
-      outputs = state->fn(inputs);
+      const std::vector<at::Tensor>* const outer = t_region_params;
+      t_region_params = nested ? nullptr : &state->params;
+      try {
+        outputs = state->fn(inputs);
+      } catch (...) {
+        t_region_params = outer;
+        throw;
+      }
+      t_region_params = outer;
     }
     // Only defined outputs are the Function's too; activation_checkpoint()
     // puts the undefined ones back.
@@ -247,6 +258,14 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 }  // namespace
 
 CheckpointPhase checkpoint_phase() { return t_phase; }
+
+bool checkpoint_region_takes(const at::Tensor& t) {
+  if (t_region_params == nullptr || !t.defined()) return false;
+  for (const at::Tensor& p : *t_region_params) {
+    if (p.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return true;
+  }
+  return false;
+}
 
 }  // namespace detail
 

@@ -280,7 +280,7 @@ void RootState::launch_ready_reductions() {
       ++reductions_launched_;
       continue;
     }
-    if (!unit->require_sync_ || unit->grads_ready_ < unit->grads_expected_) return;
+    if (!unit->require_sync() || unit->grads_ready_ < unit->grads_expected_) return;
     if (!unit->grad_work_) unit->launch_grad_reduction();
     ++reductions_launched_;
   }
@@ -376,7 +376,7 @@ void RootState::end_of_backward() {
   // every rank (Note [Reduction order]).
   for (size_t i = reductions_launched_; i < reduction_order_.size(); ++i) {
     UnitRuntime* unit = reduction_order_[reduction_order_.size() - 1 - i];
-    if (unit->require_sync_ && !unit->grad_work_ && reduces_in_backward(*unit)) {
+    if (unit->require_sync() && !unit->grad_work_ && reduces_in_backward(*unit)) {
       unit->launch_grad_reduction();
     }
   }
@@ -491,7 +491,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
     total += static_cast<int64_t>(grad_flags(*unit)) + (regathers(*unit) ? 1 : 0);
     if (group == nullptr) group = &unit->flat_->group();
   }
-  if (total == 0 || !root_.require_sync_) return out;
+  if (total == 0 || !root_.require_sync()) return out;
   // Last: whether this rank's forward order ever left the first iteration's
   // (already warned: collectives unchecked, as PyTorch's FSDP has it).
   // Each unit writes exactly grad_flags() flags, as the reading loop below

@@ -198,14 +198,21 @@ torch::OrderedDict<std::string, at::Tensor> Unit::named_flat_parameters() const 
 }
 
 Unit::NoSyncGuard::NoSyncGuard(std::vector<Unit*> units) : units_(std::move(units)) {
-  for (Unit* unit : units_) unit->runtime_->set_require_sync(false);
+  for (Unit* unit : units_) unit->runtime_->enter_no_sync();
 }
 
 Unit::NoSyncGuard::~NoSyncGuard() {
-  for (Unit* unit : units_) unit->runtime_->set_require_sync(true);
+  for (Unit* unit : units_) unit->runtime_->leave_no_sync();
 }
 
-Unit::NoSyncGuard Unit::no_sync() { return NoSyncGuard(units_in_tree()); }
+Unit::NoSyncGuard Unit::no_sync() {
+  // As PyTorch's FSDP: an inner unit's no_sync() would leave the root's
+  // other units reducing (and stepping) while this subtree accumulates.
+  FSDP_CHECK(!runtime_ || !runtime_->is_inner(), -1, "no_sync", "called on an inner FSDP unit (",
+             runtime_ ? runtime_->label() : "",
+             "); call it on the root, whose guard covers every unit of the model");
+  return NoSyncGuard(units_in_tree());
+}
 
 double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   FSDP_CHECK(max_norm > 0, -1, "clip_grad_norm_", "expected a positive max_norm, got ", max_norm,

@@ -17,6 +17,7 @@
 #include <fsdp/core/activation_checkpoint.h>
 
 #include "comm/work_state.h"
+#include "core/checkpoint_region.h"
 #include "core/copy_in_ahead.h"
 #include "core/device_storage.h"
 #include "core/device_streams.h"
@@ -153,10 +154,26 @@ void UnitRuntime::pre_forward() {
     unshard();
     return;
   }
+  if (checkpoint_phase() == CheckpointPhase::kForward) refuse_shards_as_checkpoint_params();
   if (root_ == nullptr) {  // the first forward of the outermost unit: it is the root
     owned_root_ = std::make_unique<RootState>(*this);
   }
   begin_forward_state();
+}
+
+void UnitRuntime::refuse_shards_as_checkpoint_params() const {
+  // A region's gradients reach only its params (Note [Activation
+  // checkpointing]); the unit's forward reads its original parameters, so
+  // given the shards (the wrapper's parameters()) the unit trained nothing.
+  for (const at::Tensor& shard : optim_params_) {
+    FSDP_CHECK(!checkpoint_region_takes(shard), flat_->group().rank(), path_,
+               "activation_checkpoint's params hold ", label(),
+               "'s flat shard (the wrapper's parameters()), which the checkpointed function "
+               "does not read, so the unit's parameters would get no gradient through it. Pass "
+               "the parameters the function reads, the wrapped module's own "
+               "(unit->module().parameters()), or checkpoint with CheckpointWrapper or "
+               "FSDPOptions::activation_checkpointing, which find them");
+  }
 }
 
 void UnitRuntime::begin_forward_state() {
@@ -407,7 +424,11 @@ void UnitRuntime::input_grad_computed(uint64_t epoch) {
   if (frozen_reads_ != FrozenReads::kPending) return;
   frozen_reads_ = FrozenReads::kNone;
   // A reduction still to launch reshards the unit when it does.
-  if (trainable_slots_ == 0 || grad_work_ || delivered_early_) reshard();
+  if (trainable_slots_ == 0 || grad_work_ || delivered_early_) {
+    reshard();
+  } else if (!require_sync() && grads_ready_ == grads_expected_) {
+    launch_if_complete();  // no reduction to launch: See Note [Resharding under no_sync]
+  }
 }
 
 void UnitRuntime::forget_forward_inputs() {
@@ -548,8 +569,23 @@ void UnitRuntime::note_grad_arrived() {
   launch_if_complete();
 }
 
+// Note [Resharding under no_sync]
+// Inside no_sync() no reduction launches, and a unit's reshard in backward
+// came only with its reduction: every unit stayed gathered until the end of
+// backward, the whole model unsharded at once on top of the unsharded
+// gradients no_sync keeps (an out-of-memory PyTorch does not have). As
+// PyTorch's FSDP (_should_free_in_backward: FULL_SHARD and HYBRID_SHARD free
+// in backward whether or not gradients sync), a unit whose strategy
+// reshards after forward frees its parameters once its gradients are all
+// computed (and backward has passed its frozen reads); SHARD_GRAD_OP's stay
+// gathered until the end of backward, as there.
 void UnitRuntime::launch_if_complete() {
-  if (grads_ready_ != grads_expected_ || !require_sync_) return;
+  if (grads_ready_ != grads_expected_) return;
+  if (!require_sync()) {
+    // See Note [Resharding under no_sync].
+    if (flat_ && reshards_after_forward(options_.sharding_strategy())) reshard();
+    return;
+  }
   if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
   if (root_ == nullptr || !root_->in_reduction_order(*this)) {
     launch_grad_reduction();  // not from this iteration's forward: nothing to order it by
@@ -608,8 +644,8 @@ at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const
 }
 
 bool UnitRuntime::can_deliver_early() const {
-  if (!grad_hooks() || !require_sync_ || root_ == nullptr || !root_->in_backward() || !grad_work_ ||
-      slot_filled_.empty()) {
+  if (!grad_hooks() || !require_sync() || root_ == nullptr || !root_->in_backward() ||
+      !grad_work_ || slot_filled_.empty()) {
     return false;
   }
   // Only what the end-of-backward agreement cannot change (Note [Parameters
@@ -825,7 +861,7 @@ void UnitRuntime::warn_unused_slots() {
 }
 
 bool UnitRuntime::finish_reduction() {
-  if (!require_sync_) return false;  // no_sync(): the unsharded gradient waits for later
+  if (!require_sync()) return false;  // no_sync(): the unsharded gradient waits for later
   // Gradients that arrived only in part (unused parameters), or only inside
   // no_sync(), are reduced now.
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
@@ -851,8 +887,8 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   // Under no_sync(), or with no reduction (Note [Backward with respect to
   // inputs]), the unsharded gradient stays for the next backward.
   // See Note [Gradients the user clears]: what has a gradient shows it.
-  show_moved_grads(require_sync_ && reduced && (grad_work_ || delivered_early_), received);
-  if (require_sync_ && reduced) {
+  show_moved_grads(require_sync() && reduced && (grad_work_ || delivered_early_), received);
+  if (require_sync() && reduced) {
     if (grad_work_) assign_reduced_grad(received);
     delivered_early_ = false;
     grad_work_ = Work();

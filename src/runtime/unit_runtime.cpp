@@ -184,6 +184,13 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
     options_.hybrid_groups(groups);
     shard_group = groups.shard;
     replicate_group_ = groups.replicate;
+  } else if (options_.hybrid_groups()) {
+    // An easy slip: the job then shards over the whole world, every gather
+    // crossing nodes, the very traffic the groups were made to avoid.
+    TORCH_WARN_ONCE("fsdp: FSDPOptions::hybrid_groups is set but sharding_strategy is ",
+                    to_string(options_.sharding_strategy()),
+                    ", which ignores it and shards over the whole process group; set "
+                    "sharding_strategy(ShardingStrategy::kHybridShard) to use the groups");
   }
   if (!options_.process_group()) options_.process_group(default_process_group());
   if (!shard_group) shard_group = options_.process_group();

@@ -67,6 +67,9 @@ class UnitRuntime final : public ParamUseListener {
   FlatParameter* flat() const { return flat_.get(); }
   torch::nn::Module* self() const { return self_; }
   Unit::TrainingState state() const { return state_; }
+  /// Refuses, in an activation_checkpoint() region's forward, a region given
+  /// this unit's flat shards as params (its forward reads the originals).
+  void refuse_shards_as_checkpoint_params() const;
   /// Module path from the root ("" for the root), known from the root's
   /// first forward.
   const std::string& path() const { return path_; }
@@ -78,7 +81,15 @@ class UnitRuntime final : public ParamUseListener {
   void set_activation_checkpointing(bool on);
   /// See Unit::refuse_activation_checkpointing.
   [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
-  void set_require_sync(bool on) { require_sync_ = on; }
+  /// A no_sync() guard over this unit begins (guards nest: synchronisation
+  /// comes back when the outermost ends, as PyTorch's no_sync restores).
+  void enter_no_sync() { ++no_sync_depth_; }
+  /// A no_sync() guard over this unit ends.
+  void leave_no_sync() { --no_sync_depth_; }
+  /// False inside no_sync(): gradients accumulate unsharded, unreduced.
+  bool require_sync() const { return no_sync_depth_ == 0; }
+  /// True once the root's first forward made another unit this one's root.
+  bool is_inner() const { return root_ != nullptr && !is_root(); }
   /// "FSDP unit '<path>'", for messages.
   std::string label() const;
   /// The name of the module it wraps (else of the wrapper), for messages.
@@ -360,7 +371,7 @@ class UnitRuntime final : public ParamUseListener {
 
   // Per-iteration state.
   Unit::TrainingState state_ = Unit::TrainingState::kIdle;
-  bool require_sync_ = true;  // false inside no_sync()
+  int no_sync_depth_ = 0;  // no_sync() guards alive over this unit
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward
   // Of the trainable slots, those this backward computes a gradient for

@@ -477,6 +477,51 @@ TEST(ActivationCheckpoint, FullShardGathersNoMoreThanWithout) {
   });
 }
 
+// The function form around a unit, its params the unit's parameters() (the
+// wrapper's flat shards, which the function does not read), trained nothing
+// silently: refused on every rank, naming the fix. Given the wrapped
+// module's own parameters, it trains.
+struct FunctionFormImpl : nn::Module {
+  FunctionFormImpl(const FSDPOptions& opts, bool pass_shards) : pass_shards(pass_shards) {
+    inner = register_module("inner", FullyShardedDataParallel<DropBlockImpl>(DropBlock(), opts));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto params = pass_shards ? inner->parameters() : inner->module().parameters();
+    const auto fn = [this](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{inner(in[0])};
+    };
+    return activation_checkpoint(fn, {x}, params)[0];
+  }
+  FullyShardedDataParallel<DropBlockImpl> inner{nullptr};
+  bool pass_shards;
+};
+
+TEST(ActivationCheckpoint, TheFunctionFormRefusesAUnitsFlatShardsAsParams) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (const bool orig : {false, true}) {
+      const auto opts = FSDPOptions().use_orig_params(orig);
+      FullyShardedDataParallel<FunctionFormImpl> bad(std::make_shared<FunctionFormImpl>(opts, true),
+                                                     opts);
+      const std::string msg = error_of([&] {
+        bad->forward(torch::randn({6, kDim})).sum().backward();
+      });
+      EXPECT_CONTAINS(msg, "activation_checkpoint's params hold FSDP unit");
+      EXPECT_CONTAINS(msg, "unit->module().parameters()");
+      FullyShardedDataParallel<FunctionFormImpl> good(
+          std::make_shared<FunctionFormImpl>(opts, false), opts);
+      good->forward(torch::randn({6, kDim})).sum().backward();
+      // The shards (or use_orig_params' pieces, but those this rank holds
+      // nothing of) the optimizer steps.
+      for (const auto& shard : good->parameters()) {
+        if (shard.numel() == 0) continue;
+        EXPECT_TRUE(shard.grad().defined() && shard.grad().abs().sum().item<double>() > 0)
+            << (orig ? "use_orig_params" : "flat");
+      }
+    }
+  });
+}
+
 TEST(ActivationCheckpoint, TypedMembersAreRefusedAndNothingChanges) {
   Chain chain;
   chain->push_back(DropBlock());

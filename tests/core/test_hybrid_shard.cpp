@@ -20,6 +20,7 @@
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
 #include "detail/posix_files.h"
+#include "detail/torch_compat.h"
 #include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
@@ -346,6 +347,26 @@ TEST(HybridShard, CheckpointsLoadAtOtherLayoutsAndStrategies) {
   }
   std::error_code ignored;
   if (!is_rank_process() && !HasFailure()) detail::remove_tree(dir, ignored);
+}
+
+// hybrid_groups under a strategy that ignores them (an easy slip: the job
+// shards over the whole world, every gather crossing nodes) is warned,
+// naming the fix.
+TEST(HybridShard, GroupsWithoutAHybridStrategyAreWarned) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_layout(rank, Layout{1, 2});
+    HybridGroups groups = new_hybrid_groups(default_process_group(), 2);
+    compat::WarningCollector warnings;
+    torch::manual_seed(0);
+    Root root = make_root(FSDPOptions().hybrid_groups(groups));
+    size_t warned = 0;
+    for (const std::string& m : warnings.messages) {
+      warned +=
+          m.find("hybrid_groups is set but sharding_strategy is FULL_SHARD") != std::string::npos &&
+          m.find("sharding_strategy(ShardingStrategy::kHybridShard)") != std::string::npos;
+    }
+    EXPECT_EQ(warned, 1u) << (warnings.messages.empty() ? "" : warnings.messages[0]);
+  });
 }
 
 TEST(HybridShard, InconsistentGroupsAreRefused) {

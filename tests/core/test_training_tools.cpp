@@ -52,6 +52,50 @@ TEST(TrainingTools, NoSyncOverFourMicroBatchesEqualsOneStep) {
   });
 }
 
+// As PyTorch's FSDP (_should_free_in_backward): under no_sync() a unit that
+// reshards after forward frees its parameters once backward has passed it,
+// not at the end of backward (the whole model gathered at once);
+// SHARD_GRAD_OP's stay gathered, as with gradients synced they do not.
+// Guards nest as PyTorch's restore (an inner guard's end leaves the outer's
+// accumulation alone); an inner unit's no_sync() is refused.
+TEST(TrainingTools, NoSyncFreesEachUnitInBackwardAndGuardsNest) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    using State = FlatParameter::State;
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      const std::string what = to_string(strategy);
+      torch::manual_seed(0);
+      auto options = FSDPOptions().sharding_strategy(strategy);
+      FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+      const FlatParameter* block = unit_of(*model->module().block.ptr())->flat_param();
+      // The block's state when backward reaches the model's input (fc1, the
+      // last unit of backward, computed its input's gradient).
+      const auto block_state_at_input = [&] {
+        torch::Tensor x = torch::randn({4, 7}).requires_grad_(true);
+        State seen = State::kSummoned;
+        x.register_hook([&](const torch::Tensor&) { seen = block->state(); });
+        model->forward(x).sum().backward();
+        return seen;
+      };
+      {
+        auto outer = model->no_sync();
+        const State in_no_sync = block_state_at_input();
+        EXPECT_EQ(in_no_sync,
+                  strategy == ShardingStrategy::kFullShard ? State::kSharded : State::kUnsharded)
+            << what;
+        EXPECT_THROW(unit_of(*model->module().block.ptr())->no_sync(), c10::Error) << what;
+        { auto inner = model->no_sync(); }
+        block_state_at_input();
+        for (const auto& shard : model->parameters()) {
+          EXPECT_FALSE(shard.grad().defined()) << what << ": reduced inside the outer no_sync()";
+        }
+      }
+      EXPECT_EQ(block_state_at_input(), State::kSharded) << what;
+      for (const auto& shard : model->parameters()) EXPECT_TRUE(shard.grad().defined()) << what;
+    }
+  });
+}
+
 TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
   run_ranks_ok(3, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
