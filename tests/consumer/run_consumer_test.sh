@@ -16,6 +16,12 @@ launcher=()
 if command -v ccache > /dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
 unset CMAKE_PREFIX_PATH Torch_DIR Torch_ROOT  # the prefix alone, as a user names it
 cmake --install "$build_dir" --prefix "$tmp/prefix" > /dev/null
+# No path of this machine in the exported targets (LibTorch's libraries, the
+# OpenMP runtime): fsdpConfig.cmake links what it finds where the package is
+# used, so a moved install links.
+if grep -nE '"/|;/' "$tmp"/prefix/lib*/cmake/fsdp/fsdpTargets*.cmake | grep -v _IMPORT_PREFIX; then
+  echo "absolute paths exported in fsdpTargets*.cmake (above)" >&2; exit 1
+fi
 configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$tmp/prefix" "$@"; }
 
