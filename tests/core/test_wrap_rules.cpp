@@ -112,6 +112,49 @@ TEST(WrapRules, MixedFrozenUnitIsAnErrorOrAWarning) {
   });
 }
 
+// A model whose root registers the ignored embedding's weight again (tied).
+struct TiedImpl : nn::Module {
+  TiedImpl() {
+    wte = register_module("wte", nn::Linear(4, 4));
+    fc = register_module("fc", nn::Linear(4, 2));
+    head_weight = register_parameter("head_weight", wte->weight);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return fc(wte(x)).sum() + x.matmul(head_weight.t()).sum();
+  }
+  nn::Linear wte{nullptr}, fc{nullptr};
+  torch::Tensor head_weight;
+};
+
+// PyTorch ignores parameters, not places (_get_ignored_params): an ignored
+// module's parameter registered elsewhere too stays out of every unit, full
+// on each rank, where it was flattened, sharded and averaged over the ranks.
+TEST(WrapRules, AnIgnoredModulesTiedParameterStaysUnmanaged) {
+  run_ranks_ok(2, [](int rank, int) {
+    const auto group = start_rank();
+    torch::manual_seed(0);
+    auto plain = std::make_shared<TiedImpl>();
+    torch::manual_seed(0);
+    auto tied = std::make_shared<TiedImpl>();
+    FullyShardedDataParallel<TiedImpl> root(
+        tied,
+        FSDPOptions().ignored_modules(std::vector<std::shared_ptr<nn::Module>>{tied->wte.ptr()}));
+    ASSERT_NE(root->flat_param(), nullptr);
+    std::vector<std::string> names;
+    for (const auto& s : root->flat_param()->slots()) names.push_back(s.name);
+    EXPECT_EQ(names, (std::vector<std::string>{"fc.weight", "fc.bias"}));
+    EXPECT_EQ(tied->wte->weight.storage().nbytes(), 4u * 4u * 4u) << "kept whole";
+    // Each rank its own batch: the ignored weight's gradient stays its own.
+    torch::manual_seed(rank);
+    const torch::Tensor x = torch::randn({3, 4});
+    root->forward(x).backward();
+    plain->forward(x).backward();
+    ASSERT_TRUE(tied->wte->weight.grad().defined());
+    EXPECT_TRUE(torch::allclose(tied->wte->weight.grad(), plain->wte->weight.grad()));
+    group->barrier().wait();
+  });
+}
+
 TEST(WrapRules, IgnoredModulesStayUnmanaged) {
   run_ranks_ok(2, [](int, int) {
     const auto group = start_rank();
