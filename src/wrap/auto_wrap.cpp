@@ -66,17 +66,29 @@ MinParamsPolicy::MinParamsPolicy(int64_t min_num_params)
           [min_num_params](const Module& m, const std::string&, int64_t numel) {
             // A subtree smaller than the minimum holds nothing to select;
             // MultiheadAttention uses its projections' weights directly
-            // (PyTorch's FORCE_LEAF_MODULES).
+            // (PyTorch's FORCE_LEAF_MODULES), inside a wrapper too (the
+            // policy is asked about both: each must say no).
             return numel >= min_num_params &&
-                   dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(&m) == nullptr;
+                   dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(
+                       &detail::wrapped_module(m)) == nullptr;
           }) {
   FSDP_CHECK(min_num_params >= 0, -1, "MinParamsPolicy", "expected min_num_params >= 0, got ",
              min_num_params, ". A parameter count cannot be negative. Pass 0 to select every ",
              "module.");
 }
 
+namespace {
+// Empty, a LambdaPolicy would select nothing, silently.
+AutoWrapPolicy::Fn callable_fn(AutoWrapPolicy::Fn fn) {
+  FSDP_CHECK(static_cast<bool>(fn), -1, "LambdaPolicy",
+             "expected a callable fn, got an empty std::function. Pass a function of (module, "
+             "path, unwrapped_numel) that returns whether to make the module a unit");
+  return fn;
+}
+}  // namespace
+
 LambdaPolicy::LambdaPolicy(Fn fn, std::string description)
-    : AutoWrapPolicy(std::move(fn), std::move(description)) {}
+    : AutoWrapPolicy(callable_fn(std::move(fn)), std::move(description)) {}
 
 namespace {
 
@@ -95,6 +107,14 @@ std::string describe_union(const std::vector<AutoWrapPolicy>& policies) {
 // Built here so that the description is taken before the list moves into
 // the predicate (the parameters are sinks: no copy of the list is made).
 AutoWrapPolicy type_policy(std::vector<ModuleTypePolicy::Type> types) {
+  FSDP_CHECK(!types.empty(), -1, "ModuleTypePolicy",
+             "expected at least one type, got none. Make it with "
+             "fsdp::module_type_policy<Impl...>()");
+  for (const auto& t : types) {
+    FSDP_CHECK(static_cast<bool>(t.matches), -1, "ModuleTypePolicy", "the type '", t.name,
+               "' has an empty matches function. Give it a test of a module, or make the policy "
+               "with fsdp::module_type_policy<Impl...>()");
+  }
   std::string description = describe_types(types);
   return AutoWrapPolicy(
       [types = std::move(types)](const Module& m, const std::string&, int64_t) {

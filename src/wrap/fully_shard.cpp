@@ -67,6 +67,18 @@ class InPlacePlanner {
         owned_(detail::ignored_params(options)),
         ignored_params_(owned_) {}
 
+  // The root's subtree: the root is no candidate (the caller makes it the
+  // root unit), but the policy is asked whether to look into it, as
+  // auto_wrap and PyTorch's _recursive_wrap ask (a MultiheadAttention root
+  // under MinParamsPolicy keeps its projections).
+  void walk_root(torch::nn::Module& root) {
+    if (!policy_.should_recurse(root, "", detail::unowned_numel(root, owned_)) &&
+        !detail::holds_class(root, full_precision_)) {
+      return;
+    }
+    for (const auto& child : root.named_children()) walk(*child.value(), child.key());
+  }
+
   void walk(torch::nn::Module& m, const std::string& path) {
     if (ignored_.count(&m) != 0 || !visited_.insert(&m).second) return;
     if (unit_of(m) != nullptr) {  // sharded by the caller before
@@ -157,7 +169,7 @@ Unit& fully_shard(torch::nn::Module& module, FSDPOptions options) {
 Unit& fully_shard(torch::nn::Module& root, const AutoWrapPolicy& policy, FSDPOptions options) {
   check_call(root, options);
   InPlacePlanner planner(policy, options);
-  for (const auto& child : root.named_children()) planner.walk(*child.value(), child.key());
+  planner.walk_root(root);
   planner.check(root);
   planner.make_units();
   planner.warn_full_precision();

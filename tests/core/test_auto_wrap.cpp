@@ -156,6 +156,41 @@ TEST(AutoWrapPolicies, PoliciesSeeTheModuleInsideACheckpointWrapper) {
   EXPECT_EQ(auto_wrap_paths(model, module_type_policy<AnyCheckpointWrapperImpl>()), Paths{"3"});
 }
 
+// A policy made of an empty std::function is refused when made, naming it:
+// an empty LambdaPolicy selected nothing, silently; an empty type test threw
+// std::bad_function_call from the walk.
+TEST(AutoWrapPolicies, EmptyFunctionsAreRefusedWhenMade) {
+  EXPECT_TRUE(contains(error_of([] { LambdaPolicy(nullptr); }),
+                       "expected a callable fn, got an empty std::function"));
+  EXPECT_TRUE(contains(error_of([] {
+                         ModuleTypePolicy({ModuleTypePolicy::Type{"Block", nullptr}});
+                       }),
+                       "the type 'Block' has an empty matches function"));
+  EXPECT_TRUE(contains(error_of([] { ModuleTypePolicy({}); }), "expected at least one type"));
+}
+
+// MinParamsPolicy never looks inside a MultiheadAttention (PyTorch's
+// FORCE_LEAF_MODULES), one in a CheckpointWrapper too (its projections, the
+// wrapper's typed members, were selected and refused), nor at the root of
+// fully_shard's policy form, which asks about the root as auto_wrap does (a
+// projection was made a unit).
+TEST(AutoWrapPolicies, MinParamsPolicyNeverLooksInsideAMultiheadAttention) {
+  nn::Sequential model(nn::Linear(8, 8), nn::MultiheadAttention(8, 2));
+  ASSERT_EQ(apply_activation_checkpointing(
+                *model,
+                [](const nn::Module& m) { return m.as<nn::MultiheadAttentionImpl>() != nullptr; }),
+            1);
+  EXPECT_EQ(auto_wrap_paths(model, MinParamsPolicy(0)), Paths{"0"});
+  run_ranks_ok(1, [](int, int) {
+    const auto group = start_rank();
+    auto mha = std::make_shared<nn::MultiheadAttentionImpl>(8, 2);
+    fully_shard(*mha, MinParamsPolicy(0));
+    EXPECT_EQ(unit_of(*mha->out_proj), nullptr) << "a projection was made a unit";
+    EXPECT_NE(unit_of(*mha), nullptr);
+    finish_rank(group);
+  });
+}
+
 // Tied weights between two units the policy selects are refused before any
 // unit is made (a review found the first made, then the second refused).
 TEST(AutoWrapPolicies, TiedWeightsBetweenSelectedModulesAreRefusedFirst) {
