@@ -303,9 +303,15 @@ void UnitRuntime::keep_full_precision_classes(
             "units of their own, got [",
             list, "] inside this unit, which computes in ", c10::toString(*mp->param_dtype()),
             ". They must compute in full precision, which a unit computing in low precision "
-            "cannot do. Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent "
-            "calls it (such a unit is kept in full precision), or make it a Sequential entry "
-            "and use fsdp::auto_wrap, or remove its class from module_classes_to_ignore.");
+            "cannot do. ",
+            driver_ == Driver::kDispatch
+                ? "Call fsdp::fully_shard(*module, options) on each before its parent (such a "
+                  "unit is kept in full precision), or use the policy form fsdp::fully_shard("
+                  "root, policy, options), which makes them units of their own"
+                : "Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent calls it "
+                  "(such a unit is kept in full precision), or make it a Sequential entry and "
+                  "use fsdp::auto_wrap",
+            ", or remove its class from module_classes_to_ignore.");
 }
 
 void UnitRuntime::make_optim_params() {

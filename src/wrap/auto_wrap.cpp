@@ -260,7 +260,13 @@ class Planner {
                "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
                "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
                "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
-               "it.");
+               "it.",
+               fp_class != nullptr
+                   ? " Mixed precision, not the policy, selects this one: hold it as "
+                     "fsdp::FullyShardedDataParallel<Impl>, use fsdp::fully_shard's policy form "
+                     "(which needs no Sequential slot), or remove its class from "
+                     "module_classes_to_ignore."
+                   : "");
     const auto& paths = paths_.at(m.get());
     FSDP_CHECK(paths.size() == 1, rank_, path, "expected the modules ", "that ",
                policy_.description(), " selects to be reached at one place, got ", m->name(),

@@ -869,6 +869,14 @@ TEST(FullyShard, BatchNormUnitsHaveMixedPrecisionOffAsAutoWrapMakesThem) {
     EXPECT_EQ(named, 1) << "auto_wrap's warning naming the BatchNorm";
     model->forward(torch::randn({6, 4})).pow(2).sum().backward();
     EXPECT_EQ(bn->running_mean.scalar_type(), at::kFloat);
+    // Inside a bf16 unit made by fully_shard: refused with fully_shard's
+    // fixes, not the wrappers' (which fully_shard refuses in its tree).
+    torch::nn::Sequential plain(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8));
+    const std::string msg = error_of([&] {
+      fully_shard(plain,
+                  FSDPOptions().mixed_precision(MixedPrecision().param_dtype(at::kBFloat16)));
+    });
+    EXPECT_CONTAINS(msg, "Call fsdp::fully_shard(*module, options) on each before its parent");
   });
 }
 
