@@ -167,12 +167,16 @@ void UnitRuntime::refuse_shards_as_checkpoint_params() const {
   // given the shards (the wrapper's parameters()) the unit trained nothing.
   for (const at::Tensor& shard : optim_params_) {
     FSDP_CHECK(!checkpoint_region_takes(shard), flat_->group().rank(), path_,
-               "activation_checkpoint's params hold ", label(),
-               "'s flat shard (the wrapper's parameters()), which the checkpointed function "
-               "does not read, so the unit's parameters would get no gradient through it. Pass "
-               "the parameters the function reads, the wrapped module's own "
-               "(unit->module().parameters()), or checkpoint with CheckpointWrapper or "
-               "FSDPOptions::activation_checkpointing, which find them");
+               "activation_checkpoint's params hold ", label(), "'s flat shard (",
+               driver_ == Driver::kDispatch ? "the Unit's flat_parameters()"
+                                            : "the wrapper's parameters()",
+               "), which the checkpointed function does not read, so the unit's parameters "
+               "would get no gradient through it. Pass the parameters the function reads, ",
+               driver_ == Driver::kDispatch
+                   ? "the module's own parameters()"
+                   : "the wrapped module's own (unit->module().parameters())",
+               ", or checkpoint with CheckpointWrapper or FSDPOptions::activation_checkpointing, "
+               "which find them");
   }
 }
 

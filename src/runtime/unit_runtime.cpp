@@ -189,7 +189,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
     // crossing nodes, the very traffic the groups were made to avoid.
     TORCH_WARN_ONCE("fsdp: FSDPOptions::hybrid_groups is set but sharding_strategy is ",
                     to_string(options_.sharding_strategy()),
-                    ", which ignores it and shards over the whole process group; set "
+                    ", which does not use them (it works over the whole process group); set "
                     "sharding_strategy(ShardingStrategy::kHybridShard) to use the groups");
   }
   if (!options_.process_group()) options_.process_group(default_process_group());

@@ -107,9 +107,6 @@ std::string describe_union(const std::vector<AutoWrapPolicy>& policies) {
 // Built here so that the description is taken before the list moves into
 // the predicate (the parameters are sinks: no copy of the list is made).
 AutoWrapPolicy type_policy(std::vector<ModuleTypePolicy::Type> types) {
-  FSDP_CHECK(!types.empty(), -1, "ModuleTypePolicy",
-             "expected at least one type, got none. Make it with "
-             "fsdp::module_type_policy<Impl...>()");
   for (const auto& t : types) {
     FSDP_CHECK(static_cast<bool>(t.matches), -1, "ModuleTypePolicy", "the type '", t.name,
                "' has an empty matches function. Give it a test of a module, or make the policy "
@@ -250,23 +247,23 @@ class Planner {
     if (path.empty()) return;  // the root: the caller wraps it
     const int64_t numel = unwrapped_numel(*m);
     const ModuleClass* fp_class = detail::class_of(*m, mp_classes_);
-    if (!policy_.should_wrap(*m, path, numel) && fp_class == nullptr) return;
-    FSDP_CHECK(slot.parent != nullptr, rank_, path, "expected the modules that ",
-               policy_.description(),
-               fp_class != nullptr ? " (or mixed precision's module_classes_to_ignore)" : "",
-               " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
-               ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
-               "called through a Sequential's type-erased slot. Make it an entry of a "
-               "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
-               "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
-               "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
-               "it.",
-               fp_class != nullptr
-                   ? " Mixed precision, not the policy, selects this one: hold it as "
-                     "fsdp::FullyShardedDataParallel<Impl>, use fsdp::fully_shard's policy form "
-                     "(which needs no Sequential slot), or remove its class from "
-                     "module_classes_to_ignore."
-                   : "");
+    const bool selected = policy_.should_wrap(*m, path, numel);
+    if (!selected && fp_class == nullptr) return;
+    FSDP_CHECK(
+        slot.parent != nullptr, rank_, path, "expected the modules that ", policy_.description(),
+        fp_class != nullptr ? " (or mixed precision's module_classes_to_ignore)" : "",
+        " selects to be Sequential entries, got ", m->name(), ", ", slot.reason,
+        ". C++ modules have no forward hooks, so auto_wrap can only rewrap a module "
+        "called through a Sequential's type-erased slot. Make it an entry of a "
+        "torch::nn::Sequential, or keep it out of the policy (its parameters then join "
+        "the enclosing unit) and, to make it a unit of its own, wrap that part of the "
+        "model by hand with fsdp::FullyShardedDataParallel<Impl> where its parent calls "
+        "it.",
+        !selected ? " Mixed precision, not the policy, selects this one: hold it as "
+                    "fsdp::FullyShardedDataParallel<Impl>, use fsdp::fully_shard's policy form "
+                    "(which needs no Sequential slot), or remove its class from "
+                    "module_classes_to_ignore."
+                  : "");
     const auto& paths = paths_.at(m.get());
     FSDP_CHECK(paths.size() == 1, rank_, path, "expected the modules ", "that ",
                policy_.description(), " selects to be reached at one place, got ", m->name(),

@@ -19,7 +19,9 @@ cmake --install "$build_dir" --prefix "$tmp/prefix" > /dev/null
 # No path of this machine in the exported targets (LibTorch's libraries, the
 # OpenMP runtime): fsdpConfig.cmake links what it finds where the package is
 # used, so a moved install links.
-if grep -nE '"/|;/' "$tmp"/prefix/lib*/cmake/fsdp/fsdpTargets*.cmake | grep -v _IMPORT_PREFIX; then
+targets=("$tmp"/prefix/lib*/cmake/fsdp/fsdpTargets*.cmake)
+[[ -f ${targets[0]} ]] || { echo "no fsdpTargets*.cmake installed under $tmp/prefix" >&2; exit 1; }
+if grep -nE '"/|;/' "${targets[@]}" | grep -vF 'if(_IMPORT_PREFIX STREQUAL "/")'; then
   echo "absolute paths exported in fsdpTargets*.cmake (above)" >&2; exit 1
 fi
 configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \

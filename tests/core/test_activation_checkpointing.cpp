@@ -511,6 +511,21 @@ TEST(ActivationCheckpoint, TheFunctionFormRefusesAUnitsFlatShardsAsParams) {
       FullyShardedDataParallel<FunctionFormImpl> good(
           std::make_shared<FunctionFormImpl>(opts, false), opts);
       good->forward(torch::randn({6, kDim})).sum().backward();
+      // A unit fully_shard made (entered by the dispatcher, not a wrapper's
+      // forward), given its own shards.
+      auto block = std::make_shared<DropBlockImpl>();
+      Unit& unit = fully_shard(*block, opts);
+      const auto through_block = [&](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{block->forward(in[0])};
+      };
+      EXPECT_CONTAINS(error_of([&] {
+                        activation_checkpoint(through_block, {torch::randn({6, kDim})},
+                                              unit.flat_parameters())[0]
+                            .sum()
+                            .backward();
+                      }),
+                      "flat shard (the Unit's flat_parameters()), which the checkpointed function "
+                      "does not read");
       // The shards (or use_orig_params' pieces, but those this rank holds
       // nothing of) the optimizer steps.
       for (const auto& shard : good->parameters()) {

@@ -362,7 +362,7 @@ TEST(HybridShard, GroupsWithoutAHybridStrategyAreWarned) {
     size_t warned = 0;
     for (const std::string& m : warnings.messages) {
       warned +=
-          m.find("hybrid_groups is set but sharding_strategy is FULL_SHARD") != std::string::npos &&
+          m.find("sharding_strategy is FULL_SHARD, which does not use them") != std::string::npos &&
           m.find("sharding_strategy(ShardingStrategy::kHybridShard)") != std::string::npos;
     }
     EXPECT_EQ(warned, 1u) << (warnings.messages.empty() ? "" : warnings.messages[0]);
