@@ -55,18 +55,29 @@ namespace {
 // Detached, that term would be lost silently. FSDP units keep the
 // parameters the recomputed graph saved gathered (Note [Double backward]).
 thread_local CheckpointPhase t_phase = CheckpointPhase::kNone;
-// The params of the innermost region whose forward runs on this thread.
+// The params of the innermost region whose forward runs on this thread;
+// null outside one and in a recomputation (checkpoint_region_takes()).
 thread_local const std::vector<at::Tensor>* t_region_params = nullptr;
 
+// Sets this thread's phase, and with it the region whose forward runs
+// (`params` in kForward), until it ends.
 class PhaseGuard {
  public:
-  explicit PhaseGuard(CheckpointPhase phase) : previous_(t_phase) { t_phase = phase; }
-  ~PhaseGuard() { t_phase = previous_; }
+  explicit PhaseGuard(CheckpointPhase phase, const std::vector<at::Tensor>* params = nullptr)
+      : previous_(t_phase), previous_params_(t_region_params) {
+    t_phase = phase;
+    t_region_params = phase == CheckpointPhase::kForward ? params : nullptr;
+  }
+  ~PhaseGuard() {
+    t_phase = previous_;
+    t_region_params = previous_params_;
+  }
   PhaseGuard(const PhaseGuard&) = delete;
   PhaseGuard& operator=(const PhaseGuard&) = delete;
 
  private:
   CheckpointPhase previous_;
+  const std::vector<at::Tensor>* previous_params_;
 };
 
 /// The generators a checkpointed region may draw from: the CPU's and those of
@@ -160,16 +171,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // A region within a region being recomputed is part of that
       // recomputation: its units stay gathered for the backward that follows.
       const bool nested = t_phase == CheckpointPhase::kRecompute;
-      PhaseGuard phase(nested ? CheckpointPhase::kRecompute : CheckpointPhase::kForward);
-      const std::vector<at::Tensor>* const outer = t_region_params;
-      t_region_params = nested ? nullptr : &state->params;
-      try {
-        outputs = state->fn(inputs);
-      } catch (...) {
-        t_region_params = outer;
-        throw;
-      }
-      t_region_params = outer;
+      PhaseGuard phase(nested ? CheckpointPhase::kRecompute : CheckpointPhase::kForward,
+                       &state->params);
+      outputs = state->fn(inputs);
     }
     // Only defined outputs are the Function's too; activation_checkpoint()
     // puts the undefined ones back.

@@ -119,7 +119,7 @@ void UnitRuntime::before_param_use(bool sharded) {
     // forward (Note [Gathered before a step]).
     r.settle_forward(nullptr);
   }
-  if (checkpoint_phase() == CheckpointPhase::kForward) refuse_shards_as_checkpoint_params();
+  refuse_shards_as_checkpoint_params();
   r.enter_forward(*this);
 }
 

@@ -154,7 +154,7 @@ void UnitRuntime::pre_forward() {
     unshard();
     return;
   }
-  if (checkpoint_phase() == CheckpointPhase::kForward) refuse_shards_as_checkpoint_params();
+  refuse_shards_as_checkpoint_params();
   if (root_ == nullptr) {  // the first forward of the outermost unit: it is the root
     owned_root_ = std::make_unique<RootState>(*this);
   }
@@ -165,6 +165,7 @@ void UnitRuntime::refuse_shards_as_checkpoint_params() const {
   // A region's gradients reach only its params (Note [Activation
   // checkpointing]); the unit's forward reads its original parameters, so
   // given the shards (the wrapper's parameters()) the unit trained nothing.
+  if (checkpoint_phase() != CheckpointPhase::kForward) return;
   for (const at::Tensor& shard : optim_params_) {
     FSDP_CHECK(!checkpoint_region_takes(shard), flat_->group().rank(), path_,
                "activation_checkpoint's params hold ", label(), "'s flat shard (",

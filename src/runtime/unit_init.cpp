@@ -28,6 +28,15 @@ ModuleSet ignored_module_set(const FSDPOptions& options) {
   return out;
 }
 
+std::unordered_set<const void*> ignored_params(const FSDPOptions& options) {
+  std::unordered_set<const void*> out;
+  for (const auto& m : options.ignored_modules()) {
+    if (m == nullptr) continue;  // ignored_module_set() names it
+    for (const auto& p : m->parameters()) out.insert(p.unsafeGetTensorImpl());
+  }
+  return out;
+}
+
 namespace {
 
 std::string join_names(const std::vector<std::string>& names) {

@@ -195,14 +195,10 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
   if (!options_.process_group()) options_.process_group(default_process_group());
   if (!shard_group) shard_group = options_.process_group();
   check_param_init_fn(options_, wrapped != nullptr ? wrapped->name() : self.name());
+  // Ignored parameters count as seen: reached elsewhere too (tied to a
+  // managed module, re-registered by a wrapper), they stay unmanaged.
   const ModuleSet ignored = ignored_module_set(options_);
-  // PyTorch ignores parameters, not places (_get_ignored_params): an ignored
-  // module's parameter reached elsewhere too (tied to a managed module,
-  // re-registered by a wrapper) stays unmanaged, counted as seen.
-  std::unordered_set<const void*> seen;
-  for (const torch::nn::Module* m : ignored) {
-    for (const auto& p : m->parameters(/*recurse=*/false)) seen.insert(p.unsafeGetTensorImpl());
-  }
+  std::unordered_set<const void*> seen = ignored_params(options_);
   std::vector<std::pair<std::string, at::Tensor>> params;
   std::vector<std::pair<std::string, const torch::nn::Module*>> modules;
   collect_managed(self, self, "", ignored, seen, params, &modules);

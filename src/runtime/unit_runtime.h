@@ -67,8 +67,9 @@ class UnitRuntime final : public ParamUseListener {
   FlatParameter* flat() const { return flat_.get(); }
   torch::nn::Module* self() const { return self_; }
   Unit::TrainingState state() const { return state_; }
-  /// Refuses, in an activation_checkpoint() region's forward, a region given
-  /// this unit's flat shards as params (its forward reads the originals).
+  /// In an activation_checkpoint() region's forward (else nothing), refuses
+  /// a region given this unit's flat shards as params (its forward reads the
+  /// originals).
   void refuse_shards_as_checkpoint_params() const;
   /// Module path from the root ("" for the root), known from the root's
   /// first forward.

@@ -72,10 +72,7 @@ class InPlacePlanner {
   // auto_wrap and PyTorch's _recursive_wrap ask (a MultiheadAttention root
   // under MinParamsPolicy keeps its projections).
   void walk_root(torch::nn::Module& root) {
-    if (!policy_.should_recurse(root, "", detail::unowned_numel(root, owned_)) &&
-        !detail::holds_class(root, full_precision_)) {
-      return;
-    }
+    if (!looks_into(root, "")) return;
     for (const auto& child : root.named_children()) walk(*child.value(), child.key());
   }
 
@@ -86,11 +83,8 @@ class InPlacePlanner {
       return;
     }
     // A module the policy does not look into is no unit either, nor is
-    // anything under it, unless it holds a class to keep in full precision.
-    if (!policy_.should_recurse(m, path, detail::unowned_numel(m, owned_)) &&
-        !detail::holds_class(m, full_precision_)) {
-      return;
-    }
+    // anything under it.
+    if (!looks_into(m, path)) return;
     for (const auto& child : m.named_children()) {
       walk(*child.value(), path.empty() ? child.key() : path + "." + child.key());
     }
@@ -101,6 +95,13 @@ class InPlacePlanner {
     check_module(m);
     planned_.push_back(Planned{&m, path, fp_class});
     detail::own_params(m, owned_);
+  }
+
+  // Whether the walk looks under `m`: the policy would, or `m` holds a
+  // class to keep in full precision.
+  bool looks_into(const torch::nn::Module& m, const std::string& path) const {
+    return policy_.should_recurse(m, path, detail::unowned_numel(m, owned_)) ||
+           detail::holds_class(m, full_precision_);
   }
 
   // The checks a unit makes of its parameters when it is made, for all of

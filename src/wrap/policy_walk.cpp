@@ -12,14 +12,6 @@
 
 namespace fsdp::detail {
 
-ParamSet ignored_params(const FSDPOptions& options) {
-  ParamSet out;
-  for (const auto& m : options.ignored_modules()) {
-    if (m != nullptr) own_params(*m, out);
-  }
-  return out;
-}
-
 int64_t unowned_numel(const torch::nn::Module& m, const ParamSet& owned) {
   ParamSet seen;  // tied parameters count once
   int64_t numel = 0;

@@ -26,10 +26,6 @@ const torch::nn::Module& wrapped_module(const torch::nn::Module& m);
 /// Parameters, by TensorImpl.
 using ParamSet = std::unordered_set<const void*>;
 
-/// The parameters of options.ignored_modules(): no unit manages them and no
-/// policy counts them.
-ParamSet ignored_params(const FSDPOptions& options);
-
 /// The elements of the parameters under `m` that are not in `owned`, tied
 /// ones once: the unwrapped numel a policy is asked with.
 int64_t unowned_numel(const torch::nn::Module& m, const ParamSet& owned);
