@@ -324,6 +324,43 @@ TEST(ActivationCheckpoint, TensorsWithinOptionalAndVectorArgumentsGetGradients) 
   }
 }
 
+// An LSTM's state passed from one checkpointed chunk to the next (chunked
+// backpropagation through time): the tensors within the tuple argument are
+// inputs of the region, so the second chunk's gradient reaches the first
+// chunk and the initial state as without checkpointing (they were copied
+// as constants: the weights' gradients missed the second chunk's share).
+TEST(ActivationCheckpoint, TensorsWithinTupleArgumentsGetGradients) {
+  torch::manual_seed(0);
+  nn::LSTM plain(nn::LSTMOptions(kDim, kDim));
+  torch::manual_seed(0);
+  CheckpointWrapper<nn::LSTMImpl> checkpointed{nn::LSTM(nn::LSTMOptions(kDim, kDim))};
+  const torch::Tensor x = torch::randn({6, 2, kDim});
+  const torch::Tensor h0 = torch::randn({1, 2, kDim});
+  const torch::Tensor c0 = torch::randn({1, 2, kDim});
+  const auto grads_of = [&](auto& lstm, nn::Module& module) {
+    std::tuple<torch::Tensor, torch::Tensor> state{h0.clone().requires_grad_(true),
+                                                   c0.clone().requires_grad_(true)};
+    const auto first = state;
+    torch::Tensor loss = torch::zeros({});
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      auto [out, next] = lstm->forward(x.slice(0, 3 * chunk, 3 * chunk + 3), state);
+      loss = loss + out.pow(2).sum();
+      state = next;
+    }
+    loss.backward();
+    std::vector<torch::Tensor> grads{std::get<0>(first).grad(), std::get<1>(first).grad()};
+    for (const torch::Tensor& p : module.parameters()) grads.push_back(p.grad());
+    return grads;
+  };
+  const auto expected = grads_of(plain, *plain);
+  const auto got = grads_of(checkpointed, checkpointed->module());
+  ASSERT_EQ(expected.size(), got.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << "gradient " << i << " missing";
+    EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6)) << "gradient " << i;
+  }
+}
+
 // Autograd frees a region's saved input after backward; the region keeps
 // no copy of it for as long as its graph lives (a loss kept for logging).
 TEST(ActivationCheckpoint, InputsAreFreedAfterBackwardWhileTheLossLives) {

@@ -69,7 +69,9 @@ TEST(MixedPrecision, KeepLowPrecisionGradsAndReduceDtype) {
       loss_of(root->forward(batch(0, rank))).backward();
       ASSERT_EQ(counting->reduced_dtypes().size(), 1u);
       EXPECT_EQ(counting->reduced_dtypes()[0], torch::kFloat32);
-      EXPECT_EQ(root->flat_param()->shard().grad().scalar_type(), torch::kFloat32);
+      // As PyTorch's FSDP1: kept in param_dtype, not reduce_dtype.
+      EXPECT_EQ(root->flat_param()->shard().grad().scalar_type(),
+                keep ? torch::kBFloat16 : torch::kFloat32);
     }
     // reduce_dtype bf16 with keep_low_precision_grads: the shard's gradient stays bf16.
     nn::Sequential model = make_model();
@@ -133,6 +135,71 @@ TEST(MixedPrecision, CastForwardInputsCastsTheRootsToo) {
     const auto root_only = FSDPOptions().mixed_precision(bf16);  // PyTorch's defaults
     FullyShardedDataParallel<nn::LinearImpl> root(nn::Linear(6, 3), root_only);
     EXPECT_EQ(root->forward(x).scalar_type(), torch::kBFloat16);
+  });
+}
+
+// A unit casts the tensors within tuple, pair, vector and optional
+// arguments to the compute dtype, as PyTorch's FSDP casts nested inputs (a
+// recurrent state passed as a tuple reached the bf16 module in float32).
+struct StatefulImpl : nn::Module {
+  StatefulImpl() { fc = register_module("fc", nn::Linear(6, 6)); }
+  torch::Tensor forward(torch::Tensor x,
+                        std::tuple<torch::Tensor, std::pair<torch::Tensor, int64_t>> state,
+                        c10::optional<std::vector<torch::Tensor>> extra) {
+    seen = {std::get<0>(state).scalar_type(), std::get<1>(state).first.scalar_type(),
+            extra->at(0).scalar_type()};
+    return fc(x) + std::get<0>(state) * std::get<1>(state).second;
+  }
+  nn::Linear fc{nullptr};
+  std::vector<torch::ScalarType> seen;
+};
+TORCH_MODULE(Stateful);
+
+TEST(MixedPrecision, TensorsWithinNestedArgumentsAreCast) {
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto bf16 = MixedPrecision().param_dtype(torch::kBFloat16);
+    FullyShardedDataParallel<StatefulImpl> unit(Stateful(), FSDPOptions().mixed_precision(bf16));
+    const torch::Tensor out = unit->forward(
+        torch::randn({2, 6}),
+        std::make_tuple(torch::randn({2, 6}), std::make_pair(torch::randn({2}), int64_t{3})),
+        std::vector<torch::Tensor>{torch::randn({2})});
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(unit->module().seen, std::vector<torch::ScalarType>(3, torch::kBFloat16));
+  });
+}
+
+// A unit kept in full precision inside a bf16 model (module_classes_to_ignore)
+// casts the tensors within its nested arguments to float32 and those of a
+// tuple output back to its inputs' dtype, as FSDP1's hooks do (a review
+// found only a plain Tensor output cast back, and the dtype read from plain
+// Tensor arguments only: bf16 reached the float32 layer).
+struct PairOutImpl : nn::Module {
+  PairOutImpl() { fc = register_module("fc", nn::Linear(6, 6)); }
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
+      std::pair<torch::Tensor, torch::Tensor> xs) {
+    seen = {xs.first.scalar_type(), xs.second.scalar_type()};
+    return {fc(xs.first), {fc(xs.second)}};
+  }
+  nn::Linear fc{nullptr};
+  std::vector<torch::ScalarType> seen;
+};
+TORCH_MODULE(PairOut);
+
+TEST(MixedPrecision, FullPrecisionUnitsCastNestedInputsAndOutputs) {
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto bf16 = MixedPrecision()
+                          .param_dtype(torch::kBFloat16)
+                          .module_classes_to_ignore({module_class<PairOutImpl>()});
+    FullyShardedDataParallel<PairOutImpl> unit(PairOut(), FSDPOptions().mixed_precision(bf16));
+    ASSERT_TRUE(unit->casts_output_back());
+    const torch::Tensor x = torch::randn({2, 6}).to(torch::kBFloat16);
+    const auto [out, outs] = unit->forward(std::make_pair(x, x));
+    EXPECT_EQ(unit->module().seen, std::vector<torch::ScalarType>(2, torch::kFloat));
+    EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+    ASSERT_EQ(outs.size(), 1u);
+    EXPECT_EQ(outs[0].scalar_type(), torch::kBFloat16);
   });
 }
 

@@ -19,32 +19,6 @@
 namespace fsdp {
 namespace detail {
 
-/// Calls `f` on each tensor `arg` holds: a Tensor, a c10::optional<Tensor>
-/// that has one, or each of a std::vector<Tensor>; nothing for other types.
-template <typename T, typename F>
-void for_each_tensor_arg(T& arg, F&& f) {
-  using D = std::decay_t<T>;
-  if constexpr (std::is_same_v<D, at::Tensor>) {
-    f(arg);
-  } else if constexpr (std::is_same_v<D, c10::optional<at::Tensor>>) {
-    if (arg.has_value()) f(*arg);
-  } else if constexpr (std::is_same_v<D, std::vector<at::Tensor>>) {
-    for (auto& t : arg) f(t);
-  }
-}
-
-/// Appends the tensors `arg` holds to `into` (for_each_tensor_arg's order).
-template <typename T>
-void collect_tensor_arg(const T& arg, std::vector<at::Tensor>& into) {
-  for_each_tensor_arg(arg, [&into](const at::Tensor& t) { into.push_back(t); });
-}
-
-/// Replaces the tensors `arg` holds by flat[k++] each.
-template <typename T>
-void substitute_tensor_arg(T& arg, const std::vector<at::Tensor>& flat, size_t& k) {
-  for_each_tensor_arg(arg, [&](at::Tensor& t) { t = flat[k++]; });
-}
-
 /// Drops the tensors `arg` holds (the recomputation substitutes them).
 template <typename T>
 void release_tensor_arg(T& arg) {
@@ -63,8 +37,11 @@ inline std::vector<at::Tensor> module_parameters(const torch::nn::Module& m) {
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m);
 
 /// Calls `f(args...)` under activation_checkpoint(): the tensors of its
-/// arguments (for_each_tensor_arg) are its inputs, `params` the parameters `f` uses; the others are
-/// copied for the recomputation. R is the forward's output type (IsForwardOutput).
+/// arguments (for_each_tensor_arg: within optionals, vectors, tuples and
+/// pairs too) are its inputs, `params` the parameters `f` uses; the rest is
+/// copied for the recomputation (a tensor inside a struct of the user's is
+/// a constant there: no gradient reaches it). R is the forward's output type
+/// (IsForwardOutput).
 template <typename R, typename F, typename... Args>
 R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) {
   static_assert(IsForwardOutput<R>::value,
@@ -73,7 +50,7 @@ R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) 
   using Saved = std::tuple<std::decay_t<Args>...>;
   auto saved = std::make_shared<Saved>(std::forward<Args>(args)...);
   std::vector<at::Tensor> inputs;
-  std::apply([&inputs](const auto&... a) { (collect_tensor_arg(a, inputs), ...); }, *saved);
+  std::apply([&inputs](const auto&... a) { (input_tensors(a, inputs), ...); }, *saved);
   // The copy kept for the recomputation holds no tensor: autograd saves the
   // inputs and frees them after backward, while the graph (a loss kept for
   // logging) may keep this function much longer.
@@ -89,7 +66,7 @@ R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) 
   CheckpointedFunction fn = [f, saved, first](const std::vector<at::Tensor>& xs) {
     Saved call = *saved;
     size_t k = 0;
-    std::apply([&xs, &k](auto&... a) { (substitute_tensor_arg(a, xs, k), ...); }, call);
+    std::apply([&xs, &k](auto&... a) { (replace_tensors(a, xs, k), ...); }, call);
     R out = std::apply(f, call);
     std::vector<at::Tensor> flat;
     output_tensors(out, flat);
@@ -101,7 +78,7 @@ R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) 
   first->out.reset();
   first->taken = true;
   size_t k = 0;
-  replace_output_tensors(result, flat, k);
+  replace_tensors(result, flat, k);
   return result;
 }
 

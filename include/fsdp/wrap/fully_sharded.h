@@ -35,9 +35,9 @@ decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dt
       return at::Tensor(arg.to(*dtype));
     }
     return at::Tensor(std::forward<T>(arg));
-  } else if constexpr ((std::is_same_v<D, c10::optional<at::Tensor>> ||
-                        std::is_same_v<D, std::vector<at::Tensor>>)&&!mutable_ref) {
-    // The tensors within, as PyTorch's FSDP casts nested inputs.
+  } else if constexpr (MayHoldTensor<D>::value && !mutable_ref) {
+    // The tensors within (optionals, vectors, tuples, pairs), as PyTorch's
+    // FSDP casts nested inputs.
     D out(std::forward<T>(arg));
     for_each_tensor_arg(out,
                         [&dtype](at::Tensor& t) { t = cast_forward_arg<at::Tensor>(t, dtype); });
@@ -47,16 +47,15 @@ decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dt
   }
 }
 
-/// The dtype of the first floating-point Tensor among `args`, if any.
+/// The dtype of the first floating-point Tensor among `args` (within
+/// optionals, vectors, tuples and pairs too), if any.
 template <typename... T>
 c10::optional<at::ScalarType> first_floating_dtype(const T&... args) {
   c10::optional<at::ScalarType> out;
-  auto look = [&out](const auto& a) {
-    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, at::Tensor>) {
-      if (!out && a.defined() && a.is_floating_point()) out = a.scalar_type();
-    }
+  auto look = [&out](const at::Tensor& t) {
+    if (!out && t.defined() && t.is_floating_point()) out = t.scalar_type();
   };
-  (look(args), ...);
+  (for_each_tensor_arg(args, look), ...);
   return out;
 }
 
@@ -148,8 +147,12 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
             ? checkpointed_forward(
                   detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...)
             : module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
-    if constexpr (std::is_same_v<std::decay_t<R>, at::Tensor>) {
-      if (input_dtype && out.defined() && out.is_floating_point()) out = out.to(*input_dtype);
+    if constexpr (!std::is_reference_v<R>) {
+      if (input_dtype) {  // every floating-point tensor of the output, as FSDP1's hooks
+        detail::for_each_tensor_arg(out, [&input_dtype](at::Tensor& t) {
+          if (t.defined() && t.is_floating_point()) t = t.to(*input_dtype);
+        });
+      }
     }
     // See Note [FSDP and autograd]: backward starts at the output's tensors.
     std::vector<at::Tensor> tensors;

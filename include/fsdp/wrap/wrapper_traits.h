@@ -5,6 +5,7 @@
 // and adopting the wrapped module's contents under their own names.
 
 #include <ATen/ATen.h>
+#include <c10/util/Optional.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -48,51 +49,108 @@ template <typename Impl>
 struct ForwardSignature {
   using type = decltype(&Impl::forward);
 };
+/// Whether a T may hold tensors that for_each_tensor_arg() reaches: a
+/// Tensor, or a c10::optional, std::vector, std::tuple or std::pair of such
+/// (nested; tuple elements that are references are not reached).
 template <typename T>
-struct IsTensorVector : std::false_type {};
-template <>
-struct IsTensorVector<std::vector<at::Tensor>> : std::true_type {};
+struct MayHoldTensor : std::is_same<T, at::Tensor> {};
 template <typename T>
-struct IsTuple : std::false_type {};
+struct MayHoldTensor<c10::optional<T>> : MayHoldTensor<T> {};
+template <typename T>
+struct MayHoldTensor<std::vector<T>> : MayHoldTensor<T> {};
 template <typename... T>
-struct IsTuple<std::tuple<T...>> : std::true_type {};
+struct MayHoldTensor<std::tuple<T...>> : std::bool_constant<(MayHoldTensor<T>::value || ...)> {};
 template <typename A, typename B>
-struct IsTuple<std::pair<A, B>> : std::true_type {};
+struct MayHoldTensor<std::pair<A, B>>
+    : std::bool_constant<MayHoldTensor<A>::value || MayHoldTensor<B>::value> {};
 
-/// Appends the Tensors of a forward's output to `into`: a Tensor, a
-/// std::vector of Tensors, or a std::tuple / std::pair of these (nested).
-/// Returns false for any other type, whose tensors cannot be found.
+template <typename T>
+struct IsOptional : std::false_type {};
+template <typename T>
+struct IsOptional<c10::optional<T>> : std::true_type {};
+template <typename T>
+struct IsVector : std::false_type {};
+template <typename T>
+struct IsVector<std::vector<T>> : std::true_type {};
+
+/// Calls `f` on each tensor `arg` holds (MayHoldTensor), depth first in
+/// declaration order; nothing for other types.
+template <typename T, typename F>
+void for_each_tensor_arg(T& arg, F&& f) {
+  using D = std::remove_const_t<T>;
+  if constexpr (std::is_same_v<D, at::Tensor>) {
+    f(arg);
+  } else if constexpr (!MayHoldTensor<D>::value) {
+    return;
+  } else if constexpr (IsOptional<D>::value) {
+    if (arg.has_value()) for_each_tensor_arg(*arg, f);
+  } else if constexpr (IsVector<D>::value) {
+    for (auto& e : arg) for_each_tensor_arg(e, f);
+  } else {
+    std::apply([&f](auto&... e) { (for_each_tensor_arg(e, f), ...); }, arg);
+  }
+}
+
+/// Whether all the tensors of a T are found by for_each_tensor_arg(): T
+/// holds none (arithmetic, enum, string) or is one of MayHoldTensor's
+/// shapes made of such. False for other types, which may hide tensors (a
+/// struct of the user's).
+template <typename T>
+struct TensorsFindable
+    : std::bool_constant<std::is_arithmetic_v<T> || std::is_enum_v<T> ||
+                         std::is_same_v<T, std::string> || std::is_same_v<T, at::Tensor>> {};
+template <typename T>
+struct TensorsFindable<c10::optional<T>> : TensorsFindable<T> {};
+template <typename T>
+struct TensorsFindable<std::vector<T>> : TensorsFindable<T> {};
+template <typename... T>
+struct TensorsFindable<std::tuple<T...>> : std::bool_constant<(TensorsFindable<T>::value && ...)> {
+};
+template <typename A, typename B>
+struct TensorsFindable<std::pair<A, B>>
+    : std::bool_constant<TensorsFindable<A>::value && TensorsFindable<B>::value> {};
+
+/// Whether a forward's output type is a Tensor, a std::vector of Tensors, or
+/// a std::tuple / std::pair of these (nested): the outputs whose tensors
+/// backward can start from.
+template <typename T>
+struct IsForwardOutput : std::bool_constant<std::is_same_v<T, at::Tensor> ||
+                                            std::is_same_v<T, std::vector<at::Tensor>>> {};
+template <typename... T>
+struct IsForwardOutput<std::tuple<T...>>
+    : std::bool_constant<(IsForwardOutput<std::decay_t<T>>::value && ...)> {};
+template <typename A, typename B>
+struct IsForwardOutput<std::pair<A, B>>
+    : std::bool_constant<IsForwardOutput<std::decay_t<A>>::value &&
+                         IsForwardOutput<std::decay_t<B>>::value> {};
+
+/// Appends the Tensors of a forward's output to `into`, in
+/// for_each_tensor_arg()'s order. Returns false for a type that is not an
+/// IsForwardOutput, whose tensors cannot be found.
 template <typename T>
 bool output_tensors(const T& out, std::vector<at::Tensor>& into) {
-  using D = std::decay_t<T>;
-  if constexpr (std::is_same_v<D, at::Tensor>) {
-    into.push_back(out);
+  if constexpr (IsForwardOutput<std::decay_t<T>>::value) {
+    for_each_tensor_arg(out, [&into](const at::Tensor& t) { into.push_back(t); });
     return true;
-  } else if constexpr (IsTensorVector<D>::value) {
-    into.insert(into.end(), out.begin(), out.end());
-    return true;
-  } else if constexpr (IsTuple<D>::value) {
-    return std::apply([&into](const auto&... e) { return (output_tensors(e, into) && ...); }, out);
   } else {
     return false;
   }
 }
 
-/// Appends the Tensors of a forward argument to `into`: what
-/// output_tensors() lists, and a c10::optional<at::Tensor> that holds one.
-/// Arithmetic, enum and string arguments hold none. Returns false for any
-/// other type, which may hide tensors (a struct of the user's).
+/// Appends the Tensors of a forward argument to `into`, in
+/// for_each_tensor_arg()'s order. Returns TensorsFindable: false where the
+/// argument may hide tensors.
 template <typename T>
 bool input_tensors(const T& arg, std::vector<at::Tensor>& into) {
-  using D = std::decay_t<T>;
-  if constexpr (std::is_arithmetic_v<D> || std::is_enum_v<D> || std::is_same_v<D, std::string>) {
-    return true;
-  } else if constexpr (std::is_same_v<D, c10::optional<at::Tensor>>) {
-    if (arg.has_value()) into.push_back(*arg);
-    return true;
-  } else {
-    return output_tensors(arg, into);
-  }
+  for_each_tensor_arg(arg, [&into](const at::Tensor& t) { into.push_back(t); });
+  return TensorsFindable<std::decay_t<T>>::value;
+}
+
+/// Replaces the tensors `arg` holds, in for_each_tensor_arg()'s order, by
+/// flat[k], flat[k + 1], ...; advances k.
+template <typename T>
+void replace_tensors(T& arg, const std::vector<at::Tensor>& flat, size_t& k) {
+  for_each_tensor_arg(arg, [&flat, &k](at::Tensor& t) { t = flat[k++]; });
 }
 
 /// Sequential's forward is a template: its wrapper takes and returns a Tensor.
@@ -100,32 +158,6 @@ template <>
 struct ForwardSignature<torch::nn::SequentialImpl> {
   using type = at::Tensor (torch::nn::SequentialImpl::*)(at::Tensor);
 };
-
-/// Whether output_tensors() can list the tensors of a T.
-template <typename T>
-struct IsForwardOutput
-    : std::integral_constant<bool, std::is_same_v<T, at::Tensor> || IsTensorVector<T>::value> {};
-template <typename... T>
-struct IsForwardOutput<std::tuple<T...>>
-    : std::integral_constant<bool, (IsForwardOutput<std::decay_t<T>>::value && ...)> {};
-template <typename A, typename B>
-struct IsForwardOutput<std::pair<A, B>>
-    : std::integral_constant<bool, IsForwardOutput<std::decay_t<A>>::value &&
-                                       IsForwardOutput<std::decay_t<B>>::value> {};
-
-/// Replaces the tensors of `out`, in output_tensors()'s order, by
-/// flat[k], flat[k + 1], ...; advances k.
-template <typename T>
-void replace_output_tensors(T& out, const std::vector<at::Tensor>& flat, size_t& k) {
-  using D = std::decay_t<T>;
-  if constexpr (std::is_same_v<D, at::Tensor>) {
-    out = flat[k++];
-  } else if constexpr (IsTensorVector<D>::value) {
-    for (at::Tensor& t : out) t = flat[k++];
-  } else if constexpr (IsTuple<D>::value) {
-    std::apply([&flat, &k](auto&... e) { (replace_output_tensors(e, flat, k), ...); }, out);
-  }
-}
 
 }  // namespace detail
 }  // namespace fsdp
