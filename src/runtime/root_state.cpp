@@ -21,6 +21,18 @@
 namespace fsdp::detail {
 
 RootState::RootState(UnitRuntime& root) : root_(root) {
+  // no_sync() and set_requires_gradient_sync are refused on an inner unit
+  // once the root is known; before, such a unit is not known to be inner.
+  // Checked before any unit is given this root, so that a refusal leaves
+  // the model as it was.
+  for (const auto& item : root.self()->named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    const UnitRuntime* unit = UnitRuntime::of(*item.value());
+    FSDP_CHECK(unit == nullptr || unit->require_sync() == root.require_sync(), -1, item.key(),
+               "gradient synchronisation was turned ", root.require_sync() ? "off" : "on",
+               " for this inner FSDP unit alone (no_sync() or set_requires_gradient_sync() "
+               "called on it before the first forward), unlike the root: call them on the "
+               "root, which covers every unit of the model");
+  }
   for (Unit* unit : root.handle().units_in_tree()) {
     UnitRuntime* runtime = unit->runtime_.get();
     units_.push_back(runtime);

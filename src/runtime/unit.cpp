@@ -214,6 +214,38 @@ Unit::NoSyncGuard Unit::no_sync() {
   return NoSyncGuard(units_in_tree());
 }
 
+void Unit::set_requires_gradient_sync(bool requires_gradient_sync) {
+  FSDP_CHECK(!runtime_ || !runtime_->is_inner(), -1, "set_requires_gradient_sync",
+             "called on an inner FSDP unit (", runtime_ ? runtime_->label() : "",
+             "); call it on the root, which sets it for every unit of the model");
+  for (Unit* unit : units_in_tree()) {
+    unit->runtime_->set_requires_gradient_sync(requires_gradient_sync);
+  }
+}
+
+namespace {
+
+// The larger of a and b, NaN where either is (std::max keeps its first
+// argument against a NaN: an infinity norm over a NaN gradient was finite).
+double norm_max(double a, double b) { return std::isnan(a) || a > b ? a : b; }
+
+double all_norm_sum(ProcessGroup& group, double value) {
+  at::Tensor t = at::full({1}, value, at::kDouble);
+  group.all_reduce(t, ReduceOp::kSum).wait();
+  return t.item<double>();
+}
+
+// norm_max over the ranks: whether a NaN survives a transport's max is
+// not promised, so it travels as a flag of its own.
+double all_norm_max(ProcessGroup& group, double value) {
+  const bool nan = std::isnan(value);
+  at::Tensor t = at::tensor({nan ? 0.0 : value, nan ? 1.0 : 0.0}, at::kDouble);
+  group.all_reduce(t, ReduceOp::kMax).wait();
+  return t[1].item<double>() > 0 ? std::nan("") : t[0].item<double>();
+}
+
+}  // namespace
+
 double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   FSDP_CHECK(max_norm > 0, -1, "clip_grad_norm_", "expected a positive max_norm, got ", max_norm,
              ". Pass the largest global gradient norm to allow");
@@ -246,7 +278,7 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
     if (g.numel() == 0) return;
     const double part = inf ? g.abs().max().item<double>()
                             : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
-    acc = inf ? std::max(acc, part) : acc + part;
+    acc = inf ? norm_max(acc, part) : acc + part;
   };
   for (Unit* unit : units_in_tree()) {
     const FlatParameter* flat = unit->flat_param();
@@ -260,26 +292,22 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
     double mine = 0;
     for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, mine);
     const int replicas = job != nullptr ? std::max(1, job->size() / flat->group().size()) : 1;
-    sharded = inf ? std::max(sharded, mine) : sharded + mine / replicas;
+    sharded = inf ? norm_max(sharded, mine) : sharded + mine / replicas;
   }
   const auto unmanaged = unmanaged_parameters();
   for (const auto& [name, p] : unmanaged) add(p, local);
   if (!any_unit && unmanaged.empty()) return 0.0;
   double total = sharded;
   if (any_sharded && job != nullptr) {
-    at::Tensor t = at::full({1}, sharded, at::kDouble);
-    job->all_reduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum).wait();
-    total = t.item<double>();
+    total = inf ? all_norm_max(*job, sharded) : all_norm_sum(*job, sharded);
   }
-  double combined = inf ? std::max({total, replicated, local})
+  double combined = inf ? norm_max(norm_max(total, replicated), local)
                         : std::pow(total + replicated + local, 1.0 / norm_type);
-  if (!unmanaged.empty() && job != nullptr) {
-    at::Tensor t = at::full({1}, combined, at::kDouble);
-    job->all_reduce(t, ReduceOp::kMax).wait();
-    combined = t.item<double>();
-  }
+  if (!unmanaged.empty() && job != nullptr) combined = all_norm_max(*job, combined);
+  // As torch's clip_grad_norm_ (its coefficient clamped at 1): a NaN norm
+  // makes every gradient NaN, on every rank alike.
   const double coef = max_norm / (combined + 1e-6);
-  if (coef < 1.0) {
+  if (std::isnan(coef) || coef < 1.0) {
     for (auto& g : grads) g.mul_(coef);
   }
   return combined;

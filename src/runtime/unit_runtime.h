@@ -87,8 +87,12 @@ class UnitRuntime final : public ParamUseListener {
   void enter_no_sync() { ++no_sync_depth_; }
   /// A no_sync() guard over this unit ends.
   void leave_no_sync() { --no_sync_depth_; }
-  /// False inside no_sync(): gradients accumulate unsharded, unreduced.
-  bool require_sync() const { return no_sync_depth_ == 0; }
+  /// See Unit::set_requires_gradient_sync: the user's setting, beside the
+  /// guards (either one turns synchronisation off).
+  void set_requires_gradient_sync(bool on) { requires_gradient_sync_ = on; }
+  /// False inside no_sync() or after set_requires_gradient_sync(false):
+  /// gradients accumulate unsharded, unreduced.
+  bool require_sync() const { return no_sync_depth_ == 0 && requires_gradient_sync_; }
   /// True once the root's first forward made another unit this one's root.
   bool is_inner() const { return root_ != nullptr && !is_root(); }
   /// "FSDP unit '<path>'", for messages.
@@ -108,6 +112,7 @@ class UnitRuntime final : public ParamUseListener {
   // Units driven by dispatch (Note [Units driven by dispatch]).
   void hold_for_operator() override;
   void before_param_use(bool sharded) override;
+  void param_use_arguments(c10::ArrayRef<c10::IValue> args) override;
   void after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) override;
   // An operator wrote to the gathered parameters: each rank keeps its part.
   void write_back(c10::ArrayRef<c10::IValue> outputs);
@@ -309,7 +314,7 @@ class UnitRuntime final : public ParamUseListener {
   at::Tensor grad_for_shard(const at::Tensor& reduced) const;
   // Where and in which dtype grad_for_shard puts a gradient reduced in
   // `reduced_dtype`.
-  at::TensorOptions shard_grad_options(at::ScalarType reduced_dtype) const;
+  at::TensorOptions shard_grad_options() const;
   RootState& root() const;
 
   // Constant after init().
@@ -372,7 +377,8 @@ class UnitRuntime final : public ParamUseListener {
 
   // Per-iteration state.
   Unit::TrainingState state_ = Unit::TrainingState::kIdle;
-  int no_sync_depth_ = 0;  // no_sync() guards alive over this unit
+  int no_sync_depth_ = 0;               // no_sync() guards alive over this unit
+  bool requires_gradient_sync_ = true;  // Unit::set_requires_gradient_sync
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward
   // Of the trainable slots, those this backward computes a gradient for

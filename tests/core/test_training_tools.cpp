@@ -3,7 +3,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
 
 #include <fsdp/fsdp.h>
 
@@ -96,6 +100,76 @@ TEST(TrainingTools, NoSyncFreesEachUnitInBackwardAndGuardsNest) {
   });
 }
 
+// FSDP2's set_requires_gradient_sync(false) accumulates as no_sync() does,
+// until it is set true: three micro-batches a step, the last one synced,
+// train as plain LibTorch on every rank's rows (SGD with momentum and weight
+// decay), with a wrapper root and with fully_shard's; an inner unit's call is
+// refused, and so is its setting alone at the first forward.
+TEST(TrainingTools, SetRequiresGradientSyncAccumulatesUntilSetBack) {
+  run_ranks_ok(2, [](int, int world) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+      for (bool in_place : {false, true}) {
+        const std::string what =
+            std::string(to_string(strategy)) + (in_place ? " fully_shard" : " wrapper");
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        torch::manual_seed(0);
+        auto options = FSDPOptions().sharding_strategy(strategy);
+        std::shared_ptr<torch::nn::Module> model;
+        Unit* root = nullptr;
+        Unit* inner = nullptr;  // the block's unit
+        std::function<torch::Tensor(const torch::Tensor&)> forward;
+        if (in_place) {
+          auto net = std::make_shared<NetImpl>(false, options);
+          inner = &fully_shard(*net->plain_block, options);
+          root = &fully_shard(*net, options);
+          forward = [net](const torch::Tensor& x) mutable { return net->forward(x); };
+          model = net;
+        } else {
+          FullyShardedDataParallel<NetImpl> net(std::make_shared<NetImpl>(true, options), options);
+          inner = unit_of(*net->module().block.ptr());
+          root = net.ptr().get();
+          forward = [net](const torch::Tensor& x) mutable { return net->forward(x); };
+          model = net.ptr();
+        }
+        // Turned off on the block alone before the first forward (not known
+        // to be inner yet): that forward refuses it, and nothing is lost.
+        inner->set_requires_gradient_sync(false);
+        EXPECT_THROW(forward(torch::randn({2, 7})), c10::Error) << what;
+        inner->set_requires_gradient_sync(true);
+        const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+        torch::optim::SGD ref_opt(reference->parameters(), sgd);
+        torch::optim::SGD opt(root->flat_parameters(), sgd);
+        for (int step = 0; step < 2; ++step) {
+          torch::manual_seed(7 + step);
+          const torch::Tensor global_x = torch::randn({12 * world, 7});
+          const torch::Tensor global_target = torch::randn({12 * world, 3});
+          ref_opt.zero_grad();
+          torch::mse_loss(reference->forward(global_x), global_target).backward();
+          ref_opt.step();
+          const torch::Tensor x = local_block(global_x), target = local_block(global_target);
+          opt.zero_grad();
+          for (int m = 0; m < 3; ++m) {
+            root->set_requires_gradient_sync(m == 2);
+            (torch::mse_loss(forward(x.narrow(0, 4 * m, 4)), target.narrow(0, 4 * m, 4)) / 3)
+                .backward();
+            if (step == 0 && m < 2) {
+              for (const auto& shard : root->flat_parameters()) {
+                EXPECT_FALSE(shard.grad().defined()) << what << ": reduced with sync off";
+              }
+            }
+          }
+          opt.step();
+          SummonFullParams full(*model);
+          expect_same_params(*model, *reference.ptr(), what + " step " + std::to_string(step));
+        }
+        EXPECT_THROW(inner->set_requires_gradient_sync(false), c10::Error) << what;
+      }
+    }
+  });
+}
+
 TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
   run_ranks_ok(3, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -123,6 +197,33 @@ TEST(TrainingTools, ClipGradNormMatchesTheUnshardedNorm) {
         torch::optim::SGD(model->parameters(), torch::optim::SGDOptions(1.0)).step();
         SummonFullParams full(*model.ptr());
         expect_same_params(*model.ptr(), *reference.ptr(), "clipped step");
+      }
+    }
+  });
+}
+
+// A NaN in one rank's gradient makes the norm NaN on every rank, for every
+// norm type, and every gradient NaN, as torch's clip_grad_norm_ does (a
+// review found the infinity norm finite: std::max dropped the NaN, so a
+// loop that skips non-finite norms stepped on it).
+TEST(TrainingTools, ClipGradNormIsNanOnEveryRankWhenOneGradientIs) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+      torch::manual_seed(0);
+      FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, FSDPOptions()),
+                                              FSDPOptions());
+      torch::mse_loss(model->forward(torch::randn({4, 7})), torch::zeros({4, 3})).backward();
+      if (rank == 1) {
+        torch::NoGradGuard no_grad;
+        model->parameters()[0].mutable_grad()[0] = std::nan("");
+      }
+      const double norm = model->clip_grad_norm_(0.5, norm_type);
+      EXPECT_TRUE(std::isnan(norm)) << "p=" << norm_type << ": " << norm;
+      for (const auto& shard : model->parameters()) {
+        if (shard.grad().defined() && shard.grad().numel() > 0) {
+          EXPECT_TRUE(shard.grad().isnan().all().item<bool>()) << "p=" << norm_type;
+        }
       }
     }
   });

@@ -185,6 +185,12 @@ class Unit {
   };
   /// See NoSyncGuard.
   NoSyncGuard no_sync();
+  /// PyTorch FSDP2's set_requires_gradient_sync: false makes the backward
+  /// passes that follow accumulate gradients as inside no_sync(), until it is
+  /// set true again; the first backward after that reduces everything
+  /// accumulated. Covers every unit of this one's tree; call it on the root,
+  /// between iterations (typically `set_requires_gradient_sync(last_micro_batch)`).
+  void set_requires_gradient_sync(bool requires_gradient_sync);
   /// Module::save for the unit's module `self` (its wrapper, or the module
   /// fully_shard made a unit): writes what the unwrapped module
   /// would write (full parameters under their own names, buffers, children).
