@@ -163,6 +163,7 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   {
     ReportingScope scope;
     for (const Use& u : uses) u.listener->before_param_use(u.sharded);
+    for (const Use& u : uses) u.listener->param_use_arguments(last_values(stack, n));
   }
   // A placeholder still here is an alias made while its unit was sharded
   // (detach() outside forward): gathering the unit did not fill it.
@@ -450,6 +451,8 @@ void release_placeholder(const at::Tensor& placeholder) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().erase(storage_of(placeholder));
 }
+
+bool carries_placeholder_key(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
 
 bool is_placeholder(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
 

@@ -32,6 +32,9 @@ class ParamUseListener {
   /// that parameter is a placeholder. May gather the unit, after which the
   /// parameters point at their (tracked) views.
   virtual void before_param_use(bool sharded) = 0;
+  /// After before_param_use, before the operator runs, with its arguments
+  /// (the unit's parameters among them).
+  virtual void param_use_arguments(c10::ArrayRef<c10::IValue> args) = 0;
   /// After the operator ran, with its outputs; `wrote` when it wrote to one
   /// of the unit's parameters in place (an initialiser, a clamp_). Also,
   /// with no outputs, when it failed.
@@ -122,6 +125,10 @@ void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
     }
   }
 }
+
+/// True for a tensor whose operators the fallback sees: a placeholder, or a
+/// view of a gathered unit's parameters (tracked_alias).
+bool carries_placeholder_key(const at::Tensor& t);
 
 /// True for a tensor made by make_placeholder (or a detached alias of one).
 bool is_placeholder(const at::Tensor& t);

@@ -123,6 +123,30 @@ void UnitRuntime::before_param_use(bool sharded) {
   r.enter_forward(*this);
 }
 
+void UnitRuntime::param_use_arguments(c10::ArrayRef<c10::IValue> args) {
+  // See Note [Parameters backward reads without a gradient]: a unit made in
+  // place has no forward arguments to hook; the arguments that need a
+  // gradient of each operator on its parameters are what its backward's
+  // reads wait for (each such node runs before their gradients are complete).
+  if (state_ != Unit::TrainingState::kForward || !has_frozen_reads()) return;
+  // A checkpointed region reads the parameters again in its recomputation,
+  // inside backward: those reads are not counted (the end of backward).
+  if (checkpoint_phase() != CheckpointPhase::kNone) return record_forward_inputs({}, false);
+  if (!at::GradMode::is_enabled()) return;  // no node of the graph reads them
+  std::vector<at::Tensor> inputs;
+  bool all_found = true;
+  const at::Tensor& buffer = flat_->unsharded();
+  for_each_tensor(args, [&](const at::Tensor& t) {
+    if (!t.defined() || !t.requires_grad()) return;
+    if (!carries_placeholder_key(t)) {
+      inputs.push_back(t);
+    } else if (!t.has_storage() || !t.storage().is_alias_of(buffer.storage())) {
+      all_found = false;  // another unit's parameter: its node's reads are not counted
+    }
+  });
+  record_forward_inputs(inputs, all_found);
+}
+
 void UnitRuntime::after_param_use(c10::ArrayRef<c10::IValue> outputs, bool wrote) {
   const OutsideInferenceMode outside;  // See Note [Inference mode].
   const bool reshard_now =

@@ -387,11 +387,15 @@ void UnitRuntime::pre_backward() {
 // the gradients of all its forward's inputs that require one were computed
 // (hooks on them, as PyTorch's FSDP reshards frozen units when a multi-grad
 // hook on their inputs fires, and FSDP2 every unit). It then reshards, or
-// at its reduction's launch if that comes later. Where the inputs are not
-// known (a fully_shard unit, an argument type that may hide tensors, none
-// requiring a gradient, a second backward through a retained graph, a
-// backward through a graph a backward built) it reshards at the end of
-// backward: more memory, never a freed read. The inputs counted are those of
+// at its reduction's launch if that comes later. A unit fully_shard made has
+// no forward arguments: the arguments of each operator on its parameters
+// count instead (param_use_arguments; its own parameters aside), so its
+// reads are over once the gradients of all of them are computed. Where the
+// inputs are not known (an argument type that may hide tensors, another
+// unit's parameter or a checkpointed region among a fully_shard unit's
+// operators, none requiring a gradient, a second backward through a
+// retained graph, a backward through a graph a backward built) it reshards
+// at the end of backward: more memory, never a freed read. The inputs counted are those of
 // every forward since the last backward ended (two forwards before one
 // backward: both graphs read the parameters); a hook fires once per backward
 // at most, so the count completes only when every one of them has. A frozen
@@ -645,7 +649,7 @@ void UnitRuntime::copy_out_early() {
 }
 
 at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const {
-  return start_host_copy(reduced, shard_grad_options(reduced.scalar_type()).dtype().toScalarType());
+  return start_host_copy(reduced, shard_grad_options().dtype().toScalarType());
 }
 
 bool UnitRuntime::can_deliver_early() const {
@@ -768,7 +772,7 @@ void UnitRuntime::deliver_early() {
   ReducedGrad grad = reduced_grad_for(targets);
   // Everything the completion needs, by value: it runs on the listener's
   // thread, and the unit goes on without it.
-  const at::TensorOptions to = shard_grad_options(grad_shard_.scalar_type());
+  const at::TensorOptions to = shard_grad_options();
   const c10::ScalarType dtype = to.dtype().toScalarType();
   const bool pinned = flat_->shard_pinned();
   Work work = std::exchange(grad_work_, Work());
@@ -825,8 +829,7 @@ std::vector<std::vector<ParamRange>> UnitRuntime::grad_parts(const std::vector<G
   // Only a gradient that lands in host memory, for a listener that reads
   // parts.
   const ReducedGradHooks* hooks = grad_hooks();
-  if (!hooks || !hooks->takes_parts ||
-      !shard_grad_options(reduced.scalar_type()).device().is_cpu()) {
+  if (!hooks || !hooks->takes_parts || !shard_grad_options().device().is_cpu()) {
     return {};
   }
   return plan_grad_parts(
@@ -936,8 +939,7 @@ void UnitRuntime::assign_reduced_grad(const std::vector<bool>* received) {
     if (plan.size() > 1) {
       ReducedGrad grad = reduced_grad_for(targets);
       hand_over_in_parts(grad, grad_work_, grad_shard_, std::move(targets), plan,
-                         /*parts_seen=*/true,
-                         shard_grad_options(grad_shard_.scalar_type()).dtype().toScalarType(),
+                         /*parts_seen=*/true, shard_grad_options().dtype().toScalarType(),
                          flat_->shard_pinned(), label());
       hooks->on_reduced(std::move(grad));
       return;

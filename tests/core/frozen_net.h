@@ -153,11 +153,12 @@ inline void train_and_compare(Made made, ShardingStrategy strategy, Loss how,
     params = fully_shard(*inner, options).flat_parameters();
     model = inner;
   }
-  // Wrappers see their inputs: after one forward, every block has resharded
-  // by the time backward reaches the stem (a fully_shard unit with frozen
-  // parameters keeps them to the end of backward).
+  // After one forward, every block has resharded by the time backward
+  // reaches the stem: wrappers hook their inputs, fully_shard's units the
+  // arguments of the operators on their parameters (they kept the frozen
+  // ones to the end of backward).
   int probed = 0;
-  if (wrapped && how == Loss::kOneForward) {
+  if (how == Loss::kOneForward) {
     inner->probe = [&] {
       ++probed;
       for (size_t i = 0; i < inner->blocks.size(); ++i) {
@@ -186,7 +187,7 @@ inline void train_and_compare(Made made, ShardingStrategy strategy, Loss how,
     opt.step();
     expect_same_after_step(*model, *reference.ptr(), what, step);
   }
-  if (wrapped && how == Loss::kOneForward) EXPECT_EQ(probed, 3) << what;
+  if (how == Loss::kOneForward) EXPECT_EQ(probed, 3) << what;
 }
 
 }  // namespace frozen_net
