@@ -26,19 +26,23 @@ FlatParamConfig UnitRuntime::flat_param_config(UnitInit& init, c10::Device devic
   return config;
 }
 
-at::TensorOptions UnitRuntime::shard_grad_options(at::ScalarType reduced_dtype) const {
+at::TensorOptions UnitRuntime::shard_grad_options() const {
   const auto& mp = options_.mixed_precision();
   const at::Tensor& shard = flat_->shard();
+  // As PyTorch's FSDP1 (prepare_gradient_for_optim, not its docstring):
+  // kept in the dtype forward and backward computed in, whatever the
+  // reduction's (a review found float32 gradients under bf16 parameters
+  // reduced in float32: the option saved nothing).
   const bool keep_dtype = mp && mp->keep_low_precision_grads();
   return at::TensorOptions()
       .device(shard.device())
-      .dtype(keep_dtype ? reduced_dtype : shard.scalar_type());
+      .dtype(keep_dtype ? mp->param_dtype().value_or(shard.scalar_type()) : shard.scalar_type());
 }
 
 at::Tensor UnitRuntime::grad_for_shard(const at::Tensor& reduced) const {
   // Under CPU offload, into host memory too: a copy the host waits for, so
   // the optimizer never steps ahead of it (Note [Shards in host memory]).
-  const at::TensorOptions to = shard_grad_options(reduced.scalar_type());
+  const at::TensorOptions to = shard_grad_options();
   return reduced.to(to.device(), to.dtype().toScalarType());
 }
 

@@ -4,7 +4,7 @@
 // device; shared by the CPU's tests (test_step_during_backward,
 // test_cpu_offload) and the GPU's (test_cuda_units):
 // - MixedPrecision::keep_low_precision_grads: the reduced gradient stays in
-//   the reduce dtype (bfloat16), half the bytes to host memory, and the fused
+//   the compute dtype (bfloat16), half the bytes to host memory, and the fused
 //   optimizer reads it as its float values (Note [Fused host optimizers]);
 // - the next forward's first unit sent to its device by its step (Note
 //   [Copy-in at the step]).

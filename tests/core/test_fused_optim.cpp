@@ -209,7 +209,7 @@ TEST(FusedOptim, AdamWKernelComputesAdamWsOperations) {
   EXPECT_TRUE(torch::allclose(p, rp, 1e-6, 1e-6)) << (p - rp).abs().max().item<double>();
 }
 
-// A gradient kept in the reduce dtype (MixedPrecision::keep_low_precision_grads:
+// A gradient kept in bf16 or float16 (MixedPrecision::keep_low_precision_grads:
 // half the bytes from a GPU under CPU offload) steps exactly as its float32
 // values do: bitwise, every step, with each group's options, the fused
 // parameters and those on LibTorch's operations (the float64 one, the

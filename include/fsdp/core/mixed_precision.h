@@ -58,8 +58,9 @@ struct MixedPrecision {
   /// Dtype floating-point buffers are cast to when the unit is made.
   /// nullopt: unchanged.
   TORCH_ARG(c10::optional<at::ScalarType>, buffer_dtype) = c10::nullopt;
-  /// Keep the reduced gradient in reduce_dtype on the shard instead of
-  /// casting it to the shard's dtype.
+  /// Keep the shard's gradient in param_dtype (the dtype forward and backward
+  /// compute in), whatever reduce_dtype, instead of the shard's dtype: as
+  /// PyTorch's FSDP1 does.
   TORCH_ARG(bool, keep_low_precision_grads) = false;
   /// Cast the floating-point tensor arguments of every unit's forward (the
   /// root's too, as PyTorch's FSDP does) to param_dtype.
