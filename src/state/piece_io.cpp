@@ -95,7 +95,8 @@ void DictSource::check(const std::string& key, const std::vector<int64_t>& shape
              " in the state dict, expected ", shape_text(shape),
              " (the model's). Load a state dict saved from the same model.");
   FSDP_CHECK(t.scalar_type() == dtype, /*rank=*/-1, name, "is ", t.scalar_type(),
-             " in the state dict, expected ", dtype);
+             " in the state dict, expected ", dtype, ". Convert it with .to(", dtype,
+             ") before loading");
 }
 
 void DictSource::read(const std::string& key, const std::vector<int64_t>& shape, int64_t begin,
@@ -198,9 +199,13 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
                "module paths).");
     // A buffer in buffer_dtype is saved in its own dtype; one saved before
     // 2026-11-29 is in buffer_dtype.
-    const bool cast = p.saved_dtype != p.data.scalar_type();
+    // A floating-point entry of another floating-point dtype is cast as it
+    // is read, as PyTorch's load_state_dict copies (a bf16 dict into a
+    // float32 model); so is a buffer in buffer_dtype, saved in its own dtype
+    // (or, before 2026-11-29, in buffer_dtype).
+    const at::ScalarType given = src.dtype(from[i]);
     stored[i] =
-        cast && src.dtype(from[i]) == p.data.scalar_type() ? p.data.scalar_type() : p.saved_dtype;
+        at::isFloatingType(given) && at::isFloatingType(p.saved_dtype) ? given : p.saved_dtype;
     for (const std::string& name : p.names()) {
       if (src.has("model/" + name)) src.check("model/" + name, p.shape, stored[i]);
     }
@@ -218,7 +223,7 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
     if (p.end <= p.begin) continue;
     if (stored[i] == p.data.scalar_type()) {
       src.read(from[i], p.shape, p.begin, p.end, p.data);
-    } else {  // a buffer in buffer_dtype, saved in its own dtype
+    } else {  // cast as it is read (see above)
       const at::Tensor saved = at::empty(p.data.sizes(), p.data.options().dtype(stored[i]));
       src.read(from[i], p.shape, p.begin, p.end, saved);
       p.data.copy_(saved);

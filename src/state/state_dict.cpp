@@ -58,12 +58,21 @@ int64_t rank_of(torch::nn::Module& model) {
   return detail::rank_or_none(detail::state_group(model));
 }
 
-// Rank 0's dict on every rank where `options` asks for it; else `dict`.
+// Rank 0's dict on every rank where `options` asks for it; else `dict`,
+// once the ranks agreed it is empty on all of them or on none: rank0_only's
+// dicts loaded as they are would leave ranks 1.. fresh (an optimizer's empty
+// dict is also a never-stepped one's), and the refusal comes on every rank,
+// so that none goes on alone to its next collective.
 torch::OrderedDict<std::string, at::Tensor> dict_to_load(
     torch::nn::Module& model, const torch::OrderedDict<std::string, at::Tensor>& dict,
-    const StateDictOptions& options) {
-  if (!options.broadcast_from_rank0()) return dict;
-  return detail::broadcast_dict(detail::state_group(model), dict);
+    const StateDictOptions& options, const char* where) {
+  ProcessGroup* group = detail::state_group(model);
+  if (options.broadcast_from_rank0()) return detail::broadcast_dict(group, dict);
+  const bool empty = dict.is_empty();
+  const auto seen = detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1}, ReduceOp::kMax);
+  FSDP_CHECK(seen[0] == 0 || seen[1] == 0, rank_of(model), where, "the dict is empty on ",
+             empty ? "this rank" : "some ranks", " and not on others.", kEmptyOnOtherRanks);
+  return dict;
 }
 
 }  // namespace
@@ -71,7 +80,7 @@ torch::OrderedDict<std::string, at::Tensor> dict_to_load(
 void load_full_state_dict(torch::nn::Module& model,
                           const torch::OrderedDict<std::string, at::Tensor>& given,
                           const StateDictOptions& options) {
-  const auto state_dict = dict_to_load(model, given, options);
+  const auto state_dict = dict_to_load(model, given, options, "state dict");
   FSDP_CHECK(!state_dict.is_empty() || (model.parameters().empty() && model.buffers().empty()),
              rank_of(model), "state dict",
              "the state dict is empty, and the model has parameters or buffers to load.",
@@ -82,7 +91,7 @@ void load_full_state_dict(torch::nn::Module& model,
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 const torch::OrderedDict<std::string, at::Tensor>& given,
                                 const StateDictOptions& options) {
-  const auto state_dict = dict_to_load(model, given, options);
+  const auto state_dict = dict_to_load(model, given, options, "optimizer state");
   FSDP_CHECK(!state_dict.is_empty() || optimizer.state().empty(), rank_of(model), "optimizer state",
              "the optimizer state dict is empty, which would clear this optimizer's state (as if "
              "never stepped); to start afresh, make a new optimizer instead.",

@@ -59,11 +59,38 @@ TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
   });
 }
 
+// A floating-point dict of another dtype loads as PyTorch's load_state_dict
+// copies it: a bf16 dict into the float32 model gives the bf16 values (a
+// review found it refused, the error naming no fix); an integer one is
+// refused, naming the conversion.
+TEST(StateDict, AFloatingPointDictOfAnotherDtypeIsCastAsItLoads) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto sd = full_state_dict(*make_model(FSDPOptions(), /*seed=*/4));
+    torch::OrderedDict<std::string, torch::Tensor> bf16, ints;
+    for (const auto& item : sd) {
+      bf16.insert(item.key(), item.value().to(torch::kBFloat16));
+      ints.insert(item.key(), item.value().to(torch::kLong));
+    }
+    auto model = make_model(FSDPOptions());
+    load_full_state_dict(*model, bf16);
+    for (const auto& item : full_state_dict(*model)) {
+      EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << item.key();
+      EXPECT_TRUE(torch::equal(item.value(), bf16[item.key()].to(torch::kFloat))) << item.key();
+    }
+    const std::string error = error_of([&] { load_full_state_dict(*model, ints); });
+    EXPECT_CONTAINS(error, "is Long in the state dict, expected Float");
+    EXPECT_CONTAINS(error, ".to(Float)");
+  });
+}
+
 // A user who takes both dicts with rank0_only and loads them on every rank
 // (a review found the optimizer's clear its state on ranks 1.., silently, so
-// the ranks' moments differed): each load says the dict is empty there and
-// why; on rank 0 they load. A never-stepped optimizer's empty dict still
-// loads into a never-stepped optimizer.
+// the ranks' moments differed; a later one, that a fresh optimizer on ranks
+// 1.. stayed fresh while rank 0's resumed, and that rank 0 loaded and went on
+// alone): every rank refuses, naming why, and nothing changes. A
+// never-stepped optimizer's empty dict still loads into a never-stepped
+// optimizer; an empty dict on every rank is refused for a stepped one.
 TEST(StateDict, Rank0OnlyDictsLoadedOnEveryRankAreNamed) {
   run_ranks_ok(2, [](int rank, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -77,23 +104,32 @@ TEST(StateDict, Rank0OnlyDictsLoadedOnEveryRankAreNamed) {
     const auto only = StateDictOptions().rank0_only(true);
     const auto sd = full_state_dict(*model, only);
     const auto osd = full_optim_state_dict(*model, *opt, only);
-    if (rank == 0) {
-      load_full_state_dict(*model, sd);
-      load_full_optim_state_dict(*model, *opt, osd);
-      return;
-    }
+    const auto before = full_state_dict(*model);
     const std::string prefix = "[rank " + std::to_string(rank) + "] fsdp(";
+    const std::string where = rank == 0 ? "some ranks" : "this rank";
     const std::string model_error = error_of([&] { load_full_state_dict(*model, sd); });
-    EXPECT_EQ(model_error.rfind(prefix + "state dict): the state dict is empty", 0), 0u)
+    EXPECT_EQ(model_error.rfind(prefix + "state dict): the dict is empty on " + where, 0), 0u)
         << model_error;
     EXPECT_CONTAINS(model_error, "rank0_only(true) is empty on every rank but 0");
+    for (const auto& item : full_state_dict(*model)) {
+      EXPECT_TRUE(torch::equal(item.value(), before[item.key()])) << item.key() << " changed";
+    }
     const std::string optim_error =
         error_of([&] { load_full_optim_state_dict(*model, *opt, osd); });
-    EXPECT_EQ(optim_error.rfind(prefix + "optimizer state): the optimizer state dict is empty", 0),
-              0u)
+    EXPECT_EQ(optim_error.rfind(prefix + "optimizer state): the dict is empty on " + where, 0), 0u)
         << optim_error;
-    EXPECT_CONTAINS(optim_error, "make a new optimizer instead");
     EXPECT_FALSE(opt->state().empty()) << "the refused load cleared the state";
+    auto fresh_opt = make_optimizer("adamw", model->parameters());
+    EXPECT_CONTAINS(error_of([&] { load_full_optim_state_dict(*model, *fresh_opt, osd); }),
+                    "rank0_only(true) is empty on every rank but 0");
+    EXPECT_TRUE(fresh_opt->state().empty());
+    const std::string none_error = error_of([&] {
+      load_full_optim_state_dict(*model, *opt, torch::OrderedDict<std::string, torch::Tensor>());
+    });
+    EXPECT_EQ(none_error.rfind(prefix + "optimizer state): the optimizer state dict is empty", 0),
+              0u)
+        << none_error;
+    EXPECT_CONTAINS(none_error, "make a new optimizer instead");
   });
 }
 
@@ -494,8 +530,8 @@ TEST(StateDict, BadInputIsRefusedOnEveryRank) {
         auto shape = sd;
         shape[item.key()] = torch::zeros({item.value().numel() + 1});
         EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*model, shape); }), "has shape");
-        auto dtype = sd;
-        dtype[item.key()] = item.value().to(torch::kDouble);
+        auto dtype = sd;  // a floating-point one is cast as it loads
+        dtype[item.key()] = item.value().to(torch::kLong);
         EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*model, dtype); }),
                         "in the state dict");
       }

@@ -54,16 +54,17 @@ torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
     const StateDictOptions& options = {});
 
 /// Copies a full state dict (as from full_state_dict()) into `model`: each rank
-/// takes its shard. Every rank passes the whole dict, and there is no
-/// communication, unless `options` asks for broadcast_from_rank0. The names
-/// and shapes must match the model's exactly.
+/// takes its shard. Every rank passes the whole dict (or, with
+/// broadcast_from_rank0, rank 0 does); collective: the ranks agree that the
+/// dict is empty on all of them or on none (rank0_only's dicts are empty on
+/// ranks 1..). The names and shapes must match the model's exactly.
 void load_full_state_dict(torch::nn::Module& model,
                           const torch::OrderedDict<std::string, at::Tensor>& state_dict,
                           const StateDictOptions& options = {});
 
 /// Sets `optimizer`'s state from a full optimizer state dict (as from
-/// full_optim_state_dict()); every rank passes the whole dict, and there is
-/// no communication, unless `options` asks for broadcast_from_rank0. A step
+/// full_optim_state_dict()); every rank passes the whole dict, or rank 0
+/// with broadcast_from_rank0; collective, as load_full_state_dict(). A step
 /// may also be an int64 tensor (as libfsdp saved it before 2026-11).
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                 const torch::OrderedDict<std::string, at::Tensor>& state_dict,
