@@ -77,6 +77,29 @@ TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
   expect_all_gone(dir, 2);
 }
 
+// A rank's failure is said at once, not after the other ranks stopped (up
+// to the shutdown timeout), and a Ctrl-C in that time keeps it the news:
+// the failed rank named, its exit code, no restart (a review found only
+// "stopped by SIGINT" and 130).
+TEST(FsdprunFailure, AFailureIsSaidAtOnceAndOutlivesALaterSignal) {
+  PidDir dir;
+  LauncherProcess launcher({"--nproc-per-node", "2", "--max-restarts", "2", "--kill-timeout", "30",
+                            test_rank_path(), "--ignore-sigterm", "--write-pid-dir", dir.path(),
+                            "--barrier", "--exit-code-on-rank", "1:3", "--sleep", "inf"});
+  const std::string failed = "rank 1 (local rank 1, pid ";
+  ASSERT_TRUE(launcher.pump_until(
+      [&] { return launcher.err().find("exited with status 3") != std::string::npos; },
+      kStartTimeout))
+      << launcher.err();
+  EXPECT_NE(launcher.err().find(failed), std::string::npos) << launcher.err();
+  launcher.send_signal(SIGINT);
+  const RunResult r = launcher.wait(kRunTimeout);
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_EQ(count_occurrences(r.err, "exited with status 3"), 1) << "restarted: " << r.err;
+  EXPECT_NE(r.err.find("stopped by SIGINT after that failure"), std::string::npos) << r.err;
+}
+
 /// Expects every rank in [0, count) to have recorded `signo`
 /// (fsdprun_test_rank --record-signals).
 void expect_ranks_got(const PidDir& dir, int count, int signo) {

@@ -412,6 +412,19 @@ TEST(FsdprunLinePrefixer, PrefixesCompleteLinesOnly) {
   EXPECT_EQ(out, "");
 }
 
+// A progress bar redraws its line after '\r': each redraw is released at
+// once, prefixed, not held until the bar's last '\n' (a review found such
+// bars invisible under fsdprun); "\r\n" stays one ending.
+TEST(FsdprunLinePrefixer, CarriageReturnsEndLinesAsTheyCome) {
+  LinePrefixer prefixer("[rank0]: ");
+  std::string out;
+  prefixer.feed(" 10%\r 20%", &out);
+  EXPECT_EQ(out, "[rank0]:  10%\r");
+  out.clear();
+  prefixer.feed("\r100%\ndone\r\nnext\n", &out);
+  EXPECT_EQ(out, "[rank0]:  20%\r[rank0]: 100%\n[rank0]: done\r\n[rank0]: next\n");
+}
+
 TEST(FsdprunLinePrefixer, EmptyPrefixPassesLinesThrough) {
   LinePrefixer prefixer("");
   std::string out;

@@ -50,6 +50,9 @@ class LauncherProcess {
   /// The launcher's pid.
   pid_t pid() const { return pid_; }
 
+  /// What the launcher wrote to stderr so far (pump_until collects it).
+  const std::string& err() const { return err_; }
+
   /// Sends `signo` to the launcher (not to its ranks).
   void send_signal(int signo) const;
 

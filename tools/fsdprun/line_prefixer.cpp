@@ -8,7 +8,7 @@ LinePrefixer::LinePrefixer(std::string prefix) : prefix_(std::move(prefix)) {}
 
 void LinePrefixer::feed(std::string_view data, std::string* out) {
   while (!data.empty()) {
-    const size_t newline = data.find('\n');
+    const size_t newline = data.find_first_of("\r\n");
     if (newline == std::string_view::npos) {
       partial_.append(data);
       // Release over-long lines in fixed pieces rather than growing forever.
@@ -18,14 +18,16 @@ void LinePrefixer::feed(std::string_view data, std::string* out) {
       }
       return;
     }
+    const bool crlf = data.compare(newline, 2, "\r\n") == 0;
+    const std::string_view ending = data.substr(newline, crlf ? 2 : 1);
     if (partial_.empty()) {
-      emit(data.substr(0, newline), out);
+      emit(data.substr(0, newline), out, ending);
     } else {
       partial_.append(data.substr(0, newline));
-      emit(partial_, out);
+      emit(partial_, out, ending);
       partial_.clear();
     }
-    data.remove_prefix(newline + 1);
+    data.remove_prefix(newline + ending.size());
   }
 }
 
@@ -35,10 +37,10 @@ void LinePrefixer::finish(std::string* out) {
   partial_.clear();
 }
 
-void LinePrefixer::emit(std::string_view line, std::string* out) const {
+void LinePrefixer::emit(std::string_view line, std::string* out, std::string_view ending) const {
   out->append(prefix_);
   out->append(line);
-  out->push_back('\n');
+  out->append(ending);
 }
 
 namespace {

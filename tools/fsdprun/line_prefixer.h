@@ -10,21 +10,23 @@
 namespace fsdp::launch {
 
 /// Buffers bytes from one pipe and releases only whole lines, each with a
-/// prefix such as "[rank3]: ". Because the caller writes what it gets in a
+/// prefix such as "[rank3]: ". A line ends at '\n' or at '\r' (a progress
+/// bar redrawing its line, shown at each redraw as on a terminal), and keeps
+/// its ending ("\r\n" too). Because the caller writes what it gets in a
 /// single call from a single thread, lines of different ranks can never mix
 /// mid-line.
 class LinePrefixer {
  public:
   /// A line longer than this is released in pieces of this size (each piece
-  /// ending in '\n') so a rank that never prints a newline, such as a
-  /// '\r'-based progress bar, cannot make fsdprun buffer without bound.
+  /// ending in '\n') so a rank that never ends a line cannot make fsdprun
+  /// buffer without bound.
   static constexpr size_t kMaxLineBytes = 1 << 20;
 
   /// `prefix` is put in front of every line; empty disables prefixing.
   explicit LinePrefixer(std::string prefix);
 
   /// Consumes `data` and appends every line it completes, prefixed and with
-  /// its '\n', to `out`.
+  /// its ending, to `out`.
   void feed(std::string_view data, std::string* out);
 
   /// End of stream: appends a trailing partial line, prefixed and completed
@@ -35,8 +37,8 @@ class LinePrefixer {
   size_t pending_bytes() const { return partial_.size(); }
 
  private:
-  /// Appends prefix + `line` + '\n' to `out`.
-  void emit(std::string_view line, std::string* out) const;
+  /// Appends prefix + `line` + `ending` to `out`.
+  void emit(std::string_view line, std::string* out, std::string_view ending = "\n") const;
 
   std::string prefix_;
   std::string partial_;

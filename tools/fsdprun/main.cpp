@@ -171,8 +171,11 @@ int launch(LaunchOptions options) {
       case AttemptResult::Outcome::kInterrupted:
         err.write("fsdprun: stopped by " + signal_name(result.signal) + "\n");
         return 128 + result.signal;
-      case AttemptResult::Outcome::kRankFailed:
-        err.write("fsdprun: " + result.failure + "\n");
+      case AttemptResult::Outcome::kRankFailed:  // the supervisor said which, at once
+        if (result.signal != 0) {
+          err.write("fsdprun: stopped by " + signal_name(result.signal) + " after that failure\n");
+          return result.exit_code;
+        }
         if (restart < options.max_restarts) continue;
         if (options.max_restarts > 0) {
           err.write("fsdprun: giving up after " + std::to_string(options.max_restarts) +

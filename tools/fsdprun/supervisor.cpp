@@ -87,11 +87,19 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
   }
   drain_outputs();
 
-  if (signals_.termination_count() > 0) {
+  // A failure that came first stays the news (its exit code, the rank's),
+  // whatever signal came while the other ranks stopped (torchrun reports the
+  // failed rank too); the signal still ends the job without a restart.
+  const bool signalled = signals_.termination_count() > 0;
+  if (failure_ && (!signalled || failed_before_signal_)) {
+    AttemptResult failed = *failure_;
+    if (signalled) failed.signal = signals_.first_termination_signal();
+    return failed;
+  }
+  if (signalled) {
     interrupted.signal = signals_.first_termination_signal();
     return interrupted;
   }
-  if (failure_) return *failure_;
   return AttemptResult{};
 }
 
@@ -317,6 +325,10 @@ void Supervisor::drain_outputs() {
 
 void Supervisor::record_failure(std::string message, int exit_code) {
   if (failure_) return;
+  // Said at once, as torchrun does: the other ranks may take the whole
+  // shutdown timeout to stop.
+  err_.write("fsdprun: " + message + "; stopping the other ranks\n");
+  failed_before_signal_ = signals_.termination_count() == 0;
   AttemptResult result;
   result.outcome = AttemptResult::Outcome::kRankFailed;
   result.failure = std::move(message);

@@ -29,7 +29,8 @@ struct AttemptResult {
   int exit_code = 0;
   /// kRankFailed: e.g. "rank 1 (local rank 1, pid 42) exited with status 3".
   std::string failure;
-  /// kInterrupted: the first signal fsdprun received.
+  /// kInterrupted: the first signal fsdprun received. kRankFailed: a signal
+  /// that came after the failure (no restart then), else 0.
   int signal = 0;
 };
 
@@ -115,6 +116,7 @@ class Supervisor {
   // State of the current attempt.
   std::vector<Rank> ranks_;
   std::optional<AttemptResult> failure_;
+  bool failed_before_signal_ = false;  // failure_ came before any signal
   bool stopping_ = false;
   Clock::time_point kill_deadline_;
   std::optional<Clock::time_point> killed_at_;
