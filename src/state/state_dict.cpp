@@ -1,5 +1,9 @@
 #include <fsdp/state/state_dict.h>
 
+#include <cstdlib>
+#include <exception>
+#include <string>
+
 #include "comm/agreement.h"
 #include "detail/error.h"
 #include "state/dict_broadcast.h"
@@ -10,24 +14,51 @@
 namespace fsdp {
 namespace {
 
+// Test-only: FSDP_FAULT_STATE_DICT_COPY=<rank>:<index> makes that rank's copy
+// of entry <index> throw, as a copy out of host memory would.
+bool copy_fault(int64_t rank, size_t index) {
+  const char* env = std::getenv("FSDP_FAULT_STATE_DICT_COPY");
+  if (env == nullptr) return false;
+  const std::string spec(env);
+  const size_t colon = spec.find(':');
+  return colon != std::string::npos && std::stoll(spec.substr(0, colon)) == rank &&
+         std::stoull(spec.substr(colon + 1)) == index;
+}
+
 torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
                                                    torch::optim::Optimizer* optimizer,
                                                    const StateDictOptions& options) {
   detail::FullWalker walker(model, optimizer, /*model=*/optimizer == nullptr, /*aliases=*/true);
   ProcessGroup* group = detail::state_group(model);
+  const int64_t rank = detail::rank_or_none(group);
   const bool keep = !options.rank0_only() || group == nullptr || group->rank() == 0;
   torch::OrderedDict<std::string, at::Tensor> out;
   at::Tensor last_copy;
+  std::exception_ptr error;
   walker.walk([&](size_t i, const at::Tensor& t) {
-    if (!keep) return;
-    const std::string& key = walker.specs()[i].key;
-    if (!walker.specs()[i].alias) {  // a tied tensor's names share one copy, as in the model
-      last_copy = options.offload_to_cpu() ? t.detach().to(at::kCPU, t.scalar_type(),
-                                                           /*non_blocking=*/false, /*copy=*/true)
-                                           : t.detach().clone();
+    if (!keep || error) return;
+    try {
+      TORCH_CHECK(!copy_fault(rank, i), "FSDP_FAULT_STATE_DICT_COPY: copy of entry ", i);
+      const std::string& key = walker.specs()[i].key;
+      if (!walker.specs()[i].alias) {  // a tied tensor's names share one copy, as in the model
+        last_copy = options.offload_to_cpu() ? t.detach().to(at::kCPU, t.scalar_type(),
+                                                             /*non_blocking=*/false, /*copy=*/true)
+                                             : t.detach().clone();
+      }
+      out.insert(key.substr(key.find('/') + 1), last_copy);
+    } catch (...) {
+      error = std::current_exception();
     }
-    out.insert(key.substr(key.find('/') + 1), last_copy);
   });
+  // One rank's failure is every rank's error: the walk went on to its end
+  // (every unit resharded, the ranks' gathers paired), where the others would
+  // have waited for it at their next collective.
+  const bool failed = detail::agree_reduce(group, {error ? 1 : 0}, ReduceOp::kMax)[0] > 0;
+  if (error) std::rethrow_exception(error);
+  FSDP_CHECK(!failed, rank, optimizer != nullptr ? "optimizer state" : "state dict",
+             "another rank failed while taking the full ",
+             optimizer != nullptr ? "optimizer state" : "state",
+             " dict (see its error); nothing was taken");
   return out;
 }
 

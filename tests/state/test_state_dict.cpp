@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -56,6 +57,36 @@ TEST(StateDict, FullStateDictUsesOriginalNamesAndRank0Only) {
       const std::string prefix = "[rank " + std::to_string(rank) + "] fsdp(head.weight): ";
       EXPECT_EQ(what.rfind(prefix + "has shape [3, 15] in the state dict", 0), 0u) << what;
     }
+  });
+}
+
+// A rank whose copy fails while the full dicts are taken (out of host memory
+// under rank0_only and offload_to_cpu) throws its error, and the others say
+// so at once instead of waiting at their next collective (a review found
+// them stuck in the next unit's gather); the walk still ends, so the model
+// trains on and the next dict is whole.
+TEST(StateDict, AFailedCopyOnOneRankIsAnErrorOnEvery) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(10)));
+    auto model = make_model(FSDPOptions());
+    auto opt = make_optimizer("adamw", model->parameters());
+    train(*model, *opt, 1);
+    const auto expected = full_state_dict(*model);
+    const auto only = StateDictOptions().rank0_only(true).offload_to_cpu(true);
+    ::setenv("FSDP_FAULT_STATE_DICT_COPY", "0:1", 1);
+    const std::string error = error_of([&] { full_state_dict(*model, only); });
+    const std::string optim_error = error_of([&] { full_optim_state_dict(*model, *opt, only); });
+    ::unsetenv("FSDP_FAULT_STATE_DICT_COPY");
+    if (rank == 0) {
+      EXPECT_CONTAINS(error, "FSDP_FAULT_STATE_DICT_COPY: copy of entry 1");
+      EXPECT_CONTAINS(optim_error, "FSDP_FAULT_STATE_DICT_COPY: copy of entry 1");
+    } else {
+      EXPECT_CONTAINS(error, "another rank failed while taking the full state dict");
+      EXPECT_CONTAINS(optim_error, "another rank failed while taking the full optimizer state");
+    }
+    train(*model, *opt, 1);
+    const auto after = full_state_dict(*model);
+    EXPECT_EQ(after.size(), expected.size());
   });
 }
 
