@@ -155,6 +155,19 @@ struct StatefulImpl : nn::Module {
 };
 TORCH_MODULE(Stateful);
 
+// A tuple element that is a reference or const is passed as it is: a cast
+// could not bind to it (this did not compile) or would write through it.
+struct RefTupleImpl : nn::Module {
+  RefTupleImpl() { fc = register_module("fc", nn::Linear(6, 6)); }
+  torch::Tensor forward(std::tuple<const torch::Tensor&, torch::Tensor> xs) {
+    seen = {std::get<0>(xs).scalar_type(), std::get<1>(xs).scalar_type()};
+    return fc(std::get<1>(xs));
+  }
+  nn::Linear fc{nullptr};
+  std::vector<torch::ScalarType> seen;
+};
+TORCH_MODULE(RefTuple);
+
 TEST(MixedPrecision, TensorsWithinNestedArgumentsAreCast) {
   run_ranks_ok(1, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -166,6 +179,11 @@ TEST(MixedPrecision, TensorsWithinNestedArgumentsAreCast) {
         std::vector<torch::Tensor>{torch::randn({2})});
     EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
     EXPECT_EQ(unit->module().seen, std::vector<torch::ScalarType>(3, torch::kBFloat16));
+    FullyShardedDataParallel<RefTupleImpl> refs(RefTuple(), FSDPOptions().mixed_precision(bf16));
+    const torch::Tensor x = torch::randn({2, 6});
+    refs->forward(std::tuple<const torch::Tensor&, torch::Tensor>(x, x));
+    EXPECT_EQ(refs->module().seen,
+              (std::vector<torch::ScalarType>{torch::kFloat, torch::kBFloat16}));
   });
 }
 

@@ -51,7 +51,8 @@ struct ForwardSignature {
 };
 /// Whether a T may hold tensors that for_each_tensor_arg() reaches: a
 /// Tensor, or a c10::optional, std::vector, std::tuple or std::pair of such
-/// (nested; tuple elements that are references are not reached).
+/// (nested). Tuple elements that are references or const are not reached
+/// (a cast or a replacement would write through them).
 template <typename T>
 struct MayHoldTensor : std::is_same<T, at::Tensor> {};
 template <typename T>
@@ -73,6 +74,20 @@ struct IsVector : std::false_type {};
 template <typename T>
 struct IsVector<std::vector<T>> : std::true_type {};
 
+template <typename T, typename F>
+void for_each_tensor_arg(T& arg, F&& f);
+
+/// for_each_tensor_arg() on the elements of tuple or pair `arg` that are
+/// MayHoldTensor (no reference, no const element).
+template <typename T, typename F, size_t... I>
+void for_each_tuple_element(T& arg, F& f, std::index_sequence<I...>) {
+  using D = std::remove_const_t<T>;
+  auto visit = [&f](auto& e, auto held) {
+    if constexpr (decltype(held)::value) for_each_tensor_arg(e, f);
+  };
+  (visit(std::get<I>(arg), MayHoldTensor<std::tuple_element_t<I, D>>{}), ...);
+}
+
 /// Calls `f` on each tensor `arg` holds (MayHoldTensor), depth first in
 /// declaration order; nothing for other types.
 template <typename T, typename F>
@@ -87,7 +102,7 @@ void for_each_tensor_arg(T& arg, F&& f) {
   } else if constexpr (IsVector<D>::value) {
     for (auto& e : arg) for_each_tensor_arg(e, f);
   } else {
-    std::apply([&f](auto&... e) { (for_each_tensor_arg(e, f), ...); }, arg);
+    for_each_tuple_element(arg, f, std::make_index_sequence<std::tuple_size_v<D>>{});
   }
 }
 
@@ -111,18 +126,17 @@ struct TensorsFindable<std::pair<A, B>>
     : std::bool_constant<TensorsFindable<A>::value && TensorsFindable<B>::value> {};
 
 /// Whether a forward's output type is a Tensor, a std::vector of Tensors, or
-/// a std::tuple / std::pair of these (nested): the outputs whose tensors
-/// backward can start from.
+/// a std::tuple / std::pair of these (nested; no reference or const
+/// element): the outputs whose tensors backward can start from.
 template <typename T>
 struct IsForwardOutput : std::bool_constant<std::is_same_v<T, at::Tensor> ||
                                             std::is_same_v<T, std::vector<at::Tensor>>> {};
 template <typename... T>
-struct IsForwardOutput<std::tuple<T...>>
-    : std::bool_constant<(IsForwardOutput<std::decay_t<T>>::value && ...)> {};
+struct IsForwardOutput<std::tuple<T...>> : std::bool_constant<(IsForwardOutput<T>::value && ...)> {
+};
 template <typename A, typename B>
 struct IsForwardOutput<std::pair<A, B>>
-    : std::bool_constant<IsForwardOutput<std::decay_t<A>>::value &&
-                         IsForwardOutput<std::decay_t<B>>::value> {};
+    : std::bool_constant<IsForwardOutput<A>::value && IsForwardOutput<B>::value> {};
 
 /// Appends the Tensors of a forward's output to `into`, in
 /// for_each_tensor_arg()'s order. Returns false for a type that is not an
