@@ -5,6 +5,7 @@
 #include <string>
 
 #include "comm/agreement.h"
+#include "core/sharded_placeholder.h"
 #include "detail/error.h"
 #include "state/dict_broadcast.h"
 #include "state/full_gather.h"
@@ -31,6 +32,7 @@ torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
   detail::FullWalker walker(model, optimizer, /*model=*/optimizer == nullptr, /*aliases=*/true);
   ProcessGroup* group = detail::state_group(model);
   const int64_t rank = detail::rank_or_none(group);
+  const bool summoned = detail::unreported_uses_active();
   const bool keep = !options.rank0_only() || group == nullptr || group->rank() == 0;
   torch::OrderedDict<std::string, at::Tensor> out;
   at::Tensor last_copy;
@@ -52,8 +54,10 @@ torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
   });
   // One rank's failure is every rank's error: the walk went on to its end
   // (every unit resharded, the ranks' gathers paired), where the others would
-  // have waited for it at their next collective.
-  const bool failed = detail::agree_reduce(group, {error ? 1 : 0}, ReduceOp::kMax)[0] > 0;
+  // have waited for it at their next collective. Not inside SummonFullParams,
+  // where the walk gathers nothing and rank 0 may be alone (rank0_only).
+  const bool failed =
+      !summoned && detail::agree_reduce(group, {error ? 1 : 0}, ReduceOp::kMax)[0] > 0;
   if (error) std::rethrow_exception(error);
   FSDP_CHECK(!failed, rank, optimizer != nullptr ? "optimizer state" : "state dict",
              "another rank failed while taking the full ",
@@ -99,6 +103,8 @@ torch::OrderedDict<std::string, at::Tensor> dict_to_load(
     const StateDictOptions& options, const char* where) {
   ProcessGroup* group = detail::state_group(model);
   if (options.broadcast_from_rank0()) return detail::broadcast_dict(group, dict);
+  // A model without units loads on each rank alone, as it always did.
+  if (detail::units_with_params(model).empty()) return dict;
   const bool empty = dict.is_empty();
   const auto seen = detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1}, ReduceOp::kMax);
   FSDP_CHECK(seen[0] == 0 || seen[1] == 0, rank_of(model), where, "the dict is empty on ",
