@@ -142,7 +142,9 @@ void Unit::zero_optim_grads(bool set_to_none) {
 
 std::vector<Unit*> Unit::units_in_tree() const {
   std::vector<Unit*> out;
-  torch::nn::Module* self = runtime_ ? runtime_->self() : nullptr;
+  // A pass-through's parameters are the wrapped module's (it adopted them),
+  // and its tree may hold units (fully_shard sees through it).
+  torch::nn::Module* self = runtime_ ? runtime_->self() : wrapped_;
   if (self == nullptr) return out;
   for (const auto& m : self->modules(/*include_self=*/true)) {
     if (Unit* unit = unit_of(*m)) out.push_back(unit);
@@ -152,7 +154,7 @@ std::vector<Unit*> Unit::units_in_tree() const {
 
 std::vector<std::pair<std::string, at::Tensor>> Unit::unmanaged_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  torch::nn::Module* self = runtime_ ? runtime_->self() : nullptr;
+  torch::nn::Module* self = runtime_ ? runtime_->self() : wrapped_;  // see units_in_tree()
   if (self == nullptr) return out;
   std::unordered_set<const void*> seen;  // managed, or listed (a tied one once)
   for (const Unit* unit : units_in_tree()) {
@@ -178,7 +180,7 @@ std::vector<at::Tensor> Unit::flat_parameters() const {
 
 torch::OrderedDict<std::string, at::Tensor> Unit::named_flat_parameters() const {
   torch::OrderedDict<std::string, at::Tensor> out;
-  torch::nn::Module* self = runtime_ ? runtime_->self() : nullptr;
+  torch::nn::Module* self = runtime_ ? runtime_->self() : wrapped_;  // see units_in_tree()
   if (self == nullptr) return out;
   for (const auto& item : self->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
     const detail::UnitRuntime* unit = detail::UnitRuntime::of(*item.value());
@@ -244,6 +246,46 @@ double all_norm_max(ProcessGroup& group, double value) {
   return t[1].item<double>() > 0 ? std::nan("") : t[0].item<double>();
 }
 
+// A norm's terms as float64 scalars on their gradients' devices, read on the
+// host once per device: one synchronisation per clip, not one per gradient
+// (use_orig_params has one per parameter), and no float64 copy of a
+// gradient (torch's clip_grad_norm_ stacks per-gradient norms too).
+class NormTerms {
+ public:
+  explicit NormTerms(double p) : p_(p), inf_(std::isinf(p)) {}
+  /// Adds ||g||_p^p (||g||_inf for the infinity norm), times `weight`.
+  void add(const at::Tensor& g, double weight = 1.0) {
+    at::Tensor t = at::linalg_vector_norm(g, p_, c10::nullopt, /*keepdim=*/false, at::kDouble);
+    if (!inf_) t = t.pow(p_);
+    if (weight != 1.0) t = t * weight;
+    terms_.push_back(std::move(t));
+  }
+  /// Their sum (their maximum, NaN if any is, for the infinity norm).
+  double value() const {
+    double out = 0;
+    std::vector<bool> done(terms_.size(), false);
+    for (size_t i = 0; i < terms_.size(); ++i) {
+      if (done[i]) continue;
+      std::vector<at::Tensor> same;
+      for (size_t j = i; j < terms_.size(); ++j) {
+        if (!done[j] && terms_[j].device() == terms_[i].device()) {
+          same.push_back(terms_[j]);
+          done[j] = true;
+        }
+      }
+      const at::Tensor all = at::stack(same);
+      const double v = (inf_ ? all.max() : all.sum()).item<double>();
+      out = inf_ ? norm_max(out, v) : out + v;
+    }
+    return out;
+  }
+
+ private:
+  double p_;
+  bool inf_;
+  std::vector<at::Tensor> terms_;
+};
+
 }  // namespace
 
 double Unit::clip_grad_norm_(double max_norm, double norm_type) {
@@ -265,38 +307,37 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
   // no unit manages are this rank's own, counted once as PyTorch's FSDP
   // does; they differ across ranks, so the largest norm over the ranks is
   // the one every rank clips by (the same everywhere, as documented).
-  double sharded = 0, replicated = 0, local = 0;
+  NormTerms sharded_terms(norm_type), replicated_terms(norm_type), local_terms(norm_type);
   bool any_unit = false, any_sharded = false;  // the same on every rank: what collectives run
   std::vector<at::Tensor> grads;
   ProcessGroup* job = fsdp_options().process_group().get();  // every rank's
-  const auto add = [&](const at::Tensor& p, double& acc) {
+  const auto add = [&](const at::Tensor& p, NormTerms& terms, double weight) {
     const at::Tensor& g = p.grad();
     if (!g.defined()) return;
     // Scaled below, an empty one too: its version moves on every rank alike
     // (Note [Gathered before a step]).
     grads.push_back(g);
-    if (g.numel() == 0) return;
-    const double part = inf ? g.abs().max().item<double>()
-                            : g.to(at::kDouble).abs().pow(norm_type).sum().item<double>();
-    acc = inf ? norm_max(acc, part) : acc + part;
+    if (g.numel() > 0) terms.add(g, weight);
   };
   for (Unit* unit : units_in_tree()) {
     const FlatParameter* flat = unit->flat_param();
     if (flat == nullptr) continue;
     any_unit = true;
     if (flat->keeps_unsharded()) {
-      for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, replicated);
+      for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, replicated_terms, 1.0);
       continue;
     }
     any_sharded = true;
-    double mine = 0;
-    for (const at::Tensor& p : unit->runtime_->optim_params()) add(p, mine);
     const int replicas = job != nullptr ? std::max(1, job->size() / flat->group().size()) : 1;
-    sharded = inf ? norm_max(sharded, mine) : sharded + mine / replicas;
+    for (const at::Tensor& p : unit->runtime_->optim_params()) {
+      add(p, sharded_terms, inf ? 1.0 : 1.0 / replicas);
+    }
   }
   const auto unmanaged = unmanaged_parameters();
-  for (const auto& [name, p] : unmanaged) add(p, local);
+  for (const auto& [name, p] : unmanaged) add(p, local_terms, 1.0);
   if (!any_unit && unmanaged.empty()) return 0.0;
+  const double sharded = sharded_terms.value(), replicated = replicated_terms.value(),
+               local = local_terms.value();
   double total = sharded;
   if (any_sharded && job != nullptr) {
     total = inf ? all_norm_max(*job, sharded) : all_norm_sum(*job, sharded);

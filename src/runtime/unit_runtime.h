@@ -312,8 +312,7 @@ class UnitRuntime final : public ParamUseListener {
   // The reduced gradient as the shard's .grad takes it: in the shard's dtype
   // (unless keep_low_precision_grads) and in the shard's memory.
   at::Tensor grad_for_shard(const at::Tensor& reduced) const;
-  // Where and in which dtype grad_for_shard puts a gradient reduced in
-  // `reduced_dtype`.
+  // Where and in which dtype grad_for_shard puts a reduced gradient.
   at::TensorOptions shard_grad_options() const;
   RootState& root() const;
 

@@ -36,6 +36,11 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
       EXPECT_FALSE(plain->a->enabled());
       EXPECT_EQ(plain->a->flat_param(), nullptr);
       EXPECT_EQ(plain->a->parameters().size(), 2u);  // the Linear's own weight and bias
+      // The Unit's API says the same (a review found it empty: an optimizer
+      // built from named_flat_parameters() trained nothing).
+      EXPECT_EQ(plain->a->flat_parameters().size(), 2u);
+      EXPECT_EQ(plain->a->named_flat_parameters().keys(),
+                (std::vector<std::string>{"weight", "bias"}));
       torch::manual_seed(0);
       TwoLayer wrapped = [] {
         EnableWrap scope(FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
