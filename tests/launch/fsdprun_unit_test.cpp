@@ -423,6 +423,10 @@ TEST(FsdprunLinePrefixer, CarriageReturnsEndLinesAsTheyCome) {
   out.clear();
   prefixer.feed("\r100%\ndone\r\nnext\n", &out);
   EXPECT_EQ(out, "[rank0]:  20%\r[rank0]: 100%\n[rank0]: done\r\n[rank0]: next\n");
+  out.clear();
+  prefixer.feed("split\r", &out);  // a "\r\n" across two reads
+  prefixer.feed("\nafter\n", &out);
+  EXPECT_EQ(out, "[rank0]: split\r\n[rank0]: after\n");
 }
 
 TEST(FsdprunLinePrefixer, EmptyPrefixPassesLinesThrough) {

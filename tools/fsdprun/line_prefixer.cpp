@@ -7,6 +7,11 @@ namespace fsdp::launch {
 LinePrefixer::LinePrefixer(std::string prefix) : prefix_(std::move(prefix)) {}
 
 void LinePrefixer::feed(std::string_view data, std::string* out) {
+  // A "\r\n" split between two reads: its '\n' ends the line already sent.
+  if (std::exchange(ended_at_cr_, false) && !data.empty() && data[0] == '\n') {
+    out->push_back('\n');
+    data.remove_prefix(1);
+  }
   while (!data.empty()) {
     const size_t newline = data.find_first_of("\r\n");
     if (newline == std::string_view::npos) {
@@ -28,6 +33,7 @@ void LinePrefixer::feed(std::string_view data, std::string* out) {
       partial_.clear();
     }
     data.remove_prefix(newline + ending.size());
+    ended_at_cr_ = data.empty() && ending == "\r";
   }
 }
 

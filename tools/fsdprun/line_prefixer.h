@@ -42,6 +42,7 @@ class LinePrefixer {
 
   std::string prefix_;
   std::string partial_;
+  bool ended_at_cr_ = false;  // the last feed ended with a line ended by '\r'
 };
 
 /// torchrun's --log-line-prefix-template filled in as Python's
