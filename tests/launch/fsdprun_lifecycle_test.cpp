@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <optional>
@@ -80,18 +81,29 @@ TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
 // A rank's failure is said at once, not after the other ranks stopped (up
 // to the shutdown timeout), and a Ctrl-C in that time keeps it the news:
 // the failed rank named, its exit code, no restart (a review found only
-// "stopped by SIGINT" and 130).
+// "stopped by SIGINT" and 130). As torchrun's summary, the line says where
+// and when (the node, its host, the time) and which file has the rank's
+// stderr.
 TEST(FsdprunFailure, AFailureIsSaidAtOnceAndOutlivesALaterSignal) {
   PidDir dir;
   LauncherProcess launcher({"--nproc-per-node", "2", "--max-restarts", "2", "--kill-timeout", "30",
-                            test_rank_path(), "--ignore-sigterm", "--write-pid-dir", dir.path(),
-                            "--barrier", "--exit-code-on-rank", "1:3", "--sleep", "inf"});
+                            "--log-dir", dir.path() + "/logs", "--redirects", "2", test_rank_path(),
+                            "--ignore-sigterm", "--write-pid-dir", dir.path(), "--barrier",
+                            "--exit-code-on-rank", "1:3", "--sleep", "inf"});
   const std::string failed = "rank 1 (local rank 1, pid ";
   ASSERT_TRUE(launcher.pump_until(
       [&] { return launcher.err().find("exited with status 3") != std::string::npos; },
       kStartTimeout))
       << launcher.err();
   EXPECT_NE(launcher.err().find(failed), std::string::npos) << launcher.err();
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  EXPECT_NE(launcher.err().find(std::string("(node 0, host ") + host + ", at 20"),
+            std::string::npos)
+      << launcher.err();
+  EXPECT_NE(launcher.err().find("its stderr: " + dir.path() + "/logs/"), std::string::npos)
+      << launcher.err();
+  EXPECT_NE(launcher.err().find("/attempt_0/1/stderr.log"), std::string::npos) << launcher.err();
   launcher.send_signal(SIGINT);
   const RunResult r = launcher.wait(kRunTimeout);
   ASSERT_FALSE(r.timed_out) << r.err;

@@ -48,12 +48,15 @@ std::string make_run_log_dir(const std::string& base, const std::string& run_id,
   return name.data();
 }
 
+std::string rank_log_path(const std::string& run_dir, int attempt, int local_rank, int stream) {
+  return run_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank) +
+         (stream == 0 ? "/stdout.log" : "/stderr.log");
+}
+
 int open_rank_log(const std::string& run_dir, int attempt, int local_rank, int stream,
                   std::string* error) {
-  const std::string dir =
-      run_dir + "/attempt_" + std::to_string(attempt) + "/" + std::to_string(local_rank);
-  if (!make_directories(dir, error)) return -1;
-  const std::string path = dir + (stream == 0 ? "/stdout.log" : "/stderr.log");
+  const std::string path = rank_log_path(run_dir, attempt, local_rank, stream);
+  if (!make_directories(path.substr(0, path.rfind('/')), error)) return -1;
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) *error = "cannot write " + path + ": " + std::strerror(errno);
   return fd;

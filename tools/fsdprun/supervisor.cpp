@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
+#include <string>
 #include <system_error>
 #include <utility>
 
@@ -104,6 +106,7 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
 }
 
 void Supervisor::start_ranks(int restart_count) {
+  attempt_ = restart_count;
   for (int local = 0; local < options_.nproc_per_node; ++local) {
     // A signal during start-up: do not start more ranks just to stop them.
     if (signals_.termination_count() != forwarded_signal_count_) return;
@@ -188,11 +191,29 @@ void Supervisor::reap_children() {
     if (!is_success(status) && !stopping_) {
       record_failure("rank " + std::to_string(it->rank) + " (local rank " +
                          std::to_string(it->local_rank) + ", pid " + std::to_string(pid) + ") " +
-                         describe_wait_status(status),
+                         describe_wait_status(status) + where_and_when(*it),
                      exit_code_for(status));
       stop_all(SIGTERM);
     }
   }
+}
+
+std::string Supervisor::where_and_when(const Rank& rank) const {
+  // As torchrun's failure summary: every node prints its own line, and the
+  // first failure (the others' usually follow from it) is found by these.
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  char when[32] = {};
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  ::localtime_r(&now, &local);
+  std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &local);
+  std::string out =
+      " (node " + std::to_string(options_.node_rank) + ", host " + host + ", at " + when + ")";
+  if (((options_.redirects.of(rank.local_rank) | options_.tee.of(rank.local_rank)) & 2) != 0) {
+    out += "; its stderr: " + rank_log_path(options_.log_dir, attempt_, rank.local_rank, 1);
+  }
+  return out;
 }
 
 void Supervisor::stop_all(int signo) {
@@ -325,10 +346,11 @@ void Supervisor::drain_outputs() {
 
 void Supervisor::record_failure(std::string message, int exit_code) {
   if (failure_) return;
+  // Before it is said: a signal sent on reading it comes after it.
+  failed_before_signal_ = signals_.termination_count() == 0;
   // Said at once, as torchrun does: the other ranks may take the whole
   // shutdown timeout to stop.
   err_.write("fsdprun: " + message + "; stopping the other ranks\n");
-  failed_before_signal_ = signals_.termination_count() == 0;
   AttemptResult result;
   result.outcome = AttemptResult::Outcome::kRankFailed;
   result.failure = std::move(message);

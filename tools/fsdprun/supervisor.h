@@ -69,6 +69,9 @@ class Supervisor {
 
   /// Forks every rank; on a fork failure records it and stops the others.
   void start_ranks(int restart_count);
+  /// " (node N, host H, at <local time>)" and, where it is logged, the
+  /// rank's stderr file: for a failure's line.
+  std::string where_and_when(const Rank& rank) const;
   /// "[rank<N>]: ", --log-line-prefix-template filled in for `rank`, or
   /// "" with --no-prefix.
   std::string line_prefix(const Rank& rank) const;
@@ -117,6 +120,7 @@ class Supervisor {
   std::vector<Rank> ranks_;
   std::optional<AttemptResult> failure_;
   bool failed_before_signal_ = false;  // failure_ came before any signal
+  int attempt_ = 0;                    // this attempt's restart count
   bool stopping_ = false;
   Clock::time_point kill_deadline_;
   std::optional<Clock::time_point> killed_at_;
