@@ -172,6 +172,13 @@ TEST(FsdprunCli, APythonScriptRunsThroughPython) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "[rank0]: rank 0 unbuffered True []\n");
 
+  // Across nodes under the static backend, as torchrun runs it: no
+  // FSDP_JOB_TOKEN needed (torch.distributed reads none; it was refused).
+  r = run_launcher({"--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", script},
+                   {{"FSDP_JOB_TOKEN", std::nullopt}, {"PYTHONUNBUFFERED", std::nullopt}});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "[rank1]: rank 1 unbuffered True []\n") << r.err;
+
   r = run_launcher({script}, {{"PYTHON_EXEC", dir.path() + "/no-such-python"}});
   EXPECT_EQ(r.exit_code, 127) << r.err;
   EXPECT_NE(r.err.find("to run " + script + " as torchrun does: no such file; set PYTHON_EXEC"),

@@ -54,6 +54,10 @@ std::string ensure_job_token(const LaunchOptions& options, std::vector<std::stri
     break;
   }
   if (options.nnodes > 1) {
+    // A Python program's ranks meet through torch.distributed's store, which
+    // reads no token, and the static backend has no rendezvous of fsdprun's
+    // to guard: torchrun's command line works unchanged.
+    if (!options.assigns_node_ranks() && !options.python_script.empty()) return "";
     *error = "--nnodes " + std::to_string(options.nnodes) +
              " needs FSDP_JOB_TOKEN, the same on every node: run `export "
              "FSDP_JOB_TOKEN=$(openssl rand -hex 16)` once and start fsdprun with it on each node";

@@ -23,7 +23,8 @@ std::string random_run_id(std::string* error);
 /// kept when set and non-empty; else, for a one-node job, a random one is
 /// added (the same for every restart of the job). A multi-node job needs the
 /// same token on every node, so it must come from the environment: "", with
-/// a one-line `error` giving the fix, when it is missing.
+/// a one-line `error` giving the fix, when it is missing; "" without an
+/// error for a Python program under the static backend, which needs none.
 std::string ensure_job_token(const LaunchOptions& options, std::vector<std::string>* env,
                              std::string* error);
 

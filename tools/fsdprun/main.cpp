@@ -82,7 +82,7 @@ int launch(LaunchOptions options) {
   std::vector<std::string> base_env = environment_from(environ);
   std::string token_error;
   const std::string token = ensure_job_token(options, &base_env, &token_error);
-  if (token.empty()) {
+  if (token.empty() && !token_error.empty()) {
     err.write("fsdprun: error: " + token_error + "\n");
     return options.nnodes > 1 ? kUsageExitCode : 1;
   }
