@@ -54,10 +54,11 @@ torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
   });
   // One rank's failure is every rank's error: the walk went on to its end
   // (every unit resharded, the ranks' gathers paired), where the others would
-  // have waited for it at their next collective. Not inside SummonFullParams,
-  // where the walk gathers nothing and rank 0 may be alone (rank0_only).
-  const bool failed =
-      !summoned && detail::agree_reduce(group, {error ? 1 : 0}, ReduceOp::kMax)[0] > 0;
+  // have waited for it at their next collective. Not for the model inside
+  // SummonFullParams, where the walk gathers nothing and rank 0 may be alone
+  // (rank0_only); the optimizer's walk is collective there too.
+  const bool agree = !summoned || optimizer != nullptr;
+  const bool failed = agree && detail::agree_reduce(group, {error ? 1 : 0}, ReduceOp::kMax)[0] > 0;
   if (error) std::rethrow_exception(error);
   FSDP_CHECK(!failed, rank, optimizer != nullptr ? "optimizer state" : "state dict",
              "another rank failed while taking the full ",

@@ -84,6 +84,14 @@ TEST(StateDict, AFailedCopyOnOneRankIsAnErrorOnEvery) {
       EXPECT_CONTAINS(error, "another rank failed while taking the full state dict");
       EXPECT_CONTAINS(optim_error, "another rank failed while taking the full optimizer state");
     }
+    {  // inside SummonFullParams the optimizer's walk is collective too
+      SummonFullParams full(*model);
+      ::setenv("FSDP_FAULT_STATE_DICT_COPY", "0:1", 1);
+      const std::string summoned = error_of([&] { full_optim_state_dict(*model, *opt); });
+      ::unsetenv("FSDP_FAULT_STATE_DICT_COPY");
+      EXPECT_CONTAINS(summoned, rank == 0 ? "FSDP_FAULT_STATE_DICT_COPY: copy of entry 1"
+                                          : "another rank failed while taking the full optimizer");
+    }
     train(*model, *opt, 1);
     const auto after = full_state_dict(*model);
     EXPECT_EQ(after.size(), expected.size());

@@ -86,6 +86,12 @@ int launch(LaunchOptions options) {
     err.write("fsdprun: error: " + token_error + "\n");
     return options.nnodes > 1 ? kUsageExitCode : 1;
   }
+  if (token.empty()) {  // a Python program under the static backend (ensure_job_token)
+    err.write(
+        "fsdprun: FSDP_JOB_TOKEN is unset: the Python program's ranks need none, but libfsdp "
+        "processes it starts would accept any peer; export the same one on every node to guard "
+        "them\n");
+  }
 
   if (options.redirects.any() || options.tee.any()) {
     std::string log_error;
