@@ -452,8 +452,6 @@ void release_placeholder(const at::Tensor& placeholder) {
   registry().erase(storage_of(placeholder));
 }
 
-bool carries_placeholder_key(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
-
 bool is_placeholder(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }
 
 void refuse_placeholder_use(const at::Tensor& t, const std::string& user) {

@@ -126,11 +126,9 @@ void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
   }
 }
 
-/// True for a tensor whose operators the fallback sees: a placeholder, or a
-/// view of a gathered unit's parameters (tracked_alias).
-bool carries_placeholder_key(const at::Tensor& t);
-
-/// True for a tensor made by make_placeholder (or a detached alias of one).
+/// True for a tensor that carries the placeholders' dispatch key: one made
+/// by make_placeholder (or a detached alias of one), and while its unit is
+/// gathered a view of its parameters (tracked_alias).
 bool is_placeholder(const at::Tensor& t);
 
 /// Throws what an operator `user` on placeholder `t` would get (the

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -258,22 +259,13 @@ class NormTerms {
     at::Tensor t = at::linalg_vector_norm(g, p_, c10::nullopt, /*keepdim=*/false, at::kDouble);
     if (!inf_) t = t.pow(p_);
     if (weight != 1.0) t = t * weight;
-    terms_.push_back(std::move(t));
+    by_device_[t.device()].push_back(std::move(t));
   }
   /// Their sum (their maximum, NaN if any is, for the infinity norm).
   double value() const {
     double out = 0;
-    std::vector<bool> done(terms_.size(), false);
-    for (size_t i = 0; i < terms_.size(); ++i) {
-      if (done[i]) continue;
-      std::vector<at::Tensor> same;
-      for (size_t j = i; j < terms_.size(); ++j) {
-        if (!done[j] && terms_[j].device() == terms_[i].device()) {
-          same.push_back(terms_[j]);
-          done[j] = true;
-        }
-      }
-      const at::Tensor all = at::stack(same);
+    for (const auto& [device, terms] : by_device_) {
+      const at::Tensor all = at::stack(terms);
       const double v = (inf_ ? all.max() : all.sum()).item<double>();
       out = inf_ ? norm_max(out, v) : out + v;
     }
@@ -283,7 +275,7 @@ class NormTerms {
  private:
   double p_;
   bool inf_;
-  std::vector<at::Tensor> terms_;
+  std::unordered_map<c10::Device, std::vector<at::Tensor>> by_device_;
 };
 
 }  // namespace

@@ -138,7 +138,7 @@ void UnitRuntime::param_use_arguments(c10::ArrayRef<c10::IValue> args) {
   const at::Tensor& buffer = flat_->unsharded();
   for_each_tensor(args, [&](const at::Tensor& t) {
     if (!t.defined() || !t.requires_grad()) return;
-    if (!carries_placeholder_key(t)) {
+    if (!is_placeholder(t)) {
       inputs.push_back(t);
     } else if (!t.has_storage() || !t.storage().is_alias_of(buffer.storage())) {
       all_found = false;  // another unit's parameter: its node's reads are not counted
