@@ -361,6 +361,59 @@ TEST(ActivationCheckpoint, TensorsWithinTupleArgumentsGetGradients) {
   }
 }
 
+// A tuple whose elements are const references (a recurrent state passed
+// without copies): the region keeps its own copies for the recomputation
+// (it kept the references, which dangled once the caller's tensors were
+// gone, and the referenced tensors got no gradient), whether the region is
+// a CheckpointWrapper or a unit's own checkpointing.
+struct RefStateImpl : nn::Module {
+  RefStateImpl() { fc = register_module("fc", nn::Linear(kDim, kDim)); }
+  torch::Tensor forward(torch::Tensor x,
+                        std::tuple<const torch::Tensor&, const torch::Tensor&> state) {
+    return torch::tanh(fc(x) * std::get<0>(state) + std::get<1>(state));
+  }
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(RefState);
+
+TEST(ActivationCheckpoint, ConstReferencesWithinTupleArgumentsAreCopiedAndGetGradients) {
+  const torch::Tensor x = torch::randn({5, kDim});
+  const torch::Tensor h0 = torch::randn({5, kDim}), c0 = torch::randn({5, kDim});
+  // The gradients of h and c, then the parameters' (flattened and joined, as
+  // a unit's flat shard holds them at world 1).
+  const auto grads_of = [&](auto& block, const std::vector<torch::Tensor>& params) {
+    const torch::Tensor h = h0.clone().requires_grad_(true), c = c0.clone().requires_grad_(true);
+    torch::Tensor loss;
+    {
+      // Tensors the caller drops before backward.
+      torch::Tensor hs = h * 2, cs = c * 3;
+      loss = block->forward(x, std::tuple<const torch::Tensor&, const torch::Tensor&>(hs, cs))
+                 .pow(2)
+                 .sum();
+    }
+    loss.backward();
+    std::vector<torch::Tensor> flat;
+    for (const torch::Tensor& p : params) flat.push_back(p.grad().flatten());
+    return std::vector<torch::Tensor>{h.grad(), c.grad(), torch::cat(flat)};
+  };
+  auto [plain, wrapped] = checkpointed_twins<RefState>();
+  const auto expected = grads_of(plain, plain->parameters());
+  run_ranks_ok(1, [&](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    torch::manual_seed(0);
+    FullyShardedDataParallel<RefStateImpl> unit{RefState(), FSDPOptions()};
+    unit->set_activation_checkpointing(true);
+    const std::vector<torch::Tensor> unit_grads = grads_of(unit, unit->flat_parameters());
+    for (const auto& got : {grads_of(wrapped, wrapped->module().parameters()), unit_grads}) {
+      ASSERT_EQ(expected.size(), got.size());
+      for (size_t i = 0; i < expected.size(); ++i) {
+        ASSERT_TRUE(got[i].defined()) << "gradient " << i << " missing";
+        EXPECT_TRUE(torch::allclose(expected[i], got[i], 1e-5, 1e-6)) << "gradient " << i;
+      }
+    }
+  });
+}
+
 // Autograd frees a region's saved input after backward; the region keeps
 // no copy of it for as long as its graph lives (a loss kept for logging).
 TEST(ActivationCheckpoint, InputsAreFreedAfterBackwardWhileTheLossLives) {
@@ -595,6 +648,37 @@ TEST(ActivationCheckpoint, AWrapperAroundAUnitItselfIsRefused) {
     const std::string error = error_of(
         [&] { CheckpointWrapper<FullyShardedDataParallelImpl<DropBlockImpl>> wrapper(unit); });
     EXPECT_NE(error.find("set_activation_checkpointing"), std::string::npos) << error;
+  });
+}
+
+// A unit whose forward takes a vector of tuples of references cannot be
+// passed copies (call_checkpointed): its checkpointing is refused before the
+// forward gathers anything, and the unit trains with it turned off.
+struct RefListImpl : nn::Module {
+  RefListImpl() { fc = register_module("fc", nn::Linear(kDim, kDim)); }
+  torch::Tensor forward(std::vector<std::tuple<const torch::Tensor&>> xs) {
+    torch::Tensor y = torch::zeros({1, kDim});
+    for (const auto& x : xs) y = y + fc(std::get<0>(x));
+    return y;
+  }
+  nn::Linear fc{nullptr};
+};
+TORCH_MODULE(RefList);
+
+TEST(ActivationCheckpoint, ArgumentsItCannotCopyAreRefusedBeforeTheForward) {
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    FullyShardedDataParallel<RefListImpl> unit{RefList(), FSDPOptions()};
+    unit->set_activation_checkpointing(true);
+    const torch::Tensor x = torch::randn({2, kDim});
+    const std::vector<std::tuple<const torch::Tensor&>> xs{std::tuple<const torch::Tensor&>(x)};
+    const std::string error = error_of([&] { unit->forward(xs); });
+    EXPECT_NE(error.find("keeps copies of the forward's arguments"), std::string::npos) << error;
+    EXPECT_NE(error.find("Take those tuples by value"), std::string::npos) << error;
+    EXPECT_EQ(unit->training_state(), Unit::TrainingState::kIdle);
+    unit->set_activation_checkpointing(false);
+    unit->forward(xs).sum().backward();
+    EXPECT_TRUE(unit->flat_parameters()[0].grad().defined());
   });
 }
 

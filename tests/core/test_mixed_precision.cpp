@@ -155,8 +155,10 @@ struct StatefulImpl : nn::Module {
 };
 TORCH_MODULE(Stateful);
 
-// A tuple element that is a reference or const is passed as it is: a cast
-// could not bind to it (this did not compile) or would write through it.
+// A tuple element that is a const reference is cast as a copy the tuple's
+// reference points into (it was passed uncast: float32 reached bf16 weights);
+// a non-const reference is passed as it is, since a cast would not be the
+// caller's tensor (this did not compile).
 struct RefTupleImpl : nn::Module {
   RefTupleImpl() { fc = register_module("fc", nn::Linear(6, 6)); }
   torch::Tensor forward(std::tuple<const torch::Tensor&, torch::Tensor> xs) {
@@ -167,6 +169,16 @@ struct RefTupleImpl : nn::Module {
   std::vector<torch::ScalarType> seen;
 };
 TORCH_MODULE(RefTuple);
+struct MutableRefTupleImpl : nn::Module {
+  MutableRefTupleImpl() { fc = register_module("fc", nn::Linear(6, 6)); }
+  torch::Tensor forward(std::tuple<torch::Tensor&> xs) {
+    seen = {std::get<0>(xs).scalar_type()};
+    return fc(std::get<0>(xs).to(fc->weight.scalar_type()));
+  }
+  nn::Linear fc{nullptr};
+  std::vector<torch::ScalarType> seen;
+};
+TORCH_MODULE(MutableRefTuple);
 
 TEST(MixedPrecision, TensorsWithinNestedArgumentsAreCast) {
   run_ranks_ok(1, [](int, int) {
@@ -182,8 +194,13 @@ TEST(MixedPrecision, TensorsWithinNestedArgumentsAreCast) {
     FullyShardedDataParallel<RefTupleImpl> refs(RefTuple(), FSDPOptions().mixed_precision(bf16));
     const torch::Tensor x = torch::randn({2, 6});
     refs->forward(std::tuple<const torch::Tensor&, torch::Tensor>(x, x));
-    EXPECT_EQ(refs->module().seen,
-              (std::vector<torch::ScalarType>{torch::kFloat, torch::kBFloat16}));
+    EXPECT_EQ(refs->module().seen, std::vector<torch::ScalarType>(2, torch::kBFloat16));
+    FullyShardedDataParallel<MutableRefTupleImpl> mutable_refs(MutableRefTuple(),
+                                                               FSDPOptions().mixed_precision(bf16));
+    torch::Tensor y = torch::randn({2, 6});
+    mutable_refs->forward(std::tuple<torch::Tensor&>(y));
+    EXPECT_EQ(y.scalar_type(), torch::kFloat) << "the caller's tensor was replaced";
+    EXPECT_EQ(mutable_refs->module().seen, std::vector<torch::ScalarType>{torch::kFloat});
   });
 }
 

@@ -231,16 +231,19 @@ class Unit {
   [[noreturn]] void refuse_clone(const torch::nn::Module& self) const;
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
-  /// Called by the wrapper after the wrapped forward with the tensors of its
-  /// output. `unknown_output_type` (a mangled type name) when the output's
-  /// type hides its tensors: then a unit that trains is refused.
-  /// Raises the error for a checkpointed forward whose output type (the
-  /// mangled name) activation_checkpoint() cannot take apart.
-  [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
+  /// Raises the error for a checkpointed forward whose output type
+  /// activation_checkpoint() cannot take apart, or whose argument types
+  /// (std::tuple of them) it cannot copy for the recomputation: the mangled
+  /// name of the one at fault, nullptr for the other.
+  [[noreturn]] void refuse_activation_checkpointing(const char* output_type,
+                                                    const char* argument_types) const;
   /// Called by the wrapper after pre_forward() with the tensors of the
   /// forward's arguments; `all_found` false when an argument's type may hide
   /// some. See Note [Parameters backward reads without a gradient].
   void record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found);
+  /// Called by the wrapper after the wrapped forward with the tensors of its
+  /// output. `unknown_output_type` (a mangled type name) when the output's
+  /// type hides its tensors: then a unit that trains is refused.
   void post_forward(const std::vector<at::Tensor>& outputs,
                     const char* unknown_output_type = nullptr);
 

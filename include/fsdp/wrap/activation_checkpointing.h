@@ -40,14 +40,16 @@ void check_not_a_unit_to_checkpoint(const torch::nn::Module& m);
 /// arguments (for_each_tensor_arg: within optionals, vectors, tuples and
 /// pairs too) are its inputs, `params` the parameters `f` uses; the rest is
 /// copied for the recomputation (a tensor inside a struct of the user's is
-/// a constant there: no gradient reaches it). R is the forward's output type
-/// (IsForwardOutput).
+/// a constant there: no gradient reaches it). The copies are Owned: the
+/// recomputation runs in backward, when what a reference within a tuple
+/// pointed to may be gone. `f` is called with the Owned copies as lvalues.
+/// R is the forward's output type (IsForwardOutput).
 template <typename R, typename F, typename... Args>
 R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) {
   static_assert(IsForwardOutput<R>::value,
                 "activation checkpointing needs a forward returning at::Tensor, "
                 "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
-  using Saved = std::tuple<std::decay_t<Args>...>;
+  using Saved = std::tuple<Owned<Args>...>;
   auto saved = std::make_shared<Saved>(std::forward<Args>(args)...);
   std::vector<at::Tensor> inputs;
   std::apply([&inputs](const auto&... a) { (input_tensors(a, inputs), ...); }, *saved);
@@ -114,6 +116,12 @@ class CheckpointWrapperImpl<Impl, R (C::*)(Args...)> : public torch::nn::Module,
     detail::check_not_a_unit_to_checkpoint(*module_);
     detail::adopt_module_contents(*this, *module_);
   }
+  static_assert((detail::ArgOwnable<Args>::value && ...),
+                "CheckpointWrapper keeps copies of the forward's arguments for the "
+                "recomputation in backward: an argument holding references it cannot copy into "
+                "(a std::vector or c10::optional of tuples of references) cannot be "
+                "checkpointed; take the tuples by value");
+
   /// The wrapped forward, its activations recomputed in backward.
   R forward(Args... args) {
     Impl* m = module_.get();

@@ -24,21 +24,26 @@ namespace detail {
 /// A forward argument as the unit passes it on: a floating-point Tensor cast
 /// to `dtype` when one is given (see Unit::forward_input_dtype), anything
 /// else unchanged. Arg is the declared parameter type; a non-const Tensor&
-/// is passed unchanged (a cast copy could not bind to it).
+/// is passed unchanged (a cast copy could not bind to it), and so is a
+/// container whose references (a tuple's Tensor&) could not bind to an
+/// Owned copy.
 template <typename Arg, typename T>
 decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dtype) {
   using Declared = std::remove_reference_t<Arg>;
   constexpr bool mutable_ref = std::is_lvalue_reference_v<Arg> && !std::is_const_v<Declared>;
   using D = std::decay_t<T>;
+  using O = Owned<D>;
   if constexpr (std::is_same_v<D, at::Tensor> && !mutable_ref) {
     if (dtype && arg.defined() && arg.is_floating_point() && arg.scalar_type() != *dtype) {
       return at::Tensor(arg.to(*dtype));
     }
     return at::Tensor(std::forward<T>(arg));
-  } else if constexpr (MayHoldTensor<D>::value && !mutable_ref) {
+  } else if constexpr (MayHoldTensor<O>::value && !mutable_ref &&
+                       std::is_constructible_v<O, T&&> && std::is_constructible_v<Arg, O&&>) {
     // The tensors within (optionals, vectors, tuples, pairs), as PyTorch's
-    // FSDP casts nested inputs.
-    D out(std::forward<T>(arg));
+    // FSDP casts nested inputs; a tuple's const references then point into
+    // the copy, which lives until the forward returns.
+    O out(std::forward<T>(arg));
     for_each_tensor_arg(out,
                         [&dtype](at::Tensor& t) { t = cast_forward_arg<at::Tensor>(t, dtype); });
     return out;
@@ -132,6 +137,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
   /// Gathers the parameters, runs the wrapped forward, and arranges backward.
   R forward(Args... args) {
     if (!is_active()) return module_->forward(std::forward<Args>(args)...);
+    if (checkpoints_activations()) check_checkpointable();
     pre_forward();
     {
       std::vector<at::Tensor> inputs;
@@ -249,18 +255,33 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
     refuse_clone(*this);
   }
 
+  // Whether activation_checkpoint() can take this forward's output apart and
+  // keep copies of its arguments (see call_checkpointed).
+  static constexpr bool kCheckpointable = detail::IsForwardOutput<std::decay_t<R>>::value &&
+                                          (detail::ArgOwnable<Args>::value && ...);
+
+  // Refuses a forward kCheckpointable is false for, before the forward
+  // changes anything.
+  void check_checkpointable() const {
+    if constexpr (!(detail::ArgOwnable<Args>::value && ...)) {
+      refuse_activation_checkpointing(nullptr, typeid(std::tuple<Args...>).name());
+    } else if constexpr (!kCheckpointable) {
+      refuse_activation_checkpointing(typeid(R).name(), nullptr);
+    }
+  }
+
   // The wrapped forward under activation_checkpoint() (see
   // Unit::set_activation_checkpointing).
   template <typename... Given>
   R checkpointed_forward(Given&&... given) {
-    if constexpr (detail::IsForwardOutput<std::decay_t<R>>::value) {
+    if constexpr (kCheckpointable) {
       Impl* m = module_.get();
       return detail::call_checkpointed<R>([m](auto&... a) -> R { return m->forward(a...); },
                                           detail::module_parameters(*m),
                                           std::forward<Given>(given)...);
     } else {
-      refuse_activation_checkpointing(typeid(R).name());
-      return module_->forward(std::forward<Given>(given)...);
+      check_checkpointable();
+      return module_->forward(std::forward<Given>(given)...);  // not reached
     }
   }
 

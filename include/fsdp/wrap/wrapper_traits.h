@@ -106,6 +106,38 @@ void for_each_tensor_arg(T& arg, F&& f) {
   }
 }
 
+template <typename T>
+struct OwnedArg {
+  using type = T;
+};
+/// T as a value that holds no reference: tuple and pair elements (within
+/// optionals and vectors too) lose their reference and const, so a copy owns
+/// what the caller's references pointed to and for_each_tensor_arg() reaches
+/// every tensor. The caller's type is made from it again by its converting
+/// constructor, where it has one (ArgOwnable).
+template <typename T>
+using Owned = typename OwnedArg<std::remove_cv_t<std::remove_reference_t<T>>>::type;
+template <typename T>
+struct OwnedArg<c10::optional<T>> {
+  using type = c10::optional<Owned<T>>;
+};
+template <typename T>
+struct OwnedArg<std::vector<T>> {
+  using type = std::vector<Owned<T>>;
+};
+template <typename... T>
+struct OwnedArg<std::tuple<T...>> {
+  using type = std::tuple<Owned<T>...>;
+};
+template <typename A, typename B>
+struct OwnedArg<std::pair<A, B>> {
+  using type = std::pair<Owned<A>, Owned<B>>;
+};
+/// Whether a parameter of type Arg can be passed an lvalue Owned<Arg> (a
+/// tuple of const references can; a vector of such tuples cannot).
+template <typename Arg>
+struct ArgOwnable : std::is_constructible<Arg, Owned<Arg>&> {};
+
 /// Whether all the tensors of a T are found by for_each_tensor_arg(): T
 /// holds none (arithmetic, enum, string) or is one of MayHoldTensor's
 /// shapes made of such. False for other types, which may hide tensors (a
