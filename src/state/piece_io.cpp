@@ -169,7 +169,8 @@ void FileSource::read(const std::string& key, const std::vector<int64_t>& shape,
   dst.unsafeGetTensorImpl()->bump_version();
 }
 
-void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoad how) {
+void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoad how,
+                       IncompatibleKeys* skipped) {
   // A unit left unsharded would keep stale full values: free them first; the
   // next forward gathers the loaded shards.
   if (how == PieceLoad::kCheckAndWrite) {
@@ -193,6 +194,11 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
       stored[i] = p.saved_dtype;
       continue;
     }
+    if (skipped != nullptr && !src.has(from[i])) {  // left as it is
+      skipped->missing_keys.push_back(p.name);
+      stored[i] = p.saved_dtype;
+      continue;
+    }
     FSDP_CHECK(src.has(from[i]), /*rank=*/-1, p.name, "the checkpoint has no entry for ",
                p.is_buffer ? "buffer " : "parameter ", p.name,
                ". Load a checkpoint saved from the same model (names are the original "
@@ -212,15 +218,18 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
     if (p.end > p.begin) src.will_read(from[i], p.begin, p.end);
   }
   for (const std::string& key : src.keys()) {
-    if (key.rfind("model/", 0) != 0) continue;
-    FSDP_CHECK(expected.count(key) != 0, /*rank=*/-1, key.substr(6), "the checkpoint has ",
-               key.substr(6),
-               ", which the model does not have. Load a checkpoint saved from the same model.");
+    if (key.rfind("model/", 0) != 0 || expected.count(key) != 0) continue;
+    if (skipped != nullptr) {
+      skipped->unexpected_keys.push_back(key.substr(6));
+      continue;
+    }
+    FSDP_FAIL(/*rank=*/-1, key.substr(6), "the checkpoint has ", key.substr(6),
+              ", which the model does not have. Load a checkpoint saved from the same model.");
   }
   if (how == PieceLoad::kCheckOnly) return;
   for (size_t i = 0; i < pieces.size(); ++i) {
     LocalPiece& p = pieces[i];
-    if (p.end <= p.begin) continue;
+    if (p.end <= p.begin || !src.has(from[i])) continue;  // nothing here, or skipped
     if (stored[i] == p.data.scalar_type()) {
       src.read(from[i], p.shape, p.begin, p.end, p.data);
     } else {  // cast as it is read (see above)

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/state/state_dict.h>
+
 #include "state/checkpoint_dir.h"
 
 namespace fsdp::detail {
@@ -80,10 +82,12 @@ class FileSource : public PieceSource {
 /// parts checks them all before it writes any), or the checks and the writes.
 enum class PieceLoad { kCheckOnly, kCheckAndWrite };
 
-/// Loads every parameter and buffer of `root` from `src` (strict: a missing or
-/// unexpected "model/" key is an error). No communication.
+/// Loads every parameter and buffer of `root` from `src`. Strict (`skipped`
+/// null): a missing or unexpected "model/" key is an error; else they are
+/// left out and named in *skipped. No communication.
 void load_model_pieces(torch::nn::Module& root, const PieceSource& src,
-                       PieceLoad how = PieceLoad::kCheckAndWrite);
+                       PieceLoad how = PieceLoad::kCheckAndWrite,
+                       IncompatibleKeys* skipped = nullptr);
 
 /// Replaces `opt`'s state for `root`'s parameters with what `src` holds. No
 /// communication.

@@ -115,15 +115,20 @@ torch::OrderedDict<std::string, at::Tensor> dict_to_load(
 
 }  // namespace
 
-void load_full_state_dict(torch::nn::Module& model,
-                          const torch::OrderedDict<std::string, at::Tensor>& given,
-                          const StateDictOptions& options) {
+IncompatibleKeys load_full_state_dict(torch::nn::Module& model,
+                                      const torch::OrderedDict<std::string, at::Tensor>& given,
+                                      const StateDictOptions& options) {
   const auto state_dict = dict_to_load(model, given, options, "state dict");
-  FSDP_CHECK(!state_dict.is_empty() || (model.parameters().empty() && model.buffers().empty()),
+  FSDP_CHECK(!options.strict() || !state_dict.is_empty() ||
+                 (model.parameters().empty() && model.buffers().empty()),
              rank_of(model), "state dict",
              "the state dict is empty, and the model has parameters or buffers to load.",
              kEmptyOnOtherRanks);
-  detail::load_model_pieces(model, detail::DictSource(state_dict, "model/"));
+  IncompatibleKeys skipped;
+  detail::load_model_pieces(model, detail::DictSource(state_dict, "model/"),
+                            detail::PieceLoad::kCheckAndWrite,
+                            options.strict() ? nullptr : &skipped);
+  return skipped;
 }
 
 void load_full_optim_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,

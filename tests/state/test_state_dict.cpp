@@ -123,6 +123,43 @@ TEST(StateDict, AFloatingPointDictOfAnotherDtypeIsCastAsItLoads) {
   });
 }
 
+// StateDictOptions().strict(false), as PyTorch's load_state_dict(strict=False)
+// (fine-tuning from a checkpoint of a model with another head): the shared
+// entries load, the model's others keep their values, and the names on
+// either side only are returned, alike on every rank. Strict, the same dict
+// is refused and nothing changes; a wrong shape is refused either way.
+TEST(StateDict, NonStrictLoadsWhatItSharesAndNamesTheRest) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    auto sd = full_state_dict(*make_model(FSDPOptions(), /*seed=*/4));
+    auto model = make_model(FSDPOptions());
+    const auto before = full_state_dict(*model);
+    ASSERT_NE(sd.find("head.weight"), nullptr);
+    sd.erase("head.weight");
+    sd.insert("classifier.weight", torch::zeros({2, 2}));
+    EXPECT_CONTAINS(error_of([&] { load_full_state_dict(*model, sd); }),
+                    "the checkpoint has no entry for parameter head.weight");
+    expect_bitwise_equal(full_state_dict(*model), before, "after the strict refusal");
+    const IncompatibleKeys skipped =
+        load_full_state_dict(*model, sd, StateDictOptions().strict(false));
+    EXPECT_EQ(skipped.missing_keys, std::vector<std::string>{"head.weight"});
+    EXPECT_EQ(skipped.unexpected_keys, std::vector<std::string>{"classifier.weight"});
+    for (const auto& item : full_state_dict(*model)) {
+      const torch::Tensor& want =
+          item.key() == "head.weight" ? before[item.key()] : sd[item.key()];
+      EXPECT_TRUE(torch::equal(item.value(), want)) << item.key();
+    }
+    EXPECT_TRUE(load_full_state_dict(*model, before).missing_keys.empty());
+    auto bad = sd;
+    bad["head.bias"] = torch::zeros({7});
+    EXPECT_CONTAINS(error_of([&] {
+                      load_full_state_dict(*model, bad, StateDictOptions().strict(false));
+                    }),
+                    "fsdp(head.bias): has shape [7] in the state dict");
+    expect_bitwise_equal(full_state_dict(*model), before, "after the shape refusal");
+  });
+}
+
 // A user who takes both dicts with rank0_only and loads them on every rank
 // (a review found the optimizer's clear its state on ranks 1.., silently, so
 // the ranks' moments differed; a later one, that a fresh optimizer on ranks

@@ -29,6 +29,21 @@ struct StateDictOptions {
   /// one (as rank0_only gives them). Collective; each rank holds the whole
   /// dict while it loads, as when each loads it from a file.
   TORCH_ARG(bool, broadcast_from_rank0) = false;
+  /// For load_full_state_dict (PyTorch's load_state_dict(strict)): false
+  /// loads the entries the dict and the model share, leaves the rest as it
+  /// is, and returns the names it skipped instead of refusing them. A shape
+  /// or dtype that does not fit is refused either way.
+  TORCH_ARG(bool, strict) = true;
+};
+
+/// What a non-strict load_full_state_dict skipped (PyTorch's
+/// _IncompatibleKeys); empty after a strict one. The same on every rank.
+struct IncompatibleKeys {
+  /// The model's parameters and buffers the dict has no entry for (they
+  /// keep their values).
+  std::vector<std::string> missing_keys;
+  /// The dict's entries the model has no parameter or buffer for.
+  std::vector<std::string> unexpected_keys;
 };
 
 /// The full parameters and buffers of `model` (FSDP-wrapped or plain), as
@@ -57,10 +72,12 @@ torch::OrderedDict<std::string, at::Tensor> full_optim_state_dict(
 /// takes its shard. Every rank passes the whole dict (or, with
 /// broadcast_from_rank0, rank 0 does); collective: the ranks agree that the
 /// dict is empty on all of them or on none (rank0_only's dicts are empty on
-/// ranks 1..). The names and shapes must match the model's exactly.
-void load_full_state_dict(torch::nn::Module& model,
-                          const torch::OrderedDict<std::string, at::Tensor>& state_dict,
-                          const StateDictOptions& options = {});
+/// ranks 1..). The names and shapes must match the model's exactly, unless
+/// options.strict() is false: then the names the two do not share are
+/// returned.
+IncompatibleKeys load_full_state_dict(torch::nn::Module& model,
+                                      const torch::OrderedDict<std::string, at::Tensor>& state_dict,
+                                      const StateDictOptions& options = {});
 
 /// Sets `optimizer`'s state from a full optimizer state dict (as from
 /// full_optim_state_dict()); every rank passes the whole dict, or rank 0
