@@ -170,13 +170,16 @@ std::vector<std::pair<std::string, at::Tensor>> Unit::unmanaged_parameters() con
   return out;
 }
 
-std::vector<at::Tensor> Unit::flat_parameters() const {
+std::vector<at::Tensor> Unit::flat_parameters(bool recurse) const {
   std::vector<at::Tensor> out;
   for (const Unit* unit : units_in_tree()) {
+    if (!recurse && unit != this) continue;
     const auto& params = unit->runtime_->optim_params();
     out.insert(out.end(), params.begin(), params.end());
   }
-  for (auto& [name, p] : unmanaged_parameters()) out.push_back(std::move(p));
+  for (auto& [name, p] : unmanaged_parameters()) {
+    if (recurse || name.find('.') == std::string::npos) out.push_back(std::move(p));
+  }
   return out;
 }
 

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -400,6 +401,34 @@ TEST(UserHabits, WalkingModulesByTypeFindsWrappedOnes) {
     const auto inner = original_modules(*twice);
     ASSERT_EQ(inner.size(), 1u);
     EXPECT_NE(inner[0]->as<nn::LinearImpl>(), nullptr);
+  });
+}
+
+// parameters(false), as LibTorch's: a unit's own shards (or, with
+// use_orig_params, its own parameters' pieces), not its nested units' (the
+// flag was ignored: every unit's were returned, and an optimizer built per
+// unit from them stepped the nested shards twice).
+TEST(UserHabits, ParametersWithoutRecursionAreTheUnitsOwn) {
+  run_ranks_ok(2, [](int, int) {
+    join_test_group();
+    for (bool orig : {false, true}) {
+      const auto options = FSDPOptions().use_orig_params(orig);
+      FullyShardedDataParallel<HabitNetImpl> model(std::make_shared<HabitNetImpl>(true, options),
+                                                   options);
+      std::set<const void*> all, parts;
+      for (const auto& p : model->parameters()) all.insert(p.unsafeGetTensorImpl());
+      const std::vector<torch::Tensor> own = model->parameters(/*recurse=*/false);
+      EXPECT_EQ(own.size(), orig ? 3u : 1u) << "orig " << orig;
+      for (const auto& p : own) parts.insert(p.unsafeGetTensorImpl());
+      for (const auto* child : {&model->module().used, &model->module().spare}) {
+        const auto* unit = dynamic_cast<const Unit*>(child->ptr().get());
+        ASSERT_NE(unit, nullptr);
+        for (const auto& p : unit->flat_parameters(/*recurse=*/false)) {
+          EXPECT_TRUE(parts.insert(p.unsafeGetTensorImpl()).second) << "listed twice";
+        }
+      }
+      EXPECT_EQ(parts, all) << "orig " << orig;
+    }
   });
 }
 

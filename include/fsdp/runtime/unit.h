@@ -64,7 +64,9 @@ class Unit {
   /// parameters no unit in its tree manages (FSDPOptions::ignored_modules'):
   /// what an optimizer steps, as PyTorch's FSDP's parameters(). Shards of
   /// fully frozen units are included (their requires_grad is false).
-  std::vector<at::Tensor> flat_parameters() const;
+  /// `recurse` false: this unit's own shards and the unmanaged parameters
+  /// registered on its module itself, as Module::parameters(false).
+  std::vector<at::Tensor> flat_parameters(bool recurse = true) const;
 
   /// flat_parameters() with names: with use_orig_params, each original
   /// parameter's path from this unit ("block.0.weight"); otherwise each unit's

@@ -234,10 +234,11 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
     return nullptr;  // not reached
   }
 
-  /// What the optimizer steps: the flat shards of this unit and the units in it.
-  /// (Hides Module::parameters; named_parameters() keeps the original names.)
+  /// What the optimizer steps: the flat shards of this unit and the units in
+  /// it (`recurse` false: this unit's own; see Unit::flat_parameters). (Hides
+  /// Module::parameters; named_parameters() keeps the original names.)
   std::vector<at::Tensor> parameters(bool recurse = true) const {
-    return is_active() ? flat_parameters() : torch::nn::Module::parameters(recurse);
+    return is_active() ? flat_parameters(recurse) : torch::nn::Module::parameters(recurse);
   }
 
   /// False for a pass-through wrapper made by fsdp::wrap() outside a scope.

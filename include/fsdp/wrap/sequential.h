@@ -42,7 +42,7 @@ class AnyUnitImpl : public torch::nn::Module, public Unit, public detail::Module
   /// See detail::ModuleWrapper.
   torch::nn::Module& original_module() const override { return *module_.ptr(); }
   /// See Unit::flat_parameters.
-  std::vector<at::Tensor> parameters(bool /*recurse*/ = true) const { return flat_parameters(); }
+  std::vector<at::Tensor> parameters(bool recurse = true) const { return flat_parameters(recurse); }
   /// See FullyShardedDataParallelImpl::clone: refused, naming what works.
   std::shared_ptr<torch::nn::Module> clone(
       const c10::optional<torch::Device>& device = c10::nullopt) const override;
