@@ -922,6 +922,37 @@ TEST(UserHabits, ParametersFrozenWhenWrappedCanBeUnfrozen) {
       expect_same_after_step(*model.ptr(), *reference.ptr(), "unfrozen", step);
     }
   });
+  // Flat shards: fc1 a unit of its own, frozen whole when fully_shard made it.
+  run_ranks_ok(2, [](int, int world) {
+    join_test_group();
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Net model(false, FSDPOptions());
+    for (nn::Module* m : {reference.ptr().get(), model.ptr().get()}) {
+      for (auto& p : m->named_parameters()) {
+        if (p.key().rfind("fc1.", 0) == 0) p.value().requires_grad_(false);
+      }
+    }
+    fully_shard(model, module_type_policy<nn::LinearImpl>());
+    auto ref_opt = adamw(reference->parameters());
+    auto opt = adamw(unit_of(*model)->flat_parameters());
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2) {
+        for (nn::Module* m : {reference.ptr().get(), model.ptr().get()}) {
+          for (auto& p : m->named_parameters()) {
+            if (p.key().rfind("fc1.", 0) == 0) p.value().requires_grad_(true);
+          }
+        }
+      }
+      train_step(reference, *ref_opt, model, *opt, step, world);
+    }
+    SummonFullParams full(*model);
+    const auto expected = reference->named_parameters();
+    for (const auto& p : model->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), expected[p.key()], 1e-5, 1e-6)) << p.key();
+    }
+  });
 }
 
 // A gradient penalty's loss: the model's loss plus the mean squared norm of
