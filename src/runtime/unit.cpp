@@ -119,9 +119,8 @@ bool Unit::checkpoints_activations() const {
   return runtime_ && runtime_->options().activation_checkpointing();
 }
 void Unit::set_activation_checkpointing(bool on) { runtime().set_activation_checkpointing(on); }
-void Unit::refuse_activation_checkpointing(const char* output_type,
-                                           const char* argument_types) const {
-  runtime().refuse_activation_checkpointing(output_type, argument_types);
+void Unit::refuse_activation_checkpointing(const char* output_type) const {
+  runtime().refuse_activation_checkpointing(output_type);
 }
 void Unit::pre_forward() { runtime().pre_forward(); }
 void Unit::record_forward_inputs(const std::vector<at::Tensor>& inputs, bool all_found) {

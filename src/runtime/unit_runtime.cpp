@@ -397,20 +397,9 @@ void UnitRuntime::set_activation_checkpointing(bool on) {
   options_.activation_checkpointing(on);
 }
 
-void UnitRuntime::refuse_activation_checkpointing(const char* output_type,
-                                                  const char* argument_types) const {
-  const int rank = flat_ ? flat_->group().rank() : -1;
-  if (argument_types != nullptr) {
-    // See call_checkpointed: the copies kept for the recomputation own what
-    // they hold, and a vector or optional of tuples of references cannot be
-    // made from such a copy.
-    FSDP_FAIL(rank, path_, "activation checkpointing of ", label(), " (", module_name(),
-              ") keeps copies of the forward's arguments ", c10::demangle(argument_types),
-              " for the recomputation in backward, and cannot pass them as a std::vector or "
-              "c10::optional of tuples of references. Take those tuples by value, checkpoint "
-              "a submodule, or turn it off");
-  }
-  FSDP_FAIL(rank, path_, "activation checkpointing of ", label(), " (", module_name(),
+void UnitRuntime::refuse_activation_checkpointing(const char* output_type) const {
+  FSDP_FAIL(flat_ ? flat_->group().rank() : -1, path_, "activation checkpointing of ", label(),
+            " (", module_name(),
             ") needs a forward that returns at::Tensor, "
             "std::vector<at::Tensor>, or a std::tuple / std::pair of these, not ",
             c10::demangle(output_type), ". Checkpoint a submodule that does, or turn it off");

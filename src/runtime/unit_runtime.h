@@ -81,8 +81,7 @@ class UnitRuntime final : public ParamUseListener {
   /// See Unit::set_activation_checkpointing.
   void set_activation_checkpointing(bool on);
   /// See Unit::refuse_activation_checkpointing.
-  [[noreturn]] void refuse_activation_checkpointing(const char* output_type,
-                                                    const char* argument_types) const;
+  [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
   /// A no_sync() guard over this unit begins (guards nest: synchronisation
   /// comes back when the outermost ends, as PyTorch's no_sync restores).
   void enter_no_sync() { ++no_sync_depth_; }

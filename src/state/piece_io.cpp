@@ -188,14 +188,17 @@ void load_model_pieces(torch::nn::Module& root, const PieceSource& src, PieceLoa
     const LocalPiece& p = pieces[i];
     for (const std::string& name : p.names()) expected.insert("model/" + name);
     from[i] = stored_key(src, "model/", p, "");
-    // A zero-element tensor has nothing to read, and sharded checkpoints
-    // saved until 2026-11-29 have no entry for it.
-    if (p.numel == 0 && !src.has(from[i])) {
-      stored[i] = p.saved_dtype;
-      continue;
+    // Non-strict: every name the source lacks, as PyTorch's load_state_dict
+    // names each of a tied tensor's names (the tensor loads from another).
+    if (skipped != nullptr) {
+      for (const std::string& name : p.names()) {
+        if (!src.has("model/" + name)) skipped->missing_keys.push_back(name);
+      }
     }
-    if (skipped != nullptr && !src.has(from[i])) {  // left as it is
-      skipped->missing_keys.push_back(p.name);
+    // A zero-element tensor has nothing to read, and sharded checkpoints
+    // saved until 2026-11-29 have no entry for it; a missing one is left as
+    // it is where the load is not strict.
+    if ((p.numel == 0 || skipped != nullptr) && !src.has(from[i])) {
       stored[i] = p.saved_dtype;
       continue;
     }

@@ -1,5 +1,6 @@
 #include <fsdp/state/state_dict.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -90,6 +91,22 @@ constexpr const char* kEmptyOnOtherRanks =
     "load it with StateDictOptions().broadcast_from_rank0(true), or on every rank what rank 0 "
     "saved of it (torch::save).";
 
+// A 48-bit fingerprint (exact in the agreement's float64) of the dict's
+// names, shapes and dtypes, in order: FNV-1a.
+int64_t dict_fingerprint(const torch::OrderedDict<std::string, at::Tensor>& dict) {
+  uint64_t h = 1469598103934665603ULL;
+  const auto mix = [&h](const void* data, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
+  };
+  for (const auto& item : dict) {
+    mix(item.key().data(), item.key().size() + 1);
+    const int64_t dtype = static_cast<int64_t>(item.value().scalar_type());
+    mix(&dtype, sizeof dtype);
+    for (const int64_t d : item.value().sizes()) mix(&d, sizeof d);
+  }
+  return static_cast<int64_t>(h & ((1ULL << 48) - 1));
+}
+
 int64_t rank_of(torch::nn::Module& model) {
   return detail::rank_or_none(detail::state_group(model));
 }
@@ -107,9 +124,16 @@ torch::OrderedDict<std::string, at::Tensor> dict_to_load(
   // A model without units loads on each rank alone, as it always did.
   if (detail::units_with_params(model).empty()) return dict;
   const bool empty = dict.is_empty();
-  const auto seen = detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1}, ReduceOp::kMax);
+  const int64_t print = dict_fingerprint(dict);
+  const auto seen = detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1, print, -print},
+                                         ReduceOp::kMax);
   FSDP_CHECK(seen[0] == 0 || seen[1] == 0, rank_of(model), where, "the dict is empty on ",
              empty ? "this rank" : "some ranks", " and not on others.", kEmptyOnOtherRanks);
+  // Each rank checks its own dict: different dicts would load different
+  // entries, or be refused on some ranks only.
+  FSDP_CHECK(seen[2] == -seen[3], rank_of(model), where,
+             "the dicts passed on the ranks differ (names, shapes or dtypes). Pass the same dict "
+             "on every rank, or rank 0's with StateDictOptions().broadcast_from_rank0(true)");
   return dict;
 }
 

@@ -129,7 +129,7 @@ TEST(StateDict, AFloatingPointDictOfAnotherDtypeIsCastAsItLoads) {
 // either side only are returned, alike on every rank. Strict, the same dict
 // is refused and nothing changes; a wrong shape is refused either way.
 TEST(StateDict, NonStrictLoadsWhatItSharesAndNamesTheRest) {
-  run_ranks_ok(2, [](int, int) {
+  run_ranks_ok(2, [](int rank, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
     auto sd = full_state_dict(*make_model(FSDPOptions(), /*seed=*/4));
     auto model = make_model(FSDPOptions());
@@ -157,6 +157,15 @@ TEST(StateDict, NonStrictLoadsWhatItSharesAndNamesTheRest) {
                     }),
                     "fsdp(head.bias): has shape [7] in the state dict");
     expect_bitwise_equal(full_state_dict(*model), before, "after the shape refusal");
+    // Each rank's own dict, different on one rank: refused on every rank (a
+    // rank would have skipped what the others load).
+    auto uneven = sd;
+    if (rank == 1) uneven.insert("extra", torch::zeros({1}));
+    EXPECT_CONTAINS(error_of([&] {
+                      load_full_state_dict(*model, uneven, StateDictOptions().strict(false));
+                    }),
+                    "the dicts passed on the ranks differ");
+    expect_bitwise_equal(full_state_dict(*model), before, "after the refusal of uneven dicts");
   });
 }
 
@@ -938,6 +947,12 @@ TEST(StateDict, ATiedParameterKeepsEveryName) {
           auto loaded = make(4);
           load_full_state_dict(*loaded, one);
           expect_bitwise_equal(full_state_dict(*loaded), sd, "without " + name);
+          // Non-strict, the name missing is named, as PyTorch's
+          // load_state_dict(strict=False) names it; the tensor loads.
+          auto again = make(4);
+          const auto skipped = load_full_state_dict(*again, one, StateDictOptions().strict(false));
+          EXPECT_EQ(skipped.missing_keys, std::vector<std::string>{name});
+          expect_bitwise_equal(full_state_dict(*again), sd, "non-strict without " + name);
         }
         // Two different values: the last name wins, as in the plain model's
         // torch::load and PyTorch's load_state_dict.

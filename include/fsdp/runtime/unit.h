@@ -64,8 +64,9 @@ class Unit {
   /// parameters no unit in its tree manages (FSDPOptions::ignored_modules'):
   /// what an optimizer steps, as PyTorch's FSDP's parameters(). Shards of
   /// fully frozen units are included (their requires_grad is false).
-  /// `recurse` false: this unit's own shards and the unmanaged parameters
-  /// registered on its module itself, as Module::parameters(false).
+  /// `recurse` false: only what this unit manages (its shard, or its
+  /// parameters' pieces), not the units inside it, and the unmanaged
+  /// parameters registered on its module itself.
   std::vector<at::Tensor> flat_parameters(bool recurse = true) const;
 
   /// flat_parameters() with names: with use_orig_params, each original
@@ -233,12 +234,9 @@ class Unit {
   [[noreturn]] void refuse_clone(const torch::nn::Module& self) const;
   /// Called by the wrapper before the wrapped forward.
   void pre_forward();
-  /// Raises the error for a checkpointed forward whose output type
-  /// activation_checkpoint() cannot take apart, or whose argument types
-  /// (std::tuple of them) it cannot copy for the recomputation: the mangled
-  /// name of the one at fault, nullptr for the other.
-  [[noreturn]] void refuse_activation_checkpointing(const char* output_type,
-                                                    const char* argument_types) const;
+  /// Raises the error for a checkpointed forward whose output type (the
+  /// mangled name) activation_checkpoint() cannot take apart.
+  [[noreturn]] void refuse_activation_checkpointing(const char* output_type) const;
   /// Called by the wrapper after pre_forward() with the tensors of the
   /// forward's arguments; `all_found` false when an argument's type may hide
   /// some. See Note [Parameters backward reads without a gradient].

@@ -29,7 +29,7 @@ struct StateDictOptions {
   /// one (as rank0_only gives them). Collective; each rank holds the whole
   /// dict while it loads, as when each loads it from a file.
   TORCH_ARG(bool, broadcast_from_rank0) = false;
-  /// For load_full_state_dict (PyTorch's load_state_dict(strict)): false
+  /// For load_full_state_dict only (PyTorch's load_state_dict(strict)): false
   /// loads the entries the dict and the model share, leaves the rest as it
   /// is, and returns the names it skipped instead of refusing them. A shape
   /// or dtype that does not fit is refused either way.

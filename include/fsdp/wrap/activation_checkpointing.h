@@ -36,21 +36,28 @@ inline std::vector<at::Tensor> module_parameters(const torch::nn::Module& m) {
 /// from the tree (it adopts the unit's contents). Names the fix.
 void check_not_a_unit_to_checkpoint(const torch::nn::Module& m);
 
+/// f(view_owned<Args>(std::get<I>(call))...).
+template <typename... Args, typename F, typename Saved, size_t... I>
+decltype(auto) call_viewed(F& f, Saved& call, std::index_sequence<I...>) {
+  return f(view_owned<Args>(std::get<I>(call))...);
+}
+
 /// Calls `f(args...)` under activation_checkpoint(): the tensors of its
 /// arguments (for_each_tensor_arg: within optionals, vectors, tuples and
 /// pairs too) are its inputs, `params` the parameters `f` uses; the rest is
 /// copied for the recomputation (a tensor inside a struct of the user's is
 /// a constant there: no gradient reaches it). The copies are Owned: the
-/// recomputation runs in backward, when what a reference within a tuple
-/// pointed to may be gone. `f` is called with the Owned copies as lvalues.
-/// R is the forward's output type (IsForwardOutput).
+/// recomputation runs in backward, when the tensors a tuple's references
+/// pointed to may be gone. `f` is called with arguments of the declared
+/// types made from the copies (view_owned). R is the forward's output type
+/// (IsForwardOutput).
 template <typename R, typename F, typename... Args>
 R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) {
   static_assert(IsForwardOutput<R>::value,
                 "activation checkpointing needs a forward returning at::Tensor, "
                 "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
   using Saved = std::tuple<Owned<Args>...>;
-  auto saved = std::make_shared<Saved>(std::forward<Args>(args)...);
+  auto saved = std::make_shared<Saved>(to_owned(std::forward<Args>(args))...);
   std::vector<at::Tensor> inputs;
   std::apply([&inputs](const auto&... a) { (input_tensors(a, inputs), ...); }, *saved);
   // The copy kept for the recomputation holds no tensor: autograd saves the
@@ -69,7 +76,7 @@ R call_checkpointed(F f, const std::vector<at::Tensor>& params, Args&&... args) 
     Saved call = *saved;
     size_t k = 0;
     std::apply([&xs, &k](auto&... a) { (replace_tensors(a, xs, k), ...); }, call);
-    R out = std::apply(f, call);
+    R out = call_viewed<Args...>(f, call, std::index_sequence_for<Args...>{});
     std::vector<at::Tensor> flat;
     output_tensors(out, flat);
     if (!first->taken) first->out = std::move(out);
@@ -116,16 +123,10 @@ class CheckpointWrapperImpl<Impl, R (C::*)(Args...)> : public torch::nn::Module,
     detail::check_not_a_unit_to_checkpoint(*module_);
     detail::adopt_module_contents(*this, *module_);
   }
-  static_assert((detail::ArgOwnable<Args>::value && ...),
-                "CheckpointWrapper keeps copies of the forward's arguments for the "
-                "recomputation in backward: an argument holding references it cannot copy into "
-                "(a std::vector or c10::optional of tuples of references) cannot be "
-                "checkpointed; take the tuples by value");
-
   /// The wrapped forward, its activations recomputed in backward.
   R forward(Args... args) {
     Impl* m = module_.get();
-    return detail::call_checkpointed<R>([m](auto&... a) -> R { return m->forward(a...); },
+    return detail::call_checkpointed<R>([m](auto&&... a) -> R { return m->forward(a...); },
                                         detail::module_parameters(*m), std::forward<Args>(args)...);
   }
   /// Sets training mode on the wrapper, the wrapped module and their children.

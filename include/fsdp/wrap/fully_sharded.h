@@ -38,12 +38,11 @@ decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dt
       return at::Tensor(arg.to(*dtype));
     }
     return at::Tensor(std::forward<T>(arg));
-  } else if constexpr (MayHoldTensor<O>::value && !mutable_ref &&
-                       std::is_constructible_v<O, T&&> && std::is_constructible_v<Arg, O&&>) {
+  } else if constexpr (MayHoldTensor<O>::value && !mutable_ref && std::is_constructible_v<Arg, O&&>) {
     // The tensors within (optionals, vectors, tuples, pairs), as PyTorch's
     // FSDP casts nested inputs; a tuple's const references then point into
     // the copy, which lives until the forward returns.
-    O out(std::forward<T>(arg));
+    O out = to_owned(std::forward<T>(arg));
     for_each_tensor_arg(out,
                         [&dtype](at::Tensor& t) { t = cast_forward_arg<at::Tensor>(t, dtype); });
     return out;
@@ -256,19 +255,13 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
     refuse_clone(*this);
   }
 
-  // Whether activation_checkpoint() can take this forward's output apart and
-  // keep copies of its arguments (see call_checkpointed).
-  static constexpr bool kCheckpointable = detail::IsForwardOutput<std::decay_t<R>>::value &&
-                                          (detail::ArgOwnable<Args>::value && ...);
+  // Whether activation_checkpoint() can take this forward's output apart.
+  static constexpr bool kCheckpointable = detail::IsForwardOutput<R>::value;
 
   // Refuses a forward kCheckpointable is false for, before the forward
   // changes anything.
   void check_checkpointable() const {
-    if constexpr (!(detail::ArgOwnable<Args>::value && ...)) {
-      refuse_activation_checkpointing(nullptr, typeid(std::tuple<Args...>).name());
-    } else if constexpr (!kCheckpointable) {
-      refuse_activation_checkpointing(typeid(R).name(), nullptr);
-    }
+    if constexpr (!kCheckpointable) refuse_activation_checkpointing(typeid(R).name());
   }
 
   // The wrapped forward under activation_checkpoint() (see
@@ -277,7 +270,7 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
   R checkpointed_forward(Given&&... given) {
     if constexpr (kCheckpointable) {
       Impl* m = module_.get();
-      return detail::call_checkpointed<R>([m](auto&... a) -> R { return m->forward(a...); },
+      return detail::call_checkpointed<R>([m](auto&&... a) -> R { return m->forward(a...); },
                                           detail::module_parameters(*m),
                                           std::forward<Given>(given)...);
     } else {

@@ -110,13 +110,15 @@ template <typename T>
 struct OwnedArg {
   using type = T;
 };
-/// T as a value that holds no reference: tuple and pair elements (within
-/// optionals and vectors too) lose their reference and const, so a copy owns
-/// what the caller's references pointed to and for_each_tensor_arg() reaches
-/// every tensor. The caller's type is made from it again by its converting
-/// constructor, where it has one (ArgOwnable).
+/// T decayed, as a value to keep: within its tuples and pairs (inside
+/// optionals and vectors too), the elements that may hold tensors lose their
+/// reference and const, so that a copy owns the tensors the caller's
+/// references pointed to; other elements stay as declared (a const Config&
+/// is not copied). view_owned() makes the declared type from it again.
 template <typename T>
-using Owned = typename OwnedArg<std::remove_cv_t<std::remove_reference_t<T>>>::type;
+using Owned = typename OwnedArg<std::decay_t<T>>::type;
+template <typename E>
+using OwnedElement = std::conditional_t<MayHoldTensor<Owned<E>>::value, Owned<E>, E>;
 template <typename T>
 struct OwnedArg<c10::optional<T>> {
   using type = c10::optional<Owned<T>>;
@@ -127,16 +129,93 @@ struct OwnedArg<std::vector<T>> {
 };
 template <typename... T>
 struct OwnedArg<std::tuple<T...>> {
-  using type = std::tuple<Owned<T>...>;
+  using type = std::tuple<OwnedElement<T>...>;
 };
 template <typename A, typename B>
 struct OwnedArg<std::pair<A, B>> {
-  using type = std::pair<Owned<A>, Owned<B>>;
+  using type = std::pair<OwnedElement<A>, OwnedElement<B>>;
 };
-/// Whether a parameter of type Arg can be passed an lvalue Owned<Arg> (a
-/// tuple of const references can; a vector of such tuples cannot).
+
+template <typename T>
+Owned<T> to_owned(T&& arg);
+
+template <typename O, typename T, size_t... I>
+O to_owned_tuple(T& arg, std::index_sequence<I...>) {
+  // An element Owned keeps as declared (a reference) refers to the caller's.
+  auto element = [](auto& e, auto kept) -> decltype(auto) {
+    if constexpr (decltype(kept)::value) {
+      return (e);
+    } else {
+      return to_owned(e);
+    }
+  };
+  return O(element(std::get<I>(arg),
+                   std::bool_constant<std::is_reference_v<std::tuple_element_t<I, O>>>{})...);
+}
+
+/// The Owned copy of `arg`.
+template <typename T>
+Owned<T> to_owned(T&& arg) {
+  using D = std::decay_t<T>;
+  using O = Owned<T>;
+  if constexpr (std::is_same_v<D, O>) {
+    return O(std::forward<T>(arg));
+  } else if constexpr (IsOptional<D>::value) {
+    O out;
+    if (arg.has_value()) out.emplace(to_owned(*arg));
+    return out;
+  } else if constexpr (IsVector<D>::value) {
+    O out;
+    out.reserve(arg.size());
+    for (auto& e : arg) out.push_back(to_owned(e));
+    return out;
+  } else {
+    return to_owned_tuple<O>(arg, std::make_index_sequence<std::tuple_size_v<D>>{});
+  }
+}
+
 template <typename Arg>
-struct ArgOwnable : std::is_constructible<Arg, Owned<Arg>&> {};
+decltype(auto) view_owned(Owned<Arg>& o);
+
+/// An element of declared type E made from `e`, its Owned counterpart.
+template <typename E, typename O>
+decltype(auto) view_owned_element(O& e) {
+  if constexpr (std::is_same_v<std::decay_t<E>, std::decay_t<O>>) {
+    return (e);
+  } else {
+    static_assert(!std::is_reference_v<E>,
+                  "a reference to a tuple, pair, vector or optional of tensor references "
+                  "within a tuple cannot be passed on from a copy: take it by value");
+    return view_owned<E>(e);
+  }
+}
+
+template <typename D, typename O, size_t... I>
+D view_owned_tuple(O& o, std::index_sequence<I...>) {
+  return D(view_owned_element<std::tuple_element_t<I, D>>(std::get<I>(o))...);
+}
+
+/// An argument of the declared type Arg made from `o`, the Owned<Arg> copy
+/// the caller keeps alive: `o` itself where the two types are the same,
+/// else a value whose references refer into `o`.
+template <typename Arg>
+decltype(auto) view_owned(Owned<Arg>& o) {
+  using D = std::decay_t<Arg>;
+  if constexpr (std::is_same_v<D, Owned<Arg>>) {
+    return (o);
+  } else if constexpr (IsOptional<D>::value) {
+    D out;
+    if (o.has_value()) out.emplace(view_owned<typename D::value_type>(*o));
+    return out;
+  } else if constexpr (IsVector<D>::value) {
+    D out;
+    out.reserve(o.size());
+    for (auto& e : o) out.push_back(view_owned<typename D::value_type>(e));
+    return out;
+  } else {
+    return view_owned_tuple<D>(o, std::make_index_sequence<std::tuple_size_v<D>>{});
+  }
+}
 
 /// Whether all the tensors of a T are found by for_each_tensor_arg(): T
 /// holds none (arithmetic, enum, string) or is one of MayHoldTensor's
