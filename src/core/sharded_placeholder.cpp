@@ -131,29 +131,55 @@ struct Use {
 };
 
 // Mixed precision without forward hooks: the floating-point inputs of an
-// operator on a unit's parameters, other than parameters and what it writes,
-// are cast to the unit's compute dtype (see ParamUseListener::compute_dtype).
-void cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
-                 const std::vector<Use>& uses) {
+// operator on a unit's parameters, within tensor lists too (an LSTM's state),
+// other than parameters, buffers and what it writes, are cast to the unit's
+// compute dtype (see ParamUseListener::compute_dtype). Returns the dtype of
+// a buffer left uncast in another floating-point dtype, if any.
+c10::optional<at::ScalarType> cast_inputs(const c10::OperatorHandle& op,
+                                          torch::jit::Stack* stack,
+                                          const std::vector<Use>& uses) {
   c10::optional<at::ScalarType> dtype;
   for (const Use& u : uses) {
     if (!dtype) dtype = u.listener->compute_dtype();
   }
-  if (!dtype) return;
+  c10::optional<at::ScalarType> kept_buffer;
+  if (!dtype) return kept_buffer;
+  // `t` itself, or its cast.
+  const auto cast = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype ||
+        t.key_set().has(kKey)) {
+      return t;
+    }
+    for (const Use& u : uses) {
+      if (u.listener->holds_buffer(t)) {
+        kept_buffer = t.scalar_type();
+        return t;
+      }
+    }
+    ReportingScope scope;
+    return t.to(*dtype);
+  };
   const auto& schema_args = op.schema().arguments();
   const size_t n = schema_args.size();
   for (size_t i = 0; i < n; ++i) {
     c10::IValue& v = (*stack)[stack->size() - n + i];
-    if (!v.isTensor()) continue;
-    const at::Tensor& t = v.toTensor();
     const auto* alias = schema_args[i].alias_info();
-    if (!t.defined() || !t.is_floating_point() || t.scalar_type() == *dtype ||
-        t.key_set().has(kKey) || (alias != nullptr && alias->isWrite())) {
-      continue;
+    if (alias != nullptr && alias->isWrite()) continue;
+    if (v.isTensor()) {
+      at::Tensor t = cast(v.toTensor());
+      if (!t.is_same(v.toTensor())) v = c10::IValue(std::move(t));
+    } else if (v.isTensorList()) {
+      std::vector<at::Tensor> list = v.toTensorVector();
+      bool changed = false;
+      for (at::Tensor& t : list) {
+        at::Tensor c = cast(t);
+        changed = changed || !c.is_same(t);
+        t = std::move(c);
+      }
+      if (changed) v = c10::IValue(std::move(list));
     }
-    ReportingScope scope;
-    v = c10::IValue(t.to(*dtype));
   }
+  return kept_buffer;
 }
 
 // run_reported's body, once the units are held for the operator.
@@ -194,10 +220,22 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
   }
-  cast_inputs(op, stack, uses);
-  {
+  const c10::optional<at::ScalarType> kept_buffer = cast_inputs(op, stack, uses);
+  try {
     ReportingScope scope;
     redispatch_below(op, keys, stack);
+  } catch (const c10::Error& e) {
+    if (!kept_buffer) throw;
+    // Most likely the buffer's dtype beside the low-precision parameters.
+    at::ScalarType compute = *kept_buffer;
+    for (const Use& u : uses) compute = u.listener->compute_dtype().value_or(compute);
+    TORCH_CHECK(false, error_prefix(-1, "mixed precision"), op.schema().name(),
+                " failed with a buffer in ", c10::toString(*kept_buffer),
+                " beside parameters in ", c10::toString(compute), " (buffers are not cast: ",
+                "a cast copy's running statistics would be lost): ", e.what_without_backtrace(),
+                ". Give the buffers that dtype with MixedPrecision::buffer_dtype(",
+                c10::toString(compute),
+                "), or keep the module in full precision (module_classes_to_ignore)");
   }
   const auto returns = last_values(stack, op.schema().returns().size());
   ReportingScope scope;

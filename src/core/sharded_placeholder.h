@@ -50,6 +50,10 @@ class ParamUseListener {
   /// parameters) are cast to, as a wrapper casts its forward's inputs (mixed
   /// precision); nullopt: none. Asked after before_param_use.
   virtual c10::optional<at::ScalarType> compute_dtype() const = 0;
+  /// Whether `t` is one of the buffers of the unit's module tree: state an
+  /// operator may update in place (BatchNorm's running statistics), which a
+  /// cast copy would leave stale, so it is never cast.
+  virtual bool holds_buffer(const at::Tensor& t) const = 0;
 
  protected:
   ~ParamUseListener() = default;

@@ -215,6 +215,16 @@ c10::optional<at::ScalarType> UnitRuntime::compute_dtype() const {
   return c10::nullopt;
 }
 
+bool UnitRuntime::holds_buffer(const at::Tensor& t) const {
+  if (!buffer_impls_) {
+    buffer_impls_.emplace();
+    if (self_ != nullptr) {
+      for (const at::Tensor& b : self_->buffers()) buffer_impls_->insert(b.unsafeGetTensorImpl());
+    }
+  }
+  return buffer_impls_->count(t.unsafeGetTensorImpl()) != 0;
+}
+
 void UnitRuntime::become_rooted() {
   UnitRuntime* top = outermost_in_place_unit(*self_);
   TORCH_INTERNAL_ASSERT(top != nullptr && top->root_ == nullptr,

@@ -307,7 +307,8 @@ void UnitRuntime::keep_full_precision_classes(
                 : "Hold each as fsdp::FullyShardedDataParallel<Impl> where its parent calls it "
                   "(such a unit is kept in full precision), or make it a Sequential entry and "
                   "use fsdp::auto_wrap",
-            ", or remove its class from module_classes_to_ignore.");
+            ", or remove its class from module_classes_to_ignore (and set "
+            "MixedPrecision::buffer_dtype to the same dtype, for its running statistics).");
 }
 
 void UnitRuntime::make_optim_params() {

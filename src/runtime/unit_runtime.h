@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <unordered_set>
 #include <vector>
 
 #include <fsdp/comm/work.h>
@@ -119,6 +120,7 @@ class UnitRuntime final : public ParamUseListener {
   void moved_grad_detached(const at::Tensor& grad) override;
   void moved_grad_zeroed(const at::Tensor& grad) override;
   c10::optional<at::ScalarType> compute_dtype() const override;
+  bool holds_buffer(const at::Tensor& t) const override;
 
   // Outside forward and backward (see Unit::gather_full_params).
   bool gather_full_params(bool to_cpu, bool with_grads);
@@ -324,6 +326,10 @@ class UnitRuntime final : public ParamUseListener {
   // (Note [Hybrid sharding]); nullptr otherwise.
   std::shared_ptr<ProcessGroup> replicate_group_;
   torch::nn::Module* self_ = nullptr;
+  // The TensorImpls of self_'s buffers (recursively), listed at the first
+  // holds_buffer() (a module's buffers keep their TensorImpl: Module::to and
+  // loads change their data only).
+  mutable c10::optional<std::unordered_set<const c10::TensorImpl*>> buffer_impls_;
   Driver driver_ = Driver::kWrapper;
   bool full_precision_override_ = false;  // see Unit::keep_full_precision()
   std::vector<CastBuffer> cast_buffers_;  // registered for saved_buffer_dtype()

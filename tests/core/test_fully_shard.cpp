@@ -880,6 +880,49 @@ TEST(FullyShard, BatchNormUnitsHaveMixedPrecisionOffAsAutoWrapMakesThem) {
   });
 }
 
+// A BatchNorm computing in bf16 (module_classes_to_ignore emptied): its
+// float32 running statistics are not cast (a cast copy took the update and
+// the module's statistics stayed at their initial values, silently), so the
+// forward fails naming buffer_dtype; with buffer_dtype the statistics update
+// as plain bf16 LibTorch's. An LSTM's state, a tensor list, is cast with the
+// input (it met the bf16 weights in float32: an error).
+TEST(FullyShard, BuffersAreNotCastAndTensorListsAre) {
+  run_ranks_ok(1, [](int, int w) {
+    init(w);
+    const auto bf16 = MixedPrecision().param_dtype(at::kBFloat16).module_classes_to_ignore({});
+    const torch::Tensor x = torch::randn({6, 4});
+    const auto net = [](int64_t seed) {
+      torch::manual_seed(seed);
+      return torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8));
+    };
+    const auto stats = [](torch::nn::Sequential& m) {
+      return m->ptr(1)->as<torch::nn::BatchNorm1dImpl>()->running_mean;
+    };
+    torch::nn::Sequential kept = net(0);
+    fully_shard(kept, FSDPOptions().mixed_precision(bf16));
+    EXPECT_CONTAINS(error_of([&] { kept->forward(x); }), "MixedPrecision::buffer_dtype(BFloat16)");
+    torch::nn::Sequential plain = net(0);
+    plain->to(at::kBFloat16);
+    torch::nn::Sequential cast = net(0);
+    fully_shard(cast, FSDPOptions().mixed_precision(MixedPrecision(bf16).buffer_dtype(at::kBFloat16)));
+    plain->forward(x.to(at::kBFloat16));
+    cast->forward(x);
+    ASSERT_GT(stats(plain).abs().sum().item<double>(), 0);
+    EXPECT_TRUE(torch::equal(stats(cast), stats(plain)));
+
+    torch::manual_seed(1);
+    torch::nn::LSTM plain_lstm(torch::nn::LSTMOptions(4, 5));
+    plain_lstm->to(at::kBFloat16);
+    torch::manual_seed(1);
+    torch::nn::LSTM lstm(torch::nn::LSTMOptions(4, 5));
+    fully_shard(lstm, FSDPOptions().mixed_precision(bf16));
+    const torch::Tensor xs = torch::randn({3, 2, 4});
+    const torch::Tensor out = std::get<0>(lstm->forward(xs));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::equal(out, std::get<0>(plain_lstm->forward(xs.to(at::kBFloat16)))));
+  });
+}
+
 TEST(FullyShard, DifferentBlockOrderAcrossRanksIsAnErrorOnEveryRank) {
   run_ranks_ok(2, [](int rank, int w) {
     init(w);
