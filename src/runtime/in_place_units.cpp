@@ -23,8 +23,9 @@ namespace {
 // the units live here, keyed by their module, and unit_of() looks here when
 // the module is no wrapper. An entry watches its module through a weak_ptr
 // (Module derives from enable_shared_from_this): when the module is gone,
-// the next fully_shard (or lookup of that address) frees its unit, whose
-// FlatParameter holds the module's parameters. A module not owned by a
+// the next fully_shard, or the next use of a unit that module held (Note [A
+// model's units outlive it]), frees its unit, whose FlatParameter holds the
+// module's parameters. A module not owned by a
 // shared_ptr (built on the stack) cannot be watched, and LibTorch's own tree
 // walks (modules(), named_modules()) refuse it: fully_shard refuses it too.
 class InPlaceUnit final : public Unit {
@@ -68,14 +69,19 @@ std::vector<std::unique_ptr<Unit>> take_gone(Registry& r) {
 
 }  // namespace
 
-Unit& make_in_place_unit(torch::nn::Module& module, FSDPOptions options) {
+void release_gone_in_place_units() {
   Registry& r = registry();
   std::vector<std::unique_ptr<Unit>> gone;
   {
     std::lock_guard<std::mutex> lock(r.mutex);
     gone = take_gone(r);
   }
-  gone.clear();
+  gone.clear();  // outside the lock: a unit's destruction may look up others
+}
+
+Unit& make_in_place_unit(torch::nn::Module& module, FSDPOptions options) {
+  release_gone_in_place_units();
+  Registry& r = registry();
   // Built outside the lock: building may look up other units.
   auto unit = std::make_unique<InPlaceUnit>(module, std::move(options));
   Entry entry;

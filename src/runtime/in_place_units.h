@@ -18,6 +18,9 @@ Unit& make_in_place_unit(torch::nn::Module& module, FSDPOptions options);
 /// The unit made in place of `module`, or nullptr.
 Unit* in_place_unit_of(const torch::nn::Module& module);
 
+/// Frees the units whose module is gone (Note [Units made in place]).
+void release_gone_in_place_units();
+
 /// The outermost unit made in place whose module's tree holds `module`
 /// (`module`'s own unit when none holds it).
 UnitRuntime* outermost_in_place_unit(const torch::nn::Module& module);

@@ -73,6 +73,46 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
 
 RootState::~RootState() { release_held(/*keep_newest=*/false); }
 
+// Note [A model's units outlive it]
+// A user may keep part of a model and drop the rest: an encoder taken out
+// of a trained model, a block kept for a test. Its units outlive the root
+// that knew them, which held their enclosing units and their iteration.
+// Each unit destroyed leaves its root's lists (forget); the root destroyed
+// orphans the units left (orphan_units), which become idle with no root,
+// and the next use of one roots it anew (the outermost survivor becomes the
+// root, as at a model's first forward). A wrapper root is destroyed with its
+// module. A unit made in place outlives its module in the registry until
+// something frees it (Note [Units made in place]): so a survivor whose root's
+// module is gone frees the gone units first (module_gone), which orphans it,
+// at its next use.
+
+void RootState::forget(const UnitRuntime& unit) {
+  const auto drop = [&unit](auto& units) {
+    units.erase(std::remove(units.begin(), units.end(), &unit), units.end());
+  };
+  drop(units_);
+  drop(reduction_order_);
+  drop(without_grads_);
+  drop(forward_units_);
+  drop(graph_units_);
+  if (first_entered_ == &unit) first_entered_ = nullptr;
+  if (kept_ == &unit) kept_ = nullptr;
+}
+
+void RootState::orphan_units() {
+  for (UnitRuntime* unit : units_) {
+    if (unit != &root_) unit->orphan();
+  }
+  units_ = {&root_};
+  forward_units_.clear();
+  first_entered_ = nullptr;
+  kept_ = nullptr;
+}
+
+bool RootState::module_gone() const {
+  return root_.driver_ == UnitRuntime::Driver::kDispatch && root_.self_alive_.expired();
+}
+
 // Note [Gathered before a step]
 // A backward frees every unit it went through, so in training each forward
 // gathers the shards as the last step left them. A forward that no backward

@@ -60,6 +60,14 @@ class RootState {
   /// See Note [Reductions in flight].
   static constexpr size_t kMaxReductionsInFlight = 2;
 
+  /// Note [A model's units outlive it]: `unit`, one of this root's, is
+  /// destroyed; it is left out from now on.
+  void forget(const UnitRuntime& unit);
+  /// The root is destroyed: each of its other units is orphaned.
+  void orphan_units();
+  /// Whether the root is a unit made in place whose module is gone.
+  bool module_gone() const;
+
   // Wrapper units (Note [The first unit of backward stays gathered]).
   /// `unit` ended a forward that backward will reach and stays gathered; the
   /// unit kept before it, whose forward was not the last after all, reshards.

@@ -89,6 +89,10 @@ void UnitRuntime::before_param_use(bool sharded) {
     if (flat_) unshard();
     return;
   }
+  // Note [A model's units outlive it].
+  if (root_ != nullptr && root_ != owned_root_.get() && root_->module_gone()) {
+    release_gone_in_place_units();
+  }
   if (root_ == nullptr) become_rooted();
   RootState& r = root();
   // A backward through a graph that a backward with create_graph built reads
@@ -223,6 +227,12 @@ bool UnitRuntime::holds_buffer(const at::Tensor& t) const {
     }
   }
   return buffer_impls_->count(t.unsafeGetTensorImpl()) != 0;
+}
+
+void UnitRuntime::orphan() {
+  root_ = nullptr;
+  enclosing_ = nullptr;
+  if (state_ != Unit::TrainingState::kIdle) abandon_iteration();
 }
 
 void UnitRuntime::become_rooted() {

@@ -108,6 +108,12 @@ UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
     : handle_(handle), options_(std::move(options)) {}
 
 UnitRuntime::~UnitRuntime() {
+  // Note [A model's units outlive it].
+  if (owned_root_) {
+    owned_root_->orphan_units();
+  } else if (root_ != nullptr) {
+    root_->forget(*this);
+  }
   forget_forward_inputs();  // no hook of a leaf that outlives the unit calls into it
   for (const auto& p : grad_placeholders_) release_placeholder(p);
   if (!cast_buffers_.empty()) {
@@ -177,6 +183,7 @@ void UnitRuntime::init(torch::nn::Module& self, torch::nn::Module* wrapped, Driv
   TORCH_INTERNAL_ASSERT(self_ == nullptr, "fsdp: a unit was initialised twice");
   self_ = &self;
   driver_ = driver;
+  if (driver == Driver::kDispatch) self_alive_ = self.weak_from_this();
   std::shared_ptr<ProcessGroup> shard_group;
   if (is_hybrid(options_.sharding_strategy())) {
     HybridGroups groups = resolve_hybrid_groups(options_);  // See Note [Hybrid sharding].

@@ -191,6 +191,9 @@ class UnitRuntime final : public ParamUseListener {
   // The first use of a dispatch-driven unit: the outermost unit made in place
   // around it becomes the root.
   void become_rooted();
+  // Its root is gone (Note [A model's units outlive it]): no root, no
+  // enclosing unit, idle; the next use roots it anew.
+  void orphan();
   // Dispatch-driven units still in a forward that nothing ended (no backward
   // followed) end it before they are used from outside.
   void end_open_forward();
@@ -326,6 +329,9 @@ class UnitRuntime final : public ParamUseListener {
   // (Note [Hybrid sharding]); nullptr otherwise.
   std::shared_ptr<ProcessGroup> replicate_group_;
   torch::nn::Module* self_ = nullptr;
+  // A unit made in place watches its module (Note [A model's units outlive
+  // it]); empty for a wrapper, which is its module.
+  std::weak_ptr<torch::nn::Module> self_alive_;
   // The TensorImpls of self_'s buffers (recursively), listed at the first
   // holds_buffer() (a module's buffers keep their TensorImpl: Module::to and
   // loads change their data only).

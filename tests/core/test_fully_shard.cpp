@@ -923,6 +923,54 @@ TEST(FullyShard, BuffersAreNotCastAndTensorListsAre) {
   });
 }
 
+// A block kept after its model is dropped (an encoder taken out of a
+// trained model), after a training step and after an evaluation forward
+// that left units in their forward: it becomes a root of its own and trains
+// as the plain block with its weights (it read the dropped model's freed
+// module: a use-after-free, found by a review; ASan's stage checks it). The
+// dropped model's other units are freed at that use (they were kept until
+// the next fully_shard).
+TEST(FullyShard, ABlockOutlivesItsModel) {
+  run_ranks_ok(2, [](int, int w) {
+    init(w);
+    for (bool evaluated : {false, true}) {
+      SCOPED_TRACE(evaluated ? "after an evaluation forward" : "after a step");
+      Block kept{nullptr};
+      Block plain(kDim);
+      using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+      c10::optional<WeakTensor> root_shard;  // the dropped root's
+      {
+        torch::manual_seed(0);
+        ListGpt model(2);
+        Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+        torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+        const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+        lm_loss(model->forward(tokens), tokens).backward();
+        opt.step();
+        if (evaluated) model->forward(tokens);
+        kept = Block(std::dynamic_pointer_cast<BlockImpl>(model->blocks->ptr(0)));
+        {
+          SummonFullParams full(*model);
+          torch::NoGradGuard no_grad;
+          for (auto& p : plain->named_parameters()) {
+            p.value().copy_(kept->named_parameters()[p.key()]);
+          }
+        }
+        root_shard.emplace(root.flat_parameters()[0].getIntrusivePtr());
+      }
+      EXPECT_FALSE(root_shard->expired()) << "held until a unit is used";
+      const torch::Tensor x = torch::randn({2, kSeq, kDim});
+      const torch::Tensor out = kept->forward(x);
+      EXPECT_TRUE(root_shard->expired()) << "the dropped model's root unit is still held";
+      EXPECT_TRUE(torch::allclose(out, plain->forward(x), 1e-5, 1e-6));
+      out.pow(2).sum().backward();
+      const Unit* unit = unit_of(*kept);
+      ASSERT_NE(unit, nullptr);
+      EXPECT_TRUE(unit->is_root());
+    }
+  });
+}
+
 TEST(FullyShard, DifferentBlockOrderAcrossRanksIsAnErrorOnEveryRank) {
   run_ranks_ok(2, [](int rank, int w) {
     init(w);
