@@ -12,8 +12,10 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <fsdp/comm/c10d_process_group.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -117,22 +119,46 @@ std::optional<c10::Device> gpu_of_local_rank(int local_rank) {
 // Each rank acknowledges what it learnt, and a failing rank 0 keeps serving the
 // store (a few seconds at most) until the ranks that arrived have: its store
 // going away would otherwise turn their message into "lost the connection".
-void agree_on_world_size(c10d::Store& store, const RankInfo& info,
-                         std::chrono::milliseconds timeout) {
+// The engine's settings that pick a collective's route and framing (Note
+// [Communication knobs]: direct_link_bytes, ring_segment_bytes, debug mode)
+// are compared alike: an environment variable set on one node only made the
+// ranks take different routes, wait for the whole timeout, and blame a live
+// rank or "different collectives".
+
+// One compared setting: its name in messages, its value, and how to fix a
+// difference.
+struct LaunchFact {
+  std::string name;
+  std::string value;
+  std::string fix;
+};
+
+void agree_on_launch(c10d::Store& store, const RankInfo& info, std::chrono::milliseconds timeout,
+                     const std::vector<LaunchFact>& facts) {
   const std::string prefix = "fsdp/init/world_size/";
   auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
-  auto mismatch = [](int r, int a, int s, const std::string& b) {
-    return "rank " + std::to_string(r) + " has WORLD_SIZE " + std::to_string(a) + ", rank " +
-           std::to_string(s) + " has " + b +
-           ". Every rank must be started with the same WORLD_SIZE (fsdprun sets it for you).";
+  std::string mine;
+  for (const LaunchFact& f : facts) mine += f.value + "\n";
+  // The first fact that differs between `mine` and `theirs` (rank r and s).
+  auto mismatch = [&facts, &mine](int r, int s, const std::string& theirs) {
+    std::istringstream a(mine), b(theirs);
+    for (const LaunchFact& f : facts) {
+      std::string x, y;
+      std::getline(a, x);
+      std::getline(b, y);
+      if (x != y) {
+        return "rank " + std::to_string(r) + " has " + f.name + " " + x + ", rank " +
+               std::to_string(s) + " has " + y + ". " + f.fix;
+      }
+    }
+    return std::string("the ranks were started differently");
   };
-  const std::string mine = std::to_string(info.world_size);
   store.set(prefix + std::to_string(info.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::string verdict;
   if (info.rank == 0) {
     for (int p = 1; p < info.world_size && verdict.empty(); ++p) {
       const std::string theirs = text(store.get(prefix + std::to_string(p)));
-      if (theirs != mine) verdict = mismatch(0, info.world_size, p, theirs);
+      if (theirs != mine) verdict = mismatch(0, p, theirs);
     }
     store.set(prefix + "verdict", std::vector<uint8_t>(verdict.begin(), verdict.end()));
     if (!verdict.empty()) {
@@ -148,11 +174,28 @@ void agree_on_world_size(c10d::Store& store, const RankInfo& info,
     }
   } else {
     const std::string root = text(store.get(prefix + "0"));
-    if (root != mine) verdict = mismatch(info.rank, info.world_size, 0, root);
+    if (root != mine) verdict = mismatch(info.rank, 0, root);
     if (verdict.empty()) verdict = text(store.get(prefix + "verdict"));
     store.set(prefix + "ack/" + std::to_string(info.rank), std::vector<uint8_t>{});
   }
   FSDP_CHECK(verdict.empty(), info.rank, "init_process_group", verdict);
+}
+
+// What agree_on_launch compares: the world size first.
+std::vector<LaunchFact> launch_facts(const RankInfo& info, const detail::CommConfig& config,
+                                     bool debug) {
+  const auto knob = [](const char* field, const char* env) {
+    return std::string("Every rank must use the same value: set ProcessGroupOptions::") + field +
+           " alike, or the environment variable " + env + " on every node (or on none)";
+  };
+  return {{"WORLD_SIZE", std::to_string(info.world_size),
+           "Every rank must be started with the same WORLD_SIZE (fsdprun sets it for you)."},
+          {"direct_link_bytes", std::to_string(config.direct_link_bytes),
+           knob("direct_link_bytes", "FSDP_DIRECT_LINK_BYTES")},
+          {"ring_segment_bytes", std::to_string(config.ring_segment_bytes),
+           knob("ring_segment_bytes", "FSDP_RING_SEGMENT_BYTES")},
+          {"debug_collectives", debug ? "on" : "off",
+           knob("debug_collectives", "FSDP_DEBUG=detail")}};
 }
 
 // A size knob of Note [Communication knobs]: the option when set (-1: unset),
@@ -258,7 +301,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const ProcessGroupOptions& opti
       store = detail::join_store(master_addr, master_port, info, options.timeout(), server_addr,
                                  config.job_token);
     }
-    agree_on_world_size(*store, info, options.timeout());  // See Note [Agreeing on the world size]
+    // See Note [Agreeing on the world size].
+    agree_on_launch(*store, info, options.timeout(), launch_facts(info, config, debug));
     // Rank 0 has heard from every rank. See Note [A store from an earlier init].
     if (info.rank == 0) store->set(detail::kEveryRankJoined, std::vector<uint8_t>{});
   }

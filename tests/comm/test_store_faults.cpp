@@ -209,6 +209,27 @@ TEST(StoreFaults, AgreeingRanksHearRankZerosVerdictOnAnother) {
   });
 }
 
+// An engine setting that picks a collective's route or framing, set on one
+// node only (its environment variable): every rank fails init at once naming
+// it (they took different routes and waited for the whole timeout, then
+// blamed a live rank or "different collectives"). Found by a review.
+TEST(StoreFaults, DifferentCommunicationSettingsAreNamedOnEveryRank) {
+  run_ranks_ok(
+      2,
+      [](int rank, int) {
+        if (rank == 1) setenv("FSDP_RING_SEGMENT_BYTES", "8192", 1);
+        const auto t0 = Clock::now();
+        const std::string msg = message_of([] { join(Backend::kGloo, std::chrono::seconds(20)); });
+        EXPECT_NE(msg.find(rank == 0 ? "rank 0 has ring_segment_bytes 1048576, rank 1 has 8192"
+                                     : "rank 1 has ring_segment_bytes 8192, rank 0 has 1048576"),
+                  std::string::npos)
+            << msg;
+        EXPECT_NE(msg.find("FSDP_RING_SEGMENT_BYTES on every node"), std::string::npos) << msg;
+        EXPECT_LT(Clock::now() - t0, std::chrono::seconds(10)) << "waited for a timeout";
+      },
+      MultiRankOptions{std::chrono::seconds(40), std::chrono::seconds(15), {}});
+}
+
 TEST(StoreFaults, ErrorsOfADeadPeerPrintWithoutBacktraces) {
   auto outcomes = run_ranks(
       2,
