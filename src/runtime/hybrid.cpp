@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <memory>
+#include <algorithm>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,16 +55,46 @@ std::vector<CachedGroups> g_cache;
 // Node groups of the ranks per node each rank was told (LOCAL_WORLD_SIZE):
 // nodes of different sizes would make ranks build different subgroups and
 // wait on one another until the timeout. The same error on every rank.
-void check_ranks_per_node_agree(ProcessGroup& world, int shard_size) {
-  const std::vector<int64_t> all = agree_gather(&world, {shard_size});
-  for (size_t r = 0; r < all.size(); ++r) {
-    FSDP_CHECK(all[r] == shard_size, world.rank(), "HYBRID_SHARD",
-               "ranks per node differ: ", shard_size, " on rank ", world.rank(), ", ", all[r],
-               " on rank ", r,
+// Note [Hybrid groups follow the nodes]
+// The shard groups are the launcher's nodes (RankInfo::node_rank: GROUP_RANK,
+// SLURM_NODEID), not runs of consecutive ranks: srun --distribution=cyclic
+// and mpirun --map-by node number ranks round the nodes, and consecutive
+// ranks would make shard groups that span nodes (every gather crossing
+// them) and replicate groups inside one, with nothing wrong to see but the
+// speed. Where ranks are numbered node by node the groups are
+// new_hybrid_groups'. Every rank gathers every rank's node and ranks per
+// node, so all make the same groups in the same order.
+HybridGroups groups_by_node(const std::shared_ptr<ProcessGroup>& world, int shard_size) {
+  const int me = world->rank();
+  const std::vector<int64_t> all = agree_gather(world.get(), {shard_size, rank_info().node_rank});
+  std::map<int64_t, std::vector<int>> nodes;  // node -> its ranks, ascending
+  for (size_t r = 0; r < all.size() / 2; ++r) {
+    FSDP_CHECK(all[2 * r] == shard_size, me, "HYBRID_SHARD", "ranks per node differ: ",
+               shard_size, " on rank ", me, ", ", all[2 * r], " on rank ", r,
                ". Its node groups need as many ranks on every node: start as many on each, or "
                "pass FSDPOptions().hybrid_groups(fsdp::new_hybrid_groups(world, n)) with n "
                "dividing every node's count");
+    nodes[all[2 * r + 1]].push_back(static_cast<int>(r));
   }
+  for (const auto& [node, ranks] : nodes) {
+    FSDP_CHECK(static_cast<int>(ranks.size()) == shard_size, me, "HYBRID_SHARD",
+               "the launcher puts ", ranks.size(), " ranks on node ", node,
+               " (its node numbers: GROUP_RANK or SLURM_NODEID), not ", shard_size,
+               " (its ranks per node). Make the launcher's layout consistent, or pass "
+               "FSDPOptions().hybrid_groups(fsdp::new_hybrid_groups(world, n))");
+  }
+  HybridGroups groups;
+  groups.world = world;
+  for (const auto& [node, ranks] : nodes) {
+    if (auto g = world->new_subgroup(ranks)) groups.shard = std::move(g);
+  }
+  for (int position = 0; position < shard_size; ++position) {
+    std::vector<int> ranks;
+    for (const auto& [node, on_node] : nodes) ranks.push_back(on_node[position]);
+    std::sort(ranks.begin(), ranks.end());
+    if (auto g = world->new_subgroup(ranks)) groups.replicate = std::move(g);
+  }
+  return groups;
 }
 
 // Groups made by hand: every rank of a replicate group must hold the same
@@ -143,8 +175,7 @@ HybridGroups resolve_hybrid_groups(const FSDPOptions& options) {
     if (w == world && it->shard_size == shard_size) return {w, s, r};
     ++it;
   }
-  check_ranks_per_node_agree(*world, shard_size);
-  HybridGroups groups = new_hybrid_groups(world, shard_size);
+  HybridGroups groups = groups_by_node(world, shard_size);
   g_cache.push_back({world, shard_size, groups.shard, groups.replicate});
   return groups;
 }

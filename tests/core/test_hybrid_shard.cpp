@@ -143,6 +143,38 @@ TEST(HybridShard, TrainsLikePlainLibTorchAtEveryLayout) {
   }
 }
 
+// Ranks numbered round the nodes (srun --distribution=cyclic): node = rank %
+// 2. The shard groups are the launcher's nodes (they were runs of
+// consecutive ranks, each spanning both nodes, and the replicate groups
+// inside one: every gather crossed the nodes, silently; found by a review),
+// and training still matches plain LibTorch.
+TEST(HybridShard, GroupsFollowTheLaunchersNodes) {
+  run_ranks_ok(4, [](int rank, int) {
+    setenv("LOCAL_WORLD_SIZE", "2", 1);
+    setenv("LOCAL_RANK", std::to_string(rank / 2).c_str(), 1);
+    setenv("GROUP_RANK", std::to_string(rank % 2).c_str(), 1);
+    setenv("GROUP_WORLD_SIZE", "2", 1);
+    torch::set_num_threads(1);
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    ASSERT_EQ(rank_info().node_rank, rank % 2);
+    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    Root root = make_root(options);
+    const auto groups = root->fsdp_options().hybrid_groups();
+    ASSERT_TRUE(groups.has_value());
+    const auto nodes = [](ProcessGroup& g) {
+      at::Tensor mine = at::full({1}, static_cast<double>(rank_info().node_rank), at::kDouble);
+      at::Tensor all = at::empty({g.size()}, at::kDouble);
+      g.all_gather_into_tensor(all, mine).wait();
+      return all;
+    };
+    EXPECT_TRUE(torch::equal(nodes(*groups->shard), at::full({2}, rank % 2, at::kDouble)))
+        << "a shard group spans nodes";
+    EXPECT_TRUE(torch::equal(nodes(*groups->replicate), at::arange(2, at::kDouble)))
+        << "a replicate group is not one rank per node";
+    train_against_reference(options, "adamw", 3, true, "HYBRID_SHARD, ranks round the nodes");
+  });
+}
+
 // Every shard once, also where the units mix strategies (a hybrid root over
 // NO_SHARD or FULL_SHARD children, a FULL_SHARD root over hybrid ones):
 // the pieces of a node's group count once per job, not once per replica.
