@@ -122,9 +122,14 @@ FlatParameter::~FlatParameter() {
   // A gathered buffer on a device with streams may still be read by queued
   // kernels: its memory goes back once the copy-in stream, which reuses it,
   // waited for them (Note [Copy-in on a stream of its own]).
+  // A model that outlives main (a static) is destroyed after the CUDA
+  // runtime may be gone: an error then must not terminate the exit.
   if (state_ == State::kUnsharded && frees_unsharded() &&
       detail::has_streams(unsharded_.device())) {
-    detail::HeldMemory(unsharded_.storage().unsafeGetStorageImpl()).release();
+    try {
+      detail::HeldMemory(unsharded_.storage().unsafeGetStorageImpl()).release();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the device is gone
+    }
   }
   for (const auto& p : placeholders_) detail::release_placeholder(p);
   if (listener_ != nullptr) detail::untrack_storage(unsharded_);

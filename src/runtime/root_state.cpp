@@ -71,7 +71,12 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
   }
 }
 
-RootState::~RootState() { release_held(/*keep_newest=*/false); }
+RootState::~RootState() {
+  try {  // see ~FlatParameter: at exit the CUDA runtime may be gone
+    release_held(/*keep_newest=*/false);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the device is gone
+  }
+}
 
 // Note [A model's units outlive it]
 // A user may keep part of a model and drop the rest: an encoder taken out

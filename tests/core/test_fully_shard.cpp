@@ -971,6 +971,37 @@ TEST(FullyShard, ABlockOutlivesItsModel) {
   });
 }
 
+// A weight printed, and one initialised under NoGradGuard, before the first
+// step (a root's parameter read outside any forward, in training mode):
+// training then runs as without them, with no warning that the forward
+// order changed (a review suspected the read was recorded as the first
+// forward).
+TEST(FullyShard, AParameterReadBeforeTrainingIsNoForward) {
+  run_ranks_ok(2, [](int, int w) {
+    init(w);
+    torch::manual_seed(0);
+    ListGpt model(3);
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+    torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    std::vector<std::string> warnings;
+    compat::WarningCollector collect(&warnings);
+    std::ostringstream printed;
+    printed << model->head->weight.sum().item<float>();
+    {
+      torch::NoGradGuard no_grad;
+      model->head->bias.zero_();
+    }
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(50 + step);
+      const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+      opt.zero_grad();
+      lm_loss(model->forward(tokens), tokens).backward();
+      opt.step();
+    }
+    for (const std::string& warning : warnings) ADD_FAILURE() << warning;
+  });
+}
+
 TEST(FullyShard, DifferentBlockOrderAcrossRanksIsAnErrorOnEveryRank) {
   run_ranks_ok(2, [](int rank, int w) {
     init(w);
