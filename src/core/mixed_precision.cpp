@@ -19,7 +19,8 @@ std::string dtype_name(const c10::optional<at::ScalarType>& t) {
 std::string to_string(const MixedPrecision& mp) {
   return "MixedPrecision(param_dtype=" + dtype_name(mp.param_dtype()) +
          ", reduce_dtype=" + dtype_name(mp.reduce_dtype()) +
-         ", buffer_dtype=" + dtype_name(mp.buffer_dtype()) + ")";
+         ", buffer_dtype=" + dtype_name(mp.buffer_dtype()) +
+         ", output_dtype=" + dtype_name(mp.output_dtype()) + ")";
 }
 
 }  // namespace fsdp

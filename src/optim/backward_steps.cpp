@@ -85,7 +85,14 @@ BackwardSteps::BackwardSteps(std::string owner, StepRange step_range,
       step_range_(std::move(step_range)),
       on_taken_(std::move(on_taken)) {}
 
+namespace {
+std::atomic<int> g_attached{0};
+}  // namespace
+
+int backward_steps_attached() { return g_attached.load(); }
+
 BackwardSteps::~BackwardSteps() {
+  g_attached -= attached_;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
@@ -95,6 +102,8 @@ BackwardSteps::~BackwardSteps() {
 }
 
 void BackwardSteps::attach(torch::nn::Module& model) {
+  ++attached_;
+  ++g_attached;
   // The hooks hold the optimizer's half weakly: an optimizer destroyed
   // before its model leaves hooks that act as if removed (listening).
   std::weak_ptr<BackwardSteps> self = shared_from_this();

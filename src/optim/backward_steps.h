@@ -153,7 +153,13 @@ class BackwardSteps : public std::enable_shared_from_this<BackwardSteps> {
   // BackwardStepTimes::span_ms (under mutex_).
   std::chrono::steady_clock::time_point first_handed_{};
   std::chrono::steady_clock::time_point last_stepped_{};
+  int attached_ = 0;  // attach() calls, counted in backward_steps_attached()
   std::thread worker_;
 };
+
+/// How many optimizers of this process step during backward (attached and
+/// alive): a grad scaler refuses to scale a loss then, before any backward
+/// steps on scaled gradients.
+int backward_steps_attached();
 
 }  // namespace fsdp::detail

@@ -15,6 +15,7 @@
 #include "comm/agreement.h"
 #include "detail/error.h"
 #include "detail/torch_compat.h"
+#include "optim/backward_steps.h"
 
 // Note [One decision for every rank]
 // A float16 step overflows in some gradient elements, not in all: the largest
@@ -148,6 +149,13 @@ void ShardedGradScaler::check_transition(const PerOptimizer& state, Stage next,
 
 torch::Tensor ShardedGradScaler::scale(const torch::Tensor& loss) const {
   if (!options_.enabled()) return loss;
+  // Refused here, before the backward: its units would be stepped on the
+  // scaled gradients before unscale_() could refuse (a review found the
+  // model stepped 65536x, or made NaN, by then).
+  FSDP_CHECK(detail::backward_steps_attached() == 0, rank(), kWhere,
+             "scale(): a FusedAdamW or FusedSGD of this process steps during backward "
+             "(step_during_backward), on gradients not yet unscaled or checked, so no step could "
+             "be skipped. Leave step_during_backward off under a scaler.");
   // In float32 at least: a float16 loss times a Scalar, or (with dimensions,
   // a loss per sample) times a 0-dim tensor, stays float16, where 65536 is
   // already inf. PyTorch's (1,)-shaped factor promotes both.

@@ -114,6 +114,12 @@ c10::optional<at::ScalarType> Unit::forward_input_dtype() const {
   return runtime().forward_input_dtype();
 }
 bool Unit::casts_output_back() const { return runtime_ && runtime_->full_precision_override(); }
+c10::optional<at::ScalarType> Unit::forward_output_dtype(
+    c10::optional<at::ScalarType> inputs_dtype) const {
+  if (casts_output_back()) return inputs_dtype;
+  const auto& mp = fsdp_options().mixed_precision();
+  return runtime_ && mp ? mp->output_dtype() : c10::nullopt;
+}
 void Unit::keep_full_precision() { runtime().keep_full_precision(); }
 bool Unit::checkpoints_activations() const {
   return runtime_ && runtime_->options().activation_checkpointing();

@@ -43,6 +43,13 @@ void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
              "checkpoint modules inside or around the units instead: declare a member "
              "fsdp::CheckpointWrapper<Impl>, or replace Sequential entries with "
              "fsdp::apply_activation_checkpointing");
+  const auto& mp = options.mixed_precision();
+  FSDP_CHECK(!mp || !mp->output_dtype(), -1, module.name(),
+             "expected MixedPrecision::output_dtype unset for fully_shard, got ",
+             c10::toString(mp && mp->output_dtype() ? *mp->output_dtype() : at::kFloat),
+             ". A unit made in place sees its operators, not its module's output; cast the "
+             "output yourself (logits.to(torch::kFloat)), or hold the root as a "
+             "FullyShardedDataParallel wrapper");
   for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     const auto* wrapper = dynamic_cast<const Unit*>(item.value().get());
     FSDP_CHECK(wrapper == nullptr || !wrapper->is_active(), -1, module.name(),

@@ -104,7 +104,8 @@ at::Tensor AnyUnitImpl::forward(at::Tensor input) {
   } else {
     out = module_.forward(std::move(x));
   }
-  if (casts_output_back() && input_dtype && out.is_floating_point()) out = out.to(*input_dtype);
+  const c10::optional<at::ScalarType> output_dtype = forward_output_dtype(input_dtype);
+  if (output_dtype && out.defined() && out.is_floating_point()) out = out.to(*output_dtype);
   post_forward({out});
   return out;
 }

@@ -16,6 +16,7 @@
 #include "bf16_parity.h"
 #include "comm/counting_process_group.h"
 #include "core/flat_parameter.h"
+#include "error_of.h"
 #include "multi_rank.h"
 #include "test_models.h"
 
@@ -135,6 +136,50 @@ TEST(MixedPrecision, CastForwardInputsCastsTheRootsToo) {
     const auto root_only = FSDPOptions().mixed_precision(bf16);  // PyTorch's defaults
     FullyShardedDataParallel<nn::LinearImpl> root(nn::Linear(6, 3), root_only);
     EXPECT_EQ(root->forward(x).scalar_type(), torch::kBFloat16);
+  });
+}
+
+// MixedPrecision::output_dtype (FSDP2's): the root's bf16 output comes back
+// in float32, as the tensors of a tuple output do, and backward goes through
+// the cast; the units inside, given no output_dtype, hand bf16 on. fully_shard
+// refuses it, naming why, before anything changes.
+struct TwoOutImpl : nn::Module {
+  TwoOutImpl(const FSDPOptions& inner) {
+    fc = register_module("fc", FullyShardedDataParallel<nn::LinearImpl>(nn::Linear(6, 6), inner));
+    head = register_module("head", nn::Linear(6, 3));
+  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
+    const torch::Tensor h = fc(x);
+    inner_dtype = h.scalar_type();
+    return {head(h), h};
+  }
+  FullyShardedDataParallel<nn::LinearImpl> fc{nullptr};
+  nn::Linear head{nullptr};
+  torch::ScalarType inner_dtype = torch::kFloat;
+};
+
+TEST(MixedPrecision, OutputDtypeCastsTheOutputOfTheUnitsGivenIt) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    const auto bf16 = MixedPrecision().param_dtype(torch::kBFloat16);
+    const auto inner = FSDPOptions().mixed_precision(bf16);
+    const auto outer =
+        FSDPOptions().mixed_precision(MixedPrecision(bf16).output_dtype(torch::kFloat));
+    FullyShardedDataParallel<TwoOutImpl> model(std::make_shared<TwoOutImpl>(inner), outer);
+    const auto [logits, hidden] = model->forward(torch::randn({4, 6}));
+    EXPECT_EQ(logits.scalar_type(), torch::kFloat);
+    EXPECT_EQ(hidden.scalar_type(), torch::kFloat);
+    EXPECT_EQ(model->module().inner_dtype, torch::kBFloat16);
+    logits.sum().backward();
+    for (const auto& p : model->parameters()) {
+      EXPECT_TRUE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+    }
+    nn::Linear plain(6, 3);
+    const std::string refused = error_of([&] { fully_shard(plain, outer); });
+    EXPECT_NE(refused.find("expected MixedPrecision::output_dtype unset for fully_shard"),
+              std::string::npos)
+        << refused;
+    EXPECT_EQ(unit_of(*plain), nullptr);
   });
 }
 

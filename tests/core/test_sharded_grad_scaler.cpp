@@ -433,15 +433,24 @@ TEST(ShardedGradScaler, CheckpointerKeepsTheScale) {
   std::filesystem::remove_all(off_dir, ignored);
 }
 
-// An optimizer that steps during backward cannot skip a step: refused.
+// An optimizer that steps during backward cannot skip a step: refused at
+// scale(), before any unit is stepped (it was refused at step(), after the
+// backward had stepped every unit on the scaled gradients: found by a
+// review); unscale_() and step() still refuse it.
 TEST(ShardedGradScaler, StepsDuringBackwardRefused) {
   run_ranks_ok(1, [](int, int) {
     init_process_group();
     Sharded model(true, FSDPOptions());
-    optim::FusedSGD opt(model.root.flat_parameters(), torch::optim::SGDOptions(0.1));
+    const std::vector<torch::Tensor> params = model.root.flat_parameters();
+    std::vector<torch::Tensor> before;
+    for (const auto& p : params) before.push_back(p.detach().clone());
+    optim::FusedSGD opt(params, torch::optim::SGDOptions(0.1));
     opt.step_during_backward(model.module());
     ShardedGradScaler scaler;
-    scaler.scale(model.forward(torch::randn({2, 7})).sum()).backward();
+    const torch::Tensor loss = model.forward(torch::randn({2, 7})).sum();
+    EXPECT_CONTAINS(error_of([&] { scaler.scale(loss); }),
+                    "a FusedAdamW or FusedSGD of this process steps during backward");
+    for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], before[i]));
     EXPECT_CONTAINS(error_of([&] { scaler.step(opt); }),
                     "FusedSGD steps during backward (step_during_backward)");
   });

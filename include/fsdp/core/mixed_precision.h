@@ -68,6 +68,13 @@ struct MixedPrecision {
   /// Cast the floating-point tensor arguments of the root unit's forward to
   /// param_dtype.
   TORCH_ARG(bool, cast_root_forward_inputs) = true;
+  /// Dtype the floating-point tensors of a unit's forward output are cast to
+  /// (FSDP2's MixedPrecisionPolicy output_dtype: float32 logits from a bf16
+  /// model); nullopt: left in the compute dtype. Every unit given it casts,
+  /// so give it to the root's options alone, or with cast_forward_inputs.
+  /// Wrappers only: fully_shard refuses it (a unit made in place sees no
+  /// forward output).
+  TORCH_ARG(c10::optional<at::ScalarType>, output_dtype) = c10::nullopt;
   /// Modules of these classes must compute in full precision: auto_wrap makes
   /// each its own unit with mixed precision off (inputs cast to the module's
   /// dtype, outputs back to the inputs' dtype), with a warning.

@@ -103,6 +103,11 @@ class Unit {
   /// True when the wrapper casts its output back to its inputs' dtype (a
   /// unit kept in full precision inside a mixed-precision model).
   bool casts_output_back() const;
+  /// The dtype the wrapper casts its output's floating-point tensors to:
+  /// `inputs_dtype` (its inputs') where casts_output_back(), else
+  /// MixedPrecision::output_dtype; nullopt: none.
+  c10::optional<at::ScalarType> forward_output_dtype(
+      c10::optional<at::ScalarType> inputs_dtype) const;
   /// Makes this unit compute in its parameters' own dtype inside a
   /// mixed-precision model: inputs are cast to it, outputs back (auto_wrap
   /// does this for MixedPrecision::module_classes_to_ignore). Before the

@@ -145,17 +145,17 @@ class FullyShardedDataParallelImpl<Impl, R (C::*)(Args...), false>
     }
     // See Note [Mixed precision]: inputs in the compute dtype.
     const c10::optional<at::ScalarType> dtype = forward_input_dtype();
-    c10::optional<at::ScalarType> input_dtype;
-    if (casts_output_back()) input_dtype = detail::first_floating_dtype(args...);
+    const c10::optional<at::ScalarType> output_dtype = forward_output_dtype(
+        casts_output_back() ? detail::first_floating_dtype(args...) : c10::nullopt);
     R out =
         checkpoints_activations()
             ? checkpointed_forward(
                   detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...)
             : module_->forward(detail::cast_forward_arg<Args>(std::forward<Args>(args), dtype)...);
     if constexpr (!std::is_reference_v<R>) {
-      if (input_dtype) {  // every floating-point tensor of the output, as FSDP1's hooks
-        detail::for_each_tensor_arg(out, [&input_dtype](at::Tensor& t) {
-          if (t.defined() && t.is_floating_point()) t = t.to(*input_dtype);
+      if (output_dtype) {  // every floating-point tensor of the output, as FSDP1's hooks
+        detail::for_each_tensor_arg(out, [&output_dtype](at::Tensor& t) {
+          if (t.defined() && t.is_floating_point()) t = t.to(*output_dtype);
         });
       }
     }
