@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <system_error>
+#include <vector>
 
 #include <fsdp/comm/process_group.h>
 #include <fsdp/optim/sharded_grad_scaler.h>
@@ -78,31 +79,31 @@ std::vector<at::Generator> cuda_generators() {
 /// Note [Resume fallback]
 /// A damaged newest checkpoint (a disk error, a file edited by hand) must not
 /// stop a job that fsdprun restarts: every restart would fail the same way.
-/// Rank 0 verifies the complete checkpoints newest first, warns about each
-/// one it skips and why, and broadcasts the step of the first that
-/// verifies; load() then verifies it on every rank (rank 0 reuses its
-/// reader). If complete checkpoints exist but none verifies, resume() throws
-/// on every rank rather than start over: starting from step 0 would hide
-/// the damage and, with retention, remove the evidence.
-std::unique_ptr<CheckpointReader> newest_verified(const std::string& parent, int64_t rank) {
-  std::string skipped;
-  int64_t complete = 0;
-  for (const detail::StepDirectory& s : detail::step_directories(parent)) {
-    if (!s.marked) continue;
-    ++complete;
-    try {
-      auto reader = std::make_unique<CheckpointReader>(s.path);
-      return reader;
-    } catch (const std::exception& e) {
-      TORCH_WARN(detail::error_prefix(rank, parent), "skipping ", s.path,
-                 ", it does not verify: ", detail::cause_of(e), "; trying an earlier checkpoint");
-      skipped += "; skipped " + s.path + " (" + detail::cause_of(e) + ")";
-    }
+/// Rank 0 takes the complete checkpoints newest first, skipping (with a
+/// warning) each whose marker and manifests do not verify, and broadcasts
+/// the step of the first that does. Every rank then verifies what it reads
+/// of it (Note [Each rank checks what it reads]); where that finds damage
+/// (a checksum, a file cut short: a CheckpointError) on some ranks, and
+/// nothing else went wrong, every rank skips it (each damaged rank warning
+/// with its cause, rank 0 naming them) and rank 0 takes the next. The data
+/// was verified by rank 0 alone, every file, before the broadcast: a
+/// checkpoint of hundreds of GB took longer than the collective timeout,
+/// and every restart failed in the broadcast. A checkpoint that does not fit
+/// the model (another model) is an error, not skipped. If complete
+/// checkpoints exist but none verifies, resume() throws on every rank
+/// rather than start over: starting from step 0 would hide the damage and,
+/// with retention, remove the evidence.
+
+/// Whether `error` is a CheckpointError: damage found reading a checkpoint
+/// (Note [Resume fallback]).
+bool is_damage(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const CheckpointError&) {
+    return true;
+  } catch (...) {
+    return false;
   }
-  if (complete == 0) return nullptr;
-  throw CheckpointError(parent, "none of its " + std::to_string(complete) +
-                                    " complete checkpoints verifies" + skipped +
-                                    ". Repair or remove them to start over.");
 }
 
 // See Note [Checkpoints of a run rolled back]: `later`, newest first.
@@ -140,8 +141,12 @@ struct Checkpointer::Impl {
   Impl(torch::nn::Module& model, torch::optim::Optimizer* optimizer, CheckpointerOptions options)
       : model(model), optimizer(optimizer), options(options) {}
 
-  /// load(), with `reader` already verified (or null: verify `dir` first).
-  int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader);
+  /// load(), with `reader` already made (or null: made here). With
+  /// `resuming` (resume()'s parent), a checkpoint some ranks find damaged
+  /// (and nothing else wrong) is skipped on every rank, -1 returned (Note
+  /// [Resume fallback]).
+  int64_t load_verified(const std::string& dir, std::unique_ptr<CheckpointReader> reader,
+                        const std::string& resuming = "");
   /// What check() read of this rank's manifest, for write().
   struct Checked {
     const detail::RankManifest* manifest = nullptr;
@@ -318,7 +323,8 @@ int64_t Checkpointer::load(const std::string& dir) {
 }
 
 int64_t Checkpointer::Impl::load_verified(const std::string& dir,
-                                          std::unique_ptr<CheckpointReader> reader) {
+                                          std::unique_ptr<CheckpointReader> reader,
+                                          const std::string& resuming) {
   // See Note [Collective load].
   ProcessGroup* group = detail::state_group(model);
   std::exception_ptr error;
@@ -336,6 +342,35 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
     checked = check(*reader, group);
   } catch (...) {
     error = std::current_exception();
+  }
+  if (!resuming.empty()) {
+    // Each rank's outcome: 0 verified, 1 damaged, 2 another error.
+    const int64_t mine = !error ? 0 : is_damage(error) ? 1 : 2;
+    const std::vector<int64_t> all =
+        group != nullptr && group->size() > 1 ? detail::agree_gather(group, {mine})
+                                              : std::vector<int64_t>{mine};
+    const bool damaged = std::count(all.begin(), all.end(), 1) > 0;
+    if (damaged && std::count(all.begin(), all.end(), 2) == 0) {
+      const int64_t rank = detail::rank_or_none(group);
+      if (error) {
+        try {
+          std::rethrow_exception(error);
+        } catch (const std::exception& e) {
+          TORCH_WARN(detail::error_prefix(rank, resuming), "skipping ", dir,
+                     ", it does not verify: ", detail::cause_of(e),
+                     "; trying an earlier checkpoint");
+        }
+      } else if (rank <= 0) {
+        std::string ranks;
+        for (size_t r = 0; r < all.size(); ++r) {
+          if (all[r] == 1) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        }
+        TORCH_WARN(detail::error_prefix(rank, resuming), "skipping ", dir,
+                   ", it does not verify on rank(s) ", ranks,
+                   " (see their warnings); trying an earlier checkpoint");
+      }
+      return -1;
+    }
   }
   detail::agree(group, error, dir, "verifying it",
                 "nothing was loaded; make it readable there or load another checkpoint");
@@ -429,49 +464,83 @@ int64_t Checkpointer::resume(const std::string& parent) {
   ProcessGroup* group = detail::state_group(impl_->model);
   const bool root = group == nullptr || group->rank() == 0;
   constexpr double kNone = -1, kFailed = -2;
-  at::Tensor step = at::full({1}, kNone, at::kDouble);
-  std::unique_ptr<CheckpointReader> verified;
+  std::vector<detail::StepDirectory> dirs;  // rank 0's, newest first
+  size_t next = 0;
+  int64_t complete = 0;
+  std::string skipped;  // "; skipped <dir> (<why>)" for each
   std::exception_ptr error;
   if (root) {
     try {
       detail::restore_cut_short_replacements(parent);  // Note [A replacement cut short]
-      verified = newest_verified(parent, detail::rank_or_none(group));
-      if (verified) {
-        step.fill_(static_cast<double>(verified->marker().step));
-      } else {
-        // See Note [Removing leftovers]: every rank is in resume().
-        detail::tidy_checkpoints(parent, impl_->options.keep_last(), {});
-      }
+      dirs = detail::step_directories(parent);
     } catch (...) {
       error = std::current_exception();
-      step.fill_(kFailed);
     }
   }
-  if (group != nullptr && group->size() > 1) group->broadcast(step, /*root=*/0).wait();
-  const double chosen = step.item<double>();
-  if (chosen == kFailed) {
-    if (error) std::rethrow_exception(error);
-    throw CheckpointError(parent,
-                          "rank 0 found no checkpoint to resume from (see rank 0's "
-                          "error); nothing was loaded");
-  }
-  if (chosen == kNone) return -1;
-  const std::string dir = checkpoint_path(parent, static_cast<int64_t>(chosen));
-  const int64_t loaded = impl_->load_verified(dir, std::move(verified));
-  impl_->resumed_from = dir;
-  // Retention applies now too, so that a full disk has room for the next
-  // save; only once loaded: a load refused (another model) removes nothing.
-  std::exception_ptr tidy_error;
-  if (root) {
-    try {
-      detail::tidy_checkpoints(parent, impl_->options.keep_last(), {dir});
-    } catch (...) {
-      tidy_error = std::current_exception();
+  for (;;) {
+    at::Tensor step = at::full({1}, kNone, at::kDouble);
+    std::unique_ptr<CheckpointReader> reader;
+    if (root) {
+      try {
+        if (error) std::rethrow_exception(error);
+        for (; next < dirs.size() && !reader; ++next) {
+          if (!dirs[next].marked) continue;
+          ++complete;
+          try {
+            reader = std::make_unique<CheckpointReader>(
+                dirs[next].path, CheckpointReader::DataChecks::kBeforeFirstRead);
+          } catch (const std::exception& e) {
+            TORCH_WARN(detail::error_prefix(detail::rank_or_none(group), parent), "skipping ",
+                       dirs[next].path, ", it does not verify: ", detail::cause_of(e),
+                       "; trying an earlier checkpoint");
+            skipped += "; skipped " + dirs[next].path + " (" + detail::cause_of(e) + ")";
+          }
+        }
+        if (reader) {
+          step.fill_(static_cast<double>(reader->marker().step));
+        } else if (complete > 0) {
+          throw CheckpointError(parent, "none of its " + std::to_string(complete) +
+                                            " complete checkpoints verifies" + skipped +
+                                            ". Repair or remove them to start over.");
+        } else {
+          // See Note [Removing leftovers]: every rank is in resume().
+          detail::tidy_checkpoints(parent, impl_->options.keep_last(), {});
+        }
+      } catch (...) {
+        error = std::current_exception();
+        step.fill_(kFailed);
+      }
     }
+    if (group != nullptr && group->size() > 1) group->broadcast(step, /*root=*/0).wait();
+    const double chosen = step.item<double>();
+    if (chosen == kFailed) {
+      if (error) std::rethrow_exception(error);
+      throw CheckpointError(parent,
+                            "rank 0 found no checkpoint to resume from (see rank 0's "
+                            "error); nothing was loaded");
+    }
+    if (chosen == kNone) return -1;
+    const std::string dir = checkpoint_path(parent, static_cast<int64_t>(chosen));
+    const int64_t loaded = impl_->load_verified(dir, std::move(reader), parent);
+    if (loaded < 0) {
+      skipped += "; skipped " + dir + " (damaged, see the warnings)";
+      continue;
+    }
+    impl_->resumed_from = dir;
+    // Retention applies now too, so that a full disk has room for the next
+    // save; only once loaded: a load refused (another model) removes nothing.
+    std::exception_ptr tidy_error;
+    if (root) {
+      try {
+        detail::tidy_checkpoints(parent, impl_->options.keep_last(), {dir});
+      } catch (...) {
+        tidy_error = std::current_exception();
+      }
+    }
+    detail::agree(group, tidy_error, parent, "removing what keep_last and interrupted saves left",
+                  "the checkpoint was loaded");
+    return loaded;
   }
-  detail::agree(group, tidy_error, parent, "removing what keep_last and interrupted saves left",
-                "the checkpoint was loaded");
-  return loaded;
 }
 
 }  // namespace fsdp
