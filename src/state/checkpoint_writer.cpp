@@ -5,12 +5,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <string>
+#include <thread>
 
 #include <fsdp/state/error.h>
 
+#include "core/device_streams.h"
 #include "detail/posix_files.h"
 #include "state/agreement.h"
 #include "state/atomic_file.h"
@@ -78,11 +84,22 @@ Item make_item(const std::string& key, const std::string& tensor, const at::Tens
   return it;
 }
 
-void write_sharded(torch::nn::Module& root, torch::optim::Optimizer* opt, int rank,
+// Test-only: FSDP_FAULT_SLOW_SAVE=<rank>:<ms> makes that rank's sharded
+// write take `ms` longer, as a rank that writes much more does.
+void slow_save_fault(int rank) {
+  const char* env = std::getenv("FSDP_FAULT_SLOW_SAVE");
+  if (env == nullptr) return;
+  const std::string spec(env);
+  const size_t colon = spec.find(':');
+  if (colon == std::string::npos || std::stoi(spec.substr(0, colon)) != rank) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(std::stoll(spec.substr(colon + 1))));
+}
+
+void write_sharded(const std::vector<LocalPiece>& pieces, torch::optim::Optimizer* opt, int rank,
                    const std::string& dir, RankManifest& manifest) {
+  slow_save_fault(rank);
   std::vector<Item> model, optim;
   std::unique_ptr<OptimAccess> access;
-  const std::vector<LocalPiece> pieces = local_pieces(root);
   if (opt != nullptr) {
     access = std::make_unique<OptimAccess>(*opt);
     access->check_steps_only(pieces);
@@ -232,17 +249,41 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   manifest.cuda_rng_states = request.cuda_rng_states;
   manifest.extra = request.extra;
   manifest.param_groups = request.param_groups;
-  try {
-    if (request.full) {
+  if (request.full) {
+    try {
       error = write_full(root, opt, rank, dir, manifest);
-    } else {
-      write_sharded(root, opt, rank, dir, manifest);
+      if (!error) write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
+    } catch (...) {
+      error = std::current_exception();
     }
-    if (!error) write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
-  } catch (...) {
-    error = std::current_exception();
+    agree(group, error, dir, "writing its files", kIncomplete);
+  } else {
+    // Ranks write unequal shares (NO_SHARD: rank 0 all of it), so the others
+    // wait in rounds (Note [Waiting for a rank that writes more]).
+    std::vector<LocalPiece> pieces;
+    std::vector<c10::Stream> streams;
+    try {
+      pieces = local_pieces(root);
+      for (const LocalPiece& p : pieces) {
+        const c10::Device device = p.data.device();
+        if (device.is_cpu()) continue;
+        const c10::Stream stream = current_stream(device);
+        if (std::find(streams.begin(), streams.end(), stream) == streams.end()) {
+          streams.push_back(stream);
+        }
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    agree_after_work(
+        group,
+        [&] {
+          if (error) std::rethrow_exception(error);
+          write_sharded(pieces, opt, rank, dir, manifest);
+          write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
+        },
+        streams, dir, "writing its files", kIncomplete);
   }
-  agree(group, error, dir, "writing its files", kIncomplete);
   // 3. Every rank's files are durable: rank 0 seals the checkpoint.
   if (rank == 0) {
     try {

@@ -494,5 +494,32 @@ TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
   remove_test_dir(dir);
 }
 
+// A rank that writes for much longer than the collective timeout (NO_SHARD:
+// rank 0 writes everything; a slow disk): the others wait in rounds and the
+// save completes (they failed at the timeout, "a peer rank has probably
+// died", and no large model could be saved). Then it loads.
+TEST(CheckpointFaults, ARankWritingLongerThanTheTimeoutIsWaitedFor) {
+  const std::string dir = test_dir();
+  auto env = with_dir(dir);
+  env.env["FSDP_FAULT_SLOW_SAVE"] = "0:4000";
+  run_ranks_ok(
+      2,
+      [&](int, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::milliseconds(500)));
+        auto model = make_model(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard));
+        auto opt = make_optimizer("adam", model->parameters());
+        train(*model, *opt, 1);
+        const auto saved = full_state_dict(*model);
+        Checkpointer(*model, opt.get()).save_step(dir, 1);
+        ::unsetenv("FSDP_FAULT_SLOW_SAVE");
+        auto other = make_model(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard), 5);
+        auto other_opt = make_optimizer("adam", other->parameters());
+        EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(dir), 1);
+        expect_bitwise_equal(full_state_dict(*other), saved, "resumed");
+      },
+      env);
+  remove_test_dir(dir);
+}
+
 }  // namespace test_checkpoint_faults
 }  // namespace fsdp::testing
