@@ -1,12 +1,15 @@
 #include "state/retention.h"
 
 #include <c10/util/Exception.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "detail/error.h"
 #include "detail/posix_files.h"
@@ -110,9 +113,21 @@ void restore_cut_short_replacements(const std::string& parent) {
 std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t keep_last,
                                           const std::vector<std::string>& keep, int64_t up_to) {
   restore_cut_short_replacements(parent);
+  // The directories to keep, by identity (device and inode) where they can
+  // be looked at: a checkpoint loaded by an absolute path, or through a
+  // link, and saved beside by a relative one is the same directory (it was
+  // removed, compared by name). By name otherwise.
+  const auto identity = [](const std::string& path) -> std::optional<std::pair<dev_t, ino_t>> {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+    return std::make_pair(st.st_dev, st.st_ino);
+  };
   std::vector<std::string> kept_paths;
-  kept_paths.reserve(keep.size());
-  for (const std::string& k : keep) kept_paths.push_back(lexically_normal(k));
+  std::vector<std::pair<dev_t, ino_t>> kept_ids;
+  for (const std::string& k : keep) {
+    kept_paths.push_back(lexically_normal(k));
+    if (auto id = identity(k)) kept_ids.push_back(*id);
+  }
   std::vector<StepDirectory> dirs;
   try {
     dirs = step_directories(parent);
@@ -127,8 +142,11 @@ std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t kee
   int64_t complete = 0;  // complete ones seen so far, newest first
   std::vector<std::string> later;
   for (const StepDirectory& s : dirs) {
-    const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
-                      kept_paths.end();
+    const auto id = identity(s.path);
+    const bool kept =
+        std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
+            kept_paths.end() ||
+        (id && std::find(kept_ids.begin(), kept_ids.end(), *id) != kept_ids.end());
     if (s.marked && s.step > up_to) {  // Note [Checkpoints of a run rolled back]
       later.push_back(s.path);
       continue;

@@ -250,6 +250,18 @@ TEST(CheckpointFaults, KeepLastRemovesOlderCheckpointsButNotTheResumedOne) {
   EXPECT_THROW(Checkpointer(*other, &other_opt, CheckpointerOptions().keep_last(1)).resume(root),
                c10::Error);
   EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000050", "step-0000000070"}));
+  {
+    // Resumed through a link, saved beside by the real path: the same
+    // directory, kept (compared by name, a review found it removed).
+    const std::string link = root + "-link";
+    ASSERT_EQ(::symlink(root.c_str(), link.c_str()), 0);
+    Trained again(7);
+    Checkpointer ckpt(*again.model, again.opt.get(), CheckpointerOptions().keep_last(1));
+    EXPECT_EQ(ckpt.resume(link), 70);
+    ckpt.save_step(root, 80);
+    EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000070", "step-0000000080"}));
+    ::unlink(link.c_str());
+  }
   remove_test_dir(root);
   // Steps of more than ten digits (tokens seen) are found and kept too: a
   // review found them saved but never resumed nor counted.
