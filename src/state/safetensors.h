@@ -58,8 +58,11 @@ SafetensorsHeader parse_safetensors(const unsigned char* data, size_t size,
 
 /// The length prefix and header (padded with spaces to a multiple of 8) for
 /// tensors laid out back to back in the given order; sets each entry's
-/// begin/end from its dtype and shape.
-std::string encode_safetensors_header(std::vector<SafetensorsEntry>& entries,
-                                      const std::map<std::string, std::string>& metadata = {});
+/// begin/end from its dtype and shape. The metadata defaults to
+/// {"format": "pt"}, which Hugging Face's loaders read (transformers before
+/// 4.48.2 fails on a file without it).
+std::string encode_safetensors_header(
+    std::vector<SafetensorsEntry>& entries,
+    const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
 
 }  // namespace fsdp::detail

@@ -103,6 +103,9 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 TEST(Safetensors, HeaderRoundTrip) {
   const std::string file = tiny_file();
   EXPECT_EQ((file.size() - 32) % 8, 0u);  // header padded to 8 bytes
+  // The metadata Hugging Face's loaders read (transformers before 4.48.2
+  // failed on files without it).
+  EXPECT_NE(file.find("\"__metadata__\":{\"format\":\"pt\"}"), std::string::npos) << file;
   const SafetensorsHeader h = parse(file);
   ASSERT_EQ(h.entries.size(), 2u);
   EXPECT_EQ(h.entries[0].name, "a");
@@ -111,6 +114,42 @@ TEST(Safetensors, HeaderRoundTrip) {
   EXPECT_EQ(h.entries[1].dtype, "I64");
   EXPECT_EQ(h.entries[1].begin, 24u);
   EXPECT_EQ(h.entries[1].end, 32u);
+}
+
+// A sharded checkpoint's files hold wider elements first, so that every
+// tensor starts at a multiple of its element size: a float32 Adam step or an
+// int64 buffer after an odd count of bf16 elements did not, which zero-copy
+// readers refuse. Found by a review.
+struct OddImpl : torch::nn::Module {
+  OddImpl() {
+    w = register_parameter("w", torch::ones({3}, torch::kBFloat16));
+    count = register_buffer("count", torch::zeros({}, torch::kLong));
+  }
+  torch::Tensor w, count;
+};
+TORCH_MODULE(Odd);
+
+TEST(Safetensors, EveryTensorOfASavedFileIsAlignedToItsElementSize) {
+  const std::string dir = test_dir();
+  Odd model;
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.1));
+  model->w.mutable_grad() = torch::ones({3}, torch::kBFloat16);
+  opt.step();
+  Checkpointer(*model, &opt).save(dir + "/c", 1, StateDictType::kSharded);
+  int files = 0;
+  for (const char* name : {"model-rank0.safetensors", "optim-rank0.safetensors"}) {
+    const std::string bytes = file_bytes(dir + "/c/" + name);
+    const SafetensorsHeader h = parse(bytes);
+    uint64_t header = 0;
+    for (int i = 0; i < 8; ++i) header |= uint64_t{static_cast<uint8_t>(bytes[i])} << (8 * i);
+    for (const auto& e : h.entries) {
+      EXPECT_EQ((8 + header + e.begin) % detail::dtype_size(e.dtype), 0u)
+          << name << ": " << e.name << " (" << e.dtype << ") at " << e.begin;
+    }
+    ++files;
+  }
+  EXPECT_EQ(files, 2);
+  remove_test_dir(dir);
 }
 
 TEST(Safetensors, RefusesInconsistentHeaders) {
@@ -124,7 +163,9 @@ TEST(Safetensors, RefusesInconsistentHeaders) {
   auto edit = [&](const std::string& from, const std::string& to) {
     std::string s = good;
     s.replace(s.find(from), from.size(), to);
-    const uint64_t n = good[0] + to.size() - from.size();  // the header is < 256 bytes
+    uint64_t length = 0;  // the length prefix, little-endian
+    for (int i = 0; i < 8; ++i) length |= uint64_t{static_cast<uint8_t>(good[i])} << (8 * i);
+    const uint64_t n = length + to.size() - from.size();
     for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
     return s;
   };
