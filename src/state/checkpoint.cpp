@@ -406,6 +406,30 @@ Checkpointer::Impl::Checked Checkpointer::Impl::check(const CheckpointReader& re
   const int64_t err_rank = detail::rank_or_none(group);
   detail::load_model_pieces(model, source, detail::PieceLoad::kCheckOnly);
   if (optimizer != nullptr) {
+    // A checkpoint saved without an optimizer holds no state for it: loaded,
+    // a stepped optimizer's state was cleared (Adam's moments restarted),
+    // silently; a review found it. A fresh one (fine-tuning from a model's
+    // checkpoint) has nothing to lose.
+    bool has_optimizer = false;
+    for (int r = 0; r < saved; ++r) {
+      for (const detail::FileRecord& f : reader.manifest(r).files) {
+        has_optimizer = has_optimizer || f.name.rfind("optim", 0) == 0;
+      }
+    }
+    if (!has_optimizer) {
+      const detail::OptimAccess access(*optimizer);
+      bool stepped = false;
+      for (const detail::LocalPiece& p : detail::local_pieces(model)) {
+        detail::ParamState st;
+        stepped = stepped || (!p.is_buffer && access.get(p.optim_param, st) &&
+                              (!access.has_step() || st.step > 0));
+      }
+      FSDP_CHECK(!stepped, err_rank, reader.dir(),
+                 "was saved without an optimizer, so loading it would clear the state of this "
+                 "optimizer, which has stepped. Load it with fsdp::Checkpointer(model) (no "
+                 "optimizer: the optimizer keeps its state), or load a checkpoint saved with the "
+                 "optimizer");
+    }
     detail::load_optim_pieces(model, *optimizer, source, detail::PieceLoad::kCheckOnly);
     if (!m.param_groups.empty()) {
       detail::OptimAccess(*optimizer)

@@ -1118,6 +1118,17 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
               step(*fresh, *fresh_opt, true, 9);
               step(*twin, *twin_opt, true, 9);
               expect_bitwise_equal(full_state_dict(*fresh), full_state_dict(*twin), what);
+              // Into an optimizer that has stepped, it is refused: it would
+              // clear that state (a review found Adam's moments restarted
+              // without a word), and nothing loads.
+              const auto stepped_state = full_optim_state_dict(*fresh, *fresh_opt);
+              EXPECT_CONTAINS(error_of([&] {
+                                Checkpointer(*fresh, fresh_opt.get())
+                                    .load(dir + "/model-only-" + kind);
+                              }),
+                              "was saved without an optimizer");
+              expect_bitwise_equal(full_optim_state_dict(*fresh, *fresh_opt), stepped_state,
+                                   what + " after the refusal");
               // Another optimizer's state (SGD's momentum) is refused, and
               // nothing loaded.
               auto sgd_model = make_model(o);
