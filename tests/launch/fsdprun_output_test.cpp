@@ -74,6 +74,18 @@ TEST(FsdprunOutput, LinesArePrefixedWholeAndOnTheRightStream) {
   for (int rank = 0; rank < 3; ++rank) EXPECT_EQ(err_lines[rank], 50);
 }
 
+// A line a rank leaves unfinished (a prompt) is shown, prefixed, while the
+// rank waits (it was held until the line ended, or the rank exited).
+TEST(FsdprunOutput, AnUnfinishedLineIsShownWhileTheRankWaits) {
+  LauncherProcess launcher({"--nproc-per-node", "1", test_rank_path(), "--partial-line",
+                            "--sleep", "30"},
+                           {{"OMP_NUM_THREADS", "1"}});
+  EXPECT_TRUE(launcher.pump_until(
+      [&] { return launcher.out().find("[rank0]: tail of rank 0") != std::string::npos; },
+      std::chrono::seconds(10)))
+      << launcher.out();
+}
+
 TEST(FsdprunOutput, NoPrefix) {
   const RunResult r = run_launcher({"--nproc-per-node", "2", "--no-prefix", test_rank_path(),
                                     "--lines", "200", "--partial-line"},

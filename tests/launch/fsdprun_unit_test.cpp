@@ -429,6 +429,28 @@ TEST(FsdprunLinePrefixer, CarriageReturnsEndLinesAsTheyCome) {
   EXPECT_EQ(out, "[rank0]: split\r\n[rank0]: after\n");
 }
 
+// A rank quiet in mid-line (a prompt, dots of progress) has its partial line
+// shown with the prefix (it waited for the line's end, which may never come
+// while the rank waits for input); the rest of the line follows without one,
+// and the end of the stream ends the line.
+TEST(FsdprunLinePrefixer, APartialLineShownWhenQuietIsContinuedWithoutAPrefix) {
+  LinePrefixer prefixer("[rank0]: ");
+  std::string out;
+  prefixer.feed("Password: ", &out);
+  EXPECT_EQ(out, "");
+  prefixer.flush_partial(&out);
+  EXPECT_EQ(out, "[rank0]: Password: ");
+  prefixer.feed("..", &out);
+  prefixer.flush_partial(&out);
+  prefixer.feed(". ok\nnext\n", &out);
+  EXPECT_EQ(out, "[rank0]: Password: ... ok\n[rank0]: next\n");
+  out.clear();
+  prefixer.feed("tail", &out);
+  prefixer.flush_partial(&out);
+  prefixer.finish(&out);
+  EXPECT_EQ(out, "[rank0]: tail\n");
+}
+
 TEST(FsdprunLinePrefixer, EmptyPrefixPassesLinesThrough) {
   LinePrefixer prefixer("");
   std::string out;

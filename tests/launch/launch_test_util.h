@@ -52,6 +52,8 @@ class LauncherProcess {
 
   /// What the launcher wrote to stderr so far (pump_until collects it).
   const std::string& err() const { return err_; }
+  /// What the launcher wrote to stdout so far (pump_until collects it).
+  const std::string& out() const { return out_; }
 
   /// Sends `signo` to the launcher (not to its ranks).
   void send_signal(int signo) const;

@@ -38,13 +38,21 @@ void LinePrefixer::feed(std::string_view data, std::string* out) {
 }
 
 void LinePrefixer::finish(std::string* out) {
-  if (partial_.empty()) return;
+  if (partial_.empty() && !mid_line_) return;
   emit(partial_, out);
   partial_.clear();
 }
 
-void LinePrefixer::emit(std::string_view line, std::string* out, std::string_view ending) const {
-  out->append(prefix_);
+void LinePrefixer::flush_partial(std::string* out) {
+  if (partial_.empty()) return;
+  if (!mid_line_) out->append(prefix_);
+  out->append(partial_);
+  partial_.clear();
+  mid_line_ = true;
+}
+
+void LinePrefixer::emit(std::string_view line, std::string* out, std::string_view ending) {
+  if (!std::exchange(mid_line_, false)) out->append(prefix_);
   out->append(line);
   out->append(ending);
 }

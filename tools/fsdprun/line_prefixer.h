@@ -33,16 +33,23 @@ class LinePrefixer {
   /// with '\n' so the next line of another rank starts on its own line.
   void finish(std::string* out);
 
+  /// The rank went quiet in mid-line (a prompt, dots of progress): appends
+  /// the partial line, prefixed, without an ending, as torchrun shows what
+  /// it reads. Its rest comes later without a prefix.
+  void flush_partial(std::string* out);
+
   /// Bytes of an incomplete line held back so far.
   size_t pending_bytes() const { return partial_.size(); }
 
  private:
-  /// Appends prefix + `line` + `ending` to `out`.
-  void emit(std::string_view line, std::string* out, std::string_view ending = "\n") const;
+  /// Appends prefix + `line` + `ending` to `out` (no prefix for the rest of
+  /// a line flush_partial() began).
+  void emit(std::string_view line, std::string* out, std::string_view ending = "\n");
 
   std::string prefix_;
   std::string partial_;
   bool ended_at_cr_ = false;  // the last feed ended with a line ended by '\r'
+  bool mid_line_ = false;     // flush_partial() began a line that has not ended
 };
 
 /// torchrun's --log-line-prefix-template filled in as Python's

@@ -26,6 +26,12 @@ namespace {
 /// round keeps a chatty rank from starving the others.
 constexpr size_t kReadChunk = 64 * 1024;
 
+/// How long a partial line waits for its end before it is shown as it is:
+/// a line written in pieces (a rank descheduled between two writes of its
+/// stdio buffer, on a loaded node) stays whole, a prompt does not wait
+/// forever.
+constexpr std::chrono::milliseconds kIdleFlush{1000};
+
 /// After SIGKILL, how long to keep waiting for group members that are not
 /// our children (they may be reparented elsewhere if setsid'd children fork
 /// again); our own children are always waited for.
@@ -262,7 +268,34 @@ bool Supervisor::all_ranks_exited() const {
   return std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.exited; });
 }
 
+int Supervisor::flush_idle_partials() {
+  const auto now = std::chrono::steady_clock::now();
+  int next = -1;
+  for (Rank& rank : ranks_) {
+    for (int stream = 0; stream < 2; ++stream) {
+      auto& since = rank.partial_since[stream];
+      if (!since) continue;
+      if (now - *since >= kIdleFlush) {
+        std::string lines;
+        rank.prefixers[stream].flush_partial(&lines);
+        emit(rank, stream, lines);
+        since.reset();
+        continue;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            *since + kIdleFlush - now)
+                            .count();
+      const int ms = static_cast<int>(left) + 1;
+      next = next < 0 ? ms : std::min(next, ms);
+    }
+  }
+  return next;
+}
+
 void Supervisor::wait_and_relay(int timeout_ms) {
+  // A quiet rank's partial line is due before the poll would end.
+  const int flush_ms = flush_idle_partials();
+  if (flush_ms >= 0) timeout_ms = timeout_ms < 0 ? flush_ms : std::min(timeout_ms, flush_ms);
   std::vector<pollfd> pfds;
   std::vector<std::pair<size_t, int>> owners;  // (rank index, stream)
   pfds.push_back(pollfd{signals_.read_fd(), POLLIN, 0});
@@ -302,6 +335,12 @@ void Supervisor::relay(Rank& rank, int stream) {
       rank.console[stream] = true;
     }
     rank.prefixers[stream].feed(std::string_view(buffer, n), &lines);
+    auto& since = rank.partial_since[stream];
+    if (rank.prefixers[stream].pending_bytes() == 0) {
+      since.reset();
+    } else if (!since) {
+      since = std::chrono::steady_clock::now();
+    }
   } else {
     // End of stream (or a broken pipe): the last partial line goes out now.
     rank.prefixers[stream].finish(&lines);
@@ -318,6 +357,7 @@ void Supervisor::emit(const Rank& rank, int stream, const std::string& lines) {
 void Supervisor::close_stream(Rank& rank, int stream) {
   ::close(rank.fds[stream]);
   rank.fds[stream] = -1;
+  rank.partial_since[stream].reset();
   if (rank.log_fds[stream] >= 0) ::close(rank.log_fds[stream]);
   rank.log_fds[stream] = -1;
 }

@@ -65,6 +65,9 @@ class Supervisor {
     bool console[2] = {true, true};       ///< Not only in a log file (--redirects).
     int log_fds[2] = {-1, -1};            ///< --redirects / --tee files, per stream.
     std::vector<LinePrefixer> prefixers;  ///< One per entry of fds.
+    /// Since when each stream's prefixer holds a partial line (flushed once
+    /// the rank is quiet for kIdleFlush); unset while it holds none.
+    std::optional<std::chrono::steady_clock::time_point> partial_since[2];
   };
 
   /// Forks every rank; on a fork failure records it and stops the others.
@@ -93,6 +96,9 @@ class Supervisor {
   /// Waits in poll() for output or a signal, at most until `timeout_ms`
   /// (-1: no limit), then relays whatever output arrived.
   void wait_and_relay(int timeout_ms);
+  /// Shows the partial lines of streams quiet for kIdleFlush (a prompt,
+  /// dots of progress); returns the ms until the next is due (-1: none).
+  int flush_idle_partials();
   /// Reads one chunk from a rank's stream and relays its complete lines;
   /// on end of stream flushes the partial line and closes the descriptor.
   void relay(Rank& rank, int stream);
