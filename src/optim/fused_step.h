@@ -141,14 +141,21 @@ std::shared_ptr<BackwardSteps> attach_backward_steps(
   // (written by the worker, read once it is idle).
   auto used = std::make_shared<std::map<size_t, Options>>();
   const auto check_options = [&groups, used, owner] {
+    std::string changed;
     for (const auto& [index, options] : *used) {
       if (index < groups.size() &&
           !(static_cast<const Options&>(groups[index].options()) == options)) {
-        TORCH_WARN_ONCE(owner, ": the options of parameter group ", index,
-                        " changed between backward and step(); the units stepped during backward "
-                        "took them as they were, so the change reaches them from the next step "
-                        "(change options before the forward to apply them at once)");
+        changed += (changed.empty() ? "" : ", ") + std::to_string(index);
       }
+    }
+    // At each step it happens (a schedule set between backward and step() is
+    // late at every step), once for all its groups.
+    if (!changed.empty()) {
+      TORCH_WARN(owner, ": the options of parameter group(s) ", changed,
+                 " changed between backward and step(); the units stepped during backward "
+                 "took them as they were, so the change reaches them from the next step "
+                 "(change options before the forward, or step a scheduler after step(), to "
+                 "apply them at once)");
     }
     used->clear();
   };
