@@ -128,6 +128,9 @@ struct CommThread::Core {
   const int rank;
   const std::chrono::milliseconds timeout;
   FingerprintExchange exchange;  // set before debug mode is first on
+  std::function<void()> on_broken;  // set before any collective
+  // health becomes kBroken for `cause`; the group's on_broken runs.
+  void become_broken(std::string cause);
   std::atomic<bool> debug{false};
 
   // State below is protected by mutex.
@@ -165,6 +168,20 @@ uint64_t CommThread::issued() const {
 
 void CommThread::set_fingerprint_exchange(FingerprintExchange exchange) {
   core_->exchange = std::move(exchange);
+}
+
+void CommThread::set_on_broken(std::function<void()> on_broken) {
+  core_->on_broken = std::move(on_broken);
+}
+
+void CommThread::Core::become_broken(std::string cause) {
+  health = Health::kBroken;
+  broken_cause = std::move(cause);
+  if (!on_broken) return;
+  try {
+    on_broken();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): closing links may fail; the group is broken
+  }
 }
 
 void CommThread::set_debug(bool on) {
@@ -282,8 +299,7 @@ void CommThread::Core::execute(Item& item) {
     // reported like a failure of the collective, below.
     const std::string mismatch = item.check ? check_fingerprints(item) : "";
     if (!mismatch.empty()) {
-      health = Health::kBroken;
-      broken_cause = item.state->description + ": collective mismatch";
+      become_broken(item.state->description + ": collective mismatch");
       fail(item, mismatch);
       return;
     }
@@ -306,10 +322,9 @@ void CommThread::Core::execute(Item& item) {
       item.state->finish(nullptr);
     }
   } catch (const std::exception& e) {
-    health = Health::kBroken;
     // The cause without its backtrace: this message is one sentence.
     const std::string cause = error_message(e);
-    broken_cause = item.state->description + ": " + cause;
+    become_broken(item.state->description + ": " + cause);
     // A transport that saw the ranks differ says so and what to do; any
     // other failure most often means a peer is gone.
     const bool mismatch = cause.find(kMismatchAdvice) != std::string::npos;

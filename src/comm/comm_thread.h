@@ -63,7 +63,10 @@ using FingerprintExchange = std::function<at::Tensor(const at::Tensor& mine, uin
 /// The first collective that fails (a peer died, a timeout) moves the group
 /// from kHealthy to kBroken for good: the ranks no longer agree on what was
 /// exchanged, so every later collective fails at once with the first cause
-/// instead of pairing wrongly with a peer's next message or hanging.
+/// instead of pairing wrongly with a peer's next message or hanging. The
+/// group then closes its links (set_on_broken), so that its neighbours fail
+/// at once too, and theirs in turn, instead of each waiting out the timeout
+/// for a message that will not come and blaming a live rank.
 ///
 /// Note [Running on the waiter]
 /// A collective waited for right after it was issued (FSDP's unshard without
@@ -99,6 +102,9 @@ class CommThread {
   /// How the engine exchanges fingerprints; set once, before debug mode is
   /// switched on.
   void set_fingerprint_exchange(FingerprintExchange exchange);
+  /// What the group does when it breaks (Note [Broken groups]), on the
+  /// thread that ran the failed collective; set once, before any collective.
+  void set_on_broken(std::function<void()> on_broken);
   /// Debug mode on or off for the collectives issued from now on (caller
   /// thread). See Note [Collective fingerprints].
   void set_debug(bool on);

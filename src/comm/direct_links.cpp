@@ -298,6 +298,11 @@ std::unique_ptr<PendingTransfer> DirectLinks::irecv(const at::Tensor& dst, int p
   return std::make_unique<LazyReceive>(*this, dst, slot);
 }
 
+void DirectLinks::abort() {
+  ::shutdown(to_next_.get(), SHUT_RDWR);
+  ::shutdown(from_prev_.get(), SHUT_RDWR);
+}
+
 void DirectLinks::receive(void* dst, size_t bytes, uint64_t slot) {
   LinkHeader h{};
   iovec iov[2] = {{&h, sizeof(h)}, {dst, bytes}};

@@ -63,6 +63,10 @@ class DirectLinks : public PointToPoint {
   /// Receives the next message from `prev`, which must be `slot` of `bytes`.
   void receive(void* dst, size_t bytes, uint64_t slot);
 
+  /// The group broke (Note [Broken groups]): shuts both links down, so that
+  /// the neighbours' sends and receives fail at once. Any thread.
+  void abort();
+
   /// A queued send and its completion, shared with its waiter.
   struct Outgoing;
 

@@ -68,6 +68,10 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
   thread_ = std::make_unique<CommThread>(rank, timeout, config_.realtime_threads);
   thread_->set_fingerprint_exchange(
       [this](const at::Tensor& mine, uint64_t seq) { return exchange_fingerprints(mine, seq); });
+  // See Note [Broken groups]. Shared memory stops its peers by itself.
+  thread_->set_on_broken([this] {
+    if (links_) links_->abort();
+  });
 }
 
 void GlooProcessGroup::set_debug_collectives(bool on) { thread_->set_debug(on && size() > 1); }

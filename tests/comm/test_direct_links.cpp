@@ -85,6 +85,29 @@ TEST(DirectLinks, StuckPeerMakesSmallCollectivesTimeOut) {
       << describe(outcomes[0]);
 }
 
+// A rank whose collective fails (here rank 3, which finds rank 2 sent
+// another size: a mismatch) closes its links (Note [Broken groups]), so its
+// neighbours fail at once, and theirs in turn: every rank of the ring fails
+// within a few seconds of a 20 s timeout (the ranks two or more hops away
+// waited the whole timeout, then blamed a live neighbour). Found by a review.
+TEST(DirectLinks, ABrokenGroupClosesItsLinksSoTheRingFailsAtOnce) {
+  run_ranks_ok(
+      4,
+      [](int rank, int) {
+        auto pg = init_process_group(ProcessGroupOptions()
+                                         .shared_memory(false)
+                                         .direct_link_bytes(int64_t{1} << 20)
+                                         .timeout(std::chrono::seconds(20)));
+        pg->barrier().wait();
+        at::Tensor t = at::ones({rank == 2 ? 64 : 32});
+        expect_error_within([&] { pg->all_reduce(t).wait(); }, std::chrono::seconds(3));
+        // Alive meanwhile, its sockets open: what a rank that catches the
+        // error and goes on (or is slow to exit) leaves its peers.
+        std::this_thread::sleep_for(std::chrono::seconds(4));
+      },
+      MultiRankOptions{std::chrono::seconds(90), std::chrono::seconds(30), {}});
+}
+
 // Note [Strangers on the direct-link port]: connections that do not open with
 // the job's token (here a rank number alone, or silence) are closed, and the
 // link to the real rank is made all the same. Rank 0's port gets both before rank
