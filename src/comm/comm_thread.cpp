@@ -127,7 +127,7 @@ struct CommThread::Core {
   // Constant after construction.
   const int rank;
   const std::chrono::milliseconds timeout;
-  FingerprintExchange exchange;  // set before debug mode is first on
+  FingerprintExchange exchange;     // set before debug mode is first on
   std::function<void()> on_broken;  // set before any collective
   // health becomes kBroken for `cause`; the group's on_broken runs.
   void become_broken(std::string cause);

@@ -188,14 +188,14 @@ std::vector<LaunchFact> launch_facts(const RankInfo& info, const detail::CommCon
     return std::string("Every rank must use the same value: set ProcessGroupOptions::") + field +
            " alike, or the environment variable " + env + " on every node (or on none)";
   };
-  return {{"WORLD_SIZE", std::to_string(info.world_size),
-           "Every rank must be started with the same WORLD_SIZE (fsdprun sets it for you)."},
-          {"direct_link_bytes", std::to_string(config.direct_link_bytes),
-           knob("direct_link_bytes", "FSDP_DIRECT_LINK_BYTES")},
-          {"ring_segment_bytes", std::to_string(config.ring_segment_bytes),
-           knob("ring_segment_bytes", "FSDP_RING_SEGMENT_BYTES")},
-          {"debug_collectives", debug ? "on" : "off",
-           knob("debug_collectives", "FSDP_DEBUG=detail")}};
+  return {
+      {"WORLD_SIZE", std::to_string(info.world_size),
+       "Every rank must be started with the same WORLD_SIZE (fsdprun sets it for you)."},
+      {"direct_link_bytes", std::to_string(config.direct_link_bytes),
+       knob("direct_link_bytes", "FSDP_DIRECT_LINK_BYTES")},
+      {"ring_segment_bytes", std::to_string(config.ring_segment_bytes),
+       knob("ring_segment_bytes", "FSDP_RING_SEGMENT_BYTES")},
+      {"debug_collectives", debug ? "on" : "off", knob("debug_collectives", "FSDP_DEBUG=detail")}};
 }
 
 // A size knob of Note [Communication knobs]: the option when set (-1: unset),

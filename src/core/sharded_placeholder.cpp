@@ -135,8 +135,7 @@ struct Use {
 // other than parameters, buffers and what it writes, are cast to the unit's
 // compute dtype (see ParamUseListener::compute_dtype). Returns the dtype of
 // a buffer left uncast in another floating-point dtype, if any.
-c10::optional<at::ScalarType> cast_inputs(const c10::OperatorHandle& op,
-                                          torch::jit::Stack* stack,
+c10::optional<at::ScalarType> cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                                           const std::vector<Use>& uses) {
   c10::optional<at::ScalarType> dtype;
   for (const Use& u : uses) {
@@ -230,8 +229,8 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     at::ScalarType compute = *kept_buffer;
     for (const Use& u : uses) compute = u.listener->compute_dtype().value_or(compute);
     TORCH_CHECK(false, error_prefix(-1, "mixed precision"), op.schema().name(),
-                " failed with a buffer in ", c10::toString(*kept_buffer),
-                " beside parameters in ", c10::toString(compute), " (buffers are not cast: ",
+                " failed with a buffer in ", c10::toString(*kept_buffer), " beside parameters in ",
+                c10::toString(compute), " (buffers are not cast: ",
                 "a cast copy's running statistics would be lost): ", e.what_without_backtrace(),
                 ". Give the buffers that dtype with MixedPrecision::buffer_dtype(",
                 c10::toString(compute),

@@ -2,9 +2,9 @@
 
 #include <c10/util/Exception.h>
 
-#include <memory>
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -69,8 +69,8 @@ HybridGroups groups_by_node(const std::shared_ptr<ProcessGroup>& world, int shar
   const std::vector<int64_t> all = agree_gather(world.get(), {shard_size, rank_info().node_rank});
   std::map<int64_t, std::vector<int>> nodes;  // node -> its ranks, ascending
   for (size_t r = 0; r < all.size() / 2; ++r) {
-    FSDP_CHECK(all[2 * r] == shard_size, me, "HYBRID_SHARD", "ranks per node differ: ",
-               shard_size, " on rank ", me, ", ", all[2 * r], " on rank ", r,
+    FSDP_CHECK(all[2 * r] == shard_size, me, "HYBRID_SHARD", "ranks per node differ: ", shard_size,
+               " on rank ", me, ", ", all[2 * r], " on rank ", r,
                ". Its node groups need as many ranks on every node: start as many on each, or "
                "pass FSDPOptions().hybrid_groups(fsdp::new_hybrid_groups(world, n)) with n "
                "dividing every node's count");

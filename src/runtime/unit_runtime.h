@@ -8,8 +8,8 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <fsdp/comm/work.h>

@@ -346,9 +346,9 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
   if (!resuming.empty()) {
     // Each rank's outcome: 0 verified, 1 damaged, 2 another error.
     const int64_t mine = !error ? 0 : is_damage(error) ? 1 : 2;
-    const std::vector<int64_t> all =
-        group != nullptr && group->size() > 1 ? detail::agree_gather(group, {mine})
-                                              : std::vector<int64_t>{mine};
+    const std::vector<int64_t> all = group != nullptr && group->size() > 1
+                                         ? detail::agree_gather(group, {mine})
+                                         : std::vector<int64_t>{mine};
     const bool damaged = std::count(all.begin(), all.end(), 1) > 0;
     if (damaged && std::count(all.begin(), all.end(), 2) == 0) {
       const int64_t rank = detail::rank_or_none(group);

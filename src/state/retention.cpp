@@ -143,10 +143,9 @@ std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t kee
   std::vector<std::string> later;
   for (const StepDirectory& s : dirs) {
     const auto id = identity(s.path);
-    const bool kept =
-        std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
-            kept_paths.end() ||
-        (id && std::find(kept_ids.begin(), kept_ids.end(), *id) != kept_ids.end());
+    const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
+                          kept_paths.end() ||
+                      (id && std::find(kept_ids.begin(), kept_ids.end(), *id) != kept_ids.end());
     if (s.marked && s.step > up_to) {  // Note [Checkpoints of a run rolled back]
       later.push_back(s.path);
       continue;

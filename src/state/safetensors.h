@@ -61,8 +61,8 @@ SafetensorsHeader parse_safetensors(const unsigned char* data, size_t size,
 /// begin/end from its dtype and shape. The metadata defaults to
 /// {"format": "pt"}, which Hugging Face's loaders read (transformers before
 /// 4.48.2 fails on a file without it).
-std::string encode_safetensors_header(
-    std::vector<SafetensorsEntry>& entries,
-    const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+std::string encode_safetensors_header(std::vector<SafetensorsEntry>& entries,
+                                      const std::map<std::string, std::string>& metadata = {
+                                          {"format", "pt"}});
 
 }  // namespace fsdp::detail

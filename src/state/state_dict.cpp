@@ -96,7 +96,8 @@ constexpr const char* kEmptyOnOtherRanks =
 int64_t dict_fingerprint(const torch::OrderedDict<std::string, at::Tensor>& dict) {
   uint64_t h = 1469598103934665603ULL;
   const auto mix = [&h](const void* data, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
+    for (size_t i = 0; i < n; ++i)
+      h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
   };
   for (const auto& item : dict) {
     mix(item.key().data(), item.key().size() + 1);
@@ -125,8 +126,8 @@ torch::OrderedDict<std::string, at::Tensor> dict_to_load(
   if (detail::units_with_params(model).empty()) return dict;
   const bool empty = dict.is_empty();
   const int64_t print = dict_fingerprint(dict);
-  const auto seen = detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1, print, -print},
-                                         ReduceOp::kMax);
+  const auto seen =
+      detail::agree_reduce(group, {empty ? 1 : 0, empty ? 0 : 1, print, -print}, ReduceOp::kMax);
   FSDP_CHECK(seen[0] == 0 || seen[1] == 0, rank_of(model), where, "the dict is empty on ",
              empty ? "this rank" : "some ranks", " and not on others.", kEmptyOnOtherRanks);
   // Each rank checks its own dict: different dicts would load different

@@ -665,7 +665,8 @@ struct Scale {
 struct RefListImpl : nn::Module {
   RefListImpl() { fc = register_module("fc", nn::Linear(kDim, kDim)); }
   torch::Tensor forward(std::vector<std::tuple<const torch::Tensor&, const Scale&>> xs,
-                        std::tuple<torch::Tensor&> bias, const std::tuple<const torch::Tensor&>& g) {
+                        std::tuple<torch::Tensor&> bias,
+                        const std::tuple<const torch::Tensor&>& g) {
     torch::Tensor y = std::get<0>(bias) * std::get<0>(g);
     for (const auto& x : xs) y = y + torch::tanh(fc(std::get<0>(x))) * std::get<1>(x).factor;
     return y;
@@ -685,10 +686,10 @@ TEST(ActivationCheckpoint, ArgumentsOfReferencesInOtherShapesGetGradients) {
     {
       torch::Tensor x2 = x * 2, bias = b * 1;
       std::vector<std::tuple<const torch::Tensor&, const Scale&>> xs{{x, scale}, {x2, scale}};
-      loss = block->forward(xs, std::tuple<torch::Tensor&>(bias),
-                            std::tuple<const torch::Tensor&>(g))
-                 .pow(2)
-                 .sum();
+      loss =
+          block->forward(xs, std::tuple<torch::Tensor&>(bias), std::tuple<const torch::Tensor&>(g))
+              .pow(2)
+              .sum();
     }
     loss.backward();
     return std::vector<torch::Tensor>{x.grad(), b.grad(), g.grad()};

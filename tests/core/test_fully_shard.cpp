@@ -904,7 +904,8 @@ TEST(FullyShard, BuffersAreNotCastAndTensorListsAre) {
     torch::nn::Sequential plain = net(0);
     plain->to(at::kBFloat16);
     torch::nn::Sequential cast = net(0);
-    fully_shard(cast, FSDPOptions().mixed_precision(MixedPrecision(bf16).buffer_dtype(at::kBFloat16)));
+    fully_shard(cast,
+                FSDPOptions().mixed_precision(MixedPrecision(bf16).buffer_dtype(at::kBFloat16)));
     plain->forward(x.to(at::kBFloat16));
     cast->forward(x);
     ASSERT_GT(stats(plain).abs().sum().item<double>(), 0);

@@ -77,9 +77,9 @@ TEST(FsdprunOutput, LinesArePrefixedWholeAndOnTheRightStream) {
 // A line a rank leaves unfinished (a prompt) is shown, prefixed, while the
 // rank waits (it was held until the line ended, or the rank exited).
 TEST(FsdprunOutput, AnUnfinishedLineIsShownWhileTheRankWaits) {
-  LauncherProcess launcher({"--nproc-per-node", "1", test_rank_path(), "--partial-line",
-                            "--sleep", "30"},
-                           {{"OMP_NUM_THREADS", "1"}});
+  LauncherProcess launcher(
+      {"--nproc-per-node", "1", test_rank_path(), "--partial-line", "--sleep", "30"},
+      {{"OMP_NUM_THREADS", "1"}});
   EXPECT_TRUE(launcher.pump_until(
       [&] { return launcher.out().find("[rank0]: tail of rank 0") != std::string::npos; },
       std::chrono::seconds(10)))

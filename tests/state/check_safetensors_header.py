@@ -40,7 +40,9 @@ def main(d):
     model = read_header(d + "/model.safetensors")
     got = {k: v["shape"] for k, v in model.items() if k != "__metadata__"}
     assert got == EXPECTED_MODEL, got
-    assert all(v["dtype"] == "F32" for v in model.values())
+    assert all(v["dtype"] == "F32" for k, v in model.items() if k != "__metadata__")
+    # What Hugging Face's loaders look for.
+    assert model.get("__metadata__") == {"format": "pt"}, model.get("__metadata__")
     optim = read_header(d + "/optim.safetensors")
     for name, shape in EXPECTED_MODEL.items():
         for state in ("exp_avg", "exp_avg_sq"):

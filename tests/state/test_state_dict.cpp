@@ -145,26 +145,23 @@ TEST(StateDict, NonStrictLoadsWhatItSharesAndNamesTheRest) {
     EXPECT_EQ(skipped.missing_keys, std::vector<std::string>{"head.weight"});
     EXPECT_EQ(skipped.unexpected_keys, std::vector<std::string>{"classifier.weight"});
     for (const auto& item : full_state_dict(*model)) {
-      const torch::Tensor& want =
-          item.key() == "head.weight" ? before[item.key()] : sd[item.key()];
+      const torch::Tensor& want = item.key() == "head.weight" ? before[item.key()] : sd[item.key()];
       EXPECT_TRUE(torch::equal(item.value(), want)) << item.key();
     }
     EXPECT_TRUE(load_full_state_dict(*model, before).missing_keys.empty());
     auto bad = sd;
     bad["head.bias"] = torch::zeros({7});
-    EXPECT_CONTAINS(error_of([&] {
-                      load_full_state_dict(*model, bad, StateDictOptions().strict(false));
-                    }),
-                    "fsdp(head.bias): has shape [7] in the state dict");
+    EXPECT_CONTAINS(
+        error_of([&] { load_full_state_dict(*model, bad, StateDictOptions().strict(false)); }),
+        "fsdp(head.bias): has shape [7] in the state dict");
     expect_bitwise_equal(full_state_dict(*model), before, "after the shape refusal");
     // Each rank's own dict, different on one rank: refused on every rank (a
     // rank would have skipped what the others load).
     auto uneven = sd;
     if (rank == 1) uneven.insert("extra", torch::zeros({1}));
-    EXPECT_CONTAINS(error_of([&] {
-                      load_full_state_dict(*model, uneven, StateDictOptions().strict(false));
-                    }),
-                    "the dicts passed on the ranks differ");
+    EXPECT_CONTAINS(
+        error_of([&] { load_full_state_dict(*model, uneven, StateDictOptions().strict(false)); }),
+        "the dicts passed on the ranks differ");
     expect_bitwise_equal(full_state_dict(*model), before, "after the refusal of uneven dicts");
   });
 }
@@ -1122,11 +1119,11 @@ TEST(StateDict, RmspropAndAdagradMatchPlainLibTorchAndResume) {
               // clear that state (a review found Adam's moments restarted
               // without a word), and nothing loads.
               const auto stepped_state = full_optim_state_dict(*fresh, *fresh_opt);
-              EXPECT_CONTAINS(error_of([&] {
-                                Checkpointer(*fresh, fresh_opt.get())
-                                    .load(dir + "/model-only-" + kind);
-                              }),
-                              "was saved without an optimizer");
+              EXPECT_CONTAINS(
+                  error_of([&] {
+                    Checkpointer(*fresh, fresh_opt.get()).load(dir + "/model-only-" + kind);
+                  }),
+                  "was saved without an optimizer");
               expect_bitwise_equal(full_optim_state_dict(*fresh, *fresh_opt), stepped_state,
                                    what + " after the refusal");
               // Another optimizer's state (SGD's momentum) is refused, and

@@ -282,9 +282,8 @@ int Supervisor::flush_idle_partials() {
         since.reset();
         continue;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            *since + kIdleFlush - now)
-                            .count();
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*since + kIdleFlush - now).count();
       const int ms = static_cast<int>(left) + 1;
       next = next < 0 ? ms : std::min(next, ms);
     }

@@ -38,7 +38,8 @@ decltype(auto) cast_forward_arg(T&& arg, const c10::optional<at::ScalarType>& dt
       return at::Tensor(arg.to(*dtype));
     }
     return at::Tensor(std::forward<T>(arg));
-  } else if constexpr (MayHoldTensor<O>::value && !mutable_ref && std::is_constructible_v<Arg, O&&>) {
+  } else if constexpr (MayHoldTensor<O>::value && !mutable_ref &&
+                       std::is_constructible_v<Arg, O&&>) {
     // The tensors within (optionals, vectors, tuples, pairs), as PyTorch's
     // FSDP casts nested inputs; a tuple's const references then point into
     // the copy, which lives until the forward returns.
