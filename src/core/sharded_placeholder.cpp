@@ -224,7 +224,13 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     ReportingScope scope;
     redispatch_below(op, keys, stack);
   } catch (const c10::Error& e) {
-    if (!kept_buffer) throw;
+    // Only what reads as a dtype mismatch (an out-of-memory error, say, keeps
+    // its type and message).
+    const std::string what = e.what_without_backtrace();
+    if (!kept_buffer || dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr ||
+        (what.find("type") == std::string::npos && what.find("Type") == std::string::npos)) {
+      throw;
+    }
     // Most likely the buffer's dtype beside the low-precision parameters.
     at::ScalarType compute = *kept_buffer;
     for (const Use& u : uses) compute = u.listener->compute_dtype().value_or(compute);
@@ -246,8 +252,42 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
 
 // Reports the operator to the units whose parameters it uses (Note [Units
 // driven by dispatch]) and runs it, holding them all gathered meanwhile.
+// What after_this_operator() deferred, and how deep in reported operators
+// this thread is (an operator reported inside another's listener calls).
+struct OperatorEnd {
+  int depth = 0;
+  std::vector<std::function<void()>> actions;
+};
+OperatorEnd& operator_end() {
+  thread_local OperatorEnd end;
+  return end;
+}
+
+// While alive, a reported operator runs on this thread; the outermost one's
+// end runs what after_this_operator() deferred (an action that throws is
+// dropped: it runs where nothing can take its error).
+class ReportedOperator {
+ public:
+  ReportedOperator() { ++operator_end().depth; }
+  ~ReportedOperator() {
+    OperatorEnd& end = operator_end();
+    if (--end.depth > 0) return;
+    std::vector<std::function<void()>> actions;
+    actions.swap(end.actions);
+    for (auto& action : actions) {
+      try {
+        action();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): see above
+      }
+    }
+  }
+  ReportedOperator(const ReportedOperator&) = delete;
+  ReportedOperator& operator=(const ReportedOperator&) = delete;
+};
+
 void run_reported(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack,
                   const std::vector<Use>& uses, c10::ArrayRef<c10::IValue> args) {
+  const ReportedOperator reported;
   {
     ReportingScope scope;
     for (const Use& u : uses) u.listener->hold_for_operator();
@@ -487,6 +527,15 @@ void rename_placeholder(const at::Tensor& placeholder, std::string what) {
 void release_placeholder(const at::Tensor& placeholder) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry().erase(storage_of(placeholder));
+}
+
+void after_this_operator(std::function<void()> action) {
+  OperatorEnd& end = operator_end();
+  if (end.depth == 0) {
+    action();
+  } else {
+    end.actions.push_back(std::move(action));
+  }
 }
 
 bool is_placeholder(const at::Tensor& t) { return t.defined() && t.key_set().has(kKey); }

@@ -5,6 +5,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
+#include <functional>
 #include <string>
 
 namespace fsdp::detail {
@@ -134,6 +135,11 @@ void for_each_tensor(c10::ArrayRef<c10::IValue> values, const F& f) {
 /// by make_placeholder (or a detached alias of one), and while its unit is
 /// gathered a view of its parameters (tracked_alias).
 bool is_placeholder(const at::Tensor& t);
+
+/// Runs `action` once the operator being reported on this thread has ended
+/// (its units released), or at once outside one: for what must not happen
+/// while its listeners are in use (freeing units).
+void after_this_operator(std::function<void()> action);
 
 /// Throws what an operator `user` on placeholder `t` would get (the
 /// parameter or gradient named, and the fix), for code that reads tensors

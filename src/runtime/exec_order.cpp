@@ -103,6 +103,13 @@ Unit* ExecOrder::next(const Unit& unit) const {
   return order_[it->second + 1];
 }
 
+void ExecOrder::forget(const Unit& unit) {
+  std::replace(order_.begin(), order_.end(), const_cast<Unit*>(&unit), static_cast<Unit*>(nullptr));
+  std::replace(units_.begin(), units_.end(), const_cast<Unit*>(&unit), static_cast<Unit*>(nullptr));
+  position_.erase(&unit);
+  index_.erase(&unit);
+}
+
 Unit* ExecOrder::previous(const Unit& unit) const {
   if (!recorded()) return nullptr;
   auto it = position_.find(&unit);

@@ -85,6 +85,9 @@ class ExecOrder {
   Unit* next(const Unit& unit) const;
   /// The unit recorded before `unit`, or nullptr (also before recorded()).
   Unit* previous(const Unit& unit) const;
+  /// `unit` is destroyed (Note [A model's units outlive it]): next() and
+  /// previous() give nullptr where they gave it.
+  void forget(const Unit& unit);
   /// True once the later-iteration warning was issued.
   bool warned() const { return warned_; }
 

@@ -37,6 +37,11 @@ RootState::RootState(UnitRuntime& root) : root_(root) {
     UnitRuntime* runtime = unit->runtime_.get();
     units_.push_back(runtime);
     runtime->root_ = this;
+    // A unit used alone before (its own root: an initialiser run before its
+    // parent was sharded) is this root's now: the state it had as a root
+    // lists units that are this root's too, which it would outlive
+    // (Note [A model's units outlive it]).
+    if (runtime != &root) runtime->owned_root_.reset();
   }
   // Error messages about sharded parameters name each unit by its path.
   for (const auto& item : root.self()->named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
@@ -88,8 +93,11 @@ RootState::~RootState() {
 // root, as at a model's first forward). A wrapper root is destroyed with its
 // module. A unit made in place outlives its module in the registry until
 // something frees it (Note [Units made in place]): so a survivor whose root's
-// module is gone frees the gone units first (module_gone), which orphans it,
-// at its next use.
+// module is gone (module_gone) orphans the gone root's units at its next use
+// outside that root's iteration (its backward may still call it), and the
+// gone units are freed once that operator has ended (it may use some: a
+// tied weight). A unit that was a root itself before a parent adopted it
+// drops that state then, which lists units it would outlive.
 
 void RootState::forget(const UnitRuntime& unit) {
   const auto drop = [&unit](auto& units) {
@@ -102,11 +110,12 @@ void RootState::forget(const UnitRuntime& unit) {
   drop(graph_units_);
   if (first_entered_ == &unit) first_entered_ = nullptr;
   if (kept_ == &unit) kept_ = nullptr;
+  if (exec_order_) exec_order_->forget(unit.handle());
 }
 
 void RootState::orphan_units() {
   for (UnitRuntime* unit : units_) {
-    if (unit != &root_) unit->orphan();
+    if (unit != &root_ && unit->root_ == this) unit->orphan();
   }
   units_ = {&root_};
   forward_units_.clear();

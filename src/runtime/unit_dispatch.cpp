@@ -89,15 +89,19 @@ void UnitRuntime::before_param_use(bool sharded) {
     if (flat_) unshard();
     return;
   }
-  // Note [A model's units outlive it].
-  if (root_ != nullptr && root_ != owned_root_.get() && root_->module_gone()) {
-    release_gone_in_place_units();
-  }
-  if (root_ == nullptr) become_rooted();
-  RootState& r = root();
   // A backward through a graph that a backward with create_graph built reads
   // parameters it saved before any output hook runs (Note [Double backward]).
   const bool backward_runs = torch::autograd::get_current_graph_task_exec_info() != nullptr;
+  // Note [A model's units outlive it]: outside any iteration of the gone
+  // root (whose backward may still call it), its units are orphaned now and
+  // freed once this operator ended (it may use some of them).
+  if (root_ != nullptr && root_ != owned_root_.get() && root_->module_gone() && !backward_runs &&
+      !root_->in_iteration()) {
+    root_->orphan_units();
+    after_this_operator(&release_gone_in_place_units);
+  }
+  if (root_ == nullptr) become_rooted();
+  RootState& r = root();
   if (r.keeps_graph() && backward_runs) r.queue_end_of_backward();
   // A backward that threw leaves the root in backward (autograd drops its
   // end callback): an operator outside any backward is the next forward.
@@ -220,13 +224,16 @@ c10::optional<at::ScalarType> UnitRuntime::compute_dtype() const {
 }
 
 bool UnitRuntime::holds_buffer(const at::Tensor& t) const {
-  if (!buffer_impls_) {
-    buffer_impls_.emplace();
+  if (!buffers_listed_) {
+    buffers_listed_.emplace();
     if (self_ != nullptr) {
-      for (const at::Tensor& b : self_->buffers()) buffer_impls_->insert(b.unsafeGetTensorImpl());
+      buffers_listed_->held = self_->buffers();
+      for (const at::Tensor& b : buffers_listed_->held) {
+        buffers_listed_->impls.insert(b.unsafeGetTensorImpl());
+      }
     }
   }
-  return buffer_impls_->count(t.unsafeGetTensorImpl()) != 0;
+  return buffers_listed_->impls.count(t.unsafeGetTensorImpl()) != 0;
 }
 
 void UnitRuntime::orphan() {

@@ -183,6 +183,7 @@ void UnitRuntime::refuse_shards_as_checkpoint_params() const {
 
 void UnitRuntime::begin_forward_state() {
   if (root_ != nullptr) root_->release_kept();  // Note [The first unit of backward stays gathered]
+  buffers_listed_.reset();  // listed anew, should one be replaced (holds_buffer)
   if (state_ != State::kIdle) abandon_iteration();
   const ReducedGradHooks* hooks = is_root() ? grad_hooks() : nullptr;
   if (hooks && hooks->before_forward) {

@@ -109,11 +109,8 @@ UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
 
 UnitRuntime::~UnitRuntime() {
   // Note [A model's units outlive it].
-  if (owned_root_) {
-    owned_root_->orphan_units();
-  } else if (root_ != nullptr) {
-    root_->forget(*this);
-  }
+  if (root_ != nullptr && root_ != owned_root_.get()) root_->forget(*this);
+  if (owned_root_) owned_root_->orphan_units();
   forget_forward_inputs();  // no hook of a leaf that outlives the unit calls into it
   for (const auto& p : grad_placeholders_) release_placeholder(p);
   if (!cast_buffers_.empty()) {

@@ -332,10 +332,14 @@ class UnitRuntime final : public ParamUseListener {
   // A unit made in place watches its module (Note [A model's units outlive
   // it]); empty for a wrapper, which is its module.
   std::weak_ptr<torch::nn::Module> self_alive_;
-  // The TensorImpls of self_'s buffers (recursively), listed at the first
-  // holds_buffer() (a module's buffers keep their TensorImpl: Module::to and
-  // loads change their data only).
-  mutable c10::optional<std::unordered_set<const c10::TensorImpl*>> buffer_impls_;
+  // self_'s buffers (recursively) as holds_buffer() listed them in this
+  // forward (anew in each: a buffer may be replaced between forwards), held
+  // so that no other tensor takes the address of one.
+  struct ListedBuffers {
+    std::vector<at::Tensor> held;
+    std::unordered_set<const c10::TensorImpl*> impls;
+  };
+  mutable c10::optional<ListedBuffers> buffers_listed_;
   Driver driver_ = Driver::kWrapper;
   bool full_precision_override_ = false;  // see Unit::keep_full_precision()
   std::vector<CastBuffer> cast_buffers_;  // registered for saved_buffer_dtype()

@@ -79,6 +79,14 @@ void agree_after_work(ProcessGroup* group, const std::function<void()>& work,
   const auto round = std::max(std::chrono::milliseconds(50), group->timeout() / 4);
   const auto start = std::chrono::steady_clock::now();
   auto next_note = start + std::chrono::minutes(1);
+  // A round that fails (a peer died) ends the wait once the work has: the
+  // work uses this frame, and a joinable thread must not be destroyed.
+  struct JoinAtExit {
+    std::thread& worker;
+    ~JoinAtExit() {
+      if (worker.joinable()) worker.join();
+    }
+  } join_at_exit{worker};
   for (;;) {
     bool mine;
     {

@@ -69,8 +69,9 @@ CheckpointReader::CheckpointReader(std::string dir)
 // every rank before anything loads (Note [Collective load]). At the saved
 // world size a rank reads its own files, and the file that holds what rank 0
 // alone saves (the buffers, in its model file); a step every rank saved is
-// read from a file already checked. resume()'s rank 0, which chooses the
-// newest checkpoint that verifies, and verify_checkpoint check them all.
+// read from a file already checked. resume() loads so too, damage found on
+// any rank skipping the checkpoint on every rank (Note [Resume fallback]);
+// verify_checkpoint checks every file.
 CheckpointReader::CheckpointReader(std::string dir, DataChecks checks)
     : checks_(checks), dir_(std::move(dir)) {
   const std::string marker_path = join(dir_, kCompletionMarker);

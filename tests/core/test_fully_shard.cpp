@@ -972,6 +972,45 @@ TEST(FullyShard, ABlockOutlivesItsModel) {
   });
 }
 
+// Two more ways a model's units end (a review's findings, for ASan's stage):
+// a block initialised alone before its parent was sharded (it was its own
+// root, whose state outlived the adoption and was orphaned, into freed
+// units, when the dropped model's units were freed in any order); and a
+// model dropped between its forward and backward (the block's first
+// operator in backward freed the root the backward still calls). Both train
+// on, and a later fully_shard frees what is left.
+TEST(FullyShard, AModelDroppedAtAnyPointFreesItsUnitsCleanly) {
+  run_ranks_ok(2, [](int, int w) {
+    init(w);
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2, kSeq});
+    {
+      ListGpt model(2);
+      for (size_t i = 0; i < model->blocks->size(); ++i) fully_shard(*model->blocks->ptr(i));
+      {
+        torch::NoGradGuard no_grad;
+        model->blocks[0]->as<BlockImpl>()->fc1->weight.normal_();  // block 0 its own root
+      }
+      fully_shard(model);
+      lm_loss(model->forward(tokens), tokens).backward();
+    }
+    Block kept{nullptr};
+    torch::Tensor loss;
+    {
+      ListGpt model(2);
+      fully_shard(model, module_type_policy<BlockImpl>());
+      kept = Block(std::dynamic_pointer_cast<BlockImpl>(model->blocks->ptr(1)));
+      loss = lm_loss(model->forward(tokens), tokens);
+    }
+    loss.backward();  // the dropped root's backward, through the kept block
+    EXPECT_TRUE(kept->fc1->weight.grad().defined());
+    kept->forward(torch::randn({2, kSeq, kDim})).sum().backward();
+    EXPECT_TRUE(unit_of(*kept)->is_root());
+    torch::nn::Linear other(3, 3);
+    fully_shard(other);  // frees the dropped models' units
+    EXPECT_EQ(other->forward(torch::randn({2, 3})).size(1), 3);
+  });
+}
+
 // A weight printed, and one initialised under NoGradGuard, before the first
 // step (a root's parameter read outside any forward, in training mode):
 // training then runs as without them, with no warning that the forward

@@ -449,6 +449,14 @@ TEST(FsdprunLinePrefixer, APartialLineShownWhenQuietIsContinuedWithoutAPrefix) {
   prefixer.flush_partial(&out);
   prefixer.finish(&out);
   EXPECT_EQ(out, "[rank0]: tail\n");
+  // Ended by the caller for another rank's line: the rest is a line of its own.
+  out.clear();
+  prefixer.feed("half", &out);
+  prefixer.flush_partial(&out);
+  EXPECT_TRUE(prefixer.mid_line());
+  prefixer.break_line();
+  prefixer.feed(" rest\n", &out);
+  EXPECT_EQ(out, "[rank0]: half[rank0]:  rest\n");
 }
 
 TEST(FsdprunLinePrefixer, EmptyPrefixPassesLinesThrough) {

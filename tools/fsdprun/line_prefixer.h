@@ -13,8 +13,9 @@ namespace fsdp::launch {
 /// prefix such as "[rank3]: ". A line ends at '\n' or at '\r' (a progress
 /// bar redrawing its line, shown at each redraw as on a terminal), and keeps
 /// its ending ("\r\n" too). Because the caller writes what it gets in a
-/// single call from a single thread, lines of different ranks can never mix
-/// mid-line.
+/// single call from a single thread, lines of different ranks never mix
+/// mid-line: a partial line shown early (flush_partial) is ended by the
+/// caller (break_line) before another rank's output.
 class LinePrefixer {
  public:
   /// A line longer than this is released in pieces of this size (each piece
@@ -37,6 +38,13 @@ class LinePrefixer {
   /// the partial line, prefixed, without an ending, as torchrun shows what
   /// it reads. Its rest comes later without a prefix.
   void flush_partial(std::string* out);
+
+  /// Whether flush_partial() began a line that has not ended.
+  bool mid_line() const { return mid_line_; }
+
+  /// The caller ended that line ('\n') for another rank's output: the rest
+  /// of it comes prefixed, as a line of its own.
+  void break_line() { mid_line_ = false; }
 
   /// Bytes of an incomplete line held back so far.
   size_t pending_bytes() const { return partial_.size(); }

@@ -54,6 +54,7 @@ Supervisor::Supervisor(const LaunchOptions& options, int master_port,
 
 AttemptResult Supervisor::run_attempt(int restart_count) {
   ranks_.clear();
+  for (auto& open : mid_line_) open.reset();
   failure_.reset();
   stopping_ = false;
   killed_at_.reset();
@@ -334,10 +335,11 @@ void Supervisor::relay(Rank& rank, int stream) {
       rank.console[stream] = true;
     }
     rank.prefixers[stream].feed(std::string_view(buffer, n), &lines);
+    // Quiet since now: a partial line is shown once nothing came for a while.
     auto& since = rank.partial_since[stream];
     if (rank.prefixers[stream].pending_bytes() == 0) {
       since.reset();
-    } else if (!since) {
+    } else {
       since = std::chrono::steady_clock::now();
     }
   } else {
@@ -348,9 +350,23 @@ void Supervisor::relay(Rank& rank, int stream) {
   emit(rank, stream, lines);
 }
 
-void Supervisor::emit(const Rank& rank, int stream, const std::string& lines) {
+void Supervisor::emit(Rank& rank, int stream, const std::string& lines) {
   if (lines.empty() || !rank.shown || !rank.console[stream]) return;
-  (stream == 0 ? out_ : err_).write(lines);
+  const std::pair<size_t, int> me{static_cast<size_t>(&rank - ranks_.data()), stream};
+  // Lines never mix: a partial line another rank left shown is ended first.
+  auto& open = mid_line_[stream];
+  std::string text;
+  if (open && *open != me) {
+    text = "\n";
+    ranks_[open->first].prefixers[open->second].break_line();
+  }
+  text += lines;
+  if (rank.prefixers[stream].mid_line()) {
+    open = me;
+  } else {
+    open.reset();
+  }
+  (stream == 0 ? out_ : err_).write(text);
 }
 
 void Supervisor::close_stream(Rank& rank, int stream) {

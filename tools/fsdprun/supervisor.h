@@ -8,6 +8,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "line_prefixer.h"
@@ -107,7 +108,7 @@ class Supervisor {
   void drain_outputs();
   /// Writes a rank's relayed `lines` to fsdprun's stream `stream`, unless
   /// --local-ranks-filter hides that rank.
-  void emit(const Rank& rank, int stream, const std::string& lines);
+  void emit(Rank& rank, int stream, const std::string& lines);
   /// Closes rank's stream `stream`, and its log file.
   void close_stream(Rank& rank, int stream);
   /// Records `message` as the attempt's failure unless one is recorded.
@@ -124,6 +125,10 @@ class Supervisor {
 
   // State of the current attempt.
   std::vector<Rank> ranks_;
+  /// Per console stream (stdout, stderr), the (rank index, stream) whose
+  /// partial line is shown and not ended: another rank's output ends it
+  /// first (LinePrefixer::break_line).
+  std::optional<std::pair<size_t, int>> mid_line_[2];
   std::optional<AttemptResult> failure_;
   bool failed_before_signal_ = false;  // failure_ came before any signal
   int attempt_ = 0;                    // this attempt's restart count

@@ -63,7 +63,8 @@ class FusedAdamW : public torch::optim::AdamW {
   /// before step() is refused (it would step twice).
   void step_during_backward(torch::nn::Module& model);
   /// Whether step_during_backward() is on (ShardedGradScaler refuses it: a
-  /// step already taken cannot be skipped).
+  /// step already taken cannot be skipped; its scale() is refused while any
+  /// optimizer of the process steps during backward, before a backward).
   bool steps_during_backward() const { return backward_steps_ != nullptr; }
 
   /// For `model`'s units offloaded to host memory under mixed precision:
