@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -17,6 +16,7 @@
 #include <fsdp/state/error.h>
 
 #include "core/device_streams.h"
+#include "detail/env.h"
 #include "detail/posix_files.h"
 #include "state/agreement.h"
 #include "state/atomic_file.h"
@@ -93,12 +93,9 @@ Item make_item(const std::string& key, const std::string& tensor, const at::Tens
 // Test-only: FSDP_FAULT_SLOW_SAVE=<rank>:<ms> makes that rank's sharded
 // write take `ms` longer, as a rank that writes much more does.
 void slow_save_fault(int rank) {
-  const char* env = std::getenv("FSDP_FAULT_SLOW_SAVE");
-  if (env == nullptr) return;
-  const std::string spec(env);
-  const size_t colon = spec.find(':');
-  if (colon == std::string::npos || std::stoi(spec.substr(0, colon)) != rank) return;
-  std::this_thread::sleep_for(std::chrono::milliseconds(std::stoll(spec.substr(colon + 1))));
+  if (const auto ms = rank_fault("FSDP_FAULT_SLOW_SAVE", rank)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(*ms));
+  }
 }
 
 void write_sharded(const std::vector<LocalPiece>& pieces, torch::optim::Optimizer* opt, int rank,

@@ -1,13 +1,14 @@
 #include <fsdp/state/state_dict.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <exception>
 #include <string>
 
 #include "comm/agreement.h"
 #include "core/sharded_placeholder.h"
+#include "detail/env.h"
 #include "detail/error.h"
+#include "state/crc32.h"
 #include "state/dict_broadcast.h"
 #include "state/full_gather.h"
 #include "state/local_state.h"
@@ -19,12 +20,8 @@ namespace {
 // Test-only: FSDP_FAULT_STATE_DICT_COPY=<rank>:<index> makes that rank's copy
 // of entry <index> throw, as a copy out of host memory would.
 bool copy_fault(int64_t rank, size_t index) {
-  const char* env = std::getenv("FSDP_FAULT_STATE_DICT_COPY");
-  if (env == nullptr) return false;
-  const std::string spec(env);
-  const size_t colon = spec.find(':');
-  return colon != std::string::npos && std::stoll(spec.substr(0, colon)) == rank &&
-         std::stoull(spec.substr(colon + 1)) == index;
+  const c10::optional<int64_t> at = detail::rank_fault("FSDP_FAULT_STATE_DICT_COPY", rank);
+  return at && *at == static_cast<int64_t>(index);
 }
 
 torch::OrderedDict<std::string, at::Tensor> gather(torch::nn::Module& model,
@@ -91,21 +88,17 @@ constexpr const char* kEmptyOnOtherRanks =
     "load it with StateDictOptions().broadcast_from_rank0(true), or on every rank what rank 0 "
     "saved of it (torch::save).";
 
-// A 48-bit fingerprint (exact in the agreement's float64) of the dict's
-// names, shapes and dtypes, in order: FNV-1a.
+// A fingerprint (exact in the agreement's float64) of the dict's names,
+// shapes and dtypes, in order: their CRC-32.
 int64_t dict_fingerprint(const torch::OrderedDict<std::string, at::Tensor>& dict) {
-  uint64_t h = 1469598103934665603ULL;
-  const auto mix = [&h](const void* data, size_t n) {
-    for (size_t i = 0; i < n; ++i)
-      h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ULL;
-  };
+  detail::Crc32 crc;
   for (const auto& item : dict) {
-    mix(item.key().data(), item.key().size() + 1);
+    crc.update(item.key().data(), item.key().size() + 1);
     const int64_t dtype = static_cast<int64_t>(item.value().scalar_type());
-    mix(&dtype, sizeof dtype);
-    for (const int64_t d : item.value().sizes()) mix(&d, sizeof d);
+    crc.update(&dtype, sizeof dtype);
+    for (const int64_t d : item.value().sizes()) crc.update(&d, sizeof d);
   }
-  return static_cast<int64_t>(h & ((1ULL << 48) - 1));
+  return crc.value();
 }
 
 int64_t rank_of(torch::nn::Module& model) {
