@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "comm/agreement.h"
+#include "comm/hybrid_subgroups.h"
 #include "detail/error.h"
 
 // Note [Flat buffers and shards]
@@ -165,18 +167,31 @@ HybridGroups new_hybrid_groups(const std::shared_ptr<ProcessGroup>& world, int s
              " is not a multiple of the shard group size ", shard_size,
              ". HYBRID_SHARD shards within groups of equal size (a node): start the same "
              "number of ranks on every node, or pass FSDPOptions::hybrid_groups");
+  // Ranks numbered node by node.
+  std::vector<std::vector<int>> nodes(world->size() / shard_size);
+  for (int rank = 0; rank < world->size(); ++rank) nodes[rank / shard_size].push_back(rank);
+  return detail::hybrid_groups_of_nodes(world, nodes);
+}
+
+namespace detail {
+
+HybridGroups hybrid_groups_of_nodes(const std::shared_ptr<ProcessGroup>& world,
+                                    const std::vector<std::vector<int>>& nodes) {
   HybridGroups groups;
   groups.world = world;
-  groups.shard = new_node_subgroup(*world, shard_size);
-  const int nodes = world->size() / shard_size;
-  // Every rank creates every replicate group in the same order (see new_subgroup).
-  for (int position = 0; position < shard_size; ++position) {
-    std::vector<int> ranks(nodes);
-    for (int node = 0; node < nodes; ++node) ranks[node] = node * shard_size + position;
-    auto g = world->new_subgroup(ranks);
-    if (g) groups.replicate = std::move(g);
+  // Every rank creates every group in the same order (see new_subgroup).
+  for (const std::vector<int>& ranks : nodes) {
+    if (auto g = world->new_subgroup(ranks)) groups.shard = std::move(g);
+  }
+  for (size_t position = 0; position < nodes.front().size(); ++position) {
+    std::vector<int> ranks;
+    for (const std::vector<int>& on_node : nodes) ranks.push_back(on_node[position]);
+    std::sort(ranks.begin(), ranks.end());
+    if (auto g = world->new_subgroup(ranks)) groups.replicate = std::move(g);
   }
   return groups;
 }
+
+}  // namespace detail
 
 }  // namespace fsdp

@@ -2,7 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -12,6 +11,7 @@
 #include <fsdp/comm/init.h>
 
 #include "comm/agreement.h"
+#include "comm/hybrid_subgroups.h"
 #include "detail/error.h"
 
 namespace fsdp::detail {
@@ -83,18 +83,9 @@ HybridGroups groups_by_node(const std::shared_ptr<ProcessGroup>& world, int shar
                " (its ranks per node). Make the launcher's layout consistent, or pass "
                "FSDPOptions().hybrid_groups(fsdp::new_hybrid_groups(world, n))");
   }
-  HybridGroups groups;
-  groups.world = world;
-  for (const auto& [node, ranks] : nodes) {
-    if (auto g = world->new_subgroup(ranks)) groups.shard = std::move(g);
-  }
-  for (int position = 0; position < shard_size; ++position) {
-    std::vector<int> ranks;
-    for (const auto& [node, on_node] : nodes) ranks.push_back(on_node[position]);
-    std::sort(ranks.begin(), ranks.end());
-    if (auto g = world->new_subgroup(ranks)) groups.replicate = std::move(g);
-  }
-  return groups;
+  std::vector<std::vector<int>> layout;
+  for (auto& [node, ranks] : nodes) layout.push_back(std::move(ranks));
+  return hybrid_groups_of_nodes(world, layout);
 }
 
 // Groups made by hand: every rank of a replicate group must hold the same
