@@ -133,15 +133,20 @@ struct Use {
 // Mixed precision without forward hooks: the floating-point inputs of an
 // operator on a unit's parameters, within tensor lists too (an LSTM's state),
 // other than parameters, buffers and what it writes, are cast to the unit's
-// compute dtype (see ParamUseListener::compute_dtype). Returns the dtype of
-// a buffer left uncast in another floating-point dtype, if any.
-c10::optional<at::ScalarType> cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
-                                          const std::vector<Use>& uses) {
+// compute dtype (see ParamUseListener::compute_dtype). Returns a buffer left
+// uncast in another floating-point dtype, if any: its dtype and the compute
+// dtype.
+struct KeptBuffer {
+  at::ScalarType buffer;
+  at::ScalarType compute;
+};
+c10::optional<KeptBuffer> cast_inputs(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                                      const std::vector<Use>& uses) {
   c10::optional<at::ScalarType> dtype;
   for (const Use& u : uses) {
     if (!dtype) dtype = u.listener->compute_dtype();
   }
-  c10::optional<at::ScalarType> kept_buffer;
+  c10::optional<KeptBuffer> kept_buffer;
   if (!dtype) return kept_buffer;
   // `t` itself, or its cast.
   const auto cast = [&](const at::Tensor& t) {
@@ -151,7 +156,7 @@ c10::optional<at::ScalarType> cast_inputs(const c10::OperatorHandle& op, torch::
     }
     for (const Use& u : uses) {
       if (u.listener->holds_buffer(t)) {
-        kept_buffer = t.scalar_type();
+        kept_buffer = KeptBuffer{t.scalar_type(), *dtype};
         return t;
       }
     }
@@ -219,7 +224,7 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
   }
-  const c10::optional<at::ScalarType> kept_buffer = cast_inputs(op, stack, uses);
+  const c10::optional<KeptBuffer> kept_buffer = cast_inputs(op, stack, uses);
   try {
     ReportingScope scope;
     redispatch_below(op, keys, stack);
@@ -232,14 +237,12 @@ void run_held(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       throw;
     }
     // Most likely the buffer's dtype beside the low-precision parameters.
-    at::ScalarType compute = *kept_buffer;
-    for (const Use& u : uses) compute = u.listener->compute_dtype().value_or(compute);
     TORCH_CHECK(false, error_prefix(-1, "mixed precision"), op.schema().name(),
-                " failed with a buffer in ", c10::toString(*kept_buffer), " beside parameters in ",
-                c10::toString(compute), " (buffers are not cast: ",
-                "a cast copy's running statistics would be lost): ", e.what_without_backtrace(),
-                ". Give the buffers that dtype with MixedPrecision::buffer_dtype(",
-                c10::toString(compute),
+                " failed with a buffer in ", c10::toString(kept_buffer->buffer),
+                " beside parameters in ", c10::toString(kept_buffer->compute),
+                " (buffers are not cast: ", "a cast copy's running statistics would be lost): ",
+                what, ". Give the buffers that dtype with MixedPrecision::buffer_dtype(",
+                c10::toString(kept_buffer->compute),
                 "), or keep the module in full precision (module_classes_to_ignore)");
   }
   const auto returns = last_values(stack, op.schema().returns().size());

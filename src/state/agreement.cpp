@@ -23,10 +23,7 @@ void agree(ProcessGroup* group, const std::exception_ptr& error, const std::stri
   if (group != nullptr && group->size() > 1) {
     std::vector<int64_t> flags(group->size(), 0);
     if (error) flags[group->rank()] = 1;
-    flags = agree_reduce(group, std::move(flags), ReduceOp::kSum);
-    for (int r = 0; r < group->size(); ++r) {
-      if (flags[r] > 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
-    }
+    failed = ranks_with(agree_reduce(group, std::move(flags), ReduceOp::kSum), 1);
   }
   if (error) std::rethrow_exception(error);
   if (!failed.empty()) {
@@ -94,11 +91,7 @@ void agree_after_work(ProcessGroup* group, const std::function<void()>& work,
       changed.wait_for(lock, round, [&] { return done; });
       mine = done;
     }
-    const std::vector<int64_t> all = agree_gather(group, {mine ? 1 : 0});
-    std::string waiting;
-    for (size_t r = 0; r < all.size(); ++r) {
-      if (all[r] == 0) waiting += (waiting.empty() ? "" : ", ") + std::to_string(r);
-    }
+    const std::string waiting = ranks_with(agree_gather(group, {mine ? 1 : 0}), 0);
     if (waiting.empty()) break;
     const auto now = std::chrono::steady_clock::now();
     if (group->rank() == 0 && now >= next_note) {
@@ -110,6 +103,14 @@ void agree_after_work(ProcessGroup* group, const std::function<void()>& work,
   }
   worker.join();
   agree(group, error, dir, phase, consequence);
+}
+
+std::string ranks_with(const std::vector<int64_t>& per_rank, int64_t value) {
+  std::string out;
+  for (size_t r = 0; r < per_rank.size(); ++r) {
+    if (per_rank[r] == value) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return out;
 }
 
 std::string cause_of(const std::exception& e) {

@@ -31,6 +31,9 @@ void agree_after_work(ProcessGroup* group, const std::function<void()>& work,
                       const std::vector<c10::Stream>& streams, const std::string& dir,
                       const std::string& phase, const std::string& consequence);
 
+/// The ranks whose entry of `per_rank` (one per rank) is `value`, as "1, 3".
+std::string ranks_with(const std::vector<int64_t>& per_rank, int64_t value);
+
 /// `e`'s message for embedding in another message: "<file>: <problem>" for a
 /// CheckpointError (without its "[rank R] fsdp(...): " prefix, which the
 /// outer message has), else error_message(e).

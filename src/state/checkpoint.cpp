@@ -94,6 +94,13 @@ std::vector<at::Generator> cuda_generators() {
 /// rather than start over: starting from step 0 would hide the damage and,
 /// with retention, remove the evidence.
 
+// Warns that resume() skips `dir` of `parent` because of `cause`.
+void warn_skipping(int64_t rank, const std::string& parent, const std::string& dir,
+                   const std::string& cause) {
+  TORCH_WARN(detail::error_prefix(rank, parent), "skipping ", dir, ", it does not verify", cause,
+             "; trying an earlier checkpoint");
+}
+
 /// Whether `error` is a CheckpointError: damage found reading a checkpoint
 /// (Note [Resume fallback]).
 bool is_damage(const std::exception_ptr& error) {
@@ -349,25 +356,17 @@ int64_t Checkpointer::Impl::load_verified(const std::string& dir,
     const std::vector<int64_t> all = group != nullptr && group->size() > 1
                                          ? detail::agree_gather(group, {mine})
                                          : std::vector<int64_t>{mine};
-    const bool damaged = std::count(all.begin(), all.end(), 1) > 0;
-    if (damaged && std::count(all.begin(), all.end(), 2) == 0) {
+    const std::string damaged = detail::ranks_with(all, 1);
+    if (!damaged.empty() && detail::ranks_with(all, 2).empty()) {
       const int64_t rank = detail::rank_or_none(group);
       if (error) {
         try {
           std::rethrow_exception(error);
         } catch (const std::exception& e) {
-          TORCH_WARN(detail::error_prefix(rank, resuming), "skipping ", dir,
-                     ", it does not verify: ", detail::cause_of(e),
-                     "; trying an earlier checkpoint");
+          warn_skipping(rank, resuming, dir, ": " + detail::cause_of(e));
         }
       } else if (rank <= 0) {
-        std::string ranks;
-        for (size_t r = 0; r < all.size(); ++r) {
-          if (all[r] == 1) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-        }
-        TORCH_WARN(detail::error_prefix(rank, resuming), "skipping ", dir,
-                   ", it does not verify on rank(s) ", ranks,
-                   " (see their warnings); trying an earlier checkpoint");
+        warn_skipping(rank, resuming, dir, " on rank(s) " + damaged + " (see their warnings)");
       }
       return -1;
     }
@@ -514,9 +513,8 @@ int64_t Checkpointer::resume(const std::string& parent) {
             reader = std::make_unique<CheckpointReader>(
                 dirs[next].path, CheckpointReader::DataChecks::kBeforeFirstRead);
           } catch (const std::exception& e) {
-            TORCH_WARN(detail::error_prefix(detail::rank_or_none(group), parent), "skipping ",
-                       dirs[next].path, ", it does not verify: ", detail::cause_of(e),
-                       "; trying an earlier checkpoint");
+            warn_skipping(detail::rank_or_none(group), parent, dirs[next].path,
+                          ": " + detail::cause_of(e));
             skipped += "; skipped " + dirs[next].path + " (" + detail::cause_of(e) + ")";
           }
         }
