@@ -54,7 +54,6 @@ Supervisor::Supervisor(const LaunchOptions& options, int master_port,
 
 AttemptResult Supervisor::run_attempt(int restart_count) {
   ranks_.clear();
-  for (auto& open : mid_line_) open.reset();
   failure_.reset();
   stopping_ = false;
   killed_at_.reset();
@@ -352,20 +351,17 @@ void Supervisor::relay(Rank& rank, int stream) {
 
 void Supervisor::emit(Rank& rank, int stream, const std::string& lines) {
   if (lines.empty() || !rank.shown || !rank.console[stream]) return;
-  const std::pair<size_t, int> me{static_cast<size_t>(&rank - ranks_.data()), stream};
-  // Lines never mix: a partial line another rank left shown is ended first.
-  auto& open = mid_line_[stream];
+  // Lines never mix: a partial line another rank left shown on this console
+  // stream is ended first.
   std::string text;
-  if (open && *open != me) {
-    text = "\n";
-    ranks_[open->first].prefixers[open->second].break_line();
+  for (Rank& other : ranks_) {
+    LinePrefixer& prefixer = other.prefixers[stream];
+    if (&other != &rank && other.shown && other.console[stream] && prefixer.mid_line()) {
+      text = "\n";
+      prefixer.break_line();
+    }
   }
   text += lines;
-  if (rank.prefixers[stream].mid_line()) {
-    open = me;
-  } else {
-    open.reset();
-  }
   (stream == 0 ? out_ : err_).write(text);
 }
 

@@ -8,7 +8,6 @@
 #include <chrono>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "line_prefixer.h"
@@ -125,10 +124,6 @@ class Supervisor {
 
   // State of the current attempt.
   std::vector<Rank> ranks_;
-  /// Per console stream (stdout, stderr), the (rank index, stream) whose
-  /// partial line is shown and not ended: another rank's output ends it
-  /// first (LinePrefixer::break_line).
-  std::optional<std::pair<size_t, int>> mid_line_[2];
   std::optional<AttemptResult> failure_;
   bool failed_before_signal_ = false;  // failure_ came before any signal
   int attempt_ = 0;                    // this attempt's restart count
