@@ -261,13 +261,24 @@ TEST(FsdprunRendezvous, AnElasticNodeCountIsTheNodesThatJoined) {
 // node can serve, none answers: the join_timeout ends it), or a program that
 // closes what it accepts (an error at once).
 TEST(FsdprunRendezvous, APortHeldByAnotherProgramEndsWithAReason) {
-  const int port = fsdp::testing::free_port();
-  const int held = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  // Held without SO_REUSEADDR (so that no store can bind it too), which a
+  // port free_port() found free with it refuses while an earlier connection
+  // of it is in TIME_WAIT (a `ctest -j` run failed so): another port then.
+  int port = 0;
+  int held = -1;
+  for (int attempt = 0; attempt < 20 && held < 0; ++attempt) {
+    port = fsdp::testing::free_port();
+    held = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (::bind(held, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      ::close(held);
+      held = -1;
+    }
+  }
+  ASSERT_GE(held, 0) << "no port could be held";
   RunResult r = run_launcher(node_args(port, 2, 1, "--rdzv-conf=join_timeout=2"),
                              {{"FSDP_JOB_TOKEN", kToken}}, 20s);
   EXPECT_EQ(r.exit_code, 1) << describe(r);
