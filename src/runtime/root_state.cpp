@@ -545,9 +545,8 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
     if (!unit.flat_) return 0;
     return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
   };
-  const auto regathers = [this](const UnitRuntime& unit) {
-    return unit.flat_ && &unit != &root_ &&
-           reshards_after_forward(unit.options_.sharding_strategy());
+  const auto regathers = [](const UnitRuntime& unit) {
+    return unit.flat_ && unit.frees_after_forward(/*backward_follows=*/true);
   };
   std::vector<std::vector<bool>> out(units_.size());
   int64_t total = 0;

@@ -235,6 +235,31 @@ void Unit::set_requires_gradient_sync(bool requires_gradient_sync) {
   }
 }
 
+void Unit::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
+  for (Unit* unit : recurse ? units_in_tree() : std::vector<Unit*>{&runtime().handle()}) {
+    unit->runtime_->set_reshard_after_forward(reshard_after_forward);
+  }
+}
+
+void Unit::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
+  for (Unit* unit : recurse ? units_in_tree() : std::vector<Unit*>{&runtime().handle()}) {
+    unit->runtime_->set_reshard_after_backward(reshard_after_backward);
+  }
+}
+
+Unit::UnshardHandle Unit::unshard(bool async_op) {
+  detail::UnitRuntime& r = runtime();
+  const uint64_t gather = r.unshard_for_user(async_op);
+  return UnshardHandle(this, r.alive(), gather);
+}
+
+void Unit::UnshardHandle::wait() {
+  const std::shared_ptr<const void> alive = alive_.lock();
+  if (alive) unit_->runtime_->wait_for_user_gather(gather_);
+}
+
+void Unit::reshard() { runtime().reshard_for_user(); }
+
 namespace {
 
 // The larger of a and b, NaN where either is (std::max keeps its first

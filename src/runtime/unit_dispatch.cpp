@@ -253,8 +253,7 @@ void UnitRuntime::end_dispatched_forward(bool keep) {
   if (is_root()) root().exec_order().end_forward();
   transition(Unit::TrainingState::kIdle);
   if (is_root()) root().release_held(/*keep_newest=*/false);
-  if (flat_ && !keep &&
-      (!hooked_ || (!is_root() && reshards_after_forward(options_.sharding_strategy())))) {
+  if (flat_ && !keep && frees_after_forward(/*backward_follows=*/hooked_)) {
     if (operator_hold_ == OperatorHold::kNone) {
       reshard();
     } else {

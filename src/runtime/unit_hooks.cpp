@@ -115,6 +115,93 @@ void UnitRuntime::reshard() {
   free_unsharded();
 }
 
+// Note [Resharding as the user says]
+// FSDP2's knobs over when a unit frees its gathered parameters, beside what
+// its strategy decides:
+// - set_reshard_after_forward(b) replaces the strategy's choice at the end of
+//   a forward (FULL_SHARD frees, SHARD_GRAD_OP keeps for backward, the root
+//   keeps its own, a forward without grad mode frees): false keeps the unit
+//   gathered after every forward (an evaluation loop gathers once), true
+//   frees the root's too. The first unit of backward still stays gathered
+//   until the next unit's forward begins (Note [The first unit of backward
+//   stays gathered]): what FSDP frees there it regathers at once.
+// - set_reshard_after_backward(false) keeps the unit gathered where backward
+//   frees it (its reduction launched, its frozen reads over, the end of
+//   backward), so that the next forward gathers nothing: gradient
+//   accumulation under set_requires_gradient_sync(false) saves one
+//   all-gather per unit and micro-batch (FULL_SHARD's backward gather
+//   stays).
+// - unshard() starts the gather the unit's next forward would make, so that
+//   it overlaps what runs before (a prefetch the user schedules, from inside
+//   an enclosing forward too); the forward waits for it and then frees as it
+//   would have. reshard() frees what any of these left gathered.
+// What is kept gathered this way is "left gathered" as an evaluation's
+// forward leaves it: the next forward gathers it anew where a step, a load
+// or a clearing of gradients may have made it stale (Note [Gathered before a
+// step]), where FSDP2 computes with the stale values. A unit kept past its
+// backward records the gradients that backward set as those it was gathered
+// with (clearing them is a step's sign), and is not kept where an optimizer
+// steps during backward (the shards change before any sign). The ranks must
+// call them alike (the gathers they decide are collective), as in FSDP2.
+bool UnitRuntime::frees_after_forward(bool backward_follows) const {
+  if (reshard_after_forward_) return *reshard_after_forward_;
+  return !backward_follows || (!is_root() && reshards_after_forward(options_.sharding_strategy()));
+}
+
+void UnitRuntime::reshard_in_backward() {
+  // An optimizer stepping the gradients as they land (Note [Steps during
+  // backward]) changes the shards before the next forward: nothing to keep.
+  if (reshard_after_backward_ || (require_sync() && grad_hooks() != nullptr)) reshard();
+}
+
+void UnitRuntime::check_user_resharding(const char* what, bool forward_ok) const {
+  const int rank = flat_ ? flat_->group().rank() : -1;
+  FSDP_CHECK(
+      (!flat_ || flat_->state() != FlatParameter::State::kSummoned) && !held_by_summon_guard(),
+      rank, path_, what, "() on ", label(),
+      " inside SummonFullParams: the guard holds its parameters until it ends. Call it "
+      "after the guard");
+  FSDP_CHECK(state_ == State::kIdle || (forward_ok && state_ == State::kForward), rank, path_, what,
+             "() on ", label(), " in its ", to_string(state_), " state: ",
+             state_ != State::kForward
+                 ? "its backward gathers and frees the parameters itself. Call it outside the "
+                   "unit's backward"
+                 : "its forward reads the gathered parameters. Call it outside the unit's "
+                   "forward and backward (after backward, or before the next forward)");
+}
+
+uint64_t UnitRuntime::unshard_for_user(bool async_op) {
+  check_user_resharding("unshard", /*forward_ok=*/true);
+  if (!flat_ || !flat_->frees_unsharded()) return gathers_;
+  // A forward's gather would replace values a step made stale (Note
+  // [Gathered before a step]): so does this one, ahead of it.
+  if (state_ == State::kIdle && flat_->state() != FlatParameter::State::kSharded &&
+      gathered_may_be_stale()) {
+    reshard();
+  }
+  if (flat_->state() == FlatParameter::State::kSharded) {
+    FSDP_RECORD("all_gather", path_);
+    unshard_async(/*prefetch=*/true);
+  }
+  if (!async_op) wait_pending_gather();
+  return gathers_;
+}
+
+void UnitRuntime::wait_for_user_gather(uint64_t gather) {
+  // A later gather, or the forward that waited for this one, took it over.
+  if (flat_ && gather == gathers_) wait_pending_gather();
+}
+
+void UnitRuntime::reshard_for_user() {
+  // A unit fully_shard made gathers again at the next operator on its
+  // parameters, and before its backward, as FULL_SHARD's do: it may be
+  // freed in its forward, outside an operator. A wrapper's forward reads
+  // them directly.
+  check_user_resharding("reshard", /*forward_ok=*/driver_ == Driver::kDispatch &&
+                                       operator_hold_ == OperatorHold::kNone);
+  if (flat_) reshard();
+}
+
 void UnitRuntime::free_unsharded() {
   wait_pending_gather();  // the all-gather writes into the buffer
   std::optional<HeldMemory> held = flat_->reshard();
@@ -289,12 +376,12 @@ void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
       "cannot gather the unit's parameters for backward. Return at::Tensor, "
       "std::vector<at::Tensor>, or a std::tuple / std::pair of these");
   if (!grad_enabled) {
-    if (flat_) reshard();
+    if (flat_ && frees_after_forward(/*backward_follows=*/false)) reshard();
     return;
   }
   const bool backward_reaches = hook_outputs(outputs) || phase == CheckpointPhase::kForward;
-  if (flat_ && !is_root() && reshards_after_forward(options_.sharding_strategy())) {
-    if (backward_reaches && options_.backward_prefetch() != BackwardPrefetch::kNone) {
+  if (flat_ && frees_after_forward(/*backward_follows=*/true)) {
+    if (backward_reaches && !is_root() && options_.backward_prefetch() != BackwardPrefetch::kNone) {
       root().keep_for_backward(*this);  // See Note [The first unit of backward stays gathered].
     } else {
       reshard();
@@ -435,7 +522,7 @@ void UnitRuntime::input_grad_computed(uint64_t epoch) {
   frozen_reads_ = FrozenReads::kNone;
   // A reduction still to launch reshards the unit when it does.
   if (trainable_slots_ == 0 || grad_work_ || delivered_early_) {
-    reshard();
+    reshard_in_backward();
   } else if (!require_sync() && grads_ready_ == grads_expected_) {
     launch_if_complete();  // no reduction to launch: See Note [Resharding under no_sync]
   }
@@ -593,7 +680,10 @@ void UnitRuntime::launch_if_complete() {
   if (grads_ready_ != grads_expected_) return;
   if (!require_sync()) {
     // See Note [Resharding under no_sync].
-    if (flat_ && reshards_after_forward(options_.sharding_strategy())) reshard();
+    if (flat_ &&
+        reshard_after_forward_.value_or(reshards_after_forward(options_.sharding_strategy()))) {
+      reshard_in_backward();
+    }
     return;
   }
   if (root_ != nullptr && !root_->reduces_in_backward(*this)) return;  // kept for the next
@@ -625,7 +715,7 @@ void UnitRuntime::launch_grad_reduction() {
   if (root_ != nullptr) root_->limit_reductions_in_flight(grad_work_);
   // From kIdle when backward never reached this unit here (it reduces zeros).
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
-  reshard();
+  reshard_in_backward();
   if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
   if (can_deliver_early()) {
     deliver_early();  // Note [Steps during backward]
@@ -909,7 +999,11 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   grads_expected_ = trainable_slots_;
   frozen_reads_ = FrozenReads::kNone;  // backward is over
   forget_forward_inputs();
-  if (flat_) reshard();
+  if (flat_) reshard_in_backward();
+  // Kept gathered (Note [Resharding as the user says]): what it holds is the
+  // shards as they are, beside the gradients just set, whose clearing before
+  // the next forward then says that a step came.
+  if (flat_ && flat_->gathered_apart_from_shard()) mark_grads();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }
 

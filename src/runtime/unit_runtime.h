@@ -91,6 +91,19 @@ class UnitRuntime final : public ParamUseListener {
   /// See Unit::set_requires_gradient_sync: the user's setting, beside the
   /// guards (either one turns synchronisation off).
   void set_requires_gradient_sync(bool on) { requires_gradient_sync_ = on; }
+  /// See Unit::set_reshard_after_forward and set_reshard_after_backward
+  /// (Note [Resharding as the user says]).
+  void set_reshard_after_forward(bool on) { reshard_after_forward_ = on; }
+  void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  /// Unit::unshard: starts a gather (and waits for it unless `async_op`);
+  /// returns the number of the gather the unit holds or awaits.
+  uint64_t unshard_for_user(bool async_op);
+  /// Unit::UnshardHandle::wait for the gather numbered `gather`.
+  void wait_for_user_gather(uint64_t gather);
+  /// Unit::reshard.
+  void reshard_for_user();
+  /// Expires with the runtime (what an UnshardHandle checks).
+  std::weak_ptr<const void> alive() const { return alive_; }
   /// False inside no_sync() or after set_requires_gradient_sync(false):
   /// gradients accumulate unsharded, unreduced.
   bool require_sync() const { return no_sync_depth_ == 0 && requires_gradient_sync_; }
@@ -206,10 +219,24 @@ class UnitRuntime final : public ParamUseListener {
   // See Note [A unit's collectives]: kSharded -> kUnsharding, for a
   // prefetch or for unshard() (Note [Copy-in on a stream of its own]).
   void unshard_async(bool prefetch);
-  // Records grads_at_gather_, as a gather begins.
+  // Counts a gather as it begins, and records grads_at_gather_.
   void mark_gather();
+  // Records grads_at_gather_: what is gathered equals the shards with these
+  // gradients (a gather begins, or backward set them on a unit it keeps).
+  void mark_grads();
   // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
+  // Whether the unit frees its gathered parameters where its forward ends;
+  // `backward_follows`: its outputs were hooked for a backward (Note
+  // [Resharding as the user says]).
+  bool frees_after_forward(bool backward_follows) const;
+  // reshard() where backward frees the unit (its reduction launched, its
+  // frozen reads over, the end of backward), unless the user keeps it.
+  void reshard_in_backward();
+  // Refuses the user's `what` (unshard, reshard) inside SummonFullParams and
+  // in the states it cannot run in: any but kIdle, and kForward unless
+  // `forward_ok`.
+  void check_user_resharding(const char* what, bool forward_ok) const;
   // -> kSharded where the buffer is freed, unless held for a built graph
   // (Note [Double backward]); a pending all-gather is waited for first (it
   // writes into the buffer).
@@ -394,6 +421,12 @@ class UnitRuntime final : public ParamUseListener {
   Unit::TrainingState state_ = Unit::TrainingState::kIdle;
   int no_sync_depth_ = 0;               // no_sync() guards alive over this unit
   bool requires_gradient_sync_ = true;  // Unit::set_requires_gradient_sync
+  // Unit::set_reshard_after_forward (nullopt: the strategy decides) and
+  // set_reshard_after_backward.
+  std::optional<bool> reshard_after_forward_;
+  bool reshard_after_backward_ = true;
+  uint64_t gathers_ = 0;  // gathers begun (mark_gather): the one an UnshardHandle awaits
+  const std::shared_ptr<const char> alive_ = std::make_shared<const char>();
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward
   // Of the trainable slots, those this backward computes a gradient for

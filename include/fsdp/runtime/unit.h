@@ -7,6 +7,7 @@
 #include <torch/serialize/archive.h>
 #include <torch/version.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -199,6 +200,65 @@ class Unit {
   /// accumulated. Covers every unit of this one's tree; call it on the root,
   /// between iterations (typically `set_requires_gradient_sync(last_micro_batch)`).
   void set_requires_gradient_sync(bool requires_gradient_sync);
+  /// PyTorch FSDP2's set_reshard_after_forward: whether the unit frees its
+  /// gathered parameters when its forward ends, in place of what its
+  /// strategy decides (FULL_SHARD and HYBRID_SHARD free them, SHARD_GRAD_OP
+  /// keeps them for backward, the root keeps its own, and a forward without
+  /// grad mode frees them). false keeps them gathered after every forward,
+  /// evaluation's included (an evaluation loop then gathers once; call
+  /// reshard() after it, or set true again); true makes the root free its
+  /// own too. A forward after an optimizer step still gathers anew (Note
+  /// [Gathered before a step]). `recurse`: every unit of this one's tree.
+  /// No effect on NO_SHARD in full precision, which never frees them.
+  void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
+  /// PyTorch FSDP2's set_reshard_after_backward: false keeps the unit's
+  /// parameters gathered after its backward (they are freed as its gradient
+  /// reduction starts, or at the end of backward), so that the next forward
+  /// gathers nothing: for gradient accumulation, with
+  /// set_requires_gradient_sync(false), more memory for fewer all-gathers.
+  /// What a step, a load or a clearing of gradients made stale is gathered
+  /// anew by the next forward all the same. `recurse`: every unit of this
+  /// one's tree. See Note [Resharding as the user says].
+  void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+
+  /// What unshard(async_op=true) returns (PyTorch FSDP2's UnshardHandle).
+  class UnshardHandle {
+   public:
+    /// Waits until the all-gather unshard() started has filled the unit's
+    /// parameters (then they may be read outside forward). The unit's next
+    /// forward waits for it as well, so a handle may go unwaited. Nothing to
+    /// wait for once that forward, or a later gather, took it over, or once
+    /// the unit is gone.
+    void wait();
+
+   private:
+    friend class Unit;
+    UnshardHandle(Unit* unit, std::weak_ptr<const void> alive, uint64_t gather)
+        : unit_(unit), alive_(std::move(alive)), gather_(gather) {}
+    Unit* unit_;
+    std::weak_ptr<const void> alive_;  // expires with the unit's runtime
+    uint64_t gather_;                  // which of the unit's gathers
+  };
+  /// PyTorch FSDP2's unshard: gathers this unit's parameters (not those of
+  /// units nested in it) ahead of its forward, in the compute dtype, so the
+  /// forward finds them gathered and its all-gather overlaps what runs
+  /// before (a prefetch the user schedules, also from inside an enclosing
+  /// unit's forward). The forward then frees them as it would have.
+  /// Collective: every rank calls it alike. `async_op` false waits for the
+  /// all-gather; true returns at once, with a handle to wait on. Nothing
+  /// happens while the unit is gathered already (in its forward, or left
+  /// gathered), except that values a step made stale are gathered anew.
+  /// Refused during the unit's backward and inside SummonFullParams.
+  UnshardHandle unshard(bool async_op = false);
+  /// PyTorch FSDP2's reshard: frees this unit's gathered parameters (not
+  /// those of units nested in it), what unshard(), a forward under
+  /// set_reshard_after_forward(false) or a backward under
+  /// set_reshard_after_backward(false) left gathered. Outside the unit's
+  /// forward and backward (a unit fully_shard made may be freed in its
+  /// forward: the next operator on its parameters gathers them again);
+  /// refused inside SummonFullParams. It communicates
+  /// nothing, but every rank calls it alike: the next gather is collective.
+  void reshard();
   /// Module::save for the unit's module `self` (its wrapper, or the module
   /// fully_shard made a unit): writes what the unwrapped module
   /// would write (full parameters under their own names, buffers, children).

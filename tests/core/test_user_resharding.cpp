@@ -1,0 +1,369 @@
+// FSDP2's knobs over when a unit gathers and frees its parameters (Note
+// [Resharding as the user says]): set_reshard_after_forward,
+// set_reshard_after_backward, unshard() and reshard(). Each saves the
+// all-gathers it should (counted per unit) and trains as plain LibTorch on
+// the ranks' different rows, every step, with wrappers and with fully_shard.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.h>
+
+#include "comm/counting_process_group.h"
+#include "core/flat_parameter.h"
+#include "error_of.h"
+#include "multi_rank.h"
+#include "test_models.h"
+
+namespace fsdp::testing {
+namespace test_user_resharding {
+
+using CountingGroup = CountingProcessGroup;
+using State = FlatParameter::State;
+
+enum class Build { kPlain, kWrappers, kFullyShard };
+const char* to_string(Build build) {
+  return build == Build::kWrappers ? "wrappers" : "fully_shard";
+}
+
+constexpr int kLayers = 4;
+
+// Four 32x32 layers and a head, the layers each a unit (a wrapper or made
+// by fully_shard) with a counting group of its own; the plain build is the
+// reference, with the same initial weights.
+struct LayersImpl : torch::nn::Module {
+  LayersImpl(Build build, const std::vector<std::shared_ptr<CountingGroup>>& groups,
+             const FSDPOptions& options) {
+    for (int i = 0; i < kLayers; ++i) {
+      torch::nn::Linear linear(32, 32);
+      const std::string name = "l" + std::to_string(i);
+      const FSDPOptions own = FSDPOptions(options).process_group(
+          build == Build::kPlain ? nullptr : groups[static_cast<size_t>(i)]);
+      if (build == Build::kWrappers) {
+        FullyShardedDataParallel<torch::nn::LinearImpl> unit(linear, own);
+        layers.emplace_back(register_module(name, unit));
+      } else {
+        layers.emplace_back(register_module(name, linear));
+        if (build == Build::kFullyShard) fully_shard(linear, own);
+      }
+    }
+    head = register_module("head", torch::nn::Linear(32, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (before_layer) before_layer(i);
+      x = torch::tanh(layers[i].forward(x));
+    }
+    return head(x);
+  }
+  std::vector<torch::nn::AnyModule> layers;
+  torch::nn::Linear head{nullptr};
+  // Called before each layer's forward (a hand-scheduled prefetch).
+  std::function<void(size_t)> before_layer;
+};
+TORCH_MODULE(Layers);
+
+// A Layers model of `build`, its root a unit of the same options on a
+// counting group of its own, beside the plain reference.
+struct Twins {
+  Twins(Build build, const FSDPOptions& options) {
+    auto world = default_process_group();
+    for (int i = 0; i < kLayers; ++i) groups.push_back(std::make_shared<CountingGroup>(world));
+    root_group = std::make_shared<CountingGroup>(world);
+    torch::manual_seed(0);
+    reference = Layers(Build::kPlain, groups, options);
+    torch::manual_seed(0);
+    const FSDPOptions root_options = FSDPOptions(options).process_group(root_group);
+    if (build == Build::kWrappers) {
+      FullyShardedDataParallel<LayersImpl> wrapped(Layers(build, groups, options), root_options);
+      layers = &wrapped->module();
+      root = wrapped.ptr().get();
+      model = wrapped.ptr();
+      forward_ = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
+    } else {
+      Layers plain(build, groups, options);
+      root = &fully_shard(plain, root_options);
+      layers = plain.get();
+      model = plain.ptr();
+      forward_ = [plain](const torch::Tensor& x) mutable { return plain->forward(x); };
+    }
+    for (auto& layer : layers->layers) units.push_back(unit_of(*layer.ptr()));
+    opt = std::make_unique<torch::optim::SGD>(root->flat_parameters(),
+                                              torch::optim::SGDOptions(0.05).momentum(0.9));
+    ref_opt = std::make_unique<torch::optim::SGD>(reference->parameters(),
+                                                  torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return forward_(x); }
+  // One step of `micro` micro-batches of 4 rows per rank, `before_micro(m)`
+  // called before each; the reference takes the same step on every rank's
+  // rows at once, and the two must agree after it.
+  void step(int s, int micro, const std::function<void(int)>& before_micro, const std::string& what,
+            bool check = true) {
+    const int world = default_process_group()->size();
+    torch::manual_seed(100 + s);
+    const torch::Tensor x = torch::randn({4 * micro * world, 32});
+    const torch::Tensor y = torch::randn({4 * micro * world, 2});
+    ref_opt->zero_grad();
+    torch::mse_loss(reference->forward(x), y).backward();
+    ref_opt->step();
+    const torch::Tensor mx = local_block(x), my = local_block(y);
+    opt->zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      if (before_micro) before_micro(m);
+      (torch::mse_loss(forward(mx.narrow(0, 4 * m, 4)), my.narrow(0, 4 * m, 4)) / micro).backward();
+    }
+    opt->step();
+    if (!check) return;  // the summon would free what the units hold
+    SummonFullParams full(*model);
+    expect_same_params(*model, *reference.ptr(), what + " step " + std::to_string(s));
+  }
+  std::vector<int64_t> gathers() const {
+    std::vector<int64_t> out;
+    for (const auto& g : groups) out.push_back(g->all_gathers);
+    return out;
+  }
+
+  std::vector<std::shared_ptr<CountingGroup>> groups;
+  std::shared_ptr<CountingGroup> root_group;
+  Layers reference{nullptr};
+  std::shared_ptr<torch::nn::Module> model;
+  LayersImpl* layers = nullptr;
+  Unit* root = nullptr;
+  std::vector<Unit*> units;
+  std::unique_ptr<torch::optim::SGD> opt, ref_opt;
+
+ private:
+  std::function<torch::Tensor(const torch::Tensor&)> forward_;  // through the root
+};
+
+// The all-gathers each layer's unit issued since `before`.
+std::vector<int64_t> since(const Twins& t, const std::vector<int64_t>& before) {
+  std::vector<int64_t> now = t.gathers();
+  for (size_t i = 0; i < now.size(); ++i) now[i] -= before[i];
+  return now;
+}
+
+// Gradient accumulation as FSDP2 users write it: the micro-batches before
+// the last neither sync nor reshard after backward, so each forward after
+// the first finds its units gathered. Per step of three micro-batches,
+// FULL_SHARD's units gather 4 times instead of 6 (each backward still
+// gathers: the forward freed them), a wrapper whose forward ends last
+// (gathered into its backward, Note [The first unit of backward stays
+// gathered]) once instead of 3 times; SHARD_GRAD_OP's once instead of 3.
+// What is kept past a step is gathered anew.
+TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+        const std::string what = std::string(to_string(build)) + " " + to_string(strategy);
+        Twins t(build, FSDPOptions().sharding_strategy(strategy));
+        t.step(0, 3, nullptr, what + " plain accumulation");  // also agrees on the forward order
+        const bool full = strategy == ShardingStrategy::kFullShard;
+        for (bool keep : {false, true}) {
+          for (int s = 1; s <= 2; ++s) {
+            const auto before = t.gathers();
+            t.step(
+                s, 3,
+                [&](int m) {
+                  t.root->set_requires_gradient_sync(m == 2);
+                  if (keep) t.root->set_reshard_after_backward(m == 2);
+                },
+                what + (keep ? " kept" : " freed"));
+            const auto gathered = since(t, before);
+            for (int i = 0; i < kLayers; ++i) {
+              const bool last = i + 1 == kLayers;
+              // + 1: the parity check's SummonFullParams.
+              const bool kept_into_backward = last && build == Build::kWrappers;
+              const int64_t expected =
+                  1 + (!full || kept_into_backward ? (keep ? 1 : 3) : (keep ? 4 : 6));
+              EXPECT_EQ(gathered[static_cast<size_t>(i)], expected)
+                  << what << (keep ? " kept" : " freed") << " step " << s << " unit " << i;
+            }
+            EXPECT_EQ(t.units[0]->flat_param()->state(), State::kSharded)
+                << what << ": the last micro-batch's backward frees the unit";
+          }
+        }
+        // Kept past a step: unshard() after it (and after the zero_grad()
+        // that marks what is gathered stale) gathers the new values.
+        t.root->set_reshard_after_backward(false);
+        t.step(3, 1, nullptr, what, /*check=*/false);
+        for (Unit* unit : t.units) EXPECT_EQ(unit->flat_param()->state(), State::kUnsharded);
+        t.opt->zero_grad();
+        const auto before = t.gathers();
+        for (Unit* unit : t.units) unit->unshard();
+        EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+        t.root->set_reshard_after_backward(true);
+        t.step(4, 1, nullptr, what + " unsharded after a step");
+      }
+    }
+  });
+}
+
+// unshard() before the forward makes the forward's all-gather, waited for
+// or not (the forward waits); so does one issued inside the enclosing
+// forward for the next layer (a prefetch the user schedules). Either way
+// each unit gathers once per forward, and training is plain LibTorch's.
+// reshard() frees what unshard() gathered.
+TEST(UserResharding, UnshardMakesTheForwardsGatherAheadOfIt) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      const std::string what = to_string(build);
+      Twins t(build, FSDPOptions());
+      t.step(0, 1, nullptr, what);
+      // Per unit in a step of one micro-batch: the forward's gather (or the
+      // unshard() that replaced it), the backward's (not for a wrapper
+      // whose forward ends last: Note [The first unit of backward stays
+      // gathered]) and the parity check's SummonFullParams.
+      std::vector<int64_t> per_step(kLayers, 3);
+      if (build == Build::kWrappers) per_step.back() = 2;
+      // Ahead of the forward (after the optimizer's zero_grad(), which
+      // would make them stale): units 0 and 1 waited for, 2 and 3 not.
+      auto before = t.gathers();
+      std::vector<Unit::UnshardHandle> handles;
+      t.step(
+          1, 1,
+          [&](int) {
+            for (int i = 0; i < kLayers; ++i) handles.push_back(t.units[i]->unshard(i >= 1));
+            handles[1].wait();
+            for (int i = 0; i < 2; ++i) {
+              EXPECT_EQ(t.units[i]->flat_param()->state(), State::kUnsharded)
+                  << what << " unit " << i;
+            }
+            EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+            t.units[0]->unshard();  // gathered already: nothing
+            EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+          },
+          what + " unsharded ahead");
+      EXPECT_EQ(since(t, before), per_step) << what;
+      handles[3].wait();  // its forward took it over: nothing to wait for
+
+      // Inside the root's forward, before layer i, the user starts layer
+      // i + 1's gather.
+      t.layers->before_layer = [&](size_t i) {
+        if (i + 1 < t.units.size()) t.units[i + 1]->unshard(/*async_op=*/true);
+      };
+      before = t.gathers();
+      t.step(2, 1, nullptr, what + " prefetched by hand");
+      EXPECT_EQ(since(t, before), per_step) << what;
+      t.layers->before_layer = nullptr;
+
+      // reshard() frees it; a step after an unshard() makes the forward
+      // gather anew (the values gathered are the step's old ones).
+      t.units[2]->unshard();
+      t.units[2]->reshard();
+      EXPECT_EQ(t.units[2]->flat_param()->state(), State::kSharded) << what;
+      t.units[1]->unshard();
+      t.ref_opt->step();  // both take a momentum-only step on the last gradients
+      t.opt->step();
+      t.step(3, 1, nullptr, what + " unsharded before a step");
+    }
+  });
+}
+
+// set_reshard_after_forward replaces the strategy's choice: FULL_SHARD kept
+// gathered gathers as SHARD_GRAD_OP does (once a step), SHARD_GRAD_OP freed
+// as FULL_SHARD does (again in backward), a wrapper root set true frees its
+// own head too; evaluation forwards under false gather once, and reshard()
+// frees them after (the root's too).
+TEST(UserResharding, ReshardAfterForwardOverridesTheStrategy) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
+        const std::string what = std::string(to_string(build)) + " " + to_string(strategy);
+        Twins t(build, FSDPOptions().sharding_strategy(strategy));
+        t.step(0, 1, nullptr, what);
+        const bool full = strategy == ShardingStrategy::kFullShard;
+        t.root->set_reshard_after_forward(!full);  // the other strategy's choice
+        t.root->set_reshard_after_forward(true, /*recurse=*/false);
+        auto before = t.gathers();
+        const int64_t root_before = t.root_group->all_gathers;
+        t.step(1, 1, nullptr, what + " swapped");
+        // Per unit: the forward's gather, the backward's where the forward
+        // freed it (not for a wrapper whose forward ends last), and the
+        // parity check's SummonFullParams.
+        std::vector<int64_t> expected(kLayers, full ? 2 : 3);
+        if (!full && build == Build::kWrappers) expected.back() = 2;
+        EXPECT_EQ(since(t, before), expected) << what;
+        // The root's head: gathered again for backward where its forward
+        // ends before it (a wrapper's; fully_shard's ends as its backward
+        // begins, so it is kept as the first unit of backward).
+        EXPECT_EQ(t.root_group->all_gathers - root_before, build == Build::kWrappers ? 3 : 2)
+            << what << ": the root's head";
+
+        // Evaluation: two forwards without grad mode gather once, and the
+        // units stay gathered until reshard().
+        t.root->set_reshard_after_forward(false);
+        before = t.gathers();
+        {
+          torch::NoGradGuard no_grad;
+          for (int e = 0; e < 2; ++e) t.forward(torch::randn({3, 32}));
+        }
+        EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+        std::vector<Unit*> all = t.units;
+        all.push_back(t.root);
+        for (Unit* unit : all) {
+          EXPECT_EQ(unit->flat_param()->state(), State::kUnsharded) << what;
+          unit->reshard();
+          EXPECT_EQ(unit->flat_param()->state(), State::kSharded) << what;
+        }
+        t.root->set_reshard_after_forward(full);
+        t.step(2, 1, nullptr, what + " after evaluation");
+      }
+    }
+  });
+}
+
+// unshard() and reshard() inside SummonFullParams are refused, and so is
+// reshard() of a wrapper in its forward (the wrapped forward reads the
+// parameters directly), on every rank, naming the unit. A unit fully_shard
+// made may be freed in its forward (SHARD_GRAD_OP's, which would stay
+// gathered): its backward gathers it again, and training is unchanged.
+TEST(UserResharding, ReshardInsideAForward) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      const std::string what = to_string(build);
+      Twins t(build, FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
+      t.step(0, 1, nullptr, what);
+      {
+        SummonFullParams full(*t.model);
+        EXPECT_CONTAINS(error_of([&] { t.units[1]->unshard(); }), "inside SummonFullParams");
+        EXPECT_CONTAINS(error_of([&] { t.units[1]->reshard(); }), "inside SummonFullParams");
+      }
+      if (build == Build::kWrappers) {
+        t.layers->before_layer = [&](size_t i) {
+          if (i == 2) t.root->reshard();
+        };
+        EXPECT_CONTAINS(error_of([&] {
+                          t.forward(torch::randn({2, 32}));
+                        }),
+                        "reshard() on the root FSDP unit in its forward state");
+        t.layers->before_layer = nullptr;
+        t.step(1, 1, nullptr, what + " after the refusal");
+        continue;
+      }
+      // Before layer 2 runs, layer 1's forward is still under way (it ends
+      // as the next unit's begins).
+      t.layers->before_layer = [&](size_t i) {
+        if (i == 2) t.units[1]->reshard();
+      };
+      const auto before = t.gathers();
+      t.step(1, 1, nullptr, what + " freed in its forward");
+      // The forward's gathers, layer 1's again for backward, the parity
+      // check's SummonFullParams.
+      EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 3, 2, 2})) << what;
+      t.layers->before_layer = nullptr;
+    }
+  });
+}
+
+}  // namespace test_user_resharding
+}  // namespace fsdp::testing
