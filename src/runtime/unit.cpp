@@ -260,6 +260,14 @@ void Unit::UnshardHandle::wait() {
 
 void Unit::reshard() { runtime().reshard_for_user(); }
 
+void Unit::set_modules_to_forward_prefetch(const std::vector<Unit*>& units) {
+  runtime().set_prefetch_targets(units, /*backward=*/false);
+}
+
+void Unit::set_modules_to_backward_prefetch(const std::vector<Unit*>& units) {
+  runtime().set_prefetch_targets(units, /*backward=*/true);
+}
+
 namespace {
 
 // The larger of a and b, NaN where either is (std::max keeps its first

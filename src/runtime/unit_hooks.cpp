@@ -285,7 +285,7 @@ void UnitRuntime::begin_forward_state() {
     root().begin_forward();
   }
   forward_position_ = root().next_forward_position();
-  if (!flat_) return;
+  if (!flat_) return prefetch_targets(forward_targets_);
   root().exec_order().before_unshard(handle_);  // See Note [Forward order].
   prepare_slots();
   unshard();
@@ -338,7 +338,34 @@ void UnitRuntime::clear_moved_grads() {
   dropped_grad_options_.clear();
 }
 
+void UnitRuntime::set_prefetch_targets(const std::vector<Unit*>& units, bool backward) {
+  std::vector<PrefetchTarget> targets;
+  for (size_t i = 0; i < units.size(); ++i) {
+    FSDP_CHECK(units[i] != nullptr && units[i]->is_active(), flat_ ? flat_->group().rank() : -1,
+               path_,
+               backward ? "set_modules_to_backward_prefetch" : "set_modules_to_forward_prefetch",
+               "'s entry ", i, " is ", units[i] == nullptr ? "null" : "a pass-through wrapper",
+               ", not an FSDP unit. Pass units: fsdp::unit_of(module) of modules made units");
+    UnitRuntime& target = units[i]->runtime();
+    targets.push_back({&target, target.alive()});
+  }
+  (backward ? backward_targets_ : forward_targets_) = std::move(targets);
+}
+
+void UnitRuntime::prefetch_targets(const std::vector<PrefetchTarget>& targets) {
+  for (const PrefetchTarget& t : targets) {
+    const std::shared_ptr<const void> alive = t.alive.lock();
+    if (!alive || t.unit->state_ != State::kIdle || t.unit->flat_ == nullptr ||
+        t.unit->flat_->state() != FlatParameter::State::kSharded) {
+      continue;  // gone, under way, or gathered already
+    }
+    FSDP_RECORD("all_gather", t.unit->path());
+    t.unit->unshard_async(/*prefetch=*/true);
+  }
+}
+
 void UnitRuntime::prefetch_forward() {
+  prefetch_targets(forward_targets_);
   if (!options_.forward_prefetch()) return;
   // The next unit of the first iteration's order starts gathering now; its
   // own pre_forward waits for it.
@@ -454,7 +481,11 @@ void UnitRuntime::pre_backward() {
     clear_moved_grads();
     unshard();
   }
-  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) prefetch_backward();
+  if (!backward_targets_.empty()) {
+    prefetch_targets(backward_targets_);
+  } else if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
+    prefetch_backward();
+  }
   // Nothing to wait for: complete where its backward begins (Note
   // [Gradients a backward computes]), after the gathers every rank issues
   // here. Not in a backward that builds a graph (Note [Double backward]).
@@ -716,7 +747,10 @@ void UnitRuntime::launch_grad_reduction() {
   // From kIdle when backward never reached this unit here (it reduces zeros).
   if (state_ == State::kPreBackward) transition(State::kPostBackward);
   reshard_in_backward();
-  if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) prefetch_backward();
+  if (backward_targets_.empty() &&
+      options_.backward_prefetch() == BackwardPrefetch::kBackwardPost) {
+    prefetch_backward();
+  }
   if (can_deliver_early()) {
     deliver_early();  // Note [Steps during backward]
   } else if (can_copy_out_early()) {

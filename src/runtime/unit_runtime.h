@@ -102,6 +102,8 @@ class UnitRuntime final : public ParamUseListener {
   void wait_for_user_gather(uint64_t gather);
   /// Unit::reshard.
   void reshard_for_user();
+  /// Unit::set_modules_to_forward_prefetch / set_modules_to_backward_prefetch.
+  void set_prefetch_targets(const std::vector<Unit*>& units, bool backward);
   /// Expires with the runtime (what an UnshardHandle checks).
   std::weak_ptr<const void> alive() const { return alive_; }
   /// False inside no_sync() or after set_requires_gradient_sync(false):
@@ -247,6 +249,12 @@ class UnitRuntime final : public ParamUseListener {
   // kUnsharding -> kUnsharded: waits for pending_gather_.
   void wait_pending_gather();
   void prefetch_forward();
+  // Starts the gathers of the user's prefetch targets still sharded and idle.
+  struct PrefetchTarget {
+    UnitRuntime* unit;
+    std::weak_ptr<const void> alive;  // the target's alive()
+  };
+  void prefetch_targets(const std::vector<PrefetchTarget>& targets);
   /// Sets each original parameter's requires_grad for this forward and
   /// counts the trainable ones.
   void prepare_slots();
@@ -426,6 +434,8 @@ class UnitRuntime final : public ParamUseListener {
   std::optional<bool> reshard_after_forward_;
   bool reshard_after_backward_ = true;
   uint64_t gathers_ = 0;  // gathers begun (mark_gather): the one an UnshardHandle awaits
+  // Unit::set_modules_to_forward_prefetch and set_modules_to_backward_prefetch.
+  std::vector<PrefetchTarget> forward_targets_, backward_targets_;
   const std::shared_ptr<const char> alive_ = std::make_shared<const char>();
   size_t trainable_slots_ = 0;
   size_t grads_ready_ = 0;  // gradients arrived in this backward

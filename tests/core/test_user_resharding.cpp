@@ -56,15 +56,16 @@ struct LayersImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     for (size_t i = 0; i < layers.size(); ++i) {
-      if (before_layer) before_layer(i);
+      if (before_layer) before_layer(i, x);
       x = torch::tanh(layers[i].forward(x));
     }
     return head(x);
   }
   std::vector<torch::nn::AnyModule> layers;
   torch::nn::Linear head{nullptr};
-  // Called before each layer's forward (a hand-scheduled prefetch).
-  std::function<void(size_t)> before_layer;
+  // Called before each layer's forward with its input (a hand-scheduled
+  // prefetch, a hook on the input).
+  std::function<void(size_t, const torch::Tensor&)> before_layer;
 };
 TORCH_MODULE(Layers);
 
@@ -246,7 +247,7 @@ TEST(UserResharding, UnshardMakesTheForwardsGatherAheadOfIt) {
 
       // Inside the root's forward, before layer i, the user starts layer
       // i + 1's gather.
-      t.layers->before_layer = [&](size_t i) {
+      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
         if (i + 1 < t.units.size()) t.units[i + 1]->unshard(/*async_op=*/true);
       };
       before = t.gathers();
@@ -339,7 +340,7 @@ TEST(UserResharding, ReshardInsideAForward) {
         EXPECT_CONTAINS(error_of([&] { t.units[1]->reshard(); }), "inside SummonFullParams");
       }
       if (build == Build::kWrappers) {
-        t.layers->before_layer = [&](size_t i) {
+        t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
           if (i == 2) t.root->reshard();
         };
         EXPECT_CONTAINS(error_of([&] {
@@ -352,7 +353,7 @@ TEST(UserResharding, ReshardInsideAForward) {
       }
       // Before layer 2 runs, layer 1's forward is still under way (it ends
       // as the next unit's begins).
-      t.layers->before_layer = [&](size_t i) {
+      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
         if (i == 2) t.units[1]->reshard();
       };
       const auto before = t.gathers();
@@ -361,6 +362,49 @@ TEST(UserResharding, ReshardInsideAForward) {
       // check's SummonFullParams.
       EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 3, 2, 2})) << what;
       t.layers->before_layer = nullptr;
+    }
+  });
+}
+
+// FSDP2's prefetch lists: a unit's forward starts the gathers of the units
+// it lists (layer 0 those of layers 1 and 2: layer 2 is gathered before
+// layer 1 runs), its backward those of its list instead of the next one
+// (layer 3's backward layers 2 and 1: layer 1 is gathered while layer 3's
+// backward still runs). One gather per unit and use all the same, and
+// training is plain LibTorch's. A list holding no unit is refused.
+TEST(UserResharding, PrefetchListsGatherTheListedUnitsAhead) {
+  run_ranks_ok(2, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      const std::string what = to_string(build);
+      Twins t(build, FSDPOptions());
+      // Layer 2's state before layer 1's forward, layer 1's when layer 3's
+      // backward computed its input's gradient.
+      State layer2_ahead = State::kSummoned, layer1_in_backward = State::kSummoned;
+      t.layers->before_layer = [&](size_t i, const torch::Tensor& x) {
+        if (i == 1) layer2_ahead = t.units[2]->flat_param()->state();
+        if (i == 3 && x.requires_grad()) {
+          x.register_hook([&](const torch::Tensor&) {
+            layer1_in_backward = t.units[1]->flat_param()->state();
+          });
+        }
+      };
+      t.step(0, 1, nullptr, what);
+      EXPECT_EQ(layer2_ahead, State::kSharded) << what << ": prefetched without a list";
+      EXPECT_EQ(layer1_in_backward, State::kSharded) << what << ": prefetched without a list";
+      t.units[0]->set_modules_to_forward_prefetch({t.units[1], t.units[2]});
+      t.units[3]->set_modules_to_backward_prefetch({t.units[2], t.units[1]});
+      const auto before = t.gathers();
+      t.step(1, 1, nullptr, what + " with lists");
+      EXPECT_NE(layer2_ahead, State::kSharded) << what;
+      EXPECT_NE(layer1_in_backward, State::kSharded) << what;
+      // Per unit: forward, backward (not for a wrapper whose forward ends
+      // last), the parity check's SummonFullParams.
+      std::vector<int64_t> per_step(kLayers, 3);
+      if (build == Build::kWrappers) per_step.back() = 2;
+      EXPECT_EQ(since(t, before), per_step) << what;
+      EXPECT_CONTAINS(error_of([&] { t.units[0]->set_modules_to_forward_prefetch({nullptr}); }),
+                      "set_modules_to_forward_prefetch's entry 0 is null");
     }
   });
 }

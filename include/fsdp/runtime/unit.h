@@ -221,6 +221,18 @@ class Unit {
   /// one's tree. See Note [Resharding as the user says].
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
 
+  /// PyTorch FSDP2's set_modules_to_forward_prefetch: when this unit's
+  /// forward begins, after its own gather, it starts the gathers of `units`
+  /// that are sharded, in that order (each unit's forward waits for its
+  /// own), beside FSDPOptions::forward_prefetch's. Replaces the last list;
+  /// empty: none. A unit gone by then is skipped. Every rank alike.
+  void set_modules_to_forward_prefetch(const std::vector<Unit*>& units);
+  /// PyTorch FSDP2's set_modules_to_backward_prefetch: when this unit's
+  /// backward begins, it starts the gathers of `units` that are sharded, in
+  /// that order, instead of the one FSDPOptions::backward_prefetch chooses.
+  /// Replaces the last list; empty: FSDPOptions::backward_prefetch's again.
+  void set_modules_to_backward_prefetch(const std::vector<Unit*>& units);
+
   /// What unshard(async_op=true) returns (PyTorch FSDP2's UnshardHandle).
   class UnshardHandle {
    public:
