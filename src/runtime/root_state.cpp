@@ -545,8 +545,9 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
     if (!unit.flat_) return 0;
     return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
   };
-  const auto regathers = [](const UnitRuntime& unit) {
-    return unit.flat_ && unit.frees_after_forward(/*backward_follows=*/true);
+  const auto regathers = [](const UnitRuntime& unit) {  // collectively (not NO_SHARD's cast)
+    return unit.flat_ && !unit.flat_->keeps_unsharded() &&
+           unit.frees_after_forward(/*backward_follows=*/true);
   };
   std::vector<std::vector<bool>> out(units_.size());
   int64_t total = 0;

@@ -119,7 +119,9 @@ void UnitRuntime::before_param_use(bool sharded) {
   }
   if (state_ == Unit::TrainingState::kForward) {
     if (!gathered_may_be_stale()) {
-      if (sharded) unshard();
+      // Sharded, or (its views look gathered) a gather still arriving: the
+      // user's unshard(async_op) after a reshard() in its forward.
+      if (sharded || flat_->state() == FlatParameter::State::kUnsharding) unshard();
       return;
     }
     // A step (or the clearing of gradients before the next) came since a

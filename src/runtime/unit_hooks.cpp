@@ -138,10 +138,15 @@ void UnitRuntime::reshard() {
 // What is kept gathered this way is "left gathered" as an evaluation's
 // forward leaves it: the next forward gathers it anew where a step, a load
 // or a clearing of gradients may have made it stale (Note [Gathered before a
-// step]), where FSDP2 computes with the stale values. A unit kept past its
-// backward records the gradients that backward set as those it was gathered
-// with (clearing them is a step's sign), and is not kept where an optimizer
-// steps during backward (the shards change before any sign). The ranks must
+// step]), where FSDP2 computes with the stale values, and torch::save
+// gathers anew whatever is gathered. One case has no sign: LibTorch's SGD
+// steps through .data(), which moves no version counter, and a loop that
+// clears gradients between forward and backward leaves none either. So
+// set_reshard_after_backward(false) keeps a unit only through backwards
+// that do not synchronise gradients (no_sync(), set_requires_gradient_sync
+// (false): gradient accumulation, what FSDP2 documents it for), never
+// through one that a step follows (also no optimizer steps during it, Note
+// [Steps during backward]). unshard() is for after the step. The ranks must
 // call them alike (the gathers they decide are collective), as in FSDP2.
 bool UnitRuntime::frees_after_forward(bool backward_follows) const {
   if (reshard_after_forward_) return *reshard_after_forward_;
@@ -149,30 +154,30 @@ bool UnitRuntime::frees_after_forward(bool backward_follows) const {
 }
 
 void UnitRuntime::reshard_in_backward() {
-  // An optimizer stepping the gradients as they land (Note [Steps during
-  // backward]) changes the shards before the next forward: nothing to keep.
-  if (reshard_after_backward_ || (require_sync() && grad_hooks() != nullptr)) reshard();
+  // Kept only through a backward that does not synchronise: one that does
+  // is followed by a step (Note [Resharding as the user says]).
+  if (reshard_after_backward_ || require_sync()) reshard();
 }
 
-void UnitRuntime::check_user_resharding(const char* what, bool forward_ok) const {
-  const int rank = flat_ ? flat_->group().rank() : -1;
+void UnitRuntime::check_user_resharding(const char* what) const {
   FSDP_CHECK(
       (!flat_ || flat_->state() != FlatParameter::State::kSummoned) && !held_by_summon_guard(),
-      rank, path_, what, "() on ", label(),
+      flat_ ? flat_->group().rank() : -1, path_, what, "() on ", label(),
       " inside SummonFullParams: the guard holds its parameters until it ends. Call it "
       "after the guard");
-  FSDP_CHECK(state_ == State::kIdle || (forward_ok && state_ == State::kForward), rank, path_, what,
-             "() on ", label(), " in its ", to_string(state_), " state: ",
-             state_ != State::kForward
-                 ? "its backward gathers and frees the parameters itself. Call it outside the "
-                   "unit's backward"
-                 : "its forward reads the gathered parameters. Call it outside the unit's "
-                   "forward and backward (after backward, or before the next forward)");
 }
 
 uint64_t UnitRuntime::unshard_for_user(bool async_op) {
-  check_user_resharding("unshard", /*forward_ok=*/true);
-  if (!flat_ || !flat_->frees_unsharded()) return gathers_;
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
+  check_user_resharding("unshard");
+  // In its backward, or a checkpointed forward's recomputation there, the
+  // unit gathers what it needs itself: a prefetch hint is moot.
+  if (!flat_ || !flat_->frees_unsharded() || checkpoint_phase() == CheckpointPhase::kRecompute ||
+      (state_ != State::kIdle && state_ != State::kForward)) {
+    return gathers_;
+  }
+  if (root_ == nullptr || !root_->in_iteration())
+    before_state_use();  // Note [Steps during backward]
   // A forward's gather would replace values a step made stale (Note
   // [Gathered before a step]): so does this one, ahead of it.
   if (state_ == State::kIdle && flat_->state() != FlatParameter::State::kSharded &&
@@ -188,6 +193,7 @@ uint64_t UnitRuntime::unshard_for_user(bool async_op) {
 }
 
 void UnitRuntime::wait_for_user_gather(uint64_t gather) {
+  const OutsideInferenceMode outside;  // See Note [Inference mode].
   // A later gather, or the forward that waited for this one, took it over.
   if (flat_ && gather == gathers_) wait_pending_gather();
 }
@@ -197,8 +203,13 @@ void UnitRuntime::reshard_for_user() {
   // parameters, and before its backward, as FULL_SHARD's do: it may be
   // freed in its forward, outside an operator. A wrapper's forward reads
   // them directly.
-  check_user_resharding("reshard", /*forward_ok=*/driver_ == Driver::kDispatch &&
-                                       operator_hold_ == OperatorHold::kNone);
+  check_user_resharding("reshard");
+  FSDP_CHECK(state_ == State::kIdle || (state_ == State::kForward && driver_ == Driver::kDispatch &&
+                                        operator_hold_ == OperatorHold::kNone),
+             flat_ ? flat_->group().rank() : -1, path_, "reshard() on ", label(), " in its ",
+             to_string(state_), " state: its ", state_ == State::kForward ? "forward" : "backward",
+             " reads the gathered parameters. Call it outside the unit's forward and backward "
+             "(after backward, or before the next forward)");
   if (flat_) reshard();
 }
 
@@ -711,8 +722,9 @@ void UnitRuntime::launch_if_complete() {
   if (grads_ready_ != grads_expected_) return;
   if (!require_sync()) {
     // See Note [Resharding under no_sync].
-    if (flat_ &&
-        reshard_after_forward_.value_or(reshards_after_forward(options_.sharding_strategy()))) {
+    // FSDP1's rule (SHARD_GRAD_OP's stay gathered), or FSDP2's where the
+    // user set reshard_after_forward: reshard_after_backward decides.
+    if (flat_ && (reshard_after_forward_ || reshards_after_forward(options_.sharding_strategy()))) {
       reshard_in_backward();
     }
     return;
@@ -1034,10 +1046,6 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   frozen_reads_ = FrozenReads::kNone;  // backward is over
   forget_forward_inputs();
   if (flat_) reshard_in_backward();
-  // Kept gathered (Note [Resharding as the user says]): what it holds is the
-  // shards as they are, beside the gradients just set, whose clearing before
-  // the next forward then says that a step came.
-  if (flat_ && flat_->gathered_apart_from_shard()) mark_grads();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }
 

@@ -439,10 +439,6 @@ void UnitRuntime::refresh_gathered() {
 
 void UnitRuntime::mark_gather() {
   ++gathers_;
-  mark_grads();
-}
-
-void UnitRuntime::mark_grads() {
   grads_at_gather_.clear();
   for (const at::Tensor& p : optim_params_) {
     const at::Tensor& g = p.grad();

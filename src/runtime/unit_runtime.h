@@ -223,9 +223,6 @@ class UnitRuntime final : public ParamUseListener {
   void unshard_async(bool prefetch);
   // Counts a gather as it begins, and records grads_at_gather_.
   void mark_gather();
-  // Records grads_at_gather_: what is gathered equals the shards with these
-  // gradients (a gather begins, or backward set them on a unit it keeps).
-  void mark_grads();
   // -> kUnsharded: waits for the pending all-gather, or gathers now.
   void unshard();
   // Whether the unit frees its gathered parameters where its forward ends;
@@ -235,10 +232,8 @@ class UnitRuntime final : public ParamUseListener {
   // reshard() where backward frees the unit (its reduction launched, its
   // frozen reads over, the end of backward), unless the user keeps it.
   void reshard_in_backward();
-  // Refuses the user's `what` (unshard, reshard) inside SummonFullParams and
-  // in the states it cannot run in: any but kIdle, and kForward unless
-  // `forward_ok`.
-  void check_user_resharding(const char* what, bool forward_ok) const;
+  // Refuses the user's `what` (unshard, reshard) inside SummonFullParams.
+  void check_user_resharding(const char* what) const;
   // -> kSharded where the buffer is freed, unless held for a built graph
   // (Note [Double backward]); a pending all-gather is waited for first (it
   // writes into the buffer).

@@ -92,9 +92,12 @@ void Unit::save_unit(const torch::nn::Module& self, OutputArchive& archive) cons
   std::unordered_map<const void*, at::Tensor> full;
   if (flat != nullptr) {
     at::Tensor all;  // the padded full buffer, unless the original parameters hold the values
-    // Gathered for a built graph, outside SummonFullParams: maybe stale
-    // since an optimizer step (Note [Double backward]).
-    const bool stale = !detail::unreported_uses_active() && runtime().held_for_graph();
+    // Gathered outside SummonFullParams (for a built graph, Note [Double
+    // backward]; left gathered by a forward, unshard(), Note [Resharding as
+    // the user says]): maybe stale since an optimizer step, which LibTorch's
+    // SGD takes without a sign. Every rank holds its units alike.
+    const bool stale = !detail::unreported_uses_active() &&
+                       (runtime().held_for_graph() || flat->gathered_apart_from_shard());
     if (flat->keeps_unsharded() && flat->state() != FlatParameter::State::kSummoned) {
       all = flat->shard().detach();
     } else if (!flat->holds_full_values() || stale) {

@@ -27,6 +27,30 @@ std::string parent_dir(const std::string& path) {
 
 }  // namespace
 
+std::optional<std::string> access_problem_hint(int error) {
+  switch (error) {
+    case EMFILE:
+    case ENFILE:
+      return std::string(
+          " (the open-file limit: raise `ulimit -n`, or LimitNOFILE / the container's nofile "
+          "limit)");
+    case EACCES:
+    case EPERM:
+      return std::string(" (make it readable to this user)");
+    case ENOMEM:
+      return std::string();
+    default:
+      return std::nullopt;
+  }
+}
+
+void throw_file_error(const std::string& path, const std::string& problem, int error) {
+  if (const std::optional<std::string> hint = access_problem_hint(error)) {
+    throw CheckpointAccessError(path, problem + *hint);
+  }
+  throw CheckpointError(path, problem);
+}
+
 std::string temporary_name(const std::string& path) {
   return path + kTemporarySuffix + std::to_string(::getpid());
 }
@@ -154,7 +178,7 @@ FileReader::FileReader(const std::string& path) : path_(path) {
   // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
   // forever. It changes nothing for the regular files accepted below.
   fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd_ < 0) throw CheckpointError(path, "cannot open: " + errno_text());
+  if (fd_ < 0) throw_file_error(path, "cannot open: " + errno_text(), errno);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     const std::string why = errno_text();

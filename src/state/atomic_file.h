@@ -4,11 +4,30 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+
+#include <fsdp/state/error.h>
 
 #include "state/crc32.h"
 
 namespace fsdp::detail {
+
+/// A checkpoint file this process cannot open for a reason of its own, not
+/// of the file: too many open files, no memory, no permission. resume() does
+/// not take it for damage and skip the checkpoint (Note [Resume fallback]):
+/// an older checkpoint would silently lose the steps since.
+class CheckpointAccessError final : public CheckpointError {
+ public:
+  using CheckpointError::CheckpointError;
+};
+/// For an errno that says the process, not the file, is at fault (EMFILE,
+/// ENFILE, EACCES, EPERM, ENOMEM): what to change, in parentheses (possibly
+/// empty); nullopt for any other errno.
+std::optional<std::string> access_problem_hint(int error);
+/// Throws what `problem` (a failure of `path` with errno `error`) is: a
+/// CheckpointAccessError with the hint, or a CheckpointError.
+[[noreturn]] void throw_file_error(const std::string& path, const std::string& problem, int error);
 
 /// What AtomicFileWriter appends to a path for its temporary file, before
 /// the writer's pid: "<path>.tmp.<pid>".

@@ -19,6 +19,7 @@
 #include "detail/error.h"
 #include "detail/torch_compat.h"
 #include "state/agreement.h"
+#include "state/atomic_file.h"
 #include "state/checkpoint_dir.h"
 #include "state/checkpoint_writer.h"
 #include "state/local_state.h"
@@ -92,7 +93,10 @@ std::vector<at::Generator> cuda_generators() {
 /// the model (another model) is an error, not skipped. If complete
 /// checkpoints exist but none verifies, resume() throws on every rank
 /// rather than start over: starting from step 0 would hide the damage and,
-/// with retention, remove the evidence.
+/// with retention, remove the evidence. A file some rank cannot open for a
+/// reason of its own (the open-file limit, permissions, memory: a
+/// CheckpointAccessError) is no damage: an error on every rank, naming the
+/// limit, since an older checkpoint would silently lose the steps since.
 
 // Warns that resume() skips `dir` of `parent` because of `cause`.
 void warn_skipping(int64_t rank, const std::string& parent, const std::string& dir,
@@ -102,10 +106,14 @@ void warn_skipping(int64_t rank, const std::string& parent, const std::string& d
 }
 
 /// Whether `error` is a CheckpointError: damage found reading a checkpoint
-/// (Note [Resume fallback]).
+/// (Note [Resume fallback]); not one of this process's own (a
+/// CheckpointAccessError: the open-file limit), which skipping the
+/// checkpoint would not cure but hide.
 bool is_damage(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
+  } catch (const detail::CheckpointAccessError&) {
+    return false;
   } catch (const CheckpointError&) {
     return true;
   } catch (...) {
@@ -512,6 +520,8 @@ int64_t Checkpointer::resume(const std::string& parent) {
           try {
             reader = std::make_unique<CheckpointReader>(
                 dirs[next].path, CheckpointReader::DataChecks::kBeforeFirstRead);
+          } catch (const detail::CheckpointAccessError&) {
+            throw;  // not the checkpoint's fault: see is_damage
           } catch (const std::exception& e) {
             warn_skipping(detail::rank_or_none(group), parent, dirs[next].path,
                           ": " + detail::cause_of(e));
@@ -538,7 +548,7 @@ int64_t Checkpointer::resume(const std::string& parent) {
     if (chosen == kFailed) {
       if (error) std::rethrow_exception(error);
       throw CheckpointError(parent,
-                            "rank 0 found no checkpoint to resume from (see rank 0's "
+                            "rank 0 could not choose a checkpoint to resume from (see rank 0's "
                             "error); nothing was loaded");
     }
     if (chosen == kNone) return -1;

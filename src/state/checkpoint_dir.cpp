@@ -234,7 +234,9 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
   std::error_code ec;
   const std::vector<std::string> names = list_dir(parent, ec);
   if (ec == std::errc::no_such_file_or_directory) return out;
-  if (ec) throw CheckpointError(parent, "cannot list the checkpoint directory: " + ec.message());
+  if (ec) {
+    throw_file_error(parent, "cannot list the checkpoint directory: " + ec.message(), ec.value());
+  }
   for (const std::string& name : names) {
     const int64_t step = step_of_name(name);
     if (step < 0) continue;

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -113,12 +114,16 @@ struct Twins {
     torch::mse_loss(reference->forward(x), y).backward();
     ref_opt->step();
     const torch::Tensor mx = local_block(x), my = local_block(y);
-    opt->zero_grad();
+    if (!zero_grad_after_forward) opt->zero_grad();
     for (int m = 0; m < micro; ++m) {
       if (before_micro) before_micro(m);
-      (torch::mse_loss(forward(mx.narrow(0, 4 * m, 4)), my.narrow(0, 4 * m, 4)) / micro).backward();
+      const torch::Tensor loss =
+          torch::mse_loss(forward(mx.narrow(0, 4 * m, 4)), my.narrow(0, 4 * m, 4)) / micro;
+      if (zero_grad_after_forward && m == 0) opt->zero_grad();
+      loss.backward();
     }
     opt->step();
+    if (after_step) after_step();
     if (!check) return;  // the summon would free what the units hold
     SummonFullParams full(*model);
     expect_same_params(*model, *reference.ptr(), what + " step " + std::to_string(s));
@@ -137,6 +142,10 @@ struct Twins {
   Unit* root = nullptr;
   std::vector<Unit*> units;
   std::unique_ptr<torch::optim::SGD> opt, ref_opt;
+  // The optimizer's zero_grad() between the first forward and its backward
+  // (a loop's order some users write), not before the forward.
+  bool zero_grad_after_forward = false;
+  std::function<void()> after_step;  // after the optimizer step, before the check
 
  private:
   std::function<torch::Tensor(const torch::Tensor&)> forward_;  // through the root
@@ -150,13 +159,14 @@ std::vector<int64_t> since(const Twins& t, const std::vector<int64_t>& before) {
 }
 
 // Gradient accumulation as FSDP2 users write it: the micro-batches before
-// the last neither sync nor reshard after backward, so each forward after
-// the first finds its units gathered. Per step of three micro-batches,
+// the last do not sync and keep their units gathered after backward, so
+// each forward after the first finds them gathered; the last, which syncs,
+// frees them (a step follows). Per step of three micro-batches,
 // FULL_SHARD's units gather 4 times instead of 6 (each backward still
 // gathers: the forward freed them), a wrapper whose forward ends last
 // (gathered into its backward, Note [The first unit of backward stays
 // gathered]) once instead of 3 times; SHARD_GRAD_OP's once instead of 3.
-// What is kept past a step is gathered anew.
+// What unshard() gathered before a step is gathered anew.
 TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
   run_ranks_ok(2, [](int, int) {
     init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
@@ -166,15 +176,19 @@ TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
         Twins t(build, FSDPOptions().sharding_strategy(strategy));
         t.step(0, 3, nullptr, what + " plain accumulation");  // also agrees on the forward order
         const bool full = strategy == ShardingStrategy::kFullShard;
+        t.after_step = [&] {
+          for (Unit* unit : t.units) {
+            EXPECT_EQ(unit->flat_param()->state(), State::kSharded)
+                << what << ": a synchronising backward frees the unit";
+          }
+        };
         for (bool keep : {false, true}) {
+          // Kept on through the last micro-batch, which synchronises.
+          t.root->set_reshard_after_backward(!keep);
           for (int s = 1; s <= 2; ++s) {
             const auto before = t.gathers();
             t.step(
-                s, 3,
-                [&](int m) {
-                  t.root->set_requires_gradient_sync(m == 2);
-                  if (keep) t.root->set_reshard_after_backward(m == 2);
-                },
+                s, 3, [&](int m) { t.root->set_requires_gradient_sync(m == 2); },
                 what + (keep ? " kept" : " freed"));
             const auto gathered = since(t, before);
             for (int i = 0; i < kLayers; ++i) {
@@ -186,21 +200,24 @@ TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
               EXPECT_EQ(gathered[static_cast<size_t>(i)], expected)
                   << what << (keep ? " kept" : " freed") << " step " << s << " unit " << i;
             }
-            EXPECT_EQ(t.units[0]->flat_param()->state(), State::kSharded)
-                << what << ": the last micro-batch's backward frees the unit";
           }
         }
-        // Kept past a step: unshard() after it (and after the zero_grad()
-        // that marks what is gathered stale) gathers the new values.
-        t.root->set_reshard_after_backward(false);
-        t.step(3, 1, nullptr, what, /*check=*/false);
-        for (Unit* unit : t.units) EXPECT_EQ(unit->flat_param()->state(), State::kUnsharded);
+        // Still set, with gradients synchronised every step, LibTorch's SGD
+        // (no version moves) and zero_grad() between forward and backward:
+        // no sign of the step reaches a unit kept past backward, so none is.
+        t.zero_grad_after_forward = true;
+        for (int s = 3; s <= 4; ++s) t.step(s, 1, nullptr, what + " zero_grad after forward");
+        t.zero_grad_after_forward = false;
+        t.after_step = nullptr;
+        t.root->set_reshard_after_backward(true);
+        // unshard() after a step, then zero_grad(): gathered anew.
+        t.step(5, 1, nullptr, what, /*check=*/false);
+        for (Unit* unit : t.units) unit->unshard();
         t.opt->zero_grad();
         const auto before = t.gathers();
         for (Unit* unit : t.units) unit->unshard();
         EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
-        t.root->set_reshard_after_backward(true);
-        t.step(4, 1, nullptr, what + " unsharded after a step");
+        t.step(6, 1, nullptr, what + " unsharded after a step");
       }
     }
   });
@@ -255,14 +272,28 @@ TEST(UserResharding, UnshardMakesTheForwardsGatherAheadOfIt) {
       EXPECT_EQ(since(t, before), per_step) << what;
       t.layers->before_layer = nullptr;
 
-      // reshard() frees it; a step after an unshard() makes the forward
-      // gather anew (the values gathered are the step's old ones).
+      // reshard() frees it.
       t.units[2]->unshard();
       t.units[2]->reshard();
       EXPECT_EQ(t.units[2]->flat_param()->state(), State::kSharded) << what;
-      t.units[1]->unshard();
+      // A step after unshard() changes the shards without a sign (LibTorch's
+      // SGD, the gradients kept): torch::save gathers anew what it saves
+      // (outside SummonFullParams a wrapper's save gathers; fully_shard's
+      // modules save under one), and so does the next forward, after
+      // zero_grad().
+      for (Unit* unit : t.units) unit->unshard();
       t.ref_opt->step();  // both take a momentum-only step on the last gradients
       t.opt->step();
+      std::stringstream saved;
+      if (build == Build::kWrappers) {
+        torch::save(t.model, saved);
+      } else {
+        SummonFullParams full(*t.model);
+        torch::save(t.model, saved);
+      }
+      Layers loaded(Build::kPlain, t.groups, FSDPOptions());
+      torch::load(loaded, saved);
+      expect_same_params(*loaded, *t.reference, what + " saved after a step");
       t.step(3, 1, nullptr, what + " unsharded before a step");
     }
   });
@@ -353,14 +384,24 @@ TEST(UserResharding, ReshardInsideAForward) {
       }
       // Before layer 2 runs, layer 1's forward is still under way (it ends
       // as the next unit's begins).
+      // Gathered again at once (async_op), an operator on it waits for the
+      // gather (its views look gathered while it arrives).
+      double seen = 0, read_again = 1;
       t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
-        if (i == 2) t.units[1]->reshard();
+        if (i != 2) return;
+        const torch::Tensor weight = t.layers->layers[1].ptr()->parameters()[0];
+        seen = weight.sum().item<double>();
+        t.units[1]->reshard();
+        t.units[1]->unshard(/*async_op=*/true);
+        read_again = weight.sum().item<double>();
+        t.units[1]->reshard();
       };
       const auto before = t.gathers();
       t.step(1, 1, nullptr, what + " freed in its forward");
-      // The forward's gathers, layer 1's again for backward, the parity
-      // check's SummonFullParams.
-      EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 3, 2, 2})) << what;
+      EXPECT_EQ(read_again, seen) << what;
+      // The forward's gathers (layer 1's twice), layer 1's again for
+      // backward, the parity check's SummonFullParams.
+      EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 4, 2, 2})) << what;
       t.layers->before_layer = nullptr;
     }
   });

@@ -3,12 +3,15 @@
 // step; resume() falls back to the newest checkpoint that verifies; what
 // interrupted saves leave is removed; keep_last retention; a full disk.
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <functional>
+#include <optional>
 #include <set>
 
 #include <fsdp/fsdp.h>
@@ -503,6 +506,69 @@ TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
           << warnings[0];
     }
   });
+  remove_test_dir(dir);
+}
+
+// While alive, every open() of this process fails with EMFILE: the soft
+// open-file limit at the lowest free descriptor (those open above it stay
+// usable: the ranks' connections).
+class NoFreeDescriptors {
+ public:
+  NoFreeDescriptors() {
+    EXPECT_EQ(::getrlimit(RLIMIT_NOFILE, &saved_), 0);
+    const int lowest = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    EXPECT_GE(lowest, 0);
+    ::close(lowest);
+    rlimit tight = saved_;
+    tight.rlim_cur = static_cast<rlim_t>(lowest);
+    EXPECT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  }
+  ~NoFreeDescriptors() { ::setrlimit(RLIMIT_NOFILE, &saved_); }
+  NoFreeDescriptors(const NoFreeDescriptors&) = delete;
+  NoFreeDescriptors& operator=(const NoFreeDescriptors&) = delete;
+
+ private:
+  rlimit saved_{};
+};
+
+// A rank that cannot open a checkpoint's files for a reason of its own (the
+// open-file limit; also permissions) makes resume() fail on every rank,
+// naming the limit, with nothing loaded: rank 1 reading its files, and rank
+// 0 choosing the checkpoint. Taken for damage, it made every rank skip the
+// newest checkpoint and resume an older one, losing the steps since with a
+// warning. With the limit raised, the newest resumes.
+TEST(CheckpointFaults, AFileARankCannotOpenIsAnErrorNotDamage) {
+  const std::string dir = test_dir();
+  const auto env = with_dir(dir);
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+        auto model = make_model(FSDPOptions());
+        auto opt = make_optimizer("adam", model->parameters());
+        torch::manual_seed(3 + rank);
+        train(*model, *opt, 2);
+        Checkpointer ckpt(*model, opt.get());
+        ckpt.save_step(dir, 6);
+        train(*model, *opt, 1);
+        ckpt.save_step(dir, 12);
+        for (int limited : {1, 0}) {
+          std::vector<std::string> warnings;
+          {
+            compat::WarningCollector collect(&warnings);
+            std::optional<NoFreeDescriptors> none;
+            if (rank == limited) none.emplace();
+            const std::vector<std::string> needles =
+                rank == limited ? std::vector<std::string>{"Too many open files", "ulimit -n"}
+                : limited == 1  ? std::vector<std::string>{"rank(s) 1 failed while verifying it"}
+                                : std::vector<std::string>{"rank 0 could not choose a checkpoint"};
+            expect_error([&] { ckpt.resume(dir); }, needles);
+          }
+          EXPECT_TRUE(warnings.empty()) << "rank " << limited << " limited: " << warnings[0];
+        }
+        EXPECT_EQ(ckpt.resume(dir), 12);
+      },
+      env);
   remove_test_dir(dir);
 }
 

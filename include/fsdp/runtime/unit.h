@@ -212,12 +212,12 @@ class Unit {
   /// No effect on NO_SHARD in full precision, which never frees them.
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true);
   /// PyTorch FSDP2's set_reshard_after_backward: false keeps the unit's
-  /// parameters gathered after its backward (they are freed as its gradient
-  /// reduction starts, or at the end of backward), so that the next forward
-  /// gathers nothing: for gradient accumulation, with
-  /// set_requires_gradient_sync(false), more memory for fewer all-gathers.
-  /// What a step, a load or a clearing of gradients made stale is gathered
-  /// anew by the next forward all the same. `recurse`: every unit of this
+  /// parameters gathered after a backward that does not synchronise
+  /// gradients (no_sync(), set_requires_gradient_sync(false)), so that the
+  /// next forward gathers nothing: gradient accumulation, more memory for
+  /// fewer all-gathers. A backward that synchronises frees them all the same
+  /// (unlike FSDP2): the step that follows it changes the shards, LibTorch's
+  /// SGD without a sign that they changed. `recurse`: every unit of this
   /// one's tree. See Note [Resharding as the user says].
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
 
@@ -259,8 +259,10 @@ class Unit {
   /// Collective: every rank calls it alike. `async_op` false waits for the
   /// all-gather; true returns at once, with a handle to wait on. Nothing
   /// happens while the unit is gathered already (in its forward, or left
-  /// gathered), except that values a step made stale are gathered anew.
-  /// Refused during the unit's backward and inside SummonFullParams.
+  /// gathered), except that values a step made stale are gathered anew, nor
+  /// in its backward (which gathers itself). Call it after the optimizer
+  /// step: LibTorch's SGD changes the shards without a sign of it. Refused
+  /// inside SummonFullParams.
   UnshardHandle unshard(bool async_op = false);
   /// PyTorch FSDP2's reshard: frees this unit's gathered parameters (not
   /// those of units nested in it), what unshard(), a forward under
@@ -268,7 +270,9 @@ class Unit {
   /// set_reshard_after_backward(false) left gathered. Outside the unit's
   /// forward and backward (a unit fully_shard made may be freed in its
   /// forward: the next operator on its parameters gathers them again);
-  /// refused inside SummonFullParams. It communicates
+  /// refused inside SummonFullParams. Nothing is freed that a graph built by
+  /// a backward with create_graph holds, nor NO_SHARD's full-precision
+  /// parameters, which are never sharded. It communicates
   /// nothing, but every rank calls it alike: the next gather is collective.
   void reshard();
   /// Module::save for the unit's module `self` (its wrapper, or the module
