@@ -18,11 +18,27 @@ namespace fsdp::detail {
 
 namespace {
 
+// Note [What a ring slot says]
 // Our ring slots live under their own prefix byte, far from the slots Gloo's
-// own algorithms build (Gloo's tags are 32 bits), and carry the collective's sequence number.
+// own algorithms build (Gloo's tags are 32 bits), and carry the collective's
+// sequence number (bits 24-47) and a digest of what the collective is (bits
+// 48-55): its kind, its dtype, its reduce op or root. Ranks that issued
+// different collectives of the same size at the same place (one rank's
+// all-reduce of a sum where another's is of a max, an all-gather against a
+// reduce-scatter of a unit of the same size) exchanged their bytes silently
+// and computed garbage; now the direct links' header check fails at the
+// first message, on the ranks that receive it, naming "different
+// collectives" (Gloo's pairs match messages by slot: they wait for the
+// timeout instead). The digest is a byte: one such mismatch in 251 passes
+// unseen; FSDP_DEBUG=detail's fingerprints see every one.
 constexpr uint64_t kRingSlotPrefix = 0x40;
-uint64_t ring_slot_base(uint64_t seq) {
-  return (kRingSlotPrefix << 56) | ((seq & 0xffffffu) << 24);
+uint64_t collective_digest(CollectiveKind kind, at::ScalarType dtype, int64_t op_or_root) {
+  const uint64_t what = (static_cast<uint64_t>(kind) * 61 + static_cast<uint64_t>(dtype)) * 61 +
+                        static_cast<uint64_t>(op_or_root + 1);
+  return what % 251 + 1;
+}
+uint64_t ring_slot_base(uint64_t seq, uint64_t digest) {
+  return (kRingSlotPrefix << 56) | (digest << 48) | ((seq & 0xffffffu) << 24);
 }
 // Fingerprints (Note [Collective fingerprints]) under a prefix of their own.
 constexpr uint64_t kFingerprintSlotPrefix = 0x41;
@@ -219,7 +235,9 @@ Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::
                   }
                   const Route r =
                       take_route(CollectiveKind::kAllGather, static_cast<int64_t>(s.nbytes()));
-                  all_gather_over(r, f, s, ring_slot_base(seq));
+                  all_gather_over(r, f, s,
+                                  ring_slot_base(seq, collective_digest(CollectiveKind::kAllGather,
+                                                                        s.scalar_type(), -1)));
                 });
 }
 
@@ -237,8 +255,10 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                       take_route(CollectiveKind::kReduceScatter, static_cast<int64_t>(s.nbytes()));
                   if (r == Route::kShm) return shm_->reduce_scatter(f, s, op);
                   at::Tensor scratch = size() >= 3 ? scratch_like(s) : at::Tensor();
+                  const uint64_t digest = collective_digest(
+                      CollectiveKind::kReduceScatter, s.scalar_type(), static_cast<int64_t>(op));
                   ring_reduce_scatter(ring_transport(r), rank(), size(), f, s, scratch, op,
-                                      ring_slot_base(seq), config_.ring_segment_bytes);
+                                      ring_slot_base(seq, digest), config_.ring_segment_bytes);
                 });
 }
 
@@ -251,12 +271,12 @@ Work GlooProcessGroup::all_reduce(const at::Tensor& tensor, ReduceOp op) {
                                         static_cast<int64_t>(tensor.element_size());
                   const Route r = take_route(CollectiveKind::kAllReduce, chunk);
                   if (r == Route::kShm) return shm_->all_reduce(tensor, op);
-                  ring_all_reduce(r, tensor, op, seq);
+                  ring_all_reduce(r, tensor, op, seq, CollectiveKind::kAllReduce);
                 });
 }
 
 void GlooProcessGroup::ring_all_reduce(Route route, const at::Tensor& tensor, ReduceOp op,
-                                       uint64_t seq) {
+                                       uint64_t seq, CollectiveKind kind) {
   // A reduce-scatter then an all-gather ring, on a copy padded to a multiple
   // of the group size (the padding is never read back).
   PointToPoint& p2p = ring_transport(route);
@@ -265,7 +285,8 @@ void GlooProcessGroup::ring_all_reduce(Route route, const at::Tensor& tensor, Re
   flat.narrow(0, 0, numel).copy_(tensor.view({-1}));
   at::Tensor shard = at::empty({per}, tensor.options());
   at::Tensor scratch = size() >= 3 ? scratch_like(shard) : at::Tensor();
-  const uint64_t base = ring_slot_base(seq);
+  const uint64_t base =
+      ring_slot_base(seq, collective_digest(kind, tensor.scalar_type(), static_cast<int64_t>(op)));
   const int64_t segment = config_.ring_segment_bytes;
   ring_reduce_scatter(p2p, rank(), size(), flat, shard, scratch, op, base, segment);
   ring_all_gather(p2p, rank(), size(), flat, shard, base + (uint64_t{1} << 20), segment);
@@ -282,7 +303,9 @@ Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
                   const auto bytes = static_cast<int64_t>(tensor.nbytes());
                   const Route r = take_route(CollectiveKind::kBroadcast, bytes);
                   ring_broadcast(ring_transport(r), rank(), size(), tensor.view({-1}), root,
-                                 ring_slot_base(seq), config_.ring_segment_bytes);
+                                 ring_slot_base(seq, collective_digest(CollectiveKind::kBroadcast,
+                                                                       tensor.scalar_type(), root)),
+                                 config_.ring_segment_bytes);
                 });
 }
 
@@ -291,7 +314,7 @@ Work GlooProcessGroup::barrier() {
     if (size() == 1) return;
     const Route r = take_route(CollectiveKind::kBarrier, 0);
     at::Tensor token = at::zeros({1}, at::kFloat);
-    ring_all_reduce(r, token, ReduceOp::kSum, seq);
+    ring_all_reduce(r, token, ReduceOp::kSum, seq, CollectiveKind::kBarrier);
   });
 }
 

@@ -86,7 +86,8 @@ class GlooProcessGroup final : public ProcessGroup {
   // All-gather of 1-D `shard` into `flat` over `route`, under ring slots `base`.
   void all_gather_over(Route route, const at::Tensor& flat, const at::Tensor& shard, uint64_t base);
   // all_reduce as reduce-scatter + all-gather rings over `route` (kLinks or kGloo).
-  void ring_all_reduce(Route route, const at::Tensor& tensor, ReduceOp op, uint64_t seq);
+  void ring_all_reduce(Route route, const at::Tensor& tensor, ReduceOp op, uint64_t seq,
+                       CollectiveKind kind);
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;

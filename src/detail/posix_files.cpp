@@ -136,9 +136,16 @@ std::vector<std::string> list_dir(const std::string& dir, std::error_code& ec) {
     ec = last_error();
     return names;
   }
-  while (const dirent* ent = ::readdir(d)) {
+  for (;;) {
+    errno = 0;  // readdir's end and its failure both return null
+    const dirent* ent = ::readdir(d);
+    if (ent == nullptr) break;
     const std::string name = ent->d_name;
     if (name != "." && name != "..") names.push_back(name);
+  }
+  if (errno != 0) {
+    ec = last_error();  // a partial listing would hide entries
+    names.clear();
   }
   ::closedir(d);
   return names;

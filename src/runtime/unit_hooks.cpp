@@ -367,8 +367,9 @@ void UnitRuntime::prefetch_targets(const std::vector<PrefetchTarget>& targets) {
   for (const PrefetchTarget& t : targets) {
     const std::shared_ptr<const void> alive = t.alive.lock();
     if (!alive || t.unit->state_ != State::kIdle || t.unit->flat_ == nullptr ||
-        t.unit->flat_->state() != FlatParameter::State::kSharded) {
-      continue;  // gone, under way, or gathered already
+        t.unit->flat_->state() != FlatParameter::State::kSharded ||
+        t.unit->held_by_summon_guard()) {
+      continue;  // gone, under way, gathered already, or the guard's (Note [Nested summons])
     }
     FSDP_RECORD("all_gather", t.unit->path());
     t.unit->unshard_async(/*prefetch=*/true);
@@ -383,7 +384,10 @@ void UnitRuntime::prefetch_forward() {
   Unit* next = root().exec_order().next(handle_);
   if (next == nullptr) return;
   FlatParameter* flat = next->flat_param();
-  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
+  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded ||
+      next->held_by_summon_guard()) {
+    return;
+  }
   FSDP_RECORD("all_gather", next->runtime_->path());
   next->runtime_->unshard_async(/*prefetch=*/true);
 }
@@ -492,6 +496,10 @@ void UnitRuntime::pre_backward() {
     clear_moved_grads();
     unshard();
   }
+  // Targets gone leave the choice to backward_prefetch again.
+  backward_targets_.erase(std::remove_if(backward_targets_.begin(), backward_targets_.end(),
+                                         [](const PrefetchTarget& t) { return t.alive.expired(); }),
+                          backward_targets_.end());
   if (!backward_targets_.empty()) {
     prefetch_targets(backward_targets_);
   } else if (options_.backward_prefetch() == BackwardPrefetch::kBackwardPre) {
@@ -629,7 +637,10 @@ void UnitRuntime::prefetch_backward() {
   Unit* next = root_->exec_order().previous(handle_);
   if (next == nullptr || next->training_state() != State::kIdle) return;
   FlatParameter* flat = next->flat_param();
-  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded) return;
+  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded ||
+      next->held_by_summon_guard()) {
+    return;
+  }
   FSDP_RECORD("all_gather", next->runtime_->path());
   next->runtime_->unshard_async(/*prefetch=*/true);
 }

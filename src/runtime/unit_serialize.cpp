@@ -66,13 +66,14 @@ void save_tree(const torch::nn::Module& m, OutputArchive& archive,
 // same names and archive layout as the unwrapped module's Module::save: the
 // file loads into the plain model and back. Where the full values come from:
 //   - a unit that never shards (NO_SHARD): its shard, the whole buffer;
-//   - a unit whose original parameters hold them (under SummonFullParams,
-//     on rank 0 with rank0_only, in full precision under mixed precision
-//     too: Note [Summoning in full precision]; or kept unsharded after a
-//     forward without mixed precision);
+//   - a unit whose original parameters hold them under SummonFullParams
+//     (on rank 0 with rank0_only, in full precision under mixed precision
+//     too: Note [Summoning in full precision]);
 // neither needs communication, so PyTorch's habit works as it is:
 //     { fsdp::SummonFullParams full(*model); if (rank == 0) torch::save(model, path); }
-//   - otherwise (sharded, or unsharded in param_dtype under mixed precision)
+//   - otherwise (sharded; or gathered outside the guard, by a forward, by
+//     unshard(), which a step since may have made stale: Note [Resharding as
+//     the user says]; or in param_dtype under mixed precision)
 //     one all-gather of the full-precision shard; units are visited in the
 //     module tree's pre-order, the same on every rank, so outside
 //     SummonFullParams every rank must call torch::save, and every rank

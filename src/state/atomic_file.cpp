@@ -39,9 +39,24 @@ std::optional<std::string> access_problem_hint(int error) {
       return std::string(" (make it readable to this user)");
     case ENOMEM:
       return std::string();
+    case EINTR:
+    case EAGAIN:
+    case ETIMEDOUT:
+    case ESTALE:
+      return std::string(" (try again)");
     default:
       return std::nullopt;
   }
+}
+
+bool is_marked(const std::string& marker) {
+  struct stat st {};
+  if (::lstat(marker.c_str(), &st) == 0) return true;
+  const int error = errno;
+  if (error == ENOENT || error == ENOTDIR) return false;
+  // Unknown is neither: an unfinished save would be skipped or removed.
+  throw CheckpointAccessError(marker, "cannot tell whether the save finished: " + errno_text() +
+                                          access_problem_hint(error).value_or(""));
 }
 
 void throw_file_error(const std::string& path, const std::string& problem, int error) {
@@ -181,9 +196,10 @@ FileReader::FileReader(const std::string& path) : path_(path) {
   if (fd_ < 0) throw_file_error(path, "cannot open: " + errno_text(), errno);
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
+    const int error = errno;
     const std::string why = errno_text();
     ::close(fd_);
-    throw CheckpointError(path, "cannot stat: " + why);
+    throw_file_error(path, "cannot stat: " + why, error);
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd_);

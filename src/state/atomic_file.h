@@ -28,6 +28,10 @@ std::optional<std::string> access_problem_hint(int error);
 /// Throws what `problem` (a failure of `path` with errno `error`) is: a
 /// CheckpointAccessError with the hint, or a CheckpointError.
 [[noreturn]] void throw_file_error(const std::string& path, const std::string& problem, int error);
+/// Whether the completion marker `marker` exists (lstat: whatever it is);
+/// a CheckpointAccessError where that cannot be told (EACCES on the
+/// directory, EIO): the checkpoint is then neither skipped nor removed.
+bool is_marked(const std::string& marker);
 
 /// What AtomicFileWriter appends to a path for its temporary file, before
 /// the writer's pid: "<path>.tmp.<pid>".

@@ -75,8 +75,7 @@ CheckpointReader::CheckpointReader(std::string dir)
 CheckpointReader::CheckpointReader(std::string dir, DataChecks checks)
     : checks_(checks), dir_(std::move(dir)) {
   const std::string marker_path = join(dir_, kCompletionMarker);
-  struct stat st {};
-  if (::lstat(marker_path.c_str(), &st) != 0) {
+  if (!is_marked(marker_path)) {
     throw CheckpointError(marker_path,
                           "missing completion marker: the save did not finish (or "
                           "this is not a checkpoint directory); use an earlier "
@@ -245,8 +244,7 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
     s.path = join(parent, name);
     // lstat: a marker that is not a regular file is found (and refused when
     // verified); one in a "step-" entry that is not a directory is not.
-    struct stat st {};
-    s.marked = ::lstat(join(s.path, kCompletionMarker).c_str(), &st) == 0;
+    s.marked = is_marked(join(s.path, kCompletionMarker));
     out.push_back(std::move(s));
   }
   std::sort(out.begin(), out.end(),

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -40,6 +41,39 @@ TEST(DirectLinks, CollectivesOfDifferentSizesAreAnErrorOnEveryRank) {
   });
 }
 
+// Note [What a ring slot says]: collectives of the same size at the same
+// place but of another kind or reduce op (a sum against a max, an
+// all-gather against a reduce-scatter of the same shard size) are an error
+// on every rank at once; they exchanged their bytes silently. Each pair
+// breaks a group of its own.
+TEST(DirectLinks, CollectivesOfTheSameSizeButAnotherKindAreAnErrorOnEveryRank) {
+  run_ranks_ok(2, [](int rank, int world) {
+    auto pg = join(Backend::kGloo, std::chrono::seconds(30));
+    auto sums = pg->new_subgroup({0, 1}), gathers = pg->new_subgroup({0, 1});
+    const auto expect_mismatch = [](const std::function<void()>& collective) {
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        collective();
+        ADD_FAILURE() << "mismatched collectives completed";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("issued different collectives"), std::string::npos)
+            << e.what();
+      }
+      EXPECT_LE(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2))
+          << "the mismatch waited for a timeout";
+    };
+    expect_mismatch([&] {
+      sums->all_reduce(at::ones({16}), rank == 0 ? ReduceOp::kSum : ReduceOp::kMax).wait();
+    });
+    expect_mismatch([&] {
+      at::Tensor flat = at::ones({world * 8}), shard = at::ones({8});
+      (rank == 0 ? gathers->all_gather_into_tensor(flat, shard)
+                 : gathers->reduce_scatter_tensor(shard, flat, ReduceOp::kSum))
+          .wait();
+    });
+  });
+}
+
 TEST(DirectLinks, PeerKilledDuringSmallCollectivesFailsTheOthersInTime) {
   auto outcomes = run_ranks(
       3,
@@ -49,7 +83,13 @@ TEST(DirectLinks, PeerKilledDuringSmallCollectivesFailsTheOthersInTime) {
         at::Tensor flat = at::zeros({world * 16});
         at::Tensor shard = at::ones({16});
         if (rank == 1) {
-          for (int i = 0; i < 100; ++i) pg->all_gather_into_tensor(flat, shard).wait();
+          // The others' pairs (collectives_until_error); all-gathers alone
+          // passed for them only while slots did not say what a collective
+          // is (Note [What a ring slot says]).
+          for (int i = 0; i < 50; ++i) {
+            pg->all_gather_into_tensor(flat, shard).wait();
+            pg->reduce_scatter_tensor(shard, flat).wait();
+          }
           raise(SIGKILL);
         }
         EXPECT_LE(collectives_until_error(*pg, 16, 100000), kAllowed);

@@ -261,8 +261,9 @@ class Unit {
   /// happens while the unit is gathered already (in its forward, or left
   /// gathered), except that values a step made stale are gathered anew, nor
   /// in its backward (which gathers itself). Call it after the optimizer
-  /// step: LibTorch's SGD changes the shards without a sign of it. Refused
-  /// inside SummonFullParams.
+  /// step (LibTorch's SGD changes the shards without a sign of it), and on a
+  /// GPU on the stream the forward runs on, as FSDP2's: waiting makes the
+  /// current stream wait. Refused inside SummonFullParams.
   UnshardHandle unshard(bool async_op = false);
   /// PyTorch FSDP2's reshard: frees this unit's gathered parameters (not
   /// those of units nested in it), what unshard(), a forward under
