@@ -140,25 +140,52 @@ CheckpointReader::CheckpointReader(std::string dir, DataChecks checks)
   }
 }
 
+// Note [A reader's open files]
+// Every rank's reader reads the header of every data file of the checkpoint
+// (each piece a manifest lists is checked against it), and held each file
+// open from then on: two per saving rank, so a job of 512 ranks needed more
+// descriptors than the usual limit of 1024 on every rank, and resume()
+// failed (it had been skipping the checkpoint as damaged). A file is closed
+// once its header is read, and opened again when read, its size checked
+// against the manifest again (the CRC-32 is checked in full before the
+// first read, Note [Each rank checks what it reads]); at most
+// kOpenDataFiles stay open, the most recently used (a rank reads its own
+// files, and rank 0's model file for the buffers, piece after piece).
+constexpr size_t kOpenDataFiles = 4;
+
 void CheckpointReader::open_data_file(const FileRecord& record) {
   if (files_.count(record.name) != 0) return;
   const std::string path = join(dir_, record.name);
   DataFile df;
-  df.reader = std::make_unique<FileReader>(path);
+  const FileReader reader(path);
   df.record = record;
   if (checks_ == DataChecks::kEveryFile) {
-    check_record(*df.reader, record);
+    check_record(reader, record);
     verified_.insert(record.name);
   } else {
-    check_size(*df.reader, record);  // the CRC-32 before the first read
+    check_size(reader, record);  // the CRC-32 before the first read
   }
   unsigned char prefix[8];
-  df.reader->read_at(0, prefix, 8 <= df.reader->size() ? 8 : 0);
-  const uint64_t n = check_header_length(prefix, df.reader->size(), path);
+  reader.read_at(0, prefix, 8 <= reader.size() ? 8 : 0);
+  const uint64_t n = check_header_length(prefix, reader.size(), path);
   std::string json(static_cast<size_t>(n), '\0');
-  if (n > 0) df.reader->read_at(8, &json[0], json.size());
-  df.header = parse_safetensors_header(json.data(), json.size(), df.reader->size(), path);
+  if (n > 0) reader.read_at(8, &json[0], json.size());
+  df.header = parse_safetensors_header(json.data(), json.size(), reader.size(), path);
   files_.emplace(record.name, std::move(df));
+}
+
+std::shared_ptr<const FileReader> CheckpointReader::reader_of(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(open_mutex_);
+  for (auto it = open_.begin(); it != open_.end(); ++it) {
+    if (it->first != name) continue;
+    open_.splice(open_.begin(), open_, it);
+    return open_.front().second;
+  }
+  if (open_.size() >= kOpenDataFiles) open_.pop_back();
+  auto reader = std::make_shared<const FileReader>(join(dir_, name));
+  check_size(*reader, files_.at(name).record);
+  open_.emplace_front(name, reader);
+  return reader;
 }
 
 std::vector<const TensorRecord*> CheckpointReader::pieces(const std::string& key) const {
@@ -174,8 +201,7 @@ std::vector<std::string> CheckpointReader::keys() const {
 
 void CheckpointReader::verify_file(const TensorRecord& piece) const {
   if (verified_.count(piece.file) != 0) return;
-  const DataFile& df = files_.at(piece.file);
-  check_record(*df.reader, df.record);
+  check_record(*reader_of(piece.file), files_.at(piece.file).record);
   verified_.insert(piece.file);
 }
 
@@ -190,9 +216,9 @@ void CheckpointReader::read(const TensorRecord& piece, int64_t begin, int64_t en
   const DataFile& df = files_.at(piece.file);
   const SafetensorsEntry* e = df.header.find(piece.tensor);
   const uint64_t elem = dtype_size(piece.dtype);
-  df.reader->read_at(
-      df.header.data_start + e->begin + static_cast<uint64_t>(begin - piece.begin) * elem, dst,
-      static_cast<size_t>(end - begin) * elem);
+  reader_of(piece.file)
+      ->read_at(df.header.data_start + e->begin + static_cast<uint64_t>(begin - piece.begin) * elem,
+                dst, static_cast<size_t>(end - begin) * elem);
 }
 
 std::string step_name(int64_t step) {

@@ -5,8 +5,10 @@
 // checksum verified. See Note [Checkpoint directory].
 
 #include <cstdint>
+#include <list>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -62,11 +64,15 @@ class CheckpointReader {
 
  private:
   struct DataFile {
-    std::unique_ptr<FileReader> reader;
     FileRecord record;  // its manifest's size and CRC-32
     SafetensorsHeader header;
   };
+  // Reads the header of a data file (and, for kEveryFile, checks it), then
+  // closes it (Note [A reader's open files]).
   void open_data_file(const FileRecord& record);
+  // Data file `name`, opened again (its size checked) unless among the last
+  // kOpenDataFiles used.
+  std::shared_ptr<const FileReader> reader_of(const std::string& name) const;
 
   DataChecks checks_;
   mutable std::set<std::string> verified_;  // data files whose CRC-32 was checked
@@ -75,6 +81,9 @@ class CheckpointReader {
   std::vector<RankManifest> manifests_;
   std::map<std::string, DataFile> files_;
   std::map<std::string, std::vector<const TensorRecord*>> index_;
+  // The data files open now, most recently used first; open_mutex_ guards it.
+  mutable std::mutex open_mutex_;
+  mutable std::list<std::pair<std::string, std::shared_ptr<const FileReader>>> open_;
 };
 
 /// A directory under a checkpoint parent named as step_name() names them.
