@@ -34,6 +34,13 @@ std::unordered_set<const void*> ignored_params(const FSDPOptions& options) {
     if (m == nullptr) continue;  // ignored_module_set() names it
     for (const auto& p : m->parameters()) out.insert(p.unsafeGetTensorImpl());
   }
+  const auto& params = options.ignored_params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    FSDP_CHECK(params[i].defined(), -1, "options", "ignored_params' entry ", i,
+               " is an undefined tensor. Pass the parameters themselves "
+               "(module->named_parameters()[\"name\"])");
+    out.insert(params[i].unsafeGetTensorImpl());
+  }
   return out;
 }
 

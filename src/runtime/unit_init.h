@@ -20,9 +20,9 @@ namespace fsdp::detail {
 /// The modules of options.ignored_modules(), for lookups.
 using ModuleSet = std::unordered_set<const torch::nn::Module*>;
 ModuleSet ignored_module_set(const FSDPOptions& options);
-/// The parameters of options.ignored_modules(), by TensorImpl: no unit
-/// manages them, wherever else they are registered (PyTorch's
-/// _get_ignored_params), and no policy counts them.
+/// The parameters of options.ignored_modules() and options.ignored_params(),
+/// by TensorImpl: no unit manages them, wherever else they are registered
+/// (PyTorch's _get_ignored_params), and no policy counts them.
 std::unordered_set<const void*> ignored_params(const FSDPOptions& options);
 
 /// Rejects an empty param_init_fn ("expected param_init_fn to be callable").

@@ -9,6 +9,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -651,6 +652,77 @@ TEST(FullyShard, PolicySeesWhatAutoWrapWouldSee) {
     EXPECT_EQ(at("blocks.1"), block);
     EXPECT_EQ(at("blocks.0"), -1) << "an ignored module is not asked about";
     EXPECT_EQ(at("blocks"), 0) << "blocks 1 and 2 are units, block 0 is ignored";
+  });
+}
+
+// FSDP2's ignored_params: a parameter left out of the units that shard its
+// module (Net's `scale`, the root's own) keeps its whole tensor on every
+// rank and its local gradient, reaches the optimizer through
+// flat_parameters(), and steps as plain LibTorch on this rank's rows alone,
+// while every other parameter steps as plain LibTorch on every rank's rows.
+// Wrappers and fully_shard alike; an undefined entry is refused.
+TEST(FullyShard, IgnoredParamsStayWholeAndLocal) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    for (bool in_place : {false, true}) {
+      const std::string what = in_place ? "fully_shard" : "wrapper";
+      torch::manual_seed(0);
+      Net global(false, FSDPOptions()), local(false, FSDPOptions());
+      {
+        std::stringstream copy;  // local starts as global does
+        torch::save(global, copy);
+        torch::load(local, copy);
+      }
+      torch::manual_seed(0);
+      std::shared_ptr<torch::nn::Module> model;
+      Unit* root = nullptr;
+      torch::Tensor scale;
+      std::function<torch::Tensor(const torch::Tensor&)> forward;
+      if (in_place) {
+        auto net = std::make_shared<NetImpl>(false, FSDPOptions());
+        fully_shard(*net->plain_block);
+        root = &fully_shard(*net, FSDPOptions().ignored_params({net->scale}));
+        scale = net->scale;
+        forward = [net](const torch::Tensor& x) { return net->forward(x); };
+        model = net;
+      } else {
+        auto impl = std::make_shared<NetImpl>(true, FSDPOptions());
+        FullyShardedDataParallel<NetImpl> net(impl, FSDPOptions().ignored_params({impl->scale}));
+        root = net.ptr().get();
+        scale = impl->scale;
+        forward = [net](const torch::Tensor& x) mutable { return net->forward(x); };
+        model = net.ptr();
+      }
+      EXPECT_EQ(root->flat_parameters().back().unsafeGetTensorImpl(), scale.unsafeGetTensorImpl())
+          << what;
+      torch::manual_seed(5);
+      const torch::Tensor x = torch::randn({8 * world, 7}), y = torch::randn({8 * world, 3});
+      const auto sgd = torch::optim::SGDOptions(0.1);
+      torch::optim::SGD opt(root->flat_parameters(), sgd), global_opt(global->parameters(), sgd),
+          local_opt(local->parameters(), sgd);
+      torch::mse_loss(forward(local_block(x)), local_block(y)).backward();
+      torch::mse_loss(global->forward(x), y).backward();
+      torch::mse_loss(local->forward(local_block(x)), local_block(y)).backward();
+      EXPECT_TRUE(torch::allclose(scale.grad(), local->scale.grad())) << what;
+      EXPECT_FALSE(torch::allclose(scale.grad(), global->scale.grad())) << what << ": not local";
+      opt.step();
+      global_opt.step();
+      local_opt.step();
+      EXPECT_EQ(scale.numel(), 1) << what;
+      EXPECT_TRUE(torch::allclose(scale, local->scale)) << what;
+      SummonFullParams full(*model);
+      for (const auto& p : global->named_parameters()) {
+        if (p.key() == "scale") continue;
+        const torch::Tensor* mine = model->named_parameters().find(p.key());
+        ASSERT_NE(mine, nullptr) << what << " " << p.key();
+        EXPECT_TRUE(torch::allclose(*mine, p.value(), 1.3e-6, 1e-5)) << what << " " << p.key();
+      }
+    }
+    EXPECT_CONTAINS(error_of([] {
+                      auto net = std::make_shared<NetImpl>(false, FSDPOptions());
+                      fully_shard(*net, FSDPOptions().ignored_params({torch::Tensor()}));
+                    }),
+                    "ignored_params' entry 0 is an undefined tensor");
   });
 }
 

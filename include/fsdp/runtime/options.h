@@ -1,5 +1,6 @@
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/arg.h>
 
@@ -138,6 +139,13 @@ struct FSDPOptions {
   /// sharded nor reduced (their gradients stay local), and come last in a
   /// unit's parameters(), as in PyTorch's FSDP.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, ignored_modules) = {};
+  /// Parameters no unit manages, wherever they are registered (PyTorch
+  /// FSDP2's ignored_params: a few parameters inside a module that is
+  /// sharded otherwise): as ignored_modules' parameters, they keep their
+  /// full tensors on every rank, are neither sharded nor reduced (their
+  /// gradients stay local), and come last in a unit's parameters(). Every
+  /// unit made with these options leaves them out.
+  TORCH_ARG(std::vector<at::Tensor>, ignored_params) = {};
   /// Run the unit's wrapped forward under fsdp::activation_checkpoint(): its
   /// activations are recomputed in backward from the parameters that FSDP
   /// gathers for backward anyway. See Unit::set_activation_checkpointing.
