@@ -144,6 +144,8 @@ class Engine final : public GlooEngine {
   Engine(std::shared_ptr<gloo::Context> context, std::chrono::milliseconds timeout)
       : context_(std::move(context)), p2p_(*context_, timeout) {}
   PointToPoint& p2p() override { return p2p_; }
+  // Buffers still pending stay alive (Note [Gloo's buffers let go later]).
+  void abort() override { context_->closeConnections(); }
 
  private:
   std::shared_ptr<gloo::Context> context_;

@@ -31,6 +31,9 @@ class GlooEngine {
   virtual ~GlooEngine() = default;
   /// Gloo's unbound buffers, for the ring collectives.
   virtual PointToPoint& p2p() = 0;
+  /// The group broke (Note [Broken groups]): closes every pair, so that the
+  /// peers' transfers fail at once, as the direct links' abort() does.
+  virtual void abort() = 0;
 };
 
 /// Connects a full mesh of Gloo pairs for rank `rank` of `size` through

@@ -87,6 +87,7 @@ GlooProcessGroup::GlooProcessGroup(c10::intrusive_ptr<c10d::Store> store, const 
   // See Note [Broken groups]. Shared memory stops its peers by itself.
   thread_->set_on_broken([this] {
     if (links_) links_->abort();
+    if (gloo_) gloo_->abort();
   });
 }
 

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "comm/direct_links.h"
+#include "comm/gloo_engine.h"
 #include "comm_test_util.h"
 #include "multi_rank.h"
 #include "rendezvous/socket.h"
@@ -152,6 +153,29 @@ TEST(DirectLinks, ABrokenGroupClosesItsLinksSoTheRingFailsAtOnce) {
 // the job's token (here a rank number alone, or silence) are closed, and the
 // link to the real rank is made all the same. Rank 0's port gets both before rank
 // 1 starts, so rank 0 accepts them first.
+// The same over Gloo's pairs, where libfsdp has Gloo (Note [Gloo or not];
+// skipped without): rank 2's collective times out (a timeout of 1 s, its
+// previous rank 3 s late), and its group closes its pairs, so that ranks 0
+// and 3 fail at once (they waited out their own 20 s), and rank 1 as it
+// comes. (A size mismatch over Gloo aborts the receiving process inside
+// Gloo.)
+TEST(GlooPairs, ABrokenGroupClosesItsPairsSoTheRingFailsAtOnce) {
+  if (!detail::built_with_gloo()) GTEST_SKIP() << "built without Gloo";
+  run_ranks_ok(
+      4,
+      [](int rank, int) {
+        auto pg = init_process_group(
+            ProcessGroupOptions().shared_memory(false).direct_link_bytes(0).timeout(
+                rank == 2 ? std::chrono::seconds(1) : std::chrono::seconds(20)));
+        pg->barrier().wait();
+        if (rank == 1) std::this_thread::sleep_for(std::chrono::seconds(3));
+        at::Tensor t = at::ones({1 << 16});
+        expect_error_within([&] { pg->all_reduce(t).wait(); }, std::chrono::seconds(5));
+        std::this_thread::sleep_for(std::chrono::seconds(4));  // alive, sockets open
+      },
+      MultiRankOptions{std::chrono::seconds(90), std::chrono::seconds(30), {}});
+}
+
 TEST(DirectLinks, StrangersOnTheLinkPortAreTurnedAway) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   constexpr auto kSetup = std::chrono::seconds(20);
