@@ -158,6 +158,25 @@ std::vector<int64_t> since(const Twins& t, const std::vector<int64_t>& before) {
   return now;
 }
 
+// Runs `body` at 2 ranks on the Twins of each build and of each of
+// `strategies` (its first step is the body's; `what` names the build, and
+// the strategy where there are several).
+void for_each_twins(
+    const std::vector<ShardingStrategy>& strategies,
+    const std::function<void(Twins&, Build, ShardingStrategy, const std::string&)>& body) {
+  run_ranks_ok(2, [&](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
+      for (ShardingStrategy strategy : strategies) {
+        std::string what = to_string(build);
+        if (strategies.size() > 1) what += std::string(" ") + to_string(strategy);
+        Twins t(build, FSDPOptions().sharding_strategy(strategy));
+        body(t, build, strategy, what);
+      }
+    }
+  });
+}
+
 // Gradient accumulation as FSDP2 users write it: the micro-batches before
 // the last do not sync and keep their units gathered after backward, so
 // each forward after the first finds them gathered; the last, which syncs,
@@ -168,12 +187,9 @@ std::vector<int64_t> since(const Twins& t, const std::vector<int64_t>& before) {
 // gathered]) once instead of 3 times; SHARD_GRAD_OP's once instead of 3.
 // What unshard() gathered before a step is gathered anew.
 TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-        const std::string what = std::string(to_string(build)) + " " + to_string(strategy);
-        Twins t(build, FSDPOptions().sharding_strategy(strategy));
+  for_each_twins(
+      {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
+      [](Twins& t, Build build, ShardingStrategy strategy, const std::string& what) {
         t.step(0, 3, nullptr, what + " plain accumulation");  // also agrees on the forward order
         const bool full = strategy == ShardingStrategy::kFullShard;
         t.after_step = [&] {
@@ -218,9 +234,7 @@ TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
         for (Unit* unit : t.units) unit->unshard();
         EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
         t.step(6, 1, nullptr, what + " unsharded after a step");
-      }
-    }
-  });
+      });
 }
 
 // unshard() before the forward makes the forward's all-gather, waited for
@@ -229,74 +243,71 @@ TEST(UserResharding, NoReshardAfterBackwardSavesTheNextForwardsGathers) {
 // each unit gathers once per forward, and training is plain LibTorch's.
 // reshard() frees what unshard() gathered.
 TEST(UserResharding, UnshardMakesTheForwardsGatherAheadOfIt) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
-      const std::string what = to_string(build);
-      Twins t(build, FSDPOptions());
-      t.step(0, 1, nullptr, what);
-      // Per unit in a step of one micro-batch: the forward's gather (or the
-      // unshard() that replaced it), the backward's (not for a wrapper
-      // whose forward ends last: Note [The first unit of backward stays
-      // gathered]) and the parity check's SummonFullParams.
-      std::vector<int64_t> per_step(kLayers, 3);
-      if (build == Build::kWrappers) per_step.back() = 2;
-      // Ahead of the forward (after the optimizer's zero_grad(), which
-      // would make them stale): units 0 and 1 waited for, 2 and 3 not.
-      auto before = t.gathers();
-      std::vector<Unit::UnshardHandle> handles;
-      t.step(
-          1, 1,
-          [&](int) {
-            for (int i = 0; i < kLayers; ++i) handles.push_back(t.units[i]->unshard(i >= 1));
-            handles[1].wait();
-            for (int i = 0; i < 2; ++i) {
-              EXPECT_EQ(t.units[i]->flat_param()->state(), State::kUnsharded)
-                  << what << " unit " << i;
-            }
-            EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
-            t.units[0]->unshard();  // gathered already: nothing
-            EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
-          },
-          what + " unsharded ahead");
-      EXPECT_EQ(since(t, before), per_step) << what;
-      handles[3].wait();  // its forward took it over: nothing to wait for
+  for_each_twins({ShardingStrategy::kFullShard},
+                 [](Twins& t, Build build, ShardingStrategy, const std::string& what) {
+                   t.step(0, 1, nullptr, what);
+                   // Per unit in a step of one micro-batch: the forward's gather (or the
+                   // unshard() that replaced it), the backward's (not for a wrapper
+                   // whose forward ends last: Note [The first unit of backward stays
+                   // gathered]) and the parity check's SummonFullParams.
+                   std::vector<int64_t> per_step(kLayers, 3);
+                   if (build == Build::kWrappers) per_step.back() = 2;
+                   // Ahead of the forward (after the optimizer's zero_grad(), which
+                   // would make them stale): units 0 and 1 waited for, 2 and 3 not.
+                   auto before = t.gathers();
+                   std::vector<Unit::UnshardHandle> handles;
+                   t.step(
+                       1, 1,
+                       [&](int) {
+                         for (int i = 0; i < kLayers; ++i)
+                           handles.push_back(t.units[i]->unshard(i >= 1));
+                         handles[1].wait();
+                         for (int i = 0; i < 2; ++i) {
+                           EXPECT_EQ(t.units[i]->flat_param()->state(), State::kUnsharded)
+                               << what << " unit " << i;
+                         }
+                         EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+                         t.units[0]->unshard();  // gathered already: nothing
+                         EXPECT_EQ(since(t, before), std::vector<int64_t>(kLayers, 1)) << what;
+                       },
+                       what + " unsharded ahead");
+                   EXPECT_EQ(since(t, before), per_step) << what;
+                   handles[3].wait();  // its forward took it over: nothing to wait for
 
-      // Inside the root's forward, before layer i, the user starts layer
-      // i + 1's gather.
-      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
-        if (i + 1 < t.units.size()) t.units[i + 1]->unshard(/*async_op=*/true);
-      };
-      before = t.gathers();
-      t.step(2, 1, nullptr, what + " prefetched by hand");
-      EXPECT_EQ(since(t, before), per_step) << what;
-      t.layers->before_layer = nullptr;
+                   // Inside the root's forward, before layer i, the user starts layer
+                   // i + 1's gather.
+                   t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
+                     if (i + 1 < t.units.size()) t.units[i + 1]->unshard(/*async_op=*/true);
+                   };
+                   before = t.gathers();
+                   t.step(2, 1, nullptr, what + " prefetched by hand");
+                   EXPECT_EQ(since(t, before), per_step) << what;
+                   t.layers->before_layer = nullptr;
 
-      // reshard() frees it.
-      t.units[2]->unshard();
-      t.units[2]->reshard();
-      EXPECT_EQ(t.units[2]->flat_param()->state(), State::kSharded) << what;
-      // A step after unshard() changes the shards without a sign (LibTorch's
-      // SGD, the gradients kept): torch::save gathers anew what it saves
-      // (outside SummonFullParams a wrapper's save gathers; fully_shard's
-      // modules save under one), and so does the next forward, after
-      // zero_grad().
-      for (Unit* unit : t.units) unit->unshard();
-      t.ref_opt->step();  // both take a momentum-only step on the last gradients
-      t.opt->step();
-      std::stringstream saved;
-      if (build == Build::kWrappers) {
-        torch::save(t.model, saved);
-      } else {
-        SummonFullParams full(*t.model);
-        torch::save(t.model, saved);
-      }
-      Layers loaded(Build::kPlain, t.groups, FSDPOptions());
-      torch::load(loaded, saved);
-      expect_same_params(*loaded, *t.reference, what + " saved after a step");
-      t.step(3, 1, nullptr, what + " unsharded before a step");
-    }
-  });
+                   // reshard() frees it.
+                   t.units[2]->unshard();
+                   t.units[2]->reshard();
+                   EXPECT_EQ(t.units[2]->flat_param()->state(), State::kSharded) << what;
+                   // A step after unshard() changes the shards without a sign (LibTorch's
+                   // SGD, the gradients kept): torch::save gathers anew what it saves
+                   // (outside SummonFullParams a wrapper's save gathers; fully_shard's
+                   // modules save under one), and so does the next forward, after
+                   // zero_grad().
+                   for (Unit* unit : t.units) unit->unshard();
+                   t.ref_opt->step();  // both take a momentum-only step on the last gradients
+                   t.opt->step();
+                   std::stringstream saved;
+                   if (build == Build::kWrappers) {
+                     torch::save(t.model, saved);
+                   } else {
+                     SummonFullParams full(*t.model);
+                     torch::save(t.model, saved);
+                   }
+                   Layers loaded(Build::kPlain, t.groups, FSDPOptions());
+                   torch::load(loaded, saved);
+                   expect_same_params(*loaded, *t.reference, what + " saved after a step");
+                   t.step(3, 1, nullptr, what + " unsharded before a step");
+                 });
 }
 
 // set_reshard_after_forward replaces the strategy's choice: FULL_SHARD kept
@@ -305,12 +316,9 @@ TEST(UserResharding, UnshardMakesTheForwardsGatherAheadOfIt) {
 // own head too; evaluation forwards under false gather once, and reshard()
 // frees them after (the root's too).
 TEST(UserResharding, ReshardAfterForwardOverridesTheStrategy) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
-      for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp}) {
-        const std::string what = std::string(to_string(build)) + " " + to_string(strategy);
-        Twins t(build, FSDPOptions().sharding_strategy(strategy));
+  for_each_twins(
+      {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp},
+      [](Twins& t, Build build, ShardingStrategy strategy, const std::string& what) {
         t.step(0, 1, nullptr, what);
         const bool full = strategy == ShardingStrategy::kFullShard;
         t.root->set_reshard_after_forward(!full);  // the other strategy's choice
@@ -348,9 +356,7 @@ TEST(UserResharding, ReshardAfterForwardOverridesTheStrategy) {
         }
         t.root->set_reshard_after_forward(full);
         t.step(2, 1, nullptr, what + " after evaluation");
-      }
-    }
-  });
+      });
 }
 
 // unshard() and reshard() inside SummonFullParams are refused, and so is
@@ -359,51 +365,47 @@ TEST(UserResharding, ReshardAfterForwardOverridesTheStrategy) {
 // made may be freed in its forward (SHARD_GRAD_OP's, which would stay
 // gathered): its backward gathers it again, and training is unchanged.
 TEST(UserResharding, ReshardInsideAForward) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
-      const std::string what = to_string(build);
-      Twins t(build, FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp));
-      t.step(0, 1, nullptr, what);
-      {
-        SummonFullParams full(*t.model);
-        EXPECT_CONTAINS(error_of([&] { t.units[1]->unshard(); }), "inside SummonFullParams");
-        EXPECT_CONTAINS(error_of([&] { t.units[1]->reshard(); }), "inside SummonFullParams");
-      }
-      if (build == Build::kWrappers) {
-        t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
-          if (i == 2) t.root->reshard();
-        };
-        EXPECT_CONTAINS(error_of([&] {
-                          t.forward(torch::randn({2, 32}));
-                        }),
-                        "reshard() on the root FSDP unit in its forward state");
-        t.layers->before_layer = nullptr;
-        t.step(1, 1, nullptr, what + " after the refusal");
-        continue;
-      }
-      // Before layer 2 runs, layer 1's forward is still under way (it ends
-      // as the next unit's begins).
-      // Gathered again at once (async_op), an operator on it waits for the
-      // gather (its views look gathered while it arrives).
-      double seen = 0, read_again = 1;
-      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
-        if (i != 2) return;
-        const torch::Tensor weight = t.layers->layers[1].ptr()->parameters()[0];
-        seen = weight.sum().item<double>();
-        t.units[1]->reshard();
-        t.units[1]->unshard(/*async_op=*/true);
-        read_again = weight.sum().item<double>();
-        t.units[1]->reshard();
-      };
-      const auto before = t.gathers();
-      t.step(1, 1, nullptr, what + " freed in its forward");
-      EXPECT_EQ(read_again, seen) << what;
-      // The forward's gathers (layer 1's twice), layer 1's again for
-      // backward, the parity check's SummonFullParams.
-      EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 4, 2, 2})) << what;
-      t.layers->before_layer = nullptr;
+  for_each_twins({ShardingStrategy::kShardGradOp}, [](Twins& t, Build build, ShardingStrategy,
+                                                      const std::string& what) {
+    t.step(0, 1, nullptr, what);
+    {
+      SummonFullParams full(*t.model);
+      EXPECT_CONTAINS(error_of([&] { t.units[1]->unshard(); }), "inside SummonFullParams");
+      EXPECT_CONTAINS(error_of([&] { t.units[1]->reshard(); }), "inside SummonFullParams");
     }
+    if (build == Build::kWrappers) {
+      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
+        if (i == 2) t.root->reshard();
+      };
+      EXPECT_CONTAINS(error_of([&] {
+                        t.forward(torch::randn({2, 32}));
+                      }),
+                      "reshard() on the root FSDP unit in its forward state");
+      t.layers->before_layer = nullptr;
+      t.step(1, 1, nullptr, what + " after the refusal");
+      return;
+    }
+    // Before layer 2 runs, layer 1's forward is still under way (it ends
+    // as the next unit's begins).
+    // Gathered again at once (async_op), an operator on it waits for the
+    // gather (its views look gathered while it arrives).
+    double seen = 0, read_again = 1;
+    t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
+      if (i != 2) return;
+      const torch::Tensor weight = t.layers->layers[1].ptr()->parameters()[0];
+      seen = weight.sum().item<double>();
+      t.units[1]->reshard();
+      t.units[1]->unshard(/*async_op=*/true);
+      read_again = weight.sum().item<double>();
+      t.units[1]->reshard();
+    };
+    const auto before = t.gathers();
+    t.step(1, 1, nullptr, what + " freed in its forward");
+    EXPECT_EQ(read_again, seen) << what;
+    // The forward's gathers (layer 1's twice), layer 1's again for
+    // backward, the parity check's SummonFullParams.
+    EXPECT_EQ(since(t, before), (std::vector<int64_t>{2, 4, 2, 2})) << what;
+    t.layers->before_layer = nullptr;
   });
 }
 
@@ -414,39 +416,34 @@ TEST(UserResharding, ReshardInsideAForward) {
 // backward still runs). One gather per unit and use all the same, and
 // training is plain LibTorch's. A list holding no unit is refused.
 TEST(UserResharding, PrefetchListsGatherTheListedUnitsAhead) {
-  run_ranks_ok(2, [](int, int) {
-    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
-    for (Build build : {Build::kWrappers, Build::kFullyShard}) {
-      const std::string what = to_string(build);
-      Twins t(build, FSDPOptions());
-      // Layer 2's state before layer 1's forward, layer 1's when layer 3's
-      // backward computed its input's gradient.
-      State layer2_ahead = State::kSummoned, layer1_in_backward = State::kSummoned;
-      t.layers->before_layer = [&](size_t i, const torch::Tensor& x) {
-        if (i == 1) layer2_ahead = t.units[2]->flat_param()->state();
-        if (i == 3 && x.requires_grad()) {
-          x.register_hook([&](const torch::Tensor&) {
-            layer1_in_backward = t.units[1]->flat_param()->state();
-          });
-        }
-      };
-      t.step(0, 1, nullptr, what);
-      EXPECT_EQ(layer2_ahead, State::kSharded) << what << ": prefetched without a list";
-      EXPECT_EQ(layer1_in_backward, State::kSharded) << what << ": prefetched without a list";
-      t.units[0]->set_modules_to_forward_prefetch({t.units[1], t.units[2]});
-      t.units[3]->set_modules_to_backward_prefetch({t.units[2], t.units[1]});
-      const auto before = t.gathers();
-      t.step(1, 1, nullptr, what + " with lists");
-      EXPECT_NE(layer2_ahead, State::kSharded) << what;
-      EXPECT_NE(layer1_in_backward, State::kSharded) << what;
-      // Per unit: forward, backward (not for a wrapper whose forward ends
-      // last), the parity check's SummonFullParams.
-      std::vector<int64_t> per_step(kLayers, 3);
-      if (build == Build::kWrappers) per_step.back() = 2;
-      EXPECT_EQ(since(t, before), per_step) << what;
-      EXPECT_CONTAINS(error_of([&] { t.units[0]->set_modules_to_forward_prefetch({nullptr}); }),
-                      "set_modules_to_forward_prefetch's entry 0 is null");
-    }
+  for_each_twins({ShardingStrategy::kFullShard}, [](Twins& t, Build build, ShardingStrategy,
+                                                    const std::string& what) {
+    // Layer 2's state before layer 1's forward, layer 1's when layer 3's
+    // backward computed its input's gradient.
+    State layer2_ahead = State::kSummoned, layer1_in_backward = State::kSummoned;
+    t.layers->before_layer = [&](size_t i, const torch::Tensor& x) {
+      if (i == 1) layer2_ahead = t.units[2]->flat_param()->state();
+      if (i == 3 && x.requires_grad()) {
+        x.register_hook(
+            [&](const torch::Tensor&) { layer1_in_backward = t.units[1]->flat_param()->state(); });
+      }
+    };
+    t.step(0, 1, nullptr, what);
+    EXPECT_EQ(layer2_ahead, State::kSharded) << what << ": prefetched without a list";
+    EXPECT_EQ(layer1_in_backward, State::kSharded) << what << ": prefetched without a list";
+    t.units[0]->set_modules_to_forward_prefetch({t.units[1], t.units[2]});
+    t.units[3]->set_modules_to_backward_prefetch({t.units[2], t.units[1]});
+    const auto before = t.gathers();
+    t.step(1, 1, nullptr, what + " with lists");
+    EXPECT_NE(layer2_ahead, State::kSharded) << what;
+    EXPECT_NE(layer1_in_backward, State::kSharded) << what;
+    // Per unit: forward, backward (not for a wrapper whose forward ends
+    // last), the parity check's SummonFullParams.
+    std::vector<int64_t> per_step(kLayers, 3);
+    if (build == Build::kWrappers) per_step.back() = 2;
+    EXPECT_EQ(since(t, before), per_step) << what;
+    EXPECT_CONTAINS(error_of([&] { t.units[0]->set_modules_to_forward_prefetch({nullptr}); }),
+                    "set_modules_to_forward_prefetch's entry 0 is null");
   });
 }
 

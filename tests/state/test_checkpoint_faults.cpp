@@ -450,22 +450,27 @@ TEST(CheckpointFaults, AReplacementCutShortBetweenItsRenamesIsResumed) {
 
 // Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,
 // and only rank 0 says what it skipped.
+// At 2 ranks (CKPT_TEST_DIR `dir`): a model trained 2 steps with Adam, each
+// rank on its own data, and its Checkpointer, given to `fn` with the rank.
+void with_trained_ranks(const std::string& dir, const std::function<void(Checkpointer&, int)>& fn) {
+  run_ranks_ok(
+      2,
+      [&](int rank, int) {
+        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+        auto model = make_model(FSDPOptions());
+        auto opt = make_optimizer("adam", model->parameters());
+        torch::manual_seed(3 + rank);
+        train(*model, *opt, 2);
+        Checkpointer ckpt(*model, opt.get());
+        fn(ckpt, rank);
+      },
+      with_dir(dir));
+}
+
 TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
   const std::string dir = test_dir();
-  const auto env = with_dir(dir);
-  auto body = [&](const std::function<void(Checkpointer&, int)>& fn) {
-    run_ranks_ok(
-        2,
-        [&](int rank, int) {
-          init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
-          auto model = make_model(FSDPOptions());
-          auto opt = make_optimizer("adam", model->parameters());
-          torch::manual_seed(3 + rank);
-          train(*model, *opt, 2);
-          Checkpointer ckpt(*model, opt.get());
-          fn(ckpt, rank);
-        },
-        env);
+  const auto body = [&](const std::function<void(Checkpointer&, int)>& fn) {
+    with_trained_ranks(dir, fn);
   };
   body([&](Checkpointer& ckpt, int) {
     ckpt.save_step(dir, 6);
@@ -540,38 +545,27 @@ class NoFreeDescriptors {
 // warning. With the limit raised, the newest resumes.
 TEST(CheckpointFaults, AFileARankCannotOpenIsAnErrorNotDamage) {
   const std::string dir = test_dir();
-  const auto env = with_dir(dir);
-  run_ranks_ok(
-      2,
-      [&](int rank, int) {
-        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
-        auto model = make_model(FSDPOptions());
-        auto opt = make_optimizer("adam", model->parameters());
-        torch::manual_seed(3 + rank);
-        train(*model, *opt, 2);
-        Checkpointer ckpt(*model, opt.get());
-        ckpt.save_step(dir, 6);
-        train(*model, *opt, 1);
-        ckpt.save_step(dir, 12);
-        for (int limited : {1, 0}) {
-          std::vector<std::string> warnings;
-          {
-            compat::WarningCollector collect(&warnings);
-            std::optional<NoFreeDescriptors> none;
-            if (rank == limited) none.emplace(/*spare=*/limited == 0 ? 1 : 0);
-            std::vector<std::string> needles =
-                rank == limited ? std::vector<std::string>{"Too many open files", "ulimit -n"}
-                                : std::vector<std::string>{"rank(s) " + std::to_string(limited) +
-                                                           " failed while verifying it"};
-            // Rank 0 fails on a file of the checkpoint it chose, not listing them.
-            if (rank == 0 && limited == 0) needles.push_back(checkpoint_path(dir, 12) + "/");
-            expect_error([&] { ckpt.resume(dir); }, needles, {"cannot list"});
-          }
-          EXPECT_TRUE(warnings.empty()) << "rank " << limited << " limited: " << warnings[0];
-        }
-        EXPECT_EQ(ckpt.resume(dir), 12);
-      },
-      env);
+  with_trained_ranks(dir, [&](Checkpointer& ckpt, int rank) {
+    ckpt.save_step(dir, 6);
+    ckpt.save_step(dir, 12);
+    for (int limited : {1, 0}) {
+      std::vector<std::string> warnings;
+      {
+        compat::WarningCollector collect(&warnings);
+        std::optional<NoFreeDescriptors> none;
+        if (rank == limited) none.emplace(/*spare=*/limited == 0 ? 1 : 0);
+        std::vector<std::string> needles =
+            rank == limited ? std::vector<std::string>{"Too many open files", "ulimit -n"}
+                            : std::vector<std::string>{"rank(s) " + std::to_string(limited) +
+                                                       " failed while verifying it"};
+        // Rank 0 fails on a file of the checkpoint it chose, not listing them.
+        if (rank == 0 && limited == 0) needles.push_back(checkpoint_path(dir, 12) + "/");
+        expect_error([&] { ckpt.resume(dir); }, needles, {"cannot list"});
+      }
+      EXPECT_TRUE(warnings.empty()) << "rank " << limited << " limited: " << warnings[0];
+    }
+    EXPECT_EQ(ckpt.resume(dir), 12);
+  });
   remove_test_dir(dir);
 }
 
