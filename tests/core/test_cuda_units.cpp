@@ -30,6 +30,7 @@
 #include "multi_rank.h"
 #include "offloaded_steps.h"
 #include "rank_gpu.h"
+#include "resharding_twins.h"
 #include "settled_cuda_memory.h"
 #include "test_models.h"
 
@@ -447,6 +448,38 @@ TEST_P(CudaUnits, FrozenParametersReadLateOnTheGpu) {
         for (const Loss how : {Loss::kOneForward, Loss::kTwoForwards, Loss::kGradientPenalty}) {
           frozen_net::train_and_compare(made, strategy, how, rank_gpu());
         }
+      }
+    }
+  });
+}
+
+// Note [Resharding as the user says] on the GPU: gradient accumulation over
+// three micro-batches with units kept gathered past the backwards that do
+// not sync, and each layer's gather started by hand inside the forward
+// (unshard(async_op): the copy-in stream, the forward waiting on the
+// compute stream), train as plain LibTorch at 1-3 ranks, wrappers and
+// fully_shard; from the second step on the caching allocator holds the same
+// bytes after every step (nothing kept outlives the synchronising backward).
+TEST_P(CudaUnits, ReshardingControlsOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  run_ranks_ok(GetParam(), [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    using resharding_twins::Build;
+    for (const Build build : {Build::kWrappers, Build::kFullyShard}) {
+      const std::string what = resharding_twins::to_string(build);
+      resharding_twins::Twins t(build, FSDPOptions(), rank_gpu());
+      t.layers->before_layer = [&](size_t i, const torch::Tensor&) {
+        if (i + 1 < t.units.size()) t.units[i + 1]->unshard(/*async_op=*/true);
+      };
+      t.root->set_reshard_after_backward(false);
+      std::vector<int64_t> after_step;
+      t.after_step = [&] { after_step.push_back(settled_cuda_allocated(rank_gpu_index())); };
+      for (int s = 0; s < 4; ++s) {
+        t.step(
+            s, 3, [&](int m) { t.root->set_requires_gradient_sync(m == 2); }, what);
+      }
+      for (size_t i = 2; i < after_step.size(); ++i) {
+        EXPECT_EQ(after_step[i], after_step[1]) << what << " step " << i;
       }
     }
   });
