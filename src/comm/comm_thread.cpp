@@ -129,8 +129,12 @@ struct CommThread::Core {
   const std::chrono::milliseconds timeout;
   FingerprintExchange exchange;     // set before debug mode is first on
   std::function<void()> on_broken;  // set before any collective
-  // health becomes kBroken for `cause`; the group's on_broken runs.
+  // health becomes kBroken for `cause`; the caller reports the failure,
+  // then close_broken() runs the group's on_broken (closing Gloo's pairs
+  // waits a device-loop tick per pair: seconds at hundreds of ranks, which
+  // must not delay the error past Work::wait's grace).
   void become_broken(std::string cause);
+  void close_broken();
   std::atomic<bool> debug{false};
 
   // State below is protected by mutex.
@@ -177,6 +181,9 @@ void CommThread::set_on_broken(std::function<void()> on_broken) {
 void CommThread::Core::become_broken(std::string cause) {
   health = Health::kBroken;
   broken_cause = std::move(cause);
+}
+
+void CommThread::Core::close_broken() {
   if (!on_broken) return;
   try {
     on_broken();
@@ -301,6 +308,7 @@ void CommThread::Core::execute(Item& item) {
     if (!mismatch.empty()) {
       become_broken(item.state->description + ": collective mismatch");
       fail(item, mismatch);
+      close_broken();
       return;
     }
     {
@@ -333,6 +341,7 @@ void CommThread::Core::execute(Item& item) {
                    (mismatch ? ""
                              : " A peer rank has probably died or timed out; look at the "
                                "other ranks' output."));
+    close_broken();
   }
 }
 

@@ -39,6 +39,9 @@ std::unordered_set<const void*> ignored_params(const FSDPOptions& options) {
     FSDP_CHECK(params[i].defined(), -1, "options", "ignored_params' entry ", i,
                " is an undefined tensor. Pass the parameters themselves "
                "(module->named_parameters()[\"name\"])");
+    FSDP_CHECK(!params[i].is_meta(), -1, "options", "ignored_params' entry ", i,
+               " is on the meta device: libfsdp initialises only what its units manage. "
+               "Materialise it before wrapping (to_empty and initialise it on every rank alike)");
     out.insert(params[i].unsafeGetTensorImpl());
   }
   return out;
@@ -216,8 +219,14 @@ UnitInit::UnitInit(torch::nn::Module& root, const FSDPOptions& options, c10::Dev
   at::NoGradGuard no_grad;
   // PyTorch's device_id: what was built on the CPU moves to the unit's GPU
   // (the module's own tensor objects, so the user's handles follow).
+  // Not the parameters the user left out (FSDPOptions::ignored_params), as
+  // PyTorch's FSDP leaves them.
+  const std::unordered_set<const void*> left_out = ignored_params(options_);
   const auto move_to_device = [&](const at::Tensor& t) {
-    if (!device_.is_cpu() && t.defined() && t.is_cpu()) at::Tensor(t).set_data(t.to(device_));
+    if (!device_.is_cpu() && t.defined() && t.is_cpu() &&
+        left_out.count(t.unsafeGetTensorImpl()) == 0) {
+      at::Tensor(t).set_data(t.to(device_));
+    }
   };
   for (torch::nn::Module* m : managed_) {
     if (!has_meta_state(*m)) continue;

@@ -208,6 +208,7 @@ FileReader::FileReader(const std::string& path) : path_(path) {
                                     "files: remove it or load another checkpoint");
   }
   size_ = static_cast<uint64_t>(st.st_size);
+  identity_ = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
 }
 
 FileReader::~FileReader() {

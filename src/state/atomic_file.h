@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <fsdp/state/error.h>
 
@@ -99,6 +100,9 @@ class FileReader {
 
   /// The file's size when opened.
   uint64_t size() const { return size_; }
+  /// Which file it is (device and inode): the same path opened again may be
+  /// another file.
+  std::pair<uint64_t, uint64_t> identity() const { return identity_; }
   /// The path, for messages.
   const std::string& path() const { return path_; }
   /// Reads exactly `size` bytes at `offset`; throws if the file is shorter.
@@ -110,6 +114,7 @@ class FileReader {
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
+  std::pair<uint64_t, uint64_t> identity_;
 };
 
 /// Reads a small file whole, refusing one larger than max_size before

@@ -147,10 +147,16 @@ CheckpointReader::CheckpointReader(std::string dir, DataChecks checks)
 // descriptors than the usual limit of 1024 on every rank, and resume()
 // failed (it had been skipping the checkpoint as damaged). A file is closed
 // once its header is read, and opened again when read, its size checked
-// against the manifest again (the CRC-32 is checked in full before the
-// first read, Note [Each rank checks what it reads]); at most
+// against the manifest again and its identity (device and inode) against
+// the file whose header was read, so that a file replaced meanwhile is an
+// error, not data whose CRC-32 was never checked (that is checked in full
+// before the first read, Note [Each rank checks what it reads]); at most
 // kOpenDataFiles stay open, the most recently used (a rank reads its own
-// files, and rank 0's model file for the buffers, piece after piece).
+// files, and rank 0's model file for the buffers, piece after piece). A
+// checkpoint removed while it is read (another job's retention) now fails
+// the load where it reopens a file; the files held open let it finish.
+// Where an open meets the open-file limit, the reader closes its own and
+// tries once more: one descriptor free is enough.
 constexpr size_t kOpenDataFiles = 4;
 
 void CheckpointReader::open_data_file(const FileRecord& record) {
@@ -171,6 +177,7 @@ void CheckpointReader::open_data_file(const FileRecord& record) {
   std::string json(static_cast<size_t>(n), '\0');
   if (n > 0) reader.read_at(8, &json[0], json.size());
   df.header = parse_safetensors_header(json.data(), json.size(), reader.size(), path);
+  df.identity = reader.identity();
   files_.emplace(record.name, std::move(df));
 }
 
@@ -182,8 +189,22 @@ std::shared_ptr<const FileReader> CheckpointReader::reader_of(const std::string&
     return open_.front().second;
   }
   if (open_.size() >= kOpenDataFiles) open_.pop_back();
-  auto reader = std::make_shared<const FileReader>(join(dir_, name));
-  check_size(*reader, files_.at(name).record);
+  const std::string path = join(dir_, name);
+  std::shared_ptr<const FileReader> reader;
+  try {
+    reader = std::make_shared<const FileReader>(path);
+  } catch (const CheckpointAccessError&) {
+    if (open_.empty()) throw;
+    open_.clear();  // this reader's own descriptors made the difference
+    reader = std::make_shared<const FileReader>(path);
+  }
+  const DataFile& df = files_.at(name);
+  if (reader->identity() != df.identity) {
+    throw CheckpointError(path,
+                          "was replaced while the checkpoint was read (a save or a retention of "
+                          "the same directory by another job?); load again");
+  }
+  check_size(*reader, df.record);
   open_.emplace_front(name, reader);
   return reader;
 }

@@ -66,6 +66,7 @@ class CheckpointReader {
   struct DataFile {
     FileRecord record;  // its manifest's size and CRC-32
     SafetensorsHeader header;
+    std::pair<uint64_t, uint64_t> identity;  // FileReader::identity() when its header was read
   };
   // Reads the header of a data file (and, for kEveryFile, checks it), then
   // closes it (Note [A reader's open files]).

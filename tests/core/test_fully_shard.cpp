@@ -660,7 +660,8 @@ TEST(FullyShard, PolicySeesWhatAutoWrapWouldSee) {
 // rank and its local gradient, reaches the optimizer through
 // flat_parameters(), and steps as plain LibTorch on this rank's rows alone,
 // while every other parameter steps as plain LibTorch on every rank's rows.
-// Wrappers and fully_shard alike; an undefined entry is refused.
+// Wrappers and fully_shard alike; an undefined entry is refused, and so is
+// one on the meta device (no unit would initialise it).
 TEST(FullyShard, IgnoredParamsStayWholeAndLocal) {
   run_ranks_ok(2, [](int, int world) {
     init(world);
@@ -723,6 +724,12 @@ TEST(FullyShard, IgnoredParamsStayWholeAndLocal) {
                       fully_shard(*net, FSDPOptions().ignored_params({torch::Tensor()}));
                     }),
                     "ignored_params' entry 0 is an undefined tensor");
+    EXPECT_CONTAINS(error_of([] {
+                      auto net = std::make_shared<NetImpl>(false, FSDPOptions());
+                      fully_shard(*net, FSDPOptions().ignored_params(
+                                            {torch::empty({1}, torch::Device(torch::kMeta))}));
+                    }),
+                    "ignored_params' entry 0 is on the meta device");
   });
 }
 
