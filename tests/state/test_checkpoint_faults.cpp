@@ -448,13 +448,13 @@ TEST(CheckpointFaults, AReplacementCutShortBetweenItsRenamesIsResumed) {
   remove_test_dir(root);
 }
 
-// Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,
-// and only rank 0 says what it skipped.
-// At 2 ranks (CKPT_TEST_DIR `dir`): a model trained 2 steps with Adam, each
-// rank on its own data, and its Checkpointer, given to `fn` with the rank.
-void with_trained_ranks(const std::string& dir, const std::function<void(Checkpointer&, int)>& fn) {
+// At `ranks` ranks (CKPT_TEST_DIR `dir`): a model trained 2 steps with Adam,
+// each rank on its own data, and its Checkpointer, given to `fn` with the
+// rank.
+void with_trained_ranks(const std::string& dir, const std::function<void(Checkpointer&, int)>& fn,
+                        int ranks = 2) {
   run_ranks_ok(
-      2,
+      ranks,
       [&](int rank, int) {
         init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
         auto model = make_model(FSDPOptions());
@@ -467,6 +467,8 @@ void with_trained_ranks(const std::string& dir, const std::function<void(Checkpo
       with_dir(dir));
 }
 
+// Two ranks, sharded: rank 0 decides, both load the same earlier checkpoint,
+// and only rank 0 says what it skipped.
 TEST(CheckpointFaults, EveryRankFallsBackToTheSameCheckpoint) {
   const std::string dir = test_dir();
   const auto body = [&](const std::function<void(Checkpointer&, int)>& fn) {
@@ -579,17 +581,9 @@ TEST(CheckpointFaults, AFileARankCannotOpenIsAnErrorNotDamage) {
 // ranks took every rank past the usual limit of 1024.
 TEST(CheckpointFaults, AReaderHoldsAFewFilesOpenNotEveryRanks) {
   const std::string dir = test_dir();
-  run_ranks_ok(
-      4,
-      [&](int rank, int) {
-        init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(20)));
-        auto model = make_model(FSDPOptions());
-        auto opt = make_optimizer("adam", model->parameters());
-        torch::manual_seed(3 + rank);
-        train(*model, *opt, 2);
-        Checkpointer(*model, opt.get()).save(dir, 2, StateDictType::kSharded);
-      },
-      with_dir(dir));
+  with_trained_ranks(
+      dir, [&](Checkpointer& ckpt, int) { ckpt.save(dir, 2, StateDictType::kSharded); },
+      /*ranks=*/4);
   if (is_rank_process()) return;
   Trained t(7);
   Checkpointer ckpt(*t.model, t.opt.get());
