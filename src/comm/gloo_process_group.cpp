@@ -32,12 +32,11 @@ namespace {
 // timeout instead). The digest is a byte: one such mismatch in 251 passes
 // unseen; FSDP_DEBUG=detail's fingerprints see every one.
 constexpr uint64_t kRingSlotPrefix = 0x40;
-uint64_t collective_digest(CollectiveKind kind, at::ScalarType dtype, int64_t op_or_root) {
+uint64_t ring_slot_base(uint64_t seq, CollectiveKind kind, at::ScalarType dtype,
+                        int64_t op_or_root) {
   const uint64_t what = (static_cast<uint64_t>(kind) * 61 + static_cast<uint64_t>(dtype)) * 61 +
                         static_cast<uint64_t>(op_or_root + 1);
-  return what % 251 + 1;
-}
-uint64_t ring_slot_base(uint64_t seq, uint64_t digest) {
+  const uint64_t digest = what % 251 + 1;
   return (kRingSlotPrefix << 56) | (digest << 48) | ((seq & 0xffffffu) << 24);
 }
 // Fingerprints (Note [Collective fingerprints]) under a prefix of their own.
@@ -227,19 +226,18 @@ at::Tensor GlooProcessGroup::scratch_like(const at::Tensor& shard) {
 
 Work GlooProcessGroup::all_gather_into_tensor(const at::Tensor& flat, const at::Tensor& shard) {
   check_all_gather(flat, shard);
-  return submit(CollectiveKind::kAllGather, describe_tensor(flat), {flat, shard}, -1,
-                [this, flat, shard](uint64_t seq) {
-                  const at::Tensor f = flat.view({-1}), s = shard.view({-1});
-                  if (size() == 1) {
-                    if (f.data_ptr() != s.data_ptr()) f.copy_(s);
-                    return;
-                  }
-                  const Route r =
-                      take_route(CollectiveKind::kAllGather, static_cast<int64_t>(s.nbytes()));
-                  all_gather_over(r, f, s,
-                                  ring_slot_base(seq, collective_digest(CollectiveKind::kAllGather,
-                                                                        s.scalar_type(), -1)));
-                });
+  return submit(
+      CollectiveKind::kAllGather, describe_tensor(flat), {flat, shard}, -1,
+      [this, flat, shard](uint64_t seq) {
+        const at::Tensor f = flat.view({-1}), s = shard.view({-1});
+        if (size() == 1) {
+          if (f.data_ptr() != s.data_ptr()) f.copy_(s);
+          return;
+        }
+        const Route r = take_route(CollectiveKind::kAllGather, static_cast<int64_t>(s.nbytes()));
+        all_gather_over(r, f, s,
+                        ring_slot_base(seq, CollectiveKind::kAllGather, s.scalar_type(), -1));
+      });
 }
 
 Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::Tensor& flat,
@@ -256,10 +254,10 @@ Work GlooProcessGroup::reduce_scatter_tensor(const at::Tensor& shard, const at::
                       take_route(CollectiveKind::kReduceScatter, static_cast<int64_t>(s.nbytes()));
                   if (r == Route::kShm) return shm_->reduce_scatter(f, s, op);
                   at::Tensor scratch = size() >= 3 ? scratch_like(s) : at::Tensor();
-                  const uint64_t digest = collective_digest(
-                      CollectiveKind::kReduceScatter, s.scalar_type(), static_cast<int64_t>(op));
-                  ring_reduce_scatter(ring_transport(r), rank(), size(), f, s, scratch, op,
-                                      ring_slot_base(seq, digest), config_.ring_segment_bytes);
+                  const uint64_t base = ring_slot_base(seq, CollectiveKind::kReduceScatter,
+                                                       s.scalar_type(), static_cast<int64_t>(op));
+                  ring_reduce_scatter(ring_transport(r), rank(), size(), f, s, scratch, op, base,
+                                      config_.ring_segment_bytes);
                 });
 }
 
@@ -286,8 +284,7 @@ void GlooProcessGroup::ring_all_reduce(Route route, const at::Tensor& tensor, Re
   flat.narrow(0, 0, numel).copy_(tensor.view({-1}));
   at::Tensor shard = at::empty({per}, tensor.options());
   at::Tensor scratch = size() >= 3 ? scratch_like(shard) : at::Tensor();
-  const uint64_t base =
-      ring_slot_base(seq, collective_digest(kind, tensor.scalar_type(), static_cast<int64_t>(op)));
+  const uint64_t base = ring_slot_base(seq, kind, tensor.scalar_type(), static_cast<int64_t>(op));
   const int64_t segment = config_.ring_segment_bytes;
   ring_reduce_scatter(p2p, rank(), size(), flat, shard, scratch, op, base, segment);
   ring_all_gather(p2p, rank(), size(), flat, shard, base + (uint64_t{1} << 20), segment);
@@ -297,17 +294,16 @@ void GlooProcessGroup::ring_all_reduce(Route route, const at::Tensor& tensor, Re
 Work GlooProcessGroup::broadcast(const at::Tensor& tensor, int root) {
   check_single("broadcast", tensor);
   check_root(root);
-  return submit(CollectiveKind::kBroadcast,
-                describe_tensor(tensor) + ", root " + std::to_string(root), {tensor}, root,
-                [this, tensor, root](uint64_t seq) {
-                  if (size() == 1 || tensor.numel() == 0) return;
-                  const auto bytes = static_cast<int64_t>(tensor.nbytes());
-                  const Route r = take_route(CollectiveKind::kBroadcast, bytes);
-                  ring_broadcast(ring_transport(r), rank(), size(), tensor.view({-1}), root,
-                                 ring_slot_base(seq, collective_digest(CollectiveKind::kBroadcast,
-                                                                       tensor.scalar_type(), root)),
-                                 config_.ring_segment_bytes);
-                });
+  return submit(
+      CollectiveKind::kBroadcast, describe_tensor(tensor) + ", root " + std::to_string(root),
+      {tensor}, root, [this, tensor, root](uint64_t seq) {
+        if (size() == 1 || tensor.numel() == 0) return;
+        const auto bytes = static_cast<int64_t>(tensor.nbytes());
+        const Route r = take_route(CollectiveKind::kBroadcast, bytes);
+        ring_broadcast(ring_transport(r), rank(), size(), tensor.view({-1}), root,
+                       ring_slot_base(seq, CollectiveKind::kBroadcast, tensor.scalar_type(), root),
+                       config_.ring_segment_bytes);
+      });
 }
 
 Work GlooProcessGroup::barrier() {

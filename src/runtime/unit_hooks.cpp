@@ -363,16 +363,19 @@ void UnitRuntime::set_prefetch_targets(const std::vector<Unit*>& units, bool bac
   (backward ? backward_targets_ : forward_targets_) = std::move(targets);
 }
 
+void UnitRuntime::prefetch() {
+  // Not under way, not gathered already, not the guard's (Note [Nested summons]).
+  if (state_ != State::kIdle || flat_ == nullptr ||
+      flat_->state() != FlatParameter::State::kSharded || held_by_summon_guard()) {
+    return;
+  }
+  FSDP_RECORD("all_gather", path_);
+  unshard_async(/*prefetch=*/true);
+}
+
 void UnitRuntime::prefetch_targets(const std::vector<PrefetchTarget>& targets) {
   for (const PrefetchTarget& t : targets) {
-    const std::shared_ptr<const void> alive = t.alive.lock();
-    if (!alive || t.unit->state_ != State::kIdle || t.unit->flat_ == nullptr ||
-        t.unit->flat_->state() != FlatParameter::State::kSharded ||
-        t.unit->held_by_summon_guard()) {
-      continue;  // gone, under way, gathered already, or the guard's (Note [Nested summons])
-    }
-    FSDP_RECORD("all_gather", t.unit->path());
-    t.unit->unshard_async(/*prefetch=*/true);
+    if (const std::shared_ptr<const void> alive = t.alive.lock()) t.unit->prefetch();
   }
 }
 
@@ -381,15 +384,7 @@ void UnitRuntime::prefetch_forward() {
   if (!options_.forward_prefetch()) return;
   // The next unit of the first iteration's order starts gathering now; its
   // own pre_forward waits for it.
-  Unit* next = root().exec_order().next(handle_);
-  if (next == nullptr) return;
-  FlatParameter* flat = next->flat_param();
-  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded ||
-      next->held_by_summon_guard()) {
-    return;
-  }
-  FSDP_RECORD("all_gather", next->runtime_->path());
-  next->runtime_->unshard_async(/*prefetch=*/true);
+  if (Unit* next = root().exec_order().next(handle_)) next->runtime_->prefetch();
 }
 
 void UnitRuntime::post_forward(const std::vector<at::Tensor>& outputs,
@@ -634,15 +629,7 @@ void UnitRuntime::prefetch_backward() {
   // Backward runs the first iteration's forward order in reverse: the unit
   // recorded before this one is the next to need its parameters.
   if (root_ == nullptr) return;
-  Unit* next = root_->exec_order().previous(handle_);
-  if (next == nullptr || next->training_state() != State::kIdle) return;
-  FlatParameter* flat = next->flat_param();
-  if (flat == nullptr || flat->state() != FlatParameter::State::kSharded ||
-      next->held_by_summon_guard()) {
-    return;
-  }
-  FSDP_RECORD("all_gather", next->runtime_->path());
-  next->runtime_->unshard_async(/*prefetch=*/true);
+  if (Unit* next = root_->exec_order().previous(handle_)) next->runtime_->prefetch();
 }
 
 void UnitRuntime::on_grad_ready(size_t slot) {
@@ -735,7 +722,8 @@ void UnitRuntime::launch_if_complete() {
     // See Note [Resharding under no_sync].
     // FSDP1's rule (SHARD_GRAD_OP's stay gathered), or FSDP2's where the
     // user set reshard_after_forward: reshard_after_backward decides.
-    if (flat_ && (reshard_after_forward_ || reshards_after_forward(options_.sharding_strategy()))) {
+    if (flat_ && (reshard_after_forward_.has_value() ||
+                  reshards_after_forward(options_.sharding_strategy()))) {
       reshard_in_backward();
     }
     return;

@@ -243,8 +243,11 @@ class UnitRuntime final : public ParamUseListener {
   void free_unsharded();
   // kUnsharding -> kUnsharded: waits for pending_gather_.
   void wait_pending_gather();
+  // Starts this unit's gather ahead of its use, where it is idle, sharded
+  // and no SummonFullParams guard's: what every prefetch does.
+  void prefetch();
   void prefetch_forward();
-  // Starts the gathers of the user's prefetch targets still sharded and idle.
+  // prefetch() of the user's prefetch targets still alive.
   struct PrefetchTarget {
     UnitRuntime* unit;
     std::weak_ptr<const void> alive;  // the target's alive()

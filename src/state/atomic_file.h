@@ -15,7 +15,8 @@
 namespace fsdp::detail {
 
 /// A checkpoint file this process cannot open for a reason of its own, not
-/// of the file: too many open files, no memory, no permission. resume() does
+/// of the file: too many open files, no memory, no permission, a transient
+/// failure (an interrupted call, a stale NFS handle). resume() does
 /// not take it for damage and skip the checkpoint (Note [Resume fallback]):
 /// an older checkpoint would silently lose the steps since.
 class CheckpointAccessError final : public CheckpointError {
@@ -23,8 +24,9 @@ class CheckpointAccessError final : public CheckpointError {
   using CheckpointError::CheckpointError;
 };
 /// For an errno that says the process, not the file, is at fault (EMFILE,
-/// ENFILE, EACCES, EPERM, ENOMEM): what to change, in parentheses (possibly
-/// empty); nullopt for any other errno.
+/// ENFILE, EACCES, EPERM, ENOMEM; EINTR, EAGAIN, ETIMEDOUT, ESTALE, which a
+/// retry may cure): what to change, in parentheses (possibly empty); nullopt
+/// for any other errno.
 std::optional<std::string> access_problem_hint(int error);
 /// Throws what `problem` (a failure of `path` with errno `error`) is: a
 /// CheckpointAccessError with the hint, or a CheckpointError.
