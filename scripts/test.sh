@@ -61,9 +61,23 @@ status=0
 failed=()
 t_start=$SECONDS
 t_last=$SECONDS
-# Records how long the stage that just ended took.
+# ccache's hits and misses so far ("hits misses"; "0 0" without ccache).
+ccache_counts() {
+  command -v ccache > /dev/null || { echo "0 0"; return; }
+  ccache --print-stats 2> /dev/null | awk '$1 ~ /^(direct|preprocessed)_cache_hit$/ { h += $2 }
+    $1 == "cache_miss" { m += $2 } END { print h + 0, m + 0 }'
+}
+read -r cc_hits cc_misses < <(ccache_counts)
+# Records how long the stage that just ended took, and what the compiler cache
+# gave it: a slow CI run then says whether it compiled anew or ran slowly.
 lap() {
-  echo "=== $1: $((SECONDS - t_last)) s (total $(((SECONDS - t_start) / 60)) min)"
+  local hits misses cache=""
+  read -r hits misses < <(ccache_counts)
+  if ((hits + misses > cc_hits + cc_misses)); then
+    cache=", ccache $((hits - cc_hits)) hits, $((misses - cc_misses)) misses"
+  fi
+  cc_hits=$hits cc_misses=$misses
+  echo "=== $1: $((SECONDS - t_last)) s (total $(((SECONDS - t_start) / 60)) min$cache)"
   t_last=$SECONDS
 }
 fail() {

@@ -26,6 +26,11 @@ if grep -nE '"/|;/' "${targets[@]}" | grep -vF 'if(_IMPORT_PREFIX STREQUAL "/")'
 fi
 configure() { cmake -S "$source_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
   -DCMAKE_PREFIX_PATH="$tmp/prefix" "$@"; }
+# Each phase says how long it took: on a loaded machine this test is the one
+# that compiles (CI's run of 2026-12-01 ran past ctest's limit with nothing
+# said of where the time went).
+t_phase=$SECONDS
+phase() { echo "consumer test: $1 took $((SECONDS - t_phase)) s" >&2; t_phase=$SECONDS; }
 
 if [[ -n $other_torch_dir ]]; then
   if configure -B "$tmp/build-other" -DTorch_DIR="$other_torch_dir" > "$tmp/other.log" 2>&1; then
@@ -36,13 +41,22 @@ if [[ -n $other_torch_dir ]]; then
     grep -F "got LibTorch" | grep -F "at $other_torch_dir." | grep -qF "Torch_DIR=$torch_dir " ||
     { cat "$tmp/other.log"; exit 1; }
   grep -F "libfsdp: expected" "$tmp/other.log"
+  phase "configuring against the other LibTorch"
 fi
 
 configure -B "$tmp/build" > "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
 grep -qF "consumer: LibTorch at $torch_dir" "$tmp/configure.log" || { cat "$tmp/configure.log"; exit 1; }
+phase configuring
 cmake --build "$tmp/build" > "$tmp/build.log" || { cat "$tmp/build.log"; exit 1; }
-out="$("$tmp/prefix/bin/fsdprun" --nproc-per-node 2 "$tmp/build/consumer_app" 2>&1)"
+phase building
+# The run is bounded apart from the compiles: a stuck rank shows what the
+# ranks printed, not ctest's timeout.
+rc=0
+out="$(timeout --kill-after=10 120 "$tmp/prefix/bin/fsdprun" --nproc-per-node 2 \
+  "$tmp/build/consumer_app" 2>&1)" || rc=$?
 echo "$out"
+phase "running on 2 ranks"
+((rc == 0)) || { echo "the consumer's run failed (exit $rc; 124: still running after 120 s)" >&2; exit 1; }
 grep -q "\[rank0\]: consumer rank 0 counted 2" <<< "$out"
 grep -q "\[rank1\]: consumer rank 1 counted 2" <<< "$out"
 grep -q "\[rank0\]: fully_shard app rank 0 saved" <<< "$out"
