@@ -568,14 +568,21 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
   auto w = flags.begin();
   for (const UnitRuntime* unit : units_) {
     if (!unit->flat_) continue;
-    const auto& filled = unit->slot_filled_;
+    // A slot had a gradient in this backward, or in one whose reduction
+    // stayed within the node and this one adds (Note [Accumulating within
+    // the node]).
+    const auto filled = [unit](size_t i) {
+      const auto& now = unit->slot_filled_;
+      const auto& kept = unit->within_node_filled_;
+      return (i < now.size() && now[i]) ||
+             (unit->grad_reach_ == UnitRuntime::GradReach::kJob && i < kept.size() && kept[i]);
+    };
     const bool reduced = static_cast<bool>(unit->grad_work_) || unit->delivered_early_;
     if (unit->options_.use_orig_params()) {
-      for (size_t i = 0; i < grad_flags(*unit); ++i) {
-        *w++ = reduced && i < filled.size() && filled[i] ? 1 : 0;
-      }
+      for (size_t i = 0; i < grad_flags(*unit); ++i) *w++ = reduced && filled(i) ? 1 : 0;
     } else {
-      const bool any = std::find(filled.begin(), filled.end(), true) != filled.end();
+      bool any = false;
+      for (size_t i = 0; i < unit->flat_->slots().size(); ++i) any = any || filled(i);
       *w++ = reduced && any ? 1 : 0;
     }
     if (regathers(*unit)) *w++ = unit->state_ != Unit::TrainingState::kIdle ? 1 : 0;

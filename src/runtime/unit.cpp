@@ -235,15 +235,25 @@ void Unit::set_requires_gradient_sync(bool requires_gradient_sync) {
   }
 }
 
+std::vector<Unit*> Unit::units_to_set(bool recurse) {
+  return recurse ? units_in_tree() : std::vector<Unit*>{&runtime().handle()};
+}
+
 void Unit::set_reshard_after_forward(bool reshard_after_forward, bool recurse) {
-  for (Unit* unit : recurse ? units_in_tree() : std::vector<Unit*>{&runtime().handle()}) {
+  for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_reshard_after_forward(reshard_after_forward);
   }
 }
 
 void Unit::set_reshard_after_backward(bool reshard_after_backward, bool recurse) {
-  for (Unit* unit : recurse ? units_in_tree() : std::vector<Unit*>{&runtime().handle()}) {
+  for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_reshard_after_backward(reshard_after_backward);
+  }
+}
+
+void Unit::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
+  for (Unit* unit : units_to_set(recurse)) {
+    unit->runtime_->set_requires_all_reduce(requires_all_reduce);
   }
 }
 

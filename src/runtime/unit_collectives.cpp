@@ -76,7 +76,7 @@ ReduceOp averaging(const at::Tensor& grad, int ranks) {
 
 GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
                                const std::shared_ptr<ProcessGroup>& replicate,
-                               const std::string& label) {
+                               const std::string& label, at::Tensor within_node) {
   ProcessGroup& group = flat.group();
   const ReduceOp op = averaging(flat_grad, group.size());  // Note [Averaging float16 gradients]
   if (flat.keeps_unsharded()) return {flat_grad, group.all_reduce(flat_grad, op)};
@@ -88,13 +88,19 @@ GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat
     // stream is the device's default one: NCCL would make the all-reduce
     // wait for all the compute queued there since. Its input is ready, so it
     // is issued from a stream with nothing queued.
+    // `within_node` was last written on the compute stream before the
+    // reduce-scatter was issued, which waited for it there: once the
+    // reduce-scatter ended, so had that write. The chain keeps it alive
+    // until the all-reduce ended (the add runs on the chained stream).
     work = chain_work(work,
-                      [replicate, shard] {
+                      [replicate, shard, within_node] {
                         const SideStreamScope ready(shard.device(), SideStream::kChained,
                                                     /*wait_for_current=*/false);
+                        if (within_node.defined()) shard.add_(within_node);
                         return replicate->all_reduce(shard, averaging(shard, replicate->size()));
                       },
-                      "reduce_scatter then all_reduce across nodes (" + label + ")", {shard});
+                      "reduce_scatter then all_reduce across nodes (" + label + ")",
+                      {shard, within_node});
   }
   return {shard, std::move(work)};
 }

@@ -43,9 +43,11 @@ struct GradReduction {
 /// over the ranks: an all-reduce in place for NO_SHARD, else a reduce-scatter
 /// into a new shard, followed under hybrid sharding by an all-reduce of that
 /// shard across `replicate` (see Note [Hybrid sharding]); `label` names the
-/// unit in the chained Work's description.
+/// unit in the chained Work's description. `within_node`, where defined, is
+/// what earlier backwards reduce-scattered without that all-reduce (Note
+/// [Accumulating within the node]): added to the shard before it.
 GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
                                const std::shared_ptr<ProcessGroup>& replicate,
-                               const std::string& label);
+                               const std::string& label, at::Tensor within_node = {});
 
 }  // namespace fsdp::detail

@@ -80,6 +80,7 @@ void UnitRuntime::abandon_iteration() {
   forget_forward_inputs();
   delivered_early_ = false;
   grad_work_ = Work();
+  grad_reach_ = GradReach::kJob;  // what was kept within the node stays for the next
   grad_shard_ = at::Tensor();
   if (grad_on_device_.defined()) {  // not while the copy-out stream reads it
     wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
@@ -736,6 +737,26 @@ void UnitRuntime::launch_if_complete() {
   }
 }
 
+// Note [Accumulating within the node]
+// PyTorch FSDP2's set_requires_all_reduce(false), for gradient accumulation
+// under hybrid sharding: each micro-batch's gradient is reduce-scattered
+// within the node (memory stays sharded, unlike no_sync's unsharded
+// gradients) but not all-reduced across the nodes; the node averages are
+// summed into within_node_grad_ (reduce dtype, on the shard's device) and
+// .grad is left as it is. The next synchronising backward with it on adds
+// that sum to its own reduce-scattered shard before the one all-reduce
+// (kAvg over the nodes of a sum of node averages: the job's average of every
+// micro-batch, as plain LibTorch accumulates), then sets .grad. The slots
+// that had a gradient in any of the kept backwards count as having one in
+// the agreement (Note [Parameters without gradients]), so a parameter used
+// only in an earlier micro-batch keeps its gradient. Nothing is handed over
+// early or copied to host memory from a reduction that stays in the node.
+// How far a reduction goes is decided when it launches (grad_reach_); the
+// kept sum is dropped only once a reduction that added it was delivered.
+bool UnitRuntime::reduces_within_node_only() const {
+  return !requires_all_reduce_ && replicate_group_ && replicate_group_->size() > 1;
+}
+
 void UnitRuntime::launch_grad_reduction() {
   TORCH_INTERNAL_ASSERT(!grad_work_, "fsdp: gradient reduction launched twice");
   if (!flat_grad_.defined()) {  // no gradient on this rank: zeros (Note [Reduction order])
@@ -749,7 +770,11 @@ void UnitRuntime::launch_grad_reduction() {
   flat_->zero_padding(flat_grad_);
   {
     FSDP_RECORD(flat_->keeps_unsharded() ? "all_reduce" : "reduce_scatter", path_);
-    GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, replicate_group_, label());
+    // See Note [Accumulating within the node].
+    grad_reach_ = reduces_within_node_only() ? GradReach::kNode : GradReach::kJob;
+    const bool job = grad_reach_ == GradReach::kJob;
+    GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, job ? replicate_group_ : nullptr,
+                                               label(), job ? within_node_grad_ : at::Tensor());
     grad_shard_ = std::move(reduction.shard);
     grad_work_ = std::move(reduction.work);
   }
@@ -770,8 +795,8 @@ void UnitRuntime::launch_grad_reduction() {
 }
 
 bool UnitRuntime::can_copy_out_early() const {
-  return root_ != nullptr && root_->in_backward() && grad_work_ && flat_->shard_pinned() &&
-         has_streams(grad_shard_.device()) && stream_can_wait(grad_work_);
+  return root_ != nullptr && root_->in_backward() && grad_work_ && grad_reach_ == GradReach::kJob &&
+         flat_->shard_pinned() && has_streams(grad_shard_.device()) && stream_can_wait(grad_work_);
 }
 
 void UnitRuntime::copy_out_early() {
@@ -790,7 +815,7 @@ at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const
 
 bool UnitRuntime::can_deliver_early() const {
   if (!grad_hooks() || !require_sync() || root_ == nullptr || !root_->in_backward() ||
-      !grad_work_ || slot_filled_.empty()) {
+      !grad_work_ || grad_reach_ == GradReach::kNode || slot_filled_.empty()) {
     return false;
   }
   // Only what the end-of-backward agreement cannot change (Note [Parameters
@@ -1004,6 +1029,15 @@ void UnitRuntime::warn_unused_slots() {
              "(Warned once per unit.)");
 }
 
+void UnitRuntime::keep_within_node() {
+  within_node_grad_ =
+      within_node_grad_.defined() ? within_node_grad_.add_(grad_shard_) : grad_shard_;
+  within_node_filled_.resize(std::max(within_node_filled_.size(), slot_filled_.size()), false);
+  for (size_t i = 0; i < slot_filled_.size(); ++i) {
+    if (slot_filled_[i]) within_node_filled_[i] = true;
+  }
+}
+
 bool UnitRuntime::finish_reduction() {
   if (!require_sync()) return false;  // no_sync(): the unsharded gradient waits for later
   // Gradients that arrived only in part (unused parameters), or only inside
@@ -1015,6 +1049,10 @@ bool UnitRuntime::finish_reduction() {
     // The reduced shard is read by kernels on the compute stream: on a GPU
     // that stream waits, not the host (Note [A unit's collectives]).
     grad_work_.block_current_stream();
+    if (grad_reach_ == GradReach::kNode) {  // Note [Accumulating within the node]
+      keep_within_node();
+      return false;
+    }
     // Under CPU offload: the copy to host memory queued now, the host waits
     // once for every unit's (RootState::end_of_backward; Note [Gradients to
     // host memory]), unless the hooks copy it part by part as they step it
@@ -1031,11 +1069,17 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   // Under no_sync(), or with no reduction (Note [Backward with respect to
   // inputs]), the unsharded gradient stays for the next backward.
   // See Note [Gradients the user clears]: what has a gradient shows it.
-  show_moved_grads(require_sync() && reduced && (grad_work_ || delivered_early_), received);
+  const bool to_grad = require_sync() && reduced && grad_reach_ == GradReach::kJob;
+  show_moved_grads(to_grad && (grad_work_ || delivered_early_), received);
   if (require_sync() && reduced) {
-    if (grad_work_) assign_reduced_grad(received);
+    if (grad_work_ && to_grad) {
+      assign_reduced_grad(received);
+      within_node_grad_ = at::Tensor();  // it added what was kept within the node
+      within_node_filled_.clear();
+    }
     delivered_early_ = false;
     grad_work_ = Work();
+    grad_reach_ = GradReach::kJob;
     grad_shard_ = at::Tensor();
     grad_on_device_ = at::Tensor();  // the host waited for its copy
     flat_grad_ = at::Tensor();

@@ -95,6 +95,8 @@ class UnitRuntime final : public ParamUseListener {
   /// (Note [Resharding as the user says]).
   void set_reshard_after_forward(bool on) { reshard_after_forward_ = on; }
   void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
+  /// See Unit::set_requires_all_reduce (Note [Accumulating within the node]).
+  void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
   /// Unit::unshard: starts a gather (and waits for it unless `async_op`);
   /// returns the number of the gather the unit holds or awaits.
   uint64_t unshard_for_user(bool async_op);
@@ -286,6 +288,11 @@ class UnitRuntime final : public ParamUseListener {
   void launch_if_complete();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
+  // Whether a reduction launched now would stay within the node (Note
+  // [Accumulating within the node]).
+  bool reduces_within_node_only() const;
+  // Adds the reduction that stayed within the node to what is kept.
+  void keep_within_node();
   /// Launches what is left of this backward's reduction and makes the
   /// compute stream wait for it; true when it also queued the reduced
   /// shard's copy to host memory (Note [Gradients to host memory]).
@@ -431,7 +438,8 @@ class UnitRuntime final : public ParamUseListener {
   // set_reshard_after_backward.
   std::optional<bool> reshard_after_forward_;
   bool reshard_after_backward_ = true;
-  uint64_t gathers_ = 0;  // gathers begun (mark_gather): the one an UnshardHandle awaits
+  bool requires_all_reduce_ = true;  // Unit::set_requires_all_reduce
+  uint64_t gathers_ = 0;             // gathers begun (mark_gather): the one an UnshardHandle awaits
   // Unit::set_modules_to_forward_prefetch and set_modules_to_backward_prefetch.
   std::vector<PrefetchTarget> forward_targets_, backward_targets_;
   const std::shared_ptr<const char> alive_ = std::make_shared<const char>();
@@ -473,6 +481,14 @@ class UnitRuntime final : public ParamUseListener {
   std::optional<c10::Stream> forward_stream_;
   at::Tensor grad_shard_;  // reduce-scatter output (after copy_out_early: its host copy)
   Work grad_work_;         // pending reduce-scatter / all-reduce
+  // Note [Accumulating within the node]: how far grad_work_ reduces (kNode:
+  // into within_node_grad_, not .grad); the sum of the node averages kept
+  // from backwards without the cross-node all-reduce (undefined: none), and
+  // per slot whether any of them had a gradient here.
+  enum class GradReach { kJob, kNode };
+  GradReach grad_reach_ = GradReach::kJob;
+  at::Tensor within_node_grad_;
+  std::vector<bool> within_node_filled_;
   // The reduced shard on the GPU while the copy-out stream copies it into
   // grad_shard_ (copy_out_early): kept until the host waited for that stream.
   at::Tensor grad_on_device_;

@@ -431,6 +431,62 @@ TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
   });
 }
 
+// Note [Accumulating within the node] on the GPU: three micro-batches a
+// step, the first two reduce-scattered within the node only, the kept sum
+// added on the chained stream before the one all-reduce across the nodes;
+// trained every step against plain LibTorch accumulating all three, .grad
+// untouched until the last micro-batch, and the caching allocator's bytes
+// the same after every step from the second (the kept sum does not outlive
+// its step). Layout and transport as the test above.
+TEST(CudaHybridShard, AccumulatingWithinTheNodeOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr && at::getNumGPUs() > 1) {
+    GTEST_SKIP() << "its 2 nodes of 2 ranks share one GPU over CUDA IPC: run it with "
+                    "CUDA_VISIBLE_DEVICES=0";
+  }
+  run_ranks_ok(4, [](int rank, int) {
+    ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
+        std::chrono::seconds(60));
+    if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
+    init_process_group(o);
+    const torch::Device gpu = rank_gpu();
+    const int world = rank_and_world().second;
+    for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+      const std::string what = std::string(to_string(strategy)) + " accumulating";
+      nn::Sequential reference = seeded_net_on(gpu);
+      FullyShardedDataParallel<nn::SequentialImpl> model(seeded_net_on(gpu),
+                                                         FSDPOptions().sharding_strategy(strategy));
+      torch::optim::SGD ref_opt(reference->parameters(),
+                                torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      std::vector<int64_t> after_step;
+      for (int step = 0; step < 4; ++step) {
+        ref_opt.zero_grad();
+        opt.zero_grad();
+        for (int m = 0; m < 3; ++m) {
+          torch::manual_seed(100 + 3 * step + m);
+          const torch::Tensor global = torch::randn({5 * world, 7}).to(gpu);
+          reference->forward(global).pow(2).mean().backward();
+          model->set_requires_all_reduce(m == 2);
+          model->forward(local_block(global)).pow(2).mean().backward();
+          for (const auto& p : model->parameters()) {
+            if (m < 2 && p.grad().defined()) {
+              EXPECT_EQ(p.grad().abs().max().item<double>(), 0) << what << " micro-batch " << m;
+            }
+          }
+        }
+        ref_opt.step();
+        opt.step();
+        after_step.push_back(settled_cuda_allocated(rank_gpu_index()));
+        expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+      }
+      for (size_t i = 2; i < after_step.size(); ++i) {
+        EXPECT_EQ(after_step[i], after_step[1]) << what << " step " << i;
+      }
+    }
+  });
+}
+
 // Note [Parameters backward reads without a gradient] on the GPU, where a
 // freed buffer's memory is the caching allocator's to hand out at once: a
 // LoRA unit, a frozen layer ahead of trainable ones and a unit frozen whole,

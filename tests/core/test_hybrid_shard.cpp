@@ -287,6 +287,108 @@ TEST(HybridShard, WithoutTheCrossNodeAllReduceParityFails) {
   });
 }
 
+// Whether every gradient among `params` is still unset or zero (what the
+// optimizer's zero_grad() leaves, in every LibTorch version).
+bool grads_cleared(const std::vector<torch::Tensor>& params) {
+  for (const auto& p : params) {
+    if (p.grad().defined() && p.grad().abs().max().item<double>() != 0) return false;
+  }
+  return true;
+}
+
+// Unit::set_requires_all_reduce (Note [Accumulating within the node]): three
+// micro-batches a step, the first two reduced within the node only, train
+// like plain LibTorch accumulating all three (compared every step), leave
+// .grad as zero_grad() left it until the last, and cross the nodes once per
+// unit and step (reduce-scattering within the node every micro-batch).
+TEST(HybridShard, AccumulatingWithinTheNodeTrainsLikePlainLibTorch) {
+  for (const Layout layout : {Layout{2, 1}, Layout{2, 2}}) {
+    run_ranks_ok(layout.world(), [layout](int rank, int) {
+      init_layout(rank, layout);
+      for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+        const std::string what = std::string(to_string(strategy)) + " at " + layout.name();
+        HybridGroups groups = new_hybrid_groups(default_process_group(), layout.per_node);
+        auto shard = std::make_shared<CountingProcessGroup>(groups.shard);
+        auto replicate = std::make_shared<CountingProcessGroup>(groups.replicate);
+        const auto options = FSDPOptions().sharding_strategy(strategy).hybrid_groups(
+            HybridGroups{groups.world, shard, replicate});
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        torch::manual_seed(0);
+        Root root = make_root(options);
+        auto ref_opt = make_optimizer("adamw", reference->parameters());
+        auto opt = make_optimizer("adamw", root->parameters());
+        const int64_t all_reduces = replicate->all_reduces.load();
+        const int steps = 3, micro_batches = 3, units = 3;
+        for (int step = 0; step < steps; ++step) {
+          ref_opt->zero_grad();
+          opt->zero_grad();
+          for (int m = 0; m < micro_batches; ++m) {
+            auto [x, target] = global_batch(step * micro_batches + m);
+            torch::mse_loss(reference->forward(x), target).backward();
+            root->set_requires_all_reduce(m == micro_batches - 1);
+            local_loss(root, step * micro_batches + m).backward();
+            if (m < micro_batches - 1) {
+              EXPECT_TRUE(grads_cleared(root->parameters())) << what << ", micro-batch " << m;
+            }
+          }
+          ref_opt->step();
+          opt->step();
+          expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
+        }
+        EXPECT_EQ(replicate->all_reduces.load() - all_reduces, units * steps) << what;
+        EXPECT_EQ(shard->reduce_scatters.load(), units * steps * micro_batches) << what;
+      }
+    });
+  }
+}
+
+// Two heads, the second used only while `both` is set.
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl()
+      : a(register_module("a", torch::nn::Linear(7, 3))),
+        b(register_module("b", torch::nn::Linear(7, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return both ? a(x) + b(x) : a(x); }
+  torch::nn::Linear a, b;
+  bool both = true;
+};
+TORCH_MODULE(TwoHeads);
+
+// A parameter used only in a micro-batch whose reduction stayed within the
+// node keeps that gradient when the last micro-batch, which does not use it,
+// crosses the nodes: with use_orig_params it is stepped (AdamW) as plain
+// LibTorch steps it, not left as one no rank gave a gradient.
+TEST(HybridShard, AGradientKeptWithinTheNodeCountsAtTheLastMicroBatch) {
+  const Layout layout{2, 1};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    const auto options = FSDPOptions()
+                             .sharding_strategy(ShardingStrategy::kHybridShard)
+                             .hybrid_groups(new_hybrid_groups(default_process_group(), 1))
+                             .use_orig_params(true);
+    torch::manual_seed(0);
+    TwoHeads reference;
+    torch::manual_seed(0);
+    FullyShardedDataParallel<TwoHeadsImpl> root(std::make_shared<TwoHeadsImpl>(), options);
+    auto ref_opt = make_optimizer("adamw", reference->parameters());
+    auto opt = make_optimizer("adamw", root->parameters());
+    for (int step = 0; step < 2; ++step) {
+      ref_opt->zero_grad();
+      opt->zero_grad();
+      for (int m = 0; m < 2; ++m) {
+        auto [x, target] = global_batch(step * 2 + m);
+        reference->both = root->module().both = m == 0;
+        torch::mse_loss(reference->forward(x), target).backward();
+        root->set_requires_all_reduce(m == 1);
+        torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+      }
+      ref_opt->step();
+      opt->step();
+      expect_same_after_step(*root.ptr(), *reference.ptr(), "b used in micro-batch 0 only", step);
+    }
+  });
+}
+
 // The full original parameters of `root`, in named_parameters() order (the
 // same at every layout and strategy), for comparisons across runs.
 std::vector<torch::Tensor> full_params(Root& root) {

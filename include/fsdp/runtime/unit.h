@@ -220,6 +220,17 @@ class Unit {
   /// SGD without a sign that they changed. `recurse`: every unit of this
   /// one's tree. See Note [Resharding as the user says].
   void set_reshard_after_backward(bool reshard_after_backward, bool recurse = true);
+  /// PyTorch FSDP2's set_requires_all_reduce, for HYBRID_SHARD and
+  /// _HYBRID_SHARD_ZERO2: false makes the backwards that follow
+  /// reduce-scatter each gradient within the node only, into a sum the unit
+  /// keeps, and leave .grad as it is; the next backward with it true
+  /// all-reduces that sum with its own gradient across the nodes and sets
+  /// .grad as usual. Gradient accumulation whose memory stays sharded (unlike
+  /// set_requires_gradient_sync(false)) and whose cross-node traffic comes
+  /// once (typically `set_requires_all_reduce(last_micro_batch)`). No effect
+  /// on other strategies. `recurse`: every unit of this one's tree. See Note
+  /// [Accumulating within the node].
+  void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
 
   /// PyTorch FSDP2's set_modules_to_forward_prefetch: when this unit's
   /// forward begins, after its own gather, it starts the gathers of `units`
@@ -334,6 +345,9 @@ class Unit {
   friend class detail::RootState;
   // Units (active, with a runtime) of this unit's module tree, pre-order.
   std::vector<Unit*> units_in_tree() const;
+  // units_in_tree() with `recurse`, else this unit (checked active): what a
+  // setting with a `recurse` argument covers.
+  std::vector<Unit*> units_to_set(bool recurse);
   // The parameters of this unit's module tree that no unit manages (those
   // of ignored modules), each once, with their paths.
   std::vector<std::pair<std::string, at::Tensor>> unmanaged_parameters() const;
