@@ -446,6 +446,17 @@ void RootState::end_of_backward() {
       unit->launch_grad_reduction();
     }
   }
+  // A unit that kept gradients within the node and had no forward in this
+  // iteration (the same on every rank: Note [Reduction order]) still
+  // reduces what it kept, with zeros for this backward, in the units' order
+  // (Note [Accumulating within the node]).
+  for (UnitRuntime* unit : units_) {
+    const bool launched = unit->grad_work_ || unit->delivered_early_;
+    if (unit->within_node_grad_.defined() && unit->require_sync() && !launched &&
+        !unit->reduces_within_node_only() && reduces_in_backward(*unit)) {
+      unit->launch_grad_reduction();
+    }
+  }
   // A second backward through a retained graph has no forward to order its
   // reductions (each rank's would launch as its own gradients came, and a
   // unit that got none here nothing): this order stays for it.

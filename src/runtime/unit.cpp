@@ -251,6 +251,14 @@ void Unit::set_reshard_after_backward(bool reshard_after_backward, bool recurse)
   }
 }
 
+void Unit::set_gradient_divide_factor(double factor, bool recurse) {
+  FSDP_CHECK(factor > 0 && std::isfinite(factor), -1, "set_gradient_divide_factor",
+             "expected a positive, finite factor, got ", factor,
+             ". The reduced gradient is the ranks' sum divided by it: pass the world size for "
+             "their average (the default), 1 for their sum");
+  for (Unit* unit : units_to_set(recurse)) unit->runtime_->set_gradient_divide_factor(factor);
+}
+
 void Unit::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
   for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_requires_all_reduce(requires_all_reduce);

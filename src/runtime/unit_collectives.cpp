@@ -72,16 +72,46 @@ ReduceOp averaging(const at::Tensor& grad, int ranks) {
   return ReduceOp::kSum;
 }
 
+// Note [A gradient divide factor]
+// FSDP2's set_gradient_divide_factor: the reduction yields the ranks' sum
+// divided by the factor instead of their average (a loss summed over the
+// global batch, or scaled by a count of the user's). The gradient is divided
+// before the collectives, which then sum: NCCL's PreMulSum in FSDP2, one
+// kernel here on the stream that computed it; under hybrid sharding the
+// all-reduce across the nodes sums too. Dividing first also keeps a float16
+// sum from overflowing (Note [Averaging float16 gradients]).
+ReduceOp dividing(const at::Tensor& grad, double factor) {
+  grad.div_(factor);
+  return ReduceOp::kSum;
+}
+
+// Hybrid sharding's second collective: `shard`, the node's reduced
+// gradient, plus what was kept within the node (float32, or undefined),
+// all-reduced across `replicate`.
+Work all_reduce_across_nodes(ProcessGroup& replicate, const at::Tensor& shard,
+                             const at::Tensor& within_node, std::optional<double> factor) {
+  const SideStreamScope ready(shard.device(), SideStream::kChained, /*wait_for_current=*/false);
+  // float16 is divided before it sums (Note [Averaging float16 gradients]),
+  // and so is what was kept, before it is added.
+  const int replicas = replicate.size();
+  const bool halves = !factor && shard.scalar_type() == at::kHalf;
+  if (halves) shard.div_(replicas);
+  if (within_node.defined()) shard.add_(halves ? within_node / replicas : within_node);
+  return replicate.all_reduce(shard, factor || halves ? ReduceOp::kSum : ReduceOp::kAvg);
+}
+
 }  // namespace
 
 GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
-                               const std::shared_ptr<ProcessGroup>& replicate,
-                               const std::string& label, at::Tensor within_node) {
+                               const GradReductionOptions& options, const std::string& label) {
   ProcessGroup& group = flat.group();
-  const ReduceOp op = averaging(flat_grad, group.size());  // Note [Averaging float16 gradients]
+  const std::optional<double> factor = options.divide_factor;
+  // Note [Averaging float16 gradients], [A gradient divide factor].
+  const ReduceOp op = factor ? dividing(flat_grad, *factor) : averaging(flat_grad, group.size());
   if (flat.keeps_unsharded()) return {flat_grad, group.all_reduce(flat_grad, op)};
   at::Tensor shard = at::empty({flat.shard().numel()}, flat_grad.options());
   Work work = group.reduce_scatter_tensor(shard, flat_grad, op);
+  const std::shared_ptr<ProcessGroup>& replicate = options.replicate;
   if (replicate && replicate->size() > 1) {
     // See Note [Hybrid sharding]: the node's average, then the job's.
     // Issued by the thread that saw the reduce-scatter end, whose current
@@ -92,12 +122,10 @@ GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat
     // reduce-scatter was issued, which waited for it there: once the
     // reduce-scatter ended, so had that write. The chain keeps it alive
     // until the all-reduce ended (the add runs on the chained stream).
+    const at::Tensor within_node = options.within_node;
     work = chain_work(work,
-                      [replicate, shard, within_node] {
-                        const SideStreamScope ready(shard.device(), SideStream::kChained,
-                                                    /*wait_for_current=*/false);
-                        if (within_node.defined()) shard.add_(within_node);
-                        return replicate->all_reduce(shard, averaging(shard, replicate->size()));
+                      [replicate, shard, within_node, factor] {
+                        return all_reduce_across_nodes(*replicate, shard, within_node, factor);
                       },
                       "reduce_scatter then all_reduce across nodes (" + label + ")",
                       {shard, within_node});

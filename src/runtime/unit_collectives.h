@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fsdp/comm/process_group.h>
@@ -39,15 +40,26 @@ struct GradReduction {
   Work work;         ///< the pending collective(s)
 };
 
+/// How far and by what a unit's gradient is reduced.
+struct GradReductionOptions {
+  /// Hybrid sharding's group across the nodes (the shard's replicas), or
+  /// null: no all-reduce after the reduce-scatter (Note [Hybrid sharding]).
+  std::shared_ptr<ProcessGroup> replicate;
+  /// What earlier backwards reduce-scattered without that all-reduce, added
+  /// to the shard before it; undefined: none (Note [Accumulating within the
+  /// node]).
+  at::Tensor within_node;
+  /// Unit::set_gradient_divide_factor: the ranks' sum divided by this
+  /// instead of their average; nullopt: the average.
+  std::optional<double> divide_factor;
+};
+
 /// Starts averaging `flat_grad` (padded_numel() elements, padding zeroed)
 /// over the ranks: an all-reduce in place for NO_SHARD, else a reduce-scatter
-/// into a new shard, followed under hybrid sharding by an all-reduce of that
-/// shard across `replicate` (see Note [Hybrid sharding]); `label` names the
-/// unit in the chained Work's description. `within_node`, where defined, is
-/// what earlier backwards reduce-scattered without that all-reduce (Note
-/// [Accumulating within the node]): added to the shard before it.
+/// into a new shard, followed by an all-reduce of that shard across
+/// `options.replicate` where given; `label` names the unit in the chained
+/// Work's description.
 GradReduction reduce_unit_grad(const FlatParameter& flat, const at::Tensor& flat_grad,
-                               const std::shared_ptr<ProcessGroup>& replicate,
-                               const std::string& label, at::Tensor within_node = {});
+                               const GradReductionOptions& options, const std::string& label);
 
 }  // namespace fsdp::detail

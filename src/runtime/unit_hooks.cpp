@@ -742,17 +742,25 @@ void UnitRuntime::launch_if_complete() {
 // under hybrid sharding: each micro-batch's gradient is reduce-scattered
 // within the node (memory stays sharded, unlike no_sync's unsharded
 // gradients) but not all-reduced across the nodes; the node averages are
-// summed into within_node_grad_ (reduce dtype, on the shard's device) and
-// .grad is left as it is. The next synchronising backward with it on adds
-// that sum to its own reduce-scattered shard before the one all-reduce
-// (kAvg over the nodes of a sum of node averages: the job's average of every
-// micro-batch, as plain LibTorch accumulates), then sets .grad. The slots
-// that had a gradient in any of the kept backwards count as having one in
-// the agreement (Note [Parameters without gradients]), so a parameter used
-// only in an earlier micro-batch keeps its gradient. Nothing is handed over
-// early or copied to host memory from a reduction that stays in the node.
-// How far a reduction goes is decided when it launches (grad_reach_); the
-// kept sum is dropped only once a reduction that added it was delivered.
+// summed into within_node_grad_ and .grad is left as it is. The sum is kept
+// in the dtype .grad accumulates in (FSDP2 keeps the reduce dtype: a bf16
+// sum rounds every micro-batch), on the device that reduced it (under CPU
+// offload, the GPU: a shard of float32 per unit while it is kept). The next
+// synchronising backward with it on adds that sum to its own
+// reduce-scattered shard before the one all-reduce (kAvg over the nodes of
+// a sum of node averages: the job's average of every micro-batch, as plain
+// LibTorch accumulates), then sets .grad, or hands it over early (Note
+// [Steps during backward]); a unit without a forward in that iteration
+// reduces zeros with it (RootState::end_of_backward). The slots that had a
+// gradient in any kept backward count as having one in the agreement (Note
+// [Parameters without gradients]), which still crosses the nodes once per
+// backward (a few bytes over the world group). The model's zero_grad()
+// drops what is kept, as it drops no_sync's gradients (the optimizer's
+// reaches .grad only), and an original parameter's gradient zeroed or reset
+// drops its part. Nothing is handed
+// over early or copied to host memory from a reduction that stays in the
+// node. How far a reduction goes is decided when it launches (grad_reach_);
+// the kept sum is dropped once a reduction that added it was delivered.
 bool UnitRuntime::reduces_within_node_only() const {
   return !requires_all_reduce_ && replicate_group_ && replicate_group_->size() > 1;
 }
@@ -772,9 +780,13 @@ void UnitRuntime::launch_grad_reduction() {
     FSDP_RECORD(flat_->keeps_unsharded() ? "all_reduce" : "reduce_scatter", path_);
     // See Note [Accumulating within the node].
     grad_reach_ = reduces_within_node_only() ? GradReach::kNode : GradReach::kJob;
-    const bool job = grad_reach_ == GradReach::kJob;
-    GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, job ? replicate_group_ : nullptr,
-                                               label(), job ? within_node_grad_ : at::Tensor());
+    GradReductionOptions how;
+    if (grad_reach_ == GradReach::kJob) {
+      how.replicate = replicate_group_;
+      how.within_node = within_node_grad_;
+    }
+    how.divide_factor = gradient_divide_factor_;
+    GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, how, label());
     grad_shard_ = std::move(reduction.shard);
     grad_work_ = std::move(reduction.work);
   }
@@ -1030,12 +1042,26 @@ void UnitRuntime::warn_unused_slots() {
 }
 
 void UnitRuntime::keep_within_node() {
-  within_node_grad_ =
-      within_node_grad_.defined() ? within_node_grad_.add_(grad_shard_) : grad_shard_;
+  // In the dtype .grad accumulates in: a 16-bit reduce dtype would round
+  // every micro-batch's sum (plain LibTorch accumulates in the parameters').
+  const at::Tensor reduced = grad_shard_.to(shard_grad_options().dtype().toScalarType());
+  within_node_grad_ = within_node_grad_.defined() ? within_node_grad_.add_(reduced) : reduced;
   within_node_filled_.resize(std::max(within_node_filled_.size(), slot_filled_.size()), false);
   for (size_t i = 0; i < slot_filled_.size(); ++i) {
     if (slot_filled_[i]) within_node_filled_[i] = true;
   }
+}
+
+void UnitRuntime::forget_within_node() {
+  within_node_grad_ = at::Tensor();
+  within_node_filled_.clear();
+}
+
+void UnitRuntime::forget_within_node_slot(size_t i) {
+  if (i < within_node_filled_.size()) within_node_filled_[i] = false;
+  if (!within_node_grad_.defined()) return;
+  const FlatParameter::ShardPart part = flat_->shard_part(i);
+  if (part.numel > 0) within_node_grad_.narrow(0, part.in_shard, part.numel).zero_();
 }
 
 bool UnitRuntime::finish_reduction() {
@@ -1072,11 +1098,9 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   const bool to_grad = require_sync() && reduced && grad_reach_ == GradReach::kJob;
   show_moved_grads(to_grad && (grad_work_ || delivered_early_), received);
   if (require_sync() && reduced) {
-    if (grad_work_ && to_grad) {
-      assign_reduced_grad(received);
-      within_node_grad_ = at::Tensor();  // it added what was kept within the node
-      within_node_filled_.clear();
-    }
+    if (grad_work_ && to_grad) assign_reduced_grad(received);
+    // Delivered here or handed over early, it added what was kept.
+    if (to_grad && (grad_work_ || delivered_early_)) forget_within_node();
     delivered_early_ = false;
     grad_work_ = Work();
     grad_reach_ = GradReach::kJob;

@@ -109,9 +109,10 @@ void UnitRuntime::zero_slot_grad(size_t i) {
   at::NoGradGuard no_grad;
   // What no_sync() accumulated for the slot goes too (Note [Filling the
   // flat gradient]: an unfilled slot is zeroed before the reduction).
-  if (i < slot_filled_.size() && (state_ == Unit::TrainingState::kIdle ||
-                                  torch::autograd::get_current_graph_task_exec_info() == nullptr)) {
-    slot_filled_[i] = false;
+  if (state_ == Unit::TrainingState::kIdle ||
+      torch::autograd::get_current_graph_task_exec_info() == nullptr) {
+    if (i < slot_filled_.size()) slot_filled_[i] = false;
+    forget_within_node_slot(i);  // Note [Accumulating within the node]
   }
   if (options_.use_orig_params()) {
     const at::Tensor& g = optim_params_[i].grad();
@@ -150,8 +151,10 @@ void UnitRuntime::drop_slot_grads(const std::vector<bool>& dropped) {
   // these now): what no_sync() accumulated for a dropped slot goes too.
   const auto& slots = flat_->slots();
   ++grad_clears_;  // Note [Gathered before a step]
-  for (size_t i = 0; i < slots.size() && i < slot_filled_.size(); ++i) {
-    if (dropped[i]) slot_filled_[i] = false;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (!dropped[i]) continue;
+    if (i < slot_filled_.size()) slot_filled_[i] = false;
+    forget_within_node_slot(i);  // Note [Accumulating within the node]
   }
   bool any_kept = false;
   for (size_t i = 0; i < slots.size(); ++i) {

@@ -632,8 +632,9 @@ void UnitRuntime::wait_for_grad_users() const {
 
 void UnitRuntime::clear_optim_grads(bool set_to_none) {
   at::NoGradGuard no_grad;
-  // What no_sync() accumulated (unsharded, not yet in .grad) is part of the
-  // gradient that Module::zero_grad clears in plain LibTorch; a backward
+  // What no_sync() accumulated (unsharded, not yet in .grad), and what
+  // backwards kept within the node, are part of the gradient that
+  // Module::zero_grad clears in plain LibTorch; a backward
   // that stopped part-way (it threw: its units never came back to idle) may
   // have left some too. Only a backward running now (zero_grad from one of
   // its hooks) keeps filling it.
@@ -641,6 +642,7 @@ void UnitRuntime::clear_optim_grads(bool set_to_none) {
       torch::autograd::get_current_graph_task_exec_info() == nullptr) {
     flat_grad_ = at::Tensor();
     slot_filled_.clear();
+    forget_within_node();  // Note [Accumulating within the node]
   }
   for (at::Tensor& p : optim_params_) {
     at::Tensor& grad = p.mutable_grad();

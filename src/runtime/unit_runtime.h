@@ -97,6 +97,10 @@ class UnitRuntime final : public ParamUseListener {
   void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
   /// See Unit::set_requires_all_reduce (Note [Accumulating within the node]).
   void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  /// See Unit::set_gradient_divide_factor (Note [A gradient divide factor]).
+  void set_gradient_divide_factor(std::optional<double> factor) {
+    gradient_divide_factor_ = factor;
+  }
   /// Unit::unshard: starts a gather (and waits for it unless `async_op`);
   /// returns the number of the gather the unit holds or awaits.
   uint64_t unshard_for_user(bool async_op);
@@ -293,6 +297,10 @@ class UnitRuntime final : public ParamUseListener {
   bool reduces_within_node_only() const;
   // Adds the reduction that stayed within the node to what is kept.
   void keep_within_node();
+  // Drops what is kept within the node: all of it, or slot i's part (the
+  // user cleared those gradients).
+  void forget_within_node();
+  void forget_within_node_slot(size_t i);
   /// Launches what is left of this backward's reduction and makes the
   /// compute stream wait for it; true when it also queued the reduced
   /// shard's copy to host memory (Note [Gradients to host memory]).
@@ -438,8 +446,9 @@ class UnitRuntime final : public ParamUseListener {
   // set_reshard_after_backward.
   std::optional<bool> reshard_after_forward_;
   bool reshard_after_backward_ = true;
-  bool requires_all_reduce_ = true;  // Unit::set_requires_all_reduce
-  uint64_t gathers_ = 0;             // gathers begun (mark_gather): the one an UnshardHandle awaits
+  bool requires_all_reduce_ = true;               // Unit::set_requires_all_reduce
+  std::optional<double> gradient_divide_factor_;  // Unit::set_gradient_divide_factor
+  uint64_t gathers_ = 0;  // gathers begun (mark_gather): the one an UnshardHandle awaits
   // Unit::set_modules_to_forward_prefetch and set_modules_to_backward_prefetch.
   std::vector<PrefetchTarget> forward_targets_, backward_targets_;
   const std::shared_ptr<const char> alive_ = std::make_shared<const char>();

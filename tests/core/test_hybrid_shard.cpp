@@ -306,58 +306,145 @@ TEST(HybridShard, AccumulatingWithinTheNodeTrainsLikePlainLibTorch) {
     run_ranks_ok(layout.world(), [layout](int rank, int) {
       init_layout(rank, layout);
       for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
-        const std::string what = std::string(to_string(strategy)) + " at " + layout.name();
-        HybridGroups groups = new_hybrid_groups(default_process_group(), layout.per_node);
-        auto shard = std::make_shared<CountingProcessGroup>(groups.shard);
-        auto replicate = std::make_shared<CountingProcessGroup>(groups.replicate);
-        const auto options = FSDPOptions().sharding_strategy(strategy).hybrid_groups(
-            HybridGroups{groups.world, shard, replicate});
-        torch::manual_seed(0);
-        Net reference(false, FSDPOptions());
-        torch::manual_seed(0);
-        Root root = make_root(options);
-        auto ref_opt = make_optimizer("adamw", reference->parameters());
-        auto opt = make_optimizer("adamw", root->parameters());
-        const int64_t all_reduces = replicate->all_reduces.load();
-        const int steps = 3, micro_batches = 3, units = 3;
-        for (int step = 0; step < steps; ++step) {
-          ref_opt->zero_grad();
-          opt->zero_grad();
-          for (int m = 0; m < micro_batches; ++m) {
-            auto [x, target] = global_batch(step * micro_batches + m);
-            torch::mse_loss(reference->forward(x), target).backward();
-            root->set_requires_all_reduce(m == micro_batches - 1);
-            local_loss(root, step * micro_batches + m).backward();
-            if (m < micro_batches - 1) {
-              EXPECT_TRUE(grads_cleared(root->parameters())) << what << ", micro-batch " << m;
-            }
+        // AdamW after backward, and fsdp::optim's stepping during the last
+        // micro-batch's backward (the kept sum handed over early).
+        for (const bool during : {false, true}) {
+          const std::string what = std::string(to_string(strategy)) + " at " + layout.name() +
+                                   (during ? ", stepped during backward" : "");
+          HybridGroups groups = new_hybrid_groups(default_process_group(), layout.per_node);
+          auto shard = std::make_shared<CountingProcessGroup>(groups.shard);
+          auto replicate = std::make_shared<CountingProcessGroup>(groups.replicate);
+          const auto options = FSDPOptions().sharding_strategy(strategy).hybrid_groups(
+              HybridGroups{groups.world, shard, replicate});
+          torch::manual_seed(0);
+          Net reference(false, FSDPOptions());
+          torch::manual_seed(0);
+          Root root = make_root(options);
+          auto ref_opt = make_optimizer("adamw", reference->parameters());
+          std::unique_ptr<torch::optim::Optimizer> opt;
+          if (during) {
+            auto fused = std::make_unique<optim::FusedAdamW>(
+                root->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+            fused->step_during_backward(*root.ptr());
+            opt = std::move(fused);
+          } else {
+            opt = make_optimizer("adamw", root->parameters());
           }
-          ref_opt->step();
-          opt->step();
-          expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
+          const int64_t all_reduces = replicate->all_reduces.load();
+          const int steps = 3, micro_batches = 3, units = 3;
+          for (int step = 0; step < steps; ++step) {
+            ref_opt->zero_grad();
+            opt->zero_grad();
+            for (int m = 0; m < micro_batches; ++m) {
+              auto [x, target] = global_batch(step * micro_batches + m);
+              torch::mse_loss(reference->forward(x), target).backward();
+              root->set_requires_all_reduce(m == micro_batches - 1);
+              local_loss(root, step * micro_batches + m).backward();
+              if (m < micro_batches - 1) {
+                EXPECT_TRUE(grads_cleared(root->parameters())) << what << ", micro-batch " << m;
+              }
+            }
+            ref_opt->step();
+            opt->step();
+            expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
+          }
+          EXPECT_EQ(replicate->all_reduces.load() - all_reduces, units * steps) << what;
+          EXPECT_EQ(shard->reduce_scatters.load(), units * steps * micro_batches) << what;
         }
-        EXPECT_EQ(replicate->all_reduces.load() - all_reduces, units * steps) << what;
-        EXPECT_EQ(shard->reduce_scatters.load(), units * steps * micro_batches) << what;
       }
     });
   }
 }
 
-// Two heads, the second used only while `both` is set.
+// The model's zero_grad() between micro-batches drops what was kept within
+// the node, as it drops what no_sync accumulated: the step is that of the
+// micro-batches after it alone, as in plain LibTorch.
+TEST(HybridShard, ZeroGradDropsWhatWasKeptWithinTheNode) {
+  const Layout layout{2, 1};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Root root = make_root(options);
+    auto ref_opt = make_optimizer("sgd", reference->parameters());
+    auto opt = make_optimizer("sgd", root->parameters());
+    for (int step = 0; step < 2; ++step) {
+      for (int m = 0; m < 3; ++m) {
+        if (m < 2) {  // a window given up after its first micro-batch
+          reference->zero_grad();
+          root->zero_grad();
+        }
+        auto [x, target] = global_batch(step * 3 + m);
+        torch::mse_loss(reference->forward(x), target).backward();
+        root->set_requires_all_reduce(m == 2);
+        local_loss(root, step * 3 + m).backward();
+      }
+      ref_opt->step();
+      opt->step();
+      expect_same_after_step(*root.ptr(), *reference.ptr(), "zero_grad after micro-batch 0", step);
+    }
+  });
+}
+
+// Unit::set_gradient_divide_factor under hybrid sharding (Note [A gradient
+// divide factor]): the sum over every rank of both nodes divided by the
+// factor, with micro-batches accumulated within the node too.
+TEST(HybridShard, ADivideFactorDividesTheSumAcrossTheNodes) {
+  const Layout layout{2, 2};
+  run_ranks_ok(layout.world(), [layout](int rank, int) {
+    init_layout(rank, layout);
+    const double factor = 2;
+    const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
+    torch::manual_seed(0);
+    Net reference(false, FSDPOptions());
+    torch::manual_seed(0);
+    Root root = make_root(options);
+    root->set_gradient_divide_factor(factor, /*recurse=*/true);
+    auto ref_opt = make_optimizer("sgd", reference->parameters());
+    auto opt = make_optimizer("sgd", root->parameters());
+    for (int step = 0; step < 3; ++step) {
+      ref_opt->zero_grad();
+      opt->zero_grad();
+      for (int m = 0; m < 2; ++m) {
+        auto [x, target] = global_batch(step * 2 + m);
+        (torch::mse_loss(reference->forward(x), target) * (layout.world() / factor)).backward();
+        root->set_requires_all_reduce(m == 1);
+        local_loss(root, step * 2 + m).backward();
+      }
+      ref_opt->step();
+      opt->step();
+      expect_same_after_step(*root.ptr(), *reference.ptr(), "divided by 2", step);
+    }
+  });
+}
+
+// Two heads, the second used only while `both` is set; with `wrap_b` the
+// second is a unit of its own.
 struct TwoHeadsImpl : torch::nn::Module {
-  TwoHeadsImpl()
-      : a(register_module("a", torch::nn::Linear(7, 3))),
-        b(register_module("b", torch::nn::Linear(7, 3))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return both ? a(x) + b(x) : a(x); }
-  torch::nn::Linear a, b;
+  explicit TwoHeadsImpl(bool wrap_b = false, const FSDPOptions& o = {})
+      : a(register_module("a", torch::nn::Linear(7, 3))) {
+    torch::nn::Linear plain_b(7, 3);
+    b = wrap_b ? torch::nn::AnyModule(FullyShardedDataParallel<torch::nn::LinearImpl>(plain_b, o))
+               : torch::nn::AnyModule(plain_b);
+    register_module("b", b.ptr());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return both ? a(x) + b.forward<torch::Tensor>(x) : a(x);
+  }
+  torch::nn::Linear a;
+  torch::nn::AnyModule b;
   bool both = true;
 };
 TORCH_MODULE(TwoHeads);
 
 // A parameter used only in a micro-batch whose reduction stayed within the
 // node keeps that gradient when the last micro-batch, which does not use it,
-// crosses the nodes: with use_orig_params it is stepped (AdamW) as plain
-// LibTorch steps it, not left as one no rank gave a gradient.
+// crosses the nodes: with use_orig_params in the root's unit it is stepped
+// (AdamW) as plain LibTorch steps it, not left as one no rank gave a
+// gradient; as a unit of its own, which the last forward never reached, it
+// still reduces what it kept.
 TEST(HybridShard, AGradientKeptWithinTheNodeCountsAtTheLastMicroBatch) {
   const Layout layout{2, 1};
   run_ranks_ok(layout.world(), [layout](int rank, int) {
@@ -366,25 +453,30 @@ TEST(HybridShard, AGradientKeptWithinTheNodeCountsAtTheLastMicroBatch) {
                              .sharding_strategy(ShardingStrategy::kHybridShard)
                              .hybrid_groups(new_hybrid_groups(default_process_group(), 1))
                              .use_orig_params(true);
-    torch::manual_seed(0);
-    TwoHeads reference;
-    torch::manual_seed(0);
-    FullyShardedDataParallel<TwoHeadsImpl> root(std::make_shared<TwoHeadsImpl>(), options);
-    auto ref_opt = make_optimizer("adamw", reference->parameters());
-    auto opt = make_optimizer("adamw", root->parameters());
-    for (int step = 0; step < 2; ++step) {
-      ref_opt->zero_grad();
-      opt->zero_grad();
-      for (int m = 0; m < 2; ++m) {
-        auto [x, target] = global_batch(step * 2 + m);
-        reference->both = root->module().both = m == 0;
-        torch::mse_loss(reference->forward(x), target).backward();
-        root->set_requires_all_reduce(m == 1);
-        torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+    for (const bool wrap_b : {false, true}) {
+      const std::string what =
+          std::string("b used in micro-batch 0 only") + (wrap_b ? ", a unit of its own" : "");
+      torch::manual_seed(0);
+      TwoHeads reference;
+      torch::manual_seed(0);
+      FullyShardedDataParallel<TwoHeadsImpl> root(std::make_shared<TwoHeadsImpl>(wrap_b, options),
+                                                  options);
+      auto ref_opt = make_optimizer("adamw", reference->parameters());
+      auto opt = make_optimizer("adamw", root->parameters());
+      for (int step = 0; step < 2; ++step) {
+        ref_opt->zero_grad();
+        opt->zero_grad();
+        for (int m = 0; m < 2; ++m) {
+          auto [x, target] = global_batch(step * 2 + m);
+          reference->both = root->module().both = m == 0;
+          torch::mse_loss(reference->forward(x), target).backward();
+          root->set_requires_all_reduce(m == 1);
+          torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+        }
+        ref_opt->step();
+        opt->step();
+        expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
       }
-      ref_opt->step();
-      opt->step();
-      expect_same_after_step(*root.ptr(), *reference.ptr(), "b used in micro-batch 0 only", step);
     }
   });
 }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -70,6 +71,53 @@ TEST(Parity, StrategiesWorldSizesOptimizers) {
     for (auto backward : {BackwardPrefetch::kNone, BackwardPrefetch::kBackwardPost}) {
       train_and_compare(FSDPOptions().forward_prefetch(true).backward_prefetch(backward), "adam",
                         5);
+    }
+  });
+}
+
+// Unit::set_gradient_divide_factor (Note [A gradient divide factor]): the
+// reduced gradient is the ranks' sum divided by the factor, which plain
+// LibTorch computes from its mean loss scaled by world / factor: 1 sums the
+// ranks' gradients, 0.5 doubles that. Every strategy, every step, SGD with
+// momentum (Adam would hide a scale). A factor that is not a positive
+// finite number is refused naming it.
+TEST(Parity, AGradientDivideFactorSumsTheRanksGradients) {
+  in_parity_ranks([] {
+    const int world = rank_and_world().second;
+    for (const ShardingStrategy strategy : parity_strategies()) {
+      for (const double factor : {1.0, 0.5}) {
+        const std::string what =
+            std::string(to_string(strategy)) + " divided by " + std::to_string(factor);
+        const auto options = FSDPOptions().sharding_strategy(strategy);
+        torch::manual_seed(0);
+        Net reference(false, FSDPOptions());
+        torch::manual_seed(0);
+        FullyShardedDataParallel<NetImpl> model(std::make_shared<NetImpl>(true, options), options);
+        model->set_gradient_divide_factor(factor, /*recurse=*/true);
+        auto ref_opt = make_optimizer("sgd", reference->parameters());
+        auto opt = make_optimizer("sgd", model->parameters());
+        for (int step = 0; step < 3; ++step) {
+          torch::Tensor x = global_batch(step, 5 * world);
+          torch::Tensor target = torch::randn({5 * world, 3});
+          ref_opt->zero_grad();
+          (torch::mse_loss(reference->forward(x), target) * (world / factor)).backward();
+          ref_opt->step();
+          opt->zero_grad();
+          torch::mse_loss(model->forward(local_block(x)), local_block(target)).backward();
+          opt->step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+        }
+        for (const double bad : {0.0, -2.0, std::nan(""), HUGE_VAL}) {
+          try {
+            model->set_gradient_divide_factor(bad);
+            ADD_FAILURE() << "factor " << bad << " accepted";
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what_without_backtrace()).find("expected a positive, finite"),
+                      std::string::npos)
+                << e.what_without_backtrace();
+          }
+        }
+      }
     }
   });
 }

@@ -231,6 +231,13 @@ class Unit {
   /// on other strategies. `recurse`: every unit of this one's tree. See Note
   /// [Accumulating within the node].
   void set_requires_all_reduce(bool requires_all_reduce, bool recurse = true);
+  /// PyTorch FSDP2's set_gradient_divide_factor (formerly
+  /// set_reduce_scatter_divide_factor): this unit's reduced gradient becomes
+  /// the ranks' sum divided by `factor` (a positive, finite number) instead
+  /// of their average; 1 sums them (a loss summed over the global batch).
+  /// Applies to this unit only, as in FSDP2; `recurse`: every unit of its
+  /// tree. See Note [A gradient divide factor].
+  void set_gradient_divide_factor(double factor, bool recurse = false);
 
   /// PyTorch FSDP2's set_modules_to_forward_prefetch: when this unit's
   /// forward begins, after its own gather, it starts the gathers of `units`
