@@ -230,7 +230,8 @@ void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
              cases,
              "; stepping during backward makes each backward one optimizer step: call step() "
              "after every backward, and accumulate gradients over several backwards inside "
-             "model->no_sync(), the last one outside");
+             "model->no_sync(), the last one outside (under hybrid sharding, or with "
+             "model->set_requires_all_reduce(false) before all but the last)");
 }
 
 std::unordered_set<const c10::TensorImpl*> BackwardSteps::take_stepped() {

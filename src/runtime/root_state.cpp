@@ -452,7 +452,7 @@ void RootState::end_of_backward() {
   // (Note [Accumulating within the node]).
   for (UnitRuntime* unit : units_) {
     const bool launched = unit->grad_work_ || unit->delivered_early_;
-    if (unit->within_node_grad_.defined() && unit->require_sync() && !launched &&
+    if (unit->kept_within_node_ && unit->require_sync() && !launched &&
         !unit->reduces_within_node_only() && reduces_in_backward(*unit)) {
       unit->launch_grad_reduction();
     }

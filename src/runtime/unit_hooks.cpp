@@ -80,7 +80,10 @@ void UnitRuntime::abandon_iteration() {
   forget_forward_inputs();
   delivered_early_ = false;
   grad_work_ = Work();
-  grad_reach_ = GradReach::kJob;  // what was kept within the node stays for the next
+  // What was kept within the node stays for the next backward, unless a
+  // reduction that crossed the nodes took it (it is dropped with it).
+  if (!kept_within_node_) within_node_filled_.clear();
+  grad_reach_ = GradReach::kJob;
   grad_shard_ = at::Tensor();
   if (grad_on_device_.defined()) {  // not while the copy-out stream reads it
     wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
@@ -751,7 +754,8 @@ void UnitRuntime::launch_if_complete() {
 // a sum of node averages: the job's average of every micro-batch, as plain
 // LibTorch accumulates), then sets .grad, or hands it over early (Note
 // [Steps during backward]); a unit without a forward in that iteration
-// reduces zeros with it (RootState::end_of_backward). The slots that had a
+// reduces zeros with it (RootState::end_of_backward, by kept_within_node_,
+// which every rank has alike). The slots that had a
 // gradient in any kept backward count as having one in the agreement (Note
 // [Parameters without gradients]), which still crosses the nodes once per
 // backward (a few bytes over the world group). The model's zero_grad()
@@ -759,8 +763,11 @@ void UnitRuntime::launch_if_complete() {
 // reaches .grad only), and an original parameter's gradient zeroed or reset
 // drops its part. Nothing is handed
 // over early or copied to host memory from a reduction that stays in the
-// node. How far a reduction goes is decided when it launches (grad_reach_);
-// the kept sum is dropped once a reduction that added it was delivered.
+// node; after it, what the agreement says got a gradient shows one, as
+// after any reduction, so every rank's user clears the same slots. How far
+// a reduction goes is decided when it launches (grad_reach_); one that
+// crosses the nodes takes the kept sum with it (a backward that throws
+// after that drops both, as it drops the reduction).
 bool UnitRuntime::reduces_within_node_only() const {
   return !requires_all_reduce_ && replicate_group_ && replicate_group_->size() > 1;
 }
@@ -783,7 +790,9 @@ void UnitRuntime::launch_grad_reduction() {
     GradReductionOptions how;
     if (grad_reach_ == GradReach::kJob) {
       how.replicate = replicate_group_;
-      how.within_node = within_node_grad_;
+      // Taken by this reduction (its chain keeps it alive until it ended).
+      how.within_node = std::exchange(within_node_grad_, at::Tensor());
+      kept_within_node_ = false;
     }
     how.divide_factor = gradient_divide_factor_;
     GradReduction reduction = reduce_unit_grad(*flat_, flat_grad_, how, label());
@@ -1042,6 +1051,7 @@ void UnitRuntime::warn_unused_slots() {
 }
 
 void UnitRuntime::keep_within_node() {
+  kept_within_node_ = true;
   // In the dtype .grad accumulates in: a 16-bit reduce dtype would round
   // every micro-batch's sum (plain LibTorch accumulates in the parameters').
   const at::Tensor reduced = grad_shard_.to(shard_grad_options().dtype().toScalarType());
@@ -1095,12 +1105,12 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   // Under no_sync(), or with no reduction (Note [Backward with respect to
   // inputs]), the unsharded gradient stays for the next backward.
   // See Note [Gradients the user clears]: what has a gradient shows it.
-  const bool to_grad = require_sync() && reduced && grad_reach_ == GradReach::kJob;
-  show_moved_grads(to_grad && (grad_work_ || delivered_early_), received);
+  // After a reduction that stayed within the node too, what the ranks agreed
+  // got a gradient shows one, the same on every rank.
+  show_moved_grads(require_sync() && reduced && (grad_work_ || delivered_early_), received);
   if (require_sync() && reduced) {
-    if (grad_work_ && to_grad) assign_reduced_grad(received);
-    // Delivered here or handed over early, it added what was kept.
-    if (to_grad && (grad_work_ || delivered_early_)) forget_within_node();
+    if (grad_work_ && grad_reach_ == GradReach::kJob) assign_reduced_grad(received);
+    if (!kept_within_node_) within_node_filled_.clear();  // what it took is delivered
     delivered_early_ = false;
     grad_work_ = Work();
     grad_reach_ = GradReach::kJob;

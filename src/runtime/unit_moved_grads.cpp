@@ -68,7 +68,15 @@ void UnitRuntime::moved_grad_detached(const at::Tensor& grad) {
   // keeps what it has (a gradient hidden at this backward's start).
   const bool orig = options_.use_orig_params();
   dropped_grad_options_.assign(optim_params_.size(), c10::nullopt);
+  const bool idle = state_ == Unit::TrainingState::kIdle ||
+                    torch::autograd::get_current_graph_task_exec_info() == nullptr;
   for (size_t i = 0; i < optim_params_.size(); ++i) {
+    if (orig && idle && moved_grads_[i] == MovedGrad::kDetached) {
+      // What no_sync() or backwards within the node accumulated for the
+      // piece goes with it, as zero_slot_grad drops it.
+      if (i < slot_filled_.size()) slot_filled_[i] = false;
+      forget_within_node_slot(i);
+    }
     at::Tensor& g = optim_params_[i].mutable_grad();
     if (!g.defined() || (orig && moved_grads_[i] != MovedGrad::kDetached)) continue;
     dropped_grad_options_[i] = g.options();

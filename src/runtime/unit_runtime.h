@@ -498,6 +498,11 @@ class UnitRuntime final : public ParamUseListener {
   GradReach grad_reach_ = GradReach::kJob;
   at::Tensor within_node_grad_;
   std::vector<bool> within_node_filled_;
+  // A backward kept gradients within the node since the last reduction that
+  // crossed the nodes: the same on every rank (those reductions are
+  // collective), unlike within_node_grad_, which a rank's own clearing of
+  // gradients drops. RootState::end_of_backward launches by it.
+  bool kept_within_node_ = false;
   // The reduced shard on the GPU while the copy-out stream copies it into
   // grad_shard_ (copy_out_early): kept until the host waited for that stream.
   at::Tensor grad_on_device_;

@@ -358,33 +358,63 @@ TEST(HybridShard, AccumulatingWithinTheNodeTrainsLikePlainLibTorch) {
 
 // The model's zero_grad() between micro-batches drops what was kept within
 // the node, as it drops what no_sync accumulated: the step is that of the
-// micro-batches after it alone, as in plain LibTorch.
+// micro-batches after it alone, as in plain LibTorch. Wrappers with flat
+// shards, and fully_shard with use_orig_params (its zero_grad reaches the
+// units through the pieces' gradients).
+// Three micro-batches a step, the window given up after the first with the
+// model's zero_grad() (and plain LibTorch's), the last crossing the nodes;
+// `model` (FSDP, units of `root`) against `reference` every step.
+template <typename Reference, typename Model>
+void train_giving_up_a_window(Reference& reference, Model& model, Unit& root,
+                              const std::string& what) {
+  auto ref_opt = make_optimizer("sgd", reference->parameters());
+  auto opt = make_optimizer("sgd", root.flat_parameters());
+  for (int step = 0; step < 2; ++step) {
+    for (int m = 0; m < 3; ++m) {
+      if (m < 2) {
+        reference->zero_grad();
+        model->zero_grad();
+      }
+      auto [x, target] = global_batch(step * 3 + m);
+      torch::mse_loss(reference->forward(x), target).backward();
+      root.set_requires_all_reduce(m == 2);
+      torch::mse_loss(model->forward(local_block(x)), local_block(target)).backward();
+    }
+    ref_opt->step();
+    opt->step();
+    SummonFullParams full(*model.ptr());
+    expect_same_params(*model.ptr(), *reference.ptr(), what + " step " + std::to_string(step));
+  }
+}
+
+// The model's zero_grad() between micro-batches drops what was kept within
+// the node, as it drops what no_sync accumulated: the step is that of the
+// micro-batches after it alone, as in plain LibTorch. Wrappers with flat
+// shards, and fully_shard with use_orig_params (its zero_grad reaches the
+// units through the pieces' gradients).
 TEST(HybridShard, ZeroGradDropsWhatWasKeptWithinTheNode) {
   const Layout layout{2, 1};
   run_ranks_ok(layout.world(), [layout](int rank, int) {
     init_layout(rank, layout);
     const auto options = FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard);
-    torch::manual_seed(0);
-    Net reference(false, FSDPOptions());
-    torch::manual_seed(0);
-    Root root = make_root(options);
-    auto ref_opt = make_optimizer("sgd", reference->parameters());
-    auto opt = make_optimizer("sgd", root->parameters());
-    for (int step = 0; step < 2; ++step) {
-      for (int m = 0; m < 3; ++m) {
-        if (m < 2) {  // a window given up after its first micro-batch
-          reference->zero_grad();
-          root->zero_grad();
-        }
-        auto [x, target] = global_batch(step * 3 + m);
-        torch::mse_loss(reference->forward(x), target).backward();
-        root->set_requires_all_reduce(m == 2);
-        local_loss(root, step * 3 + m).backward();
-      }
-      ref_opt->step();
-      opt->step();
-      expect_same_after_step(*root.ptr(), *reference.ptr(), "zero_grad after micro-batch 0", step);
+    {
+      torch::manual_seed(0);
+      Net reference(false, FSDPOptions());
+      torch::manual_seed(0);
+      Root root = make_root(options);
+      train_giving_up_a_window(reference, root, *root.ptr(), "wrappers");
     }
+    const auto seeded = [] {
+      torch::manual_seed(0);
+      return torch::nn::Sequential(torch::nn::Linear(7, 16), torch::nn::ReLU(),
+                                   torch::nn::Linear(16, 3));
+    };
+    torch::nn::Sequential reference = seeded();
+    torch::nn::Sequential model = seeded();
+    const auto orig = FSDPOptions(options).use_orig_params(true);
+    fully_shard(*model->ptr(0), orig);
+    Unit& root = fully_shard(*model, orig);
+    train_giving_up_a_window(reference, model, root, "fully_shard, use_orig_params");
   });
 }
 
@@ -443,39 +473,43 @@ TORCH_MODULE(TwoHeads);
 // node keeps that gradient when the last micro-batch, which does not use it,
 // crosses the nodes: with use_orig_params in the root's unit it is stepped
 // (AdamW) as plain LibTorch steps it, not left as one no rank gave a
-// gradient; as a unit of its own, which the last forward never reached, it
-// still reduces what it kept.
+// gradient (with flat shards the root's unit got one anyway); as a unit of
+// its own, which the last forward never reached, it still reduces what it
+// kept.
 TEST(HybridShard, AGradientKeptWithinTheNodeCountsAtTheLastMicroBatch) {
   const Layout layout{2, 1};
   run_ranks_ok(layout.world(), [layout](int rank, int) {
     init_layout(rank, layout);
-    const auto options = FSDPOptions()
-                             .sharding_strategy(ShardingStrategy::kHybridShard)
-                             .hybrid_groups(new_hybrid_groups(default_process_group(), 1))
-                             .use_orig_params(true);
-    for (const bool wrap_b : {false, true}) {
-      const std::string what =
-          std::string("b used in micro-batch 0 only") + (wrap_b ? ", a unit of its own" : "");
-      torch::manual_seed(0);
-      TwoHeads reference;
-      torch::manual_seed(0);
-      FullyShardedDataParallel<TwoHeadsImpl> root(std::make_shared<TwoHeadsImpl>(wrap_b, options),
-                                                  options);
-      auto ref_opt = make_optimizer("adamw", reference->parameters());
-      auto opt = make_optimizer("adamw", root->parameters());
-      for (int step = 0; step < 2; ++step) {
-        ref_opt->zero_grad();
-        opt->zero_grad();
-        for (int m = 0; m < 2; ++m) {
-          auto [x, target] = global_batch(step * 2 + m);
-          reference->both = root->module().both = m == 0;
-          torch::mse_loss(reference->forward(x), target).backward();
-          root->set_requires_all_reduce(m == 1);
-          torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+    for (const bool orig : {true, false}) {
+      for (const bool wrap_b : {false, true}) {
+        const auto options = FSDPOptions()
+                                 .sharding_strategy(ShardingStrategy::kHybridShard)
+                                 .hybrid_groups(new_hybrid_groups(default_process_group(), 1))
+                                 .use_orig_params(orig);
+        const std::string what = std::string("b used in micro-batch 0 only") +
+                                 (wrap_b ? ", a unit of its own" : "") +
+                                 (orig ? ", use_orig_params" : ", flat shards");
+        torch::manual_seed(0);
+        TwoHeads reference;
+        torch::manual_seed(0);
+        FullyShardedDataParallel<TwoHeadsImpl> root(std::make_shared<TwoHeadsImpl>(wrap_b, options),
+                                                    options);
+        auto ref_opt = make_optimizer("adamw", reference->parameters());
+        auto opt = make_optimizer("adamw", root->parameters());
+        for (int step = 0; step < 2; ++step) {
+          ref_opt->zero_grad();
+          opt->zero_grad();
+          for (int m = 0; m < 2; ++m) {
+            auto [x, target] = global_batch(step * 2 + m);
+            reference->both = root->module().both = m == 0;
+            torch::mse_loss(reference->forward(x), target).backward();
+            root->set_requires_all_reduce(m == 1);
+            torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
+          }
+          ref_opt->step();
+          opt->step();
+          expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
         }
-        ref_opt->step();
-        opt->step();
-        expect_same_after_step(*root.ptr(), *reference.ptr(), what, step);
       }
     }
   });
