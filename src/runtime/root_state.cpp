@@ -557,7 +557,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
     return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
   };
   const auto regathers = [](const UnitRuntime& unit) {  // collectively (not NO_SHARD's cast)
-    return unit.flat_ && !unit.flat_->keeps_unsharded() &&
+    return unit.flat_ && !unit.flat_->keeps_unsharded() && unit.unshards_in_backward() &&
            unit.frees_after_forward(/*backward_follows=*/true);
   };
   std::vector<std::vector<bool>> out(units_.size());

@@ -259,6 +259,17 @@ void Unit::set_gradient_divide_factor(double factor, bool recurse) {
   for (Unit* unit : units_to_set(recurse)) unit->runtime_->set_gradient_divide_factor(factor);
 }
 
+void Unit::set_unshard_in_backward(bool unshard_in_backward) {
+  detail::UnitRuntime& r = runtime();
+  FSDP_CHECK(r.driver() == detail::UnitRuntime::Driver::kDispatch, -1, "set_unshard_in_backward",
+             r.label(),
+             " is a FullyShardedDataParallel wrapper, whose backward reads its parameters "
+             "without libfsdp seeing it: skipping their gather could compute with freed "
+             "memory. Make the module a unit with fsdp::fully_shard, whose parameters' reads in "
+             "backward gather them when needed");
+  r.set_unshard_in_backward(unshard_in_backward);
+}
+
 void Unit::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
   for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_requires_all_reduce(requires_all_reduce);

@@ -368,9 +368,12 @@ void UnitRuntime::set_prefetch_targets(const std::vector<Unit*>& units, bool bac
 }
 
 void UnitRuntime::prefetch() {
-  // Not under way, not gathered already, not the guard's (Note [Nested summons]).
+  // Not under way, not gathered already, not the guard's (Note [Nested
+  // summons]), not in a backward that does not gather it (Note [Units
+  // backward does not gather]).
   if (state_ != State::kIdle || flat_ == nullptr ||
-      flat_->state() != FlatParameter::State::kSharded || held_by_summon_guard()) {
+      flat_->state() != FlatParameter::State::kSharded || held_by_summon_guard() ||
+      (!unshard_in_backward_ && root_ != nullptr && root_->in_backward())) {
     return;
   }
   FSDP_RECORD("all_gather", path_);
@@ -493,7 +496,7 @@ void UnitRuntime::pre_backward() {
     // A second backward through the same graph (retain_graph) accumulates
     // into the shards' gradients as plain LibTorch accumulates into .grad.
     clear_moved_grads();
-    unshard();
+    if (unshard_in_backward_) unshard();  // Note [Units backward does not gather]
   }
   // Targets gone leave the choice to backward_prefetch again.
   backward_targets_.erase(std::remove_if(backward_targets_.begin(), backward_targets_.end(),
@@ -511,6 +514,20 @@ void UnitRuntime::pre_backward() {
     launch_if_complete();
   }
 }
+
+// Note [Units backward does not gather]
+// FSDP2's set_unshard_in_backward(false): a FULL_SHARD unit whose backward
+// does not read its parameters (an Embedding: its weight's gradient is
+// built from the indices and the output's gradient) need not gather them
+// where backward reaches it; pre_backward and the backward prefetches skip
+// it, and its gradient arrives into the flat gradient as usual. Only units
+// made by fully_shard take it: their parameters' reads are reported
+// (Note [Units driven by dispatch]), so a backward that does read them
+// (the setting was wrong: a Linear) gathers them at that read, as for a
+// unit whose outputs were not hooked, and computes what plain LibTorch
+// does. A wrapper's backward reads the views it saved in forward unseen.
+// Such a unit counts as gathering nothing in backward in the agreement on
+// uneven backwards (RootState::agree_received_grads).
 
 // Note [Parameters backward reads without a gradient]
 // A unit reshards when its gradient's reduction launches: every node that

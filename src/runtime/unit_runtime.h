@@ -97,6 +97,11 @@ class UnitRuntime final : public ParamUseListener {
   void set_reshard_after_backward(bool on) { reshard_after_backward_ = on; }
   /// See Unit::set_requires_all_reduce (Note [Accumulating within the node]).
   void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
+  /// See Unit::set_unshard_in_backward (Note [Units backward does not gather]).
+  void set_unshard_in_backward(bool on) { unshard_in_backward_ = on; }
+  /// Whether backward gathers this unit's parameters where it reaches it
+  /// (and prefetches them).
+  bool unshards_in_backward() const { return unshard_in_backward_; }
   /// See Unit::set_gradient_divide_factor (Note [A gradient divide factor]).
   void set_gradient_divide_factor(std::optional<double> factor) {
     gradient_divide_factor_ = factor;
@@ -447,6 +452,7 @@ class UnitRuntime final : public ParamUseListener {
   std::optional<bool> reshard_after_forward_;
   bool reshard_after_backward_ = true;
   bool requires_all_reduce_ = true;               // Unit::set_requires_all_reduce
+  bool unshard_in_backward_ = true;               // Unit::set_unshard_in_backward
   std::optional<double> gradient_divide_factor_;  // Unit::set_gradient_divide_factor
   uint64_t gathers_ = 0;  // gathers begun (mark_gather): the one an UnshardHandle awaits
   // Unit::set_modules_to_forward_prefetch and set_modules_to_backward_prefetch.

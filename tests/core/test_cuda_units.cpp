@@ -395,6 +395,15 @@ TEST_P(CudaUnits, SomeUnitsOffloadedTheRootOnTheGpu) {
   });
 }
 
+// Joins the job as rank `rank` of 2 nodes of 2 ranks sharing the GPU (the
+// hybrid tests below): over CUDA IPC unless FSDP_CUDA_BACKEND says otherwise.
+void join_as_two_nodes_of_two(int rank) {
+  ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
+      std::chrono::seconds(60));
+  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
+  init_process_group(o);
+}
+
 // HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on the GPU: 4 ranks sharing it, laid
 // out as 2 nodes of 2 (ProcessGroupOptions::local_world_size), trained
 // every step against plain LibTorch on the same GPU. The node groups'
@@ -409,10 +418,7 @@ TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
                     "CUDA_VISIBLE_DEVICES=0";
   }
   run_ranks_ok(4, [](int rank, int) {
-    ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
-        std::chrono::seconds(60));
-    if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
-    init_process_group(o);
+    join_as_two_nodes_of_two(rank);
     const torch::Device gpu = rank_gpu();
     for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
       const std::string what = to_string(strategy);
@@ -445,10 +451,7 @@ TEST(CudaHybridShard, AccumulatingWithinTheNodeOnTheGpu) {
                     "CUDA_VISIBLE_DEVICES=0";
   }
   run_ranks_ok(4, [](int rank, int) {
-    ProcessGroupOptions o = ProcessGroupOptions().local_rank(rank % 2).local_world_size(2).timeout(
-        std::chrono::seconds(60));
-    if (std::getenv("FSDP_CUDA_BACKEND") == nullptr) o.cuda_backend(CudaBackend::kCudaIpc);
-    init_process_group(o);
+    join_as_two_nodes_of_two(rank);
     const torch::Device gpu = rank_gpu();
     const int world = rank_and_world().second;
     for (auto strategy : {ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {

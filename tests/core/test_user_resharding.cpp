@@ -315,5 +315,66 @@ TEST(UserResharding, PrefetchListsGatherTheListedUnitsAhead) {
   });
 }
 
+// Unit::set_unshard_in_backward(false) (Note [Units backward does not
+// gather]): a token embedding made a unit by fully_shard gathers once per
+// step instead of twice (its backward needs only the indices), and set on a
+// Linear unit, whose backward reads its weight, that read gathers it: both
+// train like plain LibTorch on the ranks' different rows, every step, at
+// 1-3 ranks. A wrapper refuses it.
+TEST(UserResharding, UnitsBackwardDoesNotGather) {
+  for (const int world : {1, 2, 3}) {
+    run_ranks_ok(world, [world](int, int) {
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      const auto seeded = [] {
+        torch::manual_seed(0);
+        return torch::nn::Sequential(torch::nn::Embedding(20, 8), torch::nn::Linear(8, 8),
+                                     torch::nn::Tanh(), torch::nn::Linear(8, 3));
+      };
+      for (const int skipped : {0, 1}) {  // the embedding, or the Linear after it
+        const std::string what = std::string(skipped == 0 ? "embedding" : "linear") +
+                                 " not gathered in backward, world " + std::to_string(world);
+        torch::nn::Sequential reference = seeded();
+        torch::nn::Sequential model = seeded();
+        std::vector<std::shared_ptr<CountingGroup>> groups;
+        for (int i = 0; i < 2; ++i) {
+          groups.push_back(std::make_shared<CountingGroup>(default_process_group()));
+          fully_shard(*model->ptr(static_cast<size_t>(i)),
+                      FSDPOptions().process_group(groups.back()));
+        }
+        Unit& root = fully_shard(*model);
+        unit_of(*model->ptr(static_cast<size_t>(skipped)))->set_unshard_in_backward(false);
+        torch::optim::SGD ref_opt(reference->parameters(),
+                                  torch::optim::SGDOptions(0.1).momentum(0.9));
+        torch::optim::SGD opt(root.flat_parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+        const int steps = 3;
+        for (int step = 0; step < steps; ++step) {
+          torch::manual_seed(100 + step);
+          const torch::Tensor ids = torch::randint(20, {2 * world, 5});
+          const torch::Tensor target = torch::randn({2 * world, 5, 3});
+          ref_opt.zero_grad();
+          torch::mse_loss(reference->forward(ids), target).backward();
+          ref_opt.step();
+          opt.zero_grad();
+          torch::mse_loss(model->forward(local_block(ids)), local_block(target)).backward();
+          opt.step();
+          SummonFullParams full(*model);
+          expect_same_params(*model, *reference, what + " step " + std::to_string(step));
+        }
+        if (world > 1) {
+          // Per step: the forward's gather, the backward's where it reads
+          // (the Linear's, even when told not to), the comparison's summon.
+          EXPECT_EQ(groups[0]->all_gathers.load(), (skipped == 0 ? 2 : 3) * steps) << what;
+          EXPECT_EQ(groups[1]->all_gathers.load(), 3 * steps) << what;
+        }
+      }
+      FullyShardedDataParallel<torch::nn::LinearImpl> wrapper(torch::nn::Linear(4, 4));
+      EXPECT_NE(error_of([&] {
+                  wrapper->set_unshard_in_backward(false);
+                }).find("is a FullyShardedDataParallel wrapper"),
+                std::string::npos);
+    });
+  }
+}
+
 }  // namespace test_user_resharding
 }  // namespace fsdp::testing

@@ -238,6 +238,16 @@ class Unit {
   /// Applies to this unit only, as in FSDP2; `recurse`: every unit of its
   /// tree. See Note [A gradient divide factor].
   void set_gradient_divide_factor(double factor, bool recurse = false);
+  /// PyTorch FSDP2's set_unshard_in_backward, for units made by fully_shard:
+  /// false skips the all-gather this unit makes (or prefetches) where
+  /// backward reaches it, for units whose backward does not read their
+  /// parameters (an Embedding's weight gradient needs only the indices):
+  /// one all-gather less per step. Should its backward read them after all,
+  /// that read gathers them then (so results never change). Applies to this
+  /// unit only, as in FSDP2. Refused on a FullyShardedDataParallel wrapper,
+  /// whose backward reads its parameters unseen. See Note [Units backward
+  /// does not gather].
+  void set_unshard_in_backward(bool unshard_in_backward);
 
   /// PyTorch FSDP2's set_modules_to_forward_prefetch: when this unit's
   /// forward begins, after its own gather, it starts the gathers of `units`
