@@ -557,7 +557,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
     return unit.options_.use_orig_params() ? unit.flat_->slots().size() : 1;
   };
   const auto regathers = [](const UnitRuntime& unit) {  // collectively (not NO_SHARD's cast)
-    return unit.flat_ && !unit.flat_->keeps_unsharded() && unit.unshards_in_backward() &&
+    return unit.flat_ && !unit.flat_->keeps_unsharded() &&
            unit.frees_after_forward(/*backward_follows=*/true);
   };
   std::vector<std::vector<bool>> out(units_.size());
@@ -596,7 +596,15 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
       for (size_t i = 0; i < unit->flat_->slots().size(); ++i) any = any || filled(i);
       *w++ = reduced && any ? 1 : 0;
     }
-    if (regathers(*unit)) *w++ = unit->state_ != Unit::TrainingState::kIdle ? 1 : 0;
+    // Backward reached it, or, where the user said backward does not read
+    // its parameters, it gathered them all the same (Note [Units backward
+    // does not gather]).
+    if (regathers(*unit)) {
+      const bool gathers = unit->unshard_in_backward_
+                               ? unit->state_ != Unit::TrainingState::kIdle
+                               : unit->backward_gather_ == UnitRuntime::BackwardGather::kGathered;
+      *w++ = gathers ? 1 : 0;
+    }
   }
   const int world = group->size();
   flags = agree_reduce(group, std::move(flags), ReduceOp::kSum);

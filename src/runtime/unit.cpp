@@ -271,8 +271,20 @@ void Unit::set_unshard_in_backward(bool unshard_in_backward) {
 }
 
 void Unit::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
+  bool hybrid = false;
   for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_requires_all_reduce(requires_all_reduce);
+    const ShardingStrategy strategy = unit->runtime_->options().sharding_strategy();
+    hybrid = hybrid || strategy == ShardingStrategy::kHybridShard ||
+             strategy == ShardingStrategy::kHybridShardZero2;
+  }
+  // Silent in FSDP2; here a user who took it for no_sync learns why every
+  // micro-batch still communicates.
+  if (!requires_all_reduce && !hybrid) {
+    TORCH_WARN_ONCE("fsdp: set_requires_all_reduce(false) changes nothing here: no unit it set ",
+                    "is HYBRID_SHARD or _HYBRID_SHARD_ZERO2, the only strategies that all-reduce ",
+                    "across nodes. To accumulate gradients without communicating, use ",
+                    "set_requires_gradient_sync(false) or no_sync()");
   }
 }
 

@@ -110,11 +110,11 @@ void UnitRuntime::before_param_use(bool sharded) {
     // (a custom autograd Function's saved parameters: its forward ran
     // without grad mode, so no output of theirs was hooked). Gathered, and
     // a prefetch under way waited for, before the operator reads it.
-    if (state_ == Unit::TrainingState::kIdle) {
-      pre_backward();
-    } else if (flat_) {
-      unshard();  // resharded after its reduction, or still arriving
-    }
+    // pre_backward skips the gather where the user said backward does not
+    // read the unit's parameters (Note [Units backward does not gather]):
+    // this operator reads them.
+    if (state_ == Unit::TrainingState::kIdle) pre_backward();
+    if (flat_) unshard();  // resharded after its reduction, or still arriving
     return;
   }
   if (state_ == Unit::TrainingState::kForward) {

@@ -77,6 +77,7 @@ void UnitRuntime::abandon_iteration() {
   grads_ready_ = 0;
   grads_expected_ = trainable_slots_;
   frozen_reads_ = FrozenReads::kNone;
+  backward_gather_ = BackwardGather::kNone;
   forget_forward_inputs();
   delivered_early_ = false;
   grad_work_ = Work();
@@ -106,6 +107,9 @@ void UnitRuntime::wait_pending_gather() {
 
 void UnitRuntime::unshard() {
   if (flat_->state() == FlatParameter::State::kUnsharded) return;  // never freed, or already
+  // See Note [Units backward does not gather]: the agreement on uneven
+  // backwards asks a unit that was told not to whether it did.
+  if (root_ != nullptr && root_->in_backward()) backward_gather_ = BackwardGather::kGathered;
   FSDP_RECORD("all_gather", path_);
   if (flat_->state() == FlatParameter::State::kSharded) unshard_async(/*prefetch=*/false);
   wait_pending_gather();
@@ -523,11 +527,14 @@ void UnitRuntime::pre_backward() {
 // it, and its gradient arrives into the flat gradient as usual. Only units
 // made by fully_shard take it: their parameters' reads are reported
 // (Note [Units driven by dispatch]), so a backward that does read them
-// (the setting was wrong: a Linear) gathers them at that read, as for a
-// unit whose outputs were not hooked, and computes what plain LibTorch
-// does. A wrapper's backward reads the views it saved in forward unseen.
-// Such a unit counts as gathering nothing in backward in the agreement on
-// uneven backwards (RootState::agree_received_grads).
+// (the setting was wrong: a Linear, a custom autograd Function's saved
+// weight) gathers them at that read and computes what plain LibTorch does.
+// A wrapper's backward reads the views it saved in forward unseen.
+// The agreement on uneven backwards (RootState::agree_received_grads) asks
+// such a unit whether it gathered in this backward (such a read, or an
+// activation-checkpointed recomputation, which gathers whatever the
+// setting), not whether backward reached it: ranks that differ there would
+// issue different all-gathers.
 
 // Note [Parameters backward reads without a gradient]
 // A unit reshards when its gradient's reduction launches: every node that
@@ -1138,6 +1145,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   grads_ready_ = 0;
   grads_expected_ = trainable_slots_;
   frozen_reads_ = FrozenReads::kNone;  // backward is over
+  backward_gather_ = BackwardGather::kNone;
   forget_forward_inputs();
   if (flat_) reshard_in_backward();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it

@@ -99,9 +99,6 @@ class UnitRuntime final : public ParamUseListener {
   void set_requires_all_reduce(bool on) { requires_all_reduce_ = on; }
   /// See Unit::set_unshard_in_backward (Note [Units backward does not gather]).
   void set_unshard_in_backward(bool on) { unshard_in_backward_ = on; }
-  /// Whether backward gathers this unit's parameters where it reaches it
-  /// (and prefetches them).
-  bool unshards_in_backward() const { return unshard_in_backward_; }
   /// See Unit::set_gradient_divide_factor (Note [A gradient divide factor]).
   void set_gradient_divide_factor(std::optional<double> factor) {
     gradient_divide_factor_ = factor;
@@ -468,6 +465,10 @@ class UnitRuntime final : public ParamUseListener {
   // reshard() leaves gathered until then.
   enum class FrozenReads { kNone, kPending };
   FrozenReads frozen_reads_ = FrozenReads::kNone;
+  // Whether this backward gathered the unit's parameters (Note [Units
+  // backward does not gather]); kNone again when backward ends.
+  enum class BackwardGather { kNone, kGathered };
+  BackwardGather backward_gather_ = BackwardGather::kNone;
   // This iteration's forward inputs that require a gradient, hooked (none
   // when some argument's tensors could not be found), of which
   // inputs_reached_ got theirs in this backward; hooks of an older

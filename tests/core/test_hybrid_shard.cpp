@@ -418,6 +418,27 @@ TEST(HybridShard, ZeroGradDropsWhatWasKeptWithinTheNode) {
   });
 }
 
+// set_requires_all_reduce(false) on a model with no hybrid unit changes
+// nothing (as in FSDP2) and says so once, naming what accumulates without
+// communicating.
+TEST(HybridShard, RequiresAllReduceWithoutAHybridUnitIsWarned) {
+  run_ranks_ok(2, [](int rank, int) {
+    init_layout(rank, Layout{1, 2});
+    torch::manual_seed(0);
+    Root root = make_root(FSDPOptions());
+    compat::WarningCollector warnings;
+    root->set_requires_all_reduce(false);
+    root->set_requires_all_reduce(false);
+    size_t warned = 0;
+    for (const std::string& m : warnings.messages) {
+      warned +=
+          m.find("set_requires_all_reduce(false) changes nothing here") != std::string::npos &&
+          m.find("set_requires_gradient_sync(false)") != std::string::npos;
+    }
+    EXPECT_EQ(warned, 1u) << (warnings.messages.empty() ? "" : warnings.messages[0]);
+  });
+}
+
 // Unit::set_gradient_divide_factor under hybrid sharding (Note [A gradient
 // divide factor]): the sum over every rank of both nodes divided by the
 // factor, with micro-batches accumulated within the node too.

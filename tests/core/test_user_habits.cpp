@@ -1638,18 +1638,27 @@ TORCH_MODULE(FunctionNet);
 
 // Item 13: a unit whose parameters only a custom autograd Function uses (its
 // forward runs without grad mode, so no output of theirs needs a gradient)
-// trains as plain LibTorch, fully_shard and wrapped, every strategy.
+// trains as plain LibTorch, fully_shard and wrapped, every strategy; also
+// under FULL_SHARD with set_unshard_in_backward(false) on those units, whose
+// backward reads the saved weight all the same (gathered at that read: Note
+// [Units backward does not gather]).
 TEST(UserHabits, CustomAutogradFunctionsOnUnitParameters) {
   for (int world : {1, 2, 3}) {
     run_ranks_ok(world, [](int, int world) {
       join_test_group();
-      for (ShardingStrategy strategy : parity_strategies()) {
+      std::vector<std::pair<ShardingStrategy, bool>> cases;
+      for (ShardingStrategy strategy : parity_strategies()) cases.emplace_back(strategy, true);
+      cases.emplace_back(ShardingStrategy::kFullShard, false);
+      for (const auto& [strategy, unshard_in_backward] : cases) {
         const FSDPOptions options = FSDPOptions().sharding_strategy(strategy);
         torch::manual_seed(0);
         FunctionNet reference;
         torch::manual_seed(0);
         FunctionNet model;
         Unit& root = fully_shard(model, module_type_policy<FunctionBlockImpl>(), options);
+        for (const auto& block : *model->blocks) {
+          unit_of(*block)->set_unshard_in_backward(unshard_in_backward);
+        }
         const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
         torch::optim::SGD ref_opt(reference->parameters(), sgd), opt(root.flat_parameters(), sgd);
         for (int step = 0; step < 3; ++step) {
@@ -1663,7 +1672,9 @@ TEST(UserHabits, CustomAutogradFunctionsOnUnitParameters) {
           opt.step();
           SummonFullParams full(*model);
           expect_same_params(*model, *reference,
-                             std::string(to_string(strategy)) + " step " + std::to_string(step));
+                             std::string(to_string(strategy)) +
+                                 (unshard_in_backward ? "" : " not gathered in backward") +
+                                 " step " + std::to_string(step));
         }
       }
     });

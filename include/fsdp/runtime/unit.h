@@ -242,8 +242,9 @@ class Unit {
   /// false skips the all-gather this unit makes (or prefetches) where
   /// backward reaches it, for units whose backward does not read their
   /// parameters (an Embedding's weight gradient needs only the indices):
-  /// one all-gather less per step. Should its backward read them after all,
-  /// that read gathers them then (so results never change). Applies to this
+  /// one all-gather less per step (activation checkpointing's recomputation
+  /// reads them). Should its backward read them after all, that read
+  /// gathers them then (so results do not change). Applies to this
   /// unit only, as in FSDP2. Refused on a FullyShardedDataParallel wrapper,
   /// whose backward reads its parameters unseen. See Note [Units backward
   /// does not gather].
