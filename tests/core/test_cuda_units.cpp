@@ -395,6 +395,17 @@ TEST_P(CudaUnits, SomeUnitsOffloadedTheRootOnTheGpu) {
   });
 }
 
+// Why the hybrid tests below cannot run here (empty: they can): their 2
+// nodes of 2 ranks share one GPU.
+std::string two_nodes_of_two_cannot_run() {
+  if (!at::hasCUDA()) return "no CUDA device visible";
+  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr && at::getNumGPUs() > 1) {
+    return "its 2 nodes of 2 ranks share one GPU over CUDA IPC: run it with "
+           "CUDA_VISIBLE_DEVICES=0";
+  }
+  return "";
+}
+
 // Joins the job as rank `rank` of 2 nodes of 2 ranks sharing the GPU (the
 // hybrid tests below): over CUDA IPC unless FSDP_CUDA_BACKEND says otherwise.
 void join_as_two_nodes_of_two(int rank) {
@@ -412,11 +423,7 @@ void join_as_two_nodes_of_two(int rank) {
 // asked for since the layout hides from NCCL's check that all four share
 // one GPU; under test_cuda_units_staged, FSDP_CUDA_BACKEND stages them.
 TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr && at::getNumGPUs() > 1) {
-    GTEST_SKIP() << "its 2 nodes of 2 ranks share one GPU over CUDA IPC: run it with "
-                    "CUDA_VISIBLE_DEVICES=0";
-  }
+  if (const std::string why = two_nodes_of_two_cannot_run(); !why.empty()) GTEST_SKIP() << why;
   run_ranks_ok(4, [](int rank, int) {
     join_as_two_nodes_of_two(rank);
     const torch::Device gpu = rank_gpu();
@@ -445,11 +452,7 @@ TEST(CudaHybridShard, TrainsLikePlainLibTorchOnTheGpu) {
 // the same after every step from the second (the kept sum does not outlive
 // its step). Layout and transport as the test above.
 TEST(CudaHybridShard, AccumulatingWithinTheNodeOnTheGpu) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  if (std::getenv("FSDP_CUDA_BACKEND") == nullptr && at::getNumGPUs() > 1) {
-    GTEST_SKIP() << "its 2 nodes of 2 ranks share one GPU over CUDA IPC: run it with "
-                    "CUDA_VISIBLE_DEVICES=0";
-  }
+  if (const std::string why = two_nodes_of_two_cannot_run(); !why.empty()) GTEST_SKIP() << why;
   run_ranks_ok(4, [](int rank, int) {
     join_as_two_nodes_of_two(rank);
     const torch::Device gpu = rank_gpu();
