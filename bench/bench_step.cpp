@@ -104,6 +104,13 @@ struct Args {
   std::string backward_prefetch = "backward_pre";
   bool comm_only = false;
   bool in_place = false;  // the plain GPT's blocks made units by fsdp::fully_shard
+  // Backwards per step (gradient accumulation), and how all but the last
+  // skip communication: no_sync (set_requires_gradient_sync(false): nothing
+  // reduced), within_node (set_requires_all_reduce(false): reduce-scattered
+  // within the node, nothing across, the hybrid strategies), or sync (each
+  // backward reduces everything, as a loop that sets nothing does).
+  int micro_batches = 1;
+  std::string accumulate = "no_sync";
 };
 
 const std::map<std::string, fsdp::BackwardPrefetch>& backward_prefetch_names() {
@@ -159,6 +166,10 @@ Args parse(int argc, char** argv) {
   cli.option("--in-place", &a.in_place,
              "0 or 1: units made in place by fsdp::fully_shard on the plain GPT "
              "instead of wrappers (a sharded mode)");
+  cli.option("--micro-batches", &a.micro_batches,
+             "backwards per step (gradient accumulation; each on the rank's batch)")
+      .positive();
+  cli.option("--accumulate", &a.accumulate).one_of({"no_sync", "within_node", "sync"});
   cli.option("--comm-only", &a.comm_only,
              "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
   cli.parse(argc, argv);
@@ -263,12 +274,27 @@ int main(int argc, char** argv) {
     }
     opt.zero_grad();
     if (i == args.steps - 1) step_start_bytes = fsdp::memory_stats().current_bytes;
-    at::Tensor loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
-    if (i == args.steps - 1) forward_end_bytes = fsdp::memory_stats().current_bytes;
-    const double f = ms_since(t0);
-    const auto t1 = Clock::now();
-    loss.backward();
-    const double b = ms_since(t1);
+    double f = 0, b = 0;
+    at::Tensor loss;
+    for (int m = 0; m < args.micro_batches; ++m) {
+      const bool last = m == args.micro_batches - 1;
+      if (model.root != nullptr && args.micro_batches > 1) {
+        if (args.accumulate == "within_node") {
+          model.root->set_requires_all_reduce(last);
+        } else if (args.accumulate == "no_sync") {
+          model.root->set_requires_gradient_sync(last);
+        }
+      }
+      const auto tf = Clock::now();
+      loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
+      // At the last micro-batch: what accumulation holds (no_sync's full
+      // gradients, or the sums kept within the node) on top.
+      if (i == args.steps - 1 && last) forward_end_bytes = fsdp::memory_stats().current_bytes;
+      f += ms_since(tf);
+      const auto tb = Clock::now();
+      loss.backward();
+      b += ms_since(tb);
+    }
     const auto t2 = Clock::now();
     opt.step();
     const double o = ms_since(t2);
@@ -359,7 +385,7 @@ int main(int argc, char** argv) {
         "\"cache_mapped_bytes\":%lld,\"backward_prefetch\":\"%s\",\"comm_only\":%s,"
         "\"recorded_collectives\":%lld,\"net_tx_bytes_per_step\":%lld,\"cpu_ms_per_step\":%.1f,"
         "\"step_start_bytes\":%lld,\"forward_end_bytes\":%lld,\"rss_before_model_bytes\":%lld,"
-        "\"malloc\":\"%s\",\"in_place\":%s,"
+        "\"malloc\":\"%s\",\"in_place\":%s,\"micro_batches\":%d,\"accumulate\":\"%s\","
         "\"torch\":\"%s\",\"blas\":\"%s\"}\n",
         args.mode.c_str(), world, static_cast<long long>(args.blocks),
         static_cast<long long>(args.d_model), static_cast<long long>(args.seq),
@@ -381,7 +407,8 @@ int main(int argc, char** argv) {
         static_cast<long long>(counting ? counting->recorded() : 0), static_cast<long long>(tx_max),
         cpu_max, static_cast<long long>(step_start_max), static_cast<long long>(forward_end_max),
         static_cast<long long>(rss_before_max), bench::malloc_mode(),
-        args.in_place ? "true" : "false", TORCH_VERSION, bench::blas_description().c_str());
+        args.in_place ? "true" : "false", args.micro_batches, args.accumulate.c_str(),
+        TORCH_VERSION, bench::blas_description().c_str());
     std::fflush(stdout);
   }
   pg->barrier().wait();

@@ -34,6 +34,7 @@ struct GptUnderTest {
   gpt_mini::GPT local{nullptr};                                        ///< plain, or made in place
   fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl> sharded{nullptr};  ///< wrapped
   std::vector<at::Tensor> params;                                      ///< what the optimizer steps
+  fsdp::Unit* root = nullptr;  ///< the FSDP root (wrapped or in place); null when plain
 
   /// Plain LibTorch on `device`.
   void plain(const gpt_mini::GPTConfig& config, const torch::Device& device) {
@@ -47,12 +48,13 @@ struct GptUnderTest {
     sharded = fsdp::FullyShardedDataParallel<gpt_mini::GPTImpl>(
         std::make_shared<gpt_mini::GPTImpl>(config, unit_opts), root_opts);
     params = sharded->parameters();
+    root = sharded.ptr().get();
   }
   /// The plain GPT, its blocks and root made units by fsdp::fully_shard.
   void in_place(const gpt_mini::GPTConfig& config, const fsdp::FSDPOptions& opts) {
     local = gpt_mini::GPT(config);
-    params = fsdp::fully_shard(local, fsdp::module_type_policy<gpt_mini::BlockImpl>(), opts)
-                 .flat_parameters();
+    root = &fsdp::fully_shard(local, fsdp::module_type_policy<gpt_mini::BlockImpl>(), opts);
+    params = root->flat_parameters();
   }
   /// The logits of `tokens`.
   at::Tensor forward(const at::Tensor& tokens) {

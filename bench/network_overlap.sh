@@ -23,6 +23,14 @@
 #   fs_no_prefetch FULL_SHARD on 2 x 1, no prefetch at all
 #   hybrid_2x2     HYBRID_SHARD on 2 nodes x 2 ranks
 #   fs_2x2         FULL_SHARD on 2 nodes x 2 ranks
+# and, only when named in CONFIGS, gradient accumulation over MICRO_BATCHES
+# (4) backwards per step, HYBRID_SHARD on 2 nodes x 2 ranks (Note
+# [Accumulating within the node]):
+#   hybrid_accum_sync        every backward reduces across the nodes
+#   hybrid_accum_within_node set_requires_all_reduce(last): within the node,
+#                            one all-reduce across
+#   hybrid_accum_no_sync     set_requires_gradient_sync(last): nothing until
+#                            the last (full-size gradients meanwhile)
 # One JSON line per run (bench_step's, plus "config" and "round"), then the
 # summary line: the medians, fs_prefetch / max(compute, comm) (target
 # <= 1.15; also against compute_pair and compute_beside_comm), hybrid_2x2 /
@@ -124,6 +132,8 @@ for ((r = 0; r < ROUNDS; ++r)); do
         --backward-prefetch none ;;
       hybrid_2x2) run_config hybrid_2x2 2 2 "$r" --mode hybrid_shard ;;
       fs_2x2) run_config fs_2x2 2 2 "$r" --mode full_shard ;;
+      hybrid_accum_*) run_config "$c" 2 2 "$r" --mode hybrid_shard \
+        --micro-batches "${MICRO_BATCHES:-4}" --accumulate "${c#hybrid_accum_}" ;;
     esac
   done
 done
@@ -165,6 +175,11 @@ if "hybrid_2x2" in m and "fs_2x2" in m:
     summary["hybrid_over_full_shard_2x2"] = round(m["hybrid_2x2"] / m["fs_2x2"], 3)
     summary["hybrid_share_bytes_per_step"] = int(share)
     summary["hybrid_tx_over_share"] = round(tx["hybrid_2x2"] / share, 3)
+if "hybrid_accum_sync" in m:  # accumulation: step time and bytes against syncing every backward
+    for c in ("hybrid_accum_within_node", "hybrid_accum_no_sync"):
+        if c in m:
+            summary[c + "_over_sync"] = round(m[c] / m["hybrid_accum_sync"], 3)
+            summary[c + "_tx_over_sync"] = round(tx[c] / max(tx["hybrid_accum_sync"], 1), 3)
 print(json.dumps(summary))
 EOF
 echo "raw lines: $out" >&2
