@@ -169,12 +169,27 @@ Args parse(int argc, char** argv) {
   cli.option("--micro-batches", &a.micro_batches,
              "backwards per step (gradient accumulation; each on the rank's batch)")
       .positive();
-  cli.option("--accumulate", &a.accumulate).one_of({"no_sync", "within_node", "sync"});
+  cli.option("--accumulate", &a.accumulate,
+             "how all but the last micro-batch skip communication: no_sync (nothing reduced), "
+             "within_node (hybrid modes: reduce-scattered within the node only), sync (none)")
+      .one_of({"no_sync", "within_node", "sync"});
   cli.option("--comm-only", &a.comm_only,
              "0 or 1: time the step's collectives alone (a sharded mode, warmup >= 1)");
   cli.parse(argc, argv);
   if (a.in_place && a.mode == "local") {
     std::fprintf(stderr, "bench_step: --in-place 1 needs a sharded --mode\n");
+    std::exit(2);
+  }
+  if (a.accumulate == "within_node" && a.micro_batches > 1 && a.mode.rfind("hybrid", 0) != 0) {
+    std::fprintf(stderr, "bench_step: --accumulate within_node needs a hybrid --mode\n");
+    std::exit(2);
+  }
+  if (a.comm_only && a.micro_batches > 1 && a.mode.rfind("hybrid", 0) == 0) {
+    // The recording group sees the world's collectives, not the hybrid
+    // subgroups' that accumulation changes.
+    std::fprintf(stderr,
+                 "bench_step: --comm-only replays nothing of a hybrid mode's "
+                 "accumulation; leave --micro-batches at 1\n");
     std::exit(2);
   }
   if (a.comm_only && (a.mode == "local" || a.warmup < 1)) {
@@ -240,9 +255,10 @@ int main(int argc, char** argv) {
   const at::Tensor& targets = batch.targets;
 
   std::vector<double> step_ms, fwd_ms, bwd_ms, opt_ms;
-  // The tracker's bytes as the last timed step starts and as its forward
-  // ends: what any sharding must hold there (the shards, or the whole state
-  // for local, and the activations), for issue 18's floor (memory_rss.sh).
+  // The tracker's bytes as the last timed step starts and as its (last
+  // micro-batch's) forward ends: what any sharding must hold there (the
+  // shards, or the whole state for local, and the activations), for issue
+  // 18's floor (memory_rss.sh).
   int64_t step_start_bytes = 0, forward_end_bytes = 0;
   double loss0 = 0;
   int64_t gathered0 = 0, reduced0 = 0, tx0 = 0;
@@ -285,7 +301,9 @@ int main(int argc, char** argv) {
           model.root->set_requires_gradient_sync(last);
         }
       }
-      const auto tf = Clock::now();
+      // The first forward's time counts from the step's start (zero_grad),
+      // as it did before micro-batches.
+      const auto tf = m == 0 ? t0 : Clock::now();
       loss = gpt_mini::lm_loss(forward(inputs).to(at::kFloat), targets);
       // At the last micro-batch: what accumulation holds (no_sync's full
       // gradients, or the sums kept within the node) on top.

@@ -67,12 +67,12 @@ ccache_counts() {
   ccache --print-stats 2> /dev/null | awk '$1 ~ /^(direct|preprocessed)_cache_hit$/ { h += $2 }
     $1 == "cache_miss" { m += $2 } END { print h + 0, m + 0 }'
 }
-read -r cc_hits cc_misses < <(ccache_counts)
+read -r cc_hits cc_misses < <(ccache_counts) || true
 # Records how long the stage that just ended took, and what the compiler cache
 # gave it: a slow CI run then says whether it compiled anew or ran slowly.
 lap() {
   local hits misses cache=""
-  read -r hits misses < <(ccache_counts)
+  read -r hits misses < <(ccache_counts) || true
   if ((hits + misses > cc_hits + cc_misses)); then
     cache=", ccache $((hits - cc_hits)) hits, $((misses - cc_misses)) misses"
   fi

@@ -230,7 +230,7 @@ void BackwardSteps::refuse_before_step(const char* pass, const char* cases) {
              cases,
              "; stepping during backward makes each backward one optimizer step: call step() "
              "after every backward, and accumulate gradients over several backwards inside "
-             "model->no_sync(), the last one outside (under hybrid sharding, or with "
+             "model->no_sync(), the last one outside (or, under hybrid sharding, with "
              "model->set_requires_all_reduce(false) before all but the last)");
 }
 
