@@ -451,8 +451,7 @@ void RootState::end_of_backward() {
   // reduces what it kept, with zeros for this backward, in the units' order
   // (Note [Accumulating within the node]).
   for (UnitRuntime* unit : units_) {
-    const bool launched = unit->grad_work_ || unit->delivered_early_;
-    if (unit->kept_within_node_ && unit->require_sync() && !launched &&
+    if (unit->kept_within_node_ && unit->require_sync() && !unit->reduction_launched() &&
         !unit->reduces_within_node_only() && reduces_in_backward(*unit)) {
       unit->launch_grad_reduction();
     }
@@ -588,7 +587,7 @@ std::vector<std::vector<bool>> RootState::agree_received_grads() const {
       return (i < now.size() && now[i]) ||
              (unit->grad_reach_ == UnitRuntime::GradReach::kJob && i < kept.size() && kept[i]);
     };
-    const bool reduced = static_cast<bool>(unit->grad_work_) || unit->delivered_early_;
+    const bool reduced = unit->reduction_launched();
     if (unit->options_.use_orig_params()) {
       for (size_t i = 0; i < grad_flags(*unit); ++i) *w++ = reduced && filled(i) ? 1 : 0;
     } else {

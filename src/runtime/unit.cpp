@@ -13,6 +13,7 @@
 
 #include "detail/error.h"
 #include "runtime/in_place_units.h"
+#include "runtime/strategy.h"
 #include "runtime/unit_runtime.h"
 
 namespace fsdp {
@@ -274,9 +275,7 @@ void Unit::set_requires_all_reduce(bool requires_all_reduce, bool recurse) {
   bool hybrid = false;
   for (Unit* unit : units_to_set(recurse)) {
     unit->runtime_->set_requires_all_reduce(requires_all_reduce);
-    const ShardingStrategy strategy = unit->runtime_->options().sharding_strategy();
-    hybrid = hybrid || strategy == ShardingStrategy::kHybridShard ||
-             strategy == ShardingStrategy::kHybridShardZero2;
+    hybrid = hybrid || detail::is_hybrid(unit->runtime_->options().sharding_strategy());
   }
   // Silent in FSDP2; here a user who took it for no_sync learns why every
   // micro-batch still communicates.

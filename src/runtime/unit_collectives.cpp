@@ -91,13 +91,14 @@ ReduceOp dividing(const at::Tensor& grad, double factor) {
 Work all_reduce_across_nodes(ProcessGroup& replicate, const at::Tensor& shard,
                              const at::Tensor& within_node, std::optional<double> factor) {
   const SideStreamScope ready(shard.device(), SideStream::kChained, /*wait_for_current=*/false);
-  // float16 is divided before it sums (Note [Averaging float16 gradients]),
-  // and so is what was kept, before it is added.
+  // Divided by the factor before the reduce-scatter, or here by averaging()
+  // where float16 (Note [Averaging float16 gradients]): what was kept is
+  // divided alike before it is added.
   const int replicas = replicate.size();
-  const bool halves = !factor && shard.scalar_type() == at::kHalf;
-  if (halves) shard.div_(replicas);
-  if (within_node.defined()) shard.add_(halves ? within_node / replicas : within_node);
-  return replicate.all_reduce(shard, factor || halves ? ReduceOp::kSum : ReduceOp::kAvg);
+  const ReduceOp op = factor ? ReduceOp::kSum : averaging(shard, replicas);
+  const bool divided_here = !factor && op == ReduceOp::kSum;
+  if (within_node.defined()) shard.add_(divided_here ? within_node / replicas : within_node);
+  return replicate.all_reduce(shard, op);
 }
 
 }  // namespace

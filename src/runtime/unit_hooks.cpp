@@ -74,11 +74,7 @@ void UnitRuntime::abandon_iteration() {
                     "discard them");
   }
   state_ = State::kIdle;
-  grads_ready_ = 0;
-  grads_expected_ = trainable_slots_;
-  frozen_reads_ = FrozenReads::kNone;
-  backward_gather_ = BackwardGather::kNone;
-  forget_forward_inputs();
+  reset_backward_progress();
   delivered_early_ = false;
   grad_work_ = Work();
   // What was kept within the node stays for the next backward, unless a
@@ -90,6 +86,14 @@ void UnitRuntime::abandon_iteration() {
     wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
     grad_on_device_ = at::Tensor();
   }
+}
+
+void UnitRuntime::reset_backward_progress() {
+  grads_ready_ = 0;
+  grads_expected_ = trainable_slots_;
+  frozen_reads_ = FrozenReads::kNone;
+  backward_gather_ = BackwardGather::kNone;
+  forget_forward_inputs();
 }
 
 void UnitRuntime::unshard_async(bool prefetch) {
@@ -594,7 +598,7 @@ void UnitRuntime::input_grad_computed(uint64_t epoch) {
   if (frozen_reads_ != FrozenReads::kPending) return;
   frozen_reads_ = FrozenReads::kNone;
   // A reduction still to launch reshards the unit when it does.
-  if (trainable_slots_ == 0 || grad_work_ || delivered_early_) {
+  if (trainable_slots_ == 0 || reduction_launched()) {
     reshard_in_backward();
   } else if (!require_sync() && grads_ready_ == grads_expected_) {
     launch_if_complete();  // no reduction to launch: See Note [Resharding under no_sync]
@@ -667,10 +671,10 @@ void UnitRuntime::on_grad_ready(size_t slot) {
     // parameter: its recomputation's grad() returns none). Computed all the
     // same, as zeros: the unit completes where its backward ends on every
     // rank (Note [Gradients a backward computes]).
-    if (!grad_work_ && !delivered_early_) note_grad_arrived();
+    if (!reduction_launched()) note_grad_arrived();
     return;
   }
-  FSDP_CHECK(!grad_work_ && !delivered_early_, flat_->group().rank(), path_, "a gradient of '",
+  FSDP_CHECK(!reduction_launched(), flat_->group().rank(), path_, "a gradient of '",
              flat_->slots()[slot].name, "' arrived after ", label(),
              "'s reduction was launched (Note [Gradients a backward computes]): autograd ran its "
              "AccumulateGrad outside the graph task that reached the unit's outputs. Compute "
@@ -1131,7 +1135,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
   // See Note [Gradients the user clears]: what has a gradient shows it.
   // After a reduction that stayed within the node too, what the ranks agreed
   // got a gradient shows one, the same on every rank.
-  show_moved_grads(require_sync() && reduced && (grad_work_ || delivered_early_), received);
+  show_moved_grads(require_sync() && reduced && reduction_launched(), received);
   if (require_sync() && reduced) {
     if (grad_work_ && grad_reach_ == GradReach::kJob) assign_reduced_grad(received);
     if (!kept_within_node_) within_node_filled_.clear();  // what it took is delivered
@@ -1142,11 +1146,7 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
     grad_on_device_ = at::Tensor();  // the host waited for its copy
     flat_grad_ = at::Tensor();
   }
-  grads_ready_ = 0;
-  grads_expected_ = trainable_slots_;
-  frozen_reads_ = FrozenReads::kNone;  // backward is over
-  backward_gather_ = BackwardGather::kNone;
-  forget_forward_inputs();
+  reset_backward_progress();  // backward is over
   if (flat_) reshard_in_backward();
   if (state_ != State::kIdle) transition(State::kIdle);  // kIdle: backward never reached it
 }

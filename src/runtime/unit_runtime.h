@@ -294,6 +294,11 @@ class UnitRuntime final : public ParamUseListener {
   void launch_if_complete();
   void on_grad_ready(size_t slot);
   void launch_grad_reduction();
+  // What a backward counted and held, as none began: when it ends, or
+  // stopped midway (abandon_iteration).
+  void reset_backward_progress();
+  // This backward's reduction launched: in flight, or handed over early.
+  bool reduction_launched() const { return grad_work_ || delivered_early_; }
   // Whether a reduction launched now would stay within the node (Note
   // [Accumulating within the node]).
   bool reduces_within_node_only() const;
