@@ -96,6 +96,32 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
          "module's parameters.";
 }
 
+// Note [Saving a sharded parameter]
+// torch::save(model, path) of a model made by fully_shard, outside
+// SummonFullParams, reaches each sharded parameter through Module::save,
+// which puts the tensor into the archive without an operator, and the
+// archive then copies the storage's bytes: the placeholder's, none. The file
+// is written without a word and LibTorch 2.x refuses it at torch::load, long
+// after (1.13 even loads it: empty storages). So a parameter placeholder's
+// storage refuses data reads (LibTorch 2.4+, compat::refuse_data_reads), and
+// the save fails at once, naming the parameter and the fix. The file it had
+// begun is incomplete, as after any failed torch::save. Operators never read
+// a placeholder's storage (the fallback runs first), nor does set_data.
+std::string data_read_message(const std::string& what) {
+  return error_prefix(-1, "parameters") + "the data of " + what +
+         " was read directly (torch::save(model) outside fsdp::SummonFullParams does, or "
+         "data_ptr()), but it is sharded: its data exists only while its FSDP unit runs, and "
+         "a file would hold none of it. Save inside fsdp::SummonFullParams full(*model) "
+         "(every rank enters it; then rank 0 alone may call torch::save), or use "
+         "fsdp::full_state_dict or an fsdp::Checkpointer";
+}
+
+void refuse_data_reads(const at::Tensor& placeholder, const Entry& e) {
+  if (e.kind != PlaceholderKind::kParameter) return;
+  compat::refuse_data_reads(*placeholder.storage().unsafeGetStorageImpl(),
+                            data_read_message(e.what));
+}
+
 // The last `n` values of `stack`: an operator's arguments before it runs,
 // its returns after.
 c10::ArrayRef<c10::IValue> last_values(const torch::jit::Stack* stack, size_t n) {
@@ -369,18 +395,53 @@ void refuse_new_data(c10::ArrayRef<c10::IValue> args) {
   std::ostringstream change;
   change << "set_data (as Module::to does) would give data on " << data.device() << " in "
          << data.scalar_type() << " to";
+  // torch::load reads a file saved on another device onto that device, and
+  // then sets the parameter with set_data (Note [torch::load into a unit
+  // made in place]).
+  const bool load_from_elsewhere = data.sizes() == self.sizes() && data.device() != self.device();
+  std::ostringstream load_hint;
+  if (load_from_elsewhere) {
+    load_hint << ". If torch::load read a file saved on " << data.device()
+              << ", pass the model's device: torch::load(model, path, torch::Device(\""
+              << self.device() << "\"))";
+  }
   TORCH_CHECK(
       false, error_prefix(-1, "parameters"),
       conversion_refusal(
           change.str(),
           entry->what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : entry->what,
-          self.device(), self.scalar_type()));
+          self.device(), self.scalar_type()),
+      load_hint.str());
+}
+
+// torch::load (InputArchive::read) sets each parameter to what it read with
+// set_(source): on a unit made in place the unit keeps this rank's part of
+// it instead (Note [torch::load into a unit made in place]). False for any
+// other set_, which replaces a storage and is refused below.
+bool load_into_unit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t n = op.schema().arguments().size();
+  if (op.schema().overload_name() != "source_Tensor" || n != 2) return false;
+  const auto args = last_values(stack, n);
+  const at::Tensor self = args[0].toTensor();
+  const at::Tensor source = args[1].toTensor();
+  const c10::optional<Entry> entry = parameter_entry(self);
+  if (!entry || entry->listener == nullptr || source.key_set().has(kKey)) return false;
+  {
+    ReportingScope scope;
+    entry->listener->load_param(self, source);
+  }
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(self);
+  return true;
 }
 
 void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
   if (name == "aten::to" && keep_parameter(op, stack)) return;
+  // Inside SummonFullParams too (an unreported scope): libfsdp never sets a
+  // parameter with set_ itself.
+  if (name == "aten::set_" && load_into_unit(op, stack)) return;
   const size_t n = op.schema().arguments().size();
   const c10::ArrayRef<c10::IValue> args = last_values(stack, n);
   // Tensor::set_data reaches the dispatcher only through this check of its
@@ -402,16 +463,14 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
       auto it = registry().find(storage_of(t));
       if (it == registry().end()) return;
       const Entry& e = it->second;
-      // torch::load (InputArchive::read) replaces a parameter's storage with
-      // set_: on a unit made in place that would cut the parameter off its
-      // flat buffer, silently (a wrapper's load() takes care of it).
+      // Any other set_ (to a storage, to another unit's parameter) would cut
+      // the parameter off its flat buffer, silently.
       TORCH_CHECK(
           name != "aten::set_" || e.listener == nullptr || e.kind != PlaceholderKind::kParameter,
-          error_prefix(-1, "parameters"),
-          "set_ (torch::load) would replace the storage of a parameter of a unit made "
-          "by fsdp::fully_shard, cutting it off its unit. Load with "
-          "fsdp::load_full_state_dict(model, dict) or fsdp::Checkpointer, or "
-          "torch::load into the model before fully_shard");
+          error_prefix(-1, "parameters"), "set_ would replace the storage of ", e.what,
+          ", cutting it off its unit. Write into it instead (copy_ under "
+          "fsdp::SummonFullParams(model, fsdp::SummonOptions().writeback(true))), or load "
+          "with torch::load(model, path) or fsdp::load_full_state_dict");
       if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter) {
         if (report) {
           auto same = std::find_if(uses.begin(), uses.end(),
@@ -495,8 +554,10 @@ at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::s
       c10::DispatchKeySet(dense_backend_key(like.device())) | c10::DispatchKeySet(kKey),
       like.dtype());
   t.unsafeGetTensorImpl()->set_sizes_contiguous(like.sizes());
+  Entry entry{kind, std::move(what), listener, /*tracked=*/false};
+  refuse_data_reads(t, entry);  // Note [Saving a sharded parameter]
   std::lock_guard<std::mutex> lock(registry_mutex());
-  registry()[storage_of(t)] = Entry{kind, std::move(what), listener, /*tracked=*/false};
+  registry()[storage_of(t)] = std::move(entry);
   return t;
 }
 
@@ -524,7 +585,9 @@ at::Tensor tracked_alias(const at::Tensor& view) {
 void rename_placeholder(const at::Tensor& placeholder, std::string what) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   auto it = registry().find(storage_of(placeholder));
-  if (it != registry().end()) it->second.what = std::move(what);
+  if (it == registry().end()) return;
+  it->second.what = std::move(what);
+  refuse_data_reads(placeholder, it->second);
 }
 
 void release_placeholder(const at::Tensor& placeholder) {

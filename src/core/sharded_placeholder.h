@@ -47,6 +47,11 @@ class ParamUseListener {
   /// zero_ on `grad`, one of the unit's moved gradients or a detached copy
   /// of one: the unit zeroes that parameter's gradient.
   virtual void moved_grad_zeroed(const at::Tensor& grad) = 0;
+  /// torch::load's set_ of `param`, one of the unit's parameters, to
+  /// `value`, a full parameter read from a file: the unit keeps this rank's
+  /// part (and, where `param` stays gathered, the whole). See Note
+  /// [torch::load into a unit made in place].
+  virtual void load_param(const at::Tensor& param, const at::Tensor& value) = 0;
   /// The dtype the operator's floating-point tensor inputs (not the unit's
   /// parameters) are cast to, as a wrapper casts its forward's inputs (mixed
   /// precision); nullopt: none. Asked after before_param_use.

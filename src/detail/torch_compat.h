@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <c10/core/Event.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
@@ -118,6 +119,22 @@ inline void set_autocast_state(const AutocastState& s) {
   at::autocast::set_enabled(s.cuda);
   at::autocast::set_autocast_cpu_dtype(s.cpu_dtype);
   at::autocast::set_autocast_gpu_dtype(s.cuda_dtype);
+#endif
+}
+
+/// Whether refuse_data_reads can make a storage's data reads an error (2.4+).
+constexpr bool kRefusesDataReads = FSDP_TORCH_AT_LEAST(2, 4);
+
+/// Makes every read of `storage`'s data (data_ptr(), which torch::save and
+/// torch::pickle_save use, reaching no operator) an error saying `message`,
+/// where LibTorch can (kRefusesDataReads); before 2.4 such a read sees the
+/// storage as it is.
+inline void refuse_data_reads(c10::StorageImpl& storage, std::string message) {
+#if FSDP_TORCH_AT_LEAST(2, 4)
+  storage.release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(message));
+#else
+  (void)storage;
+  (void)message;
 #endif
 }
 

@@ -215,6 +215,61 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
 
 }  // namespace
 
+// Note [torch::load into a unit made in place]
+// torch::load(model, path) calls the model's Module::load, which reads each
+// parameter and sets it to what it read with set_(value) (InputArchive::read,
+// under NoGradGuard). A unit made by fully_shard cannot override that load,
+// but the set_ reaches its parameter's dispatch key (Note [Sharded
+// placeholders]), and the unit takes it as a load instead of a swap of
+// storage, which would cut the parameter off its flat buffer: it checks the
+// shape (a file of another model is an error naming the parameter, as
+// wrappers' load_unit says it) and keeps this rank's part of the value in its
+// shard, as load_unit does; a parameter gathered at that moment (left so by a
+// forward, under SummonFullParams) takes the whole value too, so the gathered
+// copy and the shard agree. No communication: every rank reads the file, as
+// in plain LibTorch, and the ranks need not load together. The shard's
+// version counter moves, so a compute-dtype copy of it is filled anew (Note
+// [A host copy in the compute dtype]). Unlike load_unit, Module::load sets
+// the parameters one by one: a file that fails halfway (a missing name, a
+// shape) leaves the ones before it loaded, as plain LibTorch's load does.
+// Where the file's device differs from the model's, InputArchive::read calls
+// set_data instead, which is refused naming the device (Note [Module::to on
+// a sharded model]); torch::load(model, path, device) reads onto the model's.
+void detail::UnitRuntime::load_param(const at::Tensor& param, const at::Tensor& value) {
+  end_open_forward();  // an evaluation's forward may still be open
+  before_state_use();  // Note [Steps during backward]
+  const int rank = flat_->group().rank();
+  FSDP_CHECK(state_ == Unit::TrainingState::kIdle, rank, path_, "torch::load reached ", label(),
+             " in ", to_string(state_), ": load between steps, not inside forward or backward");
+  const auto& slots = flat_->slots();
+  size_t i = 0;
+  while (i < slots.size() && !slots[i].param.is_same(param)) ++i;
+  TORCH_INTERNAL_ASSERT(i < slots.size(), "fsdp: torch::load reached a parameter ", label(),
+                        " does not hold");
+  const FlatParamSlot& slot = slots[i];
+  FSDP_CHECK(value.sizes() == at::IntArrayRef(slot.shape), rank, path_, "expected parameter '",
+             slot.name, "' of shape ", at::IntArrayRef(slot.shape),
+             " from torch::load (set_), got ", value.sizes(),
+             ". The file was saved from a different model; load it into the model that saved it");
+  // Left gathered: freed, to be gathered anew from the loaded shard; what
+  // stays (SummonFullParams' guard, a graph that may be differentiated
+  // again) takes the whole value.
+  using State = FlatParameter::State;
+  if (!held_by_summon_guard() && flat_->state() != State::kSummoned &&
+      flat_->state() != State::kSharded) {
+    reshard();
+  }
+  at::NoGradGuard no_grad;
+  const FlatParameter::ShardPart part = flat_->shard_part(i);
+  if (part.numel > 0) {
+    flat_->shard()
+        .detach()
+        .narrow(0, part.in_shard, part.numel)
+        .copy_(value.reshape({-1}).narrow(0, part.in_param, part.numel));
+  }
+  if (flat_->state() != State::kSharded) param.detach().copy_(value);
+}
+
 void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {
   Writes writes;
   read_unit(*this, self, archive, writes);  // Note [Loading a unit]

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
@@ -136,8 +137,31 @@ struct Case {
   // Between backward and the step: a loss's gradient with respect to block
   // 0's output only (torch::autograd::grad; no parameter's .grad changes).
   bool input_grad_before_step = false;
+  // Before step `load_at`'s forward (-1: never): torch::load of a plain
+  // model's file (other weights) into the model on every rank, and into the
+  // reference; with `load_gathered`, after an evaluation forward that leaves
+  // the root gathered.
+  int load_at = -1;
+  bool load_gathered = false;
   std::string what;
 };
+
+// What a user loading pretrained weights runs, on every rank: torch::load of
+// a plain model's file (Note [torch::load into a unit made in place]).
+void load_pretrained(ListGpt& model, ListGpt& reference, bool gathered) {
+  torch::manual_seed(77);
+  ListGpt pretrained(3);
+  const std::string path =
+      ::testing::TempDir() + "/fully_shard_pretrained_" + std::to_string(getpid()) + ".pt";
+  torch::save(pretrained, path);
+  if (gathered) {
+    torch::NoGradGuard no_grad;
+    (void)model->forward(torch::zeros({1, kSeq}, torch::kLong));
+  }
+  torch::load(model, path);
+  torch::load(reference, path);
+  std::remove(path.c_str());
+}
 
 // Trains a fully_shard'ed ListGpt and its plain twin side by side with
 // AdamW (weight decay) and compares the full parameters after every step.
@@ -187,6 +211,7 @@ double train_against_reference(const Case& c) {
         m.zero_grad();  // the user's habit: clears the shards' gradients too
       }
     };
+    if (step == c.load_at) load_pretrained(model, reference, c.load_gathered);
     double want_loss = 0;
     {
       torch::NoGradGuard no_grad;  // this rank's loss, as the model computes it
@@ -307,6 +332,33 @@ TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
                                     c.what = orig ? " use_orig_params" : "";
                                   });
       cases.insert(cases.end(), more.begin(), more.end());
+    }
+    return cases;
+  });
+}
+
+// torch::load(model, path) after fully_shard, the pretrained-weights habit
+// (Note [torch::load into a unit made in place]): each rank keeps its part
+// of what it read, without communication, before training and between steps
+// (the optimizer's state kept, as in plain LibTorch), also where an
+// evaluation left the root gathered; the model then trains like the plain
+// one that loaded the same file, every step.
+TEST(FullyShard, TorchLoadIntoTheShardedModelTrainsLikePlainLibTorch) {
+  expect_parity(parity_world_sizes(), [] {
+    std::vector<Case> cases;
+    for (const int at : {0, 2}) {
+      for (const bool gathered : {false, true}) {
+        const auto more = cases_for({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                     ShardingStrategy::kNoShard},
+                                    [&](Case& c) {
+                                      c.load_at = at;
+                                      c.load_gathered = gathered;
+                                      c.use_orig_params = at == 2;
+                                      c.what = ", torch::load before step " + std::to_string(at) +
+                                               (gathered ? " with the root gathered" : "");
+                                    });
+        cases.insert(cases.end(), more.begin(), more.end());
+      }
     }
     return cases;
   });
@@ -1358,10 +1410,11 @@ TEST(FullyShard, ShardedCheckpointResumesBitForBit) {
 
 // The experiment behind docs/using.md's torch::save caveat: Module::save
 // cannot be overridden in place, so the parameters it writes are what they
-// are at that moment: full under SummonFullParams, placeholders (no data)
-// outside, a file that 2.x refuses to load (1.13 takes it silently). And
-// torch::load into the sharded model is refused, naming the fix.
-TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
+// are at that moment: full under SummonFullParams; outside, placeholders
+// whose storage refuses the read (Note [Saving a sharded parameter]; before
+// LibTorch 2.4 a file of empty storages, which 1.13 loads silently). And
+// torch::load into the sharded model keeps each rank's part of the file.
+TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoad) {
   run_with_dir(2, [](int rank, int world, const std::string& dir) {
     torch::manual_seed(0);
     ListGpt model(2);
@@ -1379,14 +1432,29 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
       if (rank == 0) torch::save(model, full);
       for (const auto& p : model->parameters()) want.push_back(p.detach().clone());
     }
-    bool written = true;
+    // Outside it, on rank 0 alone (the habit): refused at once, without a
+    // collective the other rank does not issue, naming a parameter and the fix.
+    std::string refused;
     if (rank == 0) {
       try {
         torch::save(model, sharded);
-      } catch (const c10::Error&) {
-        written = false;
+      } catch (const c10::Error& e) {
+        refused = e.what();
+      }
+      if (compat::kRefusesDataReads) {
+        EXPECT_NE(refused.find("[rank 0] fsdp(parameters): the data of parameter '"),
+                  std::string::npos)
+            << refused;
+        EXPECT_NE(refused.find("fsdp::SummonFullParams full(*model)"), std::string::npos)
+            << refused;
+        // A parameter saved alone too.
+        EXPECT_NE(error_of([&] {
+                    torch::save(model->parameters()[0], dir + "/w.pt");
+                  }).find("fsdp::full_state_dict"),
+                  std::string::npos);
       }
     }
+    const bool written = refused.empty();
     default_process_group()->barrier().wait();
     ListGpt plain(2);
     torch::load(plain, full);
@@ -1400,12 +1468,40 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoadRefused) {
       EXPECT_THROW(torch::load(other, sharded), c10::Error)
           << "a file saved from placeholders loaded without a word";
     }
-    try {
+    // torch::load into the sharded model (Note [torch::load into a unit made
+    // in place]): after a step that changed the weights, the file's come
+    // back; inside SummonFullParams the gathered values show them at once.
+    lm_loss(model->forward(tokens), tokens).backward();
+    opt.step();
+    const auto expect_loaded = [&](const std::string& what) {
+      const auto got = model->parameters();
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], want[i])) << what << ", parameter " << i;
+      }
+    };
+    torch::load(model, full);
+    {
+      SummonFullParams gathered(*model);
+      expect_loaded("loaded while sharded");
+      for (const auto& p : model->parameters()) p.detach().add_(1);  // then loaded over
       torch::load(model, full);
-      ADD_FAILURE() << "torch::load into a fully_shard model was accepted";
-    } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("load_full_state_dict"), std::string::npos) << e.what();
+      expect_loaded("loaded under SummonFullParams");
     }
+    {
+      SummonFullParams gathered(*model);
+      expect_loaded("after the guard");
+    }
+    // A file of another model: the parameter named, before anything changed
+    // in its unit.
+    torch::manual_seed(5);
+    ListGpt other(2);
+    other->head = other->replace_module("head", torch::nn::Linear(kDim, kVocab + 1));
+    const std::string another = dir + "/another" + std::to_string(rank) + ".pt";
+    torch::save(other, another);
+    EXPECT_CONTAINS(
+        error_of([&] { torch::load(model, another); }),
+        "expected parameter 'head.weight' of shape [13, 16] from torch::load (set_), got "
+        "[14, 16]");
   });
 }
 

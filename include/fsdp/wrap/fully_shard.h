@@ -27,8 +27,9 @@ namespace fsdp {
 ///
 /// Outside forward and backward the parameters are sharded: reading one
 /// gathers its unit (collective, on every rank). torch::save(model) writes
-/// full values only under fsdp::SummonFullParams; prefer fsdp::Checkpointer
-/// or fsdp::full_state_dict.
+/// full values only under fsdp::SummonFullParams (outside, LibTorch 2.4+
+/// refuses the save naming a parameter); prefer fsdp::Checkpointer or
+/// fsdp::full_state_dict.
 ///
 /// Refused, before anything changes: a tree holding an active
 /// FullyShardedDataParallel wrapper (a tree is sharded one way), and
