@@ -380,7 +380,11 @@ std::vector<torch::Tensor> train_accumulating(const FSDPOptions& options, Accumu
     opt.zero_grad();
     for (int m = 0; m < 3; ++m) {
       root->set_requires_all_reduce(how == Accumulation::kSync || m == 2);
-      local_loss(root, step * 3 + m).backward();
+      auto [x, target] = global_batch(step * 3 + m);
+      // The output in float32 for the loss, as LibTorch 1.13's mse_loss
+      // does not promote.
+      torch::mse_loss(root->forward(local_block(x)).to(torch::kFloat), local_block(target))
+          .backward();
       if (how == Accumulation::kDropFirst && m == 0) root->zero_grad();
     }
     opt.step();
@@ -403,10 +407,16 @@ double max_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Te
 // reducing every micro-batch, far closer than a step that lost a
 // micro-batch (the control, which this tolerance must catch).
 TEST(HybridShard, AccumulatingWithinTheNodeUnderLowPrecision) {
+  std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kHalf};
+  try {
+    (void)torch::ones({2, 2}, torch::kHalf).mm(torch::ones({2, 2}, torch::kHalf));
+  } catch (const c10::Error&) {
+    dtypes.pop_back();  // LibTorch 1.13: reported skipped below
+  }
   const Layout layout{2, 2};
-  run_ranks_ok(layout.world(), [layout](int rank, int) {
+  run_ranks_ok(layout.world(), [layout, dtypes](int rank, int) {
     init_layout(rank, layout);
-    for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    for (const auto dtype : dtypes) {
       const std::string what = c10::toString(dtype);
       const auto options =
           FSDPOptions()
@@ -422,6 +432,8 @@ TEST(HybridShard, AccumulatingWithinTheNodeUnderLowPrecision) {
       EXPECT_GT(max_diff(dropped, sync), 5 * tolerance) << what << ": the control";
     }
   });
+  if (dtypes.size() == 1)
+    GTEST_SKIP() << "float16: this LibTorch has no float16 matrix product on the CPU";
 }
 
 // The model's zero_grad() between micro-batches drops what was kept within
