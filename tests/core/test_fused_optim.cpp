@@ -274,6 +274,19 @@ TEST(FusedOptim, StateSavedByOneLoadsIntoTheOther) {
     reference.step();
   }
   expect_close(ours, theirs);
+  // And back: a fused optimizer takes over LibTorch's state (a checkpoint
+  // of a run that used torch::optim::AdamW).
+  for (size_t i = 0; i < ours.size(); ++i) ours[i].detach().copy_(theirs[i].detach());
+  std::stringstream back;
+  torch::save(reference, back);
+  fsdp::optim::FusedAdamW resumed(groups(ours, adamw_options()));
+  torch::load(resumed, back);
+  for (int step = 15; step < 25; ++step) {
+    set_grads(ours, theirs, step);
+    resumed.step();
+    reference.step();
+  }
+  expect_close(ours, theirs);
 }
 
 // The copy a GPU would compute with, written in the step's own pass: equal
