@@ -146,6 +146,7 @@ void FlatParameter::set_unit_path(const std::string& path) {
 
 void FlatParameter::point_at_views() {
   const detail::UnreportedUses own;  // this set_data is the unit's own
+  const detail::OwnSetData own_data;
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
 }
 
@@ -162,6 +163,7 @@ void FlatParameter::point_at_placeholders() {
     }
   }
   const detail::UnreportedUses own;
+  const detail::OwnSetData own_data;
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
 }
 
@@ -180,6 +182,7 @@ void FlatParameter::bind(FlatParamSlot& slot) {
     // Same TensorImpl, grad accumulator (same dtype) and requires_grad; new
     // storage. The unit's own set_data (Note [Sharded placeholders]).
     const detail::UnreportedUses own;
+    const detail::OwnSetData own_data;
     slot.param.set_data(view);
   }
 }
@@ -350,10 +353,16 @@ void FlatParameter::begin_summon(at::Tensor full) {
   if (full.data_ptr() == shard_.data_ptr()) full = full.clone();  // NO_SHARD's shard
   summoned_ = full.detach();
   summoned_accumulators_.clear();
+  // A unit made in place sees operators on the summoned views too: torch::load
+  // inside the guard reaches it (Note [torch::load into a unit made in place]).
+  if (listener_ != nullptr) detail::track_storage(summoned_, listener_);
   const detail::UnreportedUses own;  // the unit's own set_data
+  const detail::OwnSetData own_data;
   for (auto& slot : slots_) {
     summoned_accumulators_.push_back(torch::autograd::impl::try_get_grad_accumulator(slot.param));
-    slot.param.set_data(summoned_.narrow(0, slot.offset, slot.numel).view(slot.shape));
+    at::Tensor view = summoned_.narrow(0, slot.offset, slot.numel).view(slot.shape);
+    if (listener_ != nullptr) view = detail::tracked_alias(view);
+    slot.param.set_data(view);
   }
   state_ = State::kSummoned;
 }
@@ -362,6 +371,7 @@ void FlatParameter::end_summon() {
   TORCH_INTERNAL_ASSERT(state_ == State::kSummoned, unit_label_, ": end_summon in state ",
                         to_string(state_));
   point_at_placeholders();
+  if (listener_ != nullptr) detail::untrack_storage(summoned_);
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (summoned_accumulators_[i]) {
       compat::set_grad_accumulator(slots_[i].param, summoned_accumulators_[i]);

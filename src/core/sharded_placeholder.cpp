@@ -37,6 +37,8 @@ struct Entry {
 // the operators it calls in turn (a composite's parts, the unit's own
 // set_data) pass through unreported; see also UnreportedUses.
 thread_local int t_reporting = 0;
+// OwnSetData scopes open on this thread.
+thread_local int t_own_set_data = 0;
 
 using ReportingScope = UnreportedUses;
 
@@ -425,10 +427,15 @@ bool load_into_unit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::Tensor self = args[0].toTensor();
   const at::Tensor source = args[1].toTensor();
   const c10::optional<Entry> entry = parameter_entry(self);
-  if (!entry || entry->listener == nullptr || source.key_set().has(kKey)) return false;
+  // In grad mode plain LibTorch refuses set_ on a leaf that requires grad;
+  // so does the refusal below. InputArchive::read runs under NoGradGuard.
+  if (!entry || entry->listener == nullptr || source.key_set().has(kKey) ||
+      at::GradMode::is_enabled()) {
+    return false;
+  }
   {
     ReportingScope scope;
-    entry->listener->load_param(self, source);
+    if (!entry->listener->load_param(self, source)) return false;  // an alias of a parameter
   }
   torch::jit::drop(*stack, n);
   stack->emplace_back(self);
@@ -445,8 +452,9 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   const size_t n = op.schema().arguments().size();
   const c10::ArrayRef<c10::IValue> args = last_values(stack, n);
   // Tensor::set_data reaches the dispatcher only through this check of its
-  // arguments (self, new data).
-  if (name == "aten::_has_compatible_shallow_copy_type" && t_reporting == 0) {
+  // arguments (self, new data). Inside SummonFullParams too (an unreported
+  // scope): only libfsdp's own set_data is let through.
+  if (name == "aten::_has_compatible_shallow_copy_type" && t_own_set_data == 0) {
     refuse_new_data(args);
   }
   // The first placeholder among the arguments; a gradient one wins, since
@@ -536,6 +544,9 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
 void begin_unreported_uses() { ++t_reporting; }
 void end_unreported_uses() { --t_reporting; }
 bool unreported_uses_active() { return t_reporting > 0; }
+OwnSetData::OwnSetData() { ++t_own_set_data; }
+OwnSetData::~OwnSetData() { --t_own_set_data; }
+
 UnreportedUses::UnreportedUses() { begin_unreported_uses(); }
 UnreportedUses::~UnreportedUses() { end_unreported_uses(); }
 

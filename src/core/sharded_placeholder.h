@@ -47,11 +47,11 @@ class ParamUseListener {
   /// zero_ on `grad`, one of the unit's moved gradients or a detached copy
   /// of one: the unit zeroes that parameter's gradient.
   virtual void moved_grad_zeroed(const at::Tensor& grad) = 0;
-  /// torch::load's set_ of `param`, one of the unit's parameters, to
-  /// `value`, a full parameter read from a file: the unit keeps this rank's
-  /// part (and, where `param` stays gathered, the whole). See Note
-  /// [torch::load into a unit made in place].
-  virtual void load_param(const at::Tensor& param, const at::Tensor& value) = 0;
+  /// torch::load's set_ of `param` to `value`, a full parameter read from a
+  /// file: where `param` is one of the unit's parameters (not an alias of
+  /// one) the unit keeps this rank's part (and, where it stays gathered, the
+  /// whole) and returns true. See Note [torch::load into a unit made in place].
+  virtual bool load_param(const at::Tensor& param, const at::Tensor& value) = 0;
   /// The dtype the operator's floating-point tensor inputs (not the unit's
   /// parameters) are cast to, as a wrapper casts its forward's inputs (mixed
   /// precision); nullopt: none. Asked after before_param_use.
@@ -92,6 +92,17 @@ class UnreportedUses {
   ~UnreportedUses();
   UnreportedUses(const UnreportedUses&) = delete;
   UnreportedUses& operator=(const UnreportedUses&) = delete;
+};
+/// While alive, set_data on this thread may give a unit's parameter other
+/// data: libfsdp's own pointing of its parameters at placeholders, views
+/// and summoned buffers. Any other (Module::to, torch::load of a file on
+/// another device, a user's) is refused, inside SummonFullParams too.
+class OwnSetData {
+ public:
+  OwnSetData();
+  ~OwnSetData();
+  OwnSetData(const OwnSetData&) = delete;
+  OwnSetData& operator=(const OwnSetData&) = delete;
 };
 /// UnreportedUses for an object's lifetime (SummonFullParams): begin in its
 /// constructor, end in its destructor, on the same thread.

@@ -150,7 +150,8 @@ void UnitRuntime::param_use_arguments(c10::ArrayRef<c10::IValue> args) {
     if (!t.defined() || !t.requires_grad()) return;
     if (!is_placeholder(t)) {
       inputs.push_back(t);
-    } else if (!t.has_storage() || !t.storage().is_alias_of(buffer.storage())) {
+    } else if (!t.has_storage() ||
+               t.storage().unsafeGetStorageImpl() != buffer.storage().unsafeGetStorageImpl()) {
       all_found = false;  // another unit's parameter: its node's reads are not counted
     }
   });
@@ -188,7 +189,8 @@ void UnitRuntime::write_back(c10::ArrayRef<c10::IValue> outputs) {
   std::vector<std::pair<int64_t, int64_t>> written;
   bool known = true;
   for_each_tensor(outputs, [&](const at::Tensor& t) {
-    if (!t.defined() || !t.has_storage() || !t.storage().is_alias_of(buffer.storage())) {
+    if (!t.defined() || !t.has_storage() ||
+        t.storage().unsafeGetStorageImpl() != buffer.storage().unsafeGetStorageImpl()) {
       known = false;
       return;
     }

@@ -142,7 +142,7 @@ class UnitRuntime final : public ParamUseListener {
   void write_back(c10::ArrayRef<c10::IValue> outputs);
   void moved_grad_detached(const at::Tensor& grad) override;
   void moved_grad_zeroed(const at::Tensor& grad) override;
-  void load_param(const at::Tensor& param, const at::Tensor& value) override;
+  bool load_param(const at::Tensor& param, const at::Tensor& value) override;
   c10::optional<at::ScalarType> compute_dtype() const override;
   bool holds_buffer(const at::Tensor& t) const override;
 

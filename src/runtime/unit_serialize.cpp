@@ -235,17 +235,18 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
 // Where the file's device differs from the model's, InputArchive::read calls
 // set_data instead, which is refused naming the device (Note [Module::to on
 // a sharded model]); torch::load(model, path, device) reads onto the model's.
-void detail::UnitRuntime::load_param(const at::Tensor& param, const at::Tensor& value) {
+bool detail::UnitRuntime::load_param(const at::Tensor& param, const at::Tensor& value) {
+  // An alias of a parameter (a detach(), a view) is no load: set_ on it is
+  // refused as any other set_ on the unit's storage.
+  const auto& slots = flat_->slots();
+  size_t i = 0;
+  while (i < slots.size() && !slots[i].param.is_same(param)) ++i;
+  if (i == slots.size()) return false;
   end_open_forward();  // an evaluation's forward may still be open
   before_state_use();  // Note [Steps during backward]
   const int rank = flat_->group().rank();
   FSDP_CHECK(state_ == Unit::TrainingState::kIdle, rank, path_, "torch::load reached ", label(),
              " in ", to_string(state_), ": load between steps, not inside forward or backward");
-  const auto& slots = flat_->slots();
-  size_t i = 0;
-  while (i < slots.size() && !slots[i].param.is_same(param)) ++i;
-  TORCH_INTERNAL_ASSERT(i < slots.size(), "fsdp: torch::load reached a parameter ", label(),
-                        " does not hold");
   const FlatParamSlot& slot = slots[i];
   FSDP_CHECK(value.sizes() == at::IntArrayRef(slot.shape), rank, path_, "expected parameter '",
              slot.name, "' of shape ", at::IntArrayRef(slot.shape),
@@ -268,6 +269,7 @@ void detail::UnitRuntime::load_param(const at::Tensor& param, const at::Tensor& 
         .copy_(value.reshape({-1}).narrow(0, part.in_param, part.numel));
   }
   if (flat_->state() != State::kSharded) param.detach().copy_(value);
+  return true;
 }
 
 void Unit::load_unit(torch::nn::Module& self, InputArchive& archive) {

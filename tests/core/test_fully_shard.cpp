@@ -139,8 +139,8 @@ struct Case {
   bool input_grad_before_step = false;
   // Before step `load_at`'s forward (-1: never): torch::load of a plain
   // model's file (other weights) into the model on every rank, and into the
-  // reference; with `load_gathered`, after an evaluation forward that leaves
-  // the root gathered.
+  // reference; with `load_gathered`, after a forward in grad mode that no
+  // backward follows, which leaves the root gathered.
   int load_at = -1;
   bool load_gathered = false;
   std::string what;
@@ -155,8 +155,8 @@ void load_pretrained(ListGpt& model, ListGpt& reference, bool gathered) {
       ::testing::TempDir() + "/fully_shard_pretrained_" + std::to_string(getpid()) + ".pt";
   torch::save(pretrained, path);
   if (gathered) {
-    torch::NoGradGuard no_grad;
     (void)model->forward(torch::zeros({1, kSeq}, torch::kLong));
+    EXPECT_NE(unit_of(*model)->flat_param()->state(), FlatParameter::State::kSharded);
   }
   torch::load(model, path);
   torch::load(reference, path);
@@ -1470,29 +1470,55 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoad) {
     }
     // torch::load into the sharded model (Note [torch::load into a unit made
     // in place]): after a step that changed the weights, the file's come
-    // back; inside SummonFullParams the gathered values show them at once.
-    lm_loss(model->forward(tokens), tokens).backward();
-    opt.step();
+    // back; inside SummonFullParams (plain, and under mixed precision, whose
+    // guard summons into a buffer of its own) the gathered values show them
+    // at once, and the shards keep them after it.
+    const auto step_away = [&] {
+      lm_loss(model->forward(tokens), tokens).backward();
+      opt.step();
+      opt.zero_grad();
+    };
     const auto expect_loaded = [&](const std::string& what) {
       const auto got = model->parameters();
       for (size_t i = 0; i < want.size(); ++i) {
         EXPECT_TRUE(torch::equal(got[i], want[i])) << what << ", parameter " << i;
       }
     };
+    step_away();
     torch::load(model, full);
     {
       SummonFullParams gathered(*model);
       expect_loaded("loaded while sharded");
-      for (const auto& p : model->parameters()) p.detach().add_(1);  // then loaded over
+    }
+    step_away();
+    {
+      SummonFullParams gathered(*model);
       torch::load(model, full);
       expect_loaded("loaded under SummonFullParams");
     }
     {
       SummonFullParams gathered(*model);
-      expect_loaded("after the guard");
+      expect_loaded("loaded under SummonFullParams, after the guard");
     }
-    // A file of another model: the parameter named, before anything changed
-    // in its unit.
+    {
+      torch::manual_seed(0);
+      ListGpt low(2);
+      Unit& low_root = fully_shard(
+          low, module_type_policy<BlockImpl>(),
+          FSDPOptions().mixed_precision(MixedPrecision().param_dtype(torch::kBFloat16)));
+      (void)low_root;
+      {
+        SummonFullParams gathered(*low);
+        torch::load(low, full);
+      }
+      SummonFullParams gathered(*low);
+      const auto got = low->parameters();
+      for (size_t i = 0; i < want.size(); ++i) {
+        EXPECT_TRUE(torch::equal(got[i], want[i])) << "mixed precision, parameter " << i;
+      }
+    }
+    // A file of another model: the parameter named (what its unit held
+    // before it in the file is loaded, as in plain LibTorch).
     torch::manual_seed(5);
     ListGpt other(2);
     other->head = other->replace_module("head", torch::nn::Linear(kDim, kVocab + 1));

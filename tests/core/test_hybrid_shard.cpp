@@ -371,8 +371,13 @@ enum class Accumulation {
   kDropFirst,   // the same, with the model's zero_grad() after micro-batch 0
 };
 
-// Full parameters after three steps of three micro-batches each, SGD.
-std::vector<torch::Tensor> train_accumulating(const FSDPOptions& options, Accumulation how) {
+// Full parameters after three steps of three micro-batches each, SGD; the
+// all-reduces across the nodes are counted into `across`.
+std::vector<torch::Tensor> train_accumulating(FSDPOptions options, Accumulation how, int per_node,
+                                              int64_t& across) {
+  HybridGroups groups = new_hybrid_groups(default_process_group(), per_node);
+  auto replicate = std::make_shared<CountingProcessGroup>(groups.replicate);
+  options.hybrid_groups(HybridGroups{groups.world, groups.shard, replicate});
   torch::manual_seed(0);
   Root root = make_root(options);
   torch::optim::SGD opt(root->parameters(), torch::optim::SGDOptions(0.1));
@@ -389,6 +394,7 @@ std::vector<torch::Tensor> train_accumulating(const FSDPOptions& options, Accumu
     }
     opt.step();
   }
+  across = replicate->all_reduces.load();
   return full_params(root);
 }
 
@@ -401,39 +407,48 @@ double max_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Te
 }
 
 // Accumulating within the node under mixed precision: the micro-batches
-// reduce-scattered in bf16 (or float16, divided before they are added: Note
+// reduce-scattered in `dtype` (float16 divided before they are added: Note
 // [Averaging float16 gradients]) are kept in float32 and rounded once, for
-// the all-reduce across the nodes. The result stays within that rounding of
-// reducing every micro-batch, far closer than a step that lost a
-// micro-batch (the control, which this tolerance must catch).
-TEST(HybridShard, AccumulatingWithinTheNodeUnderLowPrecision) {
-  std::vector<at::ScalarType> dtypes = {at::kBFloat16, at::kHalf};
+// the all-reduce across the nodes, which runs once a step instead of once a
+// micro-batch. The result differs from reducing every micro-batch by that
+// rounding only (seen: 2.4e-4 in bf16, 4.3e-5 in float16), far less than a
+// step that lost a micro-batch (0.028; the control, which the tolerance
+// must catch).
+void expect_accumulation_within_the_node_under(at::ScalarType dtype, double tolerance) {
+  const Layout layout{2, 2};
+  run_ranks_ok(layout.world(), [layout, dtype, tolerance](int rank, int) {
+    init_layout(rank, layout);
+    const std::string what = c10::toString(dtype);
+    const auto options =
+        FSDPOptions()
+            .sharding_strategy(ShardingStrategy::kHybridShard)
+            .mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(dtype));
+    int64_t sync_across = 0, within_across = 0, dropped_across = 0;
+    const auto sync =
+        train_accumulating(options, Accumulation::kSync, layout.per_node, sync_across);
+    const auto within =
+        train_accumulating(options, Accumulation::kWithinNode, layout.per_node, within_across);
+    const auto dropped =
+        train_accumulating(options, Accumulation::kDropFirst, layout.per_node, dropped_across);
+    const int units = 3, steps = 3, micro_batches = 3;
+    EXPECT_EQ(sync_across, units * steps * micro_batches) << what;
+    EXPECT_EQ(within_across, units * steps) << what;
+    EXPECT_LT(max_diff(within, sync), tolerance) << what;
+    EXPECT_GT(max_diff(dropped, sync), 5 * tolerance) << what << ": the control";
+  });
+}
+
+TEST(HybridShard, AccumulatingWithinTheNodeUnderBf16) {
+  expect_accumulation_within_the_node_under(at::kBFloat16, 2e-3);
+}
+
+TEST(HybridShard, AccumulatingWithinTheNodeUnderFloat16) {
   try {
     (void)torch::ones({2, 2}, torch::kHalf).mm(torch::ones({2, 2}, torch::kHalf));
   } catch (const c10::Error&) {
-    dtypes.pop_back();  // LibTorch 1.13: reported skipped below
+    GTEST_SKIP() << "this LibTorch has no float16 matrix product on the CPU";
   }
-  const Layout layout{2, 2};
-  run_ranks_ok(layout.world(), [layout, dtypes](int rank, int) {
-    init_layout(rank, layout);
-    for (const auto dtype : dtypes) {
-      const std::string what = c10::toString(dtype);
-      const auto options =
-          FSDPOptions()
-              .sharding_strategy(ShardingStrategy::kHybridShard)
-              .mixed_precision(MixedPrecision().param_dtype(dtype).reduce_dtype(dtype));
-      const auto sync = train_accumulating(options, Accumulation::kSync);
-      const auto within = train_accumulating(options, Accumulation::kWithinNode);
-      const auto dropped = train_accumulating(options, Accumulation::kDropFirst);
-      // Seen: 2.4e-4 (bf16) and 4.3e-5 (float16) from reducing every
-      // micro-batch, 0.028 from losing one.
-      const double tolerance = dtype == at::kHalf ? 5e-4 : 2e-3;
-      EXPECT_LT(max_diff(within, sync), tolerance) << what;
-      EXPECT_GT(max_diff(dropped, sync), 5 * tolerance) << what << ": the control";
-    }
-  });
-  if (dtypes.size() == 1)
-    GTEST_SKIP() << "float16: this LibTorch has no float16 matrix product on the CPU";
+  expect_accumulation_within_the_node_under(at::kHalf, 5e-4);
 }
 
 // The model's zero_grad() between micro-batches drops what was kept within
