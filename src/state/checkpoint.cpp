@@ -129,8 +129,8 @@ void warn_of_later_checkpoints(const std::string& parent, int64_t step,
   for (const std::string& p : later) paths += (paths.empty() ? "" : ", ") + p;
   TORCH_WARN(detail::error_prefix(/*rank=*/0, parent), "saved step ", step,
              " beside complete checkpoints of later steps (", paths,
-             "); resume() would load the newest of them, not this one. Remove them if this "
-             "run replaced them (a run rolled back to an earlier step).");
+             "), which keep_last leaves alone; resume() loads the checkpoint saved last. Remove "
+             "them if this run replaced them (a run rolled back to an earlier step).");
 }
 
 }  // namespace
@@ -258,6 +258,12 @@ void Checkpointer::register_state(const std::string& name, ShardedGradScaler& sc
 }
 
 void Checkpointer::save(const std::string& dir, int64_t step, StateDictType type) {
+  // Every rank refuses it alike, before any collective. A negative step's
+  // directory (step--000000001) is one resume() and keep_last never see.
+  FSDP_CHECK(step >= 0, detail::rank_or_none(detail::state_group(impl_->model)), dir,
+             "expected a step of 0 or more to save, got ", step,
+             ". resume() returns -1 where there is nothing to resume: save the step the "
+             "loop is at (0 before the first)");
   detail::SaveRequest request;
   request.dir = dir;
   request.full = type == StateDictType::kFull;
@@ -564,7 +570,10 @@ int64_t Checkpointer::resume(const std::string& parent) {
     std::exception_ptr tidy_error;
     if (root) {
       try {
-        detail::tidy_checkpoints(parent, impl_->options.keep_last(), {dir});
+        // Checkpoints of later steps than the one saved last are a run
+        // rolled back from: left alone (Note [Checkpoints of a run rolled back]).
+        detail::tidy_checkpoints(parent, impl_->options.keep_last(), {dir},
+                                 static_cast<int64_t>(chosen));
       } catch (...) {
         tidy_error = std::current_exception();
       }

@@ -292,11 +292,39 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
     // lstat: a marker that is not a regular file is found (and refused when
     // verified); one in a "step-" entry that is not a directory is not.
     s.marked = is_marked(join(s.path, kCompletionMarker));
+    if (s.marked) {
+      try {
+        const std::string marker = join(s.path, kCompletionMarker);
+        s.sequence = parse_marker(read_small_file(marker, kMaxManifestBytes), marker).sequence;
+      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): verifying it says why
+      }
+    }
     out.push_back(std::move(s));
   }
-  std::sort(out.begin(), out.end(),
-            [](const StepDirectory& a, const StepDirectory& b) { return a.step > b.step; });
+  // See Note [Checkpoints saved last].
+  std::sort(out.begin(), out.end(), [](const StepDirectory& a, const StepDirectory& b) {
+    return a.sequence != b.sequence ? a.sequence > b.sequence : a.step > b.step;
+  });
   return out;
+}
+
+// Note [Checkpoints saved last]
+// resume() loads the checkpoint saved last, which is the one of the highest
+// step except where a run was rolled back: a run that loaded step 800 of
+// 800, 900 and 1000 and saved 850 and 860 before it crashed resumed from
+// 1000, the run it had abandoned, and the retention of that resume counted
+// 1000 and 900 as the newest and removed everything the rolled-back run had
+// saved. So each marker carries its place among the saves into its parent
+// (one more than the highest there, taken when rank 0 seals it), and the
+// step directories are ordered by it, then by step: resume(),
+// latest_checkpoint() and keep_last's count follow the order of the saves.
+// A marker written before the field has 0, so older checkpoints keep their
+// order by step and any new save comes after them. Copying checkpoints
+// (cp without -p) keeps the order, which no modification time would.
+int64_t next_sequence(const std::string& parent) {
+  int64_t highest = 0;
+  for (const StepDirectory& s : step_directories(parent)) highest = std::max(highest, s.sequence);
+  return highest + 1;
 }
 
 }  // namespace fsdp::detail

@@ -92,11 +92,19 @@ struct StepDirectory {
   int64_t step = 0;     ///< the step its name says
   std::string path;     ///< parent/step-<10 digits>
   bool marked = false;  ///< it holds a completion marker (else: torn or in progress)
+  /// Its marker's CompletionMarker::sequence; 0 without one, or where the
+  /// marker cannot be read (verifying it says why).
+  int64_t sequence = 0;
 };
 
-/// Every "step-<10 digits>" entry under `parent`, highest step first; empty
-/// when `parent` does not exist. Throws CheckpointError if it cannot be read.
+/// Every "step-<10 digits>" entry under `parent`, saved last first (Note
+/// [Checkpoints saved last]: by marker sequence, then by step); empty when
+/// `parent` does not exist. Throws CheckpointError if it cannot be read.
 std::vector<StepDirectory> step_directories(const std::string& parent);
+
+/// The sequence number the next save under `parent` takes: one more than
+/// the highest of its step directories' (Note [Checkpoints saved last]).
+int64_t next_sequence(const std::string& parent);
 
 /// The name of step `step`'s directory, "step-<10 digits>" (zero-padded, so
 /// names sort by step); fsdp::checkpoint_path() puts it under a parent.

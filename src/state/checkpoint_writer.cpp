@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -136,9 +138,13 @@ void write_sharded(const std::vector<LocalPiece>& pieces, torch::optim::Optimize
 
 // Rank 0 streams the full tensors as the walker gathers them; the other ranks
 // only take part in the gathers. A write error on rank 0 is kept until the
-// walk ends, so that no rank is left waiting in a gather.
+// walk ends, so that no rank is left waiting in a gather. What is left once
+// the gathers are over, rank 0's commit of its files (an fsync of the whole
+// model and optimizer state), is set in `commit`, for the caller to run
+// where the other ranks wait for it in rounds.
 std::exception_ptr write_full(torch::nn::Module& root, torch::optim::Optimizer* opt, int rank,
-                              const std::string& dir, RankManifest& manifest) {
+                              const std::string& dir, RankManifest& manifest,
+                              std::function<void()>& commit) {
   FullWalker walker(root, opt, /*model=*/true);
   if (rank != 0) {
     walker.walk([](size_t, const at::Tensor&) {});
@@ -182,15 +188,15 @@ std::exception_ptr write_full(torch::nn::Module& root, torch::optim::Optimizer* 
     }
   });
   if (error) return error;
-  try {
+  auto held = std::make_shared<std::vector<std::unique_ptr<AtomicFileWriter>>>();
+  for (int f = 0; f < files; ++f) held->push_back(std::move(writers[f]));
+  commit = [held, &manifest, records = std::move(records), files, names]() mutable {
     for (int f = 0; f < files; ++f) {
-      manifest.files.push_back({names[f], writers[f]->size(), writers[f]->crc32()});
-      writers[f]->commit();
+      manifest.files.push_back({names[f], (*held)[f]->size(), (*held)[f]->crc32()});
+      (*held)[f]->commit();
     }
     manifest.tensors = std::move(records);
-  } catch (...) {
-    return std::current_exception();
-  }
+  };
   return nullptr;
 }
 
@@ -203,8 +209,18 @@ void check_dtypes(torch::nn::Module& root) {
     safetensors_dtype(p.saved_dtype, "model/" + p.name);
 }
 
+// The directory `dir` is in ("." for a bare name).
+std::string parent_of(const std::string& dir) {
+  const auto end = dir.find_last_not_of('/');
+  if (end == std::string::npos) return "/";
+  const auto slash = dir.find_last_of('/', end);
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : dir.substr(0, slash);
+}
+
 CompletionMarker make_marker(const std::string& dir, int world, const SaveRequest& request) {
   CompletionMarker marker;
+  marker.sequence = next_sequence(parent_of(dir));  // Note [Checkpoints saved last]
   marker.world_size = world;
   marker.kind = request.full ? "full" : "sharded";
   marker.step = request.step;
@@ -253,13 +269,24 @@ void write_checkpoint(torch::nn::Module& root, torch::optim::Optimizer* opt,
   manifest.extra = request.extra;
   manifest.param_groups = request.param_groups;
   if (request.full) {
+    std::function<void()> commit;
     try {
-      error = write_full(root, opt, rank, dir, manifest);
-      if (!error) write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
+      error = write_full(root, opt, rank, dir, manifest, commit);
     } catch (...) {
       error = std::current_exception();
     }
-    agree(group, error, dir, "writing its files", kIncomplete);
+    // Rank 0's commit may outlast the collective timeout (hundreds of GB
+    // flushed): the others wait for it in rounds (Note [Waiting for a rank
+    // that writes more]).
+    agree_after_work(
+        group,
+        [&] {
+          if (error) std::rethrow_exception(error);
+          slow_save_fault(rank);
+          if (commit) commit();
+          write_file_atomically(dir + "/" + manifest_name(rank), encode_manifest(manifest));
+        },
+        {}, dir, "writing its files", kIncomplete);
   } else {
     // Ranks write unequal shares (NO_SHARD: rank 0 all of it), so the others
     // wait in rounds (Note [Waiting for a rank that writes more]).

@@ -282,6 +282,7 @@ std::string encode_marker(const CompletionMarker& m) {
             {"world_size", m.world_size},
             {"kind", m.kind},
             {"step", m.step},
+            {"sequence", m.sequence},
             {"manifests", manifests}};
   j["crc32"] = marker_checksum(j);
   return j.dump(1);
@@ -307,6 +308,8 @@ CompletionMarker parse_marker(const std::string& text, const std::string& file) 
   m.kind = field<std::string>(j, "kind", file);
   check_kind(m.kind, file);
   m.step = field<int64_t>(j, "step", file);
+  // Absent from markers written before it (Note [Checkpoints saved last]).
+  if (j.find("sequence") != j.end()) m.sequence = field<int64_t>(j, "sequence", file);
   const json manifests = field<json>(j, "manifests", file);
   if (!manifests.is_array()) throw CheckpointError(file, "manifests must be an array");
   for (const auto& f : manifests) m.manifests.push_back(parse_file(f, file));

@@ -58,6 +58,9 @@ struct CompletionMarker {
   std::string kind;                   ///< "full" or "sharded"
   int64_t step = 0;                   ///< the training step saved
   std::vector<FileRecord> manifests;  ///< rank<R>.json, one per rank
+  /// Its place among the saves into its parent directory, 1 for the first
+  /// (Note [Checkpoints saved last]); 0 in markers written before it.
+  int64_t sequence = 0;
 };
 
 /// `bytes` as lowercase hex digits, two a byte.

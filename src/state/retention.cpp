@@ -105,11 +105,12 @@ void restore_cut_short_replacements(const std::string& parent) {
 // A run that loads an earlier step (a loss spike: load step 800 of 800, 900
 // and 1000) and trains on saves steps below the abandoned run's. Counted by
 // number, those would fill keep_last: each new save removed the one before
-// it, and the step loaded, while the abandoned ones stayed, and resume()
-// after a crash picked the newest of them. So save_step leaves complete
-// checkpoints of later steps alone and out of the count, and warns that they
-// are there (removing them is the user's call: they may be wanted); the
-// directory load() read is kept as resume()'s is.
+// it, and the step loaded, while the abandoned ones stayed. So save_step,
+// and resume() (up to the step it loaded, the one saved last: Note
+// [Checkpoints saved last]), leave complete checkpoints of later steps alone
+// and out of the count, and save_step warns that they are there (removing
+// them is the user's call: they may be wanted); the directory load() read is
+// kept as resume()'s is.
 std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t keep_last,
                                           const std::vector<std::string>& keep, int64_t up_to) {
   restore_cut_short_replacements(parent);

@@ -126,6 +126,16 @@ TEST(CheckpointFaults, FlippedDigitInTheMarkerBlamesTheMarker) {
   remove_test_dir(root);
 }
 
+// Entries of `dir` whose name starts like a step's ("step-" or ".step-").
+size_t entries_named_step(const std::string& dir) {
+  std::error_code ec;
+  size_t n = 0;
+  for (const std::string& name : detail::list_dir(dir, ec)) {
+    n += name.rfind("step-", 0) == 0 || name.rfind(".step-", 0) == 0 ? 1 : 0;
+  }
+  return n;
+}
+
 TEST(CheckpointFaults, MarkerStepMustMatchManifestsAndDirectoryName) {
   const std::string root = test_dir();
   // A step-<N> directory whose marker was edited (checksum and all) from 20 to 29.
@@ -150,6 +160,11 @@ TEST(CheckpointFaults, MarkerStepMustMatchManifestsAndDirectoryName) {
                {"step-0000000031", "is named for step 31, not step 30", "save_step(parent, 30)"});
   struct stat st {};
   EXPECT_NE(::stat(wrong.c_str(), &st), 0) << wrong << " was made";
+  // A negative step (resume()'s -1 saved as it is): refused, nothing made;
+  // its directory was one that resume() and keep_last never saw.
+  expect_error([&] { Checkpointer(*t.model, t.opt.get()).save_step(root, -1); },
+               {"expected a step of 0 or more to save, got -1", "resume() returns -1"});
+  EXPECT_EQ(entries_named_step(root), 1u) << "only step 20's directory";
   remove_test_dir(root);
 }
 
@@ -306,6 +321,43 @@ TEST(CheckpointFaults, ARolledBackRunKeepsItsCheckpointsAndIsWarnedOfLaterOnes) 
   EXPECT_EQ(entries(root),
             (std::set<std::string>{"step-0000000800", "step-0000000860", "step-0000000870",
                                    "step-0000000900", "step-0000001000"}));
+  remove_test_dir(root);
+}
+
+// The rolled-back run crashes after saving 850 and 860, and fsdprun's
+// restart resumes (Note [Checkpoints saved last]): it loads 860, what the
+// run saved last, not the abandoned 1000 (which it used to, its retention
+// then removing 850 and 860); keep_last(2) counts 860 and 850 and leaves the
+// later steps alone. A save after that resume keeps the order.
+TEST(CheckpointFaults, ResumeAfterARollBackLoadsWhatItSavedLast) {
+  const std::string root = test_dir();
+  save_steps(root, {800, 900, 1000});
+  const auto options = CheckpointerOptions().keep_last(2);
+  torch::OrderedDict<std::string, torch::Tensor> at_860;
+  {
+    Trained t(7);
+    Checkpointer ckpt(*t.model, t.opt.get(), options);
+    ckpt.load(checkpoint_path(root, 800));
+    compat::WarningCollector quiet;
+    ckpt.save_step(root, 850);
+    train(*t.model, *t.opt, 1);  // the run goes on: 860 differs from 850
+    ckpt.save_step(root, 860);
+    at_860 = full_state_dict(*t.model);
+  }
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 860));
+  Trained restarted(9);
+  Checkpointer ckpt(*restarted.model, restarted.opt.get(), options);
+  EXPECT_EQ(ckpt.resume(root), 860);
+  expect_bitwise_equal(full_state_dict(*restarted.model), at_860, "resumed");
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000850", "step-0000000860",
+                                                  "step-0000000900", "step-0000001000"}));
+  {
+    compat::WarningCollector quiet;
+    ckpt.save_step(root, 861);
+  }
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 861));
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000860", "step-0000000861",
+                                                  "step-0000000900", "step-0000001000"}));
   remove_test_dir(root);
 }
 
@@ -610,12 +662,17 @@ TEST(CheckpointFaults, ARankWritingLongerThanTheTimeoutIsWaitedFor) {
         auto opt = make_optimizer("adam", model->parameters());
         train(*model, *opt, 1);
         const auto saved = full_state_dict(*model);
+        // A sharded save (NO_SHARD: rank 0 writes everything), and a full
+        // one, whose rank 0 commits its files after the gathers.
         Checkpointer(*model, opt.get()).save_step(dir, 1);
+        Checkpointer(*model, opt.get()).save_step(dir, 2, StateDictType::kFull);
         ::unsetenv("FSDP_FAULT_SLOW_SAVE");
-        auto other = make_model(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard), 5);
-        auto other_opt = make_optimizer("adam", other->parameters());
-        EXPECT_EQ(Checkpointer(*other, other_opt.get()).resume(dir), 1);
-        expect_bitwise_equal(full_state_dict(*other), saved, "resumed");
+        for (const int64_t step : {2, 1}) {
+          auto other = make_model(FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard), 5);
+          auto other_opt = make_optimizer("adam", other->parameters());
+          EXPECT_EQ(Checkpointer(*other, other_opt.get()).load(checkpoint_path(dir, step)), step);
+          expect_bitwise_equal(full_state_dict(*other), saved, "loaded");
+        }
       },
       env);
   remove_test_dir(dir);

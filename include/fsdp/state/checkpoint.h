@@ -36,9 +36,10 @@ const char* to_string(StateDictType type);
 /// by step: where Checkpointer::save_step() saves and resume() looks.
 std::string checkpoint_path(const std::string& parent, int64_t step);
 
-/// The complete checkpoint directory under `parent` with the highest step
-/// (directories named as checkpoint_path() names them, "step-<10 digits>",
-/// that hold a completion marker), or "" if none. Nothing is verified.
+/// The complete checkpoint directory under `parent` saved last (directories
+/// named as checkpoint_path() names them, "step-<10 digits>", that hold a
+/// completion marker; the one of the highest step unless a run was rolled
+/// back to an earlier step), or "" if none. Nothing is verified.
 std::string latest_checkpoint(const std::string& parent);
 
 /// Verifies the checkpoint `dir` without loading it: the completion marker
@@ -51,9 +52,10 @@ void verify_checkpoint(const std::string& dir);
 
 /// Options of a Checkpointer.
 struct CheckpointerOptions {
-  /// save_step() keeps the newest `keep_last` complete checkpoints under its
-  /// parent and removes the older ones, never the one it just wrote nor the
-  /// one resume() loaded; 0 keeps them all.
+  /// save_step() keeps the `keep_last` complete checkpoints under its parent
+  /// saved last and removes the others, never the one it just wrote nor the
+  /// one resume() loaded, nor those of later steps than it writes (a run
+  /// rolled back to an earlier step); 0 keeps them all.
   TORCH_ARG(int64_t, keep_last) = 0;
 };
 
@@ -106,12 +108,13 @@ class Checkpointer {
   /// Throws CheckpointError for an incomplete or damaged checkpoint, on every
   /// rank when any rank fails (see Note [Collective load]).
   int64_t load(const std::string& dir);
-  /// Loads the newest complete checkpoint under `parent` that verifies, as
-  /// rank 0 sees it, and returns its step; returns -1 and changes nothing
-  /// when there is none. Rank 0 warns about each newer one it skipped and
-  /// why, and removes what interrupted saves left and the checkpoints beyond
-  /// keep_last, as save_step does (never the one loaded). Throws
-  /// on every rank when checkpoints exist but none verifies.
+  /// Loads the complete checkpoint under `parent` saved last that verifies
+  /// (the highest step, unless a run was rolled back), as rank 0 sees it,
+  /// and returns its step; returns -1 and changes nothing when there is
+  /// none. Rank 0 warns about each newer one it skipped and why, and removes
+  /// what interrupted saves left and the checkpoints beyond keep_last, as
+  /// save_step does (never the one loaded). Throws on every rank when
+  /// checkpoints exist but none verifies.
   int64_t resume(const std::string& parent);
 
  private:
