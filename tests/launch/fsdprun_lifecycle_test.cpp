@@ -73,6 +73,15 @@ TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 3) << r.err;
   EXPECT_NE(r.err.find("rank 0 (local rank 0"), std::string::npos) << r.err;
+  // The forced kill is said (torchrun: "forcefully exiting via SIGKILL"),
+  // and the last line names the failure again, after the other rank's
+  // output, as torchrun's summary does.
+  EXPECT_NE(r.err.find("fsdprun: local rank 1 (pid "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(") still running 1 s after SIGTERM; sending SIGKILL"), std::string::npos)
+      << r.err;
+  const auto last = r.err.rfind("fsdprun: job failed: rank 0 (local rank 0, pid ");
+  EXPECT_NE(last, std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\n', last), r.err.size() - 1) << "not the last line:\n" << r.err;
   EXPECT_GE(r.elapsed, milliseconds(900));
   EXPECT_LT(r.elapsed, seconds(8));
   expect_all_gone(dir, 2);
@@ -108,8 +117,11 @@ TEST(FsdprunFailure, AFailureIsSaidAtOnceAndOutlivesALaterSignal) {
   const RunResult r = launcher.wait(kRunTimeout);
   ASSERT_FALSE(r.timed_out) << r.err;
   EXPECT_EQ(r.exit_code, 3) << r.err;
-  EXPECT_EQ(count_occurrences(r.err, "exited with status 3"), 1) << "restarted: " << r.err;
-  EXPECT_NE(r.err.find("stopped by SIGINT after that failure"), std::string::npos) << r.err;
+  // Said at once and again in the last line; a restart would say it anew.
+  EXPECT_EQ(count_occurrences(r.err, "exited with status 3"), 2) << "restarted: " << r.err;
+  EXPECT_EQ(count_occurrences(r.err, "stopping the other ranks"), 1) << "restarted: " << r.err;
+  EXPECT_NE(r.err.find("stopped by SIGINT after that failure: " + failed), std::string::npos)
+      << r.err;
 }
 
 /// Expects every rank in [0, count) to have recorded `signo`

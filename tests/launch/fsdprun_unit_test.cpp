@@ -30,6 +30,15 @@ std::string env_value(const std::vector<std::string>& env, const std::string& ke
   return "<unset>";
 }
 
+// torchrun's help asks for IPv6 addresses in brackets and hands the ranks
+// the address without them.
+TEST(FsdprunOptions, BracketedIpv6MasterAddrReachesTheRanksWithoutBrackets) {
+  const ParseResult r = parse_options({"--master-addr", "[::1]", "prog"});
+  ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
+  EXPECT_EQ(r.options.master_addr, "::1");
+  EXPECT_EQ(parse_options({"--master-addr", "::1", "prog"}).options.master_addr, "::1");
+}
+
 TEST(FsdprunOptions, DefaultsForSingleNode) {
   const ParseResult r = parse_options({"prog"});
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;

@@ -177,15 +177,21 @@ int launch(LaunchOptions options) {
       case AttemptResult::Outcome::kInterrupted:
         err.write("fsdprun: stopped by " + signal_name(result.signal) + "\n");
         return 128 + result.signal;
-      case AttemptResult::Outcome::kRankFailed:  // the supervisor said which, at once
+      // The supervisor said which rank failed, at once; the other ranks'
+      // output (their tracebacks, shutdown messages) came after it, so the
+      // last line names it again, as torchrun's summary does.
+      case AttemptResult::Outcome::kRankFailed:
         if (result.signal != 0) {
-          err.write("fsdprun: stopped by " + signal_name(result.signal) + " after that failure\n");
+          err.write("fsdprun: stopped by " + signal_name(result.signal) +
+                    " after that failure: " + result.failure + "\n");
           return result.exit_code;
         }
         if (restart < options.max_restarts) continue;
         if (options.max_restarts > 0) {
           err.write("fsdprun: giving up after " + std::to_string(options.max_restarts) +
-                    " restarts\n");
+                    " restarts; the last failure: " + result.failure + "\n");
+        } else {
+          err.write("fsdprun: job failed: " + result.failure + "\n");
         }
         return result.exit_code;
     }

@@ -97,7 +97,12 @@ bool Parser::apply(const FlagSpec& spec, const std::string& name,
     }
     case Flag::kMasterAddr:
       if (value->empty()) return fail(bad_value(name, *value, "must not be empty"));
-      opts_.master_addr = *value;
+      // torchrun's form of an IPv6 address, "[::1]": the ranks get "::1".
+      if (value->size() > 2 && value->front() == '[' && value->back() == ']') {
+        opts_.master_addr = value->substr(1, value->size() - 2);
+      } else {
+        opts_.master_addr = *value;
+      }
       break;
     case Flag::kMasterPort: {
       auto port = parse_int(*value, 1, 65535);

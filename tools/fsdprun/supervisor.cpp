@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <sstream>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -39,6 +40,12 @@ constexpr std::chrono::seconds kGroupGrace{2};
 
 /// Poll period while waiting for processes whose exit sends us no SIGCHLD.
 constexpr int kGroupPollMs = 20;
+
+/// After SIGKILL, how long to wait for a rank itself: one that outlives it
+/// is stuck in the kernel (an uninterruptible GPU or network driver call)
+/// and may never exit; fsdprun leaves it and ends, as torchrun does, rather
+/// than wait forever.
+constexpr std::chrono::seconds kUnkillableGrace{10};
 
 }  // namespace
 
@@ -82,12 +89,24 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
       if (killed_at_ && Clock::now() >= *killed_at_ + kGroupGrace) break;
     }
     if (stopping_ && !killed_at_ && Clock::now() >= kill_deadline_) {
+      std::ostringstream after;
+      after << options_.kill_timeout_s;
+      err_.write("fsdprun: " + running_ranks() + " still running " + after.str() +
+                 " s after SIGTERM; sending SIGKILL\n");
       signal_groups(SIGKILL);
       killed_at_ = Clock::now();
+    }
+    if (!ranks_done && killed_at_ && Clock::now() >= *killed_at_ + kUnkillableGrace) {
+      err_.write("fsdprun: " + running_ranks() + " did not exit " +
+                 std::to_string(kUnkillableGrace.count()) +
+                 " s after SIGKILL (stuck in the kernel: a GPU or network driver call?); "
+                 "leaving it and ending\n");
+      break;
     }
 
     int timeout_ms = -1;
     if (stopping_ && !killed_at_) timeout_ms = ms_until(kill_deadline_);
+    if (killed_at_ && !ranks_done) timeout_ms = ms_until(*killed_at_ + kUnkillableGrace);
     if (ranks_done) {
       timeout_ms = timeout_ms < 0 ? kGroupPollMs : std::min(timeout_ms, kGroupPollMs);
     }
@@ -262,6 +281,17 @@ bool Supervisor::any_group_alive() {
     }
   }
   return alive;
+}
+
+std::string Supervisor::running_ranks() const {
+  std::string out;
+  int n = 0;
+  for (const Rank& r : ranks_) {
+    if (r.exited) continue;
+    out += (n++ == 0 ? "" : ", ") + std::to_string(r.local_rank) + " (pid " +
+           std::to_string(r.pid) + ")";
+  }
+  return (n == 1 ? "local rank " : "local ranks ") + out;
 }
 
 bool Supervisor::all_ranks_exited() const {

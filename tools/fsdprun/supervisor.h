@@ -70,6 +70,9 @@ class Supervisor {
     std::optional<std::chrono::steady_clock::time_point> partial_since[2];
   };
 
+  /// "local rank 1 (pid 123)", or "local ranks 0 (pid 122), 1 (pid 123)":
+  /// the ranks not yet reaped, for the messages about stopping them.
+  std::string running_ranks() const;
   /// Forks every rank; on a fork failure records it and stops the others.
   void start_ranks(int restart_count);
   /// " (node N, host H, at <local time>)" and, where it is logged, the
