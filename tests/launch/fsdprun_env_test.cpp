@@ -147,6 +147,24 @@ TEST(FsdprunEnv, StandaloneRunIdIsARandomUuid) {
   EXPECT_NE(ids[0], ids[1]);
 }
 
+// torchrun 2.15 runs a single-node job given no master port under a random
+// id too (its log directory is named after it); a port, or an id given,
+// keeps the id.
+TEST(FsdprunEnv, SingleNodeRunIdIsARandomUuidUnlessGiven) {
+  const std::regex uuid("[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}");
+  std::string ids[2];
+  for (std::string& id : ids) {
+    const RunResult r = run_launcher({test_rank_path(), "--print-env"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    id = parse_env(r.out)[0]["TORCHELASTIC_RUN_ID"];
+    EXPECT_TRUE(std::regex_match(id, uuid)) << id;
+  }
+  EXPECT_NE(ids[0], ids[1]);
+  const RunResult named = run_launcher({"--rdzv-id", "job7", test_rank_path(), "--print-env"});
+  ASSERT_EQ(named.exit_code, 0) << named.err;
+  EXPECT_EQ(parse_env(named.out)[0]["TORCHELASTIC_RUN_ID"], "job7");
+}
+
 TEST(FsdprunEnv, KeepsUserOmpNumThreads) {
   const RunResult r =
       run_launcher({"--nproc-per-node", "2", test_rank_path(), "--print-env"},

@@ -68,12 +68,16 @@ int launch(LaunchOptions options) {
   }
   for (const std::string& note : notes) err.write("fsdprun: " + note + "\n");
 
-  if (options.standalone) {
-    // torchrun's --standalone runs under an id of its own (a random UUID).
+  // torchrun runs --standalone, and a single-node job given no master port
+  // (which it then meets at localhost:0), under an id of its own, a random
+  // UUID, so that runs do not share one; an id given with --rdzv-id stays.
+  const bool single_node_unnamed = options.rdzv_backend == "static" && !options.master_port &&
+                                   options.nnodes == 1 && options.rdzv_id == "none";
+  if (options.standalone || single_node_unnamed) {
     std::string id_error;
     options.rdzv_id = random_run_id(&id_error);
     if (options.rdzv_id.empty()) {
-      err.write("fsdprun: error: --standalone: cannot make a run id (" + id_error + ")\n");
+      err.write("fsdprun: error: cannot make a run id (" + id_error + ")\n");
       return 1;
     }
   }
