@@ -275,6 +275,24 @@ int64_t step_of_name(const std::string& name) {
   return step_name(step) == name ? step : -1;
 }
 
+namespace {
+
+// The sequence of the marker at `marker`, or nullopt where it is damaged
+// (verifying it says why). A marker this process cannot read (EMFILE, EIO:
+// CheckpointAccessError) is no damage: that throws, so that neither resume()
+// nor retention acts on an order it could not see.
+std::optional<int64_t> sequence_of(const std::string& marker) {
+  try {
+    return parse_marker(read_small_file(marker, kMaxManifestBytes), marker).sequence;
+  } catch (const CheckpointAccessError&) {
+    throw;
+  } catch (const CheckpointError&) {
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
 std::vector<StepDirectory> step_directories(const std::string& parent) {
   std::vector<StepDirectory> out;
   std::error_code ec;
@@ -292,18 +310,17 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
     // lstat: a marker that is not a regular file is found (and refused when
     // verified); one in a "step-" entry that is not a directory is not.
     s.marked = is_marked(join(s.path, kCompletionMarker));
-    if (s.marked) {
-      try {
-        const std::string marker = join(s.path, kCompletionMarker);
-        s.sequence = parse_marker(read_small_file(marker, kMaxManifestBytes), marker).sequence;
-      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): verifying it says why
-      }
-    }
+    if (s.marked) s.sequence = sequence_of(join(s.path, kCompletionMarker));
     out.push_back(std::move(s));
   }
-  // See Note [Checkpoints saved last].
+  // See Note [Checkpoints saved last]. A damaged marker first, by step, as
+  // before the order: resume() then tries it first and warns that it skips
+  // it; retention leaves it alone (tidy_checkpoints).
   std::sort(out.begin(), out.end(), [](const StepDirectory& a, const StepDirectory& b) {
-    return a.sequence != b.sequence ? a.sequence > b.sequence : a.step > b.step;
+    const bool a_damaged = a.marked && !a.sequence, b_damaged = b.marked && !b.sequence;
+    if (a_damaged != b_damaged) return a_damaged;
+    const int64_t as = a.sequence.value_or(0), bs = b.sequence.value_or(0);
+    return as != bs ? as > bs : a.step > b.step;
   });
   return out;
 }
@@ -319,11 +336,27 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
 // step directories are ordered by it, then by step: resume(),
 // latest_checkpoint() and keep_last's count follow the order of the saves.
 // A marker written before the field has 0, so older checkpoints keep their
-// order by step and any new save comes after them. Copying checkpoints
-// (cp without -p) keeps the order, which no modification time would.
+// order by step and any new save comes after them (a save by an older
+// libfsdp into a parent of newer ones comes before them). Copying
+// checkpoints (cp without -p) keeps the order, which no modification time
+// would. The highest is taken over complete saves still under staging
+// names too (a replacement cut short, put back at the next resume or
+// save_step: Note [A replacement cut short]). Two saves into one parent at
+// once may take the same number; the step then orders them.
 int64_t next_sequence(const std::string& parent) {
+  std::error_code ec;
+  const std::vector<std::string> names = list_dir(parent, ec);
+  if (ec == std::errc::no_such_file_or_directory) return 1;
+  if (ec) {
+    throw_file_error(parent, "cannot list the checkpoint directory: " + ec.message(), ec.value());
+  }
   int64_t highest = 0;
-  for (const StepDirectory& s : step_directories(parent)) highest = std::max(highest, s.sequence);
+  for (const std::string& name : names) {
+    if (step_of_name(name) < 0 && !is_staging_name(name)) continue;
+    const std::string marker = join(join(parent, name), kCompletionMarker);
+    if (!is_marked(marker)) continue;
+    highest = std::max(highest, sequence_of(marker).value_or(0));
+  }
   return highest + 1;
 }
 

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -92,14 +93,17 @@ struct StepDirectory {
   int64_t step = 0;     ///< the step its name says
   std::string path;     ///< parent/step-<10 digits>
   bool marked = false;  ///< it holds a completion marker (else: torn or in progress)
-  /// Its marker's CompletionMarker::sequence; 0 without one, or where the
-  /// marker cannot be read (verifying it says why).
-  int64_t sequence = 0;
+  /// Its marker's CompletionMarker::sequence (0 in a marker written before
+  /// it); nullopt without a marker or where the marker is damaged
+  /// (verifying it says why).
+  std::optional<int64_t> sequence;
 };
 
 /// Every "step-<10 digits>" entry under `parent`, saved last first (Note
-/// [Checkpoints saved last]: by marker sequence, then by step); empty when
-/// `parent` does not exist. Throws CheckpointError if it cannot be read.
+/// [Checkpoints saved last]: by marker sequence, then by step; a damaged
+/// marker first); empty when `parent` does not exist. Throws
+/// CheckpointError if it cannot be read, CheckpointAccessError if a marker
+/// cannot be.
 std::vector<StepDirectory> step_directories(const std::string& parent);
 
 /// The sequence number the next save under `parent` takes: one more than

@@ -19,6 +19,7 @@
 
 #include "core/device_streams.h"
 #include "detail/env.h"
+#include "detail/error.h"
 #include "detail/posix_files.h"
 #include "state/agreement.h"
 #include "state/atomic_file.h"
@@ -209,18 +210,17 @@ void check_dtypes(torch::nn::Module& root) {
     safetensors_dtype(p.saved_dtype, "model/" + p.name);
 }
 
-// The directory `dir` is in ("." for a bare name).
-std::string parent_of(const std::string& dir) {
-  const auto end = dir.find_last_not_of('/');
-  if (end == std::string::npos) return "/";
-  const auto slash = dir.find_last_of('/', end);
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : dir.substr(0, slash);
-}
-
 CompletionMarker make_marker(const std::string& dir, int world, const SaveRequest& request) {
   CompletionMarker marker;
-  marker.sequence = next_sequence(parent_of(dir));  // Note [Checkpoints saved last]
+  // Note [Checkpoints saved last]. A parent that cannot be listed (save(dir)
+  // into a directory whose parent only lets it through) fails nothing
+  // written: the save takes no place in the order.
+  try {
+    marker.sequence = next_sequence(parent_directory(dir));
+  } catch (const CheckpointError& e) {
+    TORCH_WARN(error_prefix(/*rank=*/0, dir),
+               "saved without a place among its parent's saves: ", cause_of(e));
+  }
   marker.world_size = world;
   marker.kind = request.full ? "full" : "sharded";
   marker.step = request.step;

@@ -309,7 +309,13 @@ CompletionMarker parse_marker(const std::string& text, const std::string& file) 
   check_kind(m.kind, file);
   m.step = field<int64_t>(j, "step", file);
   // Absent from markers written before it (Note [Checkpoints saved last]).
-  if (j.find("sequence") != j.end()) m.sequence = field<int64_t>(j, "sequence", file);
+  if (j.find("sequence") != j.end()) {
+    m.sequence = field<int64_t>(j, "sequence", file);
+    if (m.sequence < 0 || m.sequence == std::numeric_limits<int64_t>::max()) {
+      throw CheckpointError(file, "sequence " + std::to_string(m.sequence) +
+                                      " is out of range (the marker was edited)");
+    }
+  }
   const json manifests = field<json>(j, "manifests", file);
   if (!manifests.is_array()) throw CheckpointError(file, "manifests must be an array");
   for (const auto& f : manifests) m.manifests.push_back(parse_file(f, file));

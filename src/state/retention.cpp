@@ -147,6 +147,12 @@ std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t kee
     const bool kept = std::find(kept_paths.begin(), kept_paths.end(), lexically_normal(s.path)) !=
                           kept_paths.end() ||
                       (id && std::find(kept_ids.begin(), kept_ids.end(), *id) != kept_ids.end());
+    // A damaged marker has no place in the order: left alone, uncounted
+    // (resume() warns of it; removing it is the user's call).
+    if (s.marked && !s.sequence) {
+      remove_temporaries(s.path);
+      continue;
+    }
     if (s.marked && s.step > up_to) {  // Note [Checkpoints of a run rolled back]
       later.push_back(s.path);
       continue;

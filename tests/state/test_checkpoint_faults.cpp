@@ -497,6 +497,54 @@ TEST(CheckpointFaults, AReplacementCutShortBetweenItsRenamesIsResumed) {
   EXPECT_TRUE(torch::equal(third->weight, model->weight));
   EXPECT_FALSE(torch::equal(third->weight, first));
   EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000007"}));
+  // Cut short again, and the next save (step 8) comes before any resume:
+  // its place among the saves counts the new copy still under its staging
+  // name (Note [Checkpoints saved last]), so step 8 stays the one saved
+  // last once the copy is put back.
+  trained.step();
+  // Third among the saves where it was made: above the one it replaces.
+  for (int64_t s : {5, 6, 7}) ckpt.save_step(root + "/elsewhere", s);
+  renamed(path, path + ".replaced");
+  renamed(checkpoint_path(root + "/elsewhere", 7), root + "/" + detail::staging_name(7));
+  detail::remove_tree(root + "/elsewhere", ec);
+  {
+    compat::WarningCollector quiet;
+    ckpt.save_step(root, 8);
+  }
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 8));
+  EXPECT_EQ(entries(root), (std::set<std::string>{"step-0000000007", "step-0000000008"}));
+  remove_test_dir(root);
+}
+
+// A marker damaged in place (a flipped byte: its checksum fails) has no
+// place among the saves: resume() tries it first, as the newest by step,
+// warns and skips it; keep_last leaves it alone, uncounted (removing it is
+// the user's call), and removes the others beyond it (step 10; step 20 is
+// the one resumed from).
+TEST(CheckpointFaults, ADamagedMarkerIsSkippedAndLeftAlone) {
+  const std::string root = test_dir();
+  save_steps(root, {10, 20, 30});
+  const std::string damaged = checkpoint_path(root, 30) + "/COMPLETE";
+  std::string m = file_bytes(damaged);
+  m[m.find("\"step\"")] = '\'';
+  put_file_bytes(damaged, m);
+  Trained t(7);
+  Checkpointer ckpt(*t.model, t.opt.get(), CheckpointerOptions().keep_last(1));
+  std::vector<std::string> warnings;
+  {
+    compat::WarningCollector collect(&warnings);
+    EXPECT_EQ(ckpt.resume(root), 20);
+  }
+  ASSERT_GE(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("skipping " + checkpoint_path(root, 30)), std::string::npos)
+      << warnings[0];
+  {
+    compat::WarningCollector quiet;
+    ckpt.save_step(root, 40);
+  }
+  EXPECT_EQ(entries(root),
+            (std::set<std::string>{"step-0000000020", "step-0000000030", "step-0000000040"}));
+  EXPECT_EQ(latest_checkpoint(root), checkpoint_path(root, 30)) << "tried first, as before";
   remove_test_dir(root);
 }
 

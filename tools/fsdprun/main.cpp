@@ -190,7 +190,7 @@ int launch(LaunchOptions options) {
                     " after that failure: " + result.failure + "\n");
           return result.exit_code;
         }
-        if (restart < options.max_restarts) continue;
+        if (restart < options.max_restarts && !result.abandoned) continue;
         if (options.max_restarts > 0) {
           err.write("fsdprun: giving up after " + std::to_string(options.max_restarts) +
                     " restarts; the last failure: " + result.failure + "\n");

@@ -74,6 +74,7 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
 
   start_ranks(restart_count);
   bool cleanup_started = false;
+  bool abandoned = false;
   while (true) {
     forward_new_signals();
     reap_children();
@@ -100,7 +101,8 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
       err_.write("fsdprun: " + running_ranks() + " did not exit " +
                  std::to_string(kUnkillableGrace.count()) +
                  " s after SIGKILL (stuck in the kernel: a GPU or network driver call?); "
-                 "leaving it and ending\n");
+                 "leaving it and ending, without a restart\n");
+      abandoned = true;
       break;
     }
 
@@ -121,6 +123,7 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
   if (failure_ && (!signalled || failed_before_signal_)) {
     AttemptResult failed = *failure_;
     if (signalled) failed.signal = signals_.first_termination_signal();
+    failed.abandoned = abandoned;
     return failed;
   }
   if (signalled) {
@@ -291,6 +294,7 @@ std::string Supervisor::running_ranks() const {
     out += (n++ == 0 ? "" : ", ") + std::to_string(r.local_rank) + " (pid " +
            std::to_string(r.pid) + ")";
   }
+  if (n == 0) return "processes the ranks started";  // the ranks are gone
   return (n == 1 ? "local rank " : "local ranks ") + out;
 }
 

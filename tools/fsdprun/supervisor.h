@@ -32,6 +32,9 @@ struct AttemptResult {
   /// kInterrupted: the first signal fsdprun received. kRankFailed: a signal
   /// that came after the failure (no restart then), else 0.
   int signal = 0;
+  /// A rank outlived SIGKILL and was left running: it may hold the port,
+  /// the GPU memory and the files a new attempt needs, so none is started.
+  bool abandoned = false;
 };
 
 /// Starts and supervises the local ranks of a job, one attempt at a time.
