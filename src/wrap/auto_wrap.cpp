@@ -288,14 +288,10 @@ class Planner {
     const std::string parent = m->name() + " (at " + shown(path) + ")";
     if (!seq) return Slot{nullptr, 0, "a typed member of " + parent};
     for (size_t e = 0; e < seq->size(); ++e) {
-      if (seq->ptr(e).get() != child) continue;
-      // wrap_sequential_entry finds the child to replace by the entry's index.
-      if (e == i) return Slot{seq, e, ""};
-      return Slot{nullptr, 0,
-                  "entry " + std::to_string(e) + " of " + parent + ", registered as its child " +
-                      std::to_string(i) +
-                      " (the Sequential registers other modules before its entries, so the "
-                      "entry cannot be replaced by index; register them after the entries)"};
+      // Entry e, whatever its place among the children (a Sequential
+      // subclass may register others first): replace_sequential_entry finds
+      // its registered child by identity.
+      if (seq->ptr(e).get() == child) return Slot{seq, e, ""};
     }
     return Slot{nullptr, 0, "a module " + parent + " registers besides its entries"};
   }

@@ -243,10 +243,24 @@ TEST(AutoWrapPolicies, SelectingAModuleNoSlotCallsIsRefused) {
       error_of([&] { auto_wrap_paths(tagged(), module_type_policy<nn::LinearImpl>()); });
   EXPECT_TRUE(contains(msg, "fsdp(1.tag)") && contains(msg, "registers besides its entries"))
       << msg;
+  // Its entry is wrapped, though the subclass registers another child
+  // first (PyTorch wraps any child; libfsdp once refused it).
   const LambdaPolicy entry(
       [](const nn::Module&, const std::string& path, int64_t) { return path == "1.0"; });
-  msg = error_of([&] { auto_wrap_paths(tagged(), entry); });
-  EXPECT_TRUE(contains(msg, "fsdp(1.0)") && contains(msg, "registered as its child 1")) << msg;
+  EXPECT_EQ(auto_wrap_paths(tagged(), entry), (Paths{"1.0"}));
+  run_ranks_ok(1, [&entry, &tagged](int, int) {
+    const auto group = start_rank();
+    torch::manual_seed(3);
+    nn::Sequential plain = tagged();
+    torch::manual_seed(3);
+    nn::Sequential model = tagged();
+    std::vector<std::string> paths;
+    for (const auto& u : auto_wrap(model, entry)) paths.push_back(u.path);
+    EXPECT_EQ(paths, (Paths{"1.0"}));
+    const torch::Tensor x = torch::randn({3, 8});
+    EXPECT_TRUE(torch::allclose(model->forward(x), plain->forward(x)));
+    finish_rank(group);
+  });
 
   nn::Linear shared(4, 4);
   nn::Sequential twice(shared, nn::ReLU(), shared);
