@@ -350,9 +350,9 @@ std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWra
 }
 
 std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
-                                         const AutoWrapPolicy& policy) {
+                                         const AutoWrapPolicy& policy, FSDPOptions options) {
   std::vector<std::string> paths;
-  for (auto& p : plan(seq, policy, FSDPOptions(), message_rank(nullptr))) {
+  for (auto& p : plan(seq, policy, options, message_rank(nullptr))) {
     paths.push_back(std::move(p.path));
   }
   return paths;

@@ -131,6 +131,15 @@ TEST(AutoWrapPolicies, EachPolicySelectsTheExpectedPaths) {
   EXPECT_EQ((module_type_policy<nn::LinearImpl>() | MinParamsPolicy(7)).description(),
             "(ModuleTypePolicy(torch::nn::LinearImpl) | MinParamsPolicy(7))");
   EXPECT_TRUE(contains(error_of([] { MinParamsPolicy(-1); }), "got -1"));
+  // Planned with the options auto_wrap would get (it used to plan with
+  // none): an ignored entry is no unit.
+  nn::Sequential model = make_model();
+  const auto linears = module_type_policy<nn::LinearImpl>();
+  Paths without_first = auto_wrap_paths(model, linears);
+  ASSERT_EQ(without_first.front(), "0");
+  without_first.erase(without_first.begin());
+  EXPECT_EQ(auto_wrap_paths(model, linears, FSDPOptions().ignored_modules({model->ptr(0)})),
+            without_first);
 }
 
 // Activation checkpointing applied before auto_wrap: the block's entry is an

@@ -159,9 +159,11 @@ struct AutoWrappedUnit {
 std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWrapPolicy& policy,
                                        FSDPOptions options = {});
 
-/// The paths auto_wrap(seq, policy) would wrap, in the order it would, with
-/// the same checks; makes nothing, so it needs no process group.
+/// The paths auto_wrap(seq, policy, options) would wrap, in the order it
+/// would, with the same checks (ignored_modules, the classes mixed
+/// precision keeps in full precision, use_orig_params' leniency); makes
+/// nothing, so it needs no process group.
 std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
-                                         const AutoWrapPolicy& policy);
+                                         const AutoWrapPolicy& policy, FSDPOptions options = {});
 
 }  // namespace fsdp
