@@ -355,7 +355,9 @@ void FlatParameter::begin_summon(at::Tensor full) {
   summoned_accumulators_.clear();
   // A unit made in place sees operators on the summoned views too: torch::load
   // inside the guard reaches it (Note [torch::load into a unit made in place]).
-  if (listener_ != nullptr) detail::track_storage(summoned_, listener_);
+  // Uses are not reported (no forward can run on it; another thread may read
+  // it while the guard holds it): only set_ reaches the unit.
+  if (listener_ != nullptr) detail::track_storage(summoned_, listener_, /*report=*/false);
   const detail::UnreportedUses own;  // the unit's own set_data
   const detail::OwnSetData own_data;
   for (auto& slot : slots_) {

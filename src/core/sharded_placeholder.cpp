@@ -31,6 +31,8 @@ struct Entry {
   // gathers it) instead of failing.
   ParamUseListener* listener = nullptr;
   bool tracked = false;  // a gathered unit's storage (track_storage), not a placeholder
+  // Operators on it are reported to the listener (track_storage's `report`).
+  bool reports = true;
 };
 
 // Set while this thread runs an operator (or a listener) for the fallback:
@@ -388,7 +390,7 @@ bool keep_parameter(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // set_data giving a unit's parameter other data (Module::to to another device
 // or dtype, a parameter assigned by hand) would cut it off its unit: the
 // forward would read what the optimizer, stepping the shard, never updates.
-// libfsdp's own set_data runs in an UnreportedUses scope.
+// libfsdp's own set_data runs in an OwnSetData scope.
 void refuse_new_data(c10::ArrayRef<c10::IValue> args) {
   const at::Tensor& self = args[0].toTensor();
   const c10::optional<Entry> entry = parameter_entry(self);
@@ -475,12 +477,13 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
       // the parameter off its flat buffer, silently.
       TORCH_CHECK(
           name != "aten::set_" || e.listener == nullptr || e.kind != PlaceholderKind::kParameter,
-          error_prefix(-1, "parameters"), "set_ would replace the storage of ", e.what,
+          error_prefix(-1, "parameters"), "set_ would replace the storage of ",
+          e.what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : e.what,
           ", cutting it off its unit. Write into it instead (copy_ under "
           "fsdp::SummonFullParams(model, fsdp::SummonOptions().writeback(true))), or load "
           "with torch::load(model, path) or fsdp::load_full_state_dict");
       if (e.listener != nullptr && e.kind == PlaceholderKind::kParameter) {
-        if (report) {
+        if (report && e.reports) {
           auto same = std::find_if(uses.begin(), uses.end(),
                                    [&](const Use& u) { return u.listener == e.listener; });
           if (same == uses.end()) {
@@ -572,10 +575,10 @@ at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::s
   return t;
 }
 
-void track_storage(const at::Tensor& base, ParamUseListener* listener) {
+void track_storage(const at::Tensor& base, ParamUseListener* listener, bool report) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry()[storage_of(base)] =
-      Entry{PlaceholderKind::kParameter, std::string(), listener, /*tracked=*/true};
+      Entry{PlaceholderKind::kParameter, std::string(), listener, /*tracked=*/true, report};
 }
 
 void untrack_storage(const at::Tensor& base) {

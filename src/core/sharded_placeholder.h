@@ -120,8 +120,9 @@ at::Tensor make_placeholder(const at::Tensor& like, PlaceholderKind kind, std::s
 
 /// Operators on a tensor that carries the placeholders' dispatch key and
 /// lives in `base`'s storage (a view made by tracked_alias) are reported to
-/// `listener`, until untrack_storage.
-void track_storage(const at::Tensor& base, ParamUseListener* listener);
+/// `listener` (with `report`; else only torch::load's set_ reaches it),
+/// until untrack_storage.
+void track_storage(const at::Tensor& base, ParamUseListener* listener, bool report = true);
 void untrack_storage(const at::Tensor& base);
 /// An alias of `view` (same storage, sizes, strides and offset) that carries
 /// the placeholders' dispatch key, so operators on it reach the listener of

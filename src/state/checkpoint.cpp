@@ -145,7 +145,7 @@ std::string checkpoint_path(const std::string& parent, int64_t step) {
 
 std::string latest_checkpoint(const std::string& parent) {
   for (const detail::StepDirectory& s : detail::step_directories(parent)) {
-    if (s.marked) return s.path;
+    if (s.marked && s.sequence) return s.path;  // a damaged marker has no place
   }
   return "";
 }

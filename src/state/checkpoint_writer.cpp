@@ -212,12 +212,15 @@ void check_dtypes(torch::nn::Module& root) {
 
 CompletionMarker make_marker(const std::string& dir, int world, const SaveRequest& request) {
   CompletionMarker marker;
-  // Note [Checkpoints saved last]. A parent that cannot be listed (save(dir)
-  // into a directory whose parent only lets it through) fails nothing
-  // written: the save takes no place in the order.
+  // Note [Checkpoints saved last]. A parent this process may not list
+  // (save(dir) into a directory whose parent only lets it through) fails
+  // nothing written: the save takes no place there (0, before the others);
+  // any other failure to read the parent fails the save.
+  const std::string parent = parent_directory(dir);
   try {
-    marker.sequence = next_sequence(parent_directory(dir));
+    marker.sequence = next_sequence(parent);
   } catch (const CheckpointError& e) {
+    if (::access(parent.c_str(), R_OK) == 0 || errno != EACCES) throw;
     TORCH_WARN(error_prefix(/*rank=*/0, dir),
                "saved without a place among its parent's saves: ", cause_of(e));
   }

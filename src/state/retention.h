@@ -17,9 +17,11 @@ void remove_temporaries(const std::string& dir);
 
 /// Under a checkpoint parent: removes torn step directories (no marker) and
 /// the temporaries inside the others and, when keep_last > 0, the complete
-/// ones beyond the newest keep_last. Never removes the directories in `keep`,
-/// nor complete ones of steps after `up_to`, which keep_last does not count
-/// and which it returns (Note [Checkpoints of a run rolled back]).
+/// ones beyond the keep_last saved last (Note [Checkpoints saved last]).
+/// Never removes the directories in `keep`, those whose marker is damaged
+/// (uncounted), nor complete ones of steps after `up_to`, which keep_last
+/// does not count and which it returns (Note [Checkpoints of a run rolled
+/// back]).
 /// REQUIRES: as remove_temporaries, for the whole of `parent`. Failures are
 /// warnings (nothing a later save needs is at stake).
 std::vector<std::string> tidy_checkpoints(const std::string& parent, int64_t keep_last,

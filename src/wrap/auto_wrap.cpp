@@ -352,7 +352,7 @@ std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWra
 std::vector<std::string> auto_wrap_paths(const torch::nn::Sequential& seq,
                                          const AutoWrapPolicy& policy, FSDPOptions options) {
   std::vector<std::string> paths;
-  for (auto& p : plan(seq, policy, options, message_rank(nullptr))) {
+  for (auto& p : plan(seq, policy, options, message_rank(options.process_group()))) {
     paths.push_back(std::move(p.path));
   }
   return paths;

@@ -12,6 +12,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -1516,6 +1517,18 @@ TEST(FullyShard, TorchSaveUnderSummonFullParamsAndTorchLoad) {
       for (size_t i = 0; i < want.size(); ++i) {
         EXPECT_TRUE(torch::equal(got[i], want[i])) << "mixed precision, parameter " << i;
       }
+      // Another thread reads the summoned values (an EMA copy beside the
+      // loop): not taken for a forward of the unit.
+      std::string thread_error;
+      std::thread reader([&] {
+        try {
+          (void)got[0].sum().item<double>();
+        } catch (const std::exception& e) {
+          thread_error = e.what();
+        }
+      });
+      reader.join();
+      EXPECT_EQ(thread_error, "");
     }
     // A file of another model: the parameter named (what its unit held
     // before it in the file is loaded, as in plain LibTorch).

@@ -191,7 +191,10 @@ int launch(LaunchOptions options) {
           return result.exit_code;
         }
         if (restart < options.max_restarts && !result.abandoned) continue;
-        if (options.max_restarts > 0) {
+        if (result.abandoned) {
+          err.write("fsdprun: job failed, without a restart (a rank outlived SIGKILL): " +
+                    result.failure + "\n");
+        } else if (options.max_restarts > 0) {
           err.write("fsdprun: giving up after " + std::to_string(options.max_restarts) +
                     " restarts; the last failure: " + result.failure + "\n");
         } else {

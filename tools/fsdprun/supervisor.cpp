@@ -92,8 +92,8 @@ AttemptResult Supervisor::run_attempt(int restart_count) {
     if (stopping_ && !killed_at_ && Clock::now() >= kill_deadline_) {
       std::ostringstream after;
       after << options_.kill_timeout_s;
-      err_.write("fsdprun: " + running_ranks() + " still running " + after.str() +
-                 " s after SIGTERM; sending SIGKILL\n");
+      err_.write("fsdprun: " + running_ranks() + " still running " + after.str() + " s after " +
+                 signal_name(stop_signal_) + "; sending SIGKILL\n");
       signal_groups(SIGKILL);
       killed_at_ = Clock::now();
     }
@@ -247,6 +247,7 @@ std::string Supervisor::where_and_when(const Rank& rank) const {
 void Supervisor::stop_all(int signo) {
   if (!stopping_) {
     stopping_ = true;
+    stop_signal_ = signo;
     kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double>(options_.kill_timeout_s));
   }

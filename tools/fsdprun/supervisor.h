@@ -1,7 +1,8 @@
 #pragma once
 
 // Runs one attempt of a job: starts every local rank, relays their output,
-// reacts to failures and signals, and reaps everything before returning.
+// reacts to failures and signals, and reaps everything before returning
+// (but a rank that outlives SIGKILL, which it names and leaves).
 
 #include <sys/types.h>
 
@@ -47,7 +48,8 @@ class Supervisor {
 
   /// Starts all local ranks with TORCHELASTIC_RESTART_COUNT=`restart_count`
   /// and returns once every rank has been reaped and nothing is left in
-  /// their process groups. If a signal already arrived, starts nothing.
+  /// their process groups, or once a rank outlived SIGKILL by 10 s
+  /// (AttemptResult::abandoned). If a signal already arrived, starts nothing.
   AttemptResult run_attempt(int restart_count);
 
  private:
@@ -134,6 +136,8 @@ class Supervisor {
   bool failed_before_signal_ = false;  // failure_ came before any signal
   int attempt_ = 0;                    // this attempt's restart count
   bool stopping_ = false;
+  /// The signal that began stopping the ranks (named when SIGKILL follows).
+  int stop_signal_ = SIGTERM;
   Clock::time_point kill_deadline_;
   std::optional<Clock::time_point> killed_at_;
 };
