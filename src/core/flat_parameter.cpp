@@ -145,8 +145,7 @@ void FlatParameter::set_unit_path(const std::string& path) {
 }
 
 void FlatParameter::point_at_views() {
-  const detail::UnreportedUses own;  // this set_data is the unit's own
-  const detail::OwnSetData own_data;
+  const detail::OwnSetData own;
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(views_[i]);
 }
 
@@ -162,8 +161,7 @@ void FlatParameter::point_at_placeholders() {
           "parameter '" + slots_[i].name + "' of " + unit_label_, listener_));
     }
   }
-  const detail::UnreportedUses own;
-  const detail::OwnSetData own_data;
+  const detail::OwnSetData own;
   for (size_t i = 0; i < slots_.size(); ++i) slots_[i].param.set_data(placeholders_[i]);
 }
 
@@ -181,8 +179,7 @@ void FlatParameter::bind(FlatParamSlot& slot) {
   } else {
     // Same TensorImpl, grad accumulator (same dtype) and requires_grad; new
     // storage. The unit's own set_data (Note [Sharded placeholders]).
-    const detail::UnreportedUses own;
-    const detail::OwnSetData own_data;
+    const detail::OwnSetData own;
     slot.param.set_data(view);
   }
 }
@@ -192,13 +189,17 @@ void FlatParameter::build_shard_directly() {
   // are released as the parameters are rebound, one by one.
   shard_ = at::zeros({shard_numel_}, unsharded_.options());
   for (size_t i = 0; i < slots_.size(); ++i) {
-    const ShardPart part = shard_part(i);
-    if (part.numel > 0) {
-      shard_.narrow(0, part.in_shard, part.numel)
-          .copy_(slots_[i].param.reshape({-1}).narrow(0, part.in_param, part.numel));
-    }
+    copy_into_shard(i, slots_[i].param);
     bind(slots_[i]);
   }
+}
+
+void FlatParameter::copy_into_shard(size_t i, const at::Tensor& full) {
+  const ShardPart part = shard_part(i);
+  if (part.numel == 0) return;
+  shard_.detach()
+      .narrow(0, part.in_shard, part.numel)
+      .copy_(full.reshape({-1}).narrow(0, part.in_param, part.numel));
 }
 
 FlatParameter::ShardPart FlatParameter::shard_part(size_t i) const {
@@ -358,8 +359,7 @@ void FlatParameter::begin_summon(at::Tensor full) {
   // Uses are not reported (no forward can run on it; another thread may read
   // it while the guard holds it): only set_ reaches the unit.
   if (listener_ != nullptr) detail::track_storage(summoned_, listener_, /*report=*/false);
-  const detail::UnreportedUses own;  // the unit's own set_data
-  const detail::OwnSetData own_data;
+  const detail::OwnSetData own;
   for (auto& slot : slots_) {
     summoned_accumulators_.push_back(torch::autograd::impl::try_get_grad_accumulator(slot.param));
     at::Tensor view = summoned_.narrow(0, slot.offset, slot.numel).view(slot.shape);

@@ -139,6 +139,9 @@ class FlatParameter {
   };
   /// Slot `i`'s part of this rank's shard.
   ShardPart shard_part(size_t i) const;
+  /// Copies this rank's part of `full`, slot `i`'s whole value (any shape
+  /// with its elements), into the shard (in place, outside autograd).
+  void copy_into_shard(size_t i, const at::Tensor& full);
   /// Elements of the padded unsharded buffer.
   int64_t padded_numel() const { return padded_numel_; }
   /// The group that shards this buffer.

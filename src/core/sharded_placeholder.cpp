@@ -65,6 +65,12 @@ bool passes_through(const std::string& name) {
          name == "aten::retain_grad";
 }
 
+// What `e` stands for in a message: its name, or what a gathered unit's
+// storage (which has none) holds.
+std::string shown(const Entry& e) {
+  return e.what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : e.what;
+}
+
 std::string message(const std::string& op, const Entry& e, bool writes) {
   if (e.kind == PlaceholderKind::kGradient) {
     return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
@@ -409,13 +415,9 @@ void refuse_new_data(c10::ArrayRef<c10::IValue> args) {
               << ", pass the model's device: torch::load(model, path, torch::Device(\""
               << self.device() << "\"))";
   }
-  TORCH_CHECK(
-      false, error_prefix(-1, "parameters"),
-      conversion_refusal(
-          change.str(),
-          entry->what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : entry->what,
-          self.device(), self.scalar_type()),
-      load_hint.str());
+  TORCH_CHECK(false, error_prefix(-1, "parameters"),
+              conversion_refusal(change.str(), shown(*entry), self.device(), self.scalar_type()),
+              load_hint.str());
 }
 
 // torch::load (InputArchive::read) sets each parameter to what it read with
@@ -477,8 +479,7 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
       // the parameter off its flat buffer, silently.
       TORCH_CHECK(
           name != "aten::set_" || e.listener == nullptr || e.kind != PlaceholderKind::kParameter,
-          error_prefix(-1, "parameters"), "set_ would replace the storage of ",
-          e.what.empty() ? "a parameter of a unit made by fsdp::fully_shard" : e.what,
+          error_prefix(-1, "parameters"), "set_ would replace the storage of ", shown(e),
           ", cutting it off its unit. Write into it instead (copy_ under "
           "fsdp::SummonFullParams(model, fsdp::SummonOptions().writeback(true))), or load "
           "with torch::load(model, path) or fsdp::load_full_state_dict");

@@ -94,15 +94,19 @@ class UnreportedUses {
   UnreportedUses& operator=(const UnreportedUses&) = delete;
 };
 /// While alive, set_data on this thread may give a unit's parameter other
-/// data: libfsdp's own pointing of its parameters at placeholders, views
-/// and summoned buffers. Any other (Module::to, torch::load of a file on
-/// another device, a user's) is refused, inside SummonFullParams too.
+/// data, unreported (an UnreportedUses scope too): libfsdp's own pointing of
+/// its parameters at placeholders, views and summoned buffers. Any other
+/// (Module::to, torch::load of a file on another device, a user's) is
+/// refused, inside SummonFullParams too.
 class OwnSetData {
  public:
   OwnSetData();
   ~OwnSetData();
   OwnSetData(const OwnSetData&) = delete;
   OwnSetData& operator=(const OwnSetData&) = delete;
+
+ private:
+  UnreportedUses unreported_;
 };
 /// UnreportedUses for an object's lifetime (SummonFullParams): begin in its
 /// constructor, end in its destructor, on the same thread.

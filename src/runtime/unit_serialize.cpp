@@ -188,11 +188,7 @@ void read_unit(Unit& unit, torch::nn::Module& self, InputArchive& archive, Write
           const at::Tensor value = read_checked(in, p.key(), false, prefix + p.key(), slot.shape,
                                                 flat->group().rank(), flat->unit_path());
           // This rank's part: the slot's intersection with the shard.
-          const FlatParameter::ShardPart part = flat->shard_part(it->second);
-          if (part.numel == 0) continue;
-          const at::Tensor mine = value.reshape({-1}).narrow(0, part.in_param, part.numel);
-          writes.push_back([to = flat->shard().detach().narrow(0, part.in_shard, part.numel),
-                            mine] { to.copy_(mine); });
+          writes.push_back([flat, i = it->second, value] { flat->copy_into_shard(i, value); });
         }
         for (auto& b : m.named_buffers(/*recurse=*/false)) {
           // One saved in its own dtype (detail::saved_buffer_dtype) is kept
@@ -261,13 +257,7 @@ bool detail::UnitRuntime::load_param(const at::Tensor& param, const at::Tensor& 
     reshard();
   }
   at::NoGradGuard no_grad;
-  const FlatParameter::ShardPart part = flat_->shard_part(i);
-  if (part.numel > 0) {
-    flat_->shard()
-        .detach()
-        .narrow(0, part.in_shard, part.numel)
-        .copy_(value.reshape({-1}).narrow(0, part.in_param, part.numel));
-  }
+  flat_->copy_into_shard(i, value);
   if (flat_->state() != State::kSharded) param.detach().copy_(value);
   return true;
 }

@@ -291,17 +291,22 @@ std::optional<int64_t> sequence_of(const std::string& marker) {
   }
 }
 
+// The names under a checkpoint parent; none where it does not exist.
+std::vector<std::string> parent_entries(const std::string& parent) {
+  std::error_code ec;
+  std::vector<std::string> names = list_dir(parent, ec);
+  if (ec == std::errc::no_such_file_or_directory) return {};
+  if (ec) {
+    throw_file_error(parent, "cannot list the checkpoint directory: " + ec.message(), ec.value());
+  }
+  return names;
+}
+
 }  // namespace
 
 std::vector<StepDirectory> step_directories(const std::string& parent) {
   std::vector<StepDirectory> out;
-  std::error_code ec;
-  const std::vector<std::string> names = list_dir(parent, ec);
-  if (ec == std::errc::no_such_file_or_directory) return out;
-  if (ec) {
-    throw_file_error(parent, "cannot list the checkpoint directory: " + ec.message(), ec.value());
-  }
-  for (const std::string& name : names) {
+  for (const std::string& name : parent_entries(parent)) {
     const int64_t step = step_of_name(name);
     if (step < 0) continue;
     StepDirectory s;
@@ -309,8 +314,9 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
     s.path = join(parent, name);
     // lstat: a marker that is not a regular file is found (and refused when
     // verified); one in a "step-" entry that is not a directory is not.
-    s.marked = is_marked(join(s.path, kCompletionMarker));
-    if (s.marked) s.sequence = sequence_of(join(s.path, kCompletionMarker));
+    const std::string marker = join(s.path, kCompletionMarker);
+    s.marked = is_marked(marker);
+    if (s.marked) s.sequence = sequence_of(marker);
     out.push_back(std::move(s));
   }
   // See Note [Checkpoints saved last]. A damaged marker first, by step, as
@@ -344,14 +350,8 @@ std::vector<StepDirectory> step_directories(const std::string& parent) {
 // save_step: Note [A replacement cut short]). Two saves into one parent at
 // once may take the same number; the step then orders them.
 int64_t next_sequence(const std::string& parent) {
-  std::error_code ec;
-  const std::vector<std::string> names = list_dir(parent, ec);
-  if (ec == std::errc::no_such_file_or_directory) return 1;
-  if (ec) {
-    throw_file_error(parent, "cannot list the checkpoint directory: " + ec.message(), ec.value());
-  }
   int64_t highest = 0;
-  for (const std::string& name : names) {
+  for (const std::string& name : parent_entries(parent)) {
     if (step_of_name(name) < 0 && !is_staging_name(name)) continue;
     const std::string marker = join(join(parent, name), kCompletionMarker);
     if (!is_marked(marker)) continue;

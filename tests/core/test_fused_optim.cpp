@@ -262,31 +262,30 @@ TEST(FusedOptim, StateSavedByOneLoadsIntoTheOther) {
     set_grads(ours, theirs, step);
     fused.step();
   }
-  // The plain optimizer takes over the fused one's state and parameters.
-  for (size_t i = 0; i < ours.size(); ++i) theirs[i].detach().copy_(ours[i].detach());
-  std::stringstream saved;
-  torch::save(fused, saved);
+  // `to` takes over `from`'s state (torch::save, torch::load) and
+  // parameters; then both take ten steps alike, from `first`.
+  const auto take_over = [&](torch::optim::Optimizer& from, std::vector<torch::Tensor>& from_params,
+                             torch::optim::Optimizer& to, std::vector<torch::Tensor>& to_params,
+                             int first) {
+    for (size_t i = 0; i < to_params.size(); ++i)
+      to_params[i].detach().copy_(from_params[i].detach());
+    std::stringstream saved;
+    torch::save(from, saved);
+    torch::load(to, saved);
+    for (int step = first; step < first + 10; ++step) {
+      set_grads(ours, theirs, step);
+      from.step();
+      to.step();
+    }
+    expect_close(ours, theirs);
+  };
+  // The plain optimizer takes over the fused one's.
   torch::optim::AdamW reference(groups(theirs, adamw_options()));
-  torch::load(reference, saved);
-  for (int step = 5; step < 15; ++step) {
-    set_grads(ours, theirs, step);
-    fused.step();
-    reference.step();
-  }
-  expect_close(ours, theirs);
-  // And back: a fused optimizer takes over LibTorch's state (a checkpoint
-  // of a run that used torch::optim::AdamW).
-  for (size_t i = 0; i < ours.size(); ++i) ours[i].detach().copy_(theirs[i].detach());
-  std::stringstream back;
-  torch::save(reference, back);
+  take_over(fused, ours, reference, theirs, 5);
+  // And back: a fused optimizer takes over LibTorch's (a checkpoint of a run
+  // that used torch::optim::AdamW).
   fsdp::optim::FusedAdamW resumed(groups(ours, adamw_options()));
-  torch::load(resumed, back);
-  for (int step = 15; step < 25; ++step) {
-    set_grads(ours, theirs, step);
-    resumed.step();
-    reference.step();
-  }
-  expect_close(ours, theirs);
+  take_over(reference, theirs, resumed, ours, 15);
 }
 
 // The copy a GPU would compute with, written in the step's own pass: equal
