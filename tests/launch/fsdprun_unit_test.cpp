@@ -37,6 +37,8 @@ TEST(FsdprunOptions, BracketedIpv6MasterAddrReachesTheRanksWithoutBrackets) {
   ASSERT_EQ(r.kind, ParseResult::Kind::kRun) << r.error;
   EXPECT_EQ(r.options.master_addr, "::1");
   EXPECT_EQ(parse_options({"--master-addr", "::1", "prog"}).options.master_addr, "::1");
+  // --local-addr too: it becomes the other nodes' MASTER_ADDR.
+  EXPECT_EQ(parse_options({"--local-addr", "[::1]", "prog"}).options.local_addr, "::1");
 }
 
 TEST(FsdprunOptions, DefaultsForSingleNode) {

@@ -11,6 +11,16 @@
 namespace fsdp::launch {
 namespace detail {
 
+namespace {
+// torchrun's form of an IPv6 address, "[::1]": the ranks and sockets get "::1".
+std::string unbracketed(const std::string& addr) {
+  if (addr.size() > 2 && addr.front() == '[' && addr.back() == ']') {
+    return addr.substr(1, addr.size() - 2);
+  }
+  return addr;
+}
+}  // namespace
+
 ParseResult error_result(const std::string& message) {
   ParseResult result;
   result.kind = ParseResult::Kind::kError;
@@ -97,12 +107,7 @@ bool Parser::apply(const FlagSpec& spec, const std::string& name,
     }
     case Flag::kMasterAddr:
       if (value->empty()) return fail(bad_value(name, *value, "must not be empty"));
-      // torchrun's form of an IPv6 address, "[::1]": the ranks get "::1".
-      if (value->size() > 2 && value->front() == '[' && value->back() == ']') {
-        opts_.master_addr = value->substr(1, value->size() - 2);
-      } else {
-        opts_.master_addr = *value;
-      }
+      opts_.master_addr = unbracketed(*value);
       break;
     case Flag::kMasterPort: {
       auto port = parse_int(*value, 1, 65535);
@@ -115,7 +120,7 @@ bool Parser::apply(const FlagSpec& spec, const std::string& name,
       if (value->empty() || value->find_first_of(" \t\r\n") != std::string::npos) {
         return fail(bad_value(name, *value, "must be one host name or address"));
       }
-      opts_.local_addr = *value;
+      opts_.local_addr = unbracketed(*value);
       break;
     case Flag::kStandalone:
       opts_.standalone = true;
