@@ -1,12 +1,14 @@
 #include <fsdp/wrap/activation_checkpointing.h>
 
 #include <fsdp/runtime/unit.h>
+#include <fsdp/wrap/auto_wrap.h>
 
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "detail/error.h"
+#include "wrap/policy_walk.h"
 #include "wrap/sequential_entry.h"
 
 namespace fsdp {
@@ -94,56 +96,80 @@ std::shared_ptr<torch::nn::SequentialImpl> sequential_of(
 
 bool is_checkpoint_wrapper(const torch::nn::Module& m) { return m.name() == "CheckpointWrapper"; }
 
-void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::string& path,
-                 const std::function<bool(const torch::nn::Module&)>& check_fn,
-                 CheckpointPlan& plan);
+// Note [Which modules apply_activation_checkpointing checkpoints]
+// PyTorch's apply_activation_checkpointing is _recursive_wrap with
+// only_wrap_children=True, and so is this walk: post-order (a module's
+// children, in registration order, before it), the root never a candidate,
+// the policy asked before a subtree (should_recurse, with the subtree's
+// numel) and after it (should_wrap, with what its checkpointed descendants
+// leave: a size policy checkpoints a parent only for its remainder). A match
+// inside a match is checkpointed too, as there: the outer region's
+// recomputation runs the inner region, which recomputes once more in the
+// outer's backward. One departure: a module already checkpointed (a
+// CheckpointWrapper) is neither looked into nor checkpointed again, so that
+// a second call changes nothing (PyTorch's would nest a second wrapper).
+class CheckpointPlanner {
+ public:
+  explicit CheckpointPlanner(const AutoWrapPolicy& policy) : policy_(policy) {}
 
-// `m` (at `path`, the child `name` of `parent`, or the root when parent is
-// null).
-void plan_one(const std::shared_ptr<torch::nn::Module>& parent, const std::string& name,
-              const std::shared_ptr<torch::nn::Module>& m, const std::string& path,
-              const std::function<bool(const torch::nn::Module&)>& check_fn, CheckpointPlan& plan) {
-  if (is_checkpoint_wrapper(*m)) return;  // already checkpointed
-  auto* unit = dynamic_cast<Unit*>(m.get());
-  if (unit != nullptr && unit->is_active()) {
-    const torch::nn::Module* target =
-        unit->wrapped_module() != nullptr ? unit->wrapped_module() : m.get();
-    if (check_fn(*target)) {
-      plan.units.push_back(unit);
-      return;  // its subtree is recomputed with it
+  // The checkpointed numel under `m` (at `path`, the child `name` of
+  // `parent`): all of it when `m` becomes a region.
+  int64_t plan(const std::shared_ptr<torch::nn::Module>& parent, const std::string& name,
+               const std::shared_ptr<torch::nn::Module>& m, const std::string& path) {
+    if (is_checkpoint_wrapper(*m)) return detail::unowned_numel(*m, {});  // already checkpointed
+    auto* unit = dynamic_cast<Unit*>(m.get());
+    const bool wrapper = unit != nullptr && unit->is_active();
+    // A wrapper unit is asked about as the module it wraps (a check_fn
+    // naming BlockImpl matches the unit of a block).
+    const torch::nn::Module& target =
+        wrapper && unit->wrapped_module() != nullptr ? *unit->wrapped_module() : *m;
+    const int64_t numel = detail::unowned_numel(target, {});
+    if (!policy_.should_recurse(target, path, numel)) return 0;
+    const int64_t below = plan_children(m, path);
+    if (parent == nullptr || !policy_.should_wrap(target, path, numel - below)) return below;
+    if (wrapper) {
+      if (!unit->checkpoints_activations()) plan_.units.push_back(unit);  // else done before
+    } else if (unit_of(*m) != nullptr) {
+      // A unit made in place has no wrapper forward to checkpoint; a
+      // checkpoint wrapper would hide it (check_not_a_unit_to_checkpoint).
+      plan_.in_place.push_back(quoted_path(path));
+    } else if (!plan_entry(parent, name, *m)) {
+      plan_.refused.push_back(quoted_path(path));
     }
-  } else if (check_fn(*m)) {
-    // A unit made in place has no wrapper forward to checkpoint; replacing
-    // it by a checkpoint wrapper would hide it (check_not_a_unit_to_checkpoint).
-    if (unit_of(*m) != nullptr) {
-      plan.in_place.push_back(quoted_path(path));
-      return;
-    }
-    auto seq = parent != nullptr ? sequential_of(parent) : nullptr;
-    if (seq != nullptr) {
-      for (size_t i = 0; i < seq->size(); ++i) {
-        if (seq->ptr(i).get() == m.get()) {
-          const bool wrapped = seq.get() != parent.get();
-          plan.entries.push_back(CheckpointPlan::Entry{torch::nn::Sequential(seq), i,
-                                                       wrapped ? parent : nullptr, name});
-          return;
-        }
-      }
-    }
-    plan.refused.push_back(quoted_path(path));
-    return;
+    return numel;
   }
-  plan_module(m, path, check_fn, plan);
-}
 
-void plan_module(const std::shared_ptr<torch::nn::Module>& parent, const std::string& path,
-                 const std::function<bool(const torch::nn::Module&)>& check_fn,
-                 CheckpointPlan& plan) {
-  for (const auto& child : parent->named_children()) {
-    plan_one(parent, child.key(), child.value(),
-             path.empty() ? child.key() : path + "." + child.key(), check_fn, plan);
+  int64_t plan_children(const std::shared_ptr<torch::nn::Module>& m, const std::string& path) {
+    int64_t below = 0;
+    for (const auto& child : m->named_children()) {
+      below += plan(m, child.key(), child.value(),
+                    path.empty() ? child.key() : path + "." + child.key());
+    }
+    return below;
   }
-}
+
+  CheckpointPlan& result() { return plan_; }
+
+ private:
+  // Plans the replacement of `m`, the child `name` of `parent`, when it is a
+  // Sequential entry.
+  bool plan_entry(const std::shared_ptr<torch::nn::Module>& parent, const std::string& name,
+                  const torch::nn::Module& m) {
+    auto seq = sequential_of(parent);
+    if (seq == nullptr) return false;
+    for (size_t i = 0; i < seq->size(); ++i) {
+      if (seq->ptr(i).get() != &m) continue;
+      const bool wrapped = seq.get() != parent.get();
+      plan_.entries.push_back(
+          CheckpointPlan::Entry{torch::nn::Sequential(seq), i, wrapped ? parent : nullptr, name});
+      return true;
+    }
+    return false;
+  }
+
+  const AutoWrapPolicy& policy_;
+  CheckpointPlan plan_;
+};
 
 }  // namespace
 
@@ -153,10 +179,21 @@ int apply_activation_checkpointing(torch::nn::Module& root,
       static_cast<bool>(check_fn), -1, "apply_activation_checkpointing",
       "expected check_fn to be callable. Pass a function that says which modules to "
       "checkpoint, e.g. [](const torch::nn::Module& m) { return m.as<BlockImpl>() != nullptr; }");
-  CheckpointPlan plan;
-  // The root has no parent to replace it in: a shared_ptr that owns nothing.
-  std::shared_ptr<torch::nn::Module> root_ptr(std::shared_ptr<torch::nn::Module>(), &root);
-  plan_one(nullptr, "", root_ptr, "", check_fn, plan);
+  // PyTorch's lambda_auto_wrap_policy: every subtree looked into.
+  return apply_activation_checkpointing(
+      root, AutoWrapPolicy([check_fn](const torch::nn::Module& m, const std::string&,
+                                      int64_t) { return check_fn(m); },
+                           "check_fn"));
+}
+
+int apply_activation_checkpointing(torch::nn::Module& root, const AutoWrapPolicy& policy) {
+  CheckpointPlanner planner(policy);
+  // The root is no candidate, and has no parent to be replaced in: a
+  // shared_ptr that owns nothing (Note [Which modules
+  // apply_activation_checkpointing checkpoints]).
+  planner.plan(nullptr, "",
+               std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module>(), &root), "");
+  CheckpointPlan& plan = planner.result();
   FSDP_CHECK(plan.in_place.empty(), -1, "apply_activation_checkpointing", "cannot checkpoint ",
              comma_joined(plan.in_place),
              ": fsdp::fully_shard made each a unit in place, which cannot checkpoint its own "

@@ -117,6 +117,7 @@ FullyShardedDataParallel<ChainImpl> sharded_chain(Layout layout, const FSDPOptio
     case Layout::kInsideUnits: {
       FullyShardedDataParallel<ChainImpl> root(make_chain(opts, false), opts);
       EXPECT_EQ(apply_activation_checkpointing(*root, is_drop_block), kBlocks);
+      EXPECT_EQ(apply_activation_checkpointing(*root, is_drop_block), 0) << "counted twice";
       return root;
     }
     case Layout::kAroundUnits:
@@ -639,6 +640,93 @@ TEST(ActivationCheckpoint, TypedMembersAreRefusedAndNothingChanges) {
   EXPECT_NE(error.find("fsdp::CheckpointWrapper<Impl>"), std::string::npos) << error;
   EXPECT_NE(std::dynamic_pointer_cast<DropBlockImpl>(chain->ptr(0)), nullptr)
       << "entry 0 was replaced despite the error";
+}
+
+// The walk of PyTorch's apply_activation_checkpointing (_recursive_wrap with
+// only_wrap_children): the root is never checkpointed (a check_fn true for
+// every module works, as PyTorch's default does), matches are taken
+// innermost first and a match inside a match is checkpointed too; a second
+// call changes nothing. Nested regions give plain autograd's gradients,
+// dropout included.
+TEST(ActivationCheckpoint, TheWalkIsPyTorchsRootExcludedNestedMatchesTaken) {
+  const auto make = [] {
+    torch::manual_seed(0);
+    Chain inner;
+    inner->push_back(nn::Linear(kDim, kDim));
+    inner->push_back(nn::Functional(torch::tanh));
+    inner->push_back(nn::Dropout(0.3));
+    inner->push_back(nn::Linear(kDim, kDim));
+    Chain root;
+    root->push_back(inner);
+    root->push_back(nn::Linear(kDim, 4));
+    return root;
+  };
+  Chain plain = make();
+  Chain checkpointed = make();
+  const auto is_chain_or_linear = [](const nn::Module& m) {
+    return m.as<ChainImpl>() != nullptr || m.as<nn::LinearImpl>() != nullptr;
+  };
+  // The inner Linears, then the inner Chain around them, then the head.
+  EXPECT_EQ(apply_activation_checkpointing(*checkpointed, is_chain_or_linear), 4);
+  const auto outer = std::dynamic_pointer_cast<AnyCheckpointWrapperImpl>(checkpointed->ptr(0));
+  ASSERT_NE(outer, nullptr) << "the inner Chain was not checkpointed";
+  auto* inner = dynamic_cast<ChainImpl*>(&outer->original_module());
+  ASSERT_NE(inner, nullptr);
+  EXPECT_NE(std::dynamic_pointer_cast<AnyCheckpointWrapperImpl>(inner->ptr(0)), nullptr)
+      << "a match inside a match was skipped";
+  EXPECT_NE(std::dynamic_pointer_cast<AnyCheckpointWrapperImpl>(checkpointed->ptr(1)), nullptr);
+  EXPECT_EQ(checkpointed->named_parameters().keys(), plain->named_parameters().keys());
+  EXPECT_EQ(apply_activation_checkpointing(*checkpointed, is_chain_or_linear), 0)
+      << "a second call checkpointed again";
+
+  const torch::Tensor x = torch::randn({6, kDim});
+  torch::manual_seed(7);
+  plain->forward(x).square().sum().backward();
+  torch::manual_seed(7);
+  checkpointed->forward(x).square().sum().backward();
+  for (const auto& p : plain->named_parameters()) {
+    const torch::Tensor& g = checkpointed->named_parameters()[p.key()].grad();
+    ASSERT_TRUE(g.defined()) << p.key();
+    EXPECT_TRUE(torch::allclose(p.value().grad(), g, 1e-6, 1e-7)) << p.key();
+  }
+
+  // Every module but the root, as PyTorch's default check_fn (the root,
+  // never asked, used to be matched and, having no parent to be replaced
+  // in, refused).
+  Chain all = make();
+  EXPECT_EQ(apply_activation_checkpointing(*all, [](const nn::Module&) { return true; }), 6);
+}
+
+// The policy form (PyTorch's auto_wrap_policy argument) asks as PyTorch's
+// _recursive_wrap does: children first, then the parent with what its
+// checkpointed children leave, so a size policy checkpoints a parent only
+// for its own remainder.
+TEST(ActivationCheckpoint, ThePolicyFormAsksForTheRemainderAfterTheChildren) {
+  const auto make = [] {
+    Chain inner;
+    inner->push_back(nn::Linear(8, 8));  // 72 parameters
+    inner->push_back(nn::Linear(8, 8));
+    Chain root;
+    root->push_back(inner);  // 144
+    root->push_back(nn::Linear(8, 8));
+    return root;
+  };
+  const auto wrapped = [](const std::shared_ptr<nn::Module>& m) {
+    return std::dynamic_pointer_cast<AnyCheckpointWrapperImpl>(m) != nullptr;
+  };
+  Chain large = make();
+  EXPECT_EQ(apply_activation_checkpointing(*large, MinParamsPolicy(100)), 1);
+  EXPECT_TRUE(wrapped(large->ptr(0))) << "the inner Chain (144 parameters) was left out";
+  EXPECT_FALSE(wrapped(large->ptr(1)));
+  Chain small = make();
+  EXPECT_EQ(apply_activation_checkpointing(*small, MinParamsPolicy(50)), 3);
+  ASSERT_FALSE(wrapped(small->ptr(0)))
+      << "the inner Chain was checkpointed for parameters its Linears hold";
+  EXPECT_TRUE(wrapped(small->ptr(0)->as<ChainImpl>()->ptr(1)));
+  EXPECT_TRUE(wrapped(small->ptr(1)));
+  Chain typed = make();
+  EXPECT_EQ(apply_activation_checkpointing(*typed, module_type_policy<ChainImpl>()), 1);
+  EXPECT_TRUE(wrapped(typed->ptr(0)));
 }
 
 TEST(ActivationCheckpoint, AWrapperAroundAUnitItselfIsRefused) {

@@ -17,6 +17,9 @@
 #include <fsdp/wrap/wrapper_traits.h>
 
 namespace fsdp {
+
+class AutoWrapPolicy;
+
 namespace detail {
 
 /// Drops the tensors `arg` holds (the recomputation substitutes them).
@@ -170,19 +173,30 @@ class AnyCheckpointWrapperImpl : public torch::nn::Module, public detail::Module
 };
 TORCH_MODULE(AnyCheckpointWrapper);
 
-/// Turns activation checkpointing on for every module of `root`'s tree (root
-/// included) for which `check_fn` is true, as PyTorch's
-/// apply_activation_checkpointing(model, check_fn=...): an FSDP unit (checked
-/// by the module it wraps) checkpoints its wrapped forward
+/// Turns activation checkpointing on for the modules under `root` for which
+/// `check_fn` is true, as PyTorch's apply_activation_checkpointing(model,
+/// check_fn=...): the root itself is never checkpointed (checkpoint a root
+/// unit with unit->set_activation_checkpointing(true)); matches are taken
+/// innermost first, and a match inside a match is checkpointed too (see
+/// Note [Which modules apply_activation_checkpointing checkpoints]). An FSDP
+/// unit (checked by the module it wraps) checkpoints its wrapped forward
 /// (Unit::set_activation_checkpointing); a Sequential entry that is not a
-/// unit is replaced in place by an AnyCheckpointWrapper. Other matches (a
-/// typed member of a parent class, whose type cannot change) are an error
-/// naming them: declare the member as CheckpointWrapper<Impl>, or make it a
-/// FullyShardedDataParallel<Impl> unit; so is a unit fully_shard made in
-/// place (it has no forward of its own to checkpoint), and nothing changes.
-/// Returns how many modules were checkpointed. Call it after wrapping and
-/// before the first forward.
+/// unit is replaced in place by an AnyCheckpointWrapper; a module already
+/// checkpointed is left as it is, so a second call changes nothing. Other
+/// matches (a typed member of a parent class, whose type cannot change) are
+/// an error naming them: declare the member as CheckpointWrapper<Impl>, or
+/// make it a FullyShardedDataParallel<Impl> unit; so is a unit fully_shard
+/// made in place (it has no forward of its own to checkpoint), and nothing
+/// changes. Returns how many modules were checkpointed. Call it after
+/// wrapping and before the first forward.
 int apply_activation_checkpointing(torch::nn::Module& root,
                                    const std::function<bool(const torch::nn::Module&)>& check_fn);
+
+/// apply_activation_checkpointing with a policy instead of check_fn
+/// (PyTorch's auto_wrap_policy argument):
+/// `fsdp::apply_activation_checkpointing(*model, fsdp::module_type_policy<BlockImpl>())`.
+/// The policy is asked as auto_wrap asks it, with the numel of a module's
+/// subtree that no checkpointed module under it holds.
+int apply_activation_checkpointing(torch::nn::Module& root, const AutoWrapPolicy& policy);
 
 }  // namespace fsdp
