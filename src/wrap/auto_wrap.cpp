@@ -31,14 +31,37 @@ AutoWrapPolicy::AutoWrapPolicy(Fn should_wrap, std::string description, Fn shoul
       should_recurse_(std::move(should_recurse)),
       description_(std::move(description)) {}
 
+AutoWrapPolicy::AutoWrapPolicy(OptionsFn should_wrap, std::string description, Fn should_recurse)
+    : should_wrap_with_options_(std::move(should_wrap)),
+      should_recurse_(std::move(should_recurse)),
+      description_(std::move(description)) {}
+
 bool AutoWrapPolicy::should_wrap(const Module& module, const std::string& path,
                                  int64_t unwrapped_numel) const {
+  FSDPOptions unused;
+  return should_wrap(module, path, unwrapped_numel, unused);
+}
+
+bool AutoWrapPolicy::should_wrap(const Module& module, const std::string& path,
+                                 int64_t unwrapped_numel, FSDPOptions& options) const {
   // Asked about the wrapper, then about the module it wraps (a block in a
   // CheckpointWrapper is the block's type to a policy; PyTorch asks both).
-  if (!should_wrap_) return false;
   const Module& inner = detail::wrapped_module(module);
-  return should_wrap_(module, path, unwrapped_numel) ||
-         (&inner != &module && should_wrap_(inner, path, unwrapped_numel));
+  if (should_wrap_) {
+    return should_wrap_(module, path, unwrapped_numel) ||
+           (&inner != &module && should_wrap_(inner, path, unwrapped_numel));
+  }
+  if (!should_wrap_with_options_) return false;
+  // A policy that says no leaves the options as they were.
+  for (const Module* m : {&module, &inner}) {
+    FSDPOptions changed = options;
+    if (should_wrap_with_options_(*m, path, unwrapped_numel, changed)) {
+      options = std::move(changed);
+      return true;
+    }
+    if (&inner == &module) break;
+  }
+  return false;
 }
 
 bool AutoWrapPolicy::should_recurse(const Module& module, const std::string& path,
@@ -53,24 +76,67 @@ AlwaysWrapPolicy::AlwaysWrapPolicy()
     : AutoWrapPolicy([](const Module&, const std::string&, int64_t) { return true; },
                      "AlwaysWrapPolicy") {}
 
+std::vector<ModuleClass> MinParamsPolicy::default_force_leaf_modules() {
+  return {module_class<torch::nn::MultiheadAttentionImpl>()};
+}
+
+std::vector<ModuleClass> MinParamsPolicy::default_exclude_wrap_modules() {
+  return {module_class<torch::nn::ModuleListImpl>(), module_class<torch::nn::ModuleDictImpl>()};
+}
+
+namespace {
+std::string class_names(const std::vector<ModuleClass>& classes) {
+  std::string out = "{";
+  for (const ModuleClass& c : classes) out += (out.size() > 1 ? ", " : "") + c.name;
+  return out + "}";
+}
+
+std::string min_params_description(int64_t min_num_params,
+                                   const std::vector<ModuleClass>& force_leaf_modules,
+                                   const std::vector<ModuleClass>& exclude_wrap_modules) {
+  std::string out = "MinParamsPolicy(" + std::to_string(min_num_params);
+  if (class_names(force_leaf_modules) !=
+      class_names(MinParamsPolicy::default_force_leaf_modules())) {
+    out += ", force_leaf_modules=" + class_names(force_leaf_modules);
+  }
+  if (class_names(exclude_wrap_modules) !=
+      class_names(MinParamsPolicy::default_exclude_wrap_modules())) {
+    out += ", exclude_wrap_modules=" + class_names(exclude_wrap_modules);
+  }
+  return out + ")";
+}
+
+std::vector<ModuleClass> checked_classes(std::vector<ModuleClass> classes, const char* what) {
+  for (const ModuleClass& c : classes) {
+    FSDP_CHECK(static_cast<bool>(c.matches), -1, "MinParamsPolicy", "the class '", c.name, "' of ",
+               what, " has an empty matches function. Make it with fsdp::module_class<Impl>()");
+  }
+  return classes;
+}
+}  // namespace
+
 MinParamsPolicy::MinParamsPolicy(int64_t min_num_params)
+    : MinParamsPolicy(min_num_params, default_force_leaf_modules(),
+                      default_exclude_wrap_modules()) {}
+
+MinParamsPolicy::MinParamsPolicy(int64_t min_num_params,
+                                 std::vector<ModuleClass> force_leaf_modules,
+                                 std::vector<ModuleClass> exclude_wrap_modules)
     : AutoWrapPolicy(
-          [min_num_params](const Module& m, const std::string&, int64_t numel) {
-            // Containers without a forward are never called, so a unit there
-            // would never gather (PyTorch's EXCLUDE_WRAP_MODULES).
-            return numel >= min_num_params &&
-                   dynamic_cast<const torch::nn::ModuleListImpl*>(&m) == nullptr &&
-                   dynamic_cast<const torch::nn::ModuleDictImpl*>(&m) == nullptr;
+          // Containers without a forward are never called, so a unit there
+          // would never gather (the default exclude_wrap_modules).
+          [min_num_params, exclude = checked_classes(exclude_wrap_modules, "exclude_wrap_modules")](
+              const Module& m, const std::string&, int64_t numel) {
+            return numel >= min_num_params && detail::class_of(m, exclude) == nullptr;
           },
-          "MinParamsPolicy(" + std::to_string(min_num_params) + ")",
-          [min_num_params](const Module& m, const std::string&, int64_t numel) {
-            // A subtree smaller than the minimum holds nothing to select;
-            // MultiheadAttention uses its projections' weights directly
-            // (PyTorch's FORCE_LEAF_MODULES), inside a wrapper too (the
-            // policy is asked about both: each must say no).
-            return numel >= min_num_params &&
-                   dynamic_cast<const torch::nn::MultiheadAttentionImpl*>(
-                       &detail::wrapped_module(m)) == nullptr;
+          min_params_description(min_num_params, force_leaf_modules, exclude_wrap_modules),
+          // A subtree smaller than the minimum holds nothing to select;
+          // MultiheadAttention uses its projections' weights directly (the
+          // default force_leaf_modules), inside a wrapper too (class_of looks
+          // through wrappers).
+          [min_num_params, leaves = checked_classes(force_leaf_modules, "force_leaf_modules")](
+              const Module& m, const std::string&, int64_t numel) {
+            return numel >= min_num_params && detail::class_of(m, leaves) == nullptr;
           }) {
   FSDP_CHECK(min_num_params >= 0, -1, "MinParamsPolicy", "expected min_num_params >= 0, got ",
              min_num_params, ". A parameter count cannot be negative. Pass 0 to select every ",
@@ -89,6 +155,19 @@ AutoWrapPolicy::Fn callable_fn(AutoWrapPolicy::Fn fn) {
 
 LambdaPolicy::LambdaPolicy(Fn fn, std::string description)
     : AutoWrapPolicy(callable_fn(std::move(fn)), std::move(description)) {}
+
+namespace {
+AutoWrapPolicy::OptionsFn callable_options_fn(AutoWrapPolicy::OptionsFn fn) {
+  FSDP_CHECK(static_cast<bool>(fn), -1, "CustomPolicy",
+             "expected a callable fn, got an empty std::function. Pass a function of (module, "
+             "path, unwrapped_numel, options) that returns whether to make the module a unit "
+             "and may change options for it");
+  return fn;
+}
+}  // namespace
+
+CustomPolicy::CustomPolicy(OptionsFn fn, std::string description)
+    : AutoWrapPolicy(callable_options_fn(std::move(fn)), std::move(description), nullptr) {}
 
 namespace {
 
@@ -123,35 +202,47 @@ AutoWrapPolicy type_policy(std::vector<ModuleTypePolicy::Type> types) {
       std::move(description));
 }
 
-AutoWrapPolicy union_policy(std::vector<AutoWrapPolicy> policies) {
-  std::string description = describe_union(policies);
-  // Both predicates read one list.
-  auto members = std::make_shared<const std::vector<AutoWrapPolicy>>(std::move(policies));
-  return AutoWrapPolicy(
-      [members](const Module& m, const std::string& path, int64_t numel) {
-        for (const auto& p : *members) {
-          if (p.should_wrap(m, path, numel)) return true;
-        }
-        return false;
-      },
-      std::move(description),
-      // A member that would descend must see the subtree, even if the
-      // others would prune it (PyTorch's _or_policy asks with recurse=True).
-      [members](const Module& m, const std::string& path, int64_t numel) {
-        for (const auto& p : *members) {
-          if (p.should_recurse(m, path, numel)) return true;
-        }
-        return false;
-      });
-}
-
 }  // namespace
 
 ModuleTypePolicy::ModuleTypePolicy(std::vector<Type> types)
     : AutoWrapPolicy(type_policy(std::move(types))) {}
 
+struct UnionPolicy::Parts {
+  OptionsFn should_wrap;
+  std::string description;
+  Fn should_recurse;
+};
+
+UnionPolicy::Parts UnionPolicy::parts_of(std::vector<AutoWrapPolicy> policies) {
+  std::string description = describe_union(policies);
+  // Both predicates read one list.
+  auto members = std::make_shared<const std::vector<AutoWrapPolicy>>(std::move(policies));
+  Parts parts;
+  parts.should_wrap = [members](const Module& m, const std::string& path, int64_t numel,
+                                FSDPOptions& options) {
+    for (const auto& p : *members) {
+      if (p.should_wrap(m, path, numel, options)) return true;
+    }
+    return false;
+  };
+  parts.description = std::move(description);
+  // A member that would descend must see the subtree, even if the others
+  // would prune it (PyTorch's _or_policy asks with recurse=True).
+  parts.should_recurse = [members](const Module& m, const std::string& path, int64_t numel) {
+    for (const auto& p : *members) {
+      if (p.should_recurse(m, path, numel)) return true;
+    }
+    return false;
+  };
+  return parts;
+}
+
 UnionPolicy::UnionPolicy(std::vector<AutoWrapPolicy> policies)
-    : AutoWrapPolicy(union_policy(std::move(policies))) {}
+    : UnionPolicy(parts_of(std::move(policies))) {}
+
+UnionPolicy::UnionPolicy(Parts parts)
+    : AutoWrapPolicy(std::move(parts.should_wrap), std::move(parts.description),
+                     std::move(parts.should_recurse)) {}
 
 UnionPolicy operator|(const AutoWrapPolicy& a, const AutoWrapPolicy& b) {
   return UnionPolicy({a, b});
@@ -189,6 +280,7 @@ struct Planned {
   size_t index;
   const Module* module = nullptr;
   bool full_precision = false;
+  FSDPOptions options;  // the call's, as a CustomPolicy changed them for this unit
 };
 
 // Decides every unit before any is made, so a refusal changes nothing.
@@ -206,7 +298,10 @@ class Planner {
     survey(root, "");
     visit(root, "", Slot{});
     std::vector<detail::PlannedUnit> units;
-    for (const Planned& p : planned_) units.push_back({p.module, p.path});
+    for (const Planned& p : planned_) {
+      detail::check_unit_options(p.options, options_, p.path, rank_, "auto_wrap");
+      units.push_back({p.module, p.path, p.options.use_orig_params()});
+    }
     detail::check_planned_units(*root, units, ignored_params_, ignored_params_,
                                 options_.use_orig_params(), rank_, "auto_wrap");
     warn_full_precision();
@@ -247,7 +342,8 @@ class Planner {
     if (path.empty()) return;  // the root: the caller wraps it
     const int64_t numel = unwrapped_numel(*m);
     const ModuleClass* fp_class = detail::class_of(*m, mp_classes_);
-    const bool selected = policy_.should_wrap(*m, path, numel);
+    FSDPOptions unit_options = options_;
+    const bool selected = policy_.should_wrap(*m, path, numel, unit_options);
     if (!selected && fp_class == nullptr) return;
     FSDP_CHECK(
         slot.parent != nullptr, rank_, path, "expected the modules that ", policy_.description(),
@@ -272,7 +368,8 @@ class Planner {
                "parameters sharded. Give each place its own module, or keep it out of the "
                "policy.");
     detail::own_params(*m, owned_);
-    planned_.push_back(Planned{path, slot.parent, slot.index, m.get(), fp_class != nullptr});
+    planned_.push_back(Planned{path, slot.parent, slot.index, m.get(), fp_class != nullptr,
+                               std::move(unit_options)});
     if (fp_class != nullptr) full_precision_found_.push_back(fp_class->name + " at " + path);
   }
 
@@ -336,11 +433,11 @@ std::vector<AutoWrappedUnit> auto_wrap(torch::nn::Sequential& seq, const AutoWra
     detail::UnitPathScope named(p.path);  // messages name the unit by its path
     torch::nn::Sequential parent(p.parent);
     if (!p.full_precision) {
-      units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, options)});
+      units.push_back(AutoWrappedUnit{p.path, wrap_sequential_entry(parent, p.index, p.options)});
       continue;
     }
     // Mixed precision off for this unit; see Planner::warn_full_precision.
-    FSDPOptions full = options;
+    FSDPOptions full = p.options;
     full.mixed_precision(c10::nullopt);
     AnyUnit unit = wrap_sequential_entry(parent, p.index, full);
     unit->keep_full_precision();

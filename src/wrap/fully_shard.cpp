@@ -29,11 +29,10 @@ void check_module(const torch::nn::Module& module) {
   Unit::check_not_a_unit(module);
 }
 
-// What fully_shard refuses of the tree and the options, checked before any
-// unit is made so that a refused call (the policy form's too) leaves the
+// What fully_shard refuses of the options (a CustomPolicy's for one unit
+// too), checked before any unit is made so that a refused call leaves the
 // model as it was.
-void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
-  check_module(module);
+void check_options(const torch::nn::Module& module, const FSDPOptions& options) {
   // Only a wrapper's forward reads the option; a unit made in place would
   // keep every activation without a word.
   FSDP_CHECK(!options.activation_checkpointing(), -1, module.name(),
@@ -50,6 +49,12 @@ void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
              ". A unit made in place sees its operators, not its module's output; cast the "
              "output yourself (logits.to(torch::kFloat)), or hold the root as a "
              "FullyShardedDataParallel wrapper");
+}
+
+// What fully_shard refuses of the tree and the options.
+void check_call(const torch::nn::Module& module, const FSDPOptions& options) {
+  check_module(module);
+  check_options(module, options);
   for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
     const auto* wrapper = dynamic_cast<const Unit*>(item.value().get());
     FSDP_CHECK(wrapper == nullptr || !wrapper->is_active(), -1, module.name(),
@@ -96,11 +101,14 @@ class InPlacePlanner {
       walk(*child.value(), path.empty() ? child.key() : path + "." + child.key());
     }
     const ModuleClass* fp_class = detail::class_of(m, full_precision_);
-    if (!policy_.should_wrap(m, path, detail::unowned_numel(m, owned_)) && fp_class == nullptr) {
+    FSDPOptions unit_options = options_;
+    if (!policy_.should_wrap(m, path, detail::unowned_numel(m, owned_), unit_options) &&
+        fp_class == nullptr) {
       return;
     }
     check_module(m);
-    planned_.push_back(Planned{&m, path, fp_class});
+    check_options(m, unit_options);
+    planned_.push_back(Planned{&m, path, fp_class, std::move(unit_options)});
     detail::own_params(m, owned_);
   }
 
@@ -122,7 +130,10 @@ class InPlacePlanner {
       if (unit_of(*m) != nullptr) detail::own_params(*m, managed);
     }
     std::vector<detail::PlannedUnit> units;
-    for (const Planned& p : planned_) units.push_back({p.module, p.path});
+    for (const Planned& p : planned_) {
+      detail::check_unit_options(p.options, options_, p.path, -1, "fully_shard");
+      units.push_back({p.module, p.path, p.options.use_orig_params()});
+    }
     detail::check_planned_units(root, units, std::move(managed), ignored_params_,
                                 options_.use_orig_params(), -1, "fully_shard");
   }
@@ -131,13 +142,13 @@ class InPlacePlanner {
     for (const Planned& p : planned_) {
       detail::UnitPathScope scope(p.path);
       if (p.fp_class == nullptr) {
-        detail::make_in_place_unit(*p.module, options_);
+        detail::make_in_place_unit(*p.module, p.options);
         continue;
       }
       // Mixed precision off, as auto_wrap makes these units: its reduce_dtype
       // and buffer_dtype too, which the unit's own check leaves on when no
       // param_dtype is given.
-      FSDPOptions full = options_;
+      FSDPOptions full = p.options;
       full.mixed_precision(c10::nullopt);
       detail::make_in_place_unit(*p.module, std::move(full)).keep_full_precision();
       full_precision_found_.push_back(p.fp_class->name + " at " + p.path);
@@ -154,6 +165,7 @@ class InPlacePlanner {
     torch::nn::Module* module;
     std::string path;
     const ModuleClass* fp_class;  // kept in full precision (MixedPrecision)
+    FSDPOptions options;          // the call's, as a CustomPolicy changed them for this unit
   };
 
   const AutoWrapPolicy& policy_;

@@ -116,8 +116,24 @@ void check_planned_units(const torch::nn::Module& root, const std::vector<Planne
                          const char* api) {
   check_no_parameter_in_two_units(root, planned, ignored, rank, api);
   for (const PlannedUnit& u : planned)
-    check_uniform(*u.module, u.path, managed, use_orig_params, rank);
+    check_uniform(*u.module, u.path, managed, u.use_orig_params, rank);
   check_uniform(root, "", managed, use_orig_params, rank);
+}
+
+void check_unit_options(const FSDPOptions& unit, const FSDPOptions& call, const std::string& path,
+                        int rank, const char* api) {
+  const auto same_modules = unit.ignored_modules() == call.ignored_modules();
+  bool same_params = unit.ignored_params().size() == call.ignored_params().size();
+  for (size_t i = 0; same_params && i < unit.ignored_params().size(); ++i) {
+    same_params = unit.ignored_params()[i].unsafeGetTensorImpl() ==
+                  call.ignored_params()[i].unsafeGetTensorImpl();
+  }
+  FSDP_CHECK(same_modules && same_params, rank, path, api, "'s policy changed ",
+             same_modules ? "ignored_params" : "ignored_modules", " for the unit at ", path,
+             ". They are the call's: every unit and the root leave out the same modules and "
+             "parameters. Set them on the options given to ",
+             api, ", not in a CustomPolicy");
+  check_param_init_fn(unit, path);
 }
 
 void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found) {

@@ -78,6 +78,15 @@ struct PolicyCase {
   Paths expected;
 };
 
+// The Linears, the one at 3.0 with SHARD_GRAD_OP.
+CustomPolicy linears_inner_first_grad_op() {
+  return CustomPolicy([](const nn::Module& m, const std::string& path, int64_t, FSDPOptions& o) {
+    if (m.as<nn::LinearImpl>() == nullptr) return false;
+    if (path == "3.0") o.sharding_strategy(ShardingStrategy::kShardGradOp);
+    return true;
+  });
+}
+
 std::vector<PolicyCase> policy_cases() {
   return {
       {"always", AlwaysWrapPolicy(), {"0", "1", "2", "3.0", "3.1", "3.2", "3.3", "3", "4"}},
@@ -93,6 +102,21 @@ std::vector<PolicyCase> policy_cases() {
       {"min_300", MinParamsPolicy(300), {"3"}},
       {"min_144_inclusive", MinParamsPolicy(144), {"0", "3.0", "3.3"}},
       {"min_default", MinParamsPolicy(), {}},
+      {"min_30", MinParamsPolicy(30), {"0", "2", "3.0", "3.2", "3.3", "4"}},
+      // PyTorch's exclude_wrap_modules: LayerNorms are never selected, so the
+      // block keeps 32 of its own and is selected after its Linears.
+      {"min_30_norms_excluded",
+       MinParamsPolicy(30, MinParamsPolicy::default_force_leaf_modules(),
+                       {module_class<nn::LayerNormImpl>()}),
+       {"0", "3.0", "3.3", "3", "4"}},
+      // PyTorch's force_leaf_modules: the block is not looked into, so
+      // neither it nor its Linears are asked (as _recursive_wrap asks no
+      // module it does not recurse into): its parameters join the root.
+      {"min_100_block_a_leaf",
+       MinParamsPolicy(100, {module_class<BlockImpl>()},
+                       MinParamsPolicy::default_exclude_wrap_modules()),
+       {"0"}},
+      {"min_100", MinParamsPolicy(100), {"0", "3.0", "3.3"}},
       {"lambda",
        LambdaPolicy([](const nn::Module&, const std::string& path, int64_t numel) {
          return path.rfind("3.", 0) == 0 && numel > 0;
@@ -101,6 +125,9 @@ std::vector<PolicyCase> policy_cases() {
       {"union",
        module_type_policy<nn::LayerNormImpl>() | MinParamsPolicy(250),
        {"2", "3.0", "3.2", "3.3"}},
+      // PyTorch's CustomPolicy: the block's first Linear keeps its
+      // parameters gathered after forward; training is the same.
+      {"custom", linears_inner_first_grad_op(), {"0", "3.0", "3.3", "4"}},
   };
 }
 
@@ -140,6 +167,19 @@ TEST(AutoWrapPolicies, EachPolicySelectsTheExpectedPaths) {
   without_first.erase(without_first.begin());
   EXPECT_EQ(auto_wrap_paths(model, linears, FSDPOptions().ignored_modules({model->ptr(0)})),
             without_first);
+}
+
+// A MinParamsPolicy with other classes than PyTorch's defaults names them in
+// its description; a class without a test is refused when the policy is made.
+TEST(AutoWrapPolicies, MinParamsPolicyNamesClassesOtherThanTheDefaults) {
+  EXPECT_EQ(MinParamsPolicy(10).description(), "MinParamsPolicy(10)");
+  const std::string named =
+      MinParamsPolicy(10, {}, MinParamsPolicy::default_exclude_wrap_modules()).description();
+  EXPECT_EQ(named, "MinParamsPolicy(10, force_leaf_modules={})");
+  EXPECT_TRUE(contains(error_of([] {
+                         MinParamsPolicy(1, {ModuleClass{"Block", nullptr}}, {});
+                       }),
+                       "the class 'Block' of force_leaf_modules has an empty matches function"));
 }
 
 // Activation checkpointing applied before auto_wrap: the block's entry is an
@@ -301,6 +341,79 @@ TEST(AutoWrap, WrapsSelectedEntriesInPlaceKeepingNames) {
       EXPECT_EQ(names_of(*root), names) << c.name;
       EXPECT_EQ(root->forward(torch::ones({2, 8})).sizes(), (std::vector<int64_t>{2, 4})) << c.name;
     }
+    finish_rank(group);
+  });
+}
+
+// A CustomPolicy's options reach the unit it selects, by auto_wrap and by
+// fully_shard's policy form; in a union the first policy that selects a
+// module gives its options; a policy that says no changes nothing; options
+// fully_shard refuses are refused for one unit too, before any unit is made.
+TEST(AutoWrap, ACustomPolicysOptionsReachTheirUnit) {
+  run_ranks_ok(1, [](int, int) {
+    const auto group = start_rank();
+    const auto strategy_at = [](const nn::Sequential& seq, const std::string& path) {
+      const Unit* unit = unit_of(*seq->named_modules()[path]);
+      return unit == nullptr ? std::string("no unit")
+                             : to_string(unit->fsdp_options().sharding_strategy());
+    };
+    const std::string full = to_string(ShardingStrategy::kFullShard);
+    const std::string grad_op = to_string(ShardingStrategy::kShardGradOp);
+    nn::Sequential wrapped = make_model();
+    auto_wrap(wrapped, linears_inner_first_grad_op());
+    EXPECT_EQ(strategy_at(wrapped, "3.0"), grad_op);
+    EXPECT_EQ(strategy_at(wrapped, "3.3"), full);
+    EXPECT_EQ(strategy_at(wrapped, "0"), full);
+
+    nn::Sequential in_place = make_model();
+    const CustomPolicy norms_no_shard(
+        [](const nn::Module& m, const std::string&, int64_t, FSDPOptions& o) {
+          o.sharding_strategy(ShardingStrategy::kNoShard);  // changed, then refused: must not stick
+          return m.as<nn::LayerNormImpl>() != nullptr;
+        });
+    fully_shard(*in_place, linears_inner_first_grad_op() | norms_no_shard);
+    EXPECT_EQ(strategy_at(in_place, "3.0"), grad_op);
+    EXPECT_EQ(strategy_at(in_place, "0"), full);
+    EXPECT_EQ(strategy_at(in_place, "2"), to_string(ShardingStrategy::kNoShard));
+    EXPECT_EQ(strategy_at(in_place, ""), full) << "a policy's change reached the root";
+
+    nn::Sequential refused = make_model();
+    const std::string error = error_of([&] {
+      fully_shard(*refused, CustomPolicy([](const nn::Module& m, const std::string& path, int64_t,
+                                            FSDPOptions& o) {
+        o.activation_checkpointing(path == "3.3");
+        return m.as<nn::LinearImpl>() != nullptr;
+      }));
+    });
+    EXPECT_TRUE(contains(error, "expected FSDPOptions::activation_checkpointing off")) << error;
+    EXPECT_EQ(unit_of(*refused->ptr(0)), nullptr) << "a unit was made before the refusal";
+    EXPECT_TRUE(contains(error_of([] { CustomPolicy(nullptr); }),
+                         "expected a callable fn, got an empty std::function"));
+    // The checks made before any unit read each unit's own options: a unit
+    // of frozen and trainable parameters without use_orig_params, ignored
+    // modules of its own.
+    nn::Sequential mixed = make_model();
+    mixed->ptr(3)->as<BlockImpl>()->ptr(0)->as<nn::LinearImpl>()->bias.set_requires_grad(false);
+    const CustomPolicy flat_at_3_0(
+        [](const nn::Module& m, const std::string& path, int64_t, FSDPOptions& o) {
+          if (path == "3.0") o.use_orig_params(false);
+          return m.as<nn::LinearImpl>() != nullptr;
+        });
+    const std::string frozen =
+        error_of([&] { auto_wrap(mixed, flat_at_3_0, FSDPOptions().use_orig_params(true)); });
+    EXPECT_TRUE(contains(frozen, "when use_orig_params=false")) << frozen;
+    EXPECT_EQ(unit_of(*mixed->ptr(0)), nullptr) << "a unit was made before the refusal";
+    const auto own_ignored = mixed->ptr(4);
+    const std::string ignored = error_of([&] {
+      fully_shard(*mixed, CustomPolicy([&](const nn::Module& m, const std::string&, int64_t,
+                                           FSDPOptions& o) {
+        o.ignored_modules({own_ignored});
+        return m.as<nn::LinearImpl>() != nullptr;
+      }));
+    });
+    EXPECT_TRUE(contains(ignored, "fully_shard's policy changed ignored_modules for the unit at 0"))
+        << ignored;
+    EXPECT_EQ(unit_of(*mixed->ptr(0)), nullptr) << "a unit was made before the refusal";
     finish_rank(group);
   });
 }

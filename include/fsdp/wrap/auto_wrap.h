@@ -39,17 +39,31 @@ class AutoWrapPolicy {
   /// wrapped. `description` names the policy in messages.
   AutoWrapPolicy(Fn should_wrap, std::string description, Fn should_recurse = nullptr);
 
+  /// What a CustomPolicy asks: whether to make `module` a unit, changing
+  /// `options` (a copy of the call's) for that unit alone.
+  using OptionsFn = std::function<bool(const torch::nn::Module& module, const std::string& path,
+                                       int64_t unwrapped_numel, FSDPOptions& options)>;
+
   /// True when `module` should become a unit.
   bool should_wrap(const torch::nn::Module& module, const std::string& path,
                    int64_t unwrapped_numel) const;
+  /// should_wrap(), and when true, `options` changed as the policy asks for
+  /// this unit (unchanged but by a CustomPolicy).
+  bool should_wrap(const torch::nn::Module& module, const std::string& path,
+                   int64_t unwrapped_numel, FSDPOptions& options) const;
   /// True when auto_wrap should look at `module`'s subtree at all.
   bool should_recurse(const torch::nn::Module& module, const std::string& path,
                       int64_t unwrapped_numel) const;
   /// The policy, for messages: "MinParamsPolicy(100000)".
   const std::string& description() const { return description_; }
 
+ protected:
+  /// A policy that may change each unit's options (CustomPolicy, UnionPolicy).
+  AutoWrapPolicy(OptionsFn should_wrap, std::string description, Fn should_recurse);
+
  private:
   Fn should_wrap_;
+  OptionsFn should_wrap_with_options_;  // set instead of should_wrap_
   Fn should_recurse_;
   std::string description_;
 };
@@ -68,7 +82,20 @@ class AlwaysWrapPolicy : public AutoWrapPolicy {
 /// inside a MultiheadAttention (its projections are typed members).
 class MinParamsPolicy : public AutoWrapPolicy {
  public:
+  /// With PyTorch's default force_leaf_modules and exclude_wrap_modules.
   explicit MinParamsPolicy(int64_t min_num_params = 100000000);
+  /// With PyTorch's force_leaf_modules (never looked into, so neither they
+  /// nor anything under them is selected: their parameters join the
+  /// enclosing unit; they replace default_force_leaf_modules()) and
+  /// exclude_wrap_modules (never selected, though looked into; they replace
+  /// default_exclude_wrap_modules()), classes made with
+  /// fsdp::module_class<Impl>().
+  MinParamsPolicy(int64_t min_num_params, std::vector<ModuleClass> force_leaf_modules,
+                  std::vector<ModuleClass> exclude_wrap_modules);
+  /// {MultiheadAttention}: PyTorch's FORCE_LEAF_MODULES.
+  static std::vector<ModuleClass> default_force_leaf_modules();
+  /// {ModuleList, ModuleDict}: PyTorch's EXCLUDE_WRAP_MODULES.
+  static std::vector<ModuleClass> default_exclude_wrap_modules();
 };
 
 /// Selects the modules for which `fn(module, path, unwrapped_numel)` is true
@@ -76,6 +103,26 @@ class MinParamsPolicy : public AutoWrapPolicy {
 class LambdaPolicy : public AutoWrapPolicy {
  public:
   explicit LambdaPolicy(Fn fn, std::string description = "LambdaPolicy");
+};
+
+/// Selects the modules for which `fn(module, path, unwrapped_numel, options)`
+/// is true, each made a unit with `options` as `fn` leaves them (PyTorch's
+/// CustomPolicy, whose lambda returns True or the unit's keyword arguments):
+/// `options` is a copy of the options auto_wrap or fully_shard was given, so
+/// `fn` changes only what differs for that unit.
+/// ```
+/// fsdp::CustomPolicy([](const torch::nn::Module& m, const std::string& path, int64_t,
+///                       fsdp::FSDPOptions& o) {
+///   if (m.as<BlockImpl>() == nullptr) return false;
+///   if (path == "blocks.11") o.sharding_strategy(fsdp::ShardingStrategy::kShardGradOp);
+///   return true;
+/// });
+/// ```
+/// The checks made before any unit (frozen and trainable parameters mixed,
+/// ignored modules, module_classes_to_ignore) read the call's options.
+class CustomPolicy : public AutoWrapPolicy {
+ public:
+  explicit CustomPolicy(OptionsFn fn, std::string description = "CustomPolicy");
 };
 
 /// Selects the modules that are of one of the given types or derive from one
@@ -107,10 +154,16 @@ ModuleTypePolicy module_type_policy() {
 }
 
 /// Selects a module when any of `policies` does, and looks inside it when any
-/// of them would (PyTorch's _or_policy).
+/// of them would (PyTorch's _or_policy). A unit's options are those of the
+/// first policy that selects it (a CustomPolicy's changes).
 class UnionPolicy : public AutoWrapPolicy {
  public:
   explicit UnionPolicy(std::vector<AutoWrapPolicy> policies);
+
+ private:
+  struct Parts;  // built before the members move in
+  static Parts parts_of(std::vector<AutoWrapPolicy> policies);
+  explicit UnionPolicy(Parts parts);
 };
 
 /// `a | b`: the UnionPolicy of a and b.
