@@ -18,22 +18,6 @@
 
 namespace fsdp {
 
-const char* to_string(ShardingStrategy strategy) {
-  switch (strategy) {
-    case ShardingStrategy::kFullShard:
-      return "FULL_SHARD";
-    case ShardingStrategy::kShardGradOp:
-      return "SHARD_GRAD_OP";
-    case ShardingStrategy::kNoShard:
-      return "NO_SHARD";
-    case ShardingStrategy::kHybridShard:
-      return "HYBRID_SHARD";
-    case ShardingStrategy::kHybridShardZero2:
-      return "_HYBRID_SHARD_ZERO2";
-  }
-  return "?";
-}
-
 const char* to_string(Unit::TrainingState state) {
   switch (state) {
     case Unit::TrainingState::kIdle:

@@ -16,7 +16,11 @@ struct TwoLayerImpl : torch::nn::Module {
   TwoLayerImpl() {
     // The model code calls wrap() unconditionally, as with PyTorch's wrap().
     a = register_module("a", wrap(torch::nn::Linear(6, 6)));
-    b = register_module("b", wrap(torch::nn::Linear(6, 2)));
+    // PyTorch's wrap(module, **wrap_overrides): the head frees its
+    // parameters after forward whatever the scope says.
+    b = register_module("b", wrap(torch::nn::Linear(6, 2), [](FSDPOptions& o) {
+                          o.sharding_strategy(ShardingStrategy::kFullShard);
+                        }));
   }
   torch::Tensor forward(torch::Tensor x) { return b(torch::relu(a(x))); }
   FullyShardedDataParallel<torch::nn::LinearImpl> a{nullptr}, b{nullptr};
@@ -54,6 +58,9 @@ TEST(EnableWrap, WrapMakesUnitsOnlyInsideAScope) {
       EXPECT_EQ(EnableWrap::current(), nullptr);
       ASSERT_NE(wrapped->a->flat_param(), nullptr);
       EXPECT_EQ(wrapped->a->fsdp_options().sharding_strategy(), ShardingStrategy::kShardGradOp);
+      EXPECT_EQ(wrapped->b->fsdp_options().sharding_strategy(), ShardingStrategy::kFullShard)
+          << "wrap()'s overrides were not applied";
+      EXPECT_FALSE(plain->b->enabled()) << "overrides made a unit outside a scope";
       EXPECT_EQ(wrapped->a->flat_param()->state(), FlatParameter::State::kSharded);
 
       // Same names either way, and the same training.

@@ -43,6 +43,26 @@ std::shared_ptr<ProcessGroup> start_rank() {
   return init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
 }
 
+// FSDP2's reshard_after_forward is the choice within a strategy's family,
+// kept as the strategy alone (no second flag to disagree with it).
+TEST(WrapRules, ReshardAfterForwardPicksTheStrategyOfItsFamily) {
+  FSDPOptions o;
+  EXPECT_TRUE(o.reshard_after_forward());
+  EXPECT_EQ(o.reshard_after_forward(false).sharding_strategy(), ShardingStrategy::kShardGradOp);
+  EXPECT_FALSE(o.reshard_after_forward());
+  EXPECT_EQ(o.reshard_after_forward(true).sharding_strategy(), ShardingStrategy::kFullShard);
+  o.sharding_strategy(ShardingStrategy::kHybridShard).reshard_after_forward(false);
+  EXPECT_EQ(o.sharding_strategy(), ShardingStrategy::kHybridShardZero2);
+  EXPECT_EQ(o.reshard_after_forward(true).sharding_strategy(), ShardingStrategy::kHybridShard);
+  o.sharding_strategy(ShardingStrategy::kNoShard);
+  EXPECT_FALSE(o.reshard_after_forward());
+  EXPECT_NE(error_of([&] {
+              o.reshard_after_forward(false);
+            }).find("reshard_after_forward(false) does not apply to NO_SHARD"),
+            std::string::npos);
+  EXPECT_EQ(o.sharding_strategy(), ShardingStrategy::kNoShard);
+}
+
 TEST(WrapRules, TreeWithUnitsIsRefusedNamingTheFirst) {
   run_ranks_ok(2, [](int rank, int) {
     const auto group = start_rank();

@@ -150,6 +150,14 @@ struct FSDPOptions {
   /// activations are recomputed in backward from the parameters that FSDP
   /// gathers for backward anyway. See Unit::set_activation_checkpointing.
   TORCH_ARG(bool, activation_checkpointing) = false;
+
+ public:  // TORCH_ARG leaves the members private
+  /// FSDP2's reshard_after_forward: sets sharding_strategy to kFullShard
+  /// (true) or kShardGradOp (false), or within the hybrid strategies to
+  /// kHybridShard or kHybridShardZero2; refused for kNoShard.
+  FSDPOptions& reshard_after_forward(bool on);
+  /// Whether the strategy frees a unit's gathered parameters after forward.
+  bool reshard_after_forward() const;
 };
 
 }  // namespace fsdp

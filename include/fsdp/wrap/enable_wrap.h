@@ -1,6 +1,8 @@
 #pragma once
 
+#include <functional>
 #include <optional>
+#include <utility>
 
 #include <fsdp/wrap/fully_sharded.h>
 #include <fsdp/wrap/options.h>
@@ -35,6 +37,20 @@ FullyShardedDataParallel<Impl> wrap(const torch::nn::ModuleHolder<Impl>& module)
     return FullyShardedDataParallel<Impl>(module, *options);
   }
   return FullyShardedDataParallel<Impl>(module, FSDPOptions(), /*enabled=*/false);
+}
+
+/// wrap() with the scope's options changed by `overrides` for this unit
+/// (PyTorch's wrap(module, **wrap_overrides)):
+/// `fsdp::wrap(head, [](fsdp::FSDPOptions& o) { o.reshard_after_forward(false); })`.
+/// Outside a scope `overrides` is not called and the module is unchanged.
+template <typename Impl>
+FullyShardedDataParallel<Impl> wrap(const torch::nn::ModuleHolder<Impl>& module,
+                                    const std::function<void(FSDPOptions&)>& overrides) {
+  const FSDPOptions* options = EnableWrap::current();
+  if (options == nullptr || !overrides) return wrap(module);
+  FSDPOptions changed = *options;
+  overrides(changed);
+  return FullyShardedDataParallel<Impl>(module, std::move(changed));
 }
 
 }  // namespace fsdp
