@@ -14,20 +14,21 @@ bool copy_in_at_step_enabled() { return env_switch_on("FSDP_COPY_IN_AT_STEP"); }
 
 CopyInAhead::CopyInAhead(c10::Device device) : device_(device) {}
 
-void CopyInAhead::send(const at::Tensor& source, int64_t begin, int64_t end, Versions versions) {
+void CopyInAhead::send(const at::Tensor& source, int64_t begin, int64_t end, Versions versions,
+                       Versions handed_over) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (begin == 0) {
     state_ = State::kFilling;
     filled_ = 0;
     sent_.reset();
+    versions_ = handed_over;
   }
-  // Each range after the first was written by its own step of the range,
-  // which bumps both counters once (fsdp::optim::FusedAdamW): anything else
-  // (a range not written, another write in between) and what was sent may
-  // not be the values, so nothing is.
-  const bool in_order =
-      state_ == State::kFilling && begin == filled_ && end <= source.numel() &&
-      (begin == 0 || versions == Versions{versions_.shard + 1, versions_.copy + 1});
+  // Each range was written by its own step of the range, which bumps both
+  // counters once (fsdp::optim::FusedAdamW): anything else (a range not
+  // written, as a first range whose step waits for the last; another write
+  // in between) and what was sent may not be the values, so nothing is.
+  const bool in_order = state_ == State::kFilling && begin == filled_ && end <= source.numel() &&
+                        versions == Versions{versions_.shard + 1, versions_.copy + 1};
   if (!in_order) {
     state_ = State::kEmpty;
     copy_ = at::Tensor();

@@ -56,9 +56,13 @@ class CopyInAhead {
   /// Queues elements [begin, end) of `source` (the host copy, 1-D) to the
   /// device, on the copy-in stream, without the host waiting. Ranges come in
   /// order from 0; a range starting at 0 starts again, one out of order
-  /// empties it. At the range that ends `source`, records the event and
-  /// `versions` (those after the range was written).
-  void send(const at::Tensor& source, int64_t begin, int64_t end, Versions versions);
+  /// empties it, and so does one whose `versions` (those after the range
+  /// was written) are not one write of each past the range before it's, or
+  /// for the first range past `handed_over` (the versions when the
+  /// gradient was handed over, before any range was stepped). At the range
+  /// that ends `source`, records the event.
+  void send(const at::Tensor& source, int64_t begin, int64_t end, Versions versions,
+            Versions handed_over);
   /// The device copy if it is ready and `now` equals the versions recorded
   /// at its last range; the current stream then waits for it. Empty after.
   std::optional<at::Tensor> take(Versions now);

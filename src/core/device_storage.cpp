@@ -92,7 +92,10 @@ at::Tensor host_buffer(int64_t numel, c10::ScalarType dtype, bool pinned,
 // (NCCL), the copy is queued as soon as the reduction is launched, on a
 // copy-out stream that waits for it (device_streams.h), so it runs beside
 // the backward kernels that follow, as FSDP2 copies on its reduction
-// stream; the reduced shard on the GPU is kept until the host waited.
+// stream; the reduced shard on the GPU is kept until its copy has run (an
+// event, looked at each time a later unit queues its copy; the end of
+// backward waits for the rest), so the GPU holds only the shards whose
+// copies are still queued, not every unit's (RootState::release_copied_out).
 // Otherwise the end of backward queues it on the compute stream. A unit
 // stepped beside backward copies on a stream of its own, the step-copy
 // stream, so its copy does not queue behind the backward kernels issued
@@ -123,8 +126,11 @@ void wait_for_device(c10::Device device) {
 
 at::Tensor finished_to_host(const at::Tensor& t, c10::ScalarType dtype) {
   if (t.is_cuda()) {
-    // A stream of its own, not one of the pool's (which hands out NCCL's and
-    // the other side streams in turn), so the host waits for this copy only.
+    // The step-copy side stream, so the host waits for this copy, not for
+    // the backward kernels queued since on the compute stream. (Like every
+    // side stream it comes from LibTorch's pool, which after 32 draws may
+    // hand it to another user, c10d's NCCL streams included: the wait then
+    // covers their work too.)
     const SideStreamScope step_copy(t.device(), SideStream::kStepCopy, /*wait_for_current=*/false);
     at::Tensor host = start_host_copy(t, dtype);
     wait_for_device(t.device());  // the scope's stream, or the current one without side streams
@@ -147,7 +153,8 @@ HostCopyInParts::~HostCopyInParts() {
 }
 
 void HostCopyInParts::start(const at::Tensor& src) {
-  TORCH_INTERNAL_ASSERT(!src_.defined(), "fsdp: HostCopyInParts started twice");
+  TORCH_INTERNAL_ASSERT(state_ == State::kIdle, "fsdp: HostCopyInParts started twice");
+  state_ = State::kCopying;
   src_ = src;
   if (!src_.is_cuda()) {
     // Copied part by part in wait(), as parts land from a GPU: a read
@@ -159,28 +166,45 @@ void HostCopyInParts::start(const at::Tensor& src) {
     }
     return;
   }
-  // As finished_to_host: a stream of its own, so the copies wait for
-  // nothing else queued on the device.
+  // As finished_to_host: the step-copy stream, so the copies wait for
+  // nothing queued on the compute stream.
   const SideStreamScope step_copy(src_.device(), SideStream::kStepCopy,
                                   /*wait_for_current=*/false);
   const c10::impl::VirtualGuardImpl impl(src_.device().type());
   const c10::Stream stream = impl.getStream(src_.device());
-  landed_.reserve(parts_.size());
-  for (const auto& part : parts_) {
-    copy_part(part, /*non_blocking=*/true);
+  landed_.reserve(parts_.size() + 1);
+  try {
+    for (const auto& part : parts_) {
+      copy_part(part, /*non_blocking=*/true);
+      landed_.emplace_back(src_.device().type());
+      landed_.back().record(stream);
+    }
+  } catch (...) {
+    // A part queued in half (a cast's temporary out of memory): the
+    // destructor's wait must come after what it queued, which reads src_.
+    state_ = State::kFailed;
     landed_.emplace_back(src_.device().type());
     landed_.back().record(stream);
+    throw;
   }
 }
 
 void HostCopyInParts::wait(size_t i) {
-  TORCH_INTERNAL_ASSERT(src_.defined() && i < parts_.size(), "fsdp: HostCopyInParts::wait(", i,
-                        ") before start() or past the parts");
-  if (!src_.is_cuda()) {
-    for (; copied_ <= i; ++copied_) copy_part(parts_[copied_], /*non_blocking=*/false);
-    return;
+  TORCH_INTERNAL_ASSERT(state_ != State::kIdle && i < parts_.size(), "fsdp: HostCopyInParts::wait(",
+                        i, ") before start() or past the parts");
+  TORCH_CHECK(state_ != State::kFailed,
+              "fsdp: a gradient's copy to host memory failed to start; its parts hold no values");
+  for (; waited_ <= i; ++waited_) {
+    if (src_.is_cuda()) {
+      compat::synchronize_event(landed_[waited_]);
+    } else {
+      copy_part(parts_[waited_], /*non_blocking=*/false);
+    }
   }
-  compat::synchronize_event(landed_[i]);
+  if (waited_ == parts_.size() && state_ == State::kCopying) {
+    state_ = State::kLanded;
+    src_ = at::Tensor();  // every copy of it ran
+  }
 }
 
 void HostCopyInParts::copy_part(const std::vector<Segment>& part, bool non_blocking) {

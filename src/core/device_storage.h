@@ -99,7 +99,9 @@ class HostCopyInParts {
   /// collective waited for on the host, or on a GPU the step-copy stream
   /// made to wait for them). Once.
   void start(const at::Tensor& src);
-  /// Blocks the host until part `i` has landed (after start()).
+  /// Blocks the host until part `i` has landed (after start()). Once every
+  /// part has, the source goes back to its allocator: a unit's reduced
+  /// gradient on a GPU is not held while the host steps what it brought.
   void wait(size_t i);
   /// Blocks the host until every part has landed (after start()).
   void wait_all();
@@ -107,13 +109,21 @@ class HostCopyInParts {
   const std::vector<at::Tensor>& dsts() const { return dsts_; }
 
  private:
+  enum class State : uint8_t {
+    kIdle,     // before start()
+    kCopying,  // src_ held until every part has landed
+    kLanded,   // every part waited for; src_ released
+    kFailed,   // start() threw with parts queued in half: no part may be read
+  };
+
   void copy_part(const std::vector<Segment>& part, bool non_blocking);
 
   std::vector<at::Tensor> dsts_;
   std::vector<std::vector<Segment>> parts_;
+  State state_ = State::kIdle;
   at::Tensor src_;
   std::vector<c10::Event> landed_;  // one per part, from a GPU only
-  size_t copied_ = 0;               // parts copied, from the CPU only
+  size_t waited_ = 0;               // parts known to have landed (copied, from the CPU)
 };
 
 /// Bytes `device` can still provide: for a GPU, the driver's free memory plus

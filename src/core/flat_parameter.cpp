@@ -302,8 +302,11 @@ std::function<void(int64_t, int64_t)> FlatParameter::copy_in_ahead_sender() {
   if (!offloaded_ || !low_precision_ || keep_unsharded_ || !low_precision_copy_current()) return {};
   if (!ahead_) ahead_ = std::make_shared<detail::CopyInAhead>(unsharded_.device());
   // By value: the sender may outlive this unit's use on the optimizer's thread.
-  return [ahead = ahead_, shard = shard_, copy = low_precision_host_](int64_t begin, int64_t end) {
-    ahead->send(copy, begin, end, {shard._version(), copy._version()});
+  const detail::CopyInAhead::Versions handed_over{shard_._version(),
+                                                  low_precision_host_._version()};
+  return [ahead = ahead_, shard = shard_, copy = low_precision_host_, handed_over](int64_t begin,
+                                                                                   int64_t end) {
+    ahead->send(copy, begin, end, {shard._version(), copy._version()}, handed_over);
   };
 }
 

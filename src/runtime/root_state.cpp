@@ -108,9 +108,18 @@ void RootState::forget(const UnitRuntime& unit) {
   drop(without_grads_);
   drop(forward_units_);
   drop(graph_units_);
+  drop(copying_out_);
   if (first_entered_ == &unit) first_entered_ = nullptr;
   if (kept_ == &unit) kept_ = nullptr;
   if (exec_order_) exec_order_->forget(unit.handle());
+}
+
+void RootState::release_copied_out(UnitRuntime& unit) {
+  // One stream carries the copies in the order queued: the oldest runs first.
+  copying_out_.push_back(&unit);
+  while (!copying_out_.empty() && copying_out_.front()->release_copied_out(/*wait=*/false)) {
+    copying_out_.pop_front();
+  }
 }
 
 void RootState::orphan_units() {
@@ -119,6 +128,7 @@ void RootState::orphan_units() {
   }
   units_ = {&root_};
   forward_units_.clear();
+  copying_out_.clear();  // each unit lets its own go (~UnitRuntime, its next iteration)
   first_entered_ = nullptr;
   kept_ = nullptr;
 }
@@ -477,6 +487,7 @@ void RootState::end_of_backward() {
     wait_for_device(device);
     wait_for_side_stream(device, SideStream::kCopyOut);
   }
+  copying_out_.clear();  // every copy ran: finish_backward lets the shards go
   for (size_t i = 0; i < units_.size(); ++i) {
     units_[i]->finish_backward(received[i].empty() ? nullptr : &received[i],
                                reduces_in_backward(*units_[i]));

@@ -60,6 +60,11 @@ class RootState {
   /// See Note [Reductions in flight].
   static constexpr size_t kMaxReductionsInFlight = 2;
 
+  /// `unit` queued the copy of its reduced shard to host memory
+  /// (copy_out_early): the shards on the GPU whose copies have run, in the
+  /// order queued, are let go (Note [Gradients to host memory]).
+  void release_copied_out(UnitRuntime& unit);
+
   /// Note [A model's units outlive it]: `unit`, one of this root's, is
   /// destroyed; it is left out from now on.
   void forget(const UnitRuntime& unit);
@@ -162,6 +167,9 @@ class RootState {
   // The units gathered when a backward with create_graph ended (see
   // holds_for_graph()); cleared when the phase returns to kNone.
   std::vector<UnitRuntime*> graph_units_;
+  // Units whose reduced shard on the GPU the copy-out stream may still be
+  // reading, in the order queued (release_copied_out).
+  std::deque<UnitRuntime*> copying_out_;
   // Resharded units' memory on a GPU, oldest first (see in_iteration()).
   std::deque<HeldMemory> held_;
   // The devices with streams that the units live on.

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -25,6 +26,7 @@
 #include "detail/env.h"
 #include "detail/error.h"
 #include "detail/inference_mode.h"
+#include "detail/torch_compat.h"
 #include "runtime/exec_order.h"
 #include "runtime/reduced_grad.h"
 #include "runtime/root_state.h"
@@ -81,11 +83,12 @@ void UnitRuntime::abandon_iteration() {
   // reduction that crossed the nodes took it (it is dropped with it).
   if (!kept_within_node_) within_node_filled_.clear();
   grad_reach_ = GradReach::kJob;
-  grad_shard_ = at::Tensor();
-  if (grad_on_device_.defined()) {  // not while the copy-out stream reads it
-    wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
-    grad_on_device_ = at::Tensor();
+  if (copy_out_ == CopyOut::kQueued) {  // not while the copy-out stream writes grad_shard_
+    release_copied_out(/*wait=*/true);
+    wait_for_side_stream(flat_->unsharded().device(), SideStream::kCopyOut);
+    copy_out_ = CopyOut::kNone;
   }
+  grad_shard_ = at::Tensor();
 }
 
 void UnitRuntime::reset_backward_progress() {
@@ -849,13 +852,39 @@ bool UnitRuntime::can_copy_out_early() const {
 }
 
 void UnitRuntime::copy_out_early() {
-  // See Note [Gradients to host memory]: behind the reduction, beside the
-  // backward kernels that follow it.
-  const SideStreamScope copy_out(grad_shard_.device(), SideStream::kCopyOut,
-                                 /*wait_for_current=*/false);
-  grad_work_.block_current_stream();
-  grad_on_device_ = grad_shard_;
-  grad_shard_ = start_grad_copy_to_host(grad_on_device_);
+  const c10::Device device = grad_shard_.device();
+  {
+    // See Note [Gradients to host memory]: behind the reduction, beside the
+    // backward kernels that follow it.
+    const SideStreamScope copy_out(device, SideStream::kCopyOut, /*wait_for_current=*/false);
+    grad_work_.block_current_stream();
+    at::Tensor host = start_grad_copy_to_host(grad_shard_);  // a throw changes nothing
+    grad_on_device_ = std::exchange(grad_shard_, std::move(host));
+    copy_out_ = CopyOut::kQueued;
+    const c10::impl::VirtualGuardImpl impl(device.type());
+    copied_out_.emplace(device.type());
+    copied_out_->record(impl.getStream(device));
+  }
+  root_->release_copied_out(*this);
+}
+
+bool UnitRuntime::release_copied_out(bool wait) {
+  if (!grad_on_device_.defined()) return true;
+  // Never freed while the copy-out stream reads it: the caching allocator
+  // would hand its block to the next allocation of the stream it was made
+  // on at once (Note [Copy-in on a stream of its own]: events, never
+  // recordStream).
+  if (!copied_out_) {  // its event was never recorded (a throw): the whole stream
+    if (!wait) return false;
+    wait_for_side_stream(grad_on_device_.device(), SideStream::kCopyOut);
+  } else if (wait) {
+    compat::synchronize_event(*copied_out_);
+  } else if (!copied_out_->query()) {
+    return false;
+  }
+  grad_on_device_ = at::Tensor();
+  copied_out_.reset();
+  return true;
 }
 
 at::Tensor UnitRuntime::start_grad_copy_to_host(const at::Tensor& reduced) const {
@@ -968,6 +997,7 @@ void hand_over_in_parts(ReducedGrad& grad, Work work, at::Tensor reduced,
       }
     }
     work = Work();
+    reduced = at::Tensor();  // the copy holds it until its parts have landed
   };
 }
 
@@ -1107,7 +1137,7 @@ bool UnitRuntime::finish_reduction() {
   // Gradients that arrived only in part (unused parameters), or only inside
   // no_sync(), are reduced now.
   if (flat_ && flat_grad_.defined() && !grad_work_) launch_grad_reduction();
-  if (grad_on_device_.defined()) return true;  // copy_out_early queued it
+  if (copy_out_ == CopyOut::kQueued) return true;
   if (grad_work_) {
     FSDP_RECORD("wait_reduction", path_);
     // The reduced shard is read by kernels on the compute stream: on a GPU
@@ -1143,7 +1173,8 @@ void UnitRuntime::finish_backward(const std::vector<bool>* received, bool reduce
     grad_work_ = Work();
     grad_reach_ = GradReach::kJob;
     grad_shard_ = at::Tensor();
-    grad_on_device_ = at::Tensor();  // the host waited for its copy
+    release_copied_out(/*wait=*/true);  // the host waited for the copy-out stream already
+    copy_out_ = CopyOut::kNone;
     flat_grad_ = at::Tensor();
   }
   reset_backward_progress();  // backward is over

@@ -108,6 +108,10 @@ UnitRuntime::UnitRuntime(Unit& handle, FSDPOptions options)
     : handle_(handle), options_(std::move(options)) {}
 
 UnitRuntime::~UnitRuntime() {
+  try {
+    release_copied_out(/*wait=*/true);  // not freed while the copy-out stream reads it
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor; the device failed already
+  }
   // Note [A model's units outlive it].
   if (root_ != nullptr && root_ != owned_root_.get()) root_->forget(*this);
   if (owned_root_) owned_root_->orphan_units();

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
@@ -364,6 +365,9 @@ class UnitRuntime final : public ParamUseListener {
   // copy-out stream (Note [Gradients to host memory]).
   bool can_copy_out_early() const;
   void copy_out_early();
+  // Lets go of the reduced shard on the GPU once copy_out_early's copy of it
+  // has run, waiting for it where `wait`; true when none is held any more.
+  bool release_copied_out(bool wait);
   // `reduced` (on the GPU) copied into new pinned host memory in the shard's
   // gradient dtype, queued on the current stream (Note [Gradients to host
   // memory]): copy_out_early's, and finish_reduction's for the others.
@@ -516,9 +520,17 @@ class UnitRuntime final : public ParamUseListener {
   // collective), unlike within_node_grad_, which a rank's own clearing of
   // gradients drops. RootState::end_of_backward launches by it.
   bool kept_within_node_ = false;
-  // The reduced shard on the GPU while the copy-out stream copies it into
-  // grad_shard_ (copy_out_early): kept until the host waited for that stream.
+  // copy_out_early queued the copy of the reduced shard into grad_shard_
+  // (host memory) on the copy-out stream: the host waits for that stream
+  // before reading it (RootState::end_of_backward).
+  enum class CopyOut { kNone, kQueued };
+  CopyOut copy_out_ = CopyOut::kNone;
+  // The reduced shard on the GPU while the copy-out stream reads it, and the
+  // event after that read: released as soon as the event has passed
+  // (release_copied_out), not at the end of backward, so that the GPU does
+  // not hold every unit's reduced gradient at once (at world 1, the model's).
   at::Tensor grad_on_device_;
+  c10::optional<c10::Event> copied_out_;
   Work pending_gather_;  // the all-gather started by unshard_async()
   // What gathered_may_be_stale() compares: each optimizer tensor's .grad
   // (held weakly: a freed one's address is not reused meanwhile; none where

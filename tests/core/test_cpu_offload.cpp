@@ -16,6 +16,7 @@
 #include <fsdp/fsdp.h>
 
 #include "bf16_parity.h"
+#include "core/copy_in_ahead.h"
 #include "core/flat_parameter.h"
 #include "multi_rank.h"
 #include "offloaded_steps.h"
@@ -274,6 +275,45 @@ TEST(CpuOffload, ComputeCopiesWrittenByTheOptimizerAreWhatUnshardingSends) {
 // the GPU's in test_cuda_units).
 TEST(CpuOffload, FirstUnitCopiedInAtTheStep) {
   in_parity_ranks([] { offloaded_steps::expect_copy_in_at_step_as_without(torch::kCPU, "5"); });
+}
+
+// Note [Copy-in at the step]: the device copy is ready only when every range
+// was sent right after its own step wrote it. A first range sent before
+// being written (its step left to the last range, for a state the fused
+// kernel does not take: a review found the last range's one write of each
+// then passed for its own, and the next forward took the first range's old
+// values) leaves nothing ready; sent after one write of each since the
+// hand-over, the copy is ready and holds the values.
+TEST(CpuOffload, ACopyInAheadIsReadyOnlyWhenEveryRangeWasWrittenFirst) {
+  using Versions = detail::CopyInAhead::Versions;
+  // One write of each, as a step of elements [begin, end) makes.
+  const auto write = [](torch::Tensor& shard, torch::Tensor& copy, int64_t begin = 0,
+                        int64_t end = 8) {
+    shard.narrow(0, begin, end - begin).add_(1);
+    copy.narrow(0, begin, end - begin).copy_(shard.narrow(0, begin, end - begin));
+  };
+  const auto versions = [](const torch::Tensor& shard, const torch::Tensor& copy) {
+    return Versions{shard._version(), copy._version()};
+  };
+  torch::Tensor shard = torch::zeros({8});
+  torch::Tensor copy = torch::zeros({8});
+  detail::CopyInAhead ahead(torch::kCPU);
+  const Versions handed = versions(shard, copy);
+  ahead.send(copy, 0, 4, versions(shard, copy), handed);  // not written yet
+  write(shard, copy);                                     // the whole step, at the last range
+  ahead.send(copy, 4, 8, versions(shard, copy), handed);
+  EXPECT_EQ(ahead.state(), detail::CopyInAhead::State::kEmpty);
+  EXPECT_FALSE(ahead.take(versions(shard, copy)).has_value());
+
+  const Versions next = versions(shard, copy);
+  write(shard, copy, 0, 4);
+  ahead.send(copy, 0, 4, versions(shard, copy), next);
+  write(shard, copy, 4, 8);
+  ahead.send(copy, 4, 8, versions(shard, copy), next);
+  EXPECT_EQ(ahead.state(), detail::CopyInAhead::State::kReady);
+  const auto taken = ahead.take(versions(shard, copy));
+  ASSERT_TRUE(taken.has_value());
+  EXPECT_TRUE(torch::equal(*taken, copy));
 }
 
 }  // namespace test_cpu_offload

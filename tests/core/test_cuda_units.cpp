@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -544,6 +545,58 @@ TEST_P(CudaUnits, ReshardingControlsOnTheGpu) {
         EXPECT_EQ(after_step[i], after_step[1]) << what << " step " << i;
       }
     }
+  });
+}
+
+// Under CPU offload the reduced gradient shards on the GPU go back to the
+// caching allocator as their copies to host memory run (Note [Gradients to
+// host memory]), not all at the end of backward: the step's peak is below
+// that of the same model without offload, which holds its parameters and
+// its gradients there (2 R, R the bytes of the reduced shards), by more
+// than R and a quarter. With every shard held to the end (the first
+// version), it was below by about R. At one rank, where the reduction runs
+// on a GPU stream (NCCL) and the copies are queued behind it.
+TEST(CudaOffloadMemory, ReducedShardsLeaveTheGpuAsTheirCopiesRun) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (const char* route = std::getenv("FSDP_CUDA_BACKEND");
+      route && std::string(route) == "staged") {
+    GTEST_SKIP() << "staged through the host, the reduction runs on no GPU stream: the copies "
+                    "are queued at the end of backward";
+  }
+  run_ranks_ok(1, [](int, int) {
+    init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(60)));
+    const torch::Device gpu = rank_gpu();
+    constexpr int kLayers = 16;
+    constexpr int64_t kWidth = 1024;
+    const auto peak_of_step = [&](const FSDPOptions& opts) {
+      torch::manual_seed(0);
+      nn::Sequential seq;
+      for (int i = 0; i < kLayers; ++i) seq->push_back(nn::Linear(kWidth, kWidth));
+      seq->to(gpu);
+      auto_wrap(seq, module_type_policy<nn::LinearImpl>(), opts);
+      FullyShardedDataParallel<nn::SequentialImpl> model(seq, opts);
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01));
+      const torch::Tensor x = torch::randn({16, kWidth}).to(gpu);
+      int64_t peak = 0;
+      for (int step = 0; step < 2; ++step) {  // the second: nothing made for the first time
+        opt.zero_grad();
+        settled_cuda_allocated(rank_gpu_index());
+        compat::reset_cuda_peak(rank_gpu_index());
+        model->forward(x).pow(2).mean().backward();
+        settled_cuda_allocated(rank_gpu_index());
+        peak = compat::cuda_memory(rank_gpu_index()).peak_allocated;
+        opt.step();
+      }
+      return peak;
+    };
+    const int64_t reduced_bytes = kLayers * (kWidth * kWidth + kWidth) * 4;
+    const int64_t on_gpu = peak_of_step(FSDPOptions());
+    const int64_t offloaded =
+        peak_of_step(FSDPOptions().cpu_offload(CPUOffload().offload_params(true)));
+    std::printf("peak of a step: %.1f MiB on the GPU, %.1f MiB offloaded (R %.1f MiB)\n",
+                on_gpu / 1048576.0, offloaded / 1048576.0, reduced_bytes / 1048576.0);
+    EXPECT_GT(on_gpu - offloaded, reduced_bytes + reduced_bytes / 4)
+        << "the offloaded step held the reduced shards on the GPU";
   });
 }
 
