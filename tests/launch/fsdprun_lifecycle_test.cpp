@@ -87,6 +87,34 @@ TEST(FsdprunFailure, RankIgnoringSigtermIsKilledAfterTimeout) {
   expect_all_gone(dir, 2);
 }
 
+// A rank that outlives SIGKILL (stuck in the kernel: a GPU or network
+// driver call; here SIGKILL does not reach it, FSDP_FAULT_SIGKILL_MISSES) is
+// left after 10 s, said, and the job ends with the failure's status and no
+// restart, though restarts were allowed: the stuck rank may still hold the
+// GPU and the port.
+TEST(FsdprunFailure, ARankThatOutlivesSigkillIsLeftWithoutARestart) {
+  PidDir dir;
+  const RunResult r =
+      run_launcher({"--nproc-per-node", "2", "--max-restarts", "2", "--kill-timeout", "1",
+                    test_rank_path(), "--ignore-sigterm", "--write-pid-dir", dir.path(),
+                    "--barrier", "--exit-code-on-rank", "0:3", "--sleep", "inf"},
+                   {{"FSDP_FAULT_SIGKILL_MISSES", "1"}}, seconds(40));
+  const auto stuck = dir.read("1.pid");
+  if (stuck) ::kill(*stuck, SIGKILL);  // what the kernel would do at last
+  ASSERT_FALSE(r.timed_out) << r.err;
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_NE(r.err.find("did not exit 10 s after SIGKILL (stuck in the kernel"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("leaving it and ending, without a restart"), std::string::npos) << r.err;
+  EXPECT_EQ(count_occurrences(r.err, "stopping the other ranks"), 1) << "restarted: " << r.err;
+  EXPECT_NE(r.err.find("fsdprun: job failed, without a restart (a rank outlived SIGKILL): rank 0"),
+            std::string::npos)
+      << r.err;
+  EXPECT_GE(r.elapsed, seconds(10));
+  ASSERT_TRUE(stuck.has_value());
+  EXPECT_TRUE(wait_gone(*stuck, std::chrono::milliseconds(5000)));
+}
+
 // A rank's failure is said at once, not after the other ranks stopped (up
 // to the shutdown timeout), and a Ctrl-C in that time keeps it the news:
 // the failed rank named, its exit code, no restart (a review found only

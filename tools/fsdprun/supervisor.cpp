@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <sstream>
@@ -254,9 +255,20 @@ void Supervisor::stop_all(int signo) {
   signal_groups(signo);
 }
 
+namespace {
+// FSDP_FAULT_SIGKILL_MISSES=<local rank>: SIGKILL is not sent to that rank,
+// as it does not end a rank stuck in the kernel
+// (tests/launch/fsdprun_lifecycle_test.cpp).
+bool sigkill_misses(int signo, int local_rank) {
+  if (signo != SIGKILL) return false;
+  const char* fault = std::getenv("FSDP_FAULT_SIGKILL_MISSES");
+  return fault != nullptr && std::to_string(local_rank) == fault;
+}
+}  // namespace
+
 void Supervisor::signal_groups(int signo) {
   for (Rank& rank : ranks_) {
-    if (rank.group_gone) continue;
+    if (rank.group_gone || sigkill_misses(signo, rank.local_rank)) continue;
     if (::kill(-rank.pid, signo) == 0 || errno != ESRCH) continue;
     if (rank.exited) {
       rank.group_gone = true;
