@@ -511,6 +511,65 @@ TEST(ActivationCheckpoint, MatchesPlainLibTorchUnderEveryStrategyAndLayout) {
   }
 }
 
+// Nested matches under FSDP: a unit whose wrapped Chain matches checkpoints
+// its forward, and the Linears inside it, entries of that Chain, become
+// regions of their own within it (recomputed again in its backward); the
+// head, an entry of the root, too. Trains as plain LibTorch on every rank's
+// data with dropout, at 1-3 ranks under each strategy.
+TEST(ActivationCheckpoint, NestedMatchesInsideAUnitTrainAsPlainLibTorch) {
+  const auto make = [](const c10::optional<FSDPOptions>& unit) {
+    torch::manual_seed(0);
+    Chain inner;
+    inner->push_back(nn::Linear(kDim, 2 * kDim));
+    inner->push_back(nn::GELU());
+    inner->push_back(nn::Dropout(0.3));
+    inner->push_back(nn::Linear(2 * kDim, kDim));
+    Chain chain;
+    if (unit) {
+      chain->push_back(FullyShardedDataParallel<ChainImpl>(inner, *unit));
+    } else {
+      chain->push_back(inner);
+    }
+    chain->push_back(nn::Linear(kDim, 4));
+    return chain;
+  };
+  const auto is_chain_or_linear = [](const nn::Module& m) {
+    return m.as<ChainImpl>() != nullptr || m.as<nn::LinearImpl>() != nullptr;
+  };
+  for (const int world : {1, 2, 3}) {
+    run_ranks_ok(world, [&](int rank, int) {
+      torch::set_num_threads(1);
+      init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
+      for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                  ShardingStrategy::kNoShard}) {
+        const FSDPOptions opts = FSDPOptions().sharding_strategy(strategy);
+        const std::string what = std::string("nested matches ") + fsdp::to_string(strategy) +
+                                 " world " + std::to_string(world);
+        Chain reference = make(c10::nullopt);
+        FullyShardedDataParallel<ChainImpl> model(make(opts), opts);
+        EXPECT_EQ(apply_activation_checkpointing(*model, is_chain_or_linear), 4) << what;
+        EXPECT_TRUE(unit_of(*model->module().ptr(0))->checkpoints_activations()) << what;
+        torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+        torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
+        for (int step = 0; step < 3; ++step) {
+          ref_opt.zero_grad();
+          torch::Tensor total = torch::zeros({});
+          for (int r = 0; r < world; ++r) {
+            total =
+                total + rank_loss([&](torch::Tensor x) { return reference->forward(x); }, step, r);
+          }
+          (total / world).backward();
+          ref_opt.step();
+          opt.zero_grad();
+          rank_loss([&](torch::Tensor x) { return model->forward(x); }, step, rank).backward();
+          opt.step();
+          expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+        }
+      }
+    });
+  }
+}
+
 // Without the gradient reduction the ranks' models drift apart: the parity
 // test above would see it.
 TEST(ActivationCheckpoint, ParityFailsWithoutTheReduction) {
