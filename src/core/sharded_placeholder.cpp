@@ -84,7 +84,12 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
            "parameter groups; clip with the root's clip_grad_norm_(). To log gradients, read "
            "those tensors' .grad() (each rank holds its part; the root's clip_grad_norm_() "
            "returns the global norm), or the full ones inside fsdp::SummonFullParams(model, "
-           "fsdp::SummonOptions().with_grads(true)).";
+           "fsdp::SummonOptions().with_grads(true))." +
+           (e.listener != nullptr
+                ? " torch::nn::utils::clip_grad_norm_ (of a finite order) and clip_grad_value_ "
+                  "of these parameters, and a .grad()'s norm(), do work, on every rank (Note "
+                  "[LibTorch's clipping of a unit made in place]); other reads do not."
+                : "");
   }
   if (writes) {
     return error_prefix(-1, "parameters") + op + " wrote to " + e.what +
@@ -446,6 +451,88 @@ bool load_into_unit(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
+// The whole-gradient norms of a moved gradient (Note [LibTorch's clipping of a
+// unit made in place]): aten::norm with no dims, aten::linalg_vector_norm
+// over every dim, unkept. The order, and the result's dtype if asked.
+struct WholeNorm {
+  double p = 2;
+  c10::optional<at::ScalarType> dtype;
+};
+c10::optional<WholeNorm> whole_norm(const c10::OperatorHandle& op,
+                                    c10::ArrayRef<c10::IValue> args) {
+  const std::string& name = op.schema().name();
+  const std::string& overload = op.schema().overload_name();
+  const auto order = [](const c10::IValue& v) {
+    return v.isNone() ? 2.0 : v.toScalar().toDouble();
+  };
+  if (name == "aten::norm" && (overload == "Scalar" || overload == "ScalarOpt_dtype")) {
+    WholeNorm w{order(args[1]), c10::nullopt};
+    if (overload == "ScalarOpt_dtype") w.dtype = args[2].toScalarType();
+    return w;
+  }
+  if (name == "aten::linalg_vector_norm" && args.size() == 5 && args[2].isNone() &&
+      !args[3].toBool()) {
+    WholeNorm w{order(args[1]), c10::nullopt};
+    if (!args[4].isNone()) w.dtype = args[4].toScalarType();
+    return w;
+  }
+  return c10::nullopt;
+}
+
+// In-place elementwise operators that LibTorch's clip_grad_norm_ (mul_ by
+// a 0-d coefficient) and clip_grad_value_ (clamp_) apply to each .grad, and
+// their kin: with scalar or 0-d arguments they act on each rank's part alike.
+bool elementwise_in_place(const std::string& name) {
+  return name == "aten::mul_" || name == "aten::div_" || name == "aten::clamp_" ||
+         name == "aten::clamp_min_" || name == "aten::clamp_max_" || name == "aten::clip_" ||
+         name == "aten::add_" || name == "aten::sub_" || name == "aten::nan_to_num_";
+}
+
+// An operator on a moved gradient of a unit made by fully_shard that the
+// unit answers for the whole gradient (Note [LibTorch's clipping of a unit
+// made in place]): replaces its arguments on `stack` by its result and
+// returns true, or leaves it and returns false.
+bool moved_grad_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                         const c10::StorageImpl* grad_storage, const Entry& e) {
+  const size_t n = op.schema().arguments().size();
+  const c10::ArrayRef<c10::IValue> args = last_values(stack, n);
+  if (n == 0 || !args[0].isTensor() || storage_of(args[0].toTensor()) != grad_storage) {
+    return false;
+  }
+  const at::Tensor self = args[0].toTensor();
+  if (const auto norm = whole_norm(op, args)) {
+    at::Tensor out;
+    {
+      ReportingScope scope;
+      out = e.listener->moved_grad_norm(self, norm->p);
+      if (norm->dtype) out = out.to(*norm->dtype);
+    }
+    torch::jit::drop(*stack, n);
+    stack->emplace_back(std::move(out));
+    return true;
+  }
+  if (!elementwise_in_place(op.schema().name())) return false;
+  bool scalars = true;  // every other argument a scalar, or a 0-d tensor that is no placeholder
+  for_each_tensor(args.slice(1), [&](const at::Tensor& t) {
+    scalars = scalars && (!t.defined() || (t.dim() == 0 && !t.key_set().has(kKey)));
+  });
+  if (!scalars) return false;
+  const std::vector<c10::IValue> rest(args.begin() + 1, args.end());
+  {
+    ReportingScope scope;
+    e.listener->write_moved_grad(self, [&](const at::Tensor& part) {
+      torch::jit::Stack call;
+      call.reserve(n);
+      call.emplace_back(part);
+      call.insert(call.end(), rest.begin(), rest.end());
+      op.callBoxed(&call);
+    });
+  }
+  torch::jit::drop(*stack, n);
+  stack->emplace_back(self);  // in place: the operator returns its self
+  return true;
+}
+
 void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                           torch::jit::Stack* stack) {
   const std::string& name = op.schema().name();
@@ -530,6 +617,10 @@ void placeholder_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet key
   // optimizer was built on the unwrapped parameters: say so now.
   if (name == "aten::detach_" && found != nullptr && copy.kind == PlaceholderKind::kGradient) {
     TORCH_CHECK(false, message("Optimizer::zero_grad()", copy, /*writes=*/false));
+  }
+  if (found != nullptr && copy.kind == PlaceholderKind::kGradient && copy.listener != nullptr &&
+      t_reporting == 0 && moved_grad_operator(op, stack, found_storage, copy)) {
+    return;
   }
   if (found != nullptr && !passes_through(name)) {
     const auto written = written_storages(op, args);

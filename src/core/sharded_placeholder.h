@@ -47,6 +47,16 @@ class ParamUseListener {
   /// zero_ on `grad`, one of the unit's moved gradients or a detached copy
   /// of one: the unit zeroes that parameter's gradient.
   virtual void moved_grad_zeroed(const at::Tensor& grad) = 0;
+  /// The norm of order `p` of the whole gradient `grad` stands for, every
+  /// rank's part (collective: every rank asks, for the same parameters in
+  /// the same order), as a 0-d tensor of `grad`'s dtype and device. See Note
+  /// [LibTorch's clipping of a unit made in place].
+  virtual at::Tensor moved_grad_norm(const at::Tensor& grad, double p) = 0;
+  /// Runs `write`, an in-place elementwise operator with scalar arguments,
+  /// on this rank's part of the gradient `grad` stands for (1-D, in what the
+  /// optimizer steps; possibly empty).
+  virtual void write_moved_grad(const at::Tensor& grad,
+                                const std::function<void(const at::Tensor& part)>& write) = 0;
   /// torch::load's set_ of `param` to `value`, a full parameter read from a
   /// file: where `param` is one of the unit's parameters (not an alias of
   /// one) the unit keeps this rank's part (and, where it stays gathered, the

@@ -13,6 +13,7 @@
 
 #include "detail/error.h"
 #include "runtime/in_place_units.h"
+#include "runtime/norm_reduce.h"
 #include "runtime/strategy.h"
 #include "runtime/unit_runtime.h"
 
@@ -294,24 +295,9 @@ void Unit::set_modules_to_backward_prefetch(const std::vector<Unit*>& units) {
 
 namespace {
 
-// The larger of a and b, NaN where either is (std::max keeps its first
-// argument against a NaN: an infinity norm over a NaN gradient was finite).
-double norm_max(double a, double b) { return std::isnan(a) || a > b ? a : b; }
-
-double all_norm_sum(ProcessGroup& group, double value) {
-  at::Tensor t = at::full({1}, value, at::kDouble);
-  group.all_reduce(t, ReduceOp::kSum).wait();
-  return t.item<double>();
-}
-
-// norm_max over the ranks: whether a NaN survives a transport's max is
-// not promised, so it travels as a flag of its own.
-double all_norm_max(ProcessGroup& group, double value) {
-  const bool nan = std::isnan(value);
-  at::Tensor t = at::tensor({nan ? 0.0 : value, nan ? 1.0 : 0.0}, at::kDouble);
-  group.all_reduce(t, ReduceOp::kMax).wait();
-  return t[1].item<double>() > 0 ? std::nan("") : t[0].item<double>();
-}
+using detail::all_norm_max;
+using detail::all_norm_sum;
+using detail::norm_max;
 
 // A norm's terms as float64 scalars on their gradients' devices, read on the
 // host once per device: one synchronisation per clip, not one per gradient

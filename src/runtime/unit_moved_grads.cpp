@@ -6,9 +6,13 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <vector>
 
 #include "core/sharded_placeholder.h"
+#include "detail/error.h"
+#include "runtime/norm_reduce.h"
 #include "runtime/unit_runtime.h"
 
 namespace fsdp::detail {
@@ -110,6 +114,91 @@ void UnitRuntime::moved_grad_zeroed(const at::Tensor& grad) {
     if (moved_grads_[j] == MovedGrad::kDropped && (j == i || !options_.use_orig_params())) {
       moved_grads_[j] = MovedGrad::kShown;
     }
+  }
+}
+
+// Note [LibTorch's clipping of a unit made in place]
+// FSDP2's users clip with torch.nn.utils.clip_grad_norm_(model.parameters()),
+// which works there because each .grad is a DTensor. LibTorch's own
+// clip_grad_norm_ takes, for each parameter with a .grad, its norm
+// (grad.data().norm(p)), stacks them, and multiplies each .grad in place by
+// the clamped coefficient; clip_grad_value_ clamps each in place. The
+// original parameters' .grads (a fully_shard model's parameters(), a
+// wrapper's named_parameters()) are placeholders (Note [Gradients the user
+// clears]), and the dispatch fallback hands both to the unit: the
+// norm of a moved gradient is that of the whole gradient, every rank's part
+// (each rank's ||part||_p^p summed over the job, a part held by r replicas
+// counted 1 / r, or their maximum for the infinity norm: Unit::
+// clip_grad_norm_'s reckoning, one parameter at a time), and an in-place
+// elementwise operator with scalar arguments is applied to this rank's part.
+// So LibTorch's function returns the global norm and every rank clips by it,
+// as plain LibTorch on the whole batch does. The norm is collective (one
+// small all-reduce per parameter): every rank must ask it, for the same
+// parameters in the same order, as for any read of a sharded parameter;
+// the root's clip_grad_norm_() does the same with one all-reduce. A
+// gradient kept in parts on the ranks has no other reads: the infinity norm
+// of LibTorch's clip (grad.abs().max()) is refused, naming the root's.
+
+at::Tensor UnitRuntime::moved_grad_part(size_t i) const {
+  if (options_.use_orig_params()) {
+    const at::Tensor& g = optim_params_[i].grad();
+    return g.defined() ? g.reshape({-1}) : g;
+  }
+  const at::Tensor& g = optim_params_[0].grad();
+  if (!g.defined()) return g;
+  const FlatParameter::ShardPart part = flat_->shard_part(i);
+  return g.reshape({-1}).narrow(0, part.in_shard, part.numel);
+}
+
+void UnitRuntime::check_moved_grads_unstepped(const char* what) const {
+  const ReducedGradHooks* hooks = grad_hooks();
+  FSDP_CHECK(hooks == nullptr, -1, path_, what, " of a moved gradient: ", hooks ? hooks->owner : "",
+             " steps each unit as soon as backward has reduced its gradient, so clipping after "
+             "backward comes too late and would change gradients already stepped; turn that off "
+             "to clip, or clip nothing");
+}
+
+at::Tensor UnitRuntime::moved_grad_norm(const at::Tensor& grad, double p) {
+  const auto slot = slot_of_moved_grad(grad);
+  TORCH_INTERNAL_ASSERT(slot.has_value(), "fsdp: a moved gradient's norm without its slot");
+  check_moved_grads_unstepped("the norm");
+  wait_for_grad_users();
+  const bool powered = p != 0 && !std::isinf(p);  // sums of |x|^p, not counts or maxima
+  const at::Tensor part = moved_grad_part(*slot);
+  double local = 0;
+  if (part.defined() && part.numel() > 0) {
+    at::Tensor t = at::linalg_vector_norm(part, p, c10::nullopt, /*keepdim=*/false, at::kDouble);
+    local = (powered ? t.pow(p) : t).item<double>();
+  }
+  ProcessGroup* job = options_.process_group().get();
+  double total = local;
+  if (!flat_->keeps_unsharded() && job != nullptr) {
+    if (std::isinf(p)) {
+      total = all_norm_max(*job, local);
+    } else {
+      const int replicas = std::max(1, job->size() / flat_->group().size());
+      total = all_norm_sum(*job, local / replicas);
+    }
+  }
+  return at::full({}, powered ? std::pow(total, 1.0 / p) : total,
+                  at::TensorOptions().dtype(grad.scalar_type()).device(grad.device()));
+}
+
+void UnitRuntime::write_moved_grad(const at::Tensor& grad,
+                                   const std::function<void(const at::Tensor& part)>& write) {
+  const auto slot = slot_of_moved_grad(grad);
+  TORCH_INTERNAL_ASSERT(slot.has_value(), "fsdp: a moved gradient's write without its slot");
+  check_moved_grads_unstepped("a write");
+  wait_for_grad_users();
+  at::NoGradGuard no_grad;
+  const at::Tensor part = moved_grad_part(*slot);
+  if (!part.defined()) return;
+  if (part.numel() > 0) {
+    write(part);
+  } else {
+    // Nothing of it here; the gradient's version moves as on the ranks that
+    // write their part (Note [Gathered before a step]).
+    part.unsafeGetTensorImpl()->bump_version();
   }
 }
 

@@ -143,6 +143,9 @@ class UnitRuntime final : public ParamUseListener {
   void write_back(c10::ArrayRef<c10::IValue> outputs);
   void moved_grad_detached(const at::Tensor& grad) override;
   void moved_grad_zeroed(const at::Tensor& grad) override;
+  at::Tensor moved_grad_norm(const at::Tensor& grad, double p) override;
+  void write_moved_grad(const at::Tensor& grad,
+                        const std::function<void(const at::Tensor& part)>& write) override;
   bool load_param(const at::Tensor& param, const at::Tensor& value) override;
   c10::optional<at::ScalarType> compute_dtype() const override;
   bool holds_buffer(const at::Tensor& t) const override;
@@ -329,6 +332,12 @@ class UnitRuntime final : public ParamUseListener {
   void show_moved_grads(bool reduced, const std::vector<bool>* received);
   // The slot whose moved gradient `grad` is (or a copy of), if any.
   c10::optional<size_t> slot_of_moved_grad(const at::Tensor& grad) const;
+  // This rank's part of slot i's gradient in what the optimizer steps (1-D,
+  // possibly empty); undefined where that holds no gradient.
+  at::Tensor moved_grad_part(size_t i) const;
+  // Refuses `what` of a moved gradient under steps during backward, whose
+  // gradients were stepped already (as Unit::clip_grad_norm_ refuses).
+  void check_moved_grads_unstepped(const char* what) const;
   // Slot i's part of what the optimizer steps zeroed in place.
   void zero_slot_grad(size_t i);
   // The parts of the slots in `dropped` dropped (a flat shard's part can

@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -144,8 +146,27 @@ struct Case {
   // backward follows, which leaves the root gathered.
   int load_at = -1;
   bool load_gathered = false;
+  // LibTorch's own clipping of module->parameters() between backward and
+  // the step, on the model and the reference alike (Note [LibTorch's
+  // clipping of a unit made in place]); clip_grad_norm_'s returned norms
+  // are compared.
+  enum class Clip { kNone, kNorm, kValue } libtorch_clip = Clip::kNone;
   std::string what;
 };
+
+// What Case::libtorch_clip runs on `m`: the norm clip_grad_norm_ returned.
+double clip_as_libtorch(torch::nn::Module& m, Case::Clip clip) {
+  switch (clip) {
+    case Case::Clip::kNone:
+      return 0;
+    case Case::Clip::kNorm:
+      return torch::nn::utils::clip_grad_norm_(m.parameters(), 0.5);
+    case Case::Clip::kValue:
+      torch::nn::utils::clip_grad_value_(m.parameters(), 0.005);
+      return 0;
+  }
+  return 0;
+}
 
 // What a user loading pretrained weights runs, on every rank: torch::load of
 // a plain model's file (Note [torch::load into a unit made in place]).
@@ -221,6 +242,10 @@ double train_against_reference(const Case& c) {
     }
     clear(*reference);
     lm_loss(reference->forward(tokens), targets).backward();
+    const double want_norm = clip_as_libtorch(*reference, c.libtorch_clip);
+    if (c.libtorch_clip == Case::Clip::kNorm && step == 0) {
+      EXPECT_GT(want_norm, 0.5) << c.what << ": the clip does not bite";
+    }
     ref_opt->step();
     clear(*model);
     const torch::Tensor loss = lm_loss(model->forward(local_block(tokens)), local_block(targets));
@@ -254,6 +279,10 @@ double train_against_reference(const Case& c) {
       case BeforeStep::kReadWeight:
         (void)model->blocks[1]->as<BlockImpl>()->fc1->weight.norm().item<double>();
         break;
+    }
+    const double norm = clip_as_libtorch(*model, c.libtorch_clip);
+    if (c.expect_parity) {
+      EXPECT_NEAR(norm, want_norm, 1e-5 * std::max(1.0, want_norm)) << c.what << " step " << step;
     }
     opt->step();
     if (c.evaluate_between) {
@@ -335,6 +364,82 @@ TEST(FullyShard, ModuleListGptTrainsLikePlainLibTorch) {
       cases.insert(cases.end(), more.begin(), more.end());
     }
     return cases;
+  });
+}
+
+// FSDP2's habit, LibTorch's own clipping of model->parameters(), on a model
+// made by fully_shard (Note [LibTorch's clipping of a unit made in place]):
+// clip_grad_norm_ returns the global norm and clips every rank by it,
+// clip_grad_value_ clamps every part, and training matches plain LibTorch
+// clipped the same way, at 1-3 ranks, flat shards and use_orig_params,
+// under every strategy. Clipping each rank by its own part's norm (what
+// LibTorch's function did on the shards) differs: the control below.
+TEST(FullyShard, LibTorchsOwnClippingOfTheModelsParametersAsPlainLibTorch) {
+  expect_parity(parity_world_sizes(), [] {
+    std::vector<Case> cases;
+    for (bool orig : {false, true}) {
+      for (const auto clip : {Case::Clip::kNorm, Case::Clip::kValue}) {
+        const auto more = cases_for(
+            {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+             ShardingStrategy::kNoShard},
+            [orig, clip](Case& c) {
+              c.use_orig_params = orig;
+              c.libtorch_clip = clip;
+              c.what = std::string(orig ? " use_orig_params" : "") +
+                       (clip == Case::Clip::kNorm ? " clip_grad_norm_" : " clip_grad_value_");
+            });
+        cases.insert(cases.end(), more.begin(), more.end());
+      }
+    }
+    return cases;
+  });
+}
+
+// The norm of one moved gradient is the whole gradient's on every rank (a
+// collective), and differs from this rank's part's: a clip by the part's
+// norm would clip each rank differently. The infinity norm of LibTorch's
+// clip (grad.abs().max()) is refused, naming the root's.
+TEST(FullyShard, AMovedGradientsNormIsTheWholeGradients) {
+  run_ranks_ok(2, [](int, int world) {
+    init(world);
+    torch::manual_seed(0);
+    ListGpt reference(3);
+    torch::manual_seed(0);
+    ListGpt model(3);
+    Unit& root = fully_shard(model, module_type_policy<BlockImpl>());
+    torch::manual_seed(5);
+    const torch::Tensor tokens = torch::randint(0, kVocab, {2 * world, kSeq});
+    lm_loss(reference->forward(tokens), tokens).backward();
+    lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+    const torch::Tensor want = reference->blocks[1]->as<BlockImpl>()->fc1->weight.grad();
+    const torch::Tensor& grad = model->blocks[1]->as<BlockImpl>()->fc1->weight.grad();
+    EXPECT_NEAR(grad.norm().item<double>(), want.norm().item<double>(), 1e-5);
+    EXPECT_NEAR(
+        torch::linalg_vector_norm(grad, 1, c10::nullopt, false, c10::nullopt).item<double>(),
+        want.abs().sum().item<double>(), 1e-4);
+    // The unit's part on this rank against the unit's whole gradient.
+    const double part =
+        unit_of(*model->blocks[1])->flat_param()->shard().grad().norm().item<double>();
+    double whole = 0;
+    for (const auto& p : reference->blocks[1]->parameters()) {
+      whole += p.grad().pow(2).sum().item<double>();
+    }
+    EXPECT_LT(part, std::sqrt(whole) * 0.999) << "a part's norm is the whole's";
+    const std::string inf = error_of([&] {
+      torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0,
+                                        std::numeric_limits<double>::infinity());
+    });
+    EXPECT_CONTAINS(inf, "clip with the root's clip_grad_norm_()");
+    EXPECT_GT(root.clip_grad_norm_(1e9), 0);
+    // Stepped beside backward, the gradients are stepped already: clipping
+    // them is refused, as the root's clip is.
+    optim::FusedAdamW opt(root.flat_parameters(), torch::optim::AdamWOptions(1e-3));
+    opt.step_during_backward(*model);
+    model->zero_grad();
+    lm_loss(model->forward(local_block(tokens)), local_block(tokens)).backward();
+    EXPECT_CONTAINS(error_of([&] { torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0); }),
+                    "clipping after backward comes too late");
+    opt.step();
   });
 }
 

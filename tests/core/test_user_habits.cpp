@@ -541,10 +541,14 @@ TEST(UserHabits, LibTorchClipGradNormSeesOnlyTheLocalShard) {
     EXPECT_NEAR(global, expected, 1e-5 * expected);
     EXPECT_LT(local, global * 0.999) << "a shard's norm is a part of the global norm";
     // Logging each parameter's gradient norm through the module's own
-    // parameters: their gradients moved into the shard, and the error says
-    // where to read them.
+    // parameters (named_parameters()): their gradients moved into the
+    // shard, and a norm of one is the whole gradient's, on every rank (Note
+    // [LibTorch's clipping of a unit made in place]); other reads say where
+    // to read them.
+    EXPECT_NEAR(model->named_parameters()["fc1.weight"].grad().norm().item<double>(),
+                reference->named_parameters()["fc1.weight"].grad().norm().item<double>(), 1e-4);
     const std::string moved =
-        error_of([&] { model->named_parameters()["fc1.weight"].grad().norm(); });
+        error_of([&] { model->named_parameters()["fc1.weight"].grad().sum(); });
     EXPECT_TRUE(contains(moved, "read the gradient of 'fc1.weight'") &&
                 contains(moved, "To log gradients, read those tensors' .grad()"))
         << moved;

@@ -129,10 +129,13 @@ class Unit {
   /// before clipping, the same on every rank. Collective; call on the root
   /// between backward and the optimizer step.
   ///
-  /// Use this, not LibTorch's torch::nn::utils::clip_grad_norm_(
-  /// model->parameters(), ...): that one sees only this rank's shards, so it
-  /// computes a local norm and each rank clips by a different factor (no
-  /// error; parameters drift apart from plain training).
+  /// LibTorch's torch::nn::utils::clip_grad_norm_ works on the original
+  /// parameters (a fully_shard model's parameters(), a wrapper's
+  /// named_parameters().values()): their moved gradients answer for the
+  /// whole gradient (Note [LibTorch's clipping of a unit made in place]).
+  /// Not on the flat shards (a wrapper's parameters(), flat_parameters()):
+  /// there it sees only this rank's part, computes a local norm and each
+  /// rank clips by a different factor (no error; parameters drift apart).
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
 
   /// Clears the gradients of what the optimizer steps for this unit (its flat
