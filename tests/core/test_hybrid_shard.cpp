@@ -178,6 +178,8 @@ TEST(HybridShard, GroupsFollowTheLaunchersNodes) {
 // Every shard once, also where the units mix strategies (a hybrid root over
 // NO_SHARD or FULL_SHARD children, a FULL_SHARD root over hybrid ones):
 // the pieces of a node's group count once per job, not once per replica.
+// The same with LibTorch's own clip_grad_norm_ of the original parameters
+// (Note [LibTorch's clipping of a unit made in place]), one at a time.
 TEST(HybridShard, ClipGradNormCountsEachShardOnce) {
   const Layout layout{2, 2};
   run_ranks_ok(layout.world(), [layout](int rank, int) {
@@ -188,7 +190,9 @@ TEST(HybridShard, ClipGradNormCountsEachShardOnce) {
         {hybrid, FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard)},
         {hybrid, FSDPOptions()},
         {FSDPOptions(), hybrid}};
-    for (size_t c = 0; c < roots_and_children.size(); ++c) {
+    for (size_t i = 0; i < 2 * roots_and_children.size(); ++i) {
+      const size_t c = i % roots_and_children.size();
+      const bool libtorch = i >= roots_and_children.size();
       const auto& [root_options, child_options] = roots_and_children[c];
       torch::manual_seed(0);
       Net reference(false, FSDPOptions());
@@ -204,9 +208,12 @@ TEST(HybridShard, ClipGradNormCountsEachShardOnce) {
         ref_opt.step();
         opt.zero_grad();
         torch::mse_loss(root->forward(local_block(x)), local_block(target)).backward();
-        const double got = root->clip_grad_norm_(0.05);
+        const double got =
+            libtorch ? torch::nn::utils::clip_grad_norm_(root->named_parameters().values(), 0.05)
+                     : root->clip_grad_norm_(0.05);
         opt.step();
-        EXPECT_NEAR(got, want, 1e-6 * want) << "case " << c << ", step " << step;
+        EXPECT_NEAR(got, want, 1e-6 * want)
+            << "case " << c << (libtorch ? " LibTorch's clip" : "") << ", step " << step;
         expect_same_after_step(*root.ptr(), *reference.ptr(), "clipped, case " + std::to_string(c),
                                step);
       }
