@@ -75,21 +75,18 @@ std::string message(const std::string& op, const Entry& e, bool writes) {
   if (e.kind == PlaceholderKind::kGradient) {
     return error_prefix(-1, "parameters") + op + " read the gradient of " + e.what +
            ", but FSDP moved it into the unit's flat gradient shard (this rank's part, "
-           "reduced over the ranks). An optimizer (or clip_grad_norm_, clip_grad_value_) built "
-           "on the unwrapped module's parameters (named_parameters(), or parameters() of a "
-           "model made by fsdp::fully_shard) reads it: build it on the flat shards, the wrapped "
-           "model's parameters() or, for fully_shard, the returned Unit's flat_parameters() "
-           "(fsdp::unit_of(*model)), or per-parameter views with "
-           "FSDPOptions().use_orig_params(true), named by Unit::named_flat_parameters() for "
-           "parameter groups; clip with the root's clip_grad_norm_(). To log gradients, read "
-           "those tensors' .grad() (each rank holds its part; the root's clip_grad_norm_() "
-           "returns the global norm), or the full ones inside fsdp::SummonFullParams(model, "
-           "fsdp::SummonOptions().with_grads(true))." +
-           (e.listener != nullptr
-                ? " torch::nn::utils::clip_grad_norm_ (of a finite order) and clip_grad_value_ "
-                  "of these parameters, and a .grad()'s norm(), do work, on every rank (Note "
-                  "[LibTorch's clipping of a unit made in place]); other reads do not."
-                : "");
+           "reduced over the ranks). An optimizer built on the unwrapped module's parameters "
+           "(named_parameters(), or parameters() of a model made by fsdp::fully_shard) reads "
+           "it: build it on the flat shards, the wrapped model's parameters() or, for "
+           "fully_shard, the returned Unit's flat_parameters() (fsdp::unit_of(*model)), or "
+           "per-parameter views with FSDPOptions().use_orig_params(true), named by "
+           "Unit::named_flat_parameters() for parameter groups. LibTorch's clip_grad_norm_ (of "
+           "a finite order) and clip_grad_value_ of these parameters, and a .grad()'s norm(), "
+           "do work, on every rank alike (Note [LibTorch's clipping of a unit made in place]); "
+           "for the infinity norm, clip with the root's clip_grad_norm_(). To log gradients, "
+           "read those tensors' .grad() (each rank holds its part; the root's "
+           "clip_grad_norm_() returns the global norm), or the full ones inside "
+           "fsdp::SummonFullParams(model, fsdp::SummonOptions().with_grads(true)).";
   }
   if (writes) {
     return error_prefix(-1, "parameters") + op + " wrote to " + e.what +
@@ -524,7 +521,13 @@ bool moved_grad_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack
       torch::jit::Stack call;
       call.reserve(n);
       call.emplace_back(part);
-      call.insert(call.end(), rest.begin(), rest.end());
+      for (const c10::IValue& v : rest) {
+        // A coefficient computed on the compute device (a GPU) for a part
+        // in host memory (CPU offload) goes to the part's device.
+        const bool moves =
+            v.isTensor() && v.toTensor().defined() && v.toTensor().device() != part.device();
+        call.emplace_back(moves ? c10::IValue(v.toTensor().to(part.device())) : v);
+      }
       op.callBoxed(&call);
     });
   }

@@ -162,6 +162,10 @@ at::Tensor UnitRuntime::moved_grad_norm(const at::Tensor& grad, double p) {
   const auto slot = slot_of_moved_grad(grad);
   TORCH_INTERNAL_ASSERT(slot.has_value(), "fsdp: a moved gradient's norm without its slot");
   check_moved_grads_unstepped("the norm");
+  FSDP_CHECK(p >= 0, -1, path_, "the norm of order ", p,
+             " of a moved gradient: expected a "
+             "non-negative order (2, 1, INFINITY); a negative order's norm is no maximum or sum "
+             "over the ranks' parts");
   wait_for_grad_users();
   const bool powered = p != 0 && !std::isinf(p);  // sums of |x|^p, not counts or maxima
   const at::Tensor part = moved_grad_part(*slot);

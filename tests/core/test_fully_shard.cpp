@@ -242,6 +242,13 @@ double train_against_reference(const Case& c) {
     }
     clear(*reference);
     lm_loss(reference->forward(tokens), targets).backward();
+    if (c.libtorch_clip == Case::Clip::kValue && step == 0) {
+      double largest = 0;
+      for (const auto& p : reference->parameters()) {
+        largest = std::max(largest, p.grad().abs().max().item<double>());
+      }
+      EXPECT_GT(largest, 0.005) << c.what << ": the clip does not bite";
+    }
     const double want_norm = clip_as_libtorch(*reference, c.libtorch_clip);
     if (c.libtorch_clip == Case::Clip::kNorm && step == 0) {
       EXPECT_GT(want_norm, 0.5) << c.what << ": the clip does not bite";
@@ -417,7 +424,7 @@ TEST(FullyShard, AMovedGradientsNormIsTheWholeGradients) {
     EXPECT_NEAR(
         torch::linalg_vector_norm(grad, 1, c10::nullopt, false, c10::nullopt).item<double>(),
         want.abs().sum().item<double>(), 1e-4);
-    // The unit's part on this rank against the unit's whole gradient.
+    // The premise: the unit's part on this rank is not its whole gradient.
     const double part =
         unit_of(*model->blocks[1])->flat_param()->shard().grad().norm().item<double>();
     double whole = 0;
@@ -430,6 +437,7 @@ TEST(FullyShard, AMovedGradientsNormIsTheWholeGradients) {
                                         std::numeric_limits<double>::infinity());
     });
     EXPECT_CONTAINS(inf, "clip with the root's clip_grad_norm_()");
+    EXPECT_CONTAINS(error_of([&] { (void)grad.norm(-1.0); }), "expected a non-negative order");
     EXPECT_GT(root.clip_grad_norm_(1e9), 0);
     // Stepped beside backward, the gradients are stepped already: clipping
     // them is refused, as the root's clip is.
