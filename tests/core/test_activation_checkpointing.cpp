@@ -145,8 +145,27 @@ torch::Tensor rank_loss(const std::function<torch::Tensor(torch::Tensor)>& forwa
   return torch::mse_loss(forward(x), target);
 }
 
-void train_and_compare(Layout layout, const FSDPOptions& opts, int steps) {
+// Step `step` of the reference on every rank's loss (their mean) and of the
+// model on this rank's, compared after.
+void step_and_compare(Chain& reference, torch::optim::Optimizer& ref_opt,
+                      FullyShardedDataParallel<ChainImpl>& model, torch::optim::Optimizer& opt,
+                      int step, const std::string& what) {
   const auto [rank, world] = rank_and_world();
+  ref_opt.zero_grad();
+  torch::Tensor total = torch::zeros({});
+  for (int r = 0; r < world; ++r) {
+    total = total + rank_loss([&](torch::Tensor x) { return reference->forward(x); }, step, r);
+  }
+  (total / world).backward();
+  ref_opt.step();
+  opt.zero_grad();
+  rank_loss([&](torch::Tensor x) { return model->forward(x); }, step, rank).backward();
+  opt.step();
+  expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+}
+
+void train_and_compare(Layout layout, const FSDPOptions& opts, int steps) {
+  const int world = rank_and_world().second;
   const std::string what = std::string(to_string(layout)) + " " +
                            fsdp::to_string(opts.sharding_strategy()) + " world " +
                            std::to_string(world);
@@ -155,17 +174,7 @@ void train_and_compare(Layout layout, const FSDPOptions& opts, int steps) {
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
   for (int step = 0; step < steps; ++step) {
-    ref_opt.zero_grad();
-    torch::Tensor total = torch::zeros({});
-    for (int r = 0; r < world; ++r) {
-      total = total + rank_loss([&](torch::Tensor x) { return reference->forward(x); }, step, r);
-    }
-    (total / world).backward();
-    ref_opt.step();
-    opt.zero_grad();
-    rank_loss([&](torch::Tensor x) { return model->forward(x); }, step, rank).backward();
-    opt.step();
-    expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+    step_and_compare(reference, ref_opt, model, opt, step, what);
   }
 }
 
@@ -537,7 +546,7 @@ TEST(ActivationCheckpoint, NestedMatchesInsideAUnitTrainAsPlainLibTorch) {
     return m.as<ChainImpl>() != nullptr || m.as<nn::LinearImpl>() != nullptr;
   };
   for (const int world : {1, 2, 3}) {
-    run_ranks_ok(world, [&](int rank, int) {
+    run_ranks_ok(world, [&](int, int) {
       torch::set_num_threads(1);
       init_process_group(ProcessGroupOptions().timeout(std::chrono::seconds(30)));
       for (const auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
@@ -552,18 +561,7 @@ TEST(ActivationCheckpoint, NestedMatchesInsideAUnitTrainAsPlainLibTorch) {
         torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2));
         torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2));
         for (int step = 0; step < 3; ++step) {
-          ref_opt.zero_grad();
-          torch::Tensor total = torch::zeros({});
-          for (int r = 0; r < world; ++r) {
-            total =
-                total + rank_loss([&](torch::Tensor x) { return reference->forward(x); }, step, r);
-          }
-          (total / world).backward();
-          ref_opt.step();
-          opt.zero_grad();
-          rank_loss([&](torch::Tensor x) { return model->forward(x); }, step, rank).backward();
-          opt.step();
-          expect_same_after_step(*model.ptr(), *reference.ptr(), what, step);
+          step_and_compare(reference, ref_opt, model, opt, step, what);
         }
       }
     });
