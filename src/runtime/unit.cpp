@@ -298,37 +298,7 @@ namespace {
 using detail::all_norm_max;
 using detail::all_norm_sum;
 using detail::norm_max;
-
-// A norm's terms as float64 scalars on their gradients' devices, read on the
-// host once per device: one synchronisation per clip, not one per gradient
-// (use_orig_params has one per parameter), and no float64 copy of a
-// gradient (torch's clip_grad_norm_ stacks per-gradient norms too).
-class NormTerms {
- public:
-  explicit NormTerms(double p) : p_(p), inf_(std::isinf(p)) {}
-  /// Adds ||g||_p^p (||g||_inf for the infinity norm), times `weight`.
-  void add(const at::Tensor& g, double weight = 1.0) {
-    at::Tensor t = at::linalg_vector_norm(g, p_, c10::nullopt, /*keepdim=*/false, at::kDouble);
-    if (!inf_) t = t.pow(p_);
-    if (weight != 1.0) t = t * weight;
-    by_device_[t.device()].push_back(std::move(t));
-  }
-  /// Their sum (their maximum, NaN if any is, for the infinity norm).
-  double value() const {
-    double out = 0;
-    for (const auto& [device, terms] : by_device_) {
-      const at::Tensor all = at::stack(terms);
-      const double v = (inf_ ? all.max() : all.sum()).item<double>();
-      out = inf_ ? norm_max(out, v) : out + v;
-    }
-    return out;
-  }
-
- private:
-  double p_;
-  bool inf_;
-  std::unordered_map<c10::Device, std::vector<at::Tensor>> by_device_;
-};
+using detail::NormTerms;
 
 }  // namespace
 
@@ -372,7 +342,7 @@ double Unit::clip_grad_norm_(double max_norm, double norm_type) {
       continue;
     }
     any_sharded = true;
-    const int replicas = job != nullptr ? std::max(1, job->size() / flat->group().size()) : 1;
+    const int replicas = detail::replicas_of(job, flat->group());
     for (const at::Tensor& p : unit->runtime_->optim_params()) {
       add(p, sharded_terms, inf ? 1.0 : 1.0 / replicas);
     }

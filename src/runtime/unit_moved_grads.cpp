@@ -167,24 +167,17 @@ at::Tensor UnitRuntime::moved_grad_norm(const at::Tensor& grad, double p) {
              "non-negative order (2, 1, INFINITY); a negative order's norm is no maximum or sum "
              "over the ranks' parts");
   wait_for_grad_users();
-  const bool powered = p != 0 && !std::isinf(p);  // sums of |x|^p, not counts or maxima
-  const at::Tensor part = moved_grad_part(*slot);
-  double local = 0;
-  if (part.defined() && part.numel() > 0) {
-    at::Tensor t = at::linalg_vector_norm(part, p, c10::nullopt, /*keepdim=*/false, at::kDouble);
-    local = (powered ? t.pow(p) : t).item<double>();
-  }
+  // Unit::clip_grad_norm_'s reckoning, for one parameter.
   ProcessGroup* job = options_.process_group().get();
-  double total = local;
-  if (!flat_->keeps_unsharded() && job != nullptr) {
-    if (std::isinf(p)) {
-      total = all_norm_max(*job, local);
-    } else {
-      const int replicas = std::max(1, job->size() / flat_->group().size());
-      total = all_norm_sum(*job, local / replicas);
-    }
+  const bool sharded = !flat_->keeps_unsharded() && job != nullptr;
+  NormTerms terms(p);
+  const at::Tensor part = moved_grad_part(*slot);
+  if (part.defined() && part.numel() > 0) {
+    terms.add(part, std::isinf(p) || !sharded ? 1.0 : 1.0 / replicas_of(job, flat_->group()));
   }
-  return at::full({}, powered ? std::pow(total, 1.0 / p) : total,
+  double total = terms.value();
+  if (sharded) total = std::isinf(p) ? all_norm_max(*job, total) : all_norm_sum(*job, total);
+  return at::full({}, terms.root(total),
                   at::TensorOptions().dtype(grad.scalar_type()).device(grad.device()));
 }
 
@@ -194,16 +187,7 @@ void UnitRuntime::write_moved_grad(const at::Tensor& grad,
   TORCH_INTERNAL_ASSERT(slot.has_value(), "fsdp: a moved gradient's write without its slot");
   check_moved_grads_unstepped("a write");
   wait_for_grad_users();
-  at::NoGradGuard no_grad;
-  const at::Tensor part = moved_grad_part(*slot);
-  if (!part.defined()) return;
-  if (part.numel() > 0) {
-    write(part);
-  } else {
-    // Nothing of it here; the gradient's version moves as on the ranks that
-    // write their part (Note [Gathered before a step]).
-    part.unsafeGetTensorImpl()->bump_version();
-  }
+  write_slot_grad(*slot, write);
 }
 
 void UnitRuntime::zero_slot_grad(size_t i) {
@@ -215,20 +199,20 @@ void UnitRuntime::zero_slot_grad(size_t i) {
     if (i < slot_filled_.size()) slot_filled_[i] = false;
     forget_within_node_slot(i);  // Note [Accumulating within the node]
   }
-  if (options_.use_orig_params()) {
-    const at::Tensor& g = optim_params_[i].grad();
-    if (g.defined()) at::Tensor(g).zero_();
-    return;
-  }
-  const at::Tensor& g = optim_params_[0].grad();
-  if (!g.defined()) return;
-  const FlatParameter::ShardPart part = flat_->shard_part(i);
-  if (part.numel > 0) {
-    g.reshape({-1}).narrow(0, part.in_shard, part.numel).zero_();
+  write_slot_grad(i, [](const at::Tensor& part) { at::Tensor(part).zero_(); });
+}
+
+void UnitRuntime::write_slot_grad(size_t i,
+                                  const std::function<void(const at::Tensor& part)>& write) {
+  at::NoGradGuard no_grad;
+  const at::Tensor part = moved_grad_part(i);
+  if (!part.defined()) return;
+  if (part.numel() > 0) {
+    write(part);
   } else {
     // Nothing of it here; the gradient's version moves as on the ranks that
-    // zero their part (Note [Gathered before a step]).
-    g.unsafeGetTensorImpl()->bump_version();
+    // write their part (Note [Gathered before a step]).
+    part.unsafeGetTensorImpl()->bump_version();
   }
 }
 

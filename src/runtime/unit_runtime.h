@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -335,6 +336,9 @@ class UnitRuntime final : public ParamUseListener {
   // This rank's part of slot i's gradient in what the optimizer steps (1-D,
   // possibly empty); undefined where that holds no gradient.
   at::Tensor moved_grad_part(size_t i) const;
+  // Runs `write` on that part, or, where this rank holds none of it, moves
+  // the gradient's version as the writes on the other ranks do.
+  void write_slot_grad(size_t i, const std::function<void(const at::Tensor& part)>& write);
   // Refuses `what` of a moved gradient under steps during backward, whose
   // gradients were stepped already (as Unit::clip_grad_norm_ refuses).
   void check_moved_grads_unstepped(const char* what) const;

@@ -298,12 +298,9 @@ class Planner {
     survey(root, "");
     visit(root, "", Slot{});
     std::vector<detail::PlannedUnit> units;
-    for (const Planned& p : planned_) {
-      detail::check_unit_options(p.options, options_, p.path, rank_, "auto_wrap");
-      units.push_back({p.module, p.path, p.options.use_orig_params()});
-    }
-    detail::check_planned_units(*root, units, ignored_params_, ignored_params_,
-                                options_.use_orig_params(), rank_, "auto_wrap");
+    for (const Planned& p : planned_) units.push_back({p.module, p.path, &p.options});
+    detail::check_planned_units(*root, units, ignored_params_, ignored_params_, options_, rank_,
+                                "auto_wrap");
     warn_full_precision();
     return std::move(planned_);
   }

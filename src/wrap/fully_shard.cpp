@@ -130,12 +130,9 @@ class InPlacePlanner {
       if (unit_of(*m) != nullptr) detail::own_params(*m, managed);
     }
     std::vector<detail::PlannedUnit> units;
-    for (const Planned& p : planned_) {
-      detail::check_unit_options(p.options, options_, p.path, -1, "fully_shard");
-      units.push_back({p.module, p.path, p.options.use_orig_params()});
-    }
-    detail::check_planned_units(root, units, std::move(managed), ignored_params_,
-                                options_.use_orig_params(), -1, "fully_shard");
+    for (const Planned& p : planned_) units.push_back({p.module, p.path, &p.options});
+    detail::check_planned_units(root, units, std::move(managed), ignored_params_, options_, -1,
+                                "fully_shard");
   }
 
   void make_units() {

@@ -109,17 +109,7 @@ void check_uniform(const torch::nn::Module& m, const std::string& path, ParamSet
   check_uniform_requires_grad(params, path, use_orig_params, rank, /*warn=*/false);
 }
 
-}  // namespace
-
-void check_planned_units(const torch::nn::Module& root, const std::vector<PlannedUnit>& planned,
-                         ParamSet managed, const ParamSet& ignored, bool use_orig_params, int rank,
-                         const char* api) {
-  check_no_parameter_in_two_units(root, planned, ignored, rank, api);
-  for (const PlannedUnit& u : planned)
-    check_uniform(*u.module, u.path, managed, u.use_orig_params, rank);
-  check_uniform(root, "", managed, use_orig_params, rank);
-}
-
+// See check_planned_units: the options a CustomPolicy gave the unit at `path`.
 void check_unit_options(const FSDPOptions& unit, const FSDPOptions& call, const std::string& path,
                         int rank, const char* api) {
   const auto same_modules = unit.ignored_modules() == call.ignored_modules();
@@ -134,6 +124,18 @@ void check_unit_options(const FSDPOptions& unit, const FSDPOptions& call, const 
              "parameters. Set them on the options given to ",
              api, ", not in a CustomPolicy");
   check_param_init_fn(unit, path);
+}
+
+}  // namespace
+
+void check_planned_units(const torch::nn::Module& root, const std::vector<PlannedUnit>& planned,
+                         ParamSet managed, const ParamSet& ignored, const FSDPOptions& call,
+                         int rank, const char* api) {
+  for (const PlannedUnit& u : planned) check_unit_options(*u.options, call, u.path, rank, api);
+  check_no_parameter_in_two_units(root, planned, ignored, rank, api);
+  for (const PlannedUnit& u : planned)
+    check_uniform(*u.module, u.path, managed, u.options->use_orig_params(), rank);
+  check_uniform(root, "", managed, call.use_orig_params(), rank);
 }
 
 void warn_full_precision_units(int rank, const char* api, const std::vector<std::string>& found) {

@@ -46,20 +46,12 @@ const ModuleClass* class_of(const torch::nn::Module& m, const std::vector<Module
 bool holds_class(const torch::nn::Module& m, const std::vector<ModuleClass>& classes);
 
 /// A unit a policy walk plans: its module, its path from the root, and its
-/// options' use_orig_params (a CustomPolicy's may differ from the call's).
+/// options (a CustomPolicy's may differ from the call's).
 struct PlannedUnit {
   const torch::nn::Module* module;
   std::string path;
-  bool use_orig_params;
+  const FSDPOptions* options;
 };
-
-/// What a policy walk checks of the options a CustomPolicy gave the unit at
-/// `path` before any unit is made, as the unit would when made: a callable
-/// param_init_fn, and the call's own ignored_modules and ignored_params
-/// (every unit and the root leave out the same ones). `api` names the
-/// caller in the errors.
-void check_unit_options(const FSDPOptions& unit, const FSDPOptions& call, const std::string& path,
-                        int rank, const char* api);
 
 /// The checks the planned units, then the root, would make of their
 /// parameters, made before any unit is so that a refusal changes nothing:
@@ -71,11 +63,15 @@ void check_unit_options(const FSDPOptions& unit, const FSDPOptions& call, const 
 /// unit as it is made). `planned`: in post-order (a unit manages what the
 /// units before it do not); `managed`: parameters managed already (ignored
 /// ones, units made before); `ignored`: FSDPOptions::ignored_modules';
-/// `use_orig_params`: the root's. `api` names the caller in the errors, as
-/// the walk's errors do.
+/// `call`: the options the caller was given, the root's. Before those, each
+/// planned unit's options (a CustomPolicy's) get the checks the unit would
+/// make when made: a callable param_init_fn, and the call's own
+/// ignored_modules and ignored_params (every unit and the root leave out
+/// the same ones). `api` names the caller in the errors, as the walk's
+/// errors do.
 void check_planned_units(const torch::nn::Module& root, const std::vector<PlannedUnit>& planned,
-                         ParamSet managed, const ParamSet& ignored, bool use_orig_params, int rank,
-                         const char* api);
+                         ParamSet managed, const ParamSet& ignored, const FSDPOptions& call,
+                         int rank, const char* api);
 
 /// The warning of a policy walk that made units of `found` ("Class at path")
 /// with mixed precision off; `api` names the caller, as the walk's errors do.
